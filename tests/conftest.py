@@ -1,0 +1,56 @@
+"""Shared test fixtures.
+
+Every test that starts processes must leave none behind. Children inherit a per-session marker in
+their environment, so the leak check also finds orphans that were re-parented to init (torchelastic
+workers live in their own process groups and survive their agent).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+
+import psutil
+import pytest
+
+MARKER = "FTLAUNCH_TEST_SESSION"
+os.environ.setdefault(MARKER, uuid.uuid4().hex)
+_SESSION = os.environ[MARKER]
+
+
+def marked_processes() -> list[psutil.Process]:
+    """Processes (other than this one and its ancestors) carrying this session's marker."""
+    me = os.getpid()
+    ancestors = {p.pid for p in psutil.Process(me).parents()}
+    found = []
+    for proc in psutil.process_iter(["pid"]):
+        if proc.pid == me or proc.pid in ancestors:
+            continue
+        try:
+            if proc.environ().get(MARKER) == _SESSION and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_processes(request: pytest.FixtureRequest):
+    """Fail a test that leaves processes behind (after a short grace period), then clean up."""
+    yield
+    deadline = time.monotonic() + 10.0
+    left = marked_processes()
+    while left and time.monotonic() < deadline:
+        time.sleep(0.1)
+        left = marked_processes()
+    if left:
+        desc = [f"{p.pid}:{' '.join(p.cmdline()[:6])}" for p in left if p.is_running()]
+        for p in left:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(left, timeout=5)
+        if desc:
+            pytest.fail(f"test left processes behind: {desc}")
