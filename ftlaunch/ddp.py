@@ -1,0 +1,93 @@
+"""Fault-tolerant DistributedDataParallel: torch's DDP with the gradient allreduce routed through
+the Manager, so the replica-group dimension can change size every step.
+
+Torch's DDP gives us bucketing and overlap of communication with backward for free; we hand it a
+size-1 placeholder group (nothing to sync at construction) and a comm hook that calls
+`Manager.allreduce`. The hook never raises: a failed allreduce is reported to the Manager and the
+step is simply not committed — a survivor does not crash because a peer died.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn import parallel
+
+from ftlaunch.manager import Manager
+
+
+class _Done(dist.Work):
+    def __init__(self, result: Any) -> None:
+        super().__init__()
+        self._result = result
+
+    def wait(self, timeout: Any = None) -> bool:
+        return True
+
+    def get_future(self) -> torch.futures.Future[Any]:
+        fut: torch.futures.Future[Any] = torch.futures.Future()
+        fut.set_result(self._result)
+        return fut
+
+
+class _SoloGroup(dist.ProcessGroup):
+    """World-size-1 placeholder: DDP's construction-time checks pass without any communication."""
+
+    def __init__(self) -> None:
+        super().__init__(0, 1)
+
+    def allgather(self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> dist.Work:
+        for outs, inp in zip(output_tensors, input_tensors, strict=True):
+            outs[0].copy_(inp)
+        return _Done(output_tensors)
+
+    def broadcast(self, tensors: Any, opts: Any = None) -> dist.Work:
+        return _Done(tensors)
+
+    def allreduce(self, tensors: Any, opts: Any = None) -> dist.Work:
+        return _Done(tensors)
+
+    def barrier(self, opts: Any = None) -> dist.Work:
+        return _Done(None)
+
+    def size(self) -> int:
+        return 1
+
+    def getBackendName(self) -> str:
+        return "ftlaunch-solo"
+
+
+class _HookState:
+    def __init__(self, manager: Manager, intra_group: dist.ProcessGroup | None) -> None:
+        self.manager = manager
+        self.intra_group = intra_group
+
+
+def _comm_hook(state: _HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    buf = bucket.buffer()
+    if state.intra_group is not None:
+        # Inside the group every worker holds a full replica: average there first (plain torch PG;
+        # if it fails the group's agent restarts the group), then across groups.
+        # (SUM then divide: gloo has no AVG.)
+        try:
+            dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=state.intra_group)
+            buf.div_(dist.get_world_size(state.intra_group))
+        except Exception as e:  # noqa: BLE001
+            state.manager.report_error(e)
+    return state.manager.allreduce(buf)
+
+
+class DistributedDataParallel(parallel.DistributedDataParallel):
+    """``DistributedDataParallel(manager, module)``: DDP across replica groups through the Manager."""
+
+    def __init__(
+        self, manager: Manager, module: nn.Module, intra_group: dist.ProcessGroup | None = None, **kwargs: Any
+    ) -> None:
+        """``intra_group``: the replica group's own process group when each of its workers holds a
+        full replica (plain DDP inside the group); gradients are averaged there, then across groups."""
+        kwargs.setdefault("broadcast_buffers", False)
+        super().__init__(module, process_group=_SoloGroup(), **kwargs)
+        self.register_comm_hook(_HookState(manager, intra_group), _comm_hook)
