@@ -1,0 +1,147 @@
+"""Manager end to end: real replica-group processes, a real lighthouse, real SIGKILLs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from ftlaunch.lighthouse.server import LighthouseServer
+from tests.mp_harness import WORKER, Group
+
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.fixture
+def groups() -> Iterator[list[Group]]:
+    made: list[Group] = []
+    yield made
+    for g in made:
+        g.close()
+
+
+def lighthouse(min_replicas: int) -> LighthouseServer:
+    return LighthouseServer("127.0.0.1:0", min_replicas=min_replicas, join_timeout=5.0,
+                            heartbeat_timeout=5.0, quorum_tick=0.05).start()
+
+
+def committed_checksums(g: Group, rank: int = 0) -> dict[int, str]:
+    """step reached -> weights checksum, for committed steps."""
+    return {r["after"]: r["checksum"] for r in g.steps(rank) if r["committed"]}
+
+
+def assert_identical_every_step(gs: list[Group], ranks: int = 1) -> None:
+    maps = [committed_checksums(g, r) for g in gs for r in range(ranks)]
+    common = set.intersection(*(set(m) for m in maps))
+    assert len(common) >= 3, f"too few common committed steps: {sorted(common)}"
+    for step in sorted(common):
+        assert len({m[step] for m in maps}) == 1, f"weights differ after step {step}"
+
+
+@pytest.mark.parametrize("nworkers", [1, 2])
+def test_healthy_groups_have_identical_weights_every_step(tmp_path: Path, groups: list[Group], nworkers: int) -> None:
+    with lighthouse(min_replicas=2) as lh:
+        gs = [Group(i, nworkers, lh.address, tmp_path, ["--steps", "8"]) for i in range(2)]
+        groups.extend(gs)
+        for g in gs:
+            g.start()
+        for g in gs:
+            assert g.wait(150) == [0] * nworkers, g.log_tail()
+    assert_identical_every_step(gs, nworkers)
+    finals = {g.final(r)["checksum"] for g in gs for r in range(nworkers)}  # type: ignore[index]
+    assert len(finals) == 1
+    for g in gs:
+        assert all(r["committed"] for r in g.steps()), g.records()
+        assert g.steps()[-1]["participants"] == 2
+
+
+def test_sigkilled_group_survivors_continue_and_restarted_group_heals(tmp_path: Path, groups: list[Group]) -> None:
+    with lighthouse(min_replicas=1) as lh:
+        gs = [Group(i, 1, lh.address, tmp_path, ["--steps", "70", "--step-sleep", "0.1"]) for i in range(3)]
+        groups.extend(gs)
+        for g in gs:
+            g.start()
+        gs[2].wait_for_step(5, 90)
+        t_kill = gs[2].kill()
+        gs[2].restart()
+        for g in gs:
+            assert g.wait(180) == [0], g.log_tail()
+    # Survivors kept committing after the kill (no restart, no crash).
+    for g in gs[:2]:
+        after = [r for r in g.steps() if r["t"] > t_kill]
+        assert sum(r["committed"] for r in after) >= 10
+        assert len({r["pid"] for r in g.steps()}) == 1
+    # The restarted group healed (it did not start over at step 0) and ends bit-identical.
+    restarted = [r for r in gs[2].steps() if r["t"] > t_kill]
+    assert restarted and restarted[0]["step"] > 0, restarted[:3]
+    finals = {g.final()["checksum"] for g in gs}  # type: ignore[index]
+    assert len(finals) == 1, [g.final() for g in gs]
+    assert_identical_every_step(gs)
+
+
+def test_sigkilled_two_worker_group_heals_over_pg_transport(tmp_path: Path, groups: list[Group]) -> None:
+    with lighthouse(min_replicas=1) as lh:
+        args = ["--steps", "50", "--step-sleep", "0.1", "--transport", "pg"]
+        gs = [Group(i, 2, lh.address, tmp_path, args) for i in range(2)]
+        groups.extend(gs)
+        for g in gs:
+            g.start()
+        gs[1].wait_for_step(4, 120)
+        t_kill = gs[1].kill()
+        gs[1].restart()
+        for g in gs:
+            assert g.wait(200) == [0, 0], g.log_tail()
+    assert sum(r["committed"] for r in gs[0].steps() if r["t"] > t_kill) >= 5
+    finals = {g.final(r)["checksum"] for g in gs for r in range(2)}  # type: ignore[index]
+    assert len(finals) == 1
+
+
+def test_error_on_one_group_is_committed_nowhere(tmp_path: Path, groups: list[Group]) -> None:
+    with lighthouse(min_replicas=2) as lh:
+        gs = [Group(i, 1, lh.address, tmp_path, ["--steps", "6"]) for i in range(2)]
+        groups.extend(gs)
+        gs[0].start()
+        gs[1].start(["--error-at-step", "3"])
+        for g in gs:
+            assert g.wait(150) == [0], g.log_tail()
+    for g in gs:
+        at3 = [r for r in g.steps() if r["step"] == 3]
+        assert at3[0]["committed"] is False, at3
+        assert at3[-1]["committed"] is True
+    assert gs[0].final()["checksum"] == gs[1].final()["checksum"]  # type: ignore[index]
+
+
+def test_max_retries_exceeded_is_a_clear_error(tmp_path: Path, groups: list[Group]) -> None:
+    with lighthouse(min_replicas=1) as lh:
+        g = Group(0, 1, lh.address, tmp_path, ["--steps", "5", "--always-error", "--max-retries", "2"])
+        groups.append(g)
+        g.start()
+        assert g.wait(120) != [0]
+    exc = [r for r in g.records() if "exception" in r]
+    assert exc and exc[0]["exception"] == "FtlaunchError" and "max_retries=2" in exc[0]["message"]
+    assert len(g.steps()) == 2  # two failed tries recorded; the third raised inside step()
+    assert not any(r["committed"] for r in g.steps())
+
+
+def test_unreachable_lighthouse_is_a_clear_error_not_a_hang(tmp_path: Path) -> None:
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()  # nothing listens there now
+    out = tmp_path / "w.jsonl"
+    env = dict(os.environ, REPLICA_GROUP_ID="0", FTLAUNCH_LIGHTHOUSE=f"http://127.0.0.1:{port}")
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, str(WORKER), "--out", str(out), "--connect-timeout", "2"],
+                          env=env, capture_output=True, timeout=90)
+    assert proc.returncode != 0
+    recs = [json.loads(x) for x in out.read_text().splitlines()]
+    assert recs[-1]["exception"] == "LighthouseUnavailableError", recs
+    assert time.monotonic() - t0 < 60

@@ -1,0 +1,81 @@
+"""The per-step plan is a pure function of the quorum: every group must derive a consistent view."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from ftlaunch.lighthouse.quorum import Quorum, QuorumMember
+from ftlaunch.plan import plan_step
+
+
+def quorum(steps: dict[str, int], qid: int = 7) -> Quorum:
+    members = tuple(
+        QuorumMember(replica_id=rid, store_address=f"h{rid}:1", step=s) for rid, s in sorted(steps.items())
+    )
+    return Quorum(quorum_id=qid, participants=members, created=0.0)
+
+
+def test_all_up_to_date_nobody_heals() -> None:
+    q = quorum({"rg0": 5, "rg1": 5, "rg2": 5})
+    plans = [plan_step(q, r) for r in ("rg0", "rg1", "rg2")]
+    assert [p.replica_rank for p in plans] == [0, 1, 2]
+    assert all(p.replica_world_size == 3 and p.num_sources == 3 and not p.heal for p in plans)
+    assert all(p.recover_dst_ranks == () for p in plans)
+    assert {p.store_address for p in plans} == {"hrg0:1"}
+
+
+def test_behind_group_heals_from_a_source() -> None:
+    q = quorum({"rg0": 5, "rg1": 2, "rg2": 5})
+    p1 = plan_step(q, "rg1")
+    assert p1.heal and p1.recover_src_rank == 0 and p1.recover_src_id == "rg0"
+    assert p1.source_rank is None and p1.max_step == 5 and p1.num_sources == 2
+    assert plan_step(q, "rg0").recover_dst_ranks == (1,)
+    assert plan_step(q, "rg2").recover_dst_ranks == ()
+    assert plan_step(q, "rg2").source_rank == 1
+
+
+def test_init_sync_at_step_zero_everyone_copies_the_primary() -> None:
+    q = quorum({"rg0": 0, "rg1": 0, "rg2": 0})
+    assert not plan_step(q, "rg0").heal
+    assert plan_step(q, "rg0").recover_dst_ranks == (1, 2)
+    assert plan_step(q, "rg1").recover_src_rank == 0
+    assert plan_step(q, "rg1").num_sources == 1
+
+
+def test_without_init_sync_step_zero_needs_no_heal() -> None:
+    q = quorum({"rg0": 0, "rg1": 0})
+    assert not plan_step(q, "rg1", init_sync=False).heal
+
+
+def test_round_robin_spreads_healers_over_sources() -> None:
+    q = quorum({"a": 9, "b": 9, "c": 1, "d": 0, "e": 3})
+    srcs = [plan_step(q, r).recover_src_id for r in ("c", "d", "e")]
+    assert srcs == ["a", "b", "a"]
+    assert plan_step(q, "a").recover_dst_ranks == (2, 4)
+    assert plan_step(q, "b").recover_dst_ranks == (3,)
+
+
+def test_unknown_replica_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="not in quorum"):
+        plan_step(quorum({"rg0": 1}), "rg9")
+
+
+@given(st.dictionaries(st.sampled_from([f"rg{i}" for i in range(8)]), st.integers(0, 5), min_size=1),
+       st.booleans())
+def test_plans_are_mutually_consistent(steps: dict[str, int], init_sync: bool) -> None:
+    q = quorum(steps)
+    plans = {r: plan_step(q, r, init_sync=init_sync) for r in steps}
+    ranks = sorted(p.replica_rank for p in plans.values())
+    assert ranks == list(range(len(steps)))
+    # Every healer is named as a destination by exactly its source, and sources never heal.
+    for rid, p in plans.items():
+        if p.heal:
+            src = plans[p.recover_src_id]  # type: ignore[index]
+            assert not src.heal and p.replica_rank in src.recover_dst_ranks
+        else:
+            assert p.source_rank is not None
+    n_sources = sum(1 for p in plans.values() if not p.heal)
+    assert all(p.num_sources == n_sources >= 1 for p in plans.values())
+    assert len({p.store_address for p in plans.values()}) == 1

@@ -1,0 +1,128 @@
+"""A replica-group worker for Manager tests: trains a tiny model and records every step as JSON.
+
+Environment: REPLICA_GROUP_ID, FTLAUNCH_LIGHTHOUSE, and for multi-worker groups RANK, WORLD_SIZE,
+MASTER_ADDR, MASTER_PORT, TORCHELASTIC_USE_AGENT_STORE=True (the test hosts the group's store, as
+torchelastic's agent would).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import os
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ftlaunch.ddp import DistributedDataParallel
+from ftlaunch.manager import Manager
+from ftlaunch.optim import Optimizer
+
+
+def checksum(model: nn.Module, opt: torch.optim.Optimizer) -> str:
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().numpy().tobytes())
+    for st in opt.state.values():
+        for v in st.values():
+            if isinstance(v, torch.Tensor):
+                h.update(v.numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--step-sleep", type=float, default=0.0)
+    ap.add_argument("--error-at-step", type=int, default=-1, help="report an error on this step (once)")
+    ap.add_argument("--always-error", action="store_true")
+    ap.add_argument("--max-retries", type=int, default=None)
+    ap.add_argument("--backend", default="gloo")
+    ap.add_argument("--transport", default="http")
+    ap.add_argument("--timeout", type=float, default=20.0)
+    ap.add_argument("--quorum-timeout", type=float, default=30.0)
+    ap.add_argument("--connect-timeout", type=float, default=10.0)
+    ap.add_argument("--max-seconds", type=float, default=120.0)
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+
+    group = int(os.environ["REPLICA_GROUP_ID"])
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    intra = None
+    if world > 1:
+        dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout))
+        intra = dist.group.WORLD
+    rank = int(os.environ.get("RANK", "0"))
+
+    from ftlaunch.process_group import ProcessGroupBabyGloo, ProcessGroupGloo
+
+    if args.backend == "baby-gloo":
+        pg = ProcessGroupBabyGloo(timeout=timedelta(seconds=args.timeout))
+    else:
+        pg = ProcessGroupGloo(timeout=timedelta(seconds=args.timeout))
+    torch.manual_seed(100 + group)  # groups start with different weights: init_sync must fix that
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    inner = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+    transport = None
+    if args.transport == "pg":
+        from ftlaunch.checkpointing import PGTransport
+
+        transport = PGTransport(pg, timeout=timedelta(seconds=args.timeout), device=torch.device("cpu"))
+    manager = Manager(
+        pg=pg,
+        load_state_dict=lambda sd: (model.load_state_dict(sd["model"]), inner.load_state_dict(sd["optim"])),
+        state_dict=lambda: {"model": model.state_dict(), "optim": inner.state_dict()},
+        timeout=timedelta(seconds=args.timeout),
+        quorum_timeout=timedelta(seconds=args.quorum_timeout),
+        connect_timeout=timedelta(seconds=args.connect_timeout),
+        max_retries=args.max_retries,
+        checkpoint_transport=transport,
+    )
+    ddp = DistributedDataParallel(manager, model, intra_group=intra)
+    opt = Optimizer(manager, inner)
+    deadline = time.monotonic() + args.max_seconds
+    out = open(args.out, "a", buffering=1)
+    errored_once = False
+    try:
+        while manager.current_step() < args.steps and time.monotonic() < deadline:
+            opt.zero_grad()
+            step = manager.current_step()
+            g = torch.Generator().manual_seed(step * 7919 + group * 31 + rank)
+            x = torch.randn(4, 8, generator=g)
+            loss = ddp(x).pow(2).mean()
+            loss.backward()
+            if args.always_error or (step == args.error_at_step and not errored_once):
+                errored_once = True
+                manager.report_error(RuntimeError(f"injected failure at step {step}"))
+            t = time.time()
+            committed = opt.step()
+            out.write(json.dumps({
+                "t": t, "step": step, "committed": committed, "after": manager.current_step(),
+                "participants": manager.num_participants(), "checksum": checksum(model, inner),
+                "pid": os.getpid(), "rank": rank,
+            }) + "\n")
+            if args.step_sleep:
+                time.sleep(args.step_sleep)
+        out.write(json.dumps({"final": True, "step": manager.current_step(),
+                              "checksum": checksum(model, inner), "rank": rank}) + "\n")
+    except Exception as e:  # reported to the test as a line, then re-raised for the exit code
+        out.write(json.dumps({"exception": type(e).__name__, "message": str(e)}) + "\n")
+        raise
+    finally:
+        manager.shutdown()
+        if intra is not None:
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
