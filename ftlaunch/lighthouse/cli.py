@@ -1,0 +1,103 @@
+"""``ftlaunch-lighthouse``: run a standalone lighthouse until SIGINT/SIGTERM.
+
+Prints one line ``ftlaunch-lighthouse listening on http://HOST:PORT`` (flushed) once it accepts
+connections, so scripts can start it with port 0 and read the address.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import os
+import signal
+import sys
+import threading
+from typing import NoReturn
+
+from ftlaunch import env
+from ftlaunch.errors import ConfigurationError
+
+PROG = "ftlaunch-lighthouse"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        # One line, not usage + error: the launcher logs it verbatim.
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog=PROG, description="ftlaunch quorum server (lighthouse). Protocol: docs/lighthouse.md.")
+    p.add_argument("--bind", default="127.0.0.1:0", help="HOST:PORT to listen on; port 0 picks a free port (default %(default)s)")
+    p.add_argument("--min-replicas", type=_positive_int, default=1, help="smallest quorum (default %(default)s)")
+    p.add_argument("--join-timeout", type=_seconds, default=60.0, help="seconds to wait for stragglers (default %(default)s)")
+    p.add_argument("--quorum-tick", type=_seconds, default=0.1, help="timer period in seconds for time-based rules (default %(default)s)")
+    p.add_argument("--heartbeat-timeout", type=_seconds, default=5.0, help="seconds of silence before a group is out (default %(default)s)")
+    p.add_argument(
+        "--token",
+        default=os.environ.get(env.FTLAUNCH_TOKEN) or None,
+        help=f"job token required by the admin endpoints (default: ${env.FTLAUNCH_TOKEN}; none disables them)",
+    )
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], type=str.upper)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from ftlaunch.lighthouse.server import LighthouseServer
+
+    try:
+        server = LighthouseServer(
+            args.bind,
+            min_replicas=args.min_replicas,
+            join_timeout=args.join_timeout,
+            quorum_tick=args.quorum_tick,
+            heartbeat_timeout=args.heartbeat_timeout,
+            token=args.token,
+        )
+    except ConfigurationError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)
+        return 1
+
+    stop = threading.Event()
+
+    def _on_signal(signum: int, _frame: object) -> None:
+        logging.getLogger(__name__).info("lighthouse: %s received, shutting down", signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGINT, _on_signal)
+    signal.signal(signal.SIGTERM, _on_signal)
+    server.start()
+    print(f"{PROG} listening on {server.address}", flush=True)
+    try:
+        while not stop.wait(1.0):
+            pass
+    finally:
+        server.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,370 @@
+"""Client of the lighthouse protocol.
+
+Each thread reuses its own keep-alive connection (http.client connections are not thread-safe),
+so a step's quorum request costs one round trip, not a TCP handshake. Connection failures are
+retried with exponential backoff for at most ``connect_timeout`` seconds, then surface as
+`LighthouseUnavailableError`; every socket operation has a timeout, so a lost or hung lighthouse
+never hangs the caller.
+
+`start_heartbeat` runs a daemon thread with a dedicated persistent connection carrying the
+replica header: the server ties the group's liveness to it, so a killed process is noticed the
+moment the kernel closes that socket. Only that connection carries the header: per-thread
+connections come and go with their threads, which says nothing about the process.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import logging
+import socket
+import threading
+import time
+import weakref
+from typing import Any
+
+from ftlaunch.errors import EvictedError, LighthouseError, LighthouseUnavailableError, QuorumTimeoutError
+from ftlaunch.lighthouse.protocol import API_VERSION, PATH_PREFIX, REPLICA_HEADER, format_url, parse_host_port
+from ftlaunch.lighthouse.quorum import Quorum, QuorumMember
+
+log = logging.getLogger(__name__)
+
+#: Extra time a long poll waits for the server's own answer (200 or 408) before calling it lost.
+LONG_POLL_GRACE = 5.0
+_BACKOFF_START = 0.02
+_BACKOFF_MAX = 1.0
+
+
+class _Channel:
+    """One persistent HTTP connection with retry-on-connection-error. Used by one thread at a time."""
+
+    def __init__(self, host: str, port: int, connect_timeout: float, token: str | None) -> None:
+        self._host, self._port = host, port
+        self._connect_timeout = connect_timeout
+        self._token = token
+        self._http: http.client.HTTPConnection | None = None
+        self._lock = threading.Lock()  # guards _http against a concurrent abort()
+
+    def close(self) -> None:
+        with self._lock:
+            conn, self._http = self._http, None
+        if conn is not None:
+            conn.close()
+
+    def abort(self) -> None:
+        """Unblock a request in flight from another thread (shutdown, not close: no fd reuse race)."""
+        with self._lock:
+            sock = self._http.sock if self._http is not None else None
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def call(
+        self,
+        method: str,
+        path: str,
+        payload: dict | None,
+        *,
+        bind_replica: str | None = None,
+        read_timeout: float,
+        admin: bool = False,
+        stop: threading.Event | None = None,
+    ) -> tuple[int, dict]:
+        body = json.dumps(payload).encode() if payload is not None else None
+        headers = {"Content-Type": "application/json"} if body is not None else {}
+        if bind_replica is not None:
+            headers[REPLICA_HEADER] = bind_replica
+        if admin and self._token:
+            headers["Authorization"] = f"Bearer {self._token}"
+        url = format_url(self._host, self._port)
+        deadline: float | None = None  # set at the first failure: retries get connect_timeout from there
+        backoff = _BACKOFF_START
+        last_error: BaseException | None = None
+        stale_retry_used = False
+        while True:
+            if stop is not None and stop.is_set():
+                raise LighthouseUnavailableError(f"request to lighthouse {url} abandoned: stopping")
+            conn, reused = self._http, self._http is not None
+            attempt_start = time.monotonic()
+            try:
+                if conn is None:
+                    remaining = self._connect_timeout if deadline is None else max(0.001, deadline - time.monotonic())
+                    conn = http.client.HTTPConnection(self._host, self._port, timeout=remaining)
+                    conn.connect()  # sets TCP_NODELAY
+                    with self._lock:
+                        self._http = conn
+            except OSError as e:  # refused, unreachable, connect timeout
+                last_error = e
+                conn = None
+                if deadline is None:
+                    deadline = attempt_start + self._connect_timeout
+            if conn is not None:
+                try:
+                    if conn.sock is not None:
+                        conn.sock.settimeout(read_timeout)
+                    conn.request(method, path, body=body, headers=headers)
+                    resp = conn.getresponse()
+                    data = resp.read()
+                    if resp.will_close:
+                        self.close()
+                    return resp.status, _decode(resp.status, data, url)
+                except TimeoutError:
+                    self.close()
+                    raise LighthouseUnavailableError(
+                        f"lighthouse {url} did not answer {method} {path} within {read_timeout:g}s"
+                    ) from None
+                except (OSError, http.client.HTTPException) as e:
+                    self.close()
+                    last_error = e
+                    if reused and not stale_retry_used:
+                        # The server may have closed an idle keep-alive connection: retry at once.
+                        stale_retry_used = True
+                        continue
+            if deadline is None:
+                deadline = time.monotonic() + self._connect_timeout
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise LighthouseUnavailableError(
+                    f"lighthouse {url} unreachable for {self._connect_timeout:g}s ({method} {path}): {last_error}"
+                ) from None
+            pause = min(backoff, remaining)
+            if stop is not None:
+                stop.wait(pause)
+            else:
+                time.sleep(pause)
+            backoff = min(backoff * 2, _BACKOFF_MAX)
+
+
+def _decode(status: int, data: bytes, url: str) -> dict:
+    try:
+        obj = json.loads(data) if data else {}
+    except ValueError:
+        raise LighthouseError(f"lighthouse {url} answered HTTP {status} with a non-JSON body: {data[:200]!r}") from None
+    if not isinstance(obj, dict):
+        raise LighthouseError(f"lighthouse {url} answered HTTP {status} with JSON that is not an object")
+    version = obj.get("version")
+    if version != API_VERSION:
+        raise LighthouseError(f"lighthouse {url} speaks protocol version {version!r}, this client {API_VERSION}")
+    return obj
+
+
+def _raise_for(status: int, payload: dict, what: str) -> None:
+    if status == 200:
+        return
+    message = f"{what}: HTTP {status}: {payload.get('error', 'no error message')}"
+    if status == 410:
+        raise EvictedError(message)
+    if status == 408:
+        raise QuorumTimeoutError(message)
+    if status == 503:
+        raise LighthouseUnavailableError(message)
+    raise LighthouseError(message)
+
+
+class HeartbeatHandle:
+    """A running heartbeat thread; `stop()` ends it and closes its connection."""
+
+    def __init__(self, client: LighthouseClient, replica_id: str, interval: float) -> None:
+        self.replica_id = replica_id
+        self.interval = interval
+        self._client = client
+        self._channel = client._new_channel()
+        self._stop = threading.Event()
+        self._keep_connection = False  # set by LighthouseClient.leave: close only after the leave
+        self._thread = threading.Thread(target=self._run, name=f"ftlaunch-heartbeat-{replica_id}", daemon=True)
+        self._thread.start()
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
+    def _run(self) -> None:
+        failing = False
+        try:
+            while not self._stop.is_set():
+                try:
+                    self._client._heartbeat(self._channel, self.replica_id, bind=True, stop=self._stop)
+                    if failing:
+                        log.info("lighthouse client: heartbeat of %s reaches the lighthouse again", self.replica_id)
+                    failing = False
+                except EvictedError as e:
+                    log.warning("lighthouse client: %s; heartbeat stopped", e)
+                    self._client._note_evicted(self.replica_id, told=False)
+                    return
+                except LighthouseError as e:
+                    if self._stop.is_set():
+                        return
+                    if not failing:  # log once per outage, not once per beat
+                        log.warning("lighthouse client: heartbeat of %s failed: %s (retrying)", self.replica_id, e)
+                    failing = True
+                self._stop.wait(self.interval)
+        finally:
+            if not self._keep_connection:
+                self._channel.close()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop beating. Without a prior `leave` the lighthouse counts the group as gone."""
+        self._stop.set()
+        if threading.current_thread() is not self._thread:
+            self._channel.abort()
+            self._thread.join(timeout)
+
+
+class LighthouseClient:
+    """Thread-safe client; see docs/lighthouse.md for the protocol."""
+
+    def __init__(self, addr: str, *, connect_timeout: float = 10.0, token: str | None = None) -> None:
+        if connect_timeout <= 0:
+            raise ValueError(f"connect_timeout must be > 0, got {connect_timeout}")
+        self._host, self._port = parse_host_port(addr)
+        self.address = format_url(self._host, self._port)
+        self._connect_timeout = float(connect_timeout)
+        self._token = token or None
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._channels: weakref.WeakSet[_Channel] = weakref.WeakSet()
+        self._heartbeats: list[HeartbeatHandle] = []
+        self._evicted: set[str] = set()
+
+    def __repr__(self) -> str:
+        return f"LighthouseClient({self.address!r})"
+
+    def __enter__(self) -> LighthouseClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- connections
+
+    def _new_channel(self) -> _Channel:
+        channel = _Channel(self._host, self._port, self._connect_timeout, self._token)
+        with self._lock:
+            self._channels.add(channel)
+        return channel
+
+    def _channel(self) -> _Channel:
+        channel = getattr(self._local, "channel", None)
+        if channel is None:
+            channel = self._local.channel = self._new_channel()
+        return channel
+
+    def _call(self, path: str, payload: dict | None, what: str, **kwargs: Any) -> dict:
+        method = "GET" if payload is None else "POST"
+        kwargs.setdefault("read_timeout", self._connect_timeout)
+        status, obj = self._channel().call(method, PATH_PREFIX + path, payload, **kwargs)
+        _raise_for(status, obj, what)
+        return obj
+
+    # -- eviction bookkeeping: the server says 410 once; whoever hears it tells the others
+
+    def _note_evicted(self, replica_id: str, *, told: bool) -> None:
+        with self._lock:
+            if not told:
+                self._evicted.add(replica_id)  # the next quorum() raises EvictedError
+            beats = [h for h in self._heartbeats if h.replica_id == replica_id]
+        for h in beats:
+            h._stop.set()  # they exit on their own and close their connections
+
+    def _check_evicted(self, replica_id: str) -> None:
+        with self._lock:
+            if replica_id in self._evicted:
+                self._evicted.discard(replica_id)
+                raise EvictedError(f"replica {replica_id} was evicted by the lighthouse (noticed by its heartbeat)")
+
+    # -- API
+
+    def quorum(self, member: QuorumMember, timeout: float) -> Quorum:
+        """Block until a quorum containing ``member`` forms (long poll) and return it."""
+        if timeout <= 0:
+            raise ValueError(f"timeout must be > 0, got {timeout}")
+        self._check_evicted(member.replica_id)
+        try:
+            obj = self._call(
+                "/quorum",
+                {"member": member.to_json(), "timeout": timeout},
+                f"quorum request of {member.replica_id}",
+                read_timeout=timeout + min(self._connect_timeout, LONG_POLL_GRACE),
+            )
+        except EvictedError:
+            self._note_evicted(member.replica_id, told=True)
+            raise
+        try:
+            return Quorum.from_json(obj.get("quorum"))
+        except (TypeError, ValueError) as e:
+            raise LighthouseError(f"lighthouse sent a malformed quorum: {e}") from None
+
+    def _heartbeat(
+        self, channel: _Channel, replica_id: str, *, bind: bool = False, stop: threading.Event | None = None
+    ) -> None:
+        status, obj = channel.call(
+            "POST", PATH_PREFIX + "/heartbeat", {"replica_id": replica_id},
+            bind_replica=replica_id if bind else None, read_timeout=self._connect_timeout, stop=stop,
+        )
+        _raise_for(status, obj, f"heartbeat of {replica_id}")
+
+    def heartbeat(self, replica_id: str) -> None:
+        try:
+            self._heartbeat(self._channel(), replica_id)
+        except EvictedError:
+            self._note_evicted(replica_id, told=True)
+            raise
+
+    def leave(self, replica_id: str) -> None:
+        """Graceful exit: the lighthouse stops counting this group (no failure is recorded).
+
+        Also stops this client's heartbeats for the group, closing their connections only after
+        the leave went through (closing first would look like the process died).
+        """
+        with self._lock:
+            beats = [h for h in self._heartbeats if h.replica_id == replica_id]
+            self._heartbeats = [h for h in self._heartbeats if h.replica_id != replica_id]
+        for h in beats:
+            h._keep_connection = True
+            h._stop.set()
+        for h in beats:
+            h._thread.join(self._connect_timeout)
+        try:
+            self._call("/leave", {"replica_id": replica_id}, f"leave of {replica_id}")
+        finally:
+            for h in beats:
+                h._channel.close()
+
+    def status(self) -> dict:
+        return self._call("/status", None, "status")
+
+    def report_failure(self, replica_id: str, reason: str = "") -> None:
+        self._call(
+            "/admin/report_failure", {"replica_id": replica_id, "reason": reason},
+            f"report_failure of {replica_id}", admin=True,
+        )
+
+    def evict(self, replica_id: str, reason: str = "") -> None:
+        self._call("/admin/evict", {"replica_id": replica_id, "reason": reason}, f"evict of {replica_id}", admin=True)
+
+    def start_heartbeat(self, replica_id: str, interval: float) -> HeartbeatHandle:
+        """Beat every ``interval`` seconds from a daemon thread with its own persistent connection."""
+        if interval <= 0:
+            raise ValueError(f"interval must be > 0, got {interval}")
+        handle = HeartbeatHandle(self, replica_id, interval)
+        with self._lock:
+            self._heartbeats = [h for h in self._heartbeats if h.running] + [handle]
+        return handle
+
+    def close(self) -> None:
+        """Stop heartbeats and close every connection (call with no request in flight)."""
+        with self._lock:
+            beats, self._heartbeats = self._heartbeats, []
+            channels = list(self._channels)
+        for h in beats:
+            h.stop()
+        for c in channels:
+            c.close()
