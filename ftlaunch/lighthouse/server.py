@@ -548,13 +548,14 @@ class LighthouseServer:
         conn.closed = True
         self._conns.discard(conn)
         self._reading.pop(conn, None)
+        if conn.pending is not None:  # parked long poll of a dead peer: withdraw it, answer nobody
+            pending = conn.pending
+            pending.resolve(error=(0, "connection closed by peer"))
+            self._drop_request(pending.member.replica_id, pending)
         rid = conn.replica_id
         if rid is None:
             return
         self._unbind(conn)
-        if conn.pending is not None:  # parked long poll of a dead peer: answer nobody
-            conn.pending.resolve(error=(0, "connection closed by peer"))
-            self._drop_request(rid, conn.pending)
         if not peer_eof or self._stopping:
             return
         # All sockets of a dead process close together, but a parked long poll is not being read:

@@ -1,0 +1,127 @@
+"""`ftlaunch-lighthouse` / `python -m ftlaunch.lighthouse` as real subprocesses."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from ftlaunch.lighthouse import LighthouseClient, QuorumMember
+
+pytestmark = pytest.mark.timeout(60)
+
+MODULE_CMD = [sys.executable, "-m", "ftlaunch.lighthouse"]
+
+
+def _read_line(proc: subprocess.Popen, timeout: float = 30.0) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([proc.stdout], [], [], 0.1)
+        if ready:
+            return proc.stdout.readline()
+        if proc.poll() is not None:
+            break
+    return ""
+
+
+def _start(cmd: list[str], *args: str, env: dict | None = None) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen(
+        [*cmd, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env or dict(os.environ)
+    )
+    line = _read_line(proc)
+    if not line.startswith("ftlaunch-lighthouse listening on http://"):
+        proc.kill()
+        _, err = proc.communicate(timeout=10)
+        raise AssertionError(f"unexpected first line {line!r}; stderr: {err[-2000:]}")
+    return proc, line.split(" on ", 1)[1].strip()
+
+
+def _get(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        return json.loads(resp.read())
+
+
+def _stop(proc: subprocess.Popen, sig: int) -> int:
+    proc.send_signal(sig)
+    try:
+        return proc.wait(timeout=15)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_module_starts_serves_and_stops_cleanly(sig):
+    proc, addr = _start(
+        MODULE_CMD, "--min-replicas", "2", "--join-timeout", "1.5", "--quorum-tick", "0.05",
+        "--heartbeat-timeout", "2.5", "--log-level", "warning",
+    )
+    try:
+        assert addr.startswith("http://127.0.0.1:") and not addr.endswith(":0")
+        status = _get(addr + "/v1/status")
+        assert status["version"] == 1
+        assert status["options"] == {
+            "min_replicas": 2, "join_timeout": 1.5, "heartbeat_timeout": 2.5, "quorum_tick": 0.05, "admin": False,
+        }
+    finally:
+        code = _stop(proc, sig)
+    assert code == 0
+
+
+def test_console_script_with_token_from_environment():
+    exe = shutil.which("ftlaunch-lighthouse")
+    assert exe, "console script not installed (pip install -e .)"
+    env = {**os.environ, "FTLAUNCH_TOKEN": "envtoken"}
+    proc, addr = _start([exe], env=env)
+    try:
+        client = LighthouseClient(addr, token="envtoken")
+        client.quorum(QuorumMember("a"), timeout=10)
+        client.report_failure("a", "from the test")
+        assert _get(addr + "/status")["groups"][0]["health"] == "failed"
+        client.close()
+    finally:
+        code = _stop(proc, signal.SIGTERM)
+    assert code == 0
+
+
+@pytest.mark.parametrize(
+    "args,code,fragment",
+    [
+        (["--min-replicas", "0"], 2, "--min-replicas"),
+        (["--join-timeout", "soon"], 2, "--join-timeout"),
+        (["--heartbeat-timeout", "-1"], 2, "--heartbeat-timeout"),
+        (["--bogus"], 2, "unrecognized arguments"),
+        (["--log-level", "LOUD"], 2, "--log-level"),
+        (["--quorum-tick", "0"], 1, "quorum_tick"),
+        (["--heartbeat-timeout", "0"], 1, "heartbeat_timeout"),
+        (["--bind", "127.0.0.1:99999"], 1, "bind"),
+        (["--bind", "no.such.host.invalid:0"], 1, "cannot bind"),
+    ],
+)
+def test_bad_flags_give_one_line_error(args, code, fragment):
+    proc = subprocess.run([*MODULE_CMD, *args], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == code, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("ftlaunch-lighthouse: error:") and fragment in lines[0]
+    assert proc.stdout == ""
+
+
+def test_port_in_use_is_a_clean_error():
+    proc, addr = _start(MODULE_CMD)
+    try:
+        port = addr.rsplit(":", 1)[1]
+        second = subprocess.run([*MODULE_CMD, "--bind", f"127.0.0.1:{port}"], capture_output=True, text=True, timeout=60)
+        assert second.returncode == 1 and "cannot bind" in second.stderr
+        assert len(second.stderr.strip().splitlines()) == 1
+    finally:
+        assert _stop(proc, signal.SIGTERM) == 0
