@@ -25,3 +25,145 @@ __all__ = [
     "LighthouseUnavailableError",
     "QuorumTimeoutError",
 ]
+
+
+# --- torchx components (launcher owner) ---
+# torchx resolves `torchx run ftlaunch:hsdp` to a function *defined* in this file (it lints this
+# source), so the documented signatures live here; the bodies are in ftlaunch.launcher.torchx_components.
+from typing import TYPE_CHECKING  # noqa: E402
+
+if TYPE_CHECKING:  # torchx is optional: never imported at runtime here
+    from torchx.specs import AppDef
+
+
+def hsdp(
+    *script_args: str,
+    script: str | None = None,
+    m: str | None = None,
+    replicas: int = 2,
+    workers_per_replica: int = 1,
+    nnodes_per_replica: int = 1,
+    image: str | None = None,
+    name: str = "ftlaunch",
+    cpu: int = 2,
+    gpu: int = 0,
+    memMB: int = 2048,  # noqa: N803 - torchx's spelling
+    h: str | None = None,
+    max_restarts: int = 3,
+    min_replicas: int = 1,
+    join_timeout: float = 60.0,
+    heartbeat_timeout: float = 5.0,
+    lighthouse: str = "",
+    job_dir: str = "",
+    env: dict[str, str] | None = None,
+    max_retries: int = 0,
+    mounts: list[str] | None = None,
+    tee: int = 3,
+) -> AppDef:
+    """Fault-tolerant HSDP/DDP training: a lighthouse role plus one torchrun role per replica group.
+
+    Usage: torchx run -s local_cwd ftlaunch:hsdp --replicas 2 --workers_per_replica 2 --script train.py
+
+    Each replica group is its own ``torchrun --rdzv-backend ftlaunch`` (``nnodes_per_replica`` nodes of
+    ``workers_per_replica`` workers), restarted by torchelastic on failure without stopping the others.
+    No port is fixed: the lighthouse role publishes its address in ``job_dir``, which every role must
+    share (automatic on local schedulers); or pass ``lighthouse`` to use a lighthouse you run.
+
+    Args:
+        script_args: arguments of the training script or module
+        script: training script to run in every worker
+        m: python module to run instead of a script (python -m)
+        replicas: number of replica groups
+        workers_per_replica: workers per node of a replica group (torchrun --nproc-per-node)
+        nnodes_per_replica: nodes per replica group (multi-node groups meet in a file store in job_dir)
+        image: image (e.g. docker) or, for local_cwd, the working directory
+        name: job name
+        cpu: cpus per replica-group node
+        gpu: gpus per replica-group node
+        memMB: memory in MB per replica-group node
+        h: a registered named resource (takes precedence over cpu, gpu, memMB)
+        max_restarts: torchelastic restarts of a group's workers before the group fails
+        min_replicas: smallest quorum of replica groups
+        join_timeout: seconds the lighthouse waits for stragglers before forming a quorum
+        heartbeat_timeout: seconds after which a silent group leaves the quorum
+        lighthouse: HOST:PORT of an existing lighthouse (then no lighthouse role is started)
+        job_dir: directory shared by all roles (default /tmp/ftlaunch-torchx/<app_id>)
+        env: environment variables for every role (e.g. K1=v1,K2=v2)
+        max_retries: scheduler retries of a role
+        mounts: mounts for container schedulers (type=bind,src=...,dst=...)
+        tee: tee worker streams to console and file (0 none, 1 stdout, 2 stderr, 3 both)
+    """
+    from ftlaunch.launcher.torchx_components import hsdp_app
+
+    return hsdp_app(
+        *script_args, script=script, m=m, replicas=replicas, workers_per_replica=workers_per_replica,
+        nnodes_per_replica=nnodes_per_replica, image=image, name=name, cpu=cpu, gpu=gpu, memMB=memMB, h=h,
+        max_restarts=max_restarts, min_replicas=min_replicas, join_timeout=join_timeout,
+        heartbeat_timeout=heartbeat_timeout, lighthouse=lighthouse, job_dir=job_dir, env=env,
+        max_retries=max_retries, mounts=mounts, tee=tee,
+    )
+
+
+def ddp(
+    *script_args: str,
+    script: str | None = None,
+    m: str | None = None,
+    replicas: int = 2,
+    workers_per_replica: int = 1,
+    image: str | None = None,
+    name: str = "ftlaunch",
+    cpu: int = 2,
+    gpu: int = 0,
+    memMB: int = 2048,  # noqa: N803 - torchx's spelling
+    h: str | None = None,
+    max_restarts: int = 3,
+    min_replicas: int = 1,
+    lighthouse: str = "",
+    job_dir: str = "",
+    env: dict[str, str] | None = None,
+    max_retries: int = 0,
+    tee: int = 3,
+) -> AppDef:
+    """Fault-tolerant DDP training: ``hsdp`` with single-node replica groups.
+
+    Usage: torchx run -s local_cwd ftlaunch:ddp --replicas 2 --script train.py
+
+    Args:
+        script_args: arguments of the training script or module
+        script: training script to run in every worker
+        m: python module to run instead of a script (python -m)
+        replicas: number of replica groups
+        workers_per_replica: workers per replica group (torchrun --nproc-per-node)
+        image: image (e.g. docker) or, for local_cwd, the working directory
+        name: job name
+        cpu: cpus per replica group
+        gpu: gpus per replica group
+        memMB: memory in MB per replica group
+        h: a registered named resource (takes precedence over cpu, gpu, memMB)
+        max_restarts: torchelastic restarts of a group's workers before the group fails
+        min_replicas: smallest quorum of replica groups
+        lighthouse: HOST:PORT of an existing lighthouse (then no lighthouse role is started)
+        job_dir: directory shared by all roles (default /tmp/ftlaunch-torchx/<app_id>)
+        env: environment variables for every role (e.g. K1=v1,K2=v2)
+        max_retries: scheduler retries of a role
+        tee: tee worker streams to console and file (0 none, 1 stdout, 2 stderr, 3 both)
+    """
+    from ftlaunch.launcher.torchx_components import hsdp_app
+
+    return hsdp_app(
+        *script_args, script=script, m=m, replicas=replicas, workers_per_replica=workers_per_replica,
+        image=image, name=name, cpu=cpu, gpu=gpu, memMB=memMB, h=h, max_restarts=max_restarts,
+        min_replicas=min_replicas, lighthouse=lighthouse, job_dir=job_dir, env=env,
+        max_retries=max_retries, tee=tee,
+    )
+
+
+def _torchx_signatures() -> None:
+    from ftlaunch.launcher.torchx_components import with_runtime_annotations
+
+    with_runtime_annotations(hsdp)
+    with_runtime_annotations(ddp)
+
+
+_torchx_signatures()
+# --- end torchx components ---

@@ -1,0 +1,310 @@
+"""One replica group's torchelastic agent, run as its own process by the supervisor.
+
+``python -m ftlaunch.launcher.agent CONFIG.json`` runs ``LocalElasticAgent`` through torchelastic's
+public launcher API (`elastic_launch`) with the ``ftlaunch`` rendezvous backend, so the group restarts
+its own workers (up to ``max_restarts``) exactly as under ``torchrun``. Besides, it
+
+* watches its workers and writes one JSON line per event to the supervisor's event pipe: the worker
+  pids of each (re)start, and a worker's death with its exit status -- read with
+  ``waitid(WNOWAIT)``, which leaves the child for torchelastic to reap, so the supervisor can tell
+  the lighthouse within milliseconds instead of after torchelastic's monitor tick;
+* writes a result file (success, or the root cause from torchelastic's error files) before exiting;
+* dies with the supervisor (``PR_SET_PDEATHSIG``), taking its workers down through torchelastic's
+  own signal handling.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import psutil
+
+from ftlaunch import env
+from ftlaunch.launcher.procs import die_with_parent
+
+logger = logging.getLogger("ftlaunch.launcher.agent")
+
+#: Lines the agent prints that are not worker output start with this (the supervisor strips it).
+WORKER_PREFIX_TEMPLATE = "[rg{group}/r${{rank}}] "
+
+
+@dataclass
+class AgentConfig:
+    """Everything one agent needs; written to a JSON file by the supervisor."""
+
+    group: int
+    num_groups: int
+    lighthouse: str
+    run_id: str
+    entrypoint: str
+    args: list[str]
+    nproc_per_node: int = 1
+    max_restarts: int = 3
+    monitor_interval: float = 0.1
+    role: str = "default"
+    start_method: str = "spawn"
+    log_dir: str | None = None
+    redirects: str = "0"
+    tee: str = "3"
+    local_ranks_filter: str = ""
+    run_path: bool = False
+    rdzv_conf: dict[str, str] = field(default_factory=dict)
+    shutdown_timeout: int | None = None
+    event_fd: int | None = None
+    result_file: str | None = None
+    supervisor_pid: int | None = None
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> AgentConfig:
+        return cls(**json.loads(text))
+
+
+class EventWriter:
+    """JSON lines to the supervisor; a line under PIPE_BUF bytes is written atomically."""
+
+    def __init__(self, fd: int | None) -> None:
+        self._fd = fd
+        self._lock = threading.Lock()
+
+    def emit(self, kind: str, **data: Any) -> None:
+        if self._fd is None:
+            return
+        line = (json.dumps({"event": kind, **data}) + "\n").encode()
+        with self._lock:
+            try:
+                os.write(self._fd, line)
+            except OSError:
+                self._fd = None  # supervisor gone; PDEATHSIG takes care of us
+
+
+class WorkerWatcher(threading.Thread):
+    """Finds this agent's workers (polling) and reports each generation and each worker's exit.
+
+    Every worker gets a thread blocked in ``waitid(WEXITED | WNOWAIT)``: the kernel wakes it the
+    moment the worker dies, it reads the exit status without reaping (torchelastic still reaps and
+    restarts as usual), and the supervisor hears of the death long before torchelastic's next
+    monitor tick. If torchelastic happens to reap first the status is unknown and reported as such.
+    """
+
+    def __init__(self, events: EventWriter, interval: float = 0.02) -> None:
+        super().__init__(name="ftlaunch-worker-watcher", daemon=True)
+        self._events = events
+        self._interval = interval
+        self._stop_event = threading.Event()
+        self._me = psutil.Process()
+        self._workers: set[int] = set()
+        self._ignored: set[int] = set()
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self.join(timeout=2)
+
+    def run(self) -> None:
+        while not self._stop_event.wait(self._interval):
+            try:
+                self._tick()
+            except Exception:  # noqa: BLE001 - the watcher must never take the agent down
+                logger.debug("worker watcher tick failed", exc_info=True)
+
+    def _tick(self) -> None:
+        new: dict[int, dict[str, Any]] = {}
+        for child in self._me.children():
+            if child.pid in self._workers or child.pid in self._ignored:
+                continue
+            try:
+                child_env = child.environ()
+            except psutil.Error:
+                continue
+            if "TORCHELASTIC_RUN_ID" not in child_env or env.RANK not in child_env:
+                # Not exec'd yet (still shows our environment) or not a worker: look again later,
+                # but stop looking at a child that is still not a worker after a while.
+                try:
+                    if time.time() - child.create_time() > 2.0:
+                        self._ignored.add(child.pid)
+                except psutil.Error:
+                    pass
+                continue
+            new[child.pid] = {
+                "rank": int(child_env.get(env.RANK, "-1")),
+                "local_rank": int(child_env.get(env.LOCAL_RANK, "-1")),
+                "restart": int(child_env.get(env.TORCHELASTIC_RESTART_COUNT, "0")),
+            }
+        if not new:
+            return
+        self._workers.update(new)
+        self._events.emit(
+            "workers",
+            restart=max(i["restart"] for i in new.values()),
+            pids={str(i["rank"]): pid for pid, i in new.items()},
+        )
+        for pid, info in new.items():
+            threading.Thread(
+                target=self._wait_for, args=(pid, info), daemon=True, name=f"ftlaunch-wait-{pid}"
+            ).start()
+
+    def _wait_for(self, pid: int, info: dict[str, Any]) -> None:
+        data: dict[str, Any] = {"pid": pid, **info}
+        try:
+            res = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+        except ChildProcessError:
+            res = None
+        if res is None:
+            data["failed"] = None  # reaped by torchelastic before we looked: status unknown
+        elif res.si_code == os.CLD_EXITED:
+            data["exitcode"] = res.si_status
+            data["failed"] = res.si_status != 0
+        else:
+            data["signal"] = signal.Signals(res.si_status).name
+            data["failed"] = True
+        self._events.emit("worker_exit", **data)
+
+
+def _std(value: str) -> Any:
+    from torch.distributed.elastic.multiprocessing import Std
+
+    return Std.from_str(value)
+
+
+def _last_attempt_log(log_dir: str | None, local_rank: int, name: str) -> str:
+    """``<log_dir>/<run>/attempt_<n>/<local_rank>/<name>`` of the latest attempt ("" if none)."""
+    if not log_dir:
+        return ""
+    best, best_attempt = "", -1
+    for pattern_dir in glob.glob(os.path.join(log_dir, "*", "attempt_*", str(local_rank), name)):
+        attempt_text = pattern_dir.split("attempt_")[-1].split(os.sep)[0]
+        if attempt_text.isdigit() and int(attempt_text) > best_attempt:
+            best, best_attempt = pattern_dir, int(attempt_text)
+    return best
+
+
+def _describe_failure(rank: int, failure: Any, log_dir: str | None) -> dict[str, Any]:
+    """The root cause of a worker group failure, from torchelastic's `ProcessFailure`."""
+    data: dict[str, Any] = {"rank": rank, "pid": failure.pid, "exitcode": failure.exitcode}
+    if failure.exitcode < 0:
+        data["signal"] = failure.signal_name()
+    message = failure.message
+    if isinstance(message, dict):
+        message = message.get("message", "")
+    default = "To enable traceback see"
+    data["message"] = "" if not message or str(message).startswith(default) else str(message)
+    data["error_file"] = failure.error_file if os.path.isfile(str(failure.error_file)) else ""
+    # The worker's stderr (teed or redirected to the log dir) usually names the exception.
+    data["stderr_tail"] = _tail(_last_attempt_log(log_dir, failure.local_rank, "stderr.log"))
+    return data
+
+
+def _tail(path: str, lines: int = 5) -> list[str]:
+    try:
+        with open(path, errors="replace") as f:
+            content = [line.rstrip() for line in f.readlines()[-200:] if line.strip()]
+    except OSError:
+        return []
+    return content[-lines:]
+
+
+def run_agent(cfg: AgentConfig) -> int:
+    """Run the group to completion; returns the agent's exit code (0 = workers succeeded)."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from ftlaunch import rendezvous
+
+    rendezvous.register()
+    os.environ[env.REPLICA_GROUP_ID] = str(cfg.group)
+    os.environ[env.NUM_REPLICA_GROUPS] = str(cfg.num_groups)
+    os.environ[env.FTLAUNCH_LIGHTHOUSE] = cfg.lighthouse
+    if "OMP_NUM_THREADS" not in os.environ and cfg.nproc_per_node > 1:
+        os.environ["OMP_NUM_THREADS"] = "1"  # as torchrun does
+
+    events = EventWriter(cfg.event_fd)
+    watcher = WorkerWatcher(events)
+    watcher.start()
+
+    ranks = {int(r) for r in cfg.local_ranks_filter.split(",") if r.strip()} or None
+    logs_specs = DefaultLogsSpecs(
+        log_dir=cfg.log_dir, redirects=_std(cfg.redirects), tee=_std(cfg.tee), local_ranks_filter=ranks
+    )
+    rdzv_conf = {
+        "replica_group_id": str(cfg.group),
+        "num_replica_groups": str(cfg.num_groups),
+        # The supervisor owns the lighthouse; an agent must never start a second one.
+        "start_lighthouse": "false",
+        **cfg.rdzv_conf,
+    }
+    launch_config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=cfg.nproc_per_node,
+        logs_specs=logs_specs,
+        run_id=cfg.run_id,
+        role=cfg.role,
+        rdzv_endpoint=cfg.lighthouse,
+        rdzv_backend=rendezvous.BACKEND_NAME,
+        rdzv_configs=rdzv_conf,
+        max_restarts=cfg.max_restarts,
+        monitor_interval=cfg.monitor_interval,
+        start_method=cfg.start_method,
+        log_line_prefix_template=WORKER_PREFIX_TEMPLATE.format(group=cfg.group),
+        shutdown_timeout=cfg.shutdown_timeout,
+    )
+    if cfg.run_path:
+        from torch.distributed.run import run_script_path
+
+        entrypoint: Any = run_script_path
+    else:
+        entrypoint = cfg.entrypoint
+
+    result: dict[str, Any]
+    try:
+        elastic_launch(launch_config, entrypoint)(*cfg.args)
+        result, code = {"status": "succeeded"}, 0
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        result, code = {"status": "failed", "root_cause": _describe_failure(rank, failure, cfg.log_dir)}, 1
+    except SignalException as e:
+        result, code = {"status": "signaled", "signal": signal.Signals(e.sigval).name}, 128 + int(e.sigval)
+    except Exception as e:  # noqa: BLE001 - reported to the supervisor, which decides
+        logger.exception("agent for replica group %d failed", cfg.group)
+        result, code = {"status": "error", "message": f"{type(e).__name__}: {e}"}, 1
+    finally:
+        watcher.stop()
+    if cfg.result_file:
+        tmp = cfg.result_file + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(result, f)
+        os.replace(tmp, cfg.result_file)
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m ftlaunch.launcher.agent CONFIG.json", file=sys.stderr)
+        return 2
+    with open(argv[0]) as f:
+        cfg = AgentConfig.from_json(f.read())
+    if cfg.supervisor_pid is not None:
+        die_with_parent(signal.SIGTERM, expected_parent=cfg.supervisor_pid)
+    logging.basicConfig(
+        level=os.environ.get("LOGLEVEL", "WARNING").upper(),
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+    return run_agent(cfg)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

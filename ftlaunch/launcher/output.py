@@ -1,0 +1,89 @@
+"""Console output of the supervisor: prefixed lines, a live status line, the summary table.
+
+All writes go through one `Console` owned by the supervisor's main thread, so the one-line status
+(drawn only on a terminal) can be erased before a log line and redrawn after it.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from dataclasses import dataclass
+from typing import TextIO
+
+#: ``[rg1/r0] `` -- torchelastic's tee prefix, set by the agent (``log_line_prefix_template``).
+WORKER_LINE = re.compile(r"^\[rg(?P<group>\d+)/r(?P<rank>\d+)\] ?")
+#: What the training script prints per step (scripts/train_ddp.py and the Manager's convention).
+STEP_LINE = re.compile(r"\bstep=(?P<step>\d+)\s+committed=(?P<committed>True|False)\b")
+CHECKSUM_LINE = re.compile(r"\bfinal_checksum=(?P<checksum>\S+)")
+
+
+@dataclass(frozen=True)
+class StepReport:
+    step: int
+    committed: bool
+
+
+def parse_step(line: str) -> StepReport | None:
+    m = STEP_LINE.search(line)
+    if m is None:
+        return None
+    return StepReport(int(m.group("step")), m.group("committed") == "True")
+
+
+def parse_checksum(line: str) -> str | None:
+    m = CHECKSUM_LINE.search(line)
+    return m.group("checksum") if m else None
+
+
+class Console:
+    """Line output with an optional status line kept at the bottom of a terminal."""
+
+    def __init__(self, out: TextIO | None = None, err: TextIO | None = None, status: bool | None = None) -> None:
+        self._out = out or sys.stdout
+        self._err = err or sys.stderr
+        if status is None:
+            status = bool(getattr(self._out, "isatty", lambda: False)())
+        self.status_enabled = status
+        self._status = ""
+
+    def out(self, line: str) -> None:
+        self._write(self._out, line)
+
+    def err(self, line: str) -> None:
+        self._write(self._err, line)
+
+    def status(self, text: str) -> None:
+        if not self.status_enabled:
+            return
+        self._status = text
+        self._out.write("\r\x1b[K" + text)
+        self._out.flush()
+
+    def clear_status(self) -> None:
+        if self.status_enabled and self._status:
+            self._out.write("\r\x1b[K")
+            self._out.flush()
+            self._status = ""
+
+    def _write(self, stream: TextIO, line: str) -> None:
+        if self.status_enabled and self._status:
+            self._out.write("\r\x1b[K")
+            self._out.flush()
+        try:
+            stream.write(line + "\n")
+            stream.flush()
+        except (BrokenPipeError, ValueError):
+            return
+        if self.status_enabled and self._status:
+            self._out.write(self._status)
+            self._out.flush()
+
+
+def format_table(headers: list[str], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip()]
+    lines.append("  ".join("-" * w for w in widths))
+    for row in rows:
+        lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+    return lines

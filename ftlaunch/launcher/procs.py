@@ -1,0 +1,132 @@
+"""Process-tree helpers: subreaper, parent-death signal, killing whole trees.
+
+torchelastic starts every worker in a new session, so killing an agent does not kill its workers:
+they are re-parented and keep running. The supervisor therefore makes itself a *child subreaper*
+(Linux): orphans of its agents are re-parented to it instead of to init, stay visible in its process
+tree, and can be found and killed by walking that tree.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import os
+import signal
+import time
+
+import psutil
+
+logger = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def _prctl(option: int, value: int) -> bool:
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        return libc.prctl(option, value, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def become_subreaper() -> bool:
+    """Make orphaned descendants re-parent to this process (Linux only; False elsewhere)."""
+    return _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+
+
+def die_with_parent(sig: int = signal.SIGTERM, expected_parent: int | None = None) -> bool:
+    """Ask the kernel to send ``sig`` to this process when its parent dies (Linux only).
+
+    If the parent already died before the call (``getppid`` changed), send the signal at once.
+    """
+    ok = _prctl(_PR_SET_PDEATHSIG, int(sig))
+    if ok and expected_parent is not None and os.getppid() != expected_parent:
+        os.kill(os.getpid(), sig)
+    return ok
+
+
+def descendants(pid: int) -> list[psutil.Process]:
+    """All live descendants of ``pid`` (empty when it is gone)."""
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+def signal_procs(procs: list[psutil.Process], sig: int) -> None:
+    for p in procs:
+        try:
+            p.send_signal(sig)
+        except psutil.Error:
+            pass
+
+
+def kill_procs(procs: list[psutil.Process], timeout: float = 5.0) -> list[psutil.Process]:
+    """SIGKILL (and SIGCONT, so stopped ones die too) then wait; returns the ones still alive."""
+    signal_procs(procs, signal.SIGKILL)
+    signal_procs(procs, signal.SIGCONT)
+    _, alive = psutil.wait_procs(procs, timeout=timeout)
+    return alive
+
+
+def terminate_tree(
+    roots: list[psutil.Process], grace: float, extra: list[psutil.Process] | None = None
+) -> list[psutil.Process]:
+    """SIGTERM the roots, wait up to ``grace`` for them to exit, then SIGKILL every survivor in their trees.
+
+    ``extra`` are processes known to belong to the trees even if already re-parented (e.g. workers).
+    Returns processes that could not be killed (should be empty).
+    """
+    members: dict[int, psutil.Process] = {}
+    for root in roots:
+        members[root.pid] = root
+        for child in descendants(root.pid):
+            members[child.pid] = child
+    for p in extra or []:
+        members[p.pid] = p
+    signal_procs(roots, signal.SIGTERM)
+    signal_procs(roots, signal.SIGCONT)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        if not any(_alive(p) for p in roots):
+            break
+        time.sleep(0.05)
+    # New processes may have appeared (a restart in flight): collect them too.
+    for root in roots:
+        for child in descendants(root.pid):
+            members[child.pid] = child
+    survivors = [p for p in members.values() if _alive(p)]
+    return kill_procs(survivors) if survivors else []
+
+
+def _alive(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def reap_zombies(exclude: set[int]) -> list[int]:
+    """Reap our zombie children except ``exclude`` (children owned by ``subprocess.Popen``)."""
+    reaped = []
+    for child in psutil.Process().children():
+        if child.pid in exclude:
+            continue
+        try:
+            if child.status() != psutil.STATUS_ZOMBIE:
+                continue
+            pid, _ = os.waitpid(child.pid, os.WNOHANG)
+            if pid:
+                reaped.append(pid)
+        except (psutil.Error, ChildProcessError):
+            continue
+    return reaped
+
+
+def env_of(p: psutil.Process) -> dict[str, str]:
+    try:
+        return p.environ()
+    except psutil.Error:
+        return {}

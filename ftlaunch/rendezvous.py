@@ -1,0 +1,505 @@
+"""The ``ftlaunch`` torchelastic rendezvous backend.
+
+``torchrun --rdzv-backend ftlaunch --rdzv-endpoint HOST:PORT --rdzv-conf replica_group_id=0,num_replica_groups=2``
+needs no import in user code: the backend is registered through the ``torchrun.handlers`` entry point.
+
+Two levels of membership, kept apart on purpose:
+
+* **Inside a replica group** the nodes meet in an ordinary torchelastic dynamic (c10d) rendezvous of
+  their own (run id ``<rdzv-id>-rg<group>``). A node joining or dying restarts that group only -- the
+  usual torchelastic behaviour, scoped to one group.
+* **Across replica groups** membership is decided step by step by the lighthouse at ``HOST:PORT``.
+  This handler never consults it to decide a restart (`num_nodes_waiting` only counts the group's
+  own nodes), so a group coming or going never restarts a healthy one.
+
+The handler also publishes the worker environment (``REPLICA_GROUP_ID``, ``NUM_REPLICA_GROUPS``,
+``FTLAUNCH_LIGHTHOUSE`` and, when known, ``FTLAUNCH_TOKEN``) by setting it in the agent's
+``os.environ`` before torchelastic starts the workers, which inherit the agent's environment.
+
+If no lighthouse answers at the endpoint and the endpoint names this machine, the handler starts one
+inside this agent process (as the c10d backend hosts its store). That lighthouse lives exactly as long
+as this agent: a single point of failure for the whole job (see docs/launcher.md).
+"""
+
+from __future__ import annotations
+
+
+# The entry point is loaded while torch's rendezvous package is still initializing, possibly in the
+# middle of importing this very module (when ftlaunch imports torch's package first). So the entry
+# point and the creator it returns are bound before any torch import below.
+def _creator(params):  # type: ignore[no-untyped-def]
+    return create_rdzv_handler(params)
+
+
+def create_handler():  # type: ignore[no-untyped-def]
+    """Entry point (group ``torchrun.handlers``): torch calls it with no argument for the creator."""
+    return _creator
+
+
+import ipaddress  # noqa: E402
+import logging  # noqa: E402
+import os  # noqa: E402
+import socket  # noqa: E402
+import time  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from typing import TYPE_CHECKING, Any  # noqa: E402
+
+from torch.distributed.elastic.rendezvous.api import (  # noqa: E402
+    RendezvousConnectionError,
+    RendezvousHandler,
+    RendezvousInfo,
+    RendezvousParameters,
+)
+
+from ftlaunch import env  # noqa: E402
+from ftlaunch.errors import ConfigurationError, LighthouseError  # noqa: E402
+
+if TYPE_CHECKING:
+    from ftlaunch.lighthouse.server import LighthouseServer
+
+logger = logging.getLogger(__name__)
+
+BACKEND_NAME = "ftlaunch"
+
+#: Keys this handler reads from ``--rdzv-conf``; everything else must be a key of torchelastic's
+#: dynamic rendezvous (passed on to the group's own rendezvous).
+_OUR_KEYS = {
+    "replica_group_id": "id of this replica group, 0..num_replica_groups-1 (or env REPLICA_GROUP_ID)",
+    "num_replica_groups": "number of replica groups in the job (or env NUM_REPLICA_GROUPS)",
+    "group_endpoint": "HOST:PORT (or file:/shared/path) where the nodes of a multi-node group meet",
+    "lighthouse_file": "read the lighthouse address from this file (written by a lighthouse role)",
+    "lighthouse_timeout": "seconds to wait for a lighthouse to answer (default 60)",
+    "start_lighthouse": "host a lighthouse here if none answers and the endpoint is this machine (default true)",
+    "lighthouse_bind": "address a lighthouse started here binds (default: the endpoint)",
+    "lighthouse_min_replicas": "min_replicas of a lighthouse started here (default 1)",
+    "lighthouse_join_timeout": "join_timeout (s) of a lighthouse started here (default 60)",
+    "lighthouse_heartbeat_timeout": "heartbeat_timeout (s) of a lighthouse started here (default 5)",
+    "lighthouse_linger": "seconds a lighthouse started here outlives its group while others use it (default 60)",
+    "token": "job token for the lighthouse admin endpoints (or env FTLAUNCH_TOKEN)",
+}
+_INNER_KEYS = {
+    "timeout",
+    "join_timeout",
+    "last_call_timeout",
+    "close_timeout",
+    "heartbeat_timeout",
+    "read_timeout",
+    "is_host",
+    "store_type",
+    "keep_alive_interval",
+    "keep_alive_max_attempt",
+    "rank",
+}
+
+_EXAMPLE = "--rdzv-conf replica_group_id=0,num_replica_groups=2"
+
+
+@dataclass(frozen=True)
+class FtRendezvousConfig:
+    """The validated ftlaunch part of ``--rdzv-conf``."""
+
+    replica_group_id: int
+    num_replica_groups: int
+    group_endpoint: str = ""
+    lighthouse_file: str = ""
+    lighthouse_timeout: float = 60.0
+    start_lighthouse: bool = True
+    lighthouse_bind: str = ""
+    lighthouse_min_replicas: int = 1
+    lighthouse_join_timeout: float = 60.0
+    lighthouse_heartbeat_timeout: float = 5.0
+    lighthouse_linger: float = 60.0
+    token: str | None = None
+
+    @classmethod
+    def from_params(cls, params: RendezvousParameters, environ: dict[str, str] | None = None) -> FtRendezvousConfig:
+        """Validate ``params.config``; every problem is a `ConfigurationError` naming the key."""
+        environ = dict(os.environ) if environ is None else environ
+        unknown = sorted(k for k in params.config if k not in _OUR_KEYS and k not in _INNER_KEYS)
+        if unknown:
+            raise ConfigurationError(
+                f"ftlaunch rendezvous: unknown --rdzv-conf key(s) {', '.join(unknown)}; "
+                f"ftlaunch keys: {', '.join(_OUR_KEYS)}; torchelastic keys: {', '.join(sorted(_INNER_KEYS))}"
+            )
+
+        def raw(key: str, env_name: str | None = None) -> str | None:
+            value = params.config.get(key)
+            if value is None and env_name is not None:
+                value = environ.get(env_name)
+            if value is None:
+                return None
+            return str(value).strip()
+
+        def as_int(key: str, env_name: str | None = None, *, required: bool = False, default: int = 0) -> int:
+            value = raw(key, env_name)
+            if value is None or value == "":
+                if required:
+                    hint = f" (or set {env_name})" if env_name else ""
+                    raise ConfigurationError(
+                        f"ftlaunch rendezvous: --rdzv-conf is missing {key}{hint}, e.g. {_EXAMPLE}"
+                    )
+                return default
+            try:
+                return int(value)
+            except ValueError:
+                raise ConfigurationError(
+                    f"ftlaunch rendezvous: {key}={value!r} is not an integer"
+                ) from None
+
+        def as_float(key: str, default: float) -> float:
+            value = raw(key)
+            if value is None or value == "":
+                return default
+            try:
+                number = float(value)
+            except ValueError:
+                raise ConfigurationError(f"ftlaunch rendezvous: {key}={value!r} is not a number") from None
+            if not number > 0:
+                raise ConfigurationError(f"ftlaunch rendezvous: {key}={value!r} must be > 0")
+            return number
+
+        def as_bool(key: str, default: bool) -> bool:
+            value = raw(key)
+            if value is None or value == "":
+                return default
+            if value.lower() in ("1", "true", "t", "yes", "y"):
+                return True
+            if value.lower() in ("0", "false", "f", "no", "n"):
+                return False
+            raise ConfigurationError(f"ftlaunch rendezvous: {key}={value!r} is not a boolean")
+
+        group = as_int("replica_group_id", env.REPLICA_GROUP_ID, required=True)
+        num = as_int("num_replica_groups", env.NUM_REPLICA_GROUPS, required=True)
+        if num < 1:
+            raise ConfigurationError(f"ftlaunch rendezvous: num_replica_groups={num} must be >= 1")
+        if not 0 <= group < num:
+            raise ConfigurationError(
+                f"ftlaunch rendezvous: replica_group_id={group} must be in 0..{num - 1} "
+                f"(num_replica_groups={num})"
+            )
+        min_replicas = as_int("lighthouse_min_replicas", default=1)
+        if min_replicas < 1:
+            raise ConfigurationError(f"ftlaunch rendezvous: lighthouse_min_replicas={min_replicas} must be >= 1")
+        token = raw("token", env.FTLAUNCH_TOKEN) or None
+        return cls(
+            replica_group_id=group,
+            num_replica_groups=num,
+            group_endpoint=raw("group_endpoint") or "",
+            lighthouse_file=raw("lighthouse_file") or "",
+            lighthouse_timeout=as_float("lighthouse_timeout", 60.0),
+            start_lighthouse=as_bool("start_lighthouse", True),
+            lighthouse_bind=raw("lighthouse_bind", env.FTLAUNCH_LIGHTHOUSE_BIND) or "",
+            lighthouse_min_replicas=min_replicas,
+            lighthouse_join_timeout=as_float("lighthouse_join_timeout", 60.0),
+            lighthouse_heartbeat_timeout=as_float("lighthouse_heartbeat_timeout", 5.0),
+            lighthouse_linger=as_float("lighthouse_linger", 60.0),
+            token=token,
+        )
+
+
+# --- addresses -----------------------------------------------------------------------------------
+
+
+def split_host_port(addr: str) -> tuple[str, int]:
+    """``"http://h:p"``, ``"h:p"`` or ``"[::1]:p"`` -> ``(host, port)``; `ConfigurationError` otherwise."""
+    from ftlaunch.lighthouse.protocol import parse_host_port
+
+    try:
+        return parse_host_port(addr)
+    except ValueError as e:
+        raise ConfigurationError(f"bad lighthouse address {addr!r}: {e}") from None
+
+
+def http_address(addr: str) -> str:
+    """Normalize a lighthouse address to ``http://host:port`` (brackets kept for IPv6)."""
+    from ftlaunch.lighthouse.protocol import format_url
+
+    return format_url(*split_host_port(addr))
+
+
+def is_local_host(host: str) -> bool:
+    """Whether ``host`` names this machine (loopback, our hostname, or one of our addresses)."""
+    if host in ("localhost", "", socket.gethostname(), socket.getfqdn()):
+        return True
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        try:
+            ips = {info[4][0] for info in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)}
+        except (OSError, UnicodeError):
+            return False
+    else:
+        if ip.is_loopback:
+            return True
+        ips = {str(ip)}
+    try:
+        import psutil
+
+        local = {a.address.split("%")[0] for addrs in psutil.net_if_addrs().values() for a in addrs}
+    except Exception:  # noqa: BLE001 - best effort; a false "not local" only means we do not host
+        return False
+    return bool(ips & local) or any(ipaddress.ip_address(i).is_loopback for i in ips if _is_ip(i))
+
+
+def _is_ip(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
+
+
+def probe_lighthouse(addr: str, timeout: float = 1.0) -> bool:
+    """True when a lighthouse answers a status request at ``addr``."""
+    from ftlaunch.lighthouse.client import LighthouseClient
+
+    try:
+        client = LighthouseClient(addr, connect_timeout=timeout)
+    except (LighthouseError, OSError, ValueError):
+        return False
+    try:
+        client.status()
+        return True
+    except (LighthouseError, OSError, ValueError):
+        return False
+    finally:
+        client.close()
+
+
+def live_groups(status: dict[str, Any]) -> int:
+    """How many replica groups a lighthouse status reports as live (connected and heard from)."""
+    groups = status.get("groups") or []
+    return sum(1 for g in groups if isinstance(g, dict) and g.get("health") == "live")
+
+
+# --- the handler ---------------------------------------------------------------------------------
+
+
+class FtlaunchRendezvousHandler(RendezvousHandler):
+    """One replica group's rendezvous: its own c10d rendezvous inside, the lighthouse across groups."""
+
+    def __init__(
+        self,
+        config: FtRendezvousConfig,
+        inner: RendezvousHandler,
+        endpoint: str,
+        run_id: str,
+    ) -> None:
+        self.config = config
+        self._inner = inner
+        self._endpoint = endpoint.strip()
+        self._run_id = run_id
+        self._lighthouse_addr: str | None = None
+        self._server: LighthouseServer | None = None
+        self._rounds = 0
+
+    # torchelastic API
+    def get_backend(self) -> str:
+        return BACKEND_NAME
+
+    @property
+    def use_agent_store(self) -> bool:
+        return self._inner.use_agent_store
+
+    @property
+    def lighthouse_address(self) -> str | None:
+        """``http://host:port`` once resolved (after the first `next_rendezvous`)."""
+        return self._lighthouse_addr
+
+    @property
+    def hosts_lighthouse(self) -> bool:
+        return self._server is not None
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        addr = self._ensure_lighthouse()
+        self._publish_env(addr)
+        self._rounds += 1
+        if self._rounds > 1:
+            logger.info(
+                "ftlaunch rendezvous: replica group %d re-rendezvous (round %d)",
+                self.config.replica_group_id,
+                self._rounds,
+            )
+        return self._inner.next_rendezvous()
+
+    def is_closed(self) -> bool:
+        return self._inner.is_closed()
+
+    def set_closed(self) -> None:
+        self._inner.set_closed()
+
+    def num_nodes_waiting(self) -> int:
+        # Only this group's own late nodes trigger a restart -- never other groups.
+        return self._inner.num_nodes_waiting()
+
+    def get_run_id(self) -> str:
+        return self._run_id
+
+    def shutdown(self) -> bool:
+        try:
+            return self._inner.shutdown()
+        finally:
+            self._stop_hosted_lighthouse()
+
+    # lighthouse
+    def _ensure_lighthouse(self) -> str:
+        if self._lighthouse_addr is not None:
+            return self._lighthouse_addr
+        cfg = self.config
+        deadline = time.monotonic() + cfg.lighthouse_timeout
+        if cfg.lighthouse_file:
+            addr = self._read_lighthouse_file(cfg.lighthouse_file, deadline)
+        elif self._endpoint:
+            addr = http_address(self._endpoint)
+        else:
+            raise ConfigurationError(
+                "ftlaunch rendezvous: no lighthouse: pass --rdzv-endpoint HOST:PORT (or lighthouse_file= "
+                "in --rdzv-conf)"
+            )
+        host, port = split_host_port(addr)
+        attempted_start = False
+        while True:
+            if probe_lighthouse(addr, timeout=min(2.0, cfg.lighthouse_timeout)):
+                break
+            if not attempted_start and cfg.start_lighthouse and not cfg.lighthouse_file and is_local_host(host):
+                attempted_start = True
+                if port == 0 and cfg.num_replica_groups > 1:
+                    raise ConfigurationError(
+                        "ftlaunch rendezvous: --rdzv-endpoint with port 0 cannot be shared by "
+                        f"{cfg.num_replica_groups} replica groups; give a fixed port or start a lighthouse"
+                    )
+                if self._start_lighthouse(host, port):
+                    addr = self._server.address if self._server is not None else addr
+                    break
+                continue  # someone else on this machine bound it first: connect to theirs
+            if time.monotonic() > deadline:
+                raise RendezvousConnectionError(
+                    f"ftlaunch rendezvous: no lighthouse answered at {addr} within "
+                    f"{cfg.lighthouse_timeout:g}s (start one with `ftlaunch-lighthouse`, or run this node on "
+                    "the endpoint host so it starts one)"
+                )
+            time.sleep(0.2)
+        self._lighthouse_addr = addr
+        logger.info("ftlaunch rendezvous: replica group %d uses lighthouse %s", cfg.replica_group_id, addr)
+        return addr
+
+    @staticmethod
+    def _read_lighthouse_file(path: str, deadline: float) -> str:
+        while True:
+            try:
+                with open(path) as f:
+                    text = f.read().strip()
+                if text:
+                    return http_address(text)
+            except FileNotFoundError:
+                pass
+            if time.monotonic() > deadline:
+                raise RendezvousConnectionError(
+                    f"ftlaunch rendezvous: the lighthouse address file {path} did not appear in time"
+                )
+            time.sleep(0.1)
+
+    def _start_lighthouse(self, host: str, port: int) -> bool:
+        from ftlaunch.lighthouse.server import LighthouseServer
+
+        cfg = self.config
+        bind = cfg.lighthouse_bind or f"{host if ':' not in host else f'[{host}]'}:{port}"
+        try:
+            server = LighthouseServer(
+                bind,
+                min_replicas=cfg.lighthouse_min_replicas,
+                join_timeout=cfg.lighthouse_join_timeout,
+                heartbeat_timeout=cfg.lighthouse_heartbeat_timeout,
+                token=cfg.token,
+            ).start()
+        except (OSError, ConfigurationError) as e:
+            # Typically "address in use": another node on this machine won the race; use theirs.
+            logger.info("ftlaunch rendezvous: could not host the lighthouse on %s (%s); connecting", bind, e)
+            return False
+        self._server = server
+        logger.warning(
+            "ftlaunch rendezvous: no lighthouse answered at %s:%d, so this agent (pid %d) hosts one at %s. "
+            "It is a single point of failure: if this agent dies, every replica group loses its lighthouse.",
+            host,
+            port,
+            os.getpid(),
+            server.address,
+        )
+        return True
+
+    def _stop_hosted_lighthouse(self) -> None:
+        server, self._server = self._server, None
+        if server is None:
+            return
+        deadline = time.monotonic() + self.config.lighthouse_linger
+        while time.monotonic() < deadline:
+            try:
+                count = live_groups(server.status())
+            except Exception:  # noqa: BLE001 - a broken status must not keep us alive
+                count = 0
+            if count == 0:
+                break
+            time.sleep(0.2)
+        server.shutdown()
+
+    def _publish_env(self, addr: str) -> None:
+        cfg = self.config
+        os.environ[env.REPLICA_GROUP_ID] = str(cfg.replica_group_id)
+        os.environ[env.NUM_REPLICA_GROUPS] = str(cfg.num_replica_groups)
+        os.environ[env.FTLAUNCH_LIGHTHOUSE] = addr
+        if cfg.token:
+            os.environ[env.FTLAUNCH_TOKEN] = cfg.token
+
+
+def _inner_params(params: RendezvousParameters, cfg: FtRendezvousConfig, run_id: str) -> RendezvousParameters:
+    conf = {k: v for k, v in params.config.items() if k in _INNER_KEYS and k != "rank"}
+    local_addr = params.local_addr
+    if cfg.group_endpoint.startswith("file:"):
+        endpoint = cfg.group_endpoint[len("file:"):]
+        conf["store_type"] = "file"
+    elif cfg.group_endpoint:
+        endpoint = cfg.group_endpoint
+    elif params.max_nodes == 1:
+        # A one-node group needs nobody to find it: its store binds a free loopback port.
+        endpoint = "127.0.0.1:0"
+        conf["is_host"] = "true"
+        local_addr = local_addr or "127.0.0.1"
+    else:
+        raise ConfigurationError(
+            f"ftlaunch rendezvous: replica group {cfg.replica_group_id} spans up to {params.max_nodes} nodes, "
+            "so its nodes need a meeting point: add group_endpoint=HOST:PORT (or group_endpoint=file:/shared/path) "
+            "to --rdzv-conf"
+        )
+    return RendezvousParameters(
+        backend="c10d",
+        endpoint=endpoint,
+        run_id=run_id,
+        min_nodes=params.min_nodes,
+        max_nodes=params.max_nodes,
+        local_addr=local_addr,
+        **conf,
+    )
+
+
+def create_rdzv_handler(params: RendezvousParameters) -> FtlaunchRendezvousHandler:
+    """torchelastic's creator signature: ``RendezvousParameters -> RendezvousHandler``."""
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
+
+    cfg = FtRendezvousConfig.from_params(params)
+    run_id = params.run_id if params.run_id not in ("", "none") else "ftlaunch"
+    group_run_id = f"{run_id}-rg{cfg.replica_group_id}"
+    inner_params = _inner_params(params, cfg, group_run_id)
+    backend, store = create_backend(inner_params)
+    inner = dynamic_rendezvous.create_handler(store, backend, inner_params)
+    return FtlaunchRendezvousHandler(cfg, inner, params.endpoint, group_run_id)
+
+
+def register() -> None:
+    """Register the backend in-process (for when the package's entry points are not installed)."""
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
+
+    try:
+        rendezvous_handler_registry.register(BACKEND_NAME, _creator)
+    except ValueError:
+        pass  # already registered (by the entry point) -- with the same creator or a newer one

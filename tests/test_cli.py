@@ -1,0 +1,151 @@
+"""The ``ftlaunch`` command line: parsing, validation, one-line errors (real subprocesses for the
+errors, since their output format and exit status are the contract)."""
+
+from __future__ import annotations
+
+import socket
+import sys
+
+import pytest
+from workers.helpers import FTLAUNCH, WORKER, free_port, run
+
+from ftlaunch.cli import options_from_args
+from ftlaunch.errors import ConfigurationError
+from ftlaunch.launcher.options import ChaosSpec, LaunchOptions
+
+
+def test_defaults_and_torchrun_style_command() -> None:
+    opts = options_from_args([WORKER, "--steps", "3"])
+    assert opts.replicas == 2 and opts.nproc_per_node == 1 and opts.min_replicas == 1
+    assert opts.entrypoint == sys.executable
+    assert opts.args == ["-u", WORKER, "--steps", "3"]  # what torchrun builds: python -u script args
+    assert opts.tee == "3" and opts.max_restarts == 3 and opts.chaos is None
+
+
+def test_torchrun_flag_spellings() -> None:
+    opts = options_from_args(
+        ["--nproc_per_node", "3", "--max_restarts", "5", "--monitor_interval", "0.5", "--rdzv_id", "job7",
+         "--rdzv_conf", "join_timeout=30,read_timeout=9", "--standalone", "--role", "trainer",
+         "--replicas", "4", "--min-replicas", "2", WORKER]
+    )
+    assert (opts.nproc_per_node, opts.max_restarts, opts.monitor_interval) == (3, 5, 0.5)
+    assert opts.run_id == "job7" and opts.role == "trainer"
+    assert opts.rdzv_conf == {"join_timeout": "30", "read_timeout": "9"}
+    assert (opts.replicas, opts.min_replicas) == (4, 2)
+
+
+def test_script_arguments_are_not_parsed_as_ours() -> None:
+    opts = options_from_args(["--replicas", "1", WORKER, "--replicas", "9", "-m"])
+    assert opts.replicas == 1
+    assert opts.args[-3:] == ["--replicas", "9", "-m"]
+
+
+def test_module_and_no_python() -> None:
+    opts = options_from_args(["-m", "json.tool", "--help"])
+    assert opts.args[:3] == ["-u", "-m", "json.tool"]
+    opts = options_from_args(["--no-python", "true"])
+    assert opts.entrypoint == "true" and opts.args == []
+
+
+def test_lighthouse_alias_rdzv_endpoint() -> None:
+    assert options_from_args(["--rdzv-endpoint", "h:1", WORKER]).lighthouse == "h:1"
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("5", ChaosSpec(every=5.0)),
+        ("every=2.5,count=3,seed=1", ChaosSpec(every=2.5, count=3, seed=1)),
+        ("steps=40/20,group=1,signal=sigstop,stop_for=2", ChaosSpec(steps=(20, 40), group=1, signal="STOP", stop_for=2)),
+        ("every=1,target=agent,start=0", ChaosSpec(every=1, target="agent", start=0.0)),
+    ],
+)
+def test_chaos_spec_parse(text: str, expected: ChaosSpec) -> None:
+    assert ChaosSpec.parse(text) == expected
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("", "empty"),
+        ("group=1", "every=SECONDS or steps"),
+        ("every=-1", "must be > 0"),
+        ("every=x", "not a number"),
+        ("every=1,bogus=2", "unknown key"),
+        ("every=1,signal=HUP", "must be one of"),
+        ("every=1,target=agent,signal=STOP", "applies to workers"),
+        ("steps=a/b", "expected integers"),
+        ("every=1,every=2", "given twice"),
+        ("every", "not key=value"),
+    ],
+)
+def test_chaos_spec_errors(text: str, message: str) -> None:
+    with pytest.raises(ConfigurationError, match=message):
+        ChaosSpec.parse(text)
+
+
+def test_options_validation() -> None:
+    with pytest.raises(ConfigurationError, match="--replicas must be >= 1"):
+        LaunchOptions(entrypoint="x", replicas=0)
+    with pytest.raises(ConfigurationError, match="--min-replicas must be in 1..2"):
+        LaunchOptions(entrypoint="x", replicas=2, min_replicas=3)
+    with pytest.raises(ConfigurationError, match="only 2 groups"):
+        LaunchOptions(entrypoint="x", replicas=2, chaos=ChaosSpec(every=1, group=2))
+
+
+def _one_line_error(args: list[str], expected: str) -> None:
+    res = run([*FTLAUNCH, *args], timeout=60)
+    assert res.returncode == 2, (res.stdout, res.stderr)
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1, res.stderr
+    assert lines[0].startswith("ftlaunch: error: ") and expected in lines[0], lines[0]
+    assert res.stdout == ""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["does/not/exist.py"], "training script not found: does/not/exist.py"),
+        (["--replicas", "0", WORKER], "--replicas must be >= 1"),
+        (["--replicas", "two", WORKER], "'two' is not an integer"),
+        (["--heartbeat-timeout", "soon", WORKER], "'soon' is not a number"),
+        (["--bogus-flag", WORKER], "unrecognized arguments: --bogus-flag"),
+        (["--min-replicas", "3", "--replicas", "2", WORKER], "--min-replicas must be in 1..2"),
+        (["--nnodes", "2", WORKER], "one `torchrun --rdzv-backend ftlaunch` per node"),
+        (["--chaos", "every=-2", WORKER], "must be > 0"),
+        (["--tee", "7", WORKER], "--tee '7'"),
+        (["-m", "no_such_module_xyz"], "module not found: no_such_module_xyz"),
+        (["--no-python", "no-such-program-xyz"], "program not found"),
+        (["--rdzv-backend", "c10d", WORKER], "always use the ftlaunch rendezvous"),
+        (["--nproc-per-node", "lots", WORKER], "must be an integer or cpu"),
+        ([], "the following arguments are required: training_script"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(args: list[str], expected: str) -> None:
+    _one_line_error(args, expected)
+
+
+@pytest.mark.timeout(120)
+def test_port_in_use_is_one_line() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        _one_line_error(["--lighthouse-bind", f"127.0.0.1:{port}", WORKER], f"cannot start the lighthouse on 127.0.0.1:{port}")
+
+
+@pytest.mark.timeout(120)
+def test_unreachable_lighthouse_is_one_line() -> None:
+    port = free_port()  # nothing listens there
+    _one_line_error(["--lighthouse", f"127.0.0.1:{port}", WORKER], f"no lighthouse answers at http://127.0.0.1:{port}")
+
+
+@pytest.mark.timeout(60)
+def test_help_names_the_flags() -> None:
+    res = run([*FTLAUNCH, "--help"], timeout=30)
+    assert res.returncode == 0
+    for flag in ("--replicas", "--nproc-per-node", "--max-restarts", "--chaos", "--lighthouse", "--min-replicas",
+                 "--join-timeout", "--heartbeat-timeout", "--lighthouse-bind", "--tee", "--redirects", "--log-dir",
+                 "--run-path", "--no-python", "--standalone", "--rdzv-conf", "REPLICA_GROUP_ID", "exit status"):
+        assert flag in res.stdout, flag

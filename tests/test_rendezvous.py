@@ -1,0 +1,149 @@
+"""The ``ftlaunch`` rendezvous backend: configuration errors, registration through the entry point,
+and real ``torchrun --rdzv-backend ftlaunch`` jobs (one torchrun per group node, a 2-node group, a
+restart confined to one group, a lighthouse started by the node on the endpoint host)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousParameters
+from workers.helpers import WORKER, finish, free_port, records, run, start
+
+from ftlaunch.errors import ConfigurationError
+from ftlaunch.rendezvous import FtRendezvousConfig, create_rdzv_handler, is_local_host
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+
+
+def _params(conf: dict, endpoint: str = "127.0.0.1:1", max_nodes: int = 1) -> RendezvousParameters:
+    return RendezvousParameters(
+        backend="ftlaunch", endpoint=endpoint, run_id="t", min_nodes=1, max_nodes=max_nodes, **conf
+    )
+
+
+@pytest.mark.parametrize(
+    "conf, message",
+    [
+        ({}, "missing replica_group_id"),
+        ({"replica_group_id": "0"}, "missing num_replica_groups"),
+        ({"replica_group_id": "x", "num_replica_groups": "2"}, "replica_group_id='x' is not an integer"),
+        ({"replica_group_id": "2", "num_replica_groups": "2"}, r"must be in 0\.\.1"),
+        ({"replica_group_id": "0", "num_replica_groups": "0"}, "num_replica_groups=0 must be >= 1"),
+        ({"replica_group_id": "0", "num_replica_groups": "1", "colour": "red"}, "unknown --rdzv-conf key"),
+        ({"replica_group_id": "0", "num_replica_groups": "1", "start_lighthouse": "maybe"}, "not a boolean"),
+        ({"replica_group_id": "0", "num_replica_groups": "1", "lighthouse_timeout": "-1"}, "must be > 0"),
+    ],
+)
+def test_config_errors_name_the_key(conf: dict, message: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("REPLICA_GROUP_ID", raising=False)
+    monkeypatch.delenv("NUM_REPLICA_GROUPS", raising=False)
+    with pytest.raises(ConfigurationError, match=message):
+        FtRendezvousConfig.from_params(_params(conf))
+
+
+def test_config_from_environment_and_passthrough_keys(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("REPLICA_GROUP_ID", "1")
+    monkeypatch.setenv("NUM_REPLICA_GROUPS", "3")
+    monkeypatch.setenv("FTLAUNCH_TOKEN", "tok")
+    cfg = FtRendezvousConfig.from_params(_params({"join_timeout": "30", "timeout": "900", "start_lighthouse": "no"}))
+    assert (cfg.replica_group_id, cfg.num_replica_groups, cfg.token, cfg.start_lighthouse) == (1, 3, "tok", False)
+
+
+def test_multi_node_group_needs_a_meeting_point() -> None:
+    with pytest.raises(ConfigurationError, match="group_endpoint=HOST:PORT"):
+        create_rdzv_handler(_params({"replica_group_id": "0", "num_replica_groups": "2"}, max_nodes=2))
+
+
+def test_is_local_host() -> None:
+    assert is_local_host("localhost") and is_local_host("127.0.0.1") and is_local_host("::1")
+    assert not is_local_host("192.0.2.1")  # TEST-NET-1, never assigned
+
+
+@pytest.mark.timeout(60)
+def test_no_lighthouse_is_a_clear_rendezvous_error() -> None:
+    # Not the endpoint host (so it must not start one) and nothing answers: a bounded, clear failure.
+    handler = create_rdzv_handler(
+        _params({"replica_group_id": "0", "num_replica_groups": "2", "lighthouse_timeout": "1"}, endpoint="192.0.2.1:29999")
+    )
+    try:
+        with pytest.raises(RendezvousConnectionError, match="no lighthouse answered at http://192.0.2.1:29999"):
+            handler.next_rendezvous()
+    finally:
+        handler.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_entry_point_registers_backend_in_a_fresh_interpreter() -> None:
+    # Both import orders: torch first (as torchrun does) and ftlaunch first (as our agent does),
+    # which used to be a circular import.
+    code = (
+        "import {first}\n"
+        "from torch.distributed.elastic.rendezvous import RendezvousParameters\n"
+        "from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler\n"
+        "h = get_rendezvous_handler(RendezvousParameters('ftlaunch', '127.0.0.1:1', 'r', 1, 1,"
+        " replica_group_id='0', num_replica_groups='1'))\n"
+        "print(type(h).__name__, h.get_backend(), h.get_run_id())\n"
+        "h.shutdown()\n"
+    )
+    for first in ("torch.distributed.run", "ftlaunch.rendezvous"):
+        res = run([sys.executable, "-c", code.format(first=first)], timeout=50)
+        assert res.returncode == 0, res.stderr
+        assert res.stdout.split() == ["FtlaunchRendezvousHandler", "ftlaunch", "r-rg0"]
+        assert "Exception while registering" not in res.stderr
+
+
+@pytest.mark.timeout(150)
+def test_torchrun_groups_one_of_them_two_nodes(tmp_path) -> None:
+    """Three torchruns: group 0 (1 node) and group 1 (2 nodes, one worker each) against one endpoint.
+
+    No lighthouse runs at the endpoint, so the node on the endpoint host starts one. Group 1's rank 1
+    fails once: both of group 1's nodes restart (their own rendezvous), group 0 never does.
+    """
+    lighthouse_port, group_port = free_port(), free_port()
+    out = str(tmp_path)
+    endpoint = f"127.0.0.1:{lighthouse_port}"
+    # Group 0 lingers until all 5 records exist (2 + 2 restarted in group 1, 1 of its own), so the
+    # lighthouse, whoever hosts it, is up while every worker probes it.
+    common = ["--rdzv-backend", "ftlaunch", "--rdzv-endpoint", endpoint, "--rdzv-id", "rdzvtest",
+              "--nproc-per-node", "1", "--max-restarts", "1", "--monitor-interval", "0.1"]
+    worker_args = [WORKER, "--out", out, "--probe-lighthouse", "--check-torch", "--step-time", "0.05"]
+    g0 = start([*TORCHRUN, *common, "--rdzv-conf", "replica_group_id=0,num_replica_groups=2,lighthouse_linger=30",
+                *worker_args, "--steps", "3", "--wait-records", "5"])
+    g1 = [
+        start([*TORCHRUN, *common, "--nnodes", "2",
+               "--rdzv-conf", f"replica_group_id=1,num_replica_groups=2,group_endpoint=127.0.0.1:{group_port},"
+               # rank 0 outlives rank 1's failure (as it would, blocked in a collective), so its
+               # agent sees the new round and restarts too instead of finishing alone
+               "lighthouse_linger=30", *worker_args, "--steps", "40",
+               "--fail-group", "1", "--fail-rank", "1", "--fail-step", "1", "--fail-restarts", "all", "--fail-once"])
+        for _ in range(2)
+    ]
+    results = [finish(p, timeout=100) for p in (g0, *g1)]
+    for r in results:
+        assert r.returncode == 0, r.stderr[-3000:]
+    recs = records(out)
+    # Group 0 ran once. Group 1 ran twice on both nodes: the failing node restarts (restart count 1),
+    # the other follows the new round (a membership change, which torchelastic does not count).
+    assert [(r["rank"], r["restart"]) for r in recs if r["group"] == 0] == [(0, 0)]
+    g1 = [r for r in recs if r["group"] == 1]
+    assert len(g1) == 4 and sorted(r["rank"] for r in g1) == [0, 0, 1, 1], g1
+    assert max(r["restart"] for r in g1) == 1
+    assert len({r["pid"] for r in g1}) == 4
+    lighthouse_urls = {r["env"]["FTLAUNCH_LIGHTHOUSE"] for r in recs}
+    assert lighthouse_urls == {f"http://127.0.0.1:{lighthouse_port}"}
+    assert {r["lighthouse_status_address"] for r in recs} == lighthouse_urls  # a lighthouse really answered
+    for r in recs:
+        e = r["env"]
+        assert r["is_torchelastic_launched"] is True
+        assert e["NUM_REPLICA_GROUPS"] == "2"
+        assert e["TORCHELASTIC_RUN_ID"] == f"rdzvtest-rg{r['group']}"
+        assert e["WORLD_SIZE"] == ("1" if r["group"] == 0 else "2")
+        assert e["GROUP_RANK"] == e["RANK"]  # one worker per node
+    # Each group has its own store: group 1's two nodes share one, group 0's is different.
+    g0_port = next(r["env"]["MASTER_PORT"] for r in recs if r["group"] == 0)
+    assert g0_port not in {r["env"]["MASTER_PORT"] for r in g1}
+    hosts = [r for r in results if "hosts one at" in r.stderr]
+    assert len(hosts) == 1, "exactly one node must have started the lighthouse"
+    assert os.path.isdir(out)
