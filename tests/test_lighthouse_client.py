@@ -101,9 +101,18 @@ def make_server() -> Iterator[Callable[..., LighthouseServer]]:
         s.shutdown()
 
 
+def group(server: LighthouseServer, rid: str) -> dict:
+    return next((g for g in server.status()["groups"] if g["replica_id"] == rid), {})
+
+
 def health(server: LighthouseServer, rid: str) -> str | None:
-    g = next((g for g in server.status()["groups"] if g["replica_id"] == rid), None)
-    return g["health"] if g else None
+    return group(server, rid).get("health")
+
+
+def beating(server: LighthouseServer, rid: str) -> bool:
+    """Live, with its heartbeat connection bound (so a kill is noticed by the closed socket)."""
+    g = group(server, rid)
+    return g.get("health") == "live" and g.get("connections", 0) >= 1
 
 
 def wait_for(predicate: Callable[[], bool], timeout: float = 20.0, what: str = "condition") -> float:
@@ -142,7 +151,7 @@ def test_sigkilled_member_is_gone_within_a_fraction_of_a_second(make_server):
     p, q = _start_member(s.address, "victim")
     try:
         assert q.get(timeout=60) == ("victim", "ready")
-        wait_for(lambda: health(s, "victim") == "live", what="victim live")
+        wait_for(lambda: beating(s, "victim"), what="victim beating")
         client = LighthouseClient(s.address)
         client.heartbeat("survivor")
         t0 = time.monotonic()
@@ -164,7 +173,7 @@ def test_sigkill_while_parked_in_a_long_poll(make_server):
     p, q = _start_member(s.address, "victim", mode="longpoll")
     try:
         assert q.get(timeout=60) == ("victim", "ready")
-        wait_for(lambda: s.status()["pending"] == ["victim"], what="victim parked")
+        wait_for(lambda: s.status()["pending"] == ["victim"] and beating(s, "victim"), what="victim parked")
         os.kill(p.pid, signal.SIGKILL)
         elapsed = wait_for(lambda: health(s, "victim") == "disconnected", timeout=3.0, what="victim disconnected")
         log.info("SIGKILLed parked member noticed after %.1f ms", elapsed * 1000)
@@ -179,7 +188,7 @@ def test_sigstopped_member_is_gone_after_heartbeat_timeout(make_server):
     p, q = _start_member(s.address, "sleepy", hb_interval=0.1)
     try:
         assert q.get(timeout=60) == ("sleepy", "ready")
-        wait_for(lambda: health(s, "sleepy") == "live", what="sleepy live")
+        wait_for(lambda: beating(s, "sleepy"), what="sleepy beating")
         client = LighthouseClient(s.address)
         client.start_heartbeat("awake", 0.1)  # a requester must keep beating while it waits
         wait_for(lambda: health(s, "awake") == "live", what="awake live")
@@ -198,6 +207,33 @@ def test_sigstopped_member_is_gone_after_heartbeat_timeout(make_server):
         client.close()
     finally:
         _reap(p)
+
+
+@pytest.mark.timeout(60)
+def test_stopping_the_heartbeat_then_leaving_is_not_a_failure(make_server):
+    s = make_server()
+    client = LighthouseClient(s.address)
+    handle = client.start_heartbeat("a", 0.01)
+    wait_for(lambda: health(s, "a") == "live", what="a live")
+    handle.stop()  # the connection stays open: stopping is not dying
+    assert not handle.running
+    time.sleep(0.2)
+    assert health(s, "a") == "live"
+    client.leave("a")
+    client.close()
+    time.sleep(0.2)
+    events = [(h["event"], h["replica_id"]) for h in s.status()["history"]]
+    assert ("left", "a") in events and ("disconnected", "a") not in events
+
+
+@pytest.mark.timeout(60)
+def test_close_without_leave_counts_as_gone(make_server):
+    s = make_server()
+    client = LighthouseClient(s.address)
+    client.start_heartbeat("a", 0.01)
+    wait_for(lambda: health(s, "a") == "live", what="a live")
+    client.close()
+    wait_for(lambda: health(s, "a") == "disconnected", timeout=3.0, what="a disconnected")
 
 
 # ---------------------------------------------------------------------------------- eviction

@@ -219,11 +219,14 @@ def test_heartbeat_expiry_unblocks_the_quorum(make_server):
     client = LighthouseClient(s.address)
     code, _, _ = request(s, "POST", "/heartbeat", {"replica_id": "c"})  # one beat, then silence
     assert code == 200
+    beats = [client.start_heartbeat(rid, 0.05) for rid in "ab"]  # a and b keep beating while they wait
     res = ask_all(client, [QuorumMember("a"), QuorumMember("b")], timeout=20)
     assert res["a"].replica_ids == ("a", "b")
     assert group(s, "c")["health"] == "silent"
     events = [(h["event"], h["replica_id"]) for h in s.status()["history"]]
     assert ("silent", "c") in events
+    for h in beats:
+        h.stop()
     client.close()
 
 
@@ -247,20 +250,23 @@ def test_shrink_only_keeps_new_groups_out(make_server):
 
 def test_superseded_request_gets_409(make_server):
     s = make_server(min_replicas=2)
-    results = {}
+    results: dict = {}
 
     def first() -> None:
         status, payload, _ = request(s, "POST", "/quorum", {"member": {"replica_id": "a"}, "timeout": 20})
         results["first"] = (status, payload)
 
-    t = threading.Thread(target=first)
-    t.start()
+    t1 = threading.Thread(target=first)
+    t1.start()
     wait_for(lambda: "a" in s.status()["pending"], what="first request pending")
     client = LighthouseClient(s.address)
-    res = ask_all(client, [QuorumMember("a"), QuorumMember("b")])
-    t.join(30)
-    assert res["a"].replica_ids == ("a", "b")
+    t2 = threading.Thread(target=lambda: results.update(second=client.quorum(QuorumMember("a", step=1), 20)))
+    t2.start()
+    t1.join(30)  # the first one is answered as soon as the second arrives
     assert results["first"][0] == 409 and "superseded" in results["first"][1]["error"]
+    qb = client.quorum(QuorumMember("b"), 20)
+    t2.join(30)
+    assert qb.replica_ids == ("a", "b") and results["second"] == qb and qb.member("a").step == 1
     client.close()
 
 

@@ -170,7 +170,11 @@ def _raise_for(status: int, payload: dict, what: str) -> None:
 
 
 class HeartbeatHandle:
-    """A running heartbeat thread; `stop()` ends it and closes its connection."""
+    """A running heartbeat thread.
+
+    Its connection outlives `stop()` on purpose: closing it would tell the lighthouse the process
+    died. It is closed by `LighthouseClient.leave` (after the leave) or `LighthouseClient.close`.
+    """
 
     def __init__(self, client: LighthouseClient, replica_id: str, interval: float) -> None:
         self.replica_id = replica_id
@@ -178,7 +182,6 @@ class HeartbeatHandle:
         self._client = client
         self._channel = client._new_channel()
         self._stop = threading.Event()
-        self._keep_connection = False  # set by LighthouseClient.leave: close only after the leave
         self._thread = threading.Thread(target=self._run, name=f"ftlaunch-heartbeat-{replica_id}", daemon=True)
         self._thread.start()
 
@@ -188,32 +191,31 @@ class HeartbeatHandle:
 
     def _run(self) -> None:
         failing = False
-        try:
-            while not self._stop.is_set():
-                try:
-                    self._client._heartbeat(self._channel, self.replica_id, bind=True, stop=self._stop)
-                    if failing:
-                        log.info("lighthouse client: heartbeat of %s reaches the lighthouse again", self.replica_id)
-                    failing = False
-                except EvictedError as e:
-                    log.warning("lighthouse client: %s; heartbeat stopped", e)
-                    self._client._note_evicted(self.replica_id, told=False)
+        while not self._stop.is_set():
+            try:
+                self._client._heartbeat(self._channel, self.replica_id, bind=True, stop=self._stop)
+                if failing:
+                    log.info("lighthouse client: heartbeat of %s reaches the lighthouse again", self.replica_id)
+                failing = False
+            except EvictedError as e:
+                log.warning("lighthouse client: %s; heartbeat stopped", e)
+                self._client._note_evicted(self.replica_id, told=False)
+                return
+            except LighthouseError as e:
+                if self._stop.is_set():
                     return
-                except LighthouseError as e:
-                    if self._stop.is_set():
-                        return
-                    if not failing:  # log once per outage, not once per beat
-                        log.warning("lighthouse client: heartbeat of %s failed: %s (retrying)", self.replica_id, e)
-                    failing = True
-                self._stop.wait(self.interval)
-        finally:
-            if not self._keep_connection:
-                self._channel.close()
+                if not failing:  # log once per outage, not once per beat
+                    log.warning("lighthouse client: heartbeat of %s failed: %s (retrying)", self.replica_id, e)
+                failing = True
+            self._stop.wait(self.interval)
 
     def stop(self, timeout: float = 5.0) -> None:
-        """Stop beating. Without a prior `leave` the lighthouse counts the group as gone."""
+        """Stop beating: the group turns silent after heartbeat_timeout unless it `leave`s."""
         self._stop.set()
-        if threading.current_thread() is not self._thread:
+        if threading.current_thread() is self._thread:
+            return
+        self._thread.join(min(timeout, 1.0))
+        if self._thread.is_alive():  # stuck on a hung lighthouse: cut the request short
             self._channel.abort()
             self._thread.join(timeout)
 
@@ -328,10 +330,7 @@ class LighthouseClient:
             beats = [h for h in self._heartbeats if h.replica_id == replica_id]
             self._heartbeats = [h for h in self._heartbeats if h.replica_id != replica_id]
         for h in beats:
-            h._keep_connection = True
-            h._stop.set()
-        for h in beats:
-            h._thread.join(self._connect_timeout)
+            h.stop()
         try:
             self._call("/leave", {"replica_id": replica_id}, f"leave of {replica_id}")
         finally:
