@@ -54,6 +54,7 @@ def hsdp(
     join_timeout: float = 60.0,
     heartbeat_timeout: float = 5.0,
     lighthouse: str = "",
+    lighthouse_bind: str = "127.0.0.1:0",
     job_dir: str = "",
     env: dict[str, str] | None = None,
     max_retries: int = 0,
@@ -87,6 +88,7 @@ def hsdp(
         join_timeout: seconds the lighthouse waits for stragglers before forming a quorum
         heartbeat_timeout: seconds after which a silent group leaves the quorum
         lighthouse: HOST:PORT of an existing lighthouse (then no lighthouse role is started)
+        lighthouse_bind: where the lighthouse role listens; 0.0.0.0:0 when groups run on other hosts
         job_dir: directory shared by all roles (default /tmp/ftlaunch-torchx/<app_id>)
         env: environment variables for every role (e.g. K1=v1,K2=v2)
         max_retries: scheduler retries of a role
@@ -99,7 +101,8 @@ def hsdp(
         *script_args, script=script, m=m, replicas=replicas, workers_per_replica=workers_per_replica,
         nnodes_per_replica=nnodes_per_replica, image=image, name=name, cpu=cpu, gpu=gpu, memMB=memMB, h=h,
         max_restarts=max_restarts, min_replicas=min_replicas, join_timeout=join_timeout,
-        heartbeat_timeout=heartbeat_timeout, lighthouse=lighthouse, job_dir=job_dir, env=env,
+        heartbeat_timeout=heartbeat_timeout, lighthouse=lighthouse, lighthouse_bind=lighthouse_bind,
+        job_dir=job_dir, env=env,
         max_retries=max_retries, mounts=mounts, tee=tee,
     )
 
@@ -119,6 +122,7 @@ def ddp(
     max_restarts: int = 3,
     min_replicas: int = 1,
     lighthouse: str = "",
+    lighthouse_bind: str = "127.0.0.1:0",
     job_dir: str = "",
     env: dict[str, str] | None = None,
     max_retries: int = 0,
@@ -143,6 +147,7 @@ def ddp(
         max_restarts: torchelastic restarts of a group's workers before the group fails
         min_replicas: smallest quorum of replica groups
         lighthouse: HOST:PORT of an existing lighthouse (then no lighthouse role is started)
+        lighthouse_bind: where the lighthouse role listens; 0.0.0.0:0 when groups run on other hosts
         job_dir: directory shared by all roles (default /tmp/ftlaunch-torchx/<app_id>)
         env: environment variables for every role (e.g. K1=v1,K2=v2)
         max_retries: scheduler retries of a role
@@ -153,7 +158,7 @@ def ddp(
     return hsdp_app(
         *script_args, script=script, m=m, replicas=replicas, workers_per_replica=workers_per_replica,
         image=image, name=name, cpu=cpu, gpu=gpu, memMB=memMB, h=h, max_restarts=max_restarts,
-        min_replicas=min_replicas, lighthouse=lighthouse, job_dir=job_dir, env=env,
+        min_replicas=min_replicas, lighthouse=lighthouse, lighthouse_bind=lighthouse_bind, job_dir=job_dir, env=env,
         max_retries=max_retries, tee=tee,
     )
 

@@ -13,6 +13,7 @@ import argparse
 import glob
 import logging
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -39,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-replicas", type=int, default=1)
     p.add_argument("--join-timeout", type=float, default=60.0)
     p.add_argument("--heartbeat-timeout", type=float, default=5.0)
+    p.add_argument("--cleanup", action="store_true", help="remove --job-dir when every group has finished")
     return p
 
 
@@ -77,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
             done = finished_groups(args.job_dir)
             if len(done) >= args.groups:
                 logger.info("all %d group role(s) finished; lighthouse role exits", len(done))
+                if args.cleanup:
+                    shutil.rmtree(args.job_dir, ignore_errors=True)
                 break
     finally:
         server.shutdown()

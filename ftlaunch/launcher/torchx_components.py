@@ -69,6 +69,7 @@ def hsdp_app(
     join_timeout: float = 60.0,
     heartbeat_timeout: float = 5.0,
     lighthouse: str = "",
+    lighthouse_bind: str = "127.0.0.1:0",
     job_dir: str = "",
     env: dict[str, str] | None = None,
     max_retries: int = 0,
@@ -96,6 +97,7 @@ def hsdp_app(
         raise ConfigurationError("--max_restarts must be >= 0")
 
     image = image or torchx.IMAGE
+    own_job_dir = not job_dir
     job_dir = job_dir or f"/tmp/ftlaunch-torchx/{macros.app_id}"
     base_env = {"LOGLEVEL": "WARNING", **(env or {})}
     base_env[ftenv.NUM_REPLICA_GROUPS] = str(replicas)
@@ -119,6 +121,8 @@ def hsdp_app(
                     "--min-replicas", str(min_replicas),
                     "--join-timeout", str(join_timeout),
                     "--heartbeat-timeout", str(heartbeat_timeout),
+                    "--bind", lighthouse_bind,
+                    *(["--cleanup"] if own_job_dir else []),
                 ],
                 env=dict(base_env),
                 resource=specs.resource(cpu=1, gpu=0, memMB=512),

@@ -1,0 +1,197 @@
+"""``ftlaunch`` end to end with a stand-in training script (tests/workers/worker.py): real supervisor,
+agents and workers, real signals. The fault-tolerant training itself (scripts/train_ddp.py) is
+covered in test_launcher_e2e.py."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import signal
+
+import psutil
+import pytest
+from workers.helpers import FTLAUNCH, WORKER, alive, finish, records, run, start, wait_for
+
+from ftlaunch.lighthouse.server import LighthouseServer
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def summary_row(stdout: str, group: int) -> list[str]:
+    for line in stdout.splitlines():
+        fields = line.split()
+        if len(fields) > 2 and fields[0] == "[ftlaunch]" and fields[1] == f"rg{group}":
+            return fields[2:]
+    raise AssertionError(f"no summary row for rg{group} in:\n{stdout}")
+
+
+def test_environment_prefixes_and_summary(tmp_path) -> None:
+    out = str(tmp_path)
+    res = run(
+        [*FTLAUNCH, "--replicas", "2", "--nproc-per-node", "2", WORKER, "--out", out, "--steps", "3",
+         "--check-torch", "--probe-lighthouse", "--checksum", "c0ffee"],
+        timeout=100,
+    )
+    assert res.returncode == 0, res.stderr
+    recs = records(out)
+    assert sorted((r["group"], r["rank"]) for r in recs) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    lighthouses, tokens, ports = set(), set(), {}
+    for r in recs:
+        e = r["env"]
+        # torchrun's contract inside each group ...
+        assert r["is_torchelastic_launched"] is True
+        assert e["WORLD_SIZE"] == "2" and e["LOCAL_WORLD_SIZE"] == "2" and e["GROUP_RANK"] == "0"
+        assert e["LOCAL_RANK"] == e["RANK"]
+        assert e["TORCHELASTIC_RESTART_COUNT"] == "0" and e["TORCHELASTIC_RUN_ID"].endswith(f"-rg{r['group']}")
+        assert e["MASTER_ADDR"] and e["MASTER_PORT"].isdigit()
+        # ... plus ftlaunch's.
+        assert e["NUM_REPLICA_GROUPS"] == "2"
+        lighthouses.add(e["FTLAUNCH_LIGHTHOUSE"])
+        tokens.add(e["FTLAUNCH_TOKEN"])
+        ports.setdefault(r["group"], set()).add(e["MASTER_PORT"])
+        assert r["lighthouse_status_address"] == e["FTLAUNCH_LIGHTHOUSE"]  # the embedded lighthouse answered
+    assert len(lighthouses) == 1 and re.fullmatch(r"http://127\.0\.0\.1:\d+", lighthouses.pop())
+    assert len(tokens) == 1 and len(tokens.pop()) >= 16
+    assert len(ports[0]) == len(ports[1]) == 1 and ports[0] != ports[1]  # each group its own store
+    # Every worker line carries its group and rank.
+    for g in (0, 1):
+        for rank in (0, 1):
+            assert f"[rg{g}/r{rank}] step=2 committed=True" in res.stdout
+    assert summary_row(res.stdout, 0)[:5] == ["succeeded", "3", "2", "0", "0"]
+    assert summary_row(res.stdout, 1)[:5] == ["succeeded", "3", "2", "0", "0"]
+    assert "2/2 groups ended bit-identical (c0ffee)" in res.stdout
+
+
+def test_failed_group_restarts_alone_and_lighthouse_is_told(tmp_path) -> None:
+    """rg1 crashes once: its agent restarts it, rg0 runs on untouched, the lighthouse hears at once."""
+    out = str(tmp_path)
+    with LighthouseServer("127.0.0.1:0", token="sekrit", heartbeat_timeout=10).start() as server:
+        res = run(
+            [*FTLAUNCH, "--replicas", "2", "--lighthouse", server.address, "--token", "sekrit", WORKER,
+             "--out", out, "--steps", "30", "--step-time", "0.05", "--heartbeat",
+             "--fail-group", "1", "--fail-step", "3", "--exit-code", "7"],
+            timeout=100,
+        )
+        history = server.status()["history"]
+    assert res.returncode == 0, res.stderr
+    recs = records(out)
+    assert [(r["rank"], r["restart"]) for r in recs if r["group"] == 0] == [(0, 0)]  # never restarted
+    assert sorted((r["rank"], r["restart"]) for r in recs if r["group"] == 1) == [(0, 0), (0, 1)]
+    assert "replica group 1: rank 0" in res.stderr and "exited with code 7; lighthouse told" in res.stderr
+    failed = [h for h in history if h["replica_id"] == "rg1" and h["event"] == "failed"]
+    assert failed and "exited with code 7" in failed[0]["detail"], history
+    assert not [h for h in history if h["replica_id"] == "rg0" and h["event"] == "failed"]
+    row0, row1 = summary_row(res.stdout, 0), summary_row(res.stdout, 1)
+    assert row0[:1] + row0[3:5] == ["succeeded", "0", "0"]
+    assert row1[:1] + row1[3:5] == ["succeeded", "1", "1"]
+
+
+def test_root_cause_and_min_replicas_stop_the_job(tmp_path) -> None:
+    """rg1 fails on every attempt: once it is out of restarts, fewer than --min-replicas groups are
+    left, so the supervisor stops rg0 (which would run for minutes) and exits 1 with the root cause."""
+    res = run(
+        [*FTLAUNCH, "--replicas", "2", "--min-replicas", "2", "--max-restarts", "1", WORKER, "--steps", "100000",
+         "--step-time", "0.05", "--fail-group", "1", "--fail-step", "2", "--fail-restarts", "all", "--raise-error"],
+        timeout=100,
+    )
+    assert res.returncode == 1, res.stderr
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith("ftlaunch: error: replica group 1 failed: rank 0 (pid ")
+    assert "exited with code 1: ValueError: injected failure in rg1/r0 at step 2" in last
+    assert "--min-replicas 2" in last
+    assert summary_row(res.stdout, 0)[0] == "stopped"
+    assert summary_row(res.stdout, 1)[:1] + summary_row(res.stdout, 1)[3:5] == ["failed", "2", "1"]
+    assert "[ftlaunch] logs kept in" in res.stdout
+
+
+def test_chaos_kills_groups_and_training_finishes(tmp_path) -> None:
+    out = str(tmp_path)
+    res = run(
+        [*FTLAUNCH, "--replicas", "2", "--max-restarts", "6", "--chaos", "every=0.7,count=3,seed=3",
+         WORKER, "--out", out, "--steps", "60", "--step-time", "0.05", "--checksum", "same"],
+        timeout=100,
+    )
+    assert res.returncode == 0, res.stderr
+    injected = re.findall(r"chaos: SIGKILL -> replica group (\d) workers \(pids (\d+)\)", res.stderr)
+    assert len(injected) == 3, res.stderr
+    killed_pids = {int(pid) for _, pid in injected}
+    recs = records(out)
+    assert killed_pids <= {r["pid"] for r in recs}  # the victims were real workers
+    for g in (0, 1):
+        hits = sum(1 for grp, _ in injected if int(grp) == g)
+        row = summary_row(res.stdout, g)
+        assert row[0] == "succeeded" and row[3:5] == [str(hits), str(hits)], (g, row)
+        assert len([r for r in recs if r["group"] == g]) == hits + 1  # one incarnation per kill, plus the first
+    assert "[ftlaunch] chaos: 3 injection(s)" in res.stdout
+    assert res.stdout.count("group committed again") == 3
+    assert "training finished despite 3 failure(s)" in res.stdout
+    assert "2/2 groups ended bit-identical (same)" in res.stdout
+
+
+def test_dead_agent_is_respawned_and_its_workers_killed(tmp_path) -> None:
+    out = str(tmp_path)
+    proc = start(
+        [*FTLAUNCH, "--replicas", "2", "--chaos", "every=0.5,count=1,group=1,target=agent",
+         WORKER, "--out", out, "--steps", "80", "--step-time", "0.05"]
+    )
+    res = finish(proc, timeout=100)
+    assert res.returncode == 0, res.stderr
+    assert "chaos: SIGKILL -> replica group 1 agent" in res.stderr
+    assert "replica group 1: agent killed by SIGKILL; respawning it (1/3)" in res.stderr
+    g1 = [r for r in records(out) if r["group"] == 1]
+    assert len(g1) == 2  # the orphaned first worker, and the one the respawned agent started
+    assert len({r["env"]["MASTER_PORT"] for r in g1}) == 2  # a fresh agent, with a fresh store
+    assert not any(alive(r["pid"]) for r in g1)
+    row = summary_row(res.stdout, 1)
+    assert row[0] == "succeeded" and row[3:5] == ["1", "1"]
+    assert summary_row(res.stdout, 0)[3:5] == ["0", "0"]
+
+
+def test_sigstop_chaos_pauses_a_group_then_it_continues(tmp_path) -> None:
+    res = run(
+        [*FTLAUNCH, "--replicas", "2", "--chaos", "steps=5,group=0,signal=STOP,stop_for=1",
+         WORKER, "--steps", "40", "--step-time", "0.05"],
+        timeout=100,
+    )
+    assert res.returncode == 0, res.stderr
+    assert re.search(r"chaos: SIGSTOP -> replica group 0 workers \(pids \d+\) at step \d+", res.stderr)
+    m = re.search(r"SIGSTOP rg0 workers at step \d+: group committed again (\d+\.\d)s later", res.stdout)
+    assert m and float(m.group(1)) >= 1.0, res.stdout  # it really was paused for stop_for
+    assert summary_row(res.stdout, 0)[:5] == ["succeeded", "40", "39", "0", "0"]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_stops_everything(tmp_path, sig: int) -> None:
+    """SIGTERM/SIGINT to the launcher: every group and worker is gone, exit 128+N. (The autouse
+    fixture also fails the test if any process of this session survives.) With SIGINT one group is
+    SIGSTOPped by chaos at that moment: stopped workers must die too."""
+    out = str(tmp_path)
+    chaos = ["--chaos", "steps=3,group=1,signal=STOP,stop_for=100"] if sig == signal.SIGINT else []
+    proc = start(
+        [*FTLAUNCH, "--replicas", "2", "--nproc-per-node", "2", "--grace-period", "5", *chaos,
+         WORKER, "--out", out, "--steps", "100000", "--step-time", "0.05"]
+    )
+    wait_for(lambda: len(records(out)) == 4, timeout=60, what="all 4 workers to start")
+    if chaos:
+        wait_for(lambda: any(p.status() == "stopped" for p in _descendants(proc.pid)), 30, "the SIGSTOP")
+    pids = [r["pid"] for r in records(out)]
+    proc.send_signal(sig)
+    res = finish(proc, timeout=60)
+    assert res.returncode == 128 + sig, res.stderr
+    assert res.stderr.strip().splitlines()[-1] == f"ftlaunch: error: stopped by {signal.Signals(sig).name}"
+    assert not [pid for pid in pids if alive(pid)]
+    assert summary_row(res.stdout, 0)[0] == "stopped" and summary_row(res.stdout, 1)[0] == "stopped"
+
+
+def _descendants(pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def test_console_script_installed() -> None:
+    exe = shutil.which("ftlaunch")
+    assert exe is not None, "the ftlaunch console script is not installed (pip install -e .)"
+    res = run([exe, "--help"], timeout=30)
+    assert res.returncode == 0 and "usage: ftlaunch" in res.stdout

@@ -1,0 +1,127 @@
+"""torchx components ``ftlaunch:hsdp`` / ``ftlaunch:ddp``: the spec they build, dryruns for cluster
+schedulers, ``.torchxconfig``'s default job, builtins still visible, and a real local_cwd run."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import sys
+
+import pytest
+from workers.helpers import REPO, records, run
+
+torchx = pytest.importorskip("torchx", reason="torchx is an optional dependency (pip install ftlaunch[torchx])")
+
+from torchx.specs.builders import materialize_appdef  # noqa: E402
+from torchx.specs.finder import get_component  # noqa: E402
+
+TORCHX = [sys.executable, "-m", "torchx.cli.main"]
+
+
+def _app(name: str, args: list[str]):
+    return materialize_appdef(get_component(name).fn, args)
+
+
+def _command(role) -> str:
+    assert role.entrypoint == "bash" and role.args[0] == "-c"
+    return role.args[1]
+
+
+def test_hsdp_spec_roles_env_resources_and_no_fixed_ports() -> None:
+    app = _app("ftlaunch:hsdp", ["--replicas", "3", "--workers_per_replica", "2", "--nnodes_per_replica", "2",
+                                  "--gpu", "2", "--max_restarts", "5", "--script", "train.py", "--", "--lr", "0.1"])
+    assert [r.name for r in app.roles] == ["lighthouse", "rg0", "rg1", "rg2"]
+    lighthouse, *groups = app.roles
+    assert lighthouse.resource.gpu == 0
+    assert "--bind" in lighthouse.args and lighthouse.args[lighthouse.args.index("--bind") + 1] == "127.0.0.1:0"
+    assert lighthouse.args[lighthouse.args.index("--groups") + 1] == "6"  # 3 groups x 2 nodes report back
+    for g, role in enumerate(groups):
+        cmd = _command(role)
+        assert role.num_replicas == 2 and role.resource.gpu == 2  # multi-node group, GPUs honoured
+        assert role.env["REPLICA_GROUP_ID"] == str(g) and role.env["NUM_REPLICA_GROUPS"] == "3"
+        assert "torchrun --rdzv-backend ftlaunch" in cmd
+        assert f"replica_group_id={g},num_replica_groups=3,lighthouse_file=/tmp/ftlaunch-torchx/${{app_id}}/" in cmd
+        assert f"group_endpoint=file:/tmp/ftlaunch-torchx/${{app_id}}/rg{g}.store" in cmd
+        assert "--nnodes 2 --nproc-per-node 2 --max-restarts 5" in cmd and cmd.count("train.py --lr 0.1;") == 1
+    # Nothing binds a fixed port: every host:port in the spec has port 0.
+    text = " ".join(" ".join(r.args) for r in app.roles)
+    assert re.findall(r"[\w.]+:(\d+)\b", text) and set(re.findall(r"[\w.]+:(\d+)\b", text)) == {"0"}
+
+
+def test_ddp_with_external_lighthouse_has_no_lighthouse_role() -> None:
+    app = _app("ftlaunch:ddp", ["--replicas", "2", "--lighthouse", "lh.example:29510", "-m", "pkg.train"])
+    assert [r.name for r in app.roles] == ["rg0", "rg1"]
+    cmd = _command(app.roles[0])
+    assert "--rdzv-endpoint lh.example:29510" in cmd and "lighthouse_file" not in cmd
+    assert "--nnodes 1" in cmd and "-m pkg.train" in cmd
+
+
+def test_component_errors() -> None:
+    with pytest.raises(ValueError, match="exactly one of --script and -m"):
+        _app("ftlaunch:hsdp", ["--replicas", "2"])
+    with pytest.raises(ValueError, match="--min_replicas 3 > --replicas 2"):
+        _app("ftlaunch:hsdp", ["--replicas", "2", "--min_replicas", "3", "--script", "x.py"])
+
+
+@pytest.mark.timeout(120)
+def test_builtins_are_not_hidden() -> None:
+    res = run([*TORCHX, "builtins"], timeout=100)
+    assert res.returncode == 0, res.stderr
+    assert "dist.ddp" in res.stdout and "utils.echo" in res.stdout
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "scheduler, extra",
+    [
+        ("slurm", ["--lighthouse_bind", "0.0.0.0:0", "--job_dir", "/shared/ftjob", "--nnodes_per_replica", "2"]),
+        ("local_docker", ["--lighthouse", "ftlaunch-lighthouse.example:29510"]),
+    ],
+)
+def test_dryrun_for_cluster_schedulers(scheduler: str, extra: list[str], tmp_path) -> None:
+    # Outside the repository (its .torchxconfig must not apply), no workspace image build.
+    res = run([*TORCHX, "run", "-s", scheduler, "--workspace", "", "--dryrun", "ftlaunch:hsdp", "--replicas", "2",
+               "--script", "train.py", *extra], timeout=100, cwd=str(tmp_path))
+    assert res.returncode == 0, res.stderr
+    text = res.stdout + res.stderr
+    assert "--rdzv-backend ftlaunch" in text and "replica_group_id=1" in text
+    if scheduler == "slurm":
+        assert "ftlaunch.launcher.lighthouse_role" in text and "0.0.0.0:0" in text
+    else:
+        assert "ftlaunch.launcher.lighthouse_role" not in text
+
+
+@pytest.mark.timeout(120)
+def test_torchxconfig_default_job() -> None:
+    res = run([*TORCHX, "run", "--dryrun"], timeout=100, cwd=REPO)
+    assert res.returncode == 0, res.stderr
+    text = res.stdout + res.stderr
+    assert "components/ft.py:train_ddp" in text or "train_ddp" in text
+    assert "scripts/train_ddp.py --steps 50" in text and "--rdzv-backend ftlaunch" in text
+
+
+@pytest.mark.timeout(150)
+def test_local_cwd_run_with_a_group_restart(tmp_path) -> None:
+    """A real local_cwd job: a lighthouse role and two torchrun roles; rg1 fails once and torchelastic
+    restarts it while rg0 keeps its first (and only) workers."""
+    out = str(tmp_path / "records")
+    (tmp_path / "records").mkdir()
+    res = run(
+        [*TORCHX, "run", "-s", "local_cwd", "ftlaunch:hsdp", "--replicas", "2", "--workers_per_replica", "2",
+         "--script", "tests/workers/worker.py", "--", "--out", out, "--steps", "20", "--step-time", "0.05",
+         "--check-torch", "--probe-lighthouse", "--fail-group", "1", "--fail-rank", "1", "--fail-step", "2"],
+        timeout=140,
+        cwd=REPO,
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "SUCCEEDED" in res.stdout + res.stderr
+    recs = records(out)
+    assert sorted((r["rank"], r["restart"]) for r in recs if r["group"] == 0) == [(0, 0), (1, 0)]
+    assert sorted((r["rank"], r["restart"]) for r in recs if r["group"] == 1) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    lighthouses = {r["env"]["FTLAUNCH_LIGHTHOUSE"] for r in recs}
+    assert len(lighthouses) == 1 and {r["lighthouse_status_address"] for r in recs} == lighthouses
+    for r in recs:
+        assert r["is_torchelastic_launched"] is True
+        assert r["env"]["NUM_REPLICA_GROUPS"] == "2" and r["env"]["WORLD_SIZE"] == "2"
+    app_ids = set(re.findall(r"local_cwd://torchx/(\S+)", res.stdout + res.stderr))
+    assert app_ids and all(not shutil.os.path.exists(f"/tmp/ftlaunch-torchx/{a}") for a in app_ids)  # cleaned up
