@@ -7,9 +7,7 @@ size-1 placeholder group (nothing to sync at construction) and a comm hook that 
 step is simply not committed — a survivor does not crash because a peer died.
 """
 
-from __future__ import annotations
-
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -61,11 +59,12 @@ class _SoloGroup(dist.ProcessGroup):
 
 
 class _HookState:
-    def __init__(self, manager: Manager, intra_group: dist.ProcessGroup | None) -> None:
+    def __init__(self, manager: Manager, intra_group: Optional[dist.ProcessGroup]) -> None:
         self.manager = manager
         self.intra_group = intra_group
 
 
+# No `from __future__ import annotations` in this module: DDP checks the hook's annotations at runtime.
 def _comm_hook(state: _HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     buf = bucket.buffer()
     if state.intra_group is not None:
@@ -84,10 +83,9 @@ class DistributedDataParallel(parallel.DistributedDataParallel):
     """``DistributedDataParallel(manager, module)``: DDP across replica groups through the Manager."""
 
     def __init__(
-        self, manager: Manager, module: nn.Module, intra_group: dist.ProcessGroup | None = None, **kwargs: Any
+        self, manager: Manager, module: nn.Module, intra_group: Optional[dist.ProcessGroup] = None, **kwargs: Any
     ) -> None:
         """``intra_group``: the replica group's own process group when each of its workers holds a
         full replica (plain DDP inside the group); gradients are averaged there, then across groups."""
-        kwargs.setdefault("broadcast_buffers", False)
         super().__init__(module, process_group=_SoloGroup(), **kwargs)
         self.register_comm_hook(_HookState(manager, intra_group), _comm_hook)

@@ -368,16 +368,14 @@ class Manager:
         future completes with the tensor as is, and ``should_commit()`` will refuse the step.
         """
         avg = str(reduce_op).lower() in ("avg", "reduceop.avg", "redoptype.avg") or reduce_op is dist.ReduceOp.AVG
-        if self._errored is not None:
-            return _completed(tensor)
-        try:
-            self.wait_quorum()
-        except LighthouseError:
-            raise
+        self.wait_quorum()
         plan = self._plan
-        if self._errored is not None or plan is None:
+        if plan is None or self._pg_error() is not None:
+            # No usable process group this step (quorum or reconfigure failed): nothing to talk to.
             return _completed(tensor)
-        if plan.heal:
+        # Even after a local error we still take part: every group must issue the same sequence of
+        # collectives, or peers hang (or gloo aborts on a size mismatch). The commit vote discards the step.
+        if plan.heal or self._errored is not None:
             # A healing group's gradients come from stale weights: contribute zeros, receive the average.
             tensor.zero_()
         op = dist.ReduceOp.SUM if avg else reduce_op
@@ -412,6 +410,10 @@ class Manager:
     def errored(self) -> Exception | None:
         return self._errored
 
+    def _pg_error(self) -> Exception | None:
+        errored = getattr(self._pg, "errored", None)
+        return errored() if errored is not None else None
+
     # ----------------------------------------------------------------------------- commit
     def should_commit(self, timeout: timedelta | float | None = None) -> bool:
         """True when every rank of every participating group finished this step cleanly."""
@@ -428,7 +430,7 @@ class Manager:
             except Exception as e:  # noqa: BLE001
                 self.report_error(e)
         ok = self._errored is None and plan is not None and plan.num_sources >= self._min_replica_size
-        if plan is not None and plan.replica_world_size > 1 and getattr(self._pg, "errored", lambda: None)() is None:
+        if plan is not None and plan.replica_world_size > 1 and self._pg_error() is None:
             ok = self._cross_group_vote(ok)
         if self._group_world_size > 1:
             ok = self._group_vote(ok)
