@@ -1,0 +1,622 @@
+"""Baby process groups: the real backend runs in a child process.
+
+Why: a collective stuck on a hung peer cannot be interrupted inside the process that runs it
+(gloo/NCCL give no reliable way to cancel a blocked op). With the backend in a child, `abort` is
+"kill the child": it returns at once, always. The price is a hop per operation, kept small:
+
+* tensors never travel: CPU tensors are shared with the child through shared memory (see
+  `_shm`), CUDA tensors through CUDA IPC; only a tiny command tuple crosses the socket;
+* one reader thread per child (not per op) completes Works and enforces op deadlines, so a
+  wedged child cannot hang the caller — `Work.wait()` also enforces the deadline itself;
+* a healthy child is reused by the next `configure` (a new gloo context in the same child
+  costs milliseconds, a new child a second or two); only a dead, killed or timed-out child is
+  replaced. A peer failure reported by the child leaves the child healthy.
+
+The child is a fresh interpreter (``python -m ftlaunch.process_group._baby_child``) started with
+`subprocess`, not multiprocessing: it never re-imports the user's ``__main__`` and needs no
+resource-tracker helper process.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from datetime import timedelta
+from multiprocessing.connection import Connection
+from multiprocessing.reduction import sendfds
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing.reductions
+from torch._C._distributed_c10d import (
+    AllgatherOptions,
+    AllreduceOptions,
+    AllToAllOptions,
+    BarrierOptions,
+    BroadcastOptions,
+    ReduceScatterOptions,
+)
+
+from ftlaunch.errors import CommunicationError
+from ftlaunch.process_group._shm import SharedTensors, StorageKey, _Staged
+from ftlaunch.process_group._store import parse_store_addr
+from ftlaunch.process_group.base import ProcessGroup, as_timedelta
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ProcessGroupBaby", "ProcessGroupBabyGloo", "ProcessGroupBabyNCCL"]
+
+_SPAWN_TIMEOUT_MIN = 60.0  # importing torch in a fresh interpreter on a loaded machine
+_READER_TICK = 1.0
+_ZERO = timedelta(0)
+
+
+class _Pending:
+    """One request in flight to the child."""
+
+    __slots__ = ("req", "op", "deadline", "staged", "event", "error", "extra", "callbacks", "lock")
+
+    def __init__(self, req: int, op: str, deadline: float, staged: list[_Staged]) -> None:
+        self.req = req
+        self.op = op
+        self.deadline = deadline
+        self.staged = staged
+        self.event = threading.Event()
+        self.error: tuple[str, str] | None = None
+        self.extra: Any = None
+        self.callbacks: list[Any] = []
+        self.lock = threading.Lock()
+
+    def complete(self, error: tuple[str, str] | None, extra: Any = None) -> None:
+        with self.lock:
+            if self.event.is_set():
+                return
+            self.error = error
+            self.extra = extra
+            self.event.set()
+            callbacks, self.callbacks = self.callbacks, []
+        for cb in callbacks:
+            cb()
+
+    def on_done(self, cb: Any) -> None:
+        with self.lock:
+            if not self.event.is_set():
+                self.callbacks.append(cb)
+                return
+        cb()
+
+
+class _Child:
+    """A child process, its socket, its reader thread and its table of requests in flight."""
+
+    _counter = itertools.count()
+
+    def __init__(self, backend: str) -> None:
+        self.backend = backend
+        self.healthy = True
+        self.ready = False
+        self.death: str | None = None  # why this child is unusable
+        self._pending: dict[int, _Pending] = {}
+        self._pending_lock = threading.Lock()
+        self._send_lock = threading.Lock()
+        self._reqs = itertools.count()
+        self._reader: threading.Thread | None = None
+        self._closed = False
+
+        parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        use_pdeathsig = threading.current_thread() is threading.main_thread()  # PDEATHSIG is per thread
+        cmd = [
+            sys.executable, "-m", "ftlaunch.process_group._baby_child",
+            "--fd", str(child_sock.fileno()),
+            "--parent-pid", str(os.getpid()),
+            "--backend", backend,
+            "--pdeathsig", "1" if use_pdeathsig else "0",
+        ]
+        try:
+            self.proc = subprocess.Popen(cmd, pass_fds=(child_sock.fileno(),), stdin=subprocess.DEVNULL)
+        except BaseException:
+            parent_sock.close()
+            raise
+        finally:
+            child_sock.close()
+        self.pid = self.proc.pid
+        self._sock = parent_sock
+        self._conn = Connection(os.dup(parent_sock.fileno()))
+        self.shared = SharedTensors(self._send_reg, self._send_unreg)
+        logger.debug("ftlaunch.process_group: started baby child pid %d (%s)", self.pid, backend)
+
+    # ---- startup ----------------------------------------------------------------------------
+    def wait_ready(self, timeout: float) -> None:
+        if self.ready:
+            return
+        if not self.healthy:
+            raise CommunicationError(f"baby child {self.pid} is unusable: {self.death}")
+        try:
+            if not self._conn.poll(timeout):
+                self.kill(f"did not start within {timeout:.0f}s")
+                raise CommunicationError(f"baby child {self.pid} did not start within {timeout:.0f}s")
+            msg = self._conn.recv()
+        except (EOFError, OSError) as e:
+            self.kill(f"exited during startup ({e!r})")
+            raise CommunicationError(
+                f"baby child {self.pid} exited during startup (exit code {self.proc.poll()})"
+            ) from None
+        if msg[0] != "ready":
+            self.kill(f"bad startup message {msg[0]!r}")
+            raise CommunicationError(f"baby child {self.pid} sent {msg[0]!r} instead of 'ready'")
+        self.ready = True
+        self._reader = threading.Thread(
+            target=self._read_loop, name=f"ftlaunch-baby-reader-{self.pid}", daemon=True
+        )
+        self._reader.start()
+
+    # ---- sending ----------------------------------------------------------------------------
+    def _send_reg(self, key: StorageKey, nbytes: int, fd: int) -> None:
+        self._conn.send(("reg", key, nbytes))
+        sendfds(self._sock, [fd])
+
+    def _send_unreg(self, keys: list[StorageKey]) -> None:
+        self._conn.send(("unreg", keys))
+
+    def send(self, msg: tuple[Any, ...]) -> None:
+        with self._send_lock:
+            self._conn.send(msg)
+
+    def submit(self, op: str, build: Any, timeout: float) -> _Pending:
+        """Register a request and send it; `build(staged)` encodes the message under the send lock."""
+        if not self.healthy:
+            raise CommunicationError(f"baby child {self.pid} is unusable: {self.death}")
+        req = next(self._reqs)
+        staged: list[_Staged] = []
+        pending = _Pending(req, op, time.monotonic() + timeout, staged)
+        with self._send_lock:
+            try:
+                self.shared.flush_dead()
+                msg = build(req, staged)
+                with self._pending_lock:
+                    self._pending[req] = pending
+                self._conn.send(msg)
+            except (OSError, EOFError) as e:
+                with self._pending_lock:
+                    self._pending.pop(req, None)
+                self.shared.release(staged, copy_back=False)
+                self.kill(f"connection lost ({e!r})")
+                raise CommunicationError(f"{op}: lost the connection to baby child {self.pid}: {e}") from e
+            except BaseException:
+                self.shared.release(staged, copy_back=False)
+                raise
+        return pending
+
+    def busy(self) -> bool:
+        with self._pending_lock:
+            return bool(self._pending)
+
+    # ---- receiving --------------------------------------------------------------------------
+    def _read_loop(self) -> None:
+        reason = "connection closed"
+        try:
+            while True:
+                with self._pending_lock:
+                    deadline = min((p.deadline for p in self._pending.values()), default=None)
+                wait = _READER_TICK if deadline is None else min(_READER_TICK, max(0.0, deadline - time.monotonic()))
+                if self._conn.poll(wait):
+                    msg = self._conn.recv()
+                    if msg[0] == "done":
+                        self._finish(msg[1], msg[2], msg[3])
+                else:
+                    self.check_deadlines()
+                if self._closed:
+                    return
+        except (EOFError, OSError, ValueError) as e:
+            reason = f"exited (exit code {self.proc.poll()})" if not self._closed else f"closed ({e!r})"
+        finally:
+            self._fail_all(reason)
+
+    def _finish(self, req: int, error: tuple[str, str] | None, extra: Any) -> None:
+        with self._pending_lock:
+            pending = self._pending.pop(req, None)
+        if pending is None:
+            return
+        try:
+            self.shared.release(pending.staged, copy_back=error is None)
+        except Exception as e:  # copying back can only fail on caller misuse (e.g. resized tensor)
+            error = error or ("value", f"copying results back failed: {e}")
+        if error is not None and error[0] == "internal":
+            self.kill(f"internal error in {pending.op}: {error[1]}")
+        pending.complete(error, extra)
+
+    def check_deadlines(self) -> None:
+        now = time.monotonic()
+        with self._pending_lock:
+            expired = [p for p in self._pending.values() if p.deadline <= now]
+        if expired:
+            ops = ", ".join(sorted({p.op for p in expired}))
+            self.kill(f"{ops} timed out; child killed", timed_out=True)
+
+    def _fail_all(self, reason: str) -> None:
+        self.healthy = False
+        self.death = self.death or reason
+        with self._pending_lock:
+            pending, self._pending = list(self._pending.values()), {}
+        for p in pending:
+            self.shared.release(p.staged, copy_back=False)
+            p.complete(("comm", f"baby child {self.pid} {self.death}"))
+
+    # ---- ending -----------------------------------------------------------------------------
+    def kill(self, reason: str, timed_out: bool = False) -> None:
+        """SIGKILL the child and fail everything in flight. Returns at once; idempotent."""
+        self.healthy = False
+        if self.death is None:
+            self.death = reason
+            logger.warning("ftlaunch.process_group: killing baby child %d: %s", self.pid, reason)
+        try:
+            self.proc.kill()
+        except OSError:
+            pass
+        self._fail_all(reason)
+
+    def close(self, graceful: bool) -> None:
+        """Stop the child and release the socket, the reader thread and the process entry."""
+        if self._closed:
+            return
+        self._closed = True
+        if graceful and self.healthy and self.proc.poll() is None:
+            try:
+                self.send(("shutdown",))
+                self.proc.wait(timeout=5.0)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+        self.healthy = False
+        self.death = self.death or "shut down"
+        if self.proc.poll() is None:
+            try:
+                self.proc.kill()
+            except OSError:
+                pass
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)  # wakes the reader out of poll()
+        except OSError:
+            pass
+        reader = self._reader
+        if reader is not None and reader is not threading.current_thread():
+            reader.join(timeout=10.0)
+        self._fail_all(self.death)
+        self.shared.close()
+        self._conn.close()
+        self._sock.close()
+        try:
+            self.proc.wait(timeout=10.0)
+        except subprocess.TimeoutExpired:
+            logger.error("ftlaunch.process_group: baby child %d did not exit after SIGKILL", self.pid)
+
+
+class _BabyWork(dist.Work):
+    """Completion of one request to the child; `wait` enforces the op deadline in this process."""
+
+    def __init__(self, pg: ProcessGroupBaby, child: _Child, pending: _Pending, result: Any,
+                 peer: int | None) -> None:
+        super().__init__()
+        self._pg = pg
+        self._child = child
+        self._pending = pending
+        self._result = result
+        self._peer = peer
+        self._generation = pg._generation
+
+    def _raise_if_failed(self) -> None:
+        error = self._pending.error
+        if error is None:
+            return
+        kind, text = error
+        if kind == "value":
+            raise ValueError(text)
+        if kind == "notimpl":
+            raise NotImplementedError(text)
+        raise self._pg._record_error(self._pending.op, text, self._peer, self._generation)
+
+    def _after_success(self) -> None:
+        """Hook for backends that must synchronise streams (NCCL)."""
+
+    def wait(self, timeout: timedelta = _ZERO) -> bool:
+        pending = self._pending
+        limit = pending.deadline - time.monotonic()
+        if timeout:
+            limit = min(limit, timeout.total_seconds())
+        if not pending.event.wait(max(0.0, limit)):
+            if time.monotonic() >= pending.deadline:
+                self._child.check_deadlines()
+                pending.event.wait(5.0)
+            else:
+                raise self._pg._record_error(
+                    pending.op, f"not completed within wait(timeout={timeout})", self._peer, self._generation
+                )
+        self._raise_if_failed()
+        self._after_success()
+        return True
+
+    def is_completed(self) -> bool:
+        return self._pending.event.is_set()
+
+    def is_success(self) -> bool:
+        return self._pending.event.is_set() and self._pending.error is None
+
+    def get_future(self) -> torch.futures.Future:
+        fut: torch.futures.Future = torch.futures.Future()
+
+        def _done() -> None:
+            try:
+                self._raise_if_failed()
+                self._after_success()
+            except Exception as e:
+                fut.set_exception(e)
+            else:
+                fut.set_result(self._result)
+
+        self._pending.on_done(_done)
+        return fut
+
+
+class _BabyWorkNCCL(_BabyWork):
+    """CUDA: completion means "enqueued on the child's stream"; wait() orders our stream after it."""
+
+    def _after_success(self) -> None:
+        extra = self._pending.extra
+        if extra is None:
+            return
+        device, handle = extra
+        event = torch.cuda.Event.from_ipc_handle(device, handle)
+        torch.cuda.current_stream(device).wait_event(event)
+
+
+class ProcessGroupBaby(ProcessGroup):
+    """A process group whose backend runs in a child process (see the module docstring)."""
+
+    _backend = ""
+    _work_cls: type[_BabyWork] = _BabyWork
+
+    def __init__(self, timeout: float | timedelta = 60.0) -> None:
+        super().__init__(0, 1)
+        if not self._backend:
+            raise TypeError("use ProcessGroupBabyGloo or ProcessGroupBabyNCCL")
+        self._timeout = as_timedelta(timeout).total_seconds()
+        self._lock = threading.RLock()
+        self._closed = False
+        self._configured = False
+        # Start the interpreter now (non-blocking): it imports torch while the caller does other
+        # work, so the first configure rarely waits for it.
+        self._child: _Child | None = _Child(self._backend)
+        self._finalizer = weakref.finalize(self, _kill_quietly, self._child)
+
+    def getBackendName(self) -> str:  # noqa: N802
+        return f"ftlaunch-baby-{self._backend}"
+
+    @property
+    def child_pid(self) -> int | None:
+        """Pid of the current child process (None when there is none)."""
+        child = self._child
+        return child.pid if child is not None else None
+
+    def _describe(self) -> str:
+        child = self._child
+        pid = f", child pid {child.pid}" if child is not None else ""
+        return super()._describe() + pid
+
+    # ---- lifecycle --------------------------------------------------------------------------
+    def _new_child(self) -> _Child:
+        child = _Child(self._backend)
+        self._child = child
+        self._finalizer.detach()
+        self._finalizer = weakref.finalize(self, _kill_quietly, child)
+        return child
+
+    def configure(self, store_addr: str, rank: int, world_size: int) -> None:
+        parse_store_addr(store_addr)
+        with self._lock:
+            self._closed = False  # a configure after shutdown() rebuilds the group (as torchft)
+            self._begin_configure(store_addr, rank, world_size)
+            self._configured = False
+            child = self._child
+            if child is not None and (not child.healthy or child.busy()):
+                # Requests still in flight would run on the old configuration: start clean.
+                reason = "unusable" if not child.healthy else "busy at reconfigure"
+                logger.info("ftlaunch.process_group: replacing baby child %d (%s)", child.pid, reason)
+                child.close(graceful=False)
+                child = None
+            if child is None:
+                child = self._new_child()
+            device = torch.cuda.current_device() if self._backend == "nccl" else None
+            try:
+                child.wait_ready(max(self._timeout, _SPAWN_TIMEOUT_MIN))
+                pending = child.submit(
+                    "configure",
+                    lambda req, staged: ("configure", req, store_addr, rank, world_size,
+                                         self._child_timeout(), device),
+                    self._timeout,
+                )
+                work = _BabyWork(self, child, pending, None, None)
+                work.wait()
+            except CommunicationError as e:
+                raise self._record_error("configure", e) from e
+            self._configured = True
+            logger.info("ftlaunch.process_group: configured %s", self._describe())
+
+    def _child_timeout(self) -> float:
+        # The child's backend gives up slightly before our deadline, so a plain peer timeout is
+        # reported by a still healthy child instead of costing a kill and a respawn.
+        return max(self._timeout * 0.9, self._timeout - 1.0)
+
+    def abort(self) -> None:
+        """Kill the child now; ops in flight fail, the next configure starts a new child."""
+        child = self._child
+        if child is not None:
+            child.kill("aborted")
+            if self._configured:
+                self._record_error("abort", "process group aborted")
+        self._configured = False
+
+    def shutdown(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._configured = False
+            child, self._child = self._child, None
+            self._finalizer.detach()
+            if child is not None:
+                child.close(graceful=True)
+
+    def set_timeout(self, timeout: timedelta | float) -> None:
+        self._timeout = as_timedelta(timeout).total_seconds()
+        child = self._child
+        if child is not None and child.ready and child.healthy:
+            try:
+                child.send(("set_timeout", self._child_timeout()))
+            except OSError:
+                pass
+
+    # ---- ops --------------------------------------------------------------------------------
+    def _submit(self, op: str, args: tuple[Any, ...], mutable: tuple[bool, ...], result: Any,
+                peer: int | None = None) -> dist.Work:
+        child = self._child
+        if not self._configured or child is None:
+            if self._closed:
+                raise ValueError(f"{op}: {type(self).__name__} was shut down; configure() it again to reuse it")
+            if self._error is not None:
+                raise self._error
+            raise ValueError(f"{op}: {type(self).__name__} is not configured; call configure() first")
+        if self._error is not None:
+            raise self._error  # errored: fail fast until the next configure
+        if not child.healthy:
+            raise self._record_error(op, f"baby child {child.pid} {child.death}", peer)
+        event = None
+        if self._backend == "nccl":
+            event = torch.cuda.Event(interprocess=True)
+            event.record(torch.cuda.current_stream())
+
+        def build(req: int, staged: list[_Staged]) -> tuple[Any, ...]:
+            encoded = tuple(self._encode(a, staged, m) for a, m in zip(args, mutable, strict=True))
+            return ("op", req, op, encoded, event)
+
+        try:
+            pending = child.submit(op, build, self._timeout)
+        except CommunicationError as e:
+            raise self._record_error(op, e, peer) from e
+        return self._work_cls(self, child, pending, result, peer)
+
+    def _encode(self, obj: Any, staged: list[_Staged], mutable: bool) -> Any:
+        if isinstance(obj, torch.Tensor):
+            if obj.is_cuda:
+                return obj  # CUDA IPC through torch's reductions
+            child = self._child
+            assert child is not None  # only called from _submit with a child in hand
+            return child.shared.encode(obj, staged, mutable)
+        if isinstance(obj, (list, tuple)):
+            return [self._encode(o, staged, mutable) for o in obj]
+        return obj
+
+    def _do_allreduce(self, tensors: list[torch.Tensor], opts: AllreduceOptions) -> dist.Work:
+        return self._submit("allreduce", (tensors, _op_code(opts.reduceOp)), (True, False), tensors)
+
+    def _do_allgather(
+        self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: AllgatherOptions
+    ) -> dist.Work:
+        return self._submit("allgather", (outputs, inputs), (True, False), outputs)
+
+    def _do_all_gather_single(
+        self, output: torch.Tensor, input: torch.Tensor, opts: AllgatherOptions
+    ) -> dist.Work:
+        return self._submit("all_gather_single", (output, input), (True, False), [output])
+
+    def _do_broadcast(self, tensors: list[torch.Tensor], opts: BroadcastOptions) -> dist.Work:
+        return self._submit("broadcast", (tensors, opts.rootRank), (True, False), tensors)
+
+    def _do_reduce_scatter(
+        self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: ReduceScatterOptions
+    ) -> dist.Work:
+        return self._submit(
+            "reduce_scatter", (outputs, inputs, _op_code(opts.reduceOp)), (True, False, False), outputs
+        )
+
+    def _do_reduce_scatter_single(
+        self, output: torch.Tensor, input: torch.Tensor, opts: ReduceScatterOptions
+    ) -> dist.Work:
+        return self._submit(
+            "reduce_scatter_single", (output, input, _op_code(opts.reduceOp)), (True, False, False), [output]
+        )
+
+    def _do_all_to_all_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_splits: list[int],
+        input_splits: list[int],
+        opts: AllToAllOptions,
+    ) -> dist.Work:
+        return self._submit(
+            "all_to_all_single",
+            (output, input, output_splits, input_splits),
+            (True, False, False, False),
+            [output],
+        )
+
+    def _do_alltoall(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: AllToAllOptions
+    ) -> dist.Work:
+        return self._submit("alltoall", (outputs, inputs), (True, False), outputs)
+
+    def _do_send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> dist.Work:
+        return self._submit("send", (tensors, dst, tag), (False, False, False), tensors, peer=dst)
+
+    def _do_recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> dist.Work:
+        return self._submit("recv", (tensors, src, tag), (True, False, False), tensors, peer=src)
+
+    def _do_barrier(self, opts: BarrierOptions) -> dist.Work:
+        return self._submit("barrier", (), (), [])
+
+
+def _op_code(op: dist.ReduceOp) -> int:
+    code = op.op if isinstance(op, dist.ReduceOp) else op
+    if code == dist.ReduceOp.RedOpType.PREMUL_SUM:
+        raise NotImplementedError("PREMUL_SUM is not supported by Baby process groups")
+    return int(code)
+
+
+def _kill_quietly(child: _Child) -> None:
+    """Finalizer of a garbage-collected group: never leave its child behind."""
+    try:
+        child.proc.kill()
+        child.proc.wait(timeout=5.0)
+    except Exception:
+        pass
+
+
+class ProcessGroupBabyGloo(ProcessGroupBaby):
+    """Gloo in a child process; abort never hangs. Prefer `ProcessGroupGloo` for raw speed."""
+
+    _backend = "gloo"
+
+
+class ProcessGroupBabyNCCL(ProcessGroupBaby):
+    """NCCL in a child process (CUDA tensors via CUDA IPC, ordered with CUDA events).
+
+    `Work.wait()` only orders the caller's current stream after the child's work; call
+    ``torch.cuda.synchronize()`` for a CPU-side sync. The child holds its own CUDA context
+    (roughly 1 GB of device memory).
+    """
+
+    _backend = "nccl"
+    _work_cls = _BabyWorkNCCL
+
+    def __init__(self, timeout: float | timedelta = 60.0) -> None:
+        if not torch.cuda.is_available():
+            raise NotImplementedError("ProcessGroupBabyNCCL needs CUDA, which is not available")
+        # CUDA tensors and events cross to the child through torch's pickling reducers (CUDA
+        # IPC handles), registered by torch.multiprocessing.
+        torch.multiprocessing.reductions.init_reductions()
+        super().__init__(timeout)

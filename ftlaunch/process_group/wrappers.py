@@ -1,0 +1,518 @@
+"""In-process reconfigurable groups: a generic wrapper, Gloo, NCCL, error swallowing, dummy.
+
+`ProcessGroupWrapper` forwards every operation to the backend object of the current
+configuration (a torch ``Backend`` such as gloo's, or another ftlaunch group). Forwarding is one
+Python call plus one thin `FtWork` per op — no copies, no threads — so the throughput is the
+backend's own. `configure` drops the old backend (its destructor joins gloo's worker threads and
+closes its sockets; a dead peer makes those finish at once, a hung one within the timeout) and
+builds a new one on the new store prefix.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import (
+    AllgatherOptions,
+    AllreduceCoalescedOptions,
+    AllreduceOptions,
+    AllToAllOptions,
+    BarrierOptions,
+    BroadcastOptions,
+    ReduceScatterOptions,
+)
+
+from ftlaunch.errors import CommunicationError
+from ftlaunch.process_group._store import create_store_client, first_line, parse_store_addr
+from ftlaunch.process_group.base import DoneWork, FtWork, ProcessGroup, as_timedelta
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "ErrorSwallowingProcessGroupWrapper",
+    "ProcessGroupDummy",
+    "ProcessGroupGloo",
+    "ProcessGroupNCCL",
+    "ProcessGroupWrapper",
+]
+
+
+class ProcessGroupWrapper(ProcessGroup):
+    """Wraps a process group and forwards every operation to it.
+
+    With ``pg`` an ftlaunch group, `configure` reconfigures it. Subclasses that own their backend
+    (Gloo, NCCL) implement `_create_pg` and get a fresh backend on every `configure`.
+    """
+
+    def __init__(self, pg: dist.ProcessGroup | None = None, timeout: timedelta | float = timedelta(seconds=60)) -> None:
+        super().__init__(0, 1)
+        self._pg: Any = pg
+        self._timeout = as_timedelta(timeout)
+        self._store: dist.Store | None = None
+        self._lock = threading.RLock()
+        self._closed = False
+        self._wrap_works = not isinstance(pg, ProcessGroup)
+        self._live_works: weakref.WeakSet[FtWork] = weakref.WeakSet()
+        self._abort_pending: int | None = None  # generation to abort, set on a backend thread
+
+    @property
+    def parent(self) -> Any:
+        """The current underlying group/backend (None before the first configure)."""
+        return self._pg
+
+    def _create_pg(self, store: dist.Store, rank: int, world_size: int) -> Any:
+        """Build this configuration's backend; only subclasses that own a backend implement it."""
+        raise NotImplementedError
+
+    def _owns_backend(self) -> bool:
+        return type(self)._create_pg is not ProcessGroupWrapper._create_pg
+
+    # ---- identity ---------------------------------------------------------------------------
+    def rank(self) -> int:
+        pg = self._pg
+        return pg.rank() if isinstance(pg, ProcessGroup) else self._rank
+
+    def size(self) -> int:
+        pg = self._pg
+        return pg.size() if isinstance(pg, ProcessGroup) else self._world_size
+
+    def getBackendName(self) -> str:  # noqa: N802
+        pg = self._pg
+        if isinstance(pg, ProcessGroup):
+            return pg.getBackendName()
+        return "ftlaunch-wrapper"
+
+    def errored(self) -> Exception | None:
+        self._run_pending_abort()
+        pg = self._pg
+        if self._error is None and isinstance(pg, ProcessGroup):
+            return pg.errored()
+        return self._error
+
+    def _describe(self) -> str:
+        pg = self._pg
+        if isinstance(pg, ProcessGroup) and not self._owns_backend():
+            return pg._describe()
+        return super()._describe()
+
+    # ---- lifecycle --------------------------------------------------------------------------
+    def configure(self, store_addr: str, rank: int, world_size: int) -> None:
+        parse_store_addr(store_addr)  # malformed addresses are misuse: ValueError before anything else
+        with self._lock:
+            self._closed = False  # a configure after shutdown() rebuilds the group (as torchft)
+            self._abort_pending = None
+            self._begin_configure(store_addr, rank, world_size)
+            if not self._owns_backend():
+                if not isinstance(self._pg, ProcessGroup):
+                    raise ValueError(
+                        f"{type(self).__name__} wraps {type(self._pg).__name__}, which cannot be reconfigured"
+                    )
+                self._pg.configure(store_addr, rank, world_size)
+                return
+            self._release_backend(abort=True)
+            try:
+                store = create_store_client(store_addr, self._timeout)
+                self._store = store
+                self._pg = self._create_pg(store, rank, world_size)
+            except CommunicationError as e:
+                self._release_backend(abort=True)
+                raise self._record_error("configure", e) from e
+            except (RuntimeError, TimeoutError) as e:
+                self._release_backend(abort=True)
+                raise self._record_error("configure", e) from e
+            self._wrap_works = True
+            logger.info("ftlaunch.process_group: configured %s", self._describe())
+
+    def _release_backend(self, abort: bool) -> None:
+        """Drop the owned backend and store client (their destructors free threads and sockets).
+
+        Outstanding Works of this backend are released too (they would keep its sockets open);
+        waiting on them afterwards raises CommunicationError.
+        """
+        old, self._pg = self._pg, None
+        self._store = None
+        works, self._live_works = list(self._live_works), weakref.WeakSet()
+        for work in works:
+            work.release()
+        if old is None:
+            return
+        try:
+            if abort:
+                old.abort()
+            else:
+                old.shutdown()
+        except Exception as e:  # a broken backend may refuse; dropping it is what matters
+            logger.debug("ftlaunch.process_group: releasing backend: %s", first_line(e))
+        del old
+
+    def _on_first_error(self, generation: int, on_backend_thread: bool) -> None:
+        """Close the backend at once after a failure, so that peers blocked on us fail fast.
+
+        A failed gloo context is unusable anyway, and while it lives its sockets stay open: a
+        peer waiting for data from us would sit out the whole timeout. Closing them turns one
+        peer's death into an immediate error everywhere. A backend thread (future callback) must
+        not destroy its own backend, so there the close is left to the next call from a user
+        thread (the next op, `errored`, `configure`).
+        """
+        if not self._owns_backend():
+            return
+        if on_backend_thread:
+            self._abort_pending = generation
+            return
+        self._close_after_error(generation)
+
+    def _close_after_error(self, generation: int) -> None:
+        with self._lock:
+            self._abort_pending = None
+            if generation != self._generation:
+                return  # already reconfigured
+            self._release_backend(abort=True)
+            logger.info("ftlaunch.process_group: closed %s after a communication error", self._describe())
+
+    def _run_pending_abort(self) -> None:
+        generation = self._abort_pending
+        if generation is not None:
+            self._close_after_error(generation)
+
+    def abort(self) -> None:
+        with self._lock:
+            if self._owns_backend():
+                if self._pg is not None:
+                    self._record_error("abort", "process group aborted")
+                self._release_backend(abort=True)
+            elif isinstance(self._pg, ProcessGroup):
+                self._pg.abort()
+
+    def shutdown(self) -> None:
+        with self._lock:
+            self._closed = True
+            if self._owns_backend():
+                self._release_backend(abort=False)
+            elif isinstance(self._pg, ProcessGroup):
+                self._pg.shutdown()
+
+    def set_timeout(self, timeout: timedelta | float) -> None:
+        self._timeout = as_timedelta(timeout)
+        pg = self._pg
+        if pg is not None and hasattr(pg, "set_timeout"):
+            pg.set_timeout(self._timeout)
+
+    # ---- forwarding -------------------------------------------------------------------------
+    def _current(self, op: str) -> Any:
+        if self._abort_pending is not None:
+            self._run_pending_abort()
+        if self._error is not None and self._owns_backend():
+            raise self._error  # errored: fail fast until the next configure
+        pg = self._pg
+        if pg is not None:
+            return pg
+        if self._closed:
+            raise ValueError(f"{op}: {type(self).__name__} was shut down; configure() it again to reuse it")
+        if self._error is not None:
+            raise self._error
+        raise ValueError(f"{op}: {type(self).__name__} is not configured; call configure() first")
+
+    def _forward(self, op: str, method: str, *args: Any, peer: int | None = None) -> dist.Work:
+        pg = self._current(op)
+        try:
+            work = getattr(pg, method)(*args)
+        except Exception as e:
+            raise self._call_error(op, e, peer) from e
+        if self._wrap_works:
+            ft = FtWork(self, work, op, peer)
+            self._live_works.add(ft)
+            return ft
+        return work
+
+    def _do_allreduce(self, tensors: list[torch.Tensor], opts: AllreduceOptions) -> dist.Work:
+        return self._forward("allreduce", "allreduce", tensors, opts)
+
+    def _do_allreduce_coalesced(
+        self, tensors: list[torch.Tensor], opts: AllreduceCoalescedOptions
+    ) -> dist.Work:
+        return self._forward("allreduce_coalesced", "allreduce_coalesced", tensors, opts)
+
+    def _do_allgather(
+        self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: AllgatherOptions
+    ) -> dist.Work:
+        return self._forward("allgather", "allgather", outputs, inputs, opts)
+
+    def _do_all_gather_single(
+        self, output: torch.Tensor, input: torch.Tensor, opts: AllgatherOptions
+    ) -> dist.Work:
+        return self._forward("all_gather_single", "_allgather_base", output, input, opts)
+
+    def _do_all_gather_single_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: AllgatherOptions
+    ) -> dist.Work:
+        if isinstance(self._pg, ProcessGroup):
+            return self._forward(
+                "all_gather_single_coalesced", "all_gather_single_coalesced", outputs, inputs, opts
+            )
+        return super()._do_all_gather_single_coalesced(outputs, inputs, opts)
+
+    def _do_broadcast(self, tensors: list[torch.Tensor], opts: BroadcastOptions) -> dist.Work:
+        return self._forward("broadcast", "broadcast", tensors, opts)
+
+    def _do_reduce_scatter(
+        self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: ReduceScatterOptions
+    ) -> dist.Work:
+        return self._forward("reduce_scatter", "reduce_scatter", outputs, inputs, opts)
+
+    def _do_reduce_scatter_single(
+        self, output: torch.Tensor, input: torch.Tensor, opts: ReduceScatterOptions
+    ) -> dist.Work:
+        return self._forward("reduce_scatter_single", "_reduce_scatter_base", output, input, opts)
+
+    def _do_reduce_scatter_single_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: ReduceScatterOptions
+    ) -> dist.Work:
+        if isinstance(self._pg, ProcessGroup):
+            return self._forward(
+                "reduce_scatter_single_coalesced", "reduce_scatter_single_coalesced", outputs, inputs, opts
+            )
+        return super()._do_reduce_scatter_single_coalesced(outputs, inputs, opts)
+
+    def _do_all_to_all_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_splits: list[int],
+        input_splits: list[int],
+        opts: AllToAllOptions,
+    ) -> dist.Work:
+        return self._forward(
+            "all_to_all_single", "alltoall_base", output, input, output_splits, input_splits, opts
+        )
+
+    def _do_alltoall(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: AllToAllOptions
+    ) -> dist.Work:
+        return self._forward("alltoall", "alltoall", outputs, inputs, opts)
+
+    def _do_send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> dist.Work:
+        return self._forward("send", "send", tensors, dst, tag, peer=dst)
+
+    def _do_recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> dist.Work:
+        return self._forward("recv", "recv", tensors, src, tag, peer=src)
+
+    def _do_barrier(self, opts: BarrierOptions) -> dist.Work:
+        return self._forward("barrier", "barrier", opts)
+
+
+class ProcessGroupGloo(ProcessGroupWrapper):
+    """Reconfigurable Gloo: a new ``torch.distributed.ProcessGroupGloo`` per configure."""
+
+    def __init__(self, timeout: timedelta | float = timedelta(seconds=60)) -> None:
+        super().__init__(timeout=timeout)
+
+    def getBackendName(self) -> str:  # noqa: N802
+        return "ftlaunch-gloo"
+
+    def _create_pg(self, store: dist.Store, rank: int, world_size: int) -> Any:
+        return dist.ProcessGroupGloo(store, rank, world_size, self._timeout)
+
+
+class ProcessGroupNCCL(ProcessGroupWrapper):
+    """Reconfigurable NCCL: a new ``ProcessGroupNCCL`` per configure; the old one is aborted.
+
+    NCCL's own error handling can still block inside CUDA; prefer `ProcessGroupBabyNCCL`
+    when a hung peer must never stall this process.
+    """
+
+    def __init__(self, timeout: timedelta | float = timedelta(seconds=60)) -> None:
+        super().__init__(timeout=timeout)
+
+    def getBackendName(self) -> str:  # noqa: N802
+        return "ftlaunch-nccl"
+
+    def _create_pg(self, store: dist.Store, rank: int, world_size: int) -> Any:
+        if not dist.is_nccl_available():
+            raise NotImplementedError("ProcessGroupNCCL: this torch build has no NCCL support")
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = self._timeout
+        pg = dist.ProcessGroupNCCL(store, rank, world_size, opts)
+        if torch.cuda.is_available():
+            # Connect eagerly so configure() fails here, not inside the first collective.
+            pg.eager_connect_single_device(torch.device("cuda", torch.cuda.current_device()))
+        return pg
+
+
+class ErrorSwallowingProcessGroupWrapper(ProcessGroupWrapper):
+    """Turns communication errors into reported errors and dummy results.
+
+    After the first error every operation returns a completed Work (tensors left as they are)
+    until the next `configure`, so modeling code needs no error handling; the owner (Manager)
+    checks `error()` once per step and discards the step.
+    """
+
+    def __init__(self, pg: ProcessGroup) -> None:
+        if not isinstance(pg, ProcessGroup):
+            raise TypeError("ErrorSwallowingProcessGroupWrapper needs an ftlaunch ProcessGroup")
+        super().__init__(pg=pg)
+        self._swallowed: Exception | None = None
+
+    def configure(self, store_addr: str, rank: int, world_size: int) -> None:
+        self._swallowed = None
+        super().configure(store_addr, rank, world_size)
+
+    def error(self) -> Exception | None:
+        """The error reported since the last configure, if any."""
+        return self._swallowed
+
+    def report_error(self, e: Exception) -> None:
+        """Record `e`; all following operations are skipped until the next configure."""
+        if self._swallowed is None:
+            logger.warning("ftlaunch.process_group: swallowing error, skipping ops until reconfigure: %s", e)
+            self._swallowed = e
+
+    def errored(self) -> Exception | None:
+        return self._swallowed or super().errored()
+
+    def _forward(self, op: str, method: str, *args: Any, peer: int | None = None) -> dist.Work:
+        result = _result_of(method, args)
+        if self._swallowed is not None:
+            return DoneWork(result)
+        try:
+            work = super()._forward(op, method, *args, peer=peer)
+        except CommunicationError as e:
+            self.report_error(e)
+            return DoneWork(result)
+        return _SwallowingWork(self, work, result)
+
+
+def _result_of(method: str, args: tuple[Any, ...]) -> Any:
+    """What a completed op's future holds: the tensors it wrote (torch uses the same convention)."""
+    if method in ("allgather", "reduce_scatter", "alltoall", "_allgather_base", "_reduce_scatter_base",
+                  "alltoall_base", "all_gather_single_coalesced", "reduce_scatter_single_coalesced"):
+        first = args[0]
+        return first if isinstance(first, list) else [first]
+    if method == "barrier":
+        return []
+    first = args[0]
+    return first if isinstance(first, list) else [first]
+
+
+class _SwallowingWork(dist.Work):
+    """Reports a failure to its wrapper instead of raising it."""
+
+    def __init__(self, pg: ErrorSwallowingProcessGroupWrapper, inner: dist.Work, result: Any) -> None:
+        super().__init__()
+        self._pg = pg
+        self._inner = inner
+        self._result = result
+
+    def wait(self, timeout: timedelta = timedelta(0)) -> bool:
+        try:
+            if timeout:
+                self._inner.wait(timeout)
+            else:
+                self._inner.wait()
+        except Exception as e:
+            self._pg.report_error(e)
+        return True
+
+    def is_completed(self) -> bool:
+        return self._inner.is_completed()
+
+    def get_future(self) -> torch.futures.Future:
+        out: torch.futures.Future = torch.futures.Future()
+        pg, result = self._pg, self._result
+
+        def _done(fut: torch.futures.Future) -> None:
+            try:
+                value = fut.value()
+            except Exception as e:
+                pg.report_error(e)
+                value = result
+            out.set_result(value)
+
+        self._inner.get_future().add_done_callback(_done)
+        return out
+
+
+class ProcessGroupDummy(ProcessGroup):
+    """Discards all data and returns success at once (to silence ops without touching the caller).
+
+    Every operation leaves its tensors untouched and completes immediately; `configure` only
+    records the rank and world size (and counts calls in ``configure_count``).
+    """
+
+    def __init__(self, rank: int, world: int) -> None:
+        super().__init__(rank, world)
+        if world < 1 or not 0 <= rank < world:
+            raise ValueError(f"bad rank/world: {rank}/{world}")
+        self.configure_count = 0
+        self._auto_register()
+
+    def getBackendName(self) -> str:  # noqa: N802
+        return "ftlaunch-dummy"
+
+    def configure(self, store_addr: str, rank: int, world_size: int) -> None:
+        parse_store_addr(store_addr)
+        self._begin_configure(store_addr, rank, world_size)
+        self.configure_count += 1
+
+    def set_timeout(self, timeout: timedelta | float) -> None:
+        as_timedelta(timeout)
+
+    def _do_allreduce(self, tensors: list[torch.Tensor], opts: AllreduceOptions) -> dist.Work:
+        return DoneWork(tensors)
+
+    def _do_allreduce_coalesced(
+        self, tensors: list[torch.Tensor], opts: AllreduceCoalescedOptions
+    ) -> dist.Work:
+        return DoneWork(tensors)
+
+    def _do_allgather(
+        self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: AllgatherOptions
+    ) -> dist.Work:
+        return DoneWork(outputs)
+
+    def _do_all_gather_single(
+        self, output: torch.Tensor, input: torch.Tensor, opts: AllgatherOptions
+    ) -> dist.Work:
+        return DoneWork([output])
+
+    def _do_broadcast(self, tensors: list[torch.Tensor], opts: BroadcastOptions) -> dist.Work:
+        return DoneWork(tensors)
+
+    def _do_reduce_scatter(
+        self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: ReduceScatterOptions
+    ) -> dist.Work:
+        return DoneWork(outputs)
+
+    def _do_reduce_scatter_single(
+        self, output: torch.Tensor, input: torch.Tensor, opts: ReduceScatterOptions
+    ) -> dist.Work:
+        return DoneWork([output])
+
+    def _do_all_to_all_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_splits: list[int],
+        input_splits: list[int],
+        opts: AllToAllOptions,
+    ) -> dist.Work:
+        return DoneWork([output])
+
+    def _do_alltoall(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: AllToAllOptions
+    ) -> dist.Work:
+        return DoneWork(outputs)
+
+    def _do_send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> dist.Work:
+        return DoneWork(tensors)
+
+    def _do_recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> dist.Work:
+        return DoneWork(tensors)
+
+    def _do_barrier(self, opts: BarrierOptions) -> dist.Work:
+        return DoneWork([])
