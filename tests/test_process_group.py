@@ -186,9 +186,10 @@ def test_baby_child_killed_fails_fast_and_is_replaced(store: dist.TCPStore) -> N
 
 @pytest.mark.timeout(120)
 def test_baby_wedged_child_times_out_in_parent(store: dist.TCPStore) -> None:
-    pg = ProcessGroupBabyGloo(timeout=2.0)
+    pg = ProcessGroupBabyGloo(timeout=60.0)
     try:
         pg.configure(addr(store, "w1"), 0, 1)
+        pg.set_timeout(timedelta(seconds=2))  # applies to the following ops
         wedged = pg.child_pid
         os.kill(wedged, signal.SIGSTOP)
         t = torch.ones(4)

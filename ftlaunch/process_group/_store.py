@@ -70,6 +70,16 @@ def parse_store_addr(store_addr: str) -> StoreAddress:
     return StoreAddress(host=host, port=port, prefix=prefix)
 
 
+def connect_store(addr: StoreAddress, timeout: timedelta) -> dist.TCPStore:
+    """A client connection to the TCPStore server at `addr` (prefix ignored)."""
+    try:
+        return dist.TCPStore(addr.host, addr.port, is_master=False, timeout=timeout, wait_for_workers=False)
+    except RuntimeError as e:
+        raise CommunicationError(
+            f"cannot connect to store {addr.host}:{addr.port} (prefix {addr.prefix!r}): {first_line(e)}"
+        ) from e
+
+
 def create_store_client(store_addr: str, timeout: timedelta | float = timedelta(seconds=60)) -> dist.Store:
     """A client of the TCPStore at `store_addr`, wrapped in a PrefixStore when a prefix is given.
 
@@ -78,14 +88,7 @@ def create_store_client(store_addr: str, timeout: timedelta | float = timedelta(
     if not isinstance(timeout, timedelta):
         timeout = timedelta(seconds=float(timeout))
     addr = parse_store_addr(store_addr)
-    try:
-        store: dist.Store = dist.TCPStore(
-            addr.host, addr.port, is_master=False, timeout=timeout, wait_for_workers=False
-        )
-    except RuntimeError as e:
-        raise CommunicationError(
-            f"cannot connect to store {addr.host}:{addr.port} (prefix {addr.prefix!r}): {first_line(e)}"
-        ) from e
+    store: dist.Store = connect_store(addr, timeout)
     if addr.prefix:
         store = dist.PrefixStore(addr.prefix, store)
     return store

@@ -99,8 +99,9 @@ class _Child:
 
     _counter = itertools.count()
 
-    def __init__(self, backend: str) -> None:
+    def __init__(self, backend: str, on_lost: Any = None) -> None:
         self.backend = backend
+        self._on_lost = on_lost  # called (reader thread) when the child dies on its own
         self.healthy = True
         self.ready = False
         self.death: str | None = None  # why this child is unusable
@@ -218,7 +219,11 @@ class _Child:
         except (EOFError, OSError, ValueError) as e:
             reason = f"exited (exit code {self.proc.poll()})" if not self._closed else f"closed ({e!r})"
         finally:
+            unexpected = self.healthy and not self._closed
             self._fail_all(reason)
+            if unexpected and self._on_lost is not None:
+                logger.warning("ftlaunch.process_group: baby child %d %s", self.pid, reason)
+                self._on_lost()
 
     def _finish(self, req: int, error: tuple[str, str] | None, extra: Any) -> None:
         with self._pending_lock:
@@ -237,9 +242,11 @@ class _Child:
         now = time.monotonic()
         with self._pending_lock:
             expired = [p for p in self._pending.values() if p.deadline <= now]
-        if expired:
+        if expired and self.healthy:
             ops = ", ".join(sorted({p.op for p in expired}))
-            self.kill(f"{ops} timed out; child killed", timed_out=True)
+            self.kill(f"{ops} timed out; child killed")
+            if self._on_lost is not None:
+                self._on_lost()
 
     def _fail_all(self, reason: str) -> None:
         self.healthy = False
@@ -251,12 +258,13 @@ class _Child:
             p.complete(("comm", f"baby child {self.pid} {self.death}"))
 
     # ---- ending -----------------------------------------------------------------------------
-    def kill(self, reason: str, timed_out: bool = False) -> None:
+    def kill(self, reason: str, quiet: bool = False) -> None:
         """SIGKILL the child and fail everything in flight. Returns at once; idempotent."""
         self.healthy = False
         if self.death is None:
             self.death = reason
-            logger.warning("ftlaunch.process_group: killing baby child %d: %s", self.pid, reason)
+            log = logger.info if quiet else logger.warning
+            log("ftlaunch.process_group: killing baby child %d: %s", self.pid, reason)
         try:
             self.proc.kill()
         except OSError:
@@ -388,12 +396,17 @@ class ProcessGroupBaby(ProcessGroup):
             raise TypeError("use ProcessGroupBabyGloo or ProcessGroupBabyNCCL")
         self._timeout = as_timedelta(timeout).total_seconds()
         self._lock = threading.RLock()
+        self._spare_lock = threading.Lock()
         self._closed = False
         self._configured = False
+        # Every child we started and have not reaped yet: the finalizer kills them if this group
+        # is garbage-collected without shutdown().
+        self._children: list[_Child] = []
+        self._finalizer = weakref.finalize(self, _kill_all, self._children)
         # Start the interpreter now (non-blocking): it imports torch while the caller does other
         # work, so the first configure rarely waits for it.
-        self._child: _Child | None = _Child(self._backend)
-        self._finalizer = weakref.finalize(self, _kill_quietly, self._child)
+        self._child: _Child | None = self._spawn()
+        self._spare: _Child | None = None  # a replacement started early, after a child was lost
 
     def getBackendName(self) -> str:  # noqa: N802
         return f"ftlaunch-baby-{self._backend}"
@@ -410,12 +423,28 @@ class ProcessGroupBaby(ProcessGroup):
         return super()._describe() + pid
 
     # ---- lifecycle --------------------------------------------------------------------------
-    def _new_child(self) -> _Child:
-        child = _Child(self._backend)
-        self._child = child
-        self._finalizer.detach()
-        self._finalizer = weakref.finalize(self, _kill_quietly, child)
+    def _spawn(self) -> _Child:
+        me = weakref.ref(self)
+
+        def _lost() -> None:  # reader thread: the child died on its own
+            pg = me()
+            if pg is not None:
+                pg._start_spare()
+
+        child = _Child(self._backend, on_lost=_lost)
+        self._children.append(child)
         return child
+
+    def _start_spare(self) -> None:
+        """Start a replacement child now, so the next configure need not wait for a whole spawn."""
+        with self._spare_lock:
+            if self._spare is None and not self._closed:
+                self._spare = self._spawn()
+
+    def _close_child(self, child: _Child, graceful: bool) -> None:
+        child.close(graceful=graceful)
+        if child in self._children:
+            self._children.remove(child)
 
     def configure(self, store_addr: str, rank: int, world_size: int) -> None:
         parse_store_addr(store_addr)
@@ -428,10 +457,14 @@ class ProcessGroupBaby(ProcessGroup):
                 # Requests still in flight would run on the old configuration: start clean.
                 reason = "unusable" if not child.healthy else "busy at reconfigure"
                 logger.info("ftlaunch.process_group: replacing baby child %d (%s)", child.pid, reason)
-                child.close(graceful=False)
-                child = None
+                self._close_child(child, graceful=False)
+                child = self._child = None
             if child is None:
-                child = self._new_child()
+                with self._spare_lock:
+                    child, self._spare = self._spare, None
+                if child is None or not child.healthy:
+                    child = self._spawn()
+                self._child = child
             device = torch.cuda.current_device() if self._backend == "nccl" else None
             try:
                 child.wait_ready(max(self._timeout, _SPAWN_TIMEOUT_MIN))
@@ -454,22 +487,29 @@ class ProcessGroupBaby(ProcessGroup):
         return max(self._timeout * 0.9, self._timeout - 1.0)
 
     def abort(self) -> None:
-        """Kill the child now; ops in flight fail, the next configure starts a new child."""
+        """Kill the child now (returns at once); ops in flight fail with CommunicationError.
+
+        A replacement child starts right away; the next configure uses it.
+        """
         child = self._child
-        if child is not None:
-            child.kill("aborted")
+        if child is not None and child.healthy:
+            child.kill("aborted", quiet=True)
             if self._configured:
-                self._record_error("abort", "process group aborted")
+                self._record_error("abort", "process group aborted", quiet=True)
+            self._start_spare()
         self._configured = False
 
     def shutdown(self) -> None:
+        """Stop the child (gracefully, then SIGKILL) and release its socket and reader thread."""
         with self._lock:
-            self._closed = True
+            with self._spare_lock:
+                self._closed = True
+                spare, self._spare = self._spare, None
             self._configured = False
             child, self._child = self._child, None
-            self._finalizer.detach()
-            if child is not None:
-                child.close(graceful=True)
+            for c in (child, spare):
+                if c is not None:
+                    self._close_child(c, graceful=True)
 
     def set_timeout(self, timeout: timedelta | float) -> None:
         self._timeout = as_timedelta(timeout).total_seconds()
@@ -587,13 +627,14 @@ def _op_code(op: dist.ReduceOp) -> int:
     return int(code)
 
 
-def _kill_quietly(child: _Child) -> None:
-    """Finalizer of a garbage-collected group: never leave its child behind."""
-    try:
-        child.proc.kill()
-        child.proc.wait(timeout=5.0)
-    except Exception:
-        pass
+def _kill_all(children: list[_Child]) -> None:
+    """Finalizer of a garbage-collected group: never leave a child behind."""
+    for child in list(children):
+        try:
+            child.proc.kill()
+            child.proc.wait(timeout=5.0)
+        except Exception:
+            pass
 
 
 class ProcessGroupBabyGloo(ProcessGroupBaby):

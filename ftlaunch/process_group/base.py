@@ -400,6 +400,7 @@ class ProcessGroup(dist.ProcessGroup):
         peer: int | None = None,
         generation: int | None = None,
         on_backend_thread: bool = False,
+        quiet: bool = False,
     ) -> CommunicationError:
         """Turn `exc` into a CommunicationError and remember it (first one wins) if still current."""
         err = self._comm_error(op, exc, peer)
@@ -409,7 +410,7 @@ class ProcessGroup(dist.ProcessGroup):
                 self._error = err
                 current = self._generation
         if first:
-            logger.warning("ftlaunch.process_group: %s", err)
+            (logger.info if quiet else logger.warning)("ftlaunch.process_group: %s", err)
             self._on_first_error(current, on_backend_thread)
         return err
 

@@ -29,7 +29,7 @@ from torch._C._distributed_c10d import (
 )
 
 from ftlaunch.errors import CommunicationError
-from ftlaunch.process_group._store import create_store_client, first_line, parse_store_addr
+from ftlaunch.process_group._store import connect_store, first_line, parse_store_addr
 from ftlaunch.process_group.base import DoneWork, FtWork, ProcessGroup, as_timedelta
 
 logger = logging.getLogger(__name__)
@@ -55,6 +55,7 @@ class ProcessGroupWrapper(ProcessGroup):
         self._pg: Any = pg
         self._timeout = as_timedelta(timeout)
         self._store: dist.Store | None = None
+        self._store_clients: dict[tuple[str, int], dist.Store] = {}
         self._lock = threading.RLock()
         self._closed = False
         self._wrap_works = not isinstance(pg, ProcessGroup)
@@ -117,17 +118,31 @@ class ProcessGroupWrapper(ProcessGroup):
                 return
             self._release_backend(abort=True)
             try:
-                store = create_store_client(store_addr, self._timeout)
+                store = self._prefixed_store(store_addr)
                 self._store = store
                 self._pg = self._create_pg(store, rank, world_size)
-            except CommunicationError as e:
+            except (CommunicationError, RuntimeError, TimeoutError) as e:
                 self._release_backend(abort=True)
-                raise self._record_error("configure", e) from e
-            except (RuntimeError, TimeoutError) as e:
-                self._release_backend(abort=True)
+                self._store_clients = {}  # the connection itself may be what failed
                 raise self._record_error("configure", e) from e
             self._wrap_works = True
             logger.info("ftlaunch.process_group: configured %s", self._describe())
+
+    def _prefixed_store(self, store_addr: str) -> dist.Store:
+        """The store of this configuration: our cached client of its server, plus the prefix.
+
+        One client connection per group and server, reused by every configure: connecting is
+        the slow part of a reconfigure (and now and then takes seconds).
+        """
+        addr = parse_store_addr(store_addr)
+        key = (addr.host, addr.port)
+        client = self._store_clients.get(key)
+        if client is None:
+            client = connect_store(addr, self._timeout)
+            self._store_clients = {key: client}  # only the current server's client is kept
+        else:
+            client.set_timeout(self._timeout)
+        return dist.PrefixStore(addr.prefix, client) if addr.prefix else client
 
     def _release_backend(self, abort: bool) -> None:
         """Drop the owned backend and store client (their destructors free threads and sockets).
@@ -184,7 +199,7 @@ class ProcessGroupWrapper(ProcessGroup):
         with self._lock:
             if self._owns_backend():
                 if self._pg is not None:
-                    self._record_error("abort", "process group aborted")
+                    self._record_error("abort", "process group aborted", quiet=True)
                 self._release_backend(abort=True)
             elif isinstance(self._pg, ProcessGroup):
                 self._pg.abort()
@@ -194,6 +209,7 @@ class ProcessGroupWrapper(ProcessGroup):
             self._closed = True
             if self._owns_backend():
                 self._release_backend(abort=False)
+                self._store_clients = {}
             elif isinstance(self._pg, ProcessGroup):
                 self._pg.shutdown()
 
@@ -388,11 +404,7 @@ class ErrorSwallowingProcessGroupWrapper(ProcessGroupWrapper):
 
 
 def _result_of(method: str, args: tuple[Any, ...]) -> Any:
-    """What a completed op's future holds: the tensors it wrote (torch uses the same convention)."""
-    if method in ("allgather", "reduce_scatter", "alltoall", "_allgather_base", "_reduce_scatter_base",
-                  "alltoall_base", "all_gather_single_coalesced", "reduce_scatter_single_coalesced"):
-        first = args[0]
-        return first if isinstance(first, list) else [first]
+    """What a completed op's future holds: the tensors it wrote (the first argument, as torch)."""
     if method == "barrier":
         return []
     first = args[0]
