@@ -49,6 +49,7 @@ from torch.distributed.elastic.rendezvous.api import (  # noqa: E402
     RendezvousHandler,
     RendezvousInfo,
     RendezvousParameters,
+    RendezvousStoreInfo,
 )
 
 from ftlaunch import env  # noqa: E402
@@ -284,8 +285,10 @@ class FtlaunchRendezvousHandler(RendezvousHandler):
         inner: RendezvousHandler,
         endpoint: str,
         run_id: str,
+        local_addr: str | None = None,
     ) -> None:
         self.config = config
+        self._local_addr = local_addr
         self._inner = inner
         self._endpoint = endpoint.strip()
         self._run_id = run_id
@@ -299,7 +302,8 @@ class FtlaunchRendezvousHandler(RendezvousHandler):
 
     @property
     def use_agent_store(self) -> bool:
-        return self._inner.use_agent_store
+        # Workers get a fresh store every round (see next_rendezvous), hosted by their rank 0.
+        return False
 
     @property
     def lighthouse_address(self) -> str | None:
@@ -320,7 +324,14 @@ class FtlaunchRendezvousHandler(RendezvousHandler):
                 self.config.replica_group_id,
                 self._rounds,
             )
-        return self._inner.next_rendezvous()
+        info = self._inner.next_rendezvous()
+        # A fresh worker store (MASTER_ADDR:MASTER_PORT, a free port hosted by worker rank 0) every
+        # round. torch's dynamic rendezvous shares one agent store across rounds and workers no longer
+        # prefix their keys per attempt, so after a restart a fast worker can read the address the
+        # *dead* previous rank 0 published and fail with "Connection refused" (seen with gloo). The
+        # round's store (``info.store``) is already per round, so the address exchange is clean.
+        bootstrap = RendezvousStoreInfo.build(info.rank, info.store, local_addr=self._local_addr)
+        return RendezvousInfo(info.store, info.rank, info.world_size, bootstrap)
 
     def is_closed(self) -> bool:
         return self._inner.is_closed()
@@ -492,7 +503,7 @@ def create_rdzv_handler(params: RendezvousParameters) -> FtlaunchRendezvousHandl
     inner_params = _inner_params(params, cfg, group_run_id)
     backend, store = create_backend(inner_params)
     inner = dynamic_rendezvous.create_handler(store, backend, inner_params)
-    return FtlaunchRendezvousHandler(cfg, inner, params.endpoint, group_run_id)
+    return FtlaunchRendezvousHandler(cfg, inner, params.endpoint, group_run_id, inner_params.local_addr)
 
 
 def register() -> None:

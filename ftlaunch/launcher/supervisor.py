@@ -103,6 +103,7 @@ class Group:
     stopped_pids: list[int] = field(default_factory=list)
     resume_at: float | None = None
     open_streams: int = 0
+    finishing: bool = False  # one of its workers exited 0
 
     @property
     def terminal(self) -> bool:
@@ -438,6 +439,8 @@ class Supervisor:
             for rank, wpid in list(group.worker_pids.items()):
                 if wpid == pid:
                     del group.worker_pids[rank]
+            if ev.get("failed") is False:
+                group.finishing = True  # a worker completed: the training is ending
             if not ev.get("failed"):
                 return
             key = (group.incarnation, int(ev.get("restart", group.generation)))
@@ -567,7 +570,7 @@ class Supervisor:
         spec = self.opts.chaos
         if spec is None or (spec.count is not None and len(self.injections) >= spec.count):
             return
-        if any(g.state in ("succeeded", "failed") for g in self.groups):
+        if any(g.finishing or g.state in ("succeeded", "failed") for g in self.groups):
             return  # the job is ending (or degraded): do not pile on
         due = False
         if spec.every is not None:
