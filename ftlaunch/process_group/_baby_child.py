@@ -70,9 +70,7 @@ class _Server:
         self._recent: deque[Any] = deque(maxlen=256)
         # Replies come from the main loop and from the completion thread.
         self._send_lock = threading.Lock()
-        # Gloo works are waited for in issue order by one completion thread, so the main loop
-        # keeps issuing (a send and the matching recv issued right after it can both be in
-        # flight, as with in-process gloo). Not every gloo Work has a future, hence a thread.
+        # Point-to-point works are waited for, in issue order, by one completion thread.
         self._inflight: queue.SimpleQueue[tuple[int, Any, Any] | None] = queue.SimpleQueue()
         self._completer = threading.Thread(target=self._complete_loop, name="ftlaunch-baby-completer",
                                            daemon=True)
@@ -188,8 +186,16 @@ class _Server:
                 work = pg.barrier()
             else:
                 raise NotImplementedError(f"unknown op {op!r}")
-            if event is None:
+            if event is None and op in ("send", "recv"):
+                # Point-to-point: a completion thread waits, so this loop keeps issuing (a send
+                # and the matching recv issued after it must both be in flight).
                 self._inflight.put((req, work, a))
+                return
+            if event is None:
+                # Collectives are matched by issue order on every rank, so waiting for each one
+                # here cannot deadlock - and saves a thread hand-off per op.
+                work.wait()
+                self._reply(req, None)
                 return
             work.wait()  # NCCL: only orders the current stream after the collective
             done = torch.cuda.Event(interprocess=True)

@@ -56,18 +56,24 @@ __all__ = ["ProcessGroupBaby", "ProcessGroupBabyGloo", "ProcessGroupBabyNCCL"]
 
 _SPAWN_TIMEOUT_MIN = 60.0  # importing torch in a fresh interpreter on a loaded machine
 _READER_TICK = 1.0
+# A request nobody waits for yet is left to a Work.wait() that usually follows at once; after this
+# long the reader thread collects it (futures are served at once).
+_WAITER_GRACE = 0.002
 _ZERO = timedelta(0)
 
 
 class _Pending:
     """One request in flight to the child."""
 
-    __slots__ = ("req", "op", "deadline", "staged", "event", "error", "extra", "callbacks", "lock")
+    __slots__ = ("req", "op", "submitted", "deadline", "staged", "event", "error", "extra", "callbacks",
+                 "lock", "needs_reader")
 
     def __init__(self, req: int, op: str, deadline: float, staged: list[_Staged]) -> None:
         self.req = req
         self.op = op
+        self.submitted = time.monotonic()
         self.deadline = deadline
+        self.needs_reader = False  # someone waits on a future: the reader thread must serve it
         self.staged = staged
         self.event = threading.Event()
         self.error: tuple[str, str] | None = None
@@ -111,6 +117,12 @@ class _Child:
         self._reqs = itertools.count()
         self._reader: threading.Thread | None = None
         self._closed = False
+        # Who reads the socket: a thread blocked in Work.wait() reads its reply itself (one
+        # thread wake-up less per op than handing it over from the reader thread); the reader
+        # thread serves futures, un-waited requests and deadlines. One reader at a time.
+        self._io = threading.Condition()
+        self._reading = False
+        self._waiters = 0
 
         parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         use_pdeathsig = threading.current_thread() is threading.main_thread()  # PDEATHSIG is per thread
@@ -197,32 +209,122 @@ class _Child:
         return pending
 
     def busy(self) -> bool:
+        """Requests still unanswered (replies already in the socket are collected first)."""
+        if self.ready and self.healthy and self._try_read_available():
+            pass
         with self._pending_lock:
             return bool(self._pending)
 
     # ---- receiving --------------------------------------------------------------------------
-    def _read_loop(self) -> None:
-        reason = "connection closed"
+    def _read_once(self, timeout: float) -> None:
+        """Read and dispatch at most one message (the caller holds the reading role)."""
+        if self._conn.poll(timeout):
+            msg = self._conn.recv()
+            if msg[0] == "done":
+                self._finish(msg[1], msg[2], msg[3])
+
+    def _acquire_reading(self, timeout: float) -> bool:
+        with self._io:
+            if self._reading:
+                self._io.wait(timeout)
+                return False
+            self._reading = True
+            return True
+
+    def _release_reading(self) -> None:
+        with self._io:
+            self._reading = False
+            self._io.notify_all()
+
+    def _try_read_available(self) -> bool:
+        """Dispatch replies already waiting in the socket, without blocking."""
+        if not self._acquire_reading(0.0):
+            return False
         try:
-            while True:
-                with self._pending_lock:
-                    deadline = min((p.deadline for p in self._pending.values()), default=None)
-                wait = _READER_TICK if deadline is None else min(_READER_TICK, max(0.0, deadline - time.monotonic()))
-                if self._conn.poll(wait):
-                    msg = self._conn.recv()
-                    if msg[0] == "done":
-                        self._finish(msg[1], msg[2], msg[3])
-                else:
-                    self.check_deadlines()
-                if self._closed:
-                    return
-        except (EOFError, OSError, ValueError) as e:
-            reason = f"exited (exit code {self.proc.poll()})" if not self._closed else f"closed ({e!r})"
+            while self._conn.poll(0):
+                self._read_once(0)
+        except (EOFError, OSError, ValueError):
+            self._lost_connection()
         finally:
-            unexpected = self.healthy and not self._closed
-            self._fail_all(reason)
-            if unexpected and self._on_lost is not None:
-                logger.warning("ftlaunch.process_group: baby child %d %s", self.pid, reason)
+            self._release_reading()
+        return True
+
+    def wait_for(self, pending: _Pending, limit: float) -> bool:
+        """Block until `pending` completes or `limit` seconds pass, reading replies ourselves."""
+        end = time.monotonic() + limit
+        with self._io:
+            self._waiters += 1
+        try:
+            while not pending.event.is_set():
+                remaining = end - time.monotonic()
+                if remaining <= 0:
+                    break
+                if not self._acquire_reading(min(remaining, _READER_TICK)):
+                    continue  # another thread reads; it dispatches our reply too
+                try:
+                    self._read_once(min(remaining, _READER_TICK))
+                except (EOFError, OSError, ValueError):
+                    self._lost_connection()
+                finally:
+                    self._release_reading()
+                self.check_deadlines()
+        finally:
+            with self._io:
+                self._waiters -= 1
+                self._io.notify_all()
+        return pending.event.is_set()
+
+    def wake_reader(self) -> None:
+        with self._io:
+            self._io.notify_all()
+
+    def _reader_should_serve(self, now: float) -> float | None:
+        """None if the reader should read now, else how long it may sleep."""
+        if self._reading or self._waiters:
+            return _READER_TICK
+        with self._pending_lock:
+            pendings = list(self._pending.values())
+        if not pendings:
+            return _READER_TICK
+        sleep = _READER_TICK
+        for p in pendings:
+            due = p.submitted + _WAITER_GRACE
+            if p.needs_reader or due <= now or p.deadline <= now:
+                return None
+            sleep = min(sleep, due - now)
+        return sleep
+
+    def _read_loop(self) -> None:
+        """Serve what no waiting thread reads: futures, requests nobody waits for, deadlines."""
+        while not self._closed and self.healthy:
+            with self._io:
+                sleep = self._reader_should_serve(time.monotonic())
+                if sleep is not None:
+                    self._io.wait(sleep)
+                    serve = False
+                else:
+                    self._reading = True
+                    serve = True
+            if serve:
+                try:
+                    with self._pending_lock:
+                        deadline = min((p.deadline for p in self._pending.values()), default=None)
+                    wait = _READER_TICK if deadline is None else max(0.0, deadline - time.monotonic())
+                    self._read_once(min(_READER_TICK, wait))
+                except (EOFError, OSError, ValueError):
+                    self._lost_connection()
+                finally:
+                    self._release_reading()
+            self.check_deadlines()
+
+    def _lost_connection(self) -> None:
+        """EOF from the child: it died (or we closed it). Fail everything; report a death."""
+        unexpected = self.healthy and not self._closed
+        reason = f"exited (exit code {self.proc.poll()})" if unexpected else "connection closed"
+        self._fail_all(reason)
+        if unexpected:
+            logger.warning("ftlaunch.process_group: baby child %d %s", self.pid, reason)
+            if self._on_lost is not None:
                 self._on_lost()
 
     def _finish(self, req: int, error: tuple[str, str] | None, extra: Any) -> None:
@@ -256,6 +358,7 @@ class _Child:
         for p in pending:
             self.shared.release(p.staged, copy_back=False)
             p.complete(("comm", f"baby child {self.pid} {self.death}"))
+        self.wake_reader()
 
     # ---- ending -----------------------------------------------------------------------------
     def kill(self, reason: str, quiet: bool = False) -> None:
@@ -290,9 +393,10 @@ class _Child:
             except OSError:
                 pass
         try:
-            self._sock.shutdown(socket.SHUT_RDWR)  # wakes the reader out of poll()
+            self._sock.shutdown(socket.SHUT_RDWR)  # wakes a reader out of poll()
         except OSError:
             pass
+        self.wake_reader()
         reader = self._reader
         if reader is not None and reader is not threading.current_thread():
             reader.join(timeout=10.0)
@@ -338,7 +442,7 @@ class _BabyWork(dist.Work):
         limit = pending.deadline - time.monotonic()
         if timeout:
             limit = min(limit, timeout.total_seconds())
-        if not pending.event.wait(max(0.0, limit)):
+        if not self._child.wait_for(pending, max(0.0, limit)):
             if time.monotonic() >= pending.deadline:
                 self._child.check_deadlines()
                 pending.event.wait(5.0)
@@ -368,6 +472,8 @@ class _BabyWork(dist.Work):
             else:
                 fut.set_result(self._result)
 
+        self._pending.needs_reader = True
+        self._child.wake_reader()
         self._pending.on_done(_done)
         return fut
 
@@ -620,11 +726,14 @@ class ProcessGroupBaby(ProcessGroup):
         return self._submit("barrier", (), (), [])
 
 
+_PREMUL_SUM = int(dist.ReduceOp.RedOpType.PREMUL_SUM)
+
+
 def _op_code(op: dist.ReduceOp) -> int:
-    code = op.op if isinstance(op, dist.ReduceOp) else op
-    if code == dist.ReduceOp.RedOpType.PREMUL_SUM:
+    code = int(op.op if isinstance(op, dist.ReduceOp) else op)
+    if code == _PREMUL_SUM:
         raise NotImplementedError("PREMUL_SUM is not supported by Baby process groups")
-    return int(code)
+    return code
 
 
 def _kill_all(children: list[_Child]) -> None:
