@@ -164,9 +164,11 @@ def test_baby_child_killed_fails_fast_and_is_replaced(store: dist.TCPStore) -> N
     try:
         pg.configure(addr(store, "c1"), 0, 1)
         first = pg.child_pid
+        t = torch.ones(8)
+        pg.allreduce([t])  # never waited for: its reply is collected, the child stays reusable
+        time.sleep(0.5)
         pg.configure(addr(store, "c2"), 0, 1)
         assert pg.child_pid == first, "a healthy child must be reused"
-        t = torch.ones(8)
         pg.allreduce([t]).wait()
         os.kill(first, signal.SIGKILL)
         start = time.monotonic()
@@ -180,6 +182,33 @@ def test_baby_child_killed_fails_fast_and_is_replaced(store: dist.TCPStore) -> N
         t = torch.full((4,), 2.0)
         pg.allreduce([t]).wait()
         assert t.tolist() == [2.0] * 4
+    finally:
+        pg.shutdown()
+
+
+def _child_shm_maps(pid: int) -> int:
+    return sum(1 for m in psutil.Process(pid).memory_maps() if m.path.startswith("/dev/shm/"))
+
+
+@pytest.mark.timeout(120)
+def test_baby_shares_tensors_once_and_releases_them(store: dist.TCPStore) -> None:
+    pg = ProcessGroupBabyGloo(timeout=30.0)
+    try:
+        pg.configure(addr(store, "s1"), 0, 1)
+        child = pg.child_pid
+        base = _child_shm_maps(child)
+        tensors = [torch.full((1000,), float(i)) for i in range(20)]
+        for _ in range(3):  # repeated use maps each storage once
+            for x in tensors:
+                pg.allreduce([x]).wait()
+        assert all(x.is_shared() for x in tensors)  # moved to shared memory in place, values kept
+        assert [x[0].item() for x in tensors] == [float(i) for i in range(20)]
+        assert _child_shm_maps(child) == base + 20
+        del tensors, x
+        gc.collect()
+        pg.allreduce([torch.ones(2)]).wait()  # the next op tells the child to unmap the dead ones
+        pg.barrier().wait()
+        assert _child_shm_maps(child) <= base + 1
     finally:
         pg.shutdown()
 

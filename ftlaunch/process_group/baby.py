@@ -6,8 +6,9 @@ Why: a collective stuck on a hung peer cannot be interrupted inside the process 
 
 * tensors never travel: CPU tensors are shared with the child through shared memory (see
   `_shm`), CUDA tensors through CUDA IPC; only a tiny command tuple crosses the socket;
-* one reader thread per child (not per op) completes Works and enforces op deadlines, so a
-  wedged child cannot hang the caller — `Work.wait()` also enforces the deadline itself;
+* no thread per op: a thread blocked in `Work.wait()` reads its own reply from the socket, and
+  one reader thread per child serves futures and enforces op deadlines, so a wedged child can
+  never hang the caller;
 * a healthy child is reused by the next `configure` (a new gloo context in the same child
   costs milliseconds, a new child a second or two); only a dead, killed or timed-out child is
   replaced. A peer failure reported by the child leaves the child healthy.
@@ -103,11 +104,9 @@ class _Pending:
 class _Child:
     """A child process, its socket, its reader thread and its table of requests in flight."""
 
-    _counter = itertools.count()
-
     def __init__(self, backend: str, on_lost: Any = None) -> None:
         self.backend = backend
-        self._on_lost = on_lost  # called (reader thread) when the child dies on its own
+        self._on_lost = on_lost  # called (on the thread that notices) when the child dies on its own
         self.healthy = True
         self.ready = False
         self.death: str | None = None  # why this child is unusable
@@ -646,7 +645,7 @@ class ProcessGroupBaby(ProcessGroup):
             event.record(torch.cuda.current_stream())
 
         def build(req: int, staged: list[_Staged]) -> tuple[Any, ...]:
-            encoded = tuple(self._encode(a, staged, m) for a, m in zip(args, mutable, strict=True))
+            encoded = tuple(self._encode(a, child, staged, m) for a, m in zip(args, mutable, strict=True))
             return ("op", req, op, encoded, event)
 
         try:
@@ -655,15 +654,18 @@ class ProcessGroupBaby(ProcessGroup):
             raise self._record_error(op, e, peer) from e
         return self._work_cls(self, child, pending, result, peer)
 
-    def _encode(self, obj: Any, staged: list[_Staged], mutable: bool) -> Any:
+    def _encode(self, obj: Any, child: _Child, staged: list[_Staged], mutable: bool) -> Any:
+        """Tensors -> shared-memory descriptors (CPU) or CUDA IPC (torch's reducers); lists recurse."""
         if isinstance(obj, torch.Tensor):
-            if obj.is_cuda:
-                return obj  # CUDA IPC through torch's reductions
-            child = self._child
-            assert child is not None  # only called from _submit with a child in hand
+            if self._backend == "nccl":
+                if not obj.is_cuda:
+                    raise ValueError("ProcessGroupBabyNCCL takes CUDA tensors; use ProcessGroupBabyGloo for CPU")
+                return obj
+            if obj.device.type != "cpu":
+                raise ValueError(f"ProcessGroupBabyGloo takes CPU tensors, got one on {obj.device}")
             return child.shared.encode(obj, staged, mutable)
         if isinstance(obj, (list, tuple)):
-            return [self._encode(o, staged, mutable) for o in obj]
+            return [self._encode(o, child, staged, mutable) for o in obj]
         return obj
 
     def _do_allreduce(self, tensors: list[torch.Tensor], opts: AllreduceOptions) -> dist.Work:
