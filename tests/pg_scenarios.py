@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import gc
 import os
-import signal
 import threading
 import time
 from datetime import timedelta
@@ -299,12 +298,6 @@ def child_state() -> dict[str, Any]:
     return {"pid": pid, "alive": pid is not None and psutil.pid_exists(pid)}
 
 
-def stop_child(sig: int) -> int:
-    pid = STATE["pg"].child_pid
-    os.kill(pid, sig)
-    return pid
-
-
 def start_babies_and_report() -> list[int]:
     """Create Baby groups from the main thread and from another thread; return their child pids."""
     pgs = [ProcessGroupBabyGloo(timeout=10.0)]
@@ -399,11 +392,25 @@ def mesh_collective(local_addr: str, ft_addr: str, rank: int, world: int) -> dic
         out = {"names": list(ext.mesh_dim_names), "shape": list(ext.mesh.shape),
                "fc": summed.tolist(), "dist": t2.tolist(), "shard": shard.tolist(),
                "dp_is_pg": ext.get_group("dp") is pg}
+        out["fsdp_grad"], out["local_grad"] = _fsdp2_hsdp_grads(ext, rank)
         pg.shutdown()
         return out
     finally:
         dist.destroy_process_group()
 
 
-def sleep_forever() -> None:
-    signal.pause()
+def _fsdp2_hsdp_grads(mesh: Any, rank: int) -> tuple[list[float], list[float]]:
+    """FSDP2 hybrid sharding over the extended mesh: replicate over "dp" (ours), shard over "shard"."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    local = torch.nn.Linear(4, 2)
+    local.load_state_dict(model.state_dict())
+    fully_shard(model, mesh=mesh)
+    x = torch.full((3, 4), float(rank + 1))
+    model(x).sum().backward()
+    local(x).sum().backward()
+    grad = model.weight.grad
+    grad = grad.full_tensor() if hasattr(grad, "full_tensor") else grad
+    return grad.flatten().tolist(), local.weight.grad.flatten().tolist()

@@ -320,6 +320,10 @@ def test_extend_device_mesh_runs_collective_through_new_dim(store: dist.TCPStore
             assert res["dp_is_pg"], res
             assert res["fc"] == [3.0] and res["dist"] == [3.0], res  # 1 + 2 across the two groups
             assert res["shard"] == [float(out.index(res) + 1)], res  # the local dim is untouched
+        # FSDP2 hybrid sharding replicates over our group: gradients are averaged across workers.
+        mean = [(a + b) / 2 for a, b in zip(out[0]["local_grad"], out[1]["local_grad"], strict=True)]
+        assert out[0]["local_grad"] != out[1]["local_grad"]
+        assert out[0]["fsdp_grad"] == out[1]["fsdp_grad"] == pytest.approx(mean)
 
 
 # ------------------------------------------------------------------------------------------------
