@@ -42,8 +42,10 @@ import os  # noqa: E402
 import socket  # noqa: E402
 import time  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
+from datetime import timedelta  # noqa: E402
 from typing import TYPE_CHECKING, Any  # noqa: E402
 
+from torch.distributed import TCPStore  # noqa: E402
 from torch.distributed.elastic.rendezvous.api import (  # noqa: E402
     RendezvousConnectionError,
     RendezvousHandler,
@@ -61,6 +63,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 BACKEND_NAME = "ftlaunch"
+#: Timeout of the workers' store server (torch's default for TCPStore).
+_STORE_TIMEOUT_S = 300
 
 #: Keys this handler reads from ``--rdzv-conf``; everything else must be a key of torchelastic's
 #: dynamic rendezvous (passed on to the group's own rendezvous).
@@ -289,6 +293,7 @@ class FtlaunchRendezvousHandler(RendezvousHandler):
     ) -> None:
         self.config = config
         self._local_addr = local_addr
+        self._worker_store: TCPStore | None = None
         self._inner = inner
         self._endpoint = endpoint.strip()
         self._run_id = run_id
@@ -302,8 +307,8 @@ class FtlaunchRendezvousHandler(RendezvousHandler):
 
     @property
     def use_agent_store(self) -> bool:
-        # Workers get a fresh store every round (see next_rendezvous), hosted by their rank 0.
-        return False
+        # The agent (of group rank 0) hosts the workers' store: a fresh one every round.
+        return True
 
     @property
     def lighthouse_address(self) -> str | None:
@@ -325,12 +330,21 @@ class FtlaunchRendezvousHandler(RendezvousHandler):
                 self._rounds,
             )
         info = self._inner.next_rendezvous()
-        # A fresh worker store (MASTER_ADDR:MASTER_PORT, a free port hosted by worker rank 0) every
-        # round. torch's dynamic rendezvous shares one agent store across rounds and workers no longer
-        # prefix their keys per attempt, so after a restart a fast worker can read the address the
-        # *dead* previous rank 0 published and fail with "Connection refused" (seen with gloo). The
-        # round's store (``info.store``) is already per round, so the address exchange is clean.
-        bootstrap = RendezvousStoreInfo.build(info.rank, info.store, local_addr=self._local_addr)
+        # A fresh workers' store (MASTER_ADDR:MASTER_PORT) every round, hosted by this agent when it
+        # is the group's rank 0. torch's dynamic rendezvous keeps one agent store across rounds, and
+        # workers do not prefix their keys per attempt: after a restart a fast worker can read the
+        # address the *dead* rank 0 of the previous attempt published and fail with "Connection
+        # refused" in gloo's connectFullMesh. The round's own store (``info.store``) is per round, so
+        # the address exchange below is clean; the previous round's server is closed.
+        port = None
+        if info.rank == 0:
+            self._worker_store = None
+            self._worker_store = TCPStore(
+                self._local_addr or socket.getfqdn(), 0, is_master=True, multi_tenant=True,
+                wait_for_workers=False, timeout=timedelta(seconds=_STORE_TIMEOUT_S),
+            )
+            port = self._worker_store.port
+        bootstrap = RendezvousStoreInfo.build(info.rank, info.store, local_addr=self._local_addr, server_port=port)
         return RendezvousInfo(info.store, info.rank, info.world_size, bootstrap)
 
     def is_closed(self) -> bool:
@@ -350,6 +364,7 @@ class FtlaunchRendezvousHandler(RendezvousHandler):
         try:
             return self._inner.shutdown()
         finally:
+            self._worker_store = None
             self._stop_hosted_lighthouse()
 
     # lighthouse

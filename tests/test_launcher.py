@@ -10,7 +10,7 @@ import signal
 
 import psutil
 import pytest
-from workers.helpers import FTLAUNCH, WORKER, alive, finish, records, run, start, wait_for
+from workers.helpers import FTLAUNCH, WORKER, alive, finish, kill_tree, records, run, start, wait_for
 
 from ftlaunch.lighthouse.server import LighthouseServer
 
@@ -166,27 +166,42 @@ def test_signal_stops_everything(tmp_path, sig: int) -> None:
     fixture also fails the test if any process of this session survives.) With SIGINT one group is
     SIGSTOPped by chaos at that moment: stopped workers must die too."""
     out = str(tmp_path)
-    chaos = ["--chaos", "steps=3,group=1,signal=STOP,stop_for=100"] if sig == signal.SIGINT else []
+    chaos = ["--chaos", "steps=20,group=1,signal=STOP,stop_for=100"] if sig == signal.SIGINT else []
     proc = start(
         [*FTLAUNCH, "--replicas", "2", "--nproc-per-node", "2", "--grace-period", "5", *chaos,
          WORKER, "--out", out, "--steps", "100000", "--step-time", "0.05"]
     )
-    wait_for(lambda: len(records(out)) == 4, timeout=60, what="all 4 workers to start")
-    if chaos:
-        wait_for(lambda: any(p.status() == "stopped" for p in _descendants(proc.pid)), 30, "the SIGSTOP")
-    pids = [r["pid"] for r in records(out)]
-    proc.send_signal(sig)
-    res = finish(proc, timeout=60)
+    try:
+        wait_for(lambda: len(_workers(proc.pid)) == 4, timeout=60, what="all 4 workers to start")
+        if chaos:
+            wait_for(lambda: any(status == "stopped" for _, status in _workers(proc.pid)), 30, "the SIGSTOP")
+        pids = [p.pid for p in _descendants(proc.pid)]
+        proc.send_signal(sig)
+        res = finish(proc, timeout=60)
+    finally:
+        kill_tree(proc.pid)
     assert res.returncode == 128 + sig, res.stderr
     assert res.stderr.strip().splitlines()[-1] == f"ftlaunch: error: stopped by {signal.Signals(sig).name}"
-    assert not [pid for pid in pids if alive(pid)]
+    assert len(pids) >= 6 and not [pid for pid in pids if alive(pid)]  # 2 agents + 4 workers, all gone
     assert summary_row(res.stdout, 0)[0] == "stopped" and summary_row(res.stdout, 1)[0] == "stopped"
+
+
+def _workers(pid: int) -> list[tuple[int, str]]:
+    """(pid, status) of the test workers under ``pid``."""
+    found = []
+    for p in _descendants(pid):
+        try:
+            if "worker.py" in " ".join(p.cmdline()):
+                found.append((p.pid, p.status()))
+        except psutil.Error:
+            continue
+    return found
 
 
 def _descendants(pid: int) -> list[psutil.Process]:
     try:
         return psutil.Process(pid).children(recursive=True)
-    except psutil.NoSuchProcess:
+    except psutil.Error:
         return []
 
 

@@ -104,6 +104,7 @@ class Group:
     resume_at: float | None = None
     open_streams: int = 0
     finishing: bool = False  # one of its workers exited 0
+    stepped: bool = False  # committed a step since its current workers started
 
     @property
     def terminal(self) -> bool:
@@ -309,6 +310,7 @@ class Supervisor:
             os.close(write_fd)
         group.proc = proc
         group.state = "starting"
+        group.stepped = False
         group.worker_pids = {}
         group.generation = 0
         group.workers_seen = False
@@ -398,6 +400,7 @@ class Supervisor:
             if self._training_started is None:
                 self._training_started = time.monotonic()
             if step.committed:
+                group.stepped = True
                 group.committed += 1
                 group.last_step = step.step
                 if group.failure_at is not None and not group.awaiting_workers:
@@ -427,6 +430,7 @@ class Supervisor:
                 group.restarts += gen - group.generation
                 group.generation = gen
                 group.worker_pids = pids
+                group.stepped = False
             else:
                 group.worker_pids.update(pids)
             group.workers_seen = True
@@ -595,7 +599,12 @@ class Supervisor:
                 self._next_chaos = now + spec.every
 
     def _chaos_target(self, spec: ChaosSpec) -> Group | None:
-        healthy = [g for g in self.groups if g.healthy and g.worker_pids]
+        # Only groups that are training: a group still starting up is not a meaningful target (unless
+        # the script prints no step lines at all).
+        healthy = [
+            g for g in self.groups
+            if g.healthy and g.worker_pids and (g.stepped or self._training_started is None)
+        ]
         if spec.group is not None:
             target = self.groups[spec.group]
             others = [g for g in healthy if g is not target]
