@@ -111,7 +111,9 @@ class FtWork(dist.Work):
         self._inner = None
 
     def _released_error(self) -> CommunicationError:
-        return self._pg._record_error(self._op, "aborted after an earlier failure", self._peer, self._generation)
+        return self._pg._record_error(
+            self._op, "aborted (the group failed, was aborted or was reconfigured)", self._peer, self._generation
+        )
 
     def wait(self, timeout: timedelta = _ZERO) -> bool:
         inner = self._inner

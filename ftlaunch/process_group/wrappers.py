@@ -60,6 +60,7 @@ class ProcessGroupWrapper(ProcessGroup):
         self._closed = False
         self._wrap_works = not isinstance(pg, ProcessGroup)
         self._live_works: weakref.WeakSet[FtWork] = weakref.WeakSet()
+        self._works_lock = threading.Lock()  # WeakSet is not safe against concurrent add/iterate
         self._abort_pending: int | None = None  # generation to abort, set on a backend thread
 
     @property
@@ -152,7 +153,8 @@ class ProcessGroupWrapper(ProcessGroup):
         """
         old, self._pg = self._pg, None
         self._store = None
-        works, self._live_works = list(self._live_works), weakref.WeakSet()
+        with self._works_lock:
+            works, self._live_works = list(self._live_works), weakref.WeakSet()
         for work in works:
             work.release()
         if old is None:
@@ -242,7 +244,8 @@ class ProcessGroupWrapper(ProcessGroup):
             raise self._call_error(op, e, peer) from e
         if self._wrap_works:
             ft = FtWork(self, work, op, peer)
-            self._live_works.add(ft)
+            with self._works_lock:
+                self._live_works.add(ft)
             return ft
         return work
 

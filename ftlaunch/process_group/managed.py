@@ -1,0 +1,69 @@
+"""`ManagedProcessGroup`: a process group whose allreduce goes through a Manager.
+
+For code that takes a process group (FSDP2 all-reduce hooks, custom gradient sync) rather than a
+Manager: it gets fault tolerance for free. Its size is the number of up-to-date replica groups in
+this step's quorum, and errors are reported to the Manager instead of raised — the step then simply
+does not commit.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from ftlaunch.process_group.wrappers import ProcessGroupWrapper
+
+if TYPE_CHECKING:
+    from ftlaunch.manager import Manager
+
+
+class _FuturesWork(dist.Work):
+    """A Work over Manager futures (which never fail: errors went to the Manager)."""
+
+    def __init__(self, futures: list[torch.futures.Future[torch.Tensor]]) -> None:
+        super().__init__()
+        self._futures = futures
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        for f in self._futures:
+            f.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        return all(f.done() for f in self._futures)
+
+    def get_future(self) -> torch.futures.Future[list[torch.Tensor]]:
+        out: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future()
+        torch.futures.collect_all(self._futures).then(lambda fs: out.set_result([f.value() for f in fs.value()]))
+        return out
+
+
+def _op_of(opts: Any) -> Any:
+    if opts is None:
+        return "avg"
+    if isinstance(opts, dist.ReduceOp) or isinstance(opts, dist.ReduceOp.RedOpType):
+        return opts
+    return getattr(opts, "reduceOp", "avg")
+
+
+class ManagedProcessGroup(ProcessGroupWrapper):
+    """``ManagedProcessGroup(manager)``: allreduce through ``manager.allreduce``."""
+
+    def __init__(self, manager: Manager) -> None:
+        super().__init__(manager.pg)
+        self._manager = manager
+
+    def allreduce(self, tensors: Any, opts: Any = None) -> dist.Work:
+        if isinstance(tensors, torch.Tensor):
+            tensors = [tensors]
+        op = _op_of(opts)
+        return _FuturesWork([self._manager.allreduce(t, reduce_op=op) for t in tensors])
+
+    def size(self) -> int:
+        return self._manager.num_participants()
+
+    def getBackendName(self) -> str:  # noqa: N802 - torch's C++ name
+        return "ftlaunch-managed"
