@@ -63,6 +63,15 @@ def _completed(value: T) -> torch.futures.Future[T]:
     return fut
 
 
+def _is_avg(op: Any) -> bool:
+    """AVG given as a string, a ``ReduceOp`` or a ``ReduceOp.RedOpType`` (which compare equal)."""
+    if isinstance(op, str):
+        if op.lower() not in ("avg", "sum"):
+            raise ValueError(f"reduce_op must be 'avg', 'sum' or a torch ReduceOp, got {op!r}")
+        return op.lower() == "avg"
+    return bool(op == dist.ReduceOp.AVG)
+
+
 class _StepLog(logging.LoggerAdapter):
     """Prefixes every record with ``[rg1/r0 step 42]`` so interleaved worker logs stay readable."""
 
@@ -367,7 +376,7 @@ class Manager:
         Never raises a communication error: a failure is recorded (``errored()``), the returned
         future completes with the tensor as is, and ``should_commit()`` will refuse the step.
         """
-        avg = str(reduce_op).lower() in ("avg", "reduceop.avg", "redoptype.avg") or reduce_op is dist.ReduceOp.AVG
+        avg = _is_avg(reduce_op)
         self.wait_quorum()
         plan = self._plan
         if plan is None or self._pg_error() is not None:
@@ -378,7 +387,7 @@ class Manager:
         if plan.heal or self._errored is not None:
             # A healing group's gradients come from stale weights: contribute zeros, receive the average.
             tensor.zero_()
-        op = dist.ReduceOp.SUM if avg else reduce_op
+        op = dist.ReduceOp.SUM if avg or reduce_op == "sum" else reduce_op
         try:
             work = self._pg.allreduce([tensor], op)
             fut = work.get_future()

@@ -61,6 +61,18 @@ def test_healthy_groups_have_identical_weights_every_step(tmp_path: Path, groups
         assert g.steps()[-1]["participants"] == 2
 
 
+def test_managed_process_group_averages_through_the_manager(tmp_path: Path, groups: list[Group]) -> None:
+    with lighthouse(min_replicas=2) as lh:
+        gs = [Group(i, 1, lh.address, tmp_path, ["--steps", "5", "--sync", "managed-pg"]) for i in range(2)]
+        groups.extend(gs)
+        for g in gs:
+            g.start()
+        for g in gs:
+            assert g.wait(150) == [0], g.log_tail()
+    assert_identical_every_step(gs)
+    assert gs[0].final()["checksum"] == gs[1].final()["checksum"]  # type: ignore[index]
+
+
 def test_sigkilled_group_survivors_continue_and_restarted_group_heals(tmp_path: Path, groups: list[Group]) -> None:
     with lighthouse(min_replicas=1) as lh:
         gs = [Group(i, 1, lh.address, tmp_path, ["--steps", "70", "--step-sleep", "0.1"]) for i in range(3)]

@@ -70,7 +70,7 @@ def test_plans_are_mutually_consistent(steps: dict[str, int], init_sync: bool) -
     ranks = sorted(p.replica_rank for p in plans.values())
     assert ranks == list(range(len(steps)))
     # Every healer is named as a destination by exactly its source, and sources never heal.
-    for rid, p in plans.items():
+    for p in plans.values():
         if p.heal:
             src = plans[p.recover_src_id]  # type: ignore[index]
             assert not src.heal and p.replica_rank in src.recover_dst_ranks

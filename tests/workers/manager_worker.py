@@ -50,6 +50,8 @@ def main() -> int:
     ap.add_argument("--quorum-timeout", type=float, default=30.0)
     ap.add_argument("--connect-timeout", type=float, default=10.0)
     ap.add_argument("--max-seconds", type=float, default=120.0)
+    ap.add_argument("--sync", choices=["ddp", "managed-pg"], default="ddp",
+                    help="gradient sync: ftlaunch DDP, or dist.all_reduce over a ManagedProcessGroup")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s %(message)s")
@@ -87,7 +89,13 @@ def main() -> int:
         max_retries=args.max_retries,
         checkpoint_transport=transport,
     )
-    ddp = DistributedDataParallel(manager, model, intra_group=intra)
+    if args.sync == "managed-pg":
+        from ftlaunch.process_group.managed import ManagedProcessGroup
+
+        mpg = ManagedProcessGroup(manager)
+        ddp = model
+    else:
+        ddp = DistributedDataParallel(manager, model, intra_group=intra)
     opt = Optimizer(manager, inner)
     deadline = time.monotonic() + args.max_seconds
     out = open(args.out, "a", buffering=1)
@@ -100,6 +108,9 @@ def main() -> int:
             x = torch.randn(4, 8, generator=g)
             loss = ddp(x).pow(2).mean()
             loss.backward()
+            if args.sync == "managed-pg":
+                for p in model.parameters():
+                    dist.all_reduce(p.grad, op=dist.ReduceOp.AVG, group=mpg)
             if args.always_error or (step == args.error_at_step and not errored_once):
                 errored_once = True
                 manager.report_error(RuntimeError(f"injected failure at step {step}"))

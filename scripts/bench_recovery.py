@@ -1,0 +1,249 @@
+#!/usr/bin/env python3
+"""Fault-tolerance cost and recovery speed, measured beside plain torch DDP in the same run.
+
+Setup (BRIEF.md): 2 replica groups x 1 worker, Gloo on loopback, a 3-layer MLP of width 1024,
+batch 32, SGD, one intra-op thread per worker. Prints:
+
+* step time with fault tolerance / plain torch DDP step time (ftlaunch Gloo and BabyGloo);
+* the survivor's longest stall after a SIGKILL of the other group;
+* restarted group: process start -> first committed step (with healing);
+* live-recovery transfer rate of a 256 MB state dict over HTTP (via scripts/bench_transport.py).
+
+Usage: python scripts/bench_recovery.py [--steps 60] [--runs 2] [--launcher]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+
+HERE = Path(__file__).resolve()
+WIDTH = 1024
+BATCH = 32
+
+BASELINE = {  # torchft-nightly 2026.10.26, same machine class (BRIEF.md)
+    "ratio_gloo": "1.28-1.52",
+    "ratio_baby": "1.75-1.84",
+    "stall": "5.0-5.1 s",
+    "rejoin": "4.3-5.1 s",
+    "transfer": "1.1 GB/s",
+}
+TARGET = {"ratio_gloo": "<= 1.10", "ratio_baby": "<= 1.25", "stall": "<= 0.5 s", "rejoin": "<= 2.5 s",
+          "transfer": ">= 2 GB/s"}
+
+
+# ------------------------------------------------------------------------------------------ workers
+def _model():  # noqa: ANN202
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.ReLU(), nn.Linear(WIDTH, WIDTH), nn.ReLU(),
+                         nn.Linear(WIDTH, WIDTH))
+
+
+def worker_plain(rank: int, port: int, steps: int, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    model = DDP(_model())
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.randn(BATCH, WIDTH)
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()
+        times.append(time.perf_counter() - t0)
+    dist.barrier()
+    dist.destroy_process_group()
+    Path(out).write_text(json.dumps({"times": times}))
+
+
+def worker_ft(group: int, lighthouse: str, steps: int, out: str, backend: str, step_sleep: float) -> None:
+    import torch
+
+    from ftlaunch.ddp import DistributedDataParallel
+    from ftlaunch.manager import Manager
+    from ftlaunch.optim import Optimizer
+    from ftlaunch.process_group import ProcessGroupBabyGloo, ProcessGroupGloo
+
+    torch.set_num_threads(1)
+    pg = ProcessGroupBabyGloo(timeout=10.0) if backend == "baby" else ProcessGroupGloo(timedelta(seconds=10))
+    model = _model()
+    inner = torch.optim.SGD(model.parameters(), lr=1e-3)
+    manager = Manager(
+        pg=pg, load_state_dict=lambda sd: (model.load_state_dict(sd["m"]), inner.load_state_dict(sd["o"])),
+        state_dict=lambda: {"m": model.state_dict(), "o": inner.state_dict()},
+        replica_id=f"rg{group}", lighthouse_addr=lighthouse, timeout=timedelta(seconds=10),
+        quorum_timeout=timedelta(seconds=30),
+    )
+    ddp = DistributedDataParallel(manager, model)
+    opt = Optimizer(manager, inner)
+    x = torch.randn(BATCH, WIDTH)
+    f = open(out, "w", buffering=1)
+    f.write(json.dumps({"start": time.time()}) + "\n")
+    try:
+        while manager.current_step() < steps:
+            t0 = time.perf_counter()
+            opt.zero_grad()
+            ddp(x).pow(2).mean().backward()
+            ok = opt.step()
+            f.write(json.dumps({"t": time.time(), "dt": time.perf_counter() - t0, "ok": ok}) + "\n")
+            if step_sleep:
+                time.sleep(step_sleep)
+    finally:
+        manager.shutdown()
+
+
+# ------------------------------------------------------------------------------------------ driver
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn(args: list[str]) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, str(HERE), "--worker", *args], stdout=subprocess.DEVNULL)
+
+
+def _records(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
+def plain_step_time(steps: int, tmp: Path) -> float:
+    port = _free_port()
+    outs = [tmp / f"plain{r}.json" for r in range(2)]
+    procs = [_spawn(["plain", str(r), str(port), str(steps), str(outs[r])]) for r in range(2)]
+    for p in procs:
+        p.wait(timeout=600)
+    times = json.loads(outs[0].read_text())["times"][steps // 5:]
+    return statistics.median(times)
+
+
+def ft_step_time(steps: int, tmp: Path, backend: str) -> float:
+    from ftlaunch.lighthouse.server import LighthouseServer
+
+    with LighthouseServer(min_replicas=2, join_timeout=30.0).start() as lh:
+        outs = [tmp / f"ft_{backend}{g}.jsonl" for g in range(2)]
+        procs = [_spawn(["ft", str(g), lh.address, str(steps), str(outs[g]), backend, "0"]) for g in range(2)]
+        for p in procs:
+            p.wait(timeout=600)
+    recs = [r for r in _records(outs[0]) if "dt" in r]
+    return statistics.median(r["dt"] for r in recs[steps // 5:])
+
+
+def kill_and_rejoin(tmp: Path, backend: str = "gloo") -> tuple[float, float, float]:
+    """(survivor's longest stall after the kill, its median step, restart -> first committed step)."""
+    from ftlaunch.lighthouse.server import LighthouseServer
+
+    steps = 400
+    with LighthouseServer(min_replicas=1, join_timeout=30.0).start() as lh:
+        outs = [tmp / f"kill{g}.jsonl" for g in range(2)]
+        procs = [_spawn(["ft", str(g), lh.address, str(steps), str(outs[g]), backend, "0.02"]) for g in range(2)]
+        deadline = time.monotonic() + 120
+        while sum(1 for r in _records(outs[1]) if r.get("ok")) < 20:
+            if time.monotonic() > deadline:
+                raise RuntimeError("group 1 did not get going")
+            time.sleep(0.05)
+        t_kill = time.time()
+        procs[1].send_signal(signal.SIGKILL)
+        procs[1].wait()
+        time.sleep(1.0)  # let the survivor run alone for a while
+        out_restart = tmp / "kill1_restart.jsonl"
+        t_start = time.time()
+        procs[1] = _spawn(["ft", "1", lh.address, str(steps), str(out_restart), backend, "0.02"])
+        deadline = time.monotonic() + 120
+        first_commit = None
+        while first_commit is None and time.monotonic() < deadline:
+            first_commit = next((r["t"] for r in _records(out_restart) if r.get("ok")), None)
+            time.sleep(0.01)
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+    surv = [r for r in _records(outs[0]) if "t" in r]
+    ends = [r["t"] for r in surv]
+    # Longest gap between the last step completed before the kill and the next ones, over the 1 s after.
+    before = max(t for t in ends if t <= t_kill)
+    after = [t for t in ends if t > t_kill and t < t_kill + 1.0]
+    gaps = [b - a for a, b in zip([before, *after], after, strict=False)]
+    stall = max(gaps) if gaps else float("inf")
+    median = statistics.median(r["dt"] for r in surv[:50])
+    rejoin = (first_commit - t_start) if first_commit else float("inf")
+    return stall, median + 0.02, rejoin
+
+
+def transfer_rate() -> str:
+    bench = HERE.parent / "bench_transport.py"
+    if not bench.exists():
+        return "n/a (scripts/bench_transport.py missing)"
+    proc = subprocess.run([sys.executable, str(bench), "--runs", "3", "--no-pg"], capture_output=True, text=True,
+                          timeout=600)
+    lines = [x for x in proc.stdout.splitlines() if "GB/s" in x]
+    return lines[0].strip() if lines else f"n/a (bench_transport exit {proc.returncode})"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--runs", type=int, default=2, help="repeat the step-time measurement (median taken)")
+    ap.add_argument("--skip-transfer", action="store_true")
+    ap.add_argument("--worker", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        kind, *rest = args.worker
+        if kind == "plain":
+            worker_plain(int(rest[0]), int(rest[1]), int(rest[2]), rest[3])
+        else:
+            worker_ft(int(rest[0]), rest[1], int(rest[2]), rest[3], rest[4], float(rest[5]))
+        return 0
+
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        plain, gloo, baby = [], [], []
+        for _ in range(args.runs):
+            plain.append(plain_step_time(args.steps, tmp))
+            gloo.append(ft_step_time(args.steps, tmp, "gloo"))
+            baby.append(ft_step_time(args.steps, tmp, "baby"))
+        p, g, b = statistics.median(plain), statistics.median(gloo), statistics.median(baby)
+        stall, step, rejoin = kill_and_rejoin(tmp)
+    transfer = "skipped" if args.skip_transfer else transfer_rate()
+
+    print(f"setup: 2 groups x 1 worker, gloo/loopback, MLP 3x{WIDTH}, batch {BATCH}, SGD; {args.runs} runs")
+    print(f"plain torch DDP step              {p * 1e3:8.2f} ms")
+    print(f"ftlaunch Gloo step                {g * 1e3:8.2f} ms   ratio {g / p:5.2f}  "
+          f"(torchft {BASELINE['ratio_gloo']}, target {TARGET['ratio_gloo']})")
+    print(f"ftlaunch BabyGloo step            {b * 1e3:8.2f} ms   ratio {b / p:5.2f}  "
+          f"(torchft {BASELINE['ratio_baby']}, target {TARGET['ratio_baby']})")
+    print(f"survivor's longest stall on kill  {stall:8.3f} s    (step incl. 20 ms sleep {step:.3f} s; "
+          f"torchft {BASELINE['stall']}, target {TARGET['stall']})")
+    print(f"restart -> first committed step   {rejoin:8.3f} s    (torchft {BASELINE['rejoin']}, "
+          f"target {TARGET['rejoin']})")
+    print(f"live recovery transfer (256 MB)   {transfer}   (torchft {BASELINE['transfer']}, target {TARGET['transfer']})")
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    sys.exit(main())
