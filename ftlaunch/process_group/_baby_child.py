@@ -224,9 +224,11 @@ class _Server:
 
 def _classify(e: BaseException) -> tuple[str, str]:
     from ftlaunch.errors import CommunicationError
+    from ftlaunch.process_group._store import first_line
 
     if isinstance(e, CommunicationError):
-        return ("comm", str(e))
+        # The parent adds op, rank and store itself: send the backend's own words.
+        return ("comm", first_line(e.__cause__) if e.__cause__ is not None else str(e))
     if isinstance(e, (ValueError, TypeError)):
         return ("value", str(e))
     if isinstance(e, NotImplementedError):
