@@ -180,7 +180,8 @@ def _entrypoint(args: argparse.Namespace) -> tuple[str, list[str]]:
     if args.run_path:
         if not os.path.isfile(script):
             _fail(f"training script not found: {script}")
-        return os.path.abspath(script), list(args.training_script_args)
+        # torchrun's --run-path: the entrypoint is run_script_path(script, *args) inside the worker.
+        return "run_script_path", [os.path.abspath(script), *args.training_script_args]
     if args.no_python:
         if args.module:
             _fail("--no-python and -m/--module cannot be used together")

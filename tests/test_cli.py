@@ -45,6 +45,8 @@ def test_module_and_no_python() -> None:
     assert opts.args[:3] == ["-u", "-m", "json.tool"]
     opts = options_from_args(["--no-python", "true"])
     assert opts.entrypoint == "true" and opts.args == []
+    opts = options_from_args(["--run-path", WORKER, "--steps", "2"])
+    assert opts.run_path and opts.args == [WORKER, "--steps", "2"]
 
 
 def test_lighthouse_alias_rdzv_endpoint() -> None:

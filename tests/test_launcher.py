@@ -4,9 +4,11 @@ covered in test_launcher_e2e.py."""
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import signal
+import sys
 
 import psutil
 import pytest
@@ -203,6 +205,22 @@ def _descendants(pid: int) -> list[psutil.Process]:
         return psutil.Process(pid).children(recursive=True)
     except psutil.Error:
         return []
+
+
+@pytest.mark.parametrize("mode", ["--run-path", "-m", "--no-python"])
+def test_torchrun_entrypoint_modes(tmp_path, mode: str) -> None:
+    out = str(tmp_path)
+    if mode == "--no-python":
+        target = [sys.executable, WORKER]  # any program: here the interpreter itself
+    elif mode == "-m":
+        target = ["worker"]
+    else:
+        target = [WORKER]
+    res = run([*FTLAUNCH, "--replicas", "1", mode, *target, "--out", out, "--steps", "2"], timeout=60,
+              cwd=os.path.dirname(WORKER))
+    assert res.returncode == 0, res.stderr
+    assert "[rg0/r0] step=1 committed=True" in res.stdout
+    assert [r["group"] for r in records(out)] == [0]
 
 
 def test_console_script_installed() -> None:
