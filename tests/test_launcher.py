@@ -92,7 +92,8 @@ def test_root_cause_and_min_replicas_stop_the_job(tmp_path) -> None:
     """rg1 fails on every attempt: once it is out of restarts, fewer than --min-replicas groups are
     left, so the supervisor stops rg0 (which would run for minutes) and exits 1 with the root cause."""
     res = run(
-        [*FTLAUNCH, "--replicas", "2", "--min-replicas", "2", "--max-restarts", "1", WORKER, "--steps", "100000",
+        [*FTLAUNCH, "--replicas", "2", "--min-replicas", "2", "--max-restarts", "1", "--log-dir", str(tmp_path),
+         WORKER, "--steps", "100000",
          "--step-time", "0.05", "--fail-group", "1", "--fail-step", "2", "--fail-restarts", "all", "--raise-error"],
         timeout=100,
     )
@@ -103,7 +104,7 @@ def test_root_cause_and_min_replicas_stop_the_job(tmp_path) -> None:
     assert "--min-replicas 2" in last
     assert summary_row(res.stdout, 0)[0] == "stopped"
     assert summary_row(res.stdout, 1)[:1] + summary_row(res.stdout, 1)[3:5] == ["failed", "2", "1"]
-    assert "[ftlaunch] logs kept in" in res.stdout
+    assert f"[ftlaunch] logs kept in {tmp_path}" in res.stdout
 
 
 def test_chaos_kills_groups_and_training_finishes(tmp_path) -> None:
@@ -171,6 +172,7 @@ def test_signal_stops_everything(tmp_path, sig: int) -> None:
     chaos = ["--chaos", "steps=20,group=1,signal=STOP,stop_for=100"] if sig == signal.SIGINT else []
     proc = start(
         [*FTLAUNCH, "--replicas", "2", "--nproc-per-node", "2", "--grace-period", "5", *chaos,
+         "--log-dir", str(tmp_path / "logs"),
          WORKER, "--out", out, "--steps", "100000", "--step-time", "0.05"]
     )
     try:

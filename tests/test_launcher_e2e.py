@@ -126,7 +126,7 @@ def test_torchx_local_cwd_train_ddp_end_identical() -> None:
 def test_sigterm_during_training_with_baby_gloo_leaves_nothing(tmp_path) -> None:
     """Baby process groups run the backend in a child of each worker: SIGTERM to the launcher must
     take those grandchildren down too (the autouse fixture fails the test on any survivor)."""
-    proc = start([*FTLAUNCH, "--replicas", "2", "--grace-period", "10", TRAIN, "--steps", "100000",
+    proc = start([*FTLAUNCH, "--replicas", "2", "--grace-period", "10", "--log-dir", str(tmp_path), TRAIN, "--steps", "100000",
                   "--backend", "baby-gloo", "--step-sleep", "0.05"])
     wait_for(lambda: len(_tree(proc.pid)) >= 6, 90, "agents, workers and baby children")
     pids = [p.pid for p in _tree(proc.pid)]
