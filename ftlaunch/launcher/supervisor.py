@@ -153,7 +153,12 @@ class Supervisor:
         procs.become_subreaper()
         old_handlers = self._install_signal_handlers()
         try:
-            self._start_lighthouse()
+            try:
+                self._start_lighthouse()
+            except LaunchError:
+                if self._own_log_dir:  # nothing ran: leave nothing behind
+                    shutil.rmtree(self._log_dir, ignore_errors=True)
+                raise
             self.console.err(
                 f"[ftlaunch] {self.opts.replicas} replica group(s) x {self.opts.nproc_per_node} worker(s), "
                 f"lighthouse {self._lighthouse_addr}, logs {self._log_dir}"
