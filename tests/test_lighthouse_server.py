@@ -590,3 +590,35 @@ def test_keepalive_connection_survives_error_responses(server):
     resp = conn.getresponse()
     assert resp.status == 200 and json.loads(resp.read()) == {"ok": True, "version": 1}
     conn.close()
+
+
+def test_http10_and_connection_close_clients_get_their_quorum(server):
+    """Not eligible for delivery by the forming thread: their own handler writes the response."""
+    body = json.dumps({"member": {"replica_id": "old"}, "timeout": 10}).encode()
+    raw = _raw(server, b"POST /quorum HTTP/1.0\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+    code, payload = _json_body(raw)
+    assert code == 200 and payload["quorum"]["participants"][0]["replica_id"] == "old"
+    raw = _raw(server, b"POST /quorum HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+    assert _json_body(raw)[0] == 200 and b"Connection: close" in raw
+
+
+def test_peer_closed_probe_neither_reads_nor_blocks():
+    from ftlaunch.lighthouse.server import _peer_closed
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(listener.getsockname())
+    conn, _ = listener.accept()
+    conn.settimeout(60.0)  # like a handler's socket: a recv here would wait up to a minute
+    try:
+        assert not _peer_closed(conn)
+        client.sendall(b"pipelined")
+        time.sleep(0.05)
+        t0 = time.monotonic()
+        assert not _peer_closed(conn)
+        assert time.monotonic() - t0 < 5.0
+        assert conn.recv(100) == b"pipelined"  # the probe consumed nothing
+        client.close()
+        wait_for(lambda: _peer_closed(conn), what="peer close seen")
+    finally:
+        conn.close()
+        listener.close()

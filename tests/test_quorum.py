@@ -20,6 +20,7 @@ from ftlaunch.lighthouse.quorum import (
     decode_quorum_id,
     encode_quorum_id,
     group_health,
+    may_form,
 )
 
 NOW = 1000.0
@@ -221,6 +222,24 @@ def test_no_requests_no_quorum():
     assert not d.formed
 
 
+# ---------------------------------------------------------------------------------- may_form (server fast path)
+
+
+def test_may_form_mirrors_each_forming_rule():
+    g = groups("a", "b", "c")
+    # fast quorum possible although c is live and has not asked
+    assert may_form(state(g, requests("a", "b"), prev=quorum(5, "a", "b")), NOW, OPTS)
+    # c live and not asked, no fast quorum, join timeout running: cannot form
+    assert not may_form(state(g, requests("a", "b"), round_start=NOW), NOW, OPTS)
+    # ... until the join timeout passes
+    assert may_form(state(g, requests("a", "b"), round_start=NOW - 10.0), NOW, OPTS)
+    # every live group asked (c is silent)
+    g2 = {**groups("a", "b"), **groups("c", last_seen=NOW - 6.0)}
+    assert may_form(state(g2, requests("a", "b")), NOW, OPTS)
+    # fewer requests than min_replicas
+    assert not may_form(state(g, requests("a")), NOW, QuorumOptions(min_replicas=2))
+
+
 # ---------------------------------------------------------------------------------- id encoding
 
 
@@ -301,12 +320,16 @@ def scenarios(draw):
         age = draw(st.sampled_from([0.0, 0.0, 1.0, 4.9, 5.1, 30.0]))  # mostly live
         conn = draw(st.sampled_from([Connection.CONNECTED] * 4 + [Connection.DISCONNECTED, Connection.FAILED]))
         g[rid] = GroupState(rid, NOW - age, conn)
-    askers = draw(st.lists(st.sampled_from(NAMES), unique=True, max_size=8))
+    # Mostly known groups ask (and then usually not all of them), sometimes anyone.
+    ask_pool = known if known and draw(st.integers(0, 3)) else NAMES
+    askers = draw(st.lists(st.sampled_from(ask_pool), unique=True, max_size=8))
     r = {
         rid: QuorumMember(rid, shrink_only=draw(st.booleans()), commit_failures=draw(st.sampled_from([0, 0, 1])))
         for rid in askers
     }
-    prev_ids = draw(st.lists(st.sampled_from(NAMES), unique=True, max_size=8))
+    # Often a previous quorum whose members all asked again (the fast-quorum case).
+    pool = askers if askers and draw(st.booleans()) else NAMES
+    prev_ids = draw(st.lists(st.sampled_from(pool), unique=True, max_size=8))
     prev = quorum(draw(st.integers(1, 50)), *prev_ids) if prev_ids else None
     opts = QuorumOptions(
         min_replicas=draw(st.integers(1, 4)),
@@ -403,3 +426,12 @@ def test_property_ids_increase_across_restarts(start_ms, run_ms, changes, downti
         last = nxt
     restarted = QuorumIdAllocator(ID_EPOCH_BASE_MS + start_ms + run_ms + downtime_ms)
     assert restarted.take() > last
+
+
+@settings(max_examples=600, deadline=None)
+@given(scenarios())
+def test_property_may_form_is_a_necessary_condition(scenario):
+    """The server skips the full decision when may_form is False: that must never lose a quorum."""
+    s, opts = scenario
+    if decide_quorum(s, NOW, opts).formed:
+        assert may_form(s, NOW, opts)

@@ -253,17 +253,42 @@ def _wait(reason: str, wake_at: float | None) -> QuorumDecision:
     return QuorumDecision(participants=None, quorum_id=None, new_id=False, reason=reason, wake_at=wake_at)
 
 
+def may_form(state: LighthouseState, now: float, options: QuorumOptions) -> bool:
+    """Cheap necessary condition for `decide_quorum` to form a quorum (False => it would wait).
+
+    Usually O(1): the server calls it on every request arrival and runs the full O(groups)
+    decision only when it returns True, which with N groups asking in turn is about once per round.
+    """
+    requests = state.requests
+    if len(requests) < options.min_replicas:
+        return False
+    prev = state.prev_quorum
+    if prev is not None and all(p.replica_id in requests for p in prev.participants):
+        return True  # a fast quorum is possible
+    if state.round_start is None or now - state.round_start >= options.join_timeout:
+        return True  # the join timeout has passed
+    # Otherwise only "every live group asked" can form: look for a live group that has not asked.
+    cutoff = now - options.heartbeat_timeout
+    connected = Connection.CONNECTED
+    for rid, g in state.groups.items():
+        if rid not in requests and g.connection is connected and g.last_seen >= cutoff:
+            return False
+    return True
+
+
 def decide_quorum(state: LighthouseState, now: float, options: QuorumOptions) -> QuorumDecision:
     """Decide whether a quorum forms now, with whom and under which id (see module docstring)."""
     hb = options.heartbeat_timeout
+    cutoff = now - hb
+    connected = Connection.CONNECTED
     live: set[str] = set()
-    next_expiry: float | None = None
+    oldest: float | None = None
     for rid, g in state.groups.items():
-        if g.connection is Connection.CONNECTED and now - g.last_seen <= hb:
+        if g.connection is connected and g.last_seen >= cutoff:
             live.add(rid)
-            expiry = g.last_seen + hb
-            if next_expiry is None or expiry < next_expiry:
-                next_expiry = expiry
+            if oldest is None or g.last_seen < oldest:
+                oldest = g.last_seen
+    next_expiry = None if oldest is None else oldest + hb
     candidates = [rid for rid in state.requests if rid in live]
     prev = state.prev_quorum
     prev_ids = set(prev.replica_ids) if prev is not None else set()

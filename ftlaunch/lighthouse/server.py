@@ -54,6 +54,7 @@ from ftlaunch.lighthouse.quorum import (
     QuorumOptions,
     decide_quorum,
     group_health,
+    may_form,
 )
 
 log = logging.getLogger(__name__)
@@ -98,19 +99,31 @@ class _Conn:
 
 
 class _Pending:
-    """A quorum request parked in a long poll; resolved with a quorum or an error."""
+    """A quorum request parked in a long poll; resolved (once) with a quorum or an error.
 
-    __slots__ = ("member", "cond", "result", "error")
+    The waiter sleeps on its own Event, not on the server lock: when a quorum of 64 forms, the 64
+    woken handlers write their responses without queueing for the lock one after another.
+    """
 
-    def __init__(self, member: QuorumMember, lock: threading.Lock) -> None:
+    __slots__ = ("member", "done", "result", "body", "error", "sock", "response", "sent")
+
+    def __init__(self, member: QuorumMember, sock: socket.socket | None = None) -> None:
         self.member = member
-        self.cond = threading.Condition(lock)
+        self.done = threading.Event()
         self.result: Quorum | None = None
+        self.body = b""  # the encoded 200 response body for `result`
         self.error: tuple[int, str] | None = None  # (status, message); status 0 = drop silently
+        self.sock = sock  # set if the forming thread may write the response directly (keep-alive 1.1)
+        self.response = b""  # full HTTP response, when written (partly) by the forming thread
+        self.sent = 0  # bytes of `response` already written by the forming thread
 
-    def resolve(self, result: Quorum | None = None, error: tuple[int, str] | None = None) -> None:
-        self.result, self.error = result, error
-        self.cond.notify()
+    def resolve(
+        self, result: Quorum | None = None, error: tuple[int, str] | None = None, body: bytes = b""
+    ) -> None:
+        if self.done.is_set():  # first answer wins; the waiter may already be writing it
+            return
+        self.result, self.error, self.body = result, error, body
+        self.done.set()
 
 
 @dataclass
@@ -165,9 +178,9 @@ class LighthouseServer:
         self._pending: dict[str, _Pending] = {}
         self._round_start: float | None = None
         self._quorum: Quorum | None = None
+        self._quorum_body = b""
         self._prev_ids: frozenset[str] = frozenset()
         self._prev_broken = False
-        self._reason = "no quorum requested yet"
         with _ids_lock:
             self._ids = QuorumIdAllocator(int(time.time() * 1000), floor=_last_issued_id)
         self._evicted: dict[str, str] = {}
@@ -303,7 +316,7 @@ class LighthouseServer:
                 "next_quorum_id": self._ids.peek(),
                 "groups": groups,
                 "pending": sorted(self._requests),
-                "decision": self._reason,
+                "decision": self._waiting_reason(now),
                 "evicted": sorted(self._evicted),
                 "history": list(reversed(self._history)),
             }
@@ -358,10 +371,9 @@ class LighthouseServer:
         if reason is not None:
             raise _HTTPError(410, f"replica {rid} was evicted: {reason}")
 
-    def _decide(self, now: float) -> None:
-        if not self._requests:
-            return
-        state = LighthouseState(
+    def _state(self) -> LighthouseState:
+        # A view, not a copy: only used under the lock, and the decision functions do not mutate.
+        return LighthouseState(
             groups=self._groups,
             requests=self._requests,
             round_start=self._round_start,
@@ -369,8 +381,20 @@ class LighthouseServer:
             prev_quorum_broken=self._prev_broken,
             next_quorum_id=self._ids.peek(),
         )
+
+    def _waiting_reason(self, now: float) -> str:
+        if not self._requests:
+            return "no pending quorum requests"
+        return decide_quorum(self._state(), now, self._options).reason
+
+    def _decide(self, now: float) -> None:
+        """Recompute the decision after an event; form the quorum and wake its members if due."""
+        if not self._requests:
+            return
+        state = self._state()
+        if not may_form(state, now, self._options):  # O(1) on most arrivals; see may_form
+            return
         decision = decide_quorum(state, now, self._options)
-        self._reason = decision.reason
         if not decision.formed:
             return
         if decision.new_id:
@@ -381,13 +405,23 @@ class LighthouseServer:
         quorum = decision.to_quorum(created=time.time())
         changed = self._quorum is None or quorum.quorum_id != self._quorum.quorum_id
         self._quorum = quorum
+        # Encoded once per formed quorum, not once per waiter: with 64 groups that is most of the work.
+        self._quorum_body = json.dumps({"quorum": quorum.to_json(), "version": API_VERSION}).encode()
         self._prev_ids = frozenset(quorum.replica_ids)
         self._prev_broken = False
+        body = self._quorum_body
+        response = _RESPONSE_200_JSON % len(body) + body
+        delivered = []
         for member in quorum.participants:
             rid = member.replica_id
             del self._requests[rid]
-            self._pending.pop(rid).resolve(result=quorum)
+            pending = self._pending.pop(rid)
+            _deliver_directly(pending, response)
+            delivered.append(pending)
             self._info[rid].step = member.step
+        # Wake the waiters only after all sends: a woken waiter competes for the GIL with this loop.
+        for pending in delivered:
+            pending.resolve(result=quorum, body=body)
         self._round_start = now if self._requests else None
         if changed:
             self._record(
@@ -421,7 +455,13 @@ class LighthouseServer:
 
     # -- endpoint bodies (called by the handler; raise _HTTPError for error responses)
 
-    def _op_quorum(self, conn: _Conn, member: QuorumMember, timeout: float, *, bind: bool) -> dict:
+    def _op_quorum(
+        self, conn: _Conn, member: QuorumMember, timeout: float, *, bind: bool, direct: bool
+    ) -> _Pending:
+        """Park until a quorum containing ``member`` forms; returns the resolved request.
+
+        ``direct``: the forming thread may write the response itself (see `_deliver_directly`).
+        """
         rid = member.replica_id
         now = time.monotonic()
         with self._lock:
@@ -436,28 +476,26 @@ class LighthouseServer:
             old = self._pending.get(rid)
             if old is not None:
                 old.resolve(error=(409, f"superseded by a newer quorum request of replica {rid}"))
-            pending = _Pending(member, self._lock)
+            pending = _Pending(member, conn.sock if direct else None)
             self._pending[rid] = pending
             self._requests[rid] = member
             if self._round_start is None:
                 self._round_start = now
-            self._decide(now)
-            deadline = now + timeout
             conn.busy, conn.pending = True, pending
-            try:
-                while pending.result is None and pending.error is None:
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0:
+            self._decide(now)
+        try:
+            if not pending.done.wait(timeout):
+                with self._lock:
+                    if not pending.done.is_set():
+                        reason = self._waiting_reason(time.monotonic())
                         self._drop_request(rid, pending)
-                        raise _HTTPError(408, f"no quorum containing {rid} within {timeout:g}s: {self._reason}")
-                    pending.cond.wait(remaining)
-            finally:
-                conn.busy, conn.pending = False, None
-            if pending.error is not None:
-                code, message = pending.error
-                raise _HTTPError(code, message, close=code == 0)
-            assert pending.result is not None  # loop exit condition
-            return {"quorum": pending.result.to_json()}
+                        pending.resolve(error=(408, f"no quorum containing {rid} within {timeout:g}s: {reason}"))
+        finally:
+            conn.busy, conn.pending = False, None
+        if pending.error is not None:
+            code, message = pending.error
+            raise _HTTPError(code, message, close=code == 0)
+        return pending
 
     def _op_heartbeat(self, conn: _Conn, rid: str, *, bind: bool) -> dict:
         now = time.monotonic()
@@ -598,15 +636,53 @@ class LighthouseServer:
                 _shutdown_socket(conn.sock, socket.SHUT_RD)  # the blocked read returns EOF -> 408
 
 
-def _peer_closed(sock: socket.socket) -> bool:
-    """True if the peer closed/reset the connection (non-blocking; pipelined data means alive)."""
+#: The quorum response, byte for byte what `_Handler._send` produces for a 200 JSON body.
+_RESPONSE_200_JSON = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+
+
+def _deliver_directly(pending: _Pending, response: bytes) -> None:
+    """Write a formed quorum's response from the forming thread, without blocking.
+
+    Waking N handler threads so that each writes its own response costs N thread switches, each
+    at the mercy of the scheduler on a busy host; one thread doing N non-blocking sends does not.
+    Whatever the socket does not take at once, the waiter's own thread writes after it wakes.
+    """
+    sock = pending.sock
+    if sock is None or pending.done.is_set():
+        return
+    pending.response = response
+    # A socket with a timeout polls (up to the timeout) before sending, even with MSG_DONTWAIT;
+    # timeout 0 makes it a plain non-blocking send. Safe: its handler is parked, not using it.
+    timeout = sock.gettimeout()
     try:
-        readable, _, _ = select.select([sock], [], [], 0)
-        if not readable:
-            return False
-        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
-    except BlockingIOError:
-        return False
+        sock.settimeout(0.0)
+        pending.sent = sock.send(response)
+    except (OSError, ValueError):  # EAGAIN or a dead peer: the waiter's own thread writes / sees it
+        pending.sent = 0
+    finally:
+        try:
+            sock.settimeout(timeout)
+        except OSError:
+            pass
+
+
+_HANGUP = select.POLLHUP | select.POLLERR | select.POLLNVAL | getattr(select, "POLLRDHUP", 0)
+
+
+def _peer_closed(sock: socket.socket) -> bool:
+    """True if the peer closed or reset the connection.
+
+    Asks poll() for hang-up flags (POLLRDHUP: the peer's FIN, on Linux) instead of reading: the
+    socket's own handler thread may be reading it at the same moment, and a recv here would either
+    steal its data or block for the socket's timeout while the caller holds the server lock.
+    """
+    try:
+        fd = sock.fileno()
+        if fd < 0:
+            return True
+        poller = select.poll()
+        poller.register(fd, select.POLLIN | _HANGUP)
+        return any(events & _HANGUP for _, events in poller.poll(0))
     except (OSError, ValueError):
         return True
 
@@ -866,7 +942,12 @@ class _Handler(BaseHTTPRequestHandler):
         if not (0 < timeout <= MAX_QUORUM_TIMEOUT):
             raise _HTTPError(400, f"timeout must be in (0, {MAX_QUORUM_TIMEOUT:g}] seconds, got {timeout:g}")
         bind = self.headers.get(REPLICA_HEADER) is not None
-        self._send_json(200, self.lh._op_quorum(self.conn, member, timeout, bind=bind))
+        direct = self.request_version == "HTTP/1.1" and not self.close_connection
+        pending = self.lh._op_quorum(self.conn, member, timeout, bind=bind, direct=direct)
+        if pending.response:
+            self.wfile.write(pending.response[pending.sent :])  # the rest, if any
+        else:
+            self._send(200, "application/json", pending.body)
 
     def _post_heartbeat(self) -> None:
         obj = self._read_json()

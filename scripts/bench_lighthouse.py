@@ -1,0 +1,308 @@
+"""Lighthouse benchmark: fast-quorum round trip (2 real client processes; 64 simulated groups) and
+heartbeat throughput, printed beside BRIEF.md's targets and torchft's baseline.
+
+The lighthouse runs as its own process (``python -m ftlaunch.lighthouse``), as in a real job.
+Every group keeps a heartbeat thread running (100 ms, the Manager's default) while it asks for
+quorums, so the server sees realistic background traffic.
+
+Round trip of one round = from the moment the LAST group sends its quorum request until EVERY
+group holds the quorum (time.perf_counter is CLOCK_MONOTONIC, comparable across processes on
+Linux). That is the latency the lighthouse adds to a training step once all groups are ready.
+
+    python scripts/bench_lighthouse.py [--rounds 500] [--rounds64 200] [--hb-seconds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+TARGETS = {2: "<= 1 ms", 64: "<= 5 ms"}
+TORCHFT = {2: "~2 ms", 64: "-"}
+
+
+def _start_lighthouse(min_replicas: int) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ftlaunch.lighthouse", "--min-replicas", str(min_replicas),
+         "--join-timeout", "30", "--heartbeat-timeout", "10", "--log-level", "WARNING"],
+        stdout=subprocess.PIPE, text=True,
+    )
+    line = proc.stdout.readline()
+    if "listening on" not in line:
+        proc.kill()
+        raise SystemExit(f"lighthouse did not start: {line!r}")
+    return proc, line.split("listening on", 1)[1].strip()
+
+
+def _group_worker(addr: str, rids: list[str], rounds: int, warmup: int, barrier, out) -> None:
+    """One process running len(rids) groups, one thread each; reports (rid, [(send, recv), ...])."""
+    from ftlaunch.lighthouse import LighthouseClient, QuorumMember
+
+    client = LighthouseClient(addr, connect_timeout=30.0)
+    for rid in rids:
+        client.start_heartbeat(rid, 0.1)
+    barrier.wait()
+
+    def run(rid: str) -> None:
+        times = []
+        for step in range(warmup + rounds):
+            t0 = time.perf_counter()
+            client.quorum(QuorumMember(rid, step=step), timeout=60.0)
+            t1 = time.perf_counter()
+            if step >= warmup:
+                times.append((t0, t1))
+        out.put((rid, times))
+
+    threads = [threading.Thread(target=run, args=(rid,)) for rid in rids]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for rid in rids:
+        client.leave(rid)  # also stops its heartbeat
+    client.close()
+
+
+def _sim_worker(addr: str, rids: list[str], rounds: int, warmup: int, barrier, out, spread: float = 0.0) -> None:
+    """Lightweight simulated groups: raw keep-alive sockets driven by one selector loop.
+
+    Real LighthouseClient threads would spend the 2 cores on client-side work (64 JSON parses per
+    round under per-process GILs) and measure the simulation rather than the lighthouse. Each
+    group still has its own quorum connection and its own bound heartbeat connection (100 ms).
+    ``spread`` > 0 staggers each round's requests uniformly over that many seconds (groups finish
+    their steps at different times); 0 sends them all at once (burst).
+    """
+    import json
+    import random
+    import re
+    import selectors
+    import socket
+
+    from ftlaunch.lighthouse.protocol import parse_host_port
+
+    host, port = parse_host_port(addr)
+    length_re = re.compile(rb"content-length:\s*(\d+)", re.I)
+
+    def connect() -> socket.socket:
+        s = socket.create_connection((host, port))
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return s
+
+    def post(path: str, obj: dict, replica: str | None = None) -> bytes:
+        body = json.dumps(obj).encode()
+        head = f"POST {path} HTTP/1.1\r\nHost: lh\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+        if replica:
+            head += f"X-Ftlaunch-Replica: {replica}\r\n"
+        return head.encode() + b"\r\n" + body
+
+    def read_response(s: socket.socket, buf: bytearray) -> bytes | None:
+        """Append what is available; return the body once the response is complete."""
+        buf += s.recv(262144)
+        end = buf.find(b"\r\n\r\n")
+        if end < 0:
+            return None
+        m = length_re.search(bytes(buf[:end]))
+        need = end + 4 + int(m.group(1))
+        if len(buf) < need:
+            return None
+        if not buf.startswith(b"HTTP/1.1 200"):
+            raise RuntimeError(bytes(buf[:200]))
+        body = bytes(buf[end + 4 : need])
+        del buf[:need]
+        return body
+
+    qsocks = {rid: connect() for rid in rids}
+    hsocks = {rid: connect() for rid in rids}
+    sel = selectors.DefaultSelector()
+    for rid, s in qsocks.items():
+        sel.register(s, selectors.EVENT_READ, rid)
+    bufs = {rid: bytearray() for rid in rids}
+
+    def heartbeats() -> None:
+        for rid, s in hsocks.items():
+            s.sendall(post("/v1/heartbeat", {"replica_id": rid}, replica=rid))
+        for s in hsocks.values():
+            buf = bytearray()
+            while read_response(s, buf) is None:
+                pass
+
+    heartbeats()
+    barrier.wait()
+    last_beat = time.perf_counter()
+    times: dict[str, list[tuple[float, float]]] = {rid: [] for rid in rids}
+    ids = set()
+    for step in range(warmup + rounds):
+        sent: dict[str, float] = {}
+        start = time.perf_counter()
+        due = sorted((start + random.uniform(0.0, spread), rid) for rid in rids)
+        got: dict[str, float] = {}
+        while len(got) < len(rids):
+            while due and due[0][0] <= time.perf_counter():
+                _, rid = due.pop(0)
+                req = post("/v1/quorum", {"member": {"replica_id": rid, "step": step}, "timeout": 60})
+                sent[rid] = time.perf_counter()
+                qsocks[rid].sendall(req)
+            timeout = max(0.0, due[0][0] - time.perf_counter()) if due else None
+            for key, _ in sel.select(timeout):
+                rid = key.data
+                body = read_response(key.fileobj, bufs[rid])
+                if body is not None:
+                    got[rid] = time.perf_counter()
+                    if len(got) == 1:
+                        ids.add(json.loads(body)["quorum"]["quorum_id"])
+        if step >= warmup:
+            for rid in rids:
+                times[rid].append((sent[rid], got[rid]))
+        if time.perf_counter() - last_beat >= 0.1:
+            heartbeats()
+            last_beat = time.perf_counter()
+    for rid, s in qsocks.items():
+        s.sendall(post("/v1/leave", {"replica_id": rid}))
+        while read_response(s, bufs[rid]) is None:
+            pass
+    for s in (*qsocks.values(), *hsocks.values()):
+        s.close()
+    for rid in rids:
+        out.put((rid, times[rid]))
+    out.put(("ids", sorted(ids)))
+
+
+def _pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
+
+
+def bench_quorum(
+    groups: int, procs: int, rounds: int, *, simulated: bool, spread: float = 0.0, warmup: int = 20
+) -> dict:
+    ctx = mp.get_context("spawn")
+    server, addr = _start_lighthouse(min_replicas=groups)
+    try:
+        rids = [f"g{i:02d}" for i in range(groups)]
+        chunks = [rids[i::procs] for i in range(procs)]
+        barrier = ctx.Barrier(procs)
+        out = ctx.Queue()
+        if simulated:
+            workers = [
+                ctx.Process(target=_sim_worker, args=(addr, c, rounds, warmup, barrier, out, spread)) for c in chunks
+            ]
+        else:
+            workers = [ctx.Process(target=_group_worker, args=(addr, c, rounds, warmup, barrier, out)) for c in chunks]
+        for w in workers:
+            w.start()
+        results = {}
+        ids: set[int] = set()
+        for _ in range(groups + (procs if simulated else 0)):
+            key, value = out.get(timeout=600)
+            if key == "ids":
+                ids.update(value)
+            else:
+                results[key] = value
+        for w in workers:
+            w.join(60)
+            if w.exitcode != 0:
+                raise SystemExit(f"benchmark worker failed with exit code {w.exitcode}")
+        if simulated and len(ids) != 1:
+            raise SystemExit(f"expected one quorum id for unchanged membership, got {sorted(ids)}")
+    finally:
+        server.terminate()
+        server.wait(10)
+    round_trips, last_call = [], []
+    for r in range(rounds):
+        sends = [results[rid][r][0] for rid in rids]
+        recvs = [results[rid][r][1] for rid in rids]
+        round_trips.append(max(recvs) - max(sends))
+        last = max(rids, key=lambda rid: results[rid][r][0])
+        last_call.append(results[last][r][1] - results[last][r][0])
+    ms = 1000.0
+    return {
+        "kind": (f"sim, {spread * 1000:g} ms spread" if spread else "sim, burst") if simulated else "LighthouseClient",
+        "groups": groups,
+        "procs": procs,
+        "rounds": rounds,
+        "p50": statistics.median(round_trips) * ms,
+        "p99": _pct(round_trips, 99) * ms,
+        "last_p50": statistics.median(last_call) * ms,
+    }
+
+
+def _hb_worker(addr: str, threads: int, seconds: float, out) -> None:
+    from ftlaunch.lighthouse import LighthouseClient
+
+    client = LighthouseClient(addr)
+    counts = []
+
+    def run(i: int) -> None:
+        rid = f"hb{os.getpid()}-{i}"
+        n, end = 0, time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            client.heartbeat(rid)
+            n += 1
+        counts.append(n)
+
+    ts = [threading.Thread(target=run, args=(i,)) for i in range(threads)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    client.close()
+    out.put(sum(counts))
+
+
+def bench_heartbeats(procs: int, threads: int, seconds: float) -> float:
+    ctx = mp.get_context("spawn")
+    server, addr = _start_lighthouse(min_replicas=1)
+    try:
+        out = ctx.Queue()
+        workers = [ctx.Process(target=_hb_worker, args=(addr, threads, seconds, out)) for _ in range(procs)]
+        for w in workers:
+            w.start()
+        total = sum(out.get(timeout=120) for _ in range(procs))
+        for w in workers:
+            w.join(30)
+    finally:
+        server.terminate()
+        server.wait(10)
+    return total / seconds
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rounds", type=int, default=500, help="measured rounds with 2 groups")
+    p.add_argument("--rounds64", type=int, default=200, help="measured rounds with 64 groups")
+    p.add_argument("--procs64", type=int, default=8, help="processes hosting the 64 simulated groups")
+    p.add_argument("--spread64", type=float, default=20.0,
+                   help="ms over which the staggered 64-group run spreads each round's requests")
+    p.add_argument("--hb-seconds", type=float, default=3.0)
+    p.add_argument("--client64", action="store_true",
+                   help="also run 64 groups as real LighthouseClient threads (measures client CPU on few cores)")
+    args = p.parse_args()
+
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    print(f"lighthouse benchmark on {os.cpu_count()} CPU(s), Python {sys.version.split()[0]}, "
+          f"load average {load} (other work on the host inflates every figure)", flush=True)
+    rows = [
+        bench_quorum(2, 2, args.rounds, simulated=False),
+        bench_quorum(64, args.procs64, args.rounds64, simulated=True),
+        bench_quorum(64, args.procs64, args.rounds64, simulated=True, spread=args.spread64 / 1000),
+    ]
+    if args.client64:
+        rows.append(bench_quorum(64, args.procs64, args.rounds64, simulated=False))
+    print("\nfast-quorum round trip (last request sent -> every group has the quorum)")
+    print(f"{'groups':>6} {'clients':>22} {'procs':>5} {'rounds':>6} {'p50 ms':>8} {'p99 ms':>8} "
+          f"{'last caller p50':>15} {'target p50':>10} {'torchft p50':>11}")
+    for r in rows:
+        print(f"{r['groups']:>6} {r['kind']:>22} {r['procs']:>5} {r['rounds']:>6} {r['p50']:>8.3f} {r['p99']:>8.3f} "
+              f"{r['last_p50']:>12.3f} ms {TARGETS[r['groups']]:>10} {TORCHFT[r['groups']]:>11}")
+    rate = bench_heartbeats(procs=2, threads=2, seconds=args.hb_seconds)
+    print(f"\nheartbeat throughput: {rate:,.0f} req/s (2 processes x 2 threads, keep-alive connections)")
+
+
+if __name__ == "__main__":
+    main()
