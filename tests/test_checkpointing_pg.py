@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import queue
 import signal
 import time
 import traceback
@@ -48,7 +49,7 @@ def _raw_send(
             pg.send([ser.tensor_bytes(x)], dst, TAG_BASE + 2 + i).wait()
 
 
-def _main_scenario(rank: int, pg: dist.ProcessGroup, q: Any) -> dict[str, str]:
+def _main_scenario(rank: int, pg: dist.ProcessGroup, ready: Any) -> dict[str, str]:
     """Rank 0 sends to ranks 1 and 2: an honest state, then corrupt and hostile payloads to rank 1."""
     out: dict[str, str] = {}
 
@@ -106,10 +107,14 @@ def _main_scenario(rank: int, pg: dist.ProcessGroup, q: Any) -> dict[str, str]:
     return out
 
 
-def _silent_sender_scenario(rank: int, pg: dist.ProcessGroup, q: Any) -> dict[str, str]:
-    """Rank 0 never sends (the test stops or kills it); rank 1 must fail, not hang."""
+def _silent_sender_scenario(rank: int, pg: dist.ProcessGroup, ready: Any) -> dict[str, str]:
+    """Rank 0 never sends (the test stops or kills it); rank 1 must fail, not hang.
+
+    Rank 0 announces itself on its own queue: a process stopped or killed while its queue feeder
+    holds the queue's shared write lock would block every other writer of that queue.
+    """
     if rank == 0:
-        q.put(("ready", os.getpid()))
+        ready.put(os.getpid())
         time.sleep(60)
         return {}
     t0 = time.monotonic()
@@ -121,12 +126,12 @@ def _silent_sender_scenario(rank: int, pg: dist.ProcessGroup, q: Any) -> dict[st
 SCENARIOS = {"main": _main_scenario, "silent": _silent_sender_scenario}
 
 
-def _worker(rank: int, world: int, port: int, scenario: str, q: Any, env: dict[str, str]) -> None:
+def _worker(rank: int, world: int, port: int, scenario: str, q: Any, ready: Any, env: dict[str, str]) -> None:
     os.environ.update(env)
     try:
         store = dist.TCPStore("127.0.0.1", port, world, False, timeout=timedelta(seconds=60))
         pg = dist.ProcessGroupGloo(store, rank, world, timedelta(seconds=60))
-        q.put(("done", rank, SCENARIOS[scenario](rank, pg, q)))
+        q.put(("done", rank, SCENARIOS[scenario](rank, pg, ready)))
     except BaseException as e:  # reported to the test
         q.put(("error", rank, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
     q.close()
@@ -142,15 +147,26 @@ class World:
         self.store = dist.TCPStore(
             "127.0.0.1", 0, world, True, timeout=timedelta(seconds=60), wait_for_workers=False
         )
-        self.q = ctx.Queue()
-        self.procs = [
-            ctx.Process(
-                target=_worker, args=(r, world, self.store.port, scenario, self.q, env or {}), daemon=True
-            )
-            for r in range(world)
-        ]
+        self.q, self.ready = ctx.Queue(), ctx.Queue()
+        args = (world, self.store.port, scenario, self.q, self.ready, env or {})
+        self.procs = [ctx.Process(target=_worker, args=(r, *args), daemon=True) for r in range(world)]
         for p in self.procs:
             p.start()
+
+    def wait_ready(self, timeout: float) -> int:
+        """The pid rank 0 announces; a rank that failed meanwhile fails the test at once."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                return self.ready.get(timeout=0.2)
+            except queue.Empty:
+                pass
+            try:
+                kind, rank, payload = self.q.get_nowait()
+            except queue.Empty:
+                continue
+            raise AssertionError(f"rank {rank} finished early ({kind}):\n{payload}")
+        raise AssertionError("rank 0 did not get ready in time")
 
     def results(self, n: int, timeout: float = 120) -> dict[int, dict[str, str]]:
         out: dict[int, dict[str, str]] = {}
@@ -188,8 +204,7 @@ def test_send_receive_and_hostile_payloads() -> None:
 def _silent_world(action: str, recv_timeout: float) -> dict[str, str]:
     world = World(2, "silent", env={"CKPT_TEST_RECV_TIMEOUT": str(recv_timeout)})
     try:
-        kind, pid = world.q.get(timeout=90)
-        assert kind == "ready"
+        pid = world.wait_ready(timeout=90)
         os.kill(pid, signal.SIGSTOP if action == "stop" else signal.SIGKILL)
         return world.results(1)[1]
     finally:

@@ -50,6 +50,9 @@ T = TypeVar("T")
 
 #: Largest single send/readinto; also how often a stream checks for revocation / abort.
 PIECE_BYTES = 8 << 20
+#: Pieces shorter than this (small tensors, padding) are sent/received in runs of up to RUN_BYTES.
+SMALL_PIECE_BYTES = 64 << 10
+RUN_BYTES = 1 << 20
 #: Chunks smaller than this are not worth an extra connection.
 MIN_CHUNK_BYTES = 1 << 20
 _MAX_ERROR_BODY = 64 << 10
@@ -240,10 +243,11 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_header("Content-Range", f"bytes {start}-{end - 1}/{total}")
         self.end_headers()
         try:
-            for piece in ser.iter_range(snap.segments, start, end, PIECE_BYTES):
+            pieces = ser.iter_range(snap.segments, start, end, PIECE_BYTES)
+            for run in ser.batches(pieces, SMALL_PIECE_BYTES, RUN_BYTES):
                 if snap.revoked:
                     raise ConnectionAbortedError("checkpoint disallowed during transfer")
-                self.wfile.write(piece.view)
+                self.wfile.write(run[0].view if len(run) == 1 else b"".join(p.view for p in run))
         except OSError as e:
             self.close_connection = True
             logger.debug("checkpoint server: body stream of step %d ended early: %s", snap.step, e)
@@ -343,8 +347,9 @@ class _Fetch:
                 f"cannot allocate the received state ({header.body_nbytes} bytes): {e}"
             ) from e
         for s in slots:
-            with contextlib.suppress(ValueError):  # misaligned in-place targets are verified at the end
-                s.incremental = ser.IncrementalChecksum(s.landing)
+            if s.entry.nbytes >= ser.BLOCK_BYTES:  # small tensors are verified together at the end
+                with contextlib.suppress(ValueError):  # so are misaligned in-place targets
+                    s.incremental = ser.IncrementalChecksum(s.landing)
         segments = ser.layout(
             header, [ser.byte_view(s.landing) for s in slots], memoryview(bytearray(ser.ALIGNMENT))
         )
@@ -390,25 +395,31 @@ class _Fetch:
         try:
             conn = self._connect()
             try:
-                headers = {"Range": f"bytes={start}-{end - 1}", "If-Match": etag}
+                headers = {"Range": f"bytes={start}-{end - 1}"}
+                if etag:
+                    headers["If-Match"] = etag
                 resp = self._get(conn, f"/checkpoint/{self.step}/body", headers, 206)
                 want = f"bytes {start}-{end - 1}/{segments[-1].offset + segments[-1].length}"
                 if resp.getheader("Content-Range") != want or resp.length != end - start:
                     raise CheckpointTransportError(
                         f"checkpoint server {self.url} sent the wrong range (wanted {want})"
                     )
-                for piece in ser.iter_range(segments, start, end, PIECE_BYTES):
+                staging = memoryview(bytearray(RUN_BYTES))
+                pieces = ser.iter_range(segments, start, end, PIECE_BYTES)
+                for run in ser.batches(pieces, SMALL_PIECE_BYTES, RUN_BYTES):
                     conn.sock.settimeout(self.remaining())
-                    view = piece.view
-                    got = 0
-                    while got < len(view):
-                        n = resp.readinto(view[got:])
-                        if not n:
-                            raise http.client.IncompleteRead(b"", len(view) - got)
-                        got += n
-                    check = slots[piece.segment.index].incremental if piece.segment.index >= 0 else None
-                    if check is not None:
-                        check.update(piece.lo, piece.hi)
+                    if len(run) == 1:
+                        got = self._read_fully(resp, run[0].view)
+                    else:  # a run of small pieces: one read, then copy each piece into place
+                        got = self._read_fully(resp, staging[: sum(p.hi - p.lo for p in run)])
+                        pos = 0
+                        for p in run:
+                            p.view[:] = staging[pos : pos + p.hi - p.lo]
+                            pos += p.hi - p.lo
+                    for p in run:
+                        check = slots[p.segment.index].incremental if p.segment.index >= 0 else None
+                        if check is not None:
+                            check.update(p.lo, p.hi)
                     with self.lock:
                         self.received += got
             finally:
@@ -419,6 +430,16 @@ class _Fetch:
                 self.errors.append(e)
             if first:
                 self._abort()  # fail fast: stop the other chunks
+
+    @staticmethod
+    def _read_fully(resp: http.client.HTTPResponse, view: memoryview) -> int:
+        got = 0
+        while got < len(view):
+            n = resp.readinto(view[got:])
+            if not n:
+                raise http.client.IncompleteRead(b"", len(view) - got)
+            got += n
+        return got
 
     def _wrap(self, e: BaseException, what: str) -> CheckpointTransportError:
         if isinstance(e, TimeoutError):
