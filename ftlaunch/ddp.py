@@ -7,7 +7,7 @@ size-1 placeholder group (nothing to sync at construction) and a comm hook that 
 step is simply not committed — a survivor does not crash because a peer died.
 """
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -59,7 +59,7 @@ class _SoloGroup(dist.ProcessGroup):
 
 
 class _HookState:
-    def __init__(self, manager: Manager, intra_group: Optional[dist.ProcessGroup]) -> None:
+    def __init__(self, manager: Manager, intra_group: dist.ProcessGroup | None) -> None:
         self.manager = manager
         self.intra_group = intra_group
 
@@ -83,9 +83,16 @@ class DistributedDataParallel(parallel.DistributedDataParallel):
     """``DistributedDataParallel(manager, module)``: DDP across replica groups through the Manager."""
 
     def __init__(
-        self, manager: Manager, module: nn.Module, intra_group: Optional[dist.ProcessGroup] = None, **kwargs: Any
+        self, manager: Manager, module: nn.Module, intra_group: dist.ProcessGroup | None = None, **kwargs: Any
     ) -> None:
         """``intra_group``: the replica group's own process group when each of its workers holds a
         full replica (plain DDP inside the group); gradients are averaged there, then across groups."""
         super().__init__(module, process_group=_SoloGroup(), **kwargs)
         self.register_comm_hook(_HookState(manager, intra_group), _comm_hook)
+        # Fix the bucket layout now. Torch's DDP starts with one all-parameter bucket and rebuilds
+        # its buckets after the first iteration; a restarted group would then allreduce a layout
+        # its peers no longer use (wrong gradients, or a gloo size-mismatch abort). Rebuilding at
+        # construction, in parameter order, gives every group the same layout at every step.
+        # Cost: buckets launch in forward order, so less communication overlaps backward.
+        self.reducer._push_all_rebuilt_params()
+        self.reducer._rebuild_buckets()
