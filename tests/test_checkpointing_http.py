@@ -496,3 +496,32 @@ def test_stalled_body_times_out(receiver: HTTPTransport) -> None:
         elapsed = time.monotonic() - t0
         release.set()
     assert 1.5 < elapsed < 20, elapsed
+
+
+@pytest.mark.timeout(60)
+def test_trickling_header_times_out(receiver: HTTPTransport) -> None:
+    """A server that keeps the socket busy (a byte now and then) cannot stretch the timeout."""
+    release = threading.Event()
+
+    def trickle(h: BaseHTTPRequestHandler, what: str, data: bytes) -> bool:
+        if what != "header":
+            return False
+        h.send_response(200)
+        h.send_header("Content-Length", str(len(data)))
+        h.end_headers()
+        for b in data:
+            if release.wait(0.3):
+                break
+            try:
+                h.wfile.write(bytes([b]))
+            except OSError:
+                break
+        return True
+
+    with fake_server(trickle) as srv:
+        t0 = time.monotonic()
+        with pytest.raises(CheckpointTransportError, match="timed out"):
+            receiver.recv_checkpoint(0, srv.url, 1, timedelta(seconds=2))
+        elapsed = time.monotonic() - t0
+        release.set()
+    assert 1.5 < elapsed < 20, elapsed

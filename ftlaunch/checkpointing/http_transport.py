@@ -322,6 +322,17 @@ class _Fetch:
         return resp
 
     def run(self) -> Any:
+        # Hard bound on the whole call: at the deadline every socket is shut down, which wakes any
+        # read blocked on a silent (e.g. SIGSTOPped) or trickling server.
+        watchdog = threading.Timer(self.timeout, self._abort)
+        watchdog.daemon = True
+        watchdog.start()
+        try:
+            return self._run()
+        finally:
+            watchdog.cancel()
+
+    def _run(self) -> Any:
         try:
             conn = self._connect()
             try:
@@ -442,7 +453,11 @@ class _Fetch:
         return got
 
     def _wrap(self, e: BaseException, what: str) -> CheckpointTransportError:
-        if isinstance(e, TimeoutError):
+        if isinstance(e, ConnectionRefusedError):
+            return CheckpointTransportError(
+                f"cannot connect to the checkpoint server {self.url} for step {self.step}: {e!r}"
+            )
+        if isinstance(e, TimeoutError) or time.monotonic() >= self.deadline:
             return CheckpointTransportError(
                 f"timed out after {self.timeout:.1f}s {what} of step {self.step} from {self.url}"
             )
