@@ -525,3 +525,17 @@ def test_trickling_header_times_out(receiver: HTTPTransport) -> None:
         elapsed = time.monotonic() - t0
         release.set()
     assert 1.5 < elapsed < 20, elapsed
+
+
+@pytest.mark.parametrize("bind", ["127.0.0.1:0", "::1", "[::1]:0"])
+def test_bind_forms_and_ipv6(bind: str) -> None:
+    sender: HTTPTransport = HTTPTransport(TIMEOUT, bind=bind)
+    receiver: HTTPTransport = HTTPTransport(TIMEOUT, bind=bind)
+    try:
+        url = sender.metadata()
+        assert url.startswith("http://[::1]:" if "::1" in bind else "http://127.0.0.1:")
+        sender.send_checkpoint([1], 3, {"x": torch.arange(5)}, TIMEOUT)
+        assert torch.equal(receiver.recv_checkpoint(0, url, 3, TIMEOUT)["x"], torch.arange(5))
+    finally:
+        sender.shutdown()
+        receiver.shutdown()

@@ -217,8 +217,8 @@ def checksums(tensors: Sequence[torch.Tensor]) -> list[str]:
 
 
 class IncrementalChecksum:
-    """`checksum` of a tensor computed piece by piece while its bytes arrive (hot in cache, and in
-    the receiving threads, overlapping other connections' I/O instead of running after them).
+    """`checksum` of a tensor computed piece by piece as its bytes arrive, in the receiving
+    threads, so it overlaps the other connections' I/O instead of running after the transfer.
 
     Pieces must start on a 64 KiB block boundary and end on one or at the tensor's end; different
     threads may feed disjoint pieces concurrently.
