@@ -8,8 +8,13 @@ quorums, so the server sees realistic background traffic.
 Round trip of one round = from the moment the LAST group sends its quorum request until EVERY
 group holds the quorum (time.perf_counter is CLOCK_MONOTONIC, comparable across processes on
 Linux). That is the latency the lighthouse adds to a training step once all groups are ready.
+"last caller" is the same group's own send -> receive time.
 
-    python scripts/bench_lighthouse.py [--rounds 500] [--rounds64 200] [--hb-seconds 3]
+The 64 groups run as lightweight raw-socket clients (see `_sim_worker`), once all asking at the
+same instant ("burst": the server must parse all 64 requests before it can answer) and once with
+the requests spread over 20 ms, as when groups finish their steps at slightly different times.
+
+    python scripts/bench_lighthouse.py [--rounds 500] [--rounds64 200] [--spread64 20] [--client64]
 """
 
 from __future__ import annotations
