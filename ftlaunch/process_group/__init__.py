@@ -28,3 +28,13 @@ __all__ = [
     "extend_device_mesh",
     "parse_store_addr",
 ]
+
+
+def __getattr__(name: str) -> object:
+    # ManagedProcessGroup lives with the Manager's code (ftlaunch.process_group.managed); it is
+    # exported here lazily, as in torchft, without importing the Manager at package import.
+    if name == "ManagedProcessGroup":
+        from ftlaunch.process_group.managed import ManagedProcessGroup
+
+        return ManagedProcessGroup
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
