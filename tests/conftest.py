@@ -35,6 +35,18 @@ def marked_processes() -> list[psutil.Process]:
     return found
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _unmarked_resource_tracker() -> None:
+    """multiprocessing's resource tracker outlives tests by design: start it without the marker."""
+    from multiprocessing import resource_tracker
+
+    marker = os.environ.pop(MARKER)
+    try:
+        resource_tracker.ensure_running()
+    finally:
+        os.environ[MARKER] = marker
+
+
 @pytest.fixture(autouse=True)
 def no_leaked_processes(request: pytest.FixtureRequest):
     """Fail a test that leaves processes behind (after a short grace period), then clean up."""

@@ -34,15 +34,17 @@ class Group:
         self.attempt = 0
         self.procs: list[subprocess.Popen[bytes]] = []
         self.store: dist.TCPStore | None = None
-        if nworkers > 1:
-            self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                                       timeout=timedelta(seconds=60))
 
     def out(self, rank: int = 0) -> Path:
         return self.tmp / f"rg{self.gid}_r{rank}.jsonl"
 
     def start(self, extra_args: list[str] | None = None) -> None:
         self.procs = []
+        if self.nworkers > 1:
+            # A fresh store per attempt, as ftlaunch's rendezvous hosts one per round (torch's
+            # gloo rendezvous does not prefix its keys per restart attempt).
+            self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                       timeout=timedelta(seconds=60))
         for rank in range(self.nworkers):
             env = dict(os.environ)
             env.update(self.extra_env)

@@ -161,16 +161,32 @@ def test_multiple_receivers_in_parallel() -> None:
 
 def test_send_disallow_send_again(receiver: HTTPTransport) -> None:
     sender: HTTPTransport = HTTPTransport(TIMEOUT)
+    short = timedelta(seconds=0.5)
     try:
-        with pytest.raises(CheckpointTransportError, match="no checkpoint is being served"):
-            receiver.recv_checkpoint(0, sender.metadata(), 1, TIMEOUT)
+        with pytest.raises(CheckpointTransportError, match="no checkpoint is being served.*until the timeout"):
+            receiver.recv_checkpoint(0, sender.metadata(), 1, short)
         sender.send_checkpoint([1], 1, {"w": torch.arange(10)}, TIMEOUT)
         assert torch.equal(receiver.recv_checkpoint(0, sender.metadata(), 1, TIMEOUT)["w"], torch.arange(10))
         sender.disallow_checkpoint()
-        with pytest.raises(CheckpointTransportError, match="no checkpoint is being served"):
-            receiver.recv_checkpoint(0, sender.metadata(), 1, TIMEOUT)
+        with pytest.raises(CheckpointTransportError, match="no checkpoint is being served.*until the timeout"):
+            receiver.recv_checkpoint(0, sender.metadata(), 1, short)
         sender.send_checkpoint([1], 2, {"w": torch.arange(20)}, TIMEOUT)
         assert torch.equal(receiver.recv_checkpoint(0, sender.metadata(), 2, TIMEOUT)["w"], torch.arange(20))
+    finally:
+        sender.shutdown()
+
+
+def test_receiver_waits_for_a_source_that_publishes_late(receiver: HTTPTransport) -> None:
+    """Source and healer act on the same quorum at once: asking before the source serves is a wait."""
+    sender: HTTPTransport = HTTPTransport(TIMEOUT)
+    try:
+        timer = threading.Timer(0.3, sender.send_checkpoint, args=([1], 5, {"w": torch.arange(7)}, TIMEOUT))
+        timer.start()
+        t0 = time.monotonic()
+        got = receiver.recv_checkpoint(0, sender.metadata(), 5, TIMEOUT)
+        assert torch.equal(got["w"], torch.arange(7))
+        assert time.monotonic() - t0 >= 0.25
+        timer.join()
     finally:
         sender.shutdown()
 

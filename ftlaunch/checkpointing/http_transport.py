@@ -253,6 +253,10 @@ class _Handler(BaseHTTPRequestHandler):
             logger.debug("checkpoint server: body stream of step %d ended early: %s", snap.step, e)
 
 
+class _NotServedYet(CheckpointTransportError):
+    """The source does not (yet) serve the requested step: retried until the deadline."""
+
+
 class _Fetch:
     """One `recv_checkpoint`: header, then the body over parallel ranged connections."""
 
@@ -316,10 +320,34 @@ class _Fetch:
                 msg = json.loads(raw)["error"]
             except (ValueError, KeyError, TypeError):
                 msg = raw[:200].decode(errors="replace") or resp.reason
-            raise CheckpointTransportError(
-                f"checkpoint server {self.url} answered {resp.status} to {path}: {msg}"
-            )
+            cls = _NotServedYet if resp.status in (409, 503) else CheckpointTransportError
+            raise cls(f"checkpoint server {self.url} answered {resp.status} to {path}: {msg}")
         return resp
+
+    def _get_header(self) -> tuple[bytes, str]:
+        """Fetch the header frame, waiting while the source has not published this step yet.
+
+        Source and healer act on the same quorum concurrently, so the healer often asks a moment
+        before the source's `send_checkpoint`; that is a wait, not a failure (bounded by the timeout).
+        """
+        delay = 0.002
+        while True:
+            conn = self._connect()
+            try:
+                resp = self._get(conn, f"/checkpoint/{self.step}/header", {}, 200)
+                length = resp.length
+                if length is None or length > ser.FRAME_PREFIX_LEN + ser.MAX_HEADER_BYTES:
+                    raise CheckpointTransportError(
+                        f"checkpoint server {self.url} sent a header of bad length {length}"
+                    )
+                return resp.read(), resp.getheader("ETag") or ""
+            except _NotServedYet as e:
+                if self.remaining() <= delay:
+                    raise CheckpointTransportError(f"{e} (waited until the timeout)") from None
+            finally:
+                self._close(conn)
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
 
     def run(self) -> Any:
         # Hard bound on the whole call: at the deadline every socket is shut down, which wakes any
@@ -334,18 +362,7 @@ class _Fetch:
 
     def _run(self) -> Any:
         try:
-            conn = self._connect()
-            try:
-                resp = self._get(conn, f"/checkpoint/{self.step}/header", {}, 200)
-                length = resp.length
-                if length is None or length > ser.FRAME_PREFIX_LEN + ser.MAX_HEADER_BYTES:
-                    raise CheckpointTransportError(
-                        f"checkpoint server {self.url} sent a header of bad length {length}"
-                    )
-                frame = resp.read()
-                etag = resp.getheader("ETag") or ""
-            finally:
-                self._close(conn)
+            frame, etag = self._get_header()
             header = ser.parse_header(frame, expected_step=self.step)
         except CheckpointTransportError:
             raise
