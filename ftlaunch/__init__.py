@@ -15,6 +15,46 @@ from ftlaunch.errors import (
 
 __version__ = "0.1.0"
 
+# Public API, torchft's names: a torchft script ports by changing its imports. Resolved lazily
+# (PEP 562) so `import ftlaunch` -- done by the CLI and by torchx to find the components below --
+# does not import torch.
+_LAZY = {
+    "Manager": "ftlaunch.manager",
+    "DistributedDataParallel": "ftlaunch.ddp",
+    "Optimizer": "ftlaunch.optim",
+    "OptimizerWrapper": ("ftlaunch.optim", "Optimizer"),
+    "ProcessGroup": "ftlaunch.process_group",
+    "ProcessGroupGloo": "ftlaunch.process_group",
+    "ProcessGroupNCCL": "ftlaunch.process_group",
+    "ProcessGroupBaby": "ftlaunch.process_group",
+    "ProcessGroupBabyGloo": "ftlaunch.process_group",
+    "ProcessGroupBabyNCCL": "ftlaunch.process_group",
+    "ProcessGroupWrapper": "ftlaunch.process_group",
+    "ProcessGroupDummy": "ftlaunch.process_group",
+    "ErrorSwallowingProcessGroupWrapper": "ftlaunch.process_group",
+    "ManagedProcessGroup": "ftlaunch.process_group.managed",
+    "create_store_client": "ftlaunch.process_group",
+    "extend_device_mesh": "ftlaunch.process_group",
+    "CheckpointTransport": "ftlaunch.checkpointing",
+    "HTTPTransport": "ftlaunch.checkpointing",
+    "PGTransport": "ftlaunch.checkpointing",
+    "LighthouseServer": "ftlaunch.lighthouse.server",
+    "LighthouseClient": "ftlaunch.lighthouse.client",
+}
+
+
+def __getattr__(name: str) -> object:
+    target = _LAZY.get(name)
+    if target is None:
+        raise AttributeError(f"module 'ftlaunch' has no attribute {name!r}")
+    module_name, attr = target if isinstance(target, tuple) else (target, name)
+    import importlib
+
+    value = getattr(importlib.import_module(module_name), attr)
+    globals()[name] = value
+    return value
+
+
 __all__ = [
     "CheckpointTransportError",
     "CommunicationError",
@@ -24,6 +64,9 @@ __all__ = [
     "LighthouseError",
     "LighthouseUnavailableError",
     "QuorumTimeoutError",
+    *_LAZY,
+    "ddp",
+    "hsdp",
 ]
 
 
