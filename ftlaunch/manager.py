@@ -298,12 +298,19 @@ class Manager:
             metas = src.data.get("ckpt") or []
             meta = metas[self._group_rank] if self._group_rank < len(metas) else ""
             self.log.info("healing from %s at step %d", plan.recover_src_id, plan.max_step)
-            self._pending_state = self._transport.recv_checkpoint(
+            state = self._transport.recv_checkpoint(
                 src_rank=plan.recover_src_rank,
                 metadata=meta,
                 step=plan.max_step,
                 timeout=timedelta(seconds=self._timeout),
             )
+            missing = [k for k in (MANAGER_STATE_KEY, *self._user_state) if k not in state]
+            if missing:  # checked here so the step fails the vote instead of raising after commit
+                raise CommunicationError(
+                    f"state received from {plan.recover_src_id} has no entries {missing}: "
+                    "do all groups register the same state?"
+                )
+            self._pending_state = state
 
     def _fetch_quorum(self, seq: int, shrink_only: bool, quorum_timeout: float) -> Quorum:
         key = f"quorum/{seq}"
@@ -433,11 +440,8 @@ class Manager:
             fut.wait()
         self._pending = []
         plan = self._plan
-        if plan is not None and plan.heal and self._errored is None:
-            try:
-                self._apply_pending_state()
-            except Exception as e:  # noqa: BLE001
-                self.report_error(e)
+        if plan is not None and plan.heal and self._pending_state is None and self._errored is None:
+            self.report_error(CommunicationError("healing was planned but no state was received"))
         ok = self._errored is None and plan is not None and plan.num_sources >= self._min_replica_size
         if plan is not None and plan.replica_world_size > 1 and self._pg_error() is None:
             ok = self._cross_group_vote(ok)
@@ -448,6 +452,11 @@ class Manager:
             self._sent_checkpoint = False
         if ok:
             assert plan is not None
+            if plan.heal:
+                # Only now: every rank of every group agreed, so every healing rank loads together.
+                # Loading before the vote let one rank jump to the source's step while a peer rank
+                # whose heal failed stayed behind, and the group's ranks drifted apart.
+                self._apply_pending_state()
             self._step += 1
             self._batches_committed += plan.num_sources
             self._commit_failures = 0
@@ -486,13 +495,14 @@ class Manager:
 
     def _apply_pending_state(self) -> None:
         state = self._pending_state
-        if state is None:
-            raise CommunicationError("healing was planned but no state was received")
         self._pending_state = None
+        if state is None:  # guarded before the vote; kept as a clear error rather than a TypeError
+            raise FtlaunchError("healing was planned but no state was received")
+        missing = [k for k in (MANAGER_STATE_KEY, *self._user_state) if k not in state]
+        if missing:
+            raise FtlaunchError(f"healed state has no entries {missing}: do both groups register the same state?")
         self.load_state_dict(state[MANAGER_STATE_KEY])
         for key, (load, _) in self._user_state.items():
-            if key not in state:
-                raise CommunicationError(f"healed state has no entry {key!r}")
             load(state[key])
         self.log.info("healed: loaded state at step %d", self._step)
 
