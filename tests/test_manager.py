@@ -31,13 +31,13 @@ def lighthouse(min_replicas: int) -> LighthouseServer:
                             heartbeat_timeout=5.0, quorum_tick=0.05).start()
 
 
-def committed_checksums(g: Group, rank: int = 0) -> dict[int, str]:
-    """step reached -> weights checksum, for committed steps."""
-    return {r["after"]: r["checksum"] for r in g.steps(rank) if r["committed"]}
+def committed_checksums(g: Group, rank: int = 0, since: float = 0.0) -> dict[int, str]:
+    """step reached -> weights checksum, for committed steps (recorded after ``since``)."""
+    return {r["after"]: r["checksum"] for r in g.steps(rank) if r["committed"] and r["t"] >= since}
 
 
-def assert_identical_every_step(gs: list[Group], ranks: int = 1) -> None:
-    maps = [committed_checksums(g, r) for g in gs for r in range(ranks)]
+def assert_identical_every_step(gs: list[Group], ranks: int = 1, since: float = 0.0) -> None:
+    maps = [committed_checksums(g, r, since) for g in gs for r in range(ranks)]
     common = set.intersection(*(set(m) for m in maps))
     assert len(common) >= 3, f"too few common committed steps: {sorted(common)}"
     for step in sorted(common):
@@ -94,7 +94,9 @@ def test_sigkilled_group_survivors_continue_and_restarted_group_heals(tmp_path: 
     assert restarted and restarted[0]["after"] > 1, restarted[:3]
     finals = {g.final()["checksum"] for g in gs}  # type: ignore[index]
     assert len(finals) == 1, [g.final() for g in gs]
-    assert_identical_every_step(gs)
+    # Only after the kill: with min_replicas=1 a group that starts first may train alone (its own
+    # lineage) before the others connect; the killed group's pre-kill records are not comparable.
+    assert_identical_every_step(gs, since=t_kill)
 
 
 def test_sigkilled_two_worker_group_heals_over_pg_transport(tmp_path: Path, groups: list[Group]) -> None:
