@@ -194,6 +194,42 @@ def kill_and_rejoin(tmp: Path, backend: str = "gloo") -> tuple[float, float, flo
     return stall, median + 0.02, rejoin
 
 
+def through_launcher(steps: int = 400, kill_at: int = 60) -> tuple[float, float, float]:
+    """Measure through `ftlaunch --chaos`: (survivor's longest stall, its median step gap, kill ->
+    first committed step of the restarted group). Lines are timestamped as they arrive."""
+    import re
+
+    script = HERE.parent / "train_ddp.py"
+    cmd = [sys.executable, "-m", "ftlaunch.cli", "--replicas", "2", "--no-status",
+           "--chaos", f"steps={kill_at},group=1", str(script), "--steps", str(steps), "--width", str(WIDTH),
+           "--batch-size", str(BATCH), "--step-sleep", "0.02"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    step_line = re.compile(r"^\[rg(\d)/r0\] step=(\d+) committed=(True|False)")
+    t_kill = None
+    rg0: list[float] = []
+    rejoin = None
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        now = time.time()
+        if t_kill is None and "chaos: SIGKILL" in line:
+            t_kill = now
+        m = step_line.match(line)
+        if m:
+            if m.group(1) == "0":
+                rg0.append(now)
+            elif t_kill is not None and rejoin is None and m.group(3) == "True":
+                rejoin = now - t_kill
+    proc.wait(timeout=60)
+    if t_kill is None:
+        raise RuntimeError("the launcher never injected the failure")
+    before = max(t for t in rg0 if t <= t_kill)
+    after = [t for t in rg0 if t_kill < t < t_kill + 1.0]
+    gaps = [b - a for a, b in zip([before, *after], after, strict=False)]
+    median = statistics.median(b - a for a, b in zip(rg0[5:60], rg0[6:61], strict=False))
+    return (max(gaps) if gaps else float("inf")), median, (rejoin if rejoin is not None else float("inf"))
+
+
 def transfer_rate() -> str:
     bench = HERE.parent / "bench_transport.py"
     if not bench.exists():
@@ -209,6 +245,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--runs", type=int, default=2, help="repeat the step-time measurement (median taken)")
     ap.add_argument("--skip-transfer", action="store_true")
+    ap.add_argument("--launcher", action="store_true",
+                    help="measure stall and rejoin through `ftlaunch --chaos` instead of hand-run groups")
     ap.add_argument("--worker", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -217,6 +255,15 @@ def main() -> int:
             worker_plain(int(rest[0]), int(rest[1]), int(rest[2]), rest[3])
         else:
             worker_ft(int(rest[0]), rest[1], int(rest[2]), rest[3], rest[4], float(rest[5]))
+        return 0
+
+    if args.launcher:
+        stall, gap, rejoin = through_launcher()
+        print(f"through ftlaunch --replicas 2 --chaos (MLP 3x{WIDTH}, batch {BATCH}, 20 ms sleep per step)")
+        print(f"survivor's longest stall on kill  {stall:8.3f} s    (median step gap {gap:.3f} s; "
+              f"torchft {BASELINE['stall']}, target {TARGET['stall']})")
+        print(f"kill -> restarted group's first committed step {rejoin:6.3f} s (includes the agent's restart "
+              f"and Python/torch start-up; torchft restart->commit {BASELINE['rejoin']})")
         return 0
 
     with tempfile.TemporaryDirectory() as d:
