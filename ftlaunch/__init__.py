@@ -20,7 +20,7 @@ __version__ = "0.1.0"
 # does not import torch.
 _LAZY = {
     "Manager": "ftlaunch.manager",
-    "DistributedDataParallel": "ftlaunch.ddp",
+    "DistributedDataParallel": "ftlaunch.data_parallel",
     "Optimizer": "ftlaunch.optim",
     "OptimizerWrapper": ("ftlaunch.optim", "Optimizer"),
     "ProcessGroup": "ftlaunch.process_group",

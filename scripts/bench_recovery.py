@@ -77,7 +77,7 @@ def worker_plain(rank: int, port: int, steps: int, out: str) -> None:
 def worker_ft(group: int, lighthouse: str, steps: int, out: str, backend: str, step_sleep: float) -> None:
     import torch
 
-    from ftlaunch.ddp import DistributedDataParallel
+    from ftlaunch.data_parallel import DistributedDataParallel
     from ftlaunch.manager import Manager
     from ftlaunch.optim import Optimizer
     from ftlaunch.process_group import ProcessGroupBabyGloo, ProcessGroupGloo

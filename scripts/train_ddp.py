@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ftlaunch import env
-from ftlaunch.ddp import DistributedDataParallel
+from ftlaunch.data_parallel import DistributedDataParallel
 from ftlaunch.manager import Manager
 from ftlaunch.optim import Optimizer
 

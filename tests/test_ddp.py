@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ftlaunch.ddp import DistributedDataParallel
+from ftlaunch.data_parallel import DistributedDataParallel
 
 
 class _RecordingManager:

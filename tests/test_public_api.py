@@ -34,3 +34,11 @@ def test_unknown_attribute_is_an_attribute_error() -> None:
 def test_import_does_not_pull_in_torch() -> None:
     code = "import sys, ftlaunch; sys.exit(1 if 'torch' in sys.modules else 0)"
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
+
+
+def test_torchx_components_survive_importing_the_training_wrappers() -> None:
+    """`ftlaunch:ddp` is a torchx component function; no submodule may shadow it."""
+    import ftlaunch.data_parallel  # noqa: F401
+    from ftlaunch import DistributedDataParallel  # noqa: F401
+
+    assert callable(ftlaunch.ddp) and callable(ftlaunch.hsdp)

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ftlaunch.ddp import DistributedDataParallel
+from ftlaunch.data_parallel import DistributedDataParallel
 from ftlaunch.manager import Manager
 from ftlaunch.optim import Optimizer
 
