@@ -194,9 +194,9 @@ def kill_and_rejoin(tmp: Path, backend: str = "gloo") -> tuple[float, float, flo
     return stall, median + 0.02, rejoin
 
 
-def through_launcher(steps: int = 400, kill_at: int = 60) -> tuple[float, float, float]:
-    """Measure through `ftlaunch --chaos`: (survivor's longest stall, its median step gap, kill ->
-    first committed step of the restarted group). Lines are timestamped as they arrive."""
+def through_launcher(steps: int = 400, kill_at: int = 60) -> tuple[float, float]:
+    """Measure through `ftlaunch --chaos`: (survivor's longest stall, kill -> first committed step
+    of the restarted group). Lines are timestamped as they arrive."""
     import re
 
     script = HERE.parent / "train_ddp.py"
@@ -226,8 +226,7 @@ def through_launcher(steps: int = 400, kill_at: int = 60) -> tuple[float, float,
     before = max(t for t in rg0 if t <= t_kill)
     after = [t for t in rg0 if t_kill < t < t_kill + 1.0]
     gaps = [b - a for a, b in zip([before, *after], after, strict=False)]
-    median = statistics.median(b - a for a, b in zip(rg0[5:60], rg0[6:61], strict=False))
-    return (max(gaps) if gaps else float("inf")), median, (rejoin if rejoin is not None else float("inf"))
+    return (max(gaps) if gaps else float("inf")), (rejoin if rejoin is not None else float("inf"))
 
 
 def transfer_rate() -> str:
@@ -258,10 +257,11 @@ def main() -> int:
         return 0
 
     if args.launcher:
-        stall, gap, rejoin = through_launcher()
+        stall, rejoin = through_launcher()
         print(f"through ftlaunch --replicas 2 --chaos (MLP 3x{WIDTH}, batch {BATCH}, 20 ms sleep per step)")
-        print(f"survivor's longest stall on kill  {stall:8.3f} s    (median step gap {gap:.3f} s; "
-              f"torchft {BASELINE['stall']}, target {TARGET['stall']})")
+        print(f"survivor's longest stall on kill  {stall:8.3f} s    (an upper bound: lines reach the launcher "
+              f"through torchelastic's log tailing, ~0.1 s resolution; torchft {BASELINE['stall']}, "
+              f"target {TARGET['stall']})")
         print(f"kill -> restarted group's first committed step {rejoin:6.3f} s (includes the agent's restart "
               f"and Python/torch start-up; torchft restart->commit {BASELINE['rejoin']})")
         return 0
