@@ -15,10 +15,13 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
+import resource
 import statistics
 import sys
 import time
 from datetime import timedelta
+
+import psutil
 
 TORCHFT_HTTP_GBPS = 1.1
 TARGET_GBPS = 2.0
@@ -56,8 +59,14 @@ def _http_sender(q: mp.Queue, stop: mp.Event, size: int, ntensors: int, chunks: 
     tr.shutdown()
 
 
+def _cpu_seconds() -> float:
+    """CPU time (user + system, all threads) this process has used."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
 def _http_receiver(
-    q: mp.Queue, url: str, size: int, ntensors: int, chunks: int, runs: int, inplace: bool
+    q: mp.Queue, ack: mp.Event, url: str, size: int, ntensors: int, chunks: int, runs: int, inplace: bool
 ) -> None:
     import torch
 
@@ -66,16 +75,21 @@ def _http_receiver(
     mine = make_state(size, ntensors, seed=1) if inplace else None
     tr = HTTPTransport(TIMEOUT, num_chunks=chunks, state_dict=(lambda: mine) if inplace else None)
     times = []
+    q.put("start")
+    ack.wait(60)
+    cpu0 = _cpu_seconds()
     for _ in range(runs):
         t0 = time.perf_counter()
         got = tr.recv_checkpoint(0, url, 17, TIMEOUT)
         times.append(time.perf_counter() - t0)
         del got
+    q.put((times, _cpu_seconds() - cpu0))
+    ack.wait(60)  # the verification below is not measured
     expected = make_state(size, ntensors)
     got = tr.recv_checkpoint(0, url, 17, TIMEOUT)
     ok = all(torch.equal(got["model"][k], v) for k, v in expected["model"].items())
     tr.shutdown()
-    q.put((times, ok))
+    q.put(ok)
 
 
 def bench_http(size: int, ntensors: int, chunks: int, runs: int) -> list[str]:
@@ -89,19 +103,30 @@ def bench_http(size: int, ntensors: int, chunks: int, runs: int) -> list[str]:
         nbytes = _state_nbytes(make_state(size, ntensors))
         lines.append(f"  send_checkpoint (encode + checksums, no copy): {prep * 1e3:.1f} ms")
         for inplace in (False, True):
-            rq = ctx.Queue()
+            rq, go = ctx.Queue(), ctx.Event()
             recv = ctx.Process(
-                target=_http_receiver, args=(rq, url, size, ntensors, chunks, runs, inplace), daemon=True
+                target=_http_receiver, args=(rq, go, url, size, ntensors, chunks, runs, inplace), daemon=True
             )
             recv.start()
-            times, ok = rq.get(timeout=600)
+            rq.get(timeout=120)
+            sender_cpu0 = sum(psutil.Process(sender.pid).cpu_times()[:2])
+            go.set()
+            times, recv_cpu = rq.get(timeout=600)
+            sender_cpu = sum(psutil.Process(sender.pid).cpu_times()[:2]) - sender_cpu0
+            go.set()
+            ok = rq.get(timeout=600)
             recv.join(60)
             rates = [nbytes / t / 1e9 for t in times]
+            gb = nbytes * runs / 1e9
             mode = "in-place" if inplace else "fresh"
             lines.append(
-                f"  HTTP {mode:8s} chunks={chunks}: median {statistics.median(rates):.2f} GB/s "
-                f"(runs: {', '.join(f'{r:.2f}' for r in rates)}) data ok={ok} "
+                f"  HTTP {mode:8s} chunks={chunks}: median {statistics.median(rates):.2f} GB/s, "
+                f"best {max(rates):.2f} (runs: {', '.join(f'{r:.2f}' for r in rates)}) data ok={ok} "
                 f"| torchft {TORCHFT_HTTP_GBPS} GB/s, target >= {TARGET_GBPS} GB/s"
+            )
+            lines.append(
+                f"      CPU per GB: receiver {recv_cpu / gb * 1e3:.0f} ms, sender {sender_cpu / gb * 1e3:.0f} ms "
+                f"(two idle cores could not go beyond ~{2 * gb / (recv_cpu + sender_cpu):.1f} GB/s)"
             )
     finally:
         stop.set()
@@ -164,7 +189,7 @@ def bench_pg(size: int, ntensors: int, runs: int) -> list[str]:
     nbytes = _state_nbytes(make_state(size, ntensors))
     rates = [nbytes / t / 1e9 for t in times]
     return [
-        f"  PG (gloo) in-place: median {statistics.median(rates):.2f} GB/s "
+        f"  PG (gloo) in-place: median {statistics.median(rates):.2f} GB/s, best {max(rates):.2f} "
         f"(runs: {', '.join(f'{r:.2f}' for r in rates)})"
     ]
 
@@ -178,7 +203,11 @@ def main() -> int:
     ap.add_argument("--no-pg", action="store_true", help="skip the PGTransport (gloo) comparison")
     args = ap.parse_args()
     size = args.size_mb << 20
-    print(f"live-recovery transfer of a {args.size_mb} MiB state dict on loopback, {os.cpu_count()} CPUs")
+    load = os.getloadavg()[0]
+    print(
+        f"live-recovery transfer of a {args.size_mb} MiB state dict on loopback, {os.cpu_count()} CPUs, "
+        f"load average {load:.2f} (other processes share the CPUs: compare 'best' when it is high)"
+    )
     for chunks in args.chunks:
         for line in bench_http(size, args.tensors, chunks, args.runs):
             print(line, flush=True)
