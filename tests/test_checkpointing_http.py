@@ -121,8 +121,12 @@ def test_round_trip_from_another_process(receiver: HTTPTransport) -> None:
         assert got["tied_a"] is got["tied_b"]
         # again: serving is repeatable until disallowed
         assert_state_equal(receiver.recv_checkpoint(0, url, 5, TIMEOUT), make_state(3, 600_000))
-        with pytest.raises(CheckpointTransportError, match="serving step 5, not step 6"):
-            receiver.recv_checkpoint(0, url, 6, TIMEOUT)
+        t0 = time.monotonic()
+        with pytest.raises(CheckpointTransportError, match="serving step 5, not step 4"):
+            receiver.recv_checkpoint(0, url, 4, TIMEOUT)  # the source is past it: no point waiting
+        assert time.monotonic() - t0 < 10
+        with pytest.raises(CheckpointTransportError, match="serving step 5, not step 6.*until the timeout"):
+            receiver.recv_checkpoint(0, url, 6, timedelta(seconds=0.5))  # not there yet: waits, then fails
 
 
 @pytest.mark.timeout(120)
@@ -163,12 +167,16 @@ def test_send_disallow_send_again(receiver: HTTPTransport) -> None:
     sender: HTTPTransport = HTTPTransport(TIMEOUT)
     short = timedelta(seconds=0.5)
     try:
-        with pytest.raises(CheckpointTransportError, match="no checkpoint is being served.*until the timeout"):
+        with pytest.raises(
+            CheckpointTransportError, match="no checkpoint is being served.*until the timeout"
+        ):
             receiver.recv_checkpoint(0, sender.metadata(), 1, short)
         sender.send_checkpoint([1], 1, {"w": torch.arange(10)}, TIMEOUT)
         assert torch.equal(receiver.recv_checkpoint(0, sender.metadata(), 1, TIMEOUT)["w"], torch.arange(10))
         sender.disallow_checkpoint()
-        with pytest.raises(CheckpointTransportError, match="no checkpoint is being served.*until the timeout"):
+        with pytest.raises(
+            CheckpointTransportError, match="no checkpoint is being served.*until the timeout"
+        ):
             receiver.recv_checkpoint(0, sender.metadata(), 1, short)
         sender.send_checkpoint([1], 2, {"w": torch.arange(20)}, TIMEOUT)
         assert torch.equal(receiver.recv_checkpoint(0, sender.metadata(), 2, TIMEOUT)["w"], torch.arange(20))
@@ -254,6 +262,8 @@ def test_protocol_status_codes() -> None:
             status, h, raw = _request(url, path, hdrs)
             assert status == code, (path, hdrs, status)
             assert h["Content-Type"] == "application/json" and json.loads(raw)["error"]
+            if code == 409:
+                assert json.loads(raw)["serving_step"] == 3
     finally:
         sender.shutdown()
 

@@ -6,8 +6,11 @@ Protocol (HTTP/1.1, standard library server and client; see docs/checkpointing.m
 
 ``GET /checkpoint/<step>/body`` with ``Range: bytes=a-b`` and ``If-Match: <etag>`` -> 206, body bytes.
 
-Errors are JSON ``{"error": "..."}``: 404 unknown path, 400 malformed request, 409 another step is
-being served, 412 the served snapshot changed (etag), 416 bad range, 503 nothing is being served.
+Errors are JSON ``{"error": "..."}``: 404 unknown path, 409 another step is being served (with
+``"serving_step"``), 412 the served snapshot changed (etag), 416 bad range, 503 nothing is being
+served. A receiver that gets 503, or 409 for an older step, retries until its deadline (source and
+healer act on the same quorum concurrently, so the healer may ask first); 409 for a newer step fails
+at once.
 
 Speed: the receiver splits the body into ``num_chunks`` ranges fetched over parallel connections,
 each read with ``readinto`` straight into the destination tensors (fresh ones, or the caller's own
@@ -128,17 +131,22 @@ class _Server(ThreadingHTTPServer):
                     "checkpoint server: %d transfers of step %d still running", old.active, old.step
                 )
 
-    def acquire(self, step: int, stream: socket.socket | None) -> tuple[_Snapshot | None, int, str]:
+    def acquire(self, step: int, stream: socket.socket | None) -> tuple[_Snapshot | None, int, dict]:
+        """The snapshot of ``step`` (counted as in use), or an error status and JSON body."""
         with self.cond:
             snap = self.snapshot
             if snap is None:
-                return None, 503, "no checkpoint is being served (not sent yet, or disallowed)"
+                return None, 503, {"error": "no checkpoint is being served (not sent yet, or disallowed)"}
             if snap.step != step:
-                return None, 409, f"serving step {snap.step}, not step {step}"
+                return (
+                    None,
+                    409,
+                    {"error": f"serving step {snap.step}, not step {step}", "serving_step": snap.step},
+                )
             snap.active += 1
             if stream is not None:
                 snap.streams.add(stream)
-            return snap, 200, ""
+            return snap, 200, {}
 
     def release(self, snap: _Snapshot, stream: socket.socket | None) -> None:
         with self.cond:
@@ -195,8 +203,8 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(body)
 
-    def _error(self, code: int, msg: str) -> None:
-        self._reply(code, json.dumps({"error": msg}).encode(), "application/json")
+    def _error(self, code: int, msg: str, doc: dict | None = None) -> None:
+        self._reply(code, json.dumps(doc or {"error": msg}).encode(), "application/json")
 
     def do_GET(self) -> None:
         m = _PATH.fullmatch(self.path)
@@ -205,9 +213,9 @@ class _Handler(BaseHTTPRequestHandler):
             return
         step, what = int(m[1]), m[2]
         stream = self.connection if what == "body" else None
-        snap, code, msg = self.server.acquire(step, stream)
+        snap, code, doc = self.server.acquire(step, stream)
         if snap is None:
-            self._error(code, msg)
+            self._error(code, doc["error"], doc)
             return
         try:
             if what == "header":
@@ -254,7 +262,8 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 class _NotServedYet(CheckpointTransportError):
-    """The source does not (yet) serve the requested step: retried until the deadline."""
+    """The source does not serve the requested step *yet* (nothing, or an older step): the
+    receiver retries until its deadline. A source already serving a newer step fails at once."""
 
 
 class _Fetch:
@@ -317,10 +326,15 @@ class _Fetch:
         if resp.status != ok:
             raw = resp.read(_MAX_ERROR_BODY) if (resp.length or 0) <= _MAX_ERROR_BODY else b""
             try:
-                msg = json.loads(raw)["error"]
+                doc = json.loads(raw)
+                msg = doc["error"]
             except (ValueError, KeyError, TypeError):
-                msg = raw[:200].decode(errors="replace") or resp.reason
-            cls = _NotServedYet if resp.status in (409, 503) else CheckpointTransportError
+                doc, msg = {}, raw[:200].decode(errors="replace") or resp.reason
+            serving = doc.get("serving_step") if isinstance(doc, dict) else None
+            later = resp.status == 503 or (
+                resp.status == 409 and type(serving) is int and serving < self.step
+            )
+            cls = _NotServedYet if later else CheckpointTransportError
             raise cls(f"checkpoint server {self.url} answered {resp.status} to {path}: {msg}")
         return resp
 
