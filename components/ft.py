@@ -4,14 +4,14 @@ The general-purpose components are ``ftlaunch:hsdp`` and ``ftlaunch:ddp`` (insta
 package). This file only adds *presets* for the scripts under ``scripts/``: their script path, their
 flags as typed arguments, and the defaults of the README demo -- so ``torchx run`` with no arguments
 (see ``.torchxconfig``) runs a real fault-tolerant training. The AppDef is built by the same code as
-``ftlaunch:hsdp`` (``ftlaunch.launcher.torchx_components.hsdp_app``); nothing is duplicated here.
+``ftlaunch:hsdp`` itself; nothing is duplicated here.
 
     torchx run -s local_cwd components/ft.py:train_ddp --replicas 3 --steps 200
 """
 
 import torchx.specs as specs
 
-from ftlaunch.launcher.torchx_components import hsdp_app
+from ftlaunch import hsdp
 
 
 def train_ddp(
@@ -40,7 +40,7 @@ def train_ddp(
         lighthouse: HOST:PORT of an existing lighthouse (then no lighthouse role is started)
         job_dir: directory shared by all roles (default /tmp/ftlaunch-torchx/<app_id>)
     """
-    return hsdp_app(
+    return hsdp(
         "--steps", str(steps), "--step-sleep", str(step_sleep), "--backend", backend,
         script="scripts/train_ddp.py",
         name="train_ddp",

@@ -196,13 +196,11 @@ def ddp(
         max_retries: scheduler retries of a role
         tee: tee worker streams to console and file (0 none, 1 stdout, 2 stderr, 3 both)
     """
-    from ftlaunch.launcher.torchx_components import hsdp_app
-
-    return hsdp_app(
+    return hsdp(
         *script_args, script=script, m=m, replicas=replicas, workers_per_replica=workers_per_replica,
-        image=image, name=name, cpu=cpu, gpu=gpu, memMB=memMB, h=h, max_restarts=max_restarts,
-        min_replicas=min_replicas, lighthouse=lighthouse, lighthouse_bind=lighthouse_bind, job_dir=job_dir, env=env,
-        max_retries=max_retries, tee=tee,
+        nnodes_per_replica=1, image=image, name=name, cpu=cpu, gpu=gpu, memMB=memMB, h=h,
+        max_restarts=max_restarts, min_replicas=min_replicas, lighthouse=lighthouse,
+        lighthouse_bind=lighthouse_bind, job_dir=job_dir, env=env, max_retries=max_retries, tee=tee,
     )
 
 

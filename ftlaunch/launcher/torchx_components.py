@@ -53,30 +53,34 @@ def _join(words: list[str]) -> str:
 
 def hsdp_app(
     *script_args: str,
-    script: str | None = None,
-    m: str | None = None,
-    replicas: int = 2,
-    workers_per_replica: int = 1,
-    nnodes_per_replica: int = 1,
-    image: str | None = None,
-    name: str = "ftlaunch",
-    cpu: int = 2,
-    gpu: int = 0,
-    memMB: int = 2048,  # noqa: N803 - torchx's spelling
-    h: str | None = None,
-    max_restarts: int = 3,
-    min_replicas: int = 1,
-    join_timeout: float = 60.0,
-    heartbeat_timeout: float = 5.0,
-    lighthouse: str = "",
-    lighthouse_bind: str = "127.0.0.1:0",
-    job_dir: str = "",
-    env: dict[str, str] | None = None,
-    max_retries: int = 0,
-    mounts: list[str] | None = None,
-    tee: int = 3,
+    script: str | None,
+    m: str | None,
+    replicas: int,
+    workers_per_replica: int,
+    nnodes_per_replica: int,
+    image: str | None,
+    name: str,
+    cpu: int,
+    gpu: int,
+    memMB: int,  # noqa: N803 - torchx's spelling
+    h: str | None,
+    max_restarts: int,
+    min_replicas: int,
+    join_timeout: float,
+    heartbeat_timeout: float,
+    lighthouse: str,
+    lighthouse_bind: str,
+    job_dir: str,
+    env: dict[str, str] | None,
+    max_retries: int,
+    mounts: list[str] | None,
+    tee: int,
 ) -> AppDef:
-    """Build the AppDef; see ``ftlaunch.hsdp`` for the meaning of every argument."""
+    """Build the AppDef; see ``ftlaunch.hsdp`` for the meaning and the defaults of every argument.
+
+    No defaults here on purpose: ``ftlaunch.hsdp`` (the definition torchx reads) owns them, and
+    every caller goes through it, so the two cannot drift apart.
+    """
     import torchx
     import torchx.specs as specs
     from torchx.specs import macros
