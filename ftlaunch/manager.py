@@ -161,7 +161,7 @@ class Manager:
         self._sent_checkpoint = False
         self._shutdown = False
 
-        self._group_store, self._store_address, self._own_store = self._connect_group_store(
+        self._group_store, self._store_address = self._connect_group_store(
             store_addr, store_port, hostname
         )
 
@@ -199,7 +199,7 @@ class Manager:
     # ----------------------------------------------------------------------------- setup helpers
     def _connect_group_store(
         self, store_addr: str | None, store_port: int | None, hostname: str | None
-    ) -> tuple[dist.Store, str, bool]:
+    ) -> tuple[dist.Store, str]:
         """The replica group's own store: torchelastic's (or the caller's), or a private one.
 
         Keys are prefixed per restart attempt so a restarted group never reads its previous
@@ -207,7 +207,6 @@ class Manager:
         """
         addr = store_addr or os.environ.get(env.MASTER_ADDR)
         port = store_port if store_port is not None else env.get_int(env.MASTER_PORT)
-        own = False
         if addr is None or port is None:
             if self._group_world_size != 1:
                 raise ConfigurationError(
@@ -218,7 +217,7 @@ class Manager:
             store: dist.Store = dist.TCPStore(
                 host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=self._timeout)
             )
-            addr, port, own = host, store.port, True
+            addr, port = host, store.port
         else:
             try:
                 store = dist.TCPStore(
@@ -234,7 +233,7 @@ class Manager:
         attempt = os.environ.get(env.TORCHELASTIC_RESTART_COUNT, "0")
         prefixed = dist.PrefixStore(f"/ftlaunch/{self.replica_id}/attempt_{attempt}", store)
         host_for_peers = addr if ":" not in addr or addr.startswith("[") else f"[{addr}]"
-        return prefixed, f"{host_for_peers}:{port}", own
+        return prefixed, f"{host_for_peers}:{port}"
 
     def register_state_dict_fn(
         self, key: str, load_state_dict: Callable[[Any], None], state_dict: Callable[[], Any]
