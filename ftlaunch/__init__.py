@@ -19,6 +19,10 @@ __version__ = "0.1.0"
 # (PEP 562) so `import ftlaunch` -- done by the CLI and by torchx to find the components below --
 # does not import torch.
 _LAZY = {
+    "init": "ftlaunch.worker",
+    "FaultTolerance": "ftlaunch.worker",
+    "Timeouts": "ftlaunch.timeouts",
+    "DistributedSampler": "ftlaunch.data",
     "Manager": "ftlaunch.manager",
     "DistributedDataParallel": "ftlaunch.data_parallel",
     "Optimizer": "ftlaunch.optim",

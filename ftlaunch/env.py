@@ -33,6 +33,18 @@ TORCHFT_LIGHTHOUSE = "TORCHFT_LIGHTHOUSE"
 FTLAUNCH_TOKEN = "FTLAUNCH_TOKEN"
 #: Address the lighthouse binds when the launcher/rendezvous starts one (default loopback).
 FTLAUNCH_LIGHTHOUSE_BIND = "FTLAUNCH_LIGHTHOUSE_BIND"
+#: Cross-group process group built by ``ftlaunch.init()``: baby-gloo, baby-nccl, gloo or nccl.
+FTLAUNCH_BACKEND = "FTLAUNCH_BACKEND"
+#: Live-recovery transport built by ``ftlaunch.init()``: pg or http.
+FTLAUNCH_TRANSPORT = "FTLAUNCH_TRANSPORT"
+#: The one timeout knob (seconds); the others derive from it (``ftlaunch.timeouts``).
+FTLAUNCH_TIMEOUT = "FTLAUNCH_TIMEOUT"
+#: Explicit overrides of the derived timeouts (validated together; see docs/timeouts.md).
+FTLAUNCH_COLLECTIVE_TIMEOUT = "FTLAUNCH_COLLECTIVE_TIMEOUT"
+FTLAUNCH_HEAL_TIMEOUT = "FTLAUNCH_HEAL_TIMEOUT"
+FTLAUNCH_COMMIT_TIMEOUT = "FTLAUNCH_COMMIT_TIMEOUT"
+FTLAUNCH_QUORUM_TIMEOUT = "FTLAUNCH_QUORUM_TIMEOUT"
+FTLAUNCH_CONNECT_TIMEOUT = "FTLAUNCH_CONNECT_TIMEOUT"
 
 ALL_FTLAUNCH_VARS = (
     REPLICA_GROUP_ID,
@@ -41,6 +53,14 @@ ALL_FTLAUNCH_VARS = (
     TORCHFT_LIGHTHOUSE,
     FTLAUNCH_TOKEN,
     FTLAUNCH_LIGHTHOUSE_BIND,
+    FTLAUNCH_BACKEND,
+    FTLAUNCH_TRANSPORT,
+    FTLAUNCH_TIMEOUT,
+    FTLAUNCH_COLLECTIVE_TIMEOUT,
+    FTLAUNCH_HEAL_TIMEOUT,
+    FTLAUNCH_COMMIT_TIMEOUT,
+    FTLAUNCH_QUORUM_TIMEOUT,
+    FTLAUNCH_CONNECT_TIMEOUT,
 )
 
 

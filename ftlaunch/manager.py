@@ -27,7 +27,7 @@ from collections.abc import Callable
 from concurrent.futures import Future as CFuture
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -42,6 +42,9 @@ from ftlaunch.errors import (
 )
 from ftlaunch.lighthouse.quorum import Quorum, QuorumMember
 from ftlaunch.plan import StepPlan, plan_step
+
+if TYPE_CHECKING:
+    from ftlaunch.timeouts import Timeouts
 
 logger = logging.getLogger(__name__)
 
@@ -94,9 +97,9 @@ class Manager:
         state_dict: Callable[[], Any] | None,
         min_replica_size: int = 1,
         use_async_quorum: bool = True,
-        timeout: timedelta | float = timedelta(seconds=60),
-        quorum_timeout: timedelta | float = timedelta(seconds=60),
-        connect_timeout: timedelta | float = timedelta(seconds=10),
+        timeout: timedelta | float | None = None,
+        quorum_timeout: timedelta | float | None = None,
+        connect_timeout: timedelta | float | None = None,
         rank: int | None = None,
         world_size: int | None = None,
         store_addr: str | None = None,
@@ -110,7 +113,14 @@ class Manager:
         max_retries: int | None = None,
         quorum_retries: int = 0,
         token: str | None = None,
+        heal_timeout: timedelta | float | None = None,
+        commit_timeout: timedelta | float | None = None,
+        timeouts: Timeouts | None = None,
     ) -> None:
+        """Timeouts: ``timeout`` is the one knob (else ``FTLAUNCH_TIMEOUT``, else 60 s); the quorum,
+        connect, heal and commit timeouts derive from it unless given, and the set is validated
+        (``ftlaunch.timeouts``). ``timeouts=`` passes an already derived set instead.
+        """
         if min_replica_size < 1:
             raise ValueError(f"min_replica_size must be >= 1, got {min_replica_size}")
         if max_retries is not None and max_retries < 0:
@@ -118,9 +128,20 @@ class Manager:
         self._pg = pg
         self._min_replica_size = min_replica_size
         self._use_async_quorum = use_async_quorum
-        self._timeout = _seconds(timeout)
-        self._quorum_timeout = _seconds(quorum_timeout)
-        self._connect_timeout = _seconds(connect_timeout)
+        if timeouts is None:
+            from ftlaunch.timeouts import Timeouts
+
+            timeouts = Timeouts.derive(
+                timeout, quorum=quorum_timeout, connect=connect_timeout, heal=heal_timeout, commit=commit_timeout
+            )
+        elif any(t is not None for t in (timeout, quorum_timeout, connect_timeout, heal_timeout, commit_timeout)):
+            raise ValueError("pass either timeouts= or the individual timeouts, not both")
+        self.timeouts = timeouts
+        self._timeout = timeouts.collective
+        self._quorum_timeout = timeouts.quorum
+        self._connect_timeout = timeouts.connect
+        self._heal_timeout = timeouts.heal
+        self._commit_timeout = timeouts.commit
         self._init_sync = init_sync
         self._max_retries = max_retries
         self._quorum_retries = quorum_retries
@@ -168,7 +189,7 @@ class Manager:
         if checkpoint_transport is None:
             from ftlaunch.checkpointing import HTTPTransport
 
-            checkpoint_transport = HTTPTransport(timeout=timedelta(seconds=self._timeout))
+            checkpoint_transport = HTTPTransport(timeout=timedelta(seconds=self._heal_timeout))
         self._transport = checkpoint_transport
         self._group_store.set(f"ckpt_meta/{self._group_rank}", self._transport.metadata())
         self._ckpt_metas: list[str] | None = None
@@ -195,6 +216,7 @@ class Manager:
             self._store_address,
             type(self._transport).__name__,
         )
+        timeouts.log(self.log)
 
     # ----------------------------------------------------------------------------- setup helpers
     def _connect_group_store(
@@ -229,7 +251,8 @@ class Manager:
                 )
             except Exception as e:  # noqa: BLE001 - torch raises several types here
                 raise CommunicationError(f"cannot connect to the replica group's store at {addr}:{port}: {e}") from e
-            store.set_timeout(timedelta(seconds=max(self._quorum_timeout, self._timeout)))
+            # Non-leader ranks wait here for the leader's quorum call (quorum + its connect retries).
+            store.set_timeout(timedelta(seconds=max(self._quorum_timeout + self._connect_timeout, self._timeout)))
         attempt = os.environ.get(env.TORCHELASTIC_RESTART_COUNT, "0")
         prefixed = dist.PrefixStore(f"/ftlaunch/{self.replica_id}/attempt_{attempt}", store)
         host_for_peers = addr if ":" not in addr or addr.startswith("[") else f"[{addr}]"
@@ -289,7 +312,7 @@ class Manager:
                 dst_ranks=list(plan.recover_dst_ranks),
                 step=self._step,
                 state_dict=self._full_state_dict(),
-                timeout=timedelta(seconds=self._timeout),
+                timeout=timedelta(seconds=self._heal_timeout),
             )
             self._sent_checkpoint = True
         if plan.heal:
@@ -301,7 +324,7 @@ class Manager:
                 src_rank=plan.recover_src_rank,
                 metadata=meta,
                 step=plan.max_step,
-                timeout=timedelta(seconds=self._timeout),
+                timeout=timedelta(seconds=self._heal_timeout),
             )
             missing = [k for k in (MANAGER_STATE_KEY, *self._user_state) if k not in state]
             if missing:  # checked here so the step fails the vote instead of raising after commit

@@ -56,6 +56,7 @@ from dataclasses import dataclass, field, fields
 from datetime import timedelta
 from typing import NamedTuple
 
+from ftlaunch import env as _env
 from ftlaunch.errors import ConfigurationError
 
 __all__ = [
@@ -74,14 +75,14 @@ __all__ = [
 ]
 
 #: Environment variable of the one knob ``T`` (seconds, see `parse_duration`).
-FTLAUNCH_TIMEOUT = "FTLAUNCH_TIMEOUT"
-#: Per-value overrides, by field name.
+FTLAUNCH_TIMEOUT = _env.FTLAUNCH_TIMEOUT
+#: Per-value overrides, by field name (names owned by `ftlaunch.env`).
 ENV_VARS: Mapping[str, str] = {
-    "collective": "FTLAUNCH_COLLECTIVE_TIMEOUT",
-    "heal": "FTLAUNCH_HEAL_TIMEOUT",
-    "commit": "FTLAUNCH_COMMIT_TIMEOUT",
-    "quorum": "FTLAUNCH_QUORUM_TIMEOUT",
-    "connect": "FTLAUNCH_CONNECT_TIMEOUT",
+    "collective": _env.FTLAUNCH_COLLECTIVE_TIMEOUT,
+    "heal": _env.FTLAUNCH_HEAL_TIMEOUT,
+    "commit": _env.FTLAUNCH_COMMIT_TIMEOUT,
+    "quorum": _env.FTLAUNCH_QUORUM_TIMEOUT,
+    "connect": _env.FTLAUNCH_CONNECT_TIMEOUT,
 }
 
 #: ``T`` when neither the argument nor ``FTLAUNCH_TIMEOUT`` gives one (seconds).

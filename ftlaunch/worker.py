@@ -1,0 +1,333 @@
+"""The worker side of an ftlaunch job: ``ftlaunch.init()`` turns what the launcher published into a
+ready fault-tolerant setup, so a training script needs two lines instead of twenty::
+
+    ft = ftlaunch.init(model, optimizer)            # Manager, process groups, state, timeouts
+    model, optimizer = ft.wrap(model, optimizer)    # DDP across groups + commit-gated optimizer
+
+All three launch paths (``ftlaunch --replicas N``, ``torchrun --rdzv-backend ftlaunch`` and
+``torchx run ftlaunch:hsdp``) publish the same environment: ``REPLICA_GROUP_ID``,
+``NUM_REPLICA_GROUPS``, ``FTLAUNCH_LIGHTHOUSE`` (+ token) and torchelastic's ``RANK``/``WORLD_SIZE``/
+``MASTER_ADDR``/``MASTER_PORT`` (the replica group's own store). ``init`` reads only that, so it
+behaves the same under each, and names the three commands when it finds none of it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ftlaunch import env
+from ftlaunch.errors import ConfigurationError
+from ftlaunch.timeouts import Timeouts
+
+if TYPE_CHECKING:
+    from ftlaunch.data import DistributedSampler
+    from ftlaunch.manager import Manager
+
+logger = logging.getLogger(__name__)
+
+#: Cross-group process-group backends ``init`` can build (argument ``backend=`` or ``FTLAUNCH_BACKEND``).
+BACKENDS = ("baby-gloo", "baby-nccl", "gloo", "nccl")
+#: Live-recovery transports (argument ``transport=`` or ``FTLAUNCH_TRANSPORT``).
+TRANSPORTS = ("pg", "http")
+
+_HOW_TO_LAUNCH = (
+    "launch the script with one of:\n"
+    "  ftlaunch --replicas 2 train.py\n"
+    "  torchrun --rdzv-backend ftlaunch --rdzv-endpoint HOST:PORT "
+    "--rdzv-conf replica_group_id=G,num_replica_groups=N train.py\n"
+    "  torchx run -s local_cwd ftlaunch:hsdp --replicas 2 --script train.py\n"
+    f"or set {env.REPLICA_GROUP_ID}, {env.NUM_REPLICA_GROUPS} and {env.FTLAUNCH_LIGHTHOUSE} yourself "
+    "(against a running `ftlaunch-lighthouse`), or pass them to ftlaunch.init()"
+)
+
+
+def _choice(value: str | None, env_name: str, allowed: tuple[str, ...], what: str) -> str | None:
+    raw = value if value is not None else (os.environ.get(env_name) or None)
+    if raw is None:
+        return None
+    norm = raw.strip().lower().replace("_", "-")
+    if norm not in allowed:
+        src = f"{what}={raw!r}" if value is not None else f"{env_name}={raw!r}"
+        raise ConfigurationError(f"{src} is not one of {', '.join(allowed)}")
+    return norm
+
+
+def default_backend(device: torch.device) -> str:
+    """Baby NCCL for a model on CUDA, Baby Gloo otherwise.
+
+    Baby (subprocess) groups, because a hung collective in a subprocess can be abandoned and the
+    group rebuilt at the next quorum without taking the training process down with it.
+    """
+    return "baby-nccl" if device.type == "cuda" else "baby-gloo"
+
+
+def model_device(model: nn.Module | None) -> torch.device:
+    if model is None:
+        return torch.device("cpu")
+    for p in model.parameters():
+        return p.device
+    for b in model.buffers():
+        return b.device
+    return torch.device("cpu")
+
+
+def make_process_group(backend: str, timeout: timedelta) -> Any:
+    """The reconfigurable cross-group process group for ``backend`` (one of ``BACKENDS``)."""
+    from ftlaunch import process_group as pgs
+
+    classes = {
+        "baby-gloo": pgs.ProcessGroupBabyGloo,
+        "baby-nccl": pgs.ProcessGroupBabyNCCL,
+        "gloo": pgs.ProcessGroupGloo,
+        "nccl": pgs.ProcessGroupNCCL,
+    }
+    if backend.endswith("nccl") and not torch.cuda.is_available():
+        raise ConfigurationError(f"backend {backend!r} needs CUDA, and torch.cuda.is_available() is False")
+    return classes[backend](timeout=timeout)
+
+
+@dataclass
+class FaultTolerance:
+    """What ``ftlaunch.init()`` returns: everything a training loop needs, already connected."""
+
+    manager: Manager
+    #: The cross-group (replica dimension) process group; reconfigured in place by the Manager.
+    pg: Any
+    replica_group_id: int
+    num_replica_groups: int
+    #: This worker's rank and the worker count inside its replica group.
+    rank: int
+    world_size: int
+    device: torch.device
+    backend: str
+    transport: str
+    timeouts: Timeouts
+    #: The replica group's own process group (its workers only), when asked for or needed.
+    intra_group: dist.ProcessGroup | None = None
+    _owns_intra_group: bool = field(default=False, repr=False)
+    _closed: bool = field(default=False, repr=False)
+
+    def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
+        """DDP across replica groups (averaged inside the group first) and a commit-gated optimizer."""
+        from ftlaunch.data_parallel import DistributedDataParallel
+        from ftlaunch.optim import Optimizer
+
+        return (
+            DistributedDataParallel(self.manager, model, intra_group=self.intra_group),
+            Optimizer(self.manager, optimizer),
+        )
+
+    def sampler(self, dataset: Any, key: str = "sampler", **kwargs: Any) -> DistributedSampler:
+        """A sampler sharding ``dataset`` over replica groups x ranks whose position travels with
+        live recovery, so a healed group resumes exactly where its peers are."""
+        from ftlaunch.data import DistributedSampler
+
+        s = DistributedSampler(
+            dataset,
+            replica_group_id=self.replica_group_id,
+            num_replica_groups=self.num_replica_groups,
+            rank=self.rank,
+            num_replicas=self.world_size,
+            **kwargs,
+        )
+        self.manager.register_state_dict_fn(key, s.load_state_dict, s.state_dict)
+        return s
+
+    def shutdown(self) -> None:
+        """Leave the quorum and release the process groups (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        self.manager.shutdown()
+        if self._owns_intra_group and dist.is_initialized():
+            dist.destroy_process_group()
+
+    def __enter__(self) -> FaultTolerance:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+def init(
+    model: nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    timeout: float | timedelta | None = None,
+    backend: str | None = None,
+    transport: str | None = None,
+    intra_group: bool | None = None,
+    min_replica_size: int = 1,
+    device: torch.device | str | None = None,
+    replica_group_id: int | None = None,
+    num_replica_groups: int | None = None,
+    lighthouse: str | None = None,
+    load_state_dict: Callable[[Any], None] | None = None,
+    state_dict: Callable[[], Any] | None = None,
+    **manager_kwargs: Any,
+) -> FaultTolerance:
+    """Connect this worker to its ftlaunch job and return a ready :class:`FaultTolerance`.
+
+    - ``model``/``optimizer``: their ``state_dict``/``load_state_dict`` are what a restarted group
+      receives from a healthy peer (or pass ``state_dict``/``load_state_dict`` yourself; add more with
+      ``ft.manager.register_state_dict_fn``). The model's device picks the default backend.
+    - ``timeout``: the one timeout knob (seconds; else ``FTLAUNCH_TIMEOUT``; default 60). The quorum,
+      collective, commit, heal and connect timeouts derive from it; explicit overrides go in
+      ``quorum_timeout=``, ``connect_timeout=``, ``heal_timeout=``, ``commit_timeout=`` or the
+      ``FTLAUNCH_*_TIMEOUT`` variables and are validated together (see docs/timeouts.md).
+    - ``backend``: ``baby-nccl`` on CUDA, ``baby-gloo`` on CPU by default (``FTLAUNCH_BACKEND``).
+    - ``transport``: ``pg`` (over the cross-group process group, default) or ``http``
+      (``FTLAUNCH_TRANSPORT``).
+    - ``intra_group``: build (or reuse) the replica group's own process group; default: when the
+      group has more than one worker.
+    - Other keyword arguments go to :class:`ftlaunch.Manager` (e.g. ``max_retries``, ``init_sync``).
+    """
+    group_id = replica_group_id if replica_group_id is not None else env.get_int(env.REPLICA_GROUP_ID)
+    lighthouse_addr = lighthouse or env.lighthouse_address()
+    missing = [
+        name
+        for name, value in ((env.REPLICA_GROUP_ID, group_id), (env.FTLAUNCH_LIGHTHOUSE, lighthouse_addr))
+        if value is None
+    ]
+    if missing:
+        raise ConfigurationError(
+            f"ftlaunch.init() found no ftlaunch job: {' and '.join(missing)} not set. {_HOW_TO_LAUNCH}"
+        )
+    assert group_id is not None and lighthouse_addr is not None  # narrowed by the check above
+    num_groups = num_replica_groups if num_replica_groups is not None else env.get_int(env.NUM_REPLICA_GROUPS)
+    if num_groups is None:
+        raise ConfigurationError(f"{env.NUM_REPLICA_GROUPS} is not set. {_HOW_TO_LAUNCH}")
+    if num_groups < 1 or not 0 <= group_id < num_groups:
+        raise ConfigurationError(
+            f"replica group id {group_id} is outside 0..{num_groups - 1} ({env.NUM_REPLICA_GROUPS}={num_groups})"
+        )
+    rank = env.get_int(env.RANK, 0) or 0
+    world_size = env.get_int(env.WORLD_SIZE, 1) or 1
+
+    # Timeouts: one knob, explicit overrides validated together before anything connects.
+    overrides = {
+        name: manager_kwargs.pop(f"{name}_timeout")
+        for name in ("quorum", "connect", "heal", "commit", "collective")
+        if f"{name}_timeout" in manager_kwargs
+    }
+    timeouts = Timeouts.derive(timeout, **overrides)
+
+    dev = torch.device(device) if device is not None else model_device(model)
+    chosen_backend = _choice(backend, env.FTLAUNCH_BACKEND, BACKENDS, "backend") or default_backend(dev)
+    chosen_transport = _choice(transport, env.FTLAUNCH_TRANSPORT, TRANSPORTS, "transport") or "pg"
+
+    if (load_state_dict is None) != (state_dict is None):
+        raise ValueError("pass both load_state_dict and state_dict, or neither")
+    if load_state_dict is None and (model is not None or optimizer is not None):
+        load_state_dict, state_dict = _model_state_fns(model, optimizer)
+
+    want_intra = world_size > 1 if intra_group is None else intra_group
+    intra, owns_intra = _intra_group(want_intra, dev, timeouts)
+
+    pg = make_process_group(chosen_backend, timeouts.as_timedelta("collective"))
+    try:
+        ckpt = _make_transport(chosen_transport, pg, dev, timeouts)
+        from ftlaunch.manager import Manager
+
+        manager = Manager(
+            pg=pg,
+            load_state_dict=load_state_dict,
+            state_dict=state_dict,
+            min_replica_size=min_replica_size,
+            timeouts=timeouts,
+            lighthouse_addr=lighthouse_addr,
+            replica_id=f"rg{group_id}",
+            checkpoint_transport=ckpt,
+            **manager_kwargs,
+        )
+    except BaseException:
+        _close_quietly(pg)
+        if owns_intra and dist.is_initialized():
+            dist.destroy_process_group()
+        raise
+    manager.log.info(
+        "ftlaunch.init: replica group %d of %d, rank %d of %d, backend %s, transport %s, device %s",
+        group_id, num_groups, rank, world_size, chosen_backend, chosen_transport, dev,
+    )  # fmt: skip
+    return FaultTolerance(
+        manager=manager,
+        pg=pg,
+        replica_group_id=group_id,
+        num_replica_groups=num_groups,
+        rank=rank,
+        world_size=world_size,
+        device=dev,
+        backend=chosen_backend,
+        transport=chosen_transport,
+        timeouts=timeouts,
+        intra_group=intra,
+        _owns_intra_group=owns_intra,
+    )
+
+
+def _model_state_fns(
+    model: nn.Module | None, optimizer: torch.optim.Optimizer | None
+) -> tuple[Callable[[Any], None], Callable[[], Any]]:
+    """Live-recovery state from the model and optimizer the user passed (the unwrapped objects, so
+    keys do not depend on a later DDP wrap)."""
+
+    def save() -> dict[str, Any]:
+        sd: dict[str, Any] = {}
+        if model is not None:
+            sd["model"] = model.state_dict()
+        if optimizer is not None:
+            sd["optim"] = optimizer.state_dict()
+        return sd
+
+    def load(sd: dict[str, Any]) -> None:
+        if model is not None:
+            model.load_state_dict(sd["model"])
+        if optimizer is not None:
+            optimizer.load_state_dict(sd["optim"])
+
+    return load, save
+
+
+def _intra_group(want: bool, device: torch.device, timeouts: Timeouts) -> tuple[dist.ProcessGroup | None, bool]:
+    """The replica group's own process group: torch's default group, initialised here if needed
+    from torchelastic's environment (``MASTER_ADDR``/``MASTER_PORT`` of the group's store)."""
+    if not want:
+        return None, False
+    if dist.is_initialized():
+        return dist.group.WORLD, False
+    if os.environ.get(env.MASTER_ADDR) is None or os.environ.get(env.MASTER_PORT) is None:
+        raise ConfigurationError(
+            f"an intra-group process group needs {env.MASTER_ADDR}/{env.MASTER_PORT} (set by "
+            "torchelastic inside a replica group). " + _HOW_TO_LAUNCH
+        )
+    dist.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo", timeout=timeouts.as_timedelta("collective")
+    )
+    return dist.group.WORLD, True
+
+
+def _make_transport(name: str, pg: Any, device: torch.device, timeouts: Timeouts) -> Any:
+    from ftlaunch.checkpointing import HTTPTransport, PGTransport
+
+    if name == "pg":
+        return PGTransport(pg, timeout=timeouts.as_timedelta("heal"), device=device)
+    return HTTPTransport(timeout=timeouts.as_timedelta("heal"))
+
+
+def _close_quietly(pg: Any) -> None:
+    shutdown = getattr(pg, "shutdown", None)
+    if shutdown is None:
+        return
+    try:
+        shutdown()
+    except Exception as e:  # noqa: BLE001 - already failing; keep the original error
+        logger.debug("process group shutdown after a failed init: %s", e)
