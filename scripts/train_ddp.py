@@ -1,16 +1,26 @@
 #!/usr/bin/env python3
-"""A small, real fault-tolerant DDP training run (torchft-style long form).
+"""A small, real fault-tolerant DDP training run, in ftlaunch's two-line form.
 
-An MLP learns a fixed random linear "teacher" from synthetic batches. Each replica group (and each
-worker inside it) draws different batches; gradients are averaged inside the group and across
-groups through the Manager. Logs one line per step and, at the end, a checksum of the weights so
-runs can check that every group ended bit-identical.
+An MLP learns a fixed random linear "teacher" from a synthetic dataset. The dataset is sharded over
+replica groups x workers by ``ft.sampler``, whose position travels with live recovery: a restarted
+group resumes exactly at its peers' position. Gradients are averaged inside the group and across
+groups. Logs one line per step (step, committed, participants, loss, data position) and, at the
+end, a checksum of the weights so runs can check that every group ended bit-identical.
 
-By hand, against a lighthouse (see README)::
+The two lines::
+
+    ft = ftlaunch.init(model, optimizer)          # reads what the launcher published
+    model, optimizer = ft.wrap(model, optimizer)  # DDP across groups + commit-gated optimizer
+
+``--long-form`` runs the same training with torchft-style explicit plumbing (Manager, process
+group, transport) to show that a ported torchft script keeps working.
+
+Launch: ``ftlaunch --replicas 2 scripts/train_ddp.py`` (or torchrun/torchx, see README), or by hand
+against a lighthouse::
 
     ftlaunch-lighthouse --bind 127.0.0.1:29510 --min-replicas 1 &
-    REPLICA_GROUP_ID=0 FTLAUNCH_LIGHTHOUSE=http://127.0.0.1:29510 python scripts/train_ddp.py --steps 50
-    REPLICA_GROUP_ID=1 FTLAUNCH_LIGHTHOUSE=http://127.0.0.1:29510 python scripts/train_ddp.py --steps 50
+    REPLICA_GROUP_ID=0 NUM_REPLICA_GROUPS=2 FTLAUNCH_LIGHTHOUSE=http://127.0.0.1:29510 python scripts/train_ddp.py
+    REPLICA_GROUP_ID=1 NUM_REPLICA_GROUPS=2 FTLAUNCH_LIGHTHOUSE=http://127.0.0.1:29510 python scripts/train_ddp.py
 """
 
 from __future__ import annotations
@@ -27,10 +37,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+import ftlaunch
 from ftlaunch import env
-from ftlaunch.data_parallel import DistributedDataParallel
-from ftlaunch.manager import Manager
-from ftlaunch.optim import Optimizer
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -39,13 +47,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--width", type=int, default=256, help="hidden width of the 3-layer MLP")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--lr", type=float, default=0.01)
-    p.add_argument("--backend", choices=["gloo", "baby-gloo"], default="gloo",
-                   help="cross-group process group (default gloo)")
+    p.add_argument("--backend", choices=["baby-gloo", "gloo", "baby-nccl", "nccl"], default=None,
+                   help="cross-group process group (default: ftlaunch.init's choice, Baby Gloo on CPU)")
+    p.add_argument("--transport", choices=["pg", "http"], default=None,
+                   help="live-recovery transport (default: ftlaunch.init's choice, pg)")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="the one timeout knob in seconds (default: FTLAUNCH_TIMEOUT, else 60)")
+    p.add_argument("--dataset-size", type=int, default=4096, help="samples in the synthetic dataset")
     p.add_argument("--step-sleep", type=float, default=0.0, help="extra seconds per step (demos, chaos)")
-    p.add_argument("--timeout", type=float, default=30.0, help="collective/heal timeout in seconds")
-    p.add_argument("--quorum-timeout", type=float, default=60.0)
-    p.add_argument("--transport", choices=["http", "pg"], default="http", help="live-recovery transport")
     p.add_argument("--max-seconds", type=float, default=600.0, help="give up after this long (safety net)")
+    p.add_argument("--long-form", action="store_true",
+                   help="torchft-style explicit Manager/process group/transport instead of ftlaunch.init")
     return p.parse_args(argv)
 
 
@@ -54,12 +66,12 @@ def make_model(width: int) -> nn.Module:
     return nn.Sequential(nn.Linear(64, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 8))
 
 
-def batch(step: int, group: int, rank: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(step * 1_000_003 + group * 1009 + rank)
+def make_dataset(size: int) -> torch.utils.data.TensorDataset:
+    """(index, x, y) samples; the index lets logs and tests see which samples each step used."""
+    g = torch.Generator().manual_seed(7)
     x = torch.randn(size, 64, generator=g)
-    teacher = torch.Generator().manual_seed(7)
-    w = torch.randn(64, 8, generator=teacher)
-    return x, x @ w
+    teacher = torch.randn(64, 8, generator=g)
+    return torch.utils.data.TensorDataset(torch.arange(size), x, x @ teacher)
 
 
 def checksum(model: nn.Module) -> str:
@@ -69,25 +81,19 @@ def checksum(model: nn.Module) -> str:
     return h.hexdigest()[:16]
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    group = env.get_int(env.REPLICA_GROUP_ID, 0) or 0
-    rank = env.get_int(env.RANK, 0) or 0
-    world = env.get_int(env.WORLD_SIZE, 1) or 1
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s [rg{group}/r{rank}] %(message)s")
-    log = logging.getLogger("train_ddp")
+def long_form(args: argparse.Namespace, model: nn.Module, inner: torch.optim.Optimizer,
+              dataset: torch.utils.data.Dataset) -> tuple:
+    """torchft-style plumbing: every piece spelled out (what ``ftlaunch.init`` does for you)."""
+    from ftlaunch import DistributedDataParallel, Manager, Optimizer, ProcessGroupBabyGloo, ProcessGroupGloo
+    from ftlaunch.checkpointing import PGTransport
+    from ftlaunch.data import DistributedSampler
 
+    timeout = timedelta(seconds=args.timeout or 60.0)
     intra = None
-    if world > 1:
-        dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout))
+    if (env.get_int(env.WORLD_SIZE, 1) or 1) > 1:
+        dist.init_process_group("gloo", timeout=timeout)
         intra = dist.group.WORLD
-
-    from ftlaunch.process_group import ProcessGroupBabyGloo, ProcessGroupGloo
-
-    pg = (ProcessGroupBabyGloo(timeout=timedelta(seconds=args.timeout)) if args.backend == "baby-gloo"
-          else ProcessGroupGloo(timeout=timedelta(seconds=args.timeout)))
-    model = make_model(args.width)
-    inner = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    pg = ProcessGroupBabyGloo(timeout=timeout) if args.backend == "baby-gloo" else ProcessGroupGloo(timeout=timeout)
 
     def load_state(sd: dict) -> None:
         model.load_state_dict(sd["model"])
@@ -96,43 +102,66 @@ def main(argv: list[str] | None = None) -> int:
     def save_state() -> dict:
         return {"model": model.state_dict(), "optim": inner.state_dict()}
 
-    transport = None
-    if args.transport == "pg":
-        from ftlaunch.checkpointing import PGTransport
+    transport = PGTransport(pg, timeout=timeout, device=torch.device("cpu")) if args.transport == "pg" else None
+    manager = Manager(pg=pg, load_state_dict=load_state, state_dict=save_state, min_replica_size=1,
+                      timeout=timeout, quorum_timeout=2 * timeout, checkpoint_transport=transport)
+    sampler = DistributedSampler(dataset)
+    manager.register_state_dict_fn("sampler", sampler.load_state_dict, sampler.state_dict)
+    return manager, DistributedDataParallel(manager, model, intra_group=intra), Optimizer(manager, inner), sampler, intra
 
-        transport = PGTransport(pg, timeout=timedelta(seconds=args.timeout), device=torch.device("cpu"))
-    manager = Manager(
-        pg=pg, load_state_dict=load_state, state_dict=save_state, min_replica_size=1,
-        timeout=timedelta(seconds=args.timeout), quorum_timeout=timedelta(seconds=args.quorum_timeout),
-        checkpoint_transport=transport,
-    )
-    ddp = DistributedDataParallel(manager, model, intra_group=intra)
-    opt = Optimizer(manager, inner)
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    group = env.get_int(env.REPLICA_GROUP_ID, 0) or 0
+    rank = env.get_int(env.RANK, 0) or 0
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s [rg{group}/r{rank}] %(message)s")
+    log = logging.getLogger("train_ddp")
+
+    model = make_model(args.width)
+    inner = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    dataset = make_dataset(args.dataset_size)
+    ft = None
+    intra = None
+    if args.long_form:
+        manager, ddp, opt, sampler, intra = long_form(args, model, inner, dataset)
+    else:
+        ft = ftlaunch.init(model, inner, timeout=args.timeout, backend=args.backend, transport=args.transport)
+        ddp, opt = ft.wrap(model, inner)
+        manager, sampler = ft.manager, ft.sampler(dataset)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=args.batch_size, sampler=sampler)
     loss_fn = nn.MSELoss()
     deadline = time.monotonic() + args.max_seconds
     try:
-        while manager.current_step() < args.steps:
-            if time.monotonic() > deadline:
-                log.error("gave up after %.0f s at step %d", args.max_seconds, manager.current_step())
-                return 3
-            t0 = time.perf_counter()
-            opt.zero_grad()
-            x, y = batch(manager.current_step(), group, rank, args.batch_size)
-            loss = loss_fn(ddp(x), y)
-            loss.backward()
-            committed = opt.step()
-            print(
-                f"step={manager.current_step()} committed={committed} participants={manager.num_participants()} "
-                f"loss={loss.item():.5f} ms={(time.perf_counter() - t0) * 1e3:.1f}",
-                flush=True,
-            )
-            if args.step_sleep:
-                time.sleep(args.step_sleep)
+        for _epoch in sampler.epochs(1 << 30):
+            for idx, x, y in loader:
+                if manager.current_step() >= args.steps:
+                    break
+                if time.monotonic() > deadline:
+                    log.error("gave up after %.0f s at step %d", args.max_seconds, manager.current_step())
+                    return 3
+                t0 = time.perf_counter()
+                opt.zero_grad()
+                loss = loss_fn(ddp(x), y)
+                loss.backward()
+                committed = opt.step()
+                print(
+                    f"step={manager.current_step()} committed={committed} participants={manager.num_participants()} "
+                    f"loss={loss.item():.5f} ms={(time.perf_counter() - t0) * 1e3:.1f} "
+                    f"data={sampler.epoch}:{sampler.position} first={int(idx[0])}",
+                    flush=True,
+                )
+                if args.step_sleep:
+                    time.sleep(args.step_sleep)
+            if manager.current_step() >= args.steps:
+                break
         print(f"final_checksum={checksum(model)} step={manager.current_step()}", flush=True)
     finally:
-        manager.shutdown()
-        if intra is not None:
-            dist.destroy_process_group()
+        if ft is not None:
+            ft.shutdown()
+        else:
+            manager.shutdown()
+            if intra is not None:
+                dist.destroy_process_group()
     return 0
 
 

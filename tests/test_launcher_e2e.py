@@ -26,6 +26,31 @@ def checksums(text: str) -> dict[int, str]:
     return found
 
 
+def data_positions(text: str, group: int | None = None) -> dict[int, dict[int, str]]:
+    """Group -> {committed step -> sampler position ``epoch:position``} from train_ddp's step lines."""
+    found: dict[int, dict[int, str]] = {}
+    pat = r"(?:rg(\d+)[/\]][^\n]*?)?step=(\d+) committed=True participants=\d+ [^\n]*?data=(\d+:\d+)"
+    for m in re.finditer(pat, text):
+        g = int(m.group(1)) if m.group(1) is not None else group
+        assert g is not None, "a step line without a group prefix"
+        found.setdefault(g, {})[int(m.group(2))] = m.group(3)
+    return found
+
+
+def assert_data_positions_agree(per_group: dict[int, dict[int, str]]) -> None:
+    """Every group is at the same data position after every step they all committed — also the
+    groups that were killed, restarted and healed: their sampler position travels with the heal
+    (without it they would restart at position 0 and repeat their peers' finished batches). Within
+    a group the position only moves forward (a step that was not committed used up its batch)."""
+    common = set.intersection(*(set(v) for v in per_group.values()))
+    assert len(common) >= 20, f"too few common committed steps: {sorted(common)}"
+    for step in sorted(common):
+        assert len({v[step] for v in per_group.values()}) == 1, (step, {g: v[step] for g, v in per_group.items()})
+    for v in per_group.values():
+        pos = [tuple(map(int, v[s].split(":"))) for s in sorted(v)]
+        assert all(a < b for a, b in zip(pos, pos[1:])), pos
+
+
 def summary_row(stdout: str, group: int) -> list[str]:
     for line in stdout.splitlines():
         fields = line.split()
@@ -48,6 +73,7 @@ def test_ftlaunch_two_groups_with_chaos_end_identical() -> None:
     assert "[ftlaunch] chaos: 2 injection(s)" in res.stdout and res.stdout.count("group committed again") == 2
     assert sum(int(summary_row(res.stdout, g)[3]) for g in (0, 1)) == 2  # failures column
     assert "training finished despite 2 failure(s)" in res.stdout
+    assert_data_positions_agree(data_positions(res.stdout))
 
 
 @pytest.mark.timeout(200)
@@ -93,6 +119,7 @@ def test_torchrun_per_group_with_a_killed_group(tmp_path) -> None:
     s1 = re.search(r"final_checksum=(\w+)", r1.stdout)
     assert s0 and s1 and s0.group(1) == s1.group(1)
     assert r1.stdout.count("final_checksum=") == 1
+    assert_data_positions_agree({**data_positions(r0.stdout, 0), **data_positions(r1.stdout, 1)})
     assert not alive(victim.pid)
 
 
