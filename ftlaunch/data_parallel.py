@@ -87,12 +87,26 @@ class DistributedDataParallel(parallel.DistributedDataParallel):
     ) -> None:
         """``intra_group``: the replica group's own process group when each of its workers holds a
         full replica (plain DDP inside the group); gradients are averaged there, then across groups."""
+        # Read by _build_params_for_reducer during DDP's constructor (torch sets its own flag later).
+        self._ft_static_graph = bool(kwargs.get("static_graph", False))
         super().__init__(module, process_group=_SoloGroup(), **kwargs)
         self.register_comm_hook(_HookState(manager, intra_group), _comm_hook)
         # Fix the bucket layout now. Torch's DDP starts with one all-parameter bucket and rebuilds
-        # its buckets after the first iteration; a restarted group would then allreduce a layout
-        # its peers no longer use (wrong gradients, or a gloo size-mismatch abort). Rebuilding at
-        # construction, in parameter order, gives every group the same layout at every step.
-        # Cost: buckets launch in forward order, so less communication overlaps backward.
+        # its buckets after the first iteration, in the order gradients became ready; a restarted
+        # group would then allreduce a layout its peers no longer use (wrong gradients, or a gloo
+        # size-mismatch abort). So we rebuild at construction: the reducer buckets its parameters
+        # in index order, and `_build_params_for_reducer` below hands them over in reverse
+        # registration order -- torch's own guess of backward order. The first bucket then holds
+        # the last layer, whose gradients are ready first, and its allreduce overlaps the rest of
+        # backward. The layout is a function of the module's definition and the bucket caps only,
+        # so every group (fresh or long-running) uses the same one at every step.
         self.reducer._push_all_rebuilt_params()
         self.reducer._rebuild_buckets()
+
+    def _build_params_for_reducer(self) -> tuple[list[torch.Tensor], list[bool]]:
+        params, sparse = super()._build_params_for_reducer()
+        if self.find_unused_parameters and not self._ft_static_graph:
+            # Torch never rebuilds in this mode: the constructor's layout is final and DDP already
+            # orders its buckets for backward.
+            return params, sparse
+        return params[::-1], sparse[::-1]

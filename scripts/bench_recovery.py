@@ -9,7 +9,7 @@ batch 32, SGD, one intra-op thread per worker. Prints:
 * restarted group: process start -> first committed step (with healing);
 * live-recovery transfer rate of a 256 MB state dict over HTTP (via scripts/bench_transport.py).
 
-Usage: python scripts/bench_recovery.py [--steps 60] [--runs 2] [--launcher]
+Usage: python scripts/bench_recovery.py [--steps 60] [--runs 2] [--launcher] [--overhead-only] [--breakdown]
 """
 
 from __future__ import annotations
@@ -62,16 +62,23 @@ def worker_plain(rank: int, port: int, steps: int, out: str) -> None:
     model = DDP(_model())
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     x = torch.randn(BATCH, WIDTH)
-    times = []
+    times, phases = [], []
+    clock = time.perf_counter
     for _ in range(steps):
-        t0 = time.perf_counter()
+        t0 = clock()
         opt.zero_grad()
-        model(x).pow(2).mean().backward()
+        t1 = clock()
+        loss = model(x).pow(2).mean()
+        t2 = clock()
+        loss.backward()
+        t3 = clock()
         opt.step()
-        times.append(time.perf_counter() - t0)
+        t4 = clock()
+        times.append(t4 - t0)
+        phases.append([t1 - t0, t2 - t1, t3 - t2, 0.0, t4 - t3])
     dist.barrier()
     dist.destroy_process_group()
-    Path(out).write_text(json.dumps({"times": times}))
+    Path(out).write_text(json.dumps({"times": times, "phases": phases}))
 
 
 def worker_ft(group: int, lighthouse: str, steps: int, out: str, backend: str, step_sleep: float) -> None:
@@ -97,13 +104,23 @@ def worker_ft(group: int, lighthouse: str, steps: int, out: str, backend: str, s
     x = torch.randn(BATCH, WIDTH)
     f = open(out, "w", buffering=1)
     f.write(json.dumps({"start": time.time()}) + "\n")
+    clock = time.perf_counter
     try:
         while manager.current_step() < steps:
-            t0 = time.perf_counter()
-            opt.zero_grad()
-            ddp(x).pow(2).mean().backward()
-            ok = opt.step()
-            f.write(json.dumps({"t": time.time(), "dt": time.perf_counter() - t0, "ok": ok}) + "\n")
+            t0 = clock()
+            opt.zero_grad()  # starts the quorum
+            t1 = clock()
+            loss = ddp(x).pow(2).mean()
+            t2 = clock()
+            loss.backward()  # the gradient allreduce runs inside (DDP buckets)
+            t3 = clock()
+            ok = manager.should_commit()  # what opt.step() does, split in two for the breakdown
+            t4 = clock()
+            if ok:
+                inner.step()
+            t5 = clock()
+            f.write(json.dumps({"t": time.time(), "dt": t5 - t0, "ok": ok,
+                                "ph": [t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4]}) + "\n")
             if step_sleep:
                 time.sleep(step_sleep)
     finally:
@@ -127,17 +144,26 @@ def _records(path: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
 
 
-def plain_step_time(steps: int, tmp: Path) -> float:
+PHASES = ("zero_grad/start_quorum", "forward", "backward+allreduce", "commit vote", "optimizer step")
+
+
+def _phase_medians(rows: list[list[float]]) -> list[float]:
+    return [statistics.median(col) for col in zip(*rows, strict=True)]
+
+
+def plain_step_time(steps: int, tmp: Path) -> tuple[float, list[float]]:
+    """(median step time, median of each phase) of plain torch DDP, first fifth of the steps skipped."""
     port = _free_port()
     outs = [tmp / f"plain{r}.json" for r in range(2)]
     procs = [_spawn(["plain", str(r), str(port), str(steps), str(outs[r])]) for r in range(2)]
     for p in procs:
         p.wait(timeout=600)
-    times = json.loads(outs[0].read_text())["times"][steps // 5:]
-    return statistics.median(times)
+    data = json.loads(outs[0].read_text())
+    return statistics.median(data["times"][steps // 5:]), _phase_medians(data["phases"][steps // 5:])
 
 
-def ft_step_time(steps: int, tmp: Path, backend: str) -> float:
+def ft_step_time(steps: int, tmp: Path, backend: str) -> tuple[float, list[float]]:
+    """Same for ftlaunch (2 groups x 1 worker) with the given cross-group process group."""
     from ftlaunch.lighthouse.server import LighthouseServer
 
     with LighthouseServer(min_replicas=2, join_timeout=30.0).start() as lh:
@@ -145,8 +171,8 @@ def ft_step_time(steps: int, tmp: Path, backend: str) -> float:
         procs = [_spawn(["ft", str(g), lh.address, str(steps), str(outs[g]), backend, "0"]) for g in range(2)]
         for p in procs:
             p.wait(timeout=600)
-    recs = [r for r in _records(outs[0]) if "dt" in r]
-    return statistics.median(r["dt"] for r in recs[steps // 5:])
+    recs = [r for r in _records(outs[0]) if "dt" in r][steps // 5:]
+    return statistics.median(r["dt"] for r in recs), _phase_medians([r["ph"] for r in recs])
 
 
 def kill_and_rejoin(tmp: Path, backend: str = "gloo") -> tuple[float, float, float]:
@@ -244,6 +270,10 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--runs", type=int, default=2, help="repeat the step-time measurement (median taken)")
     ap.add_argument("--skip-transfer", action="store_true")
+    ap.add_argument("--overhead-only", action="store_true",
+                    help="only the step-time ratios (no kill/rejoin, no transfer)")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="print each run and the per-phase step breakdown of plain DDP and ftlaunch")
     ap.add_argument("--launcher", action="store_true",
                     help="measure stall and rejoin through `ftlaunch --chaos` instead of hand-run groups")
     ap.add_argument("--worker", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
@@ -268,21 +298,37 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        plain, gloo, baby = [], [], []
-        for _ in range(args.runs):
-            plain.append(plain_step_time(args.steps, tmp))
-            gloo.append(ft_step_time(args.steps, tmp, "gloo"))
-            baby.append(ft_step_time(args.steps, tmp, "baby"))
-        p, g, b = statistics.median(plain), statistics.median(gloo), statistics.median(baby)
-        stall, step, rejoin = kill_and_rejoin(tmp)
-    transfer = "skipped" if args.skip_transfer else transfer_rate()
+        # Interleaved, so a burst of load from elsewhere on the machine hits all three alike; each
+        # ratio is taken within a run (plain and ftlaunch measured back to back), then the median.
+        runs: dict[str, list[tuple[float, list[float]]]] = {"plain": [], "gloo": [], "baby": []}
+        for i in range(args.runs):
+            runs["plain"].append(plain_step_time(args.steps, tmp))
+            runs["gloo"].append(ft_step_time(args.steps, tmp, "gloo"))
+            runs["baby"].append(ft_step_time(args.steps, tmp, "baby"))
+            if args.breakdown:
+                p_i, g_i, b_i = (runs[k][i][0] for k in ("plain", "gloo", "baby"))
+                print(f"run {i + 1}: plain {p_i * 1e3:.2f} ms, Gloo {g_i * 1e3:.2f} ms ({g_i / p_i:.2f}), "
+                      f"Baby {b_i * 1e3:.2f} ms ({b_i / p_i:.2f})", flush=True)
+        p, g, b = (statistics.median(t for t, _ in runs[k]) for k in ("plain", "gloo", "baby"))
+        rg = statistics.median(gt / pt for (gt, _), (pt, _) in zip(runs["gloo"], runs["plain"], strict=True))
+        rb = statistics.median(bt / pt for (bt, _), (pt, _) in zip(runs["baby"], runs["plain"], strict=True))
+        if not args.overhead_only:
+            stall, step, rejoin = kill_and_rejoin(tmp)
+    transfer = "skipped" if args.skip_transfer or args.overhead_only else transfer_rate()
 
     print(f"setup: 2 groups x 1 worker, gloo/loopback, MLP 3x{WIDTH}, batch {BATCH}, SGD; {args.runs} runs")
     print(f"plain torch DDP step              {p * 1e3:8.2f} ms")
-    print(f"ftlaunch Gloo step                {g * 1e3:8.2f} ms   ratio {g / p:5.2f}  "
+    print(f"ftlaunch Gloo step                {g * 1e3:8.2f} ms   ratio {rg:5.2f}  "
           f"(torchft {BASELINE['ratio_gloo']}, target {TARGET['ratio_gloo']})")
-    print(f"ftlaunch BabyGloo step            {b * 1e3:8.2f} ms   ratio {b / p:5.2f}  "
+    print(f"ftlaunch BabyGloo step            {b * 1e3:8.2f} ms   ratio {rb:5.2f}  "
           f"(torchft {BASELINE['ratio_baby']}, target {TARGET['ratio_baby']})")
+    if args.breakdown:
+        print("per-phase medians (ms; median over runs)   " + "  ".join(f"{k:>8}" for k in ("plain", "Gloo", "Baby")))
+        for j, name in enumerate(PHASES):
+            cols = [statistics.median(ph[j] for _, ph in runs[k]) * 1e3 for k in ("plain", "gloo", "baby")]
+            print(f"  {name:<40} " + "  ".join(f"{c:8.2f}" for c in cols))
+    if args.overhead_only:
+        return 0
     print(f"survivor's longest stall on kill  {stall:8.3f} s    (step incl. 20 ms sleep {step:.3f} s; "
           f"torchft {BASELINE['stall']}, target {TARGET['stall']})")
     print(f"restart -> first committed step   {rejoin:8.3f} s    (torchft {BASELINE['rejoin']}, "

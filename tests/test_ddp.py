@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import pytest
 import torch
 from torch import nn
 
-from ftlaunch.data_parallel import DistributedDataParallel
+from ftlaunch.data_parallel import DistributedDataParallel, _comm_hook
+
+_REAL_HOOK = _comm_hook
 
 
 class _RecordingManager:
@@ -57,3 +62,52 @@ def test_gradients_pass_through_the_manager_unchanged_when_alone() -> None:
     ddp(x).pow(2).sum().backward()
     for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
         assert torch.allclose(pa.grad, pb.grad)
+
+
+
+def _mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 512))
+
+
+def _named_layouts(model: nn.Module, iterations: int, monkeypatch: pytest.MonkeyPatch, **kwargs: Any) -> list[list[Any]]:
+    """For each iteration, each allreduced bucket in launch order: (its size, its parameter names)."""
+    import ftlaunch.data_parallel as dp
+
+    names = {id(p): n for n, p in model.named_parameters()}
+    seen: list[list[Any]] = []
+
+    def recording_hook(state, bucket):  # noqa: ANN001, ANN202 - DDP rejects string annotations
+        seen[-1].append((bucket.buffer().numel(), [names[id(p)] for p in bucket.parameters()]))
+        return _REAL_HOOK(state, bucket)
+
+    monkeypatch.setattr(dp, "_comm_hook", recording_hook)  # DDP registers the hook at construction
+    ddp = DistributedDataParallel(_RecordingManager(), model, **kwargs)  # type: ignore[arg-type]
+    for _ in range(iterations):
+        seen.append([])
+        ddp(torch.randn(2, 512)).sum().backward()
+    return seen
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{}, {"bucket_cap_mb": 1}, {"static_graph": True}, {"find_unused_parameters": True}]
+)
+def test_fresh_and_long_running_instances_use_the_same_layout(monkeypatch: pytest.MonkeyPatch, kwargs: dict) -> None:
+    """A restarted group (fresh DDP) must allreduce exactly the buckets its long-running peers do."""
+    long_running = _named_layouts(_mlp(), 5, monkeypatch, **kwargs)
+    fresh = _named_layouts(_mlp(), 1, monkeypatch, **kwargs)
+    sizes = [[n for n, _ in layout] for layout in long_running + fresh]
+    assert all(s == sizes[0] for s in sizes), sizes
+    # (With static_graph torch delays the first iteration's allreduce and its GradBucket reports a
+    # wrong parameter list, though the buffers are right; the names are compared from then on.)
+    named = long_running[1:] if kwargs.get("static_graph") else long_running + fresh
+    assert all(layout == named[0] for layout in named), named
+    assert sorted(n for _, b in named[0] for n in b) == sorted(n for n, _ in _mlp().named_parameters())
+
+
+def test_buckets_are_in_backward_order_so_communication_overlaps_backward(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A 1 MB cap: each 512x512 float weight (1 MB) closes a bucket.
+    (layout,) = _named_layouts(_mlp(), 1, monkeypatch, bucket_cap_mb=1)
+    assert len(layout) == 3, layout
+    assert set(layout[0][1]) == {"4.weight", "4.bias"}, "the last layer's gradients are ready first"
+    assert set(layout[-1][1]) == {"0.weight", "0.bias"}
