@@ -40,7 +40,7 @@ BACKENDS = ("baby-gloo", "baby-nccl", "gloo", "nccl")
 TRANSPORTS = ("pg", "http")
 
 _HOW_TO_LAUNCH = (
-    "launch the script with one of:\n"
+    "Launch the script with one of:\n"
     "  ftlaunch --replicas 2 train.py\n"
     "  torchrun --rdzv-backend ftlaunch --rdzv-endpoint HOST:PORT "
     "--rdzv-conf replica_group_id=G,num_replica_groups=N train.py\n"

@@ -125,7 +125,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.long_form:
         manager, ddp, opt, sampler, intra = long_form(args, model, inner, dataset)
     else:
-        ft = ftlaunch.init(model, inner, timeout=args.timeout, backend=args.backend, transport=args.transport)
+        try:
+            ft = ftlaunch.init(model, inner, timeout=args.timeout, backend=args.backend, transport=args.transport)
+        except ftlaunch.ConfigurationError as e:
+            print(f"train_ddp.py: {e}", file=sys.stderr)
+            return 2
         ddp, opt = ft.wrap(model, inner)
         manager, sampler = ft.manager, ft.sampler(dataset)
     loader = torch.utils.data.DataLoader(dataset, batch_size=args.batch_size, sampler=sampler)

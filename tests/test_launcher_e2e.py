@@ -74,6 +74,7 @@ def test_ftlaunch_two_groups_with_chaos_end_identical() -> None:
     assert sum(int(summary_row(res.stdout, g)[3]) for g in (0, 1)) == 2  # failures column
     assert "training finished despite 2 failure(s)" in res.stdout
     assert_data_positions_agree(data_positions(res.stdout))
+    assert "ftlaunch.init: replica group 1 of 2, rank 0 of 1, backend baby-gloo, transport pg" in res.stdout + res.stderr
 
 
 @pytest.mark.timeout(200)
@@ -87,6 +88,7 @@ def test_ftlaunch_three_groups_of_two_with_chaos_end_identical() -> None:
     sums = checksums(res.stdout)
     assert set(sums) == {0, 1, 2} and len(set(sums.values())) == 1, sums
     assert "3/3 groups ended bit-identical" in res.stdout
+    assert "ftlaunch.init: replica group 2 of 3, rank 1 of 2" in res.stdout + res.stderr  # intra-group PG too
     assert "[ftlaunch] chaos: 3 injection(s)" in res.stdout
     assert sum(int(summary_row(res.stdout, g)[3]) for g in (0, 1, 2)) == 3
 
@@ -120,6 +122,7 @@ def test_torchrun_per_group_with_a_killed_group(tmp_path) -> None:
     assert s0 and s1 and s0.group(1) == s1.group(1)
     assert r1.stdout.count("final_checksum=") == 1
     assert_data_positions_agree({**data_positions(r0.stdout, 0), **data_positions(r1.stdout, 1)})
+    assert "ftlaunch.init: replica group 1 of 2" in r1.stderr
     assert not alive(victim.pid)
 
 
@@ -147,6 +150,7 @@ def test_torchx_local_cwd_train_ddp_end_identical() -> None:
     assert res.returncode == 0 and "SUCCEEDED" in text, text[-4000:]
     sums = checksums(text)
     assert set(sums) == {0, 1} and len(set(sums.values())) == 1, sums
+    assert "ftlaunch.init: replica group 1 of 2, rank 1 of 2" in text
 
 
 @pytest.mark.timeout(120)
