@@ -86,7 +86,15 @@ class DistributedDataParallel(parallel.DistributedDataParallel):
         self, manager: Manager, module: nn.Module, intra_group: dist.ProcessGroup | None = None, **kwargs: Any
     ) -> None:
         """``intra_group``: the replica group's own process group when each of its workers holds a
-        full replica (plain DDP inside the group); gradients are averaged there, then across groups."""
+        full replica (plain DDP inside the group); gradients are averaged there, then across groups.
+
+        Unlike torch's DDP, ``gradient_as_bucket_view`` defaults to True: each ``.grad`` is a view
+        into its communication bucket, so the averaged bucket is not copied back into the
+        gradients (12 MB a step for the benchmark's MLP; about 7% of its plain-DDP step time) and
+        ``zero_grad`` frees nothing. Pass ``gradient_as_bucket_view=False`` if your code replaces
+        ``.grad`` tensors or calls ``detach_()`` on them (torch's documented limits of the mode).
+        """
+        kwargs.setdefault("gradient_as_bucket_view", True)
         # Read by _build_params_for_reducer during DDP's constructor (torch sets its own flag later).
         self._ft_static_graph = bool(kwargs.get("static_graph", False))
         super().__init__(module, process_group=_SoloGroup(), **kwargs)

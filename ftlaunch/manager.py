@@ -413,9 +413,22 @@ class Manager:
             return _completed(tensor)
         # Even after a local error we still take part: every group must issue the same sequence of
         # collectives, or peers hang (or gloo aborts on a size mismatch). The commit vote discards the step.
+        divisor = plan.num_sources if avg else 1
+        post_divide = False
         if plan.heal or self._errored is not None:
             # A healing group's gradients come from stale weights: contribute zeros, receive the average.
             tensor.zero_()
+        elif divisor > 1:
+            if tensor.is_floating_point() or tensor.is_complex():
+                # Average as sum(x_i / n), dividing here as torch's DDP does, not (sum x_i) / n in
+                # the completion callback: that runs on a backend thread holding the GIL, and an
+                # 8 MB div_ there stalled this thread's next bucket hook by as long. Every group
+                # computes the same expression, so committed results stay bit-identical.
+                tensor.div_(divisor)
+            else:
+                post_divide = True  # other dtypes: divided after the sum, as before
+        if plan.replica_world_size == 1:
+            return _completed(tensor)  # alone (and so the only source): the average is the tensor
         op = dist.ReduceOp.SUM if avg or reduce_op == "sum" else reduce_op
         try:
             work = self._pg.allreduce([tensor], op)
@@ -423,12 +436,11 @@ class Manager:
         except Exception as e:  # noqa: BLE001
             self.report_error(e)
             return _completed(tensor)
-        divisor = plan.num_sources
 
         def finish(f: torch.futures.Future[Any]) -> torch.Tensor:
             try:
                 f.value()
-                if avg:
+                if post_divide:
                     tensor.div_(divisor)
             except Exception as e:  # noqa: BLE001 - reported, the step will not commit
                 self.report_error(e)
@@ -465,8 +477,15 @@ class Manager:
         if plan is not None and plan.heal and self._pending_state is None and self._errored is None:
             self.report_error(CommunicationError("healing was planned but no state was received"))
         ok = self._errored is None and plan is not None and plan.num_sources >= self._min_replica_size
-        if plan is not None and plan.replica_world_size > 1 and self._pg_error() is None:
-            ok = self._cross_group_vote(ok)
+        if plan is not None and plan.replica_world_size > 1:
+            pg_error = self._pg_error()
+            if pg_error is None:
+                ok = self._cross_group_vote(ok)
+            else:
+                # The cross-group PG failed before or during this step (allreduce skips a failed
+                # group without a word): gradients were not exchanged, so the step cannot commit.
+                self.report_error(pg_error)
+                ok = False
         if self._group_world_size > 1:
             ok = self._group_vote(ok)
         if self._sent_checkpoint:

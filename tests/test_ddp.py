@@ -111,3 +111,9 @@ def test_buckets_are_in_backward_order_so_communication_overlaps_backward(monkey
     assert len(layout) == 3, layout
     assert set(layout[0][1]) == {"4.weight", "4.bias"}, "the last layer's gradients are ready first"
     assert set(layout[-1][1]) == {"0.weight", "0.bias"}
+
+
+def test_gradients_are_bucket_views_by_default_and_the_option_is_respected() -> None:
+    assert DistributedDataParallel(_RecordingManager(), _mlp()).gradient_as_bucket_view is True  # type: ignore[arg-type]
+    ddp = DistributedDataParallel(_RecordingManager(), _mlp(), gradient_as_bucket_view=False)  # type: ignore[arg-type]
+    assert ddp.gradient_as_bucket_view is False
