@@ -512,10 +512,19 @@ class Manager:
         return ok
 
     def _cross_group_vote(self, ok: bool) -> bool:
-        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+        # The same tensor for every step's vote: a Baby PG shares a storage with its child the first
+        # time it sees it (a shm file, an fd sent over a socket, an unregister when it dies), which
+        # a fresh tensor per step paid on every vote. After a failed vote the op may still be in
+        # flight somewhere, so that tensor is dropped and the next vote starts a new one.
+        flag = getattr(self, "_vote_flag", None)
+        if flag is None:
+            flag = torch.empty(1, dtype=torch.int32)
+            self._vote_flag: torch.Tensor | None = flag
+        flag.fill_(1 if ok else 0)
         try:
             self._pg.allreduce([flag], dist.ReduceOp.MIN).wait()
         except Exception as e:  # noqa: BLE001
+            self._vote_flag = None
             self.report_error(e)
             return False
         return bool(flag.item() == 1)

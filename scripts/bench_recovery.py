@@ -10,6 +10,7 @@ batch 32, SGD, one intra-op thread per worker. Prints:
 * live-recovery transfer rate of a 256 MB state dict over HTTP (via scripts/bench_transport.py).
 
 Usage: python scripts/bench_recovery.py [--steps 60] [--runs 2] [--launcher] [--overhead-only] [--breakdown]
+       python scripts/bench_recovery.py --interleaved 150 [--runs 3]   (step-time ratios, robust to load)
 """
 
 from __future__ import annotations
@@ -125,6 +126,79 @@ def worker_ft(group: int, lighthouse: str, steps: int, out: str, backend: str, s
                 time.sleep(step_sleep)
     finally:
         manager.shutdown()
+
+
+INTERLEAVED = ("plain", "plain_views", "gloo", "baby")
+
+
+def worker_interleaved(group: int, port: int, lh_gloo: str, lh_baby: str, rounds: int, out: str) -> None:
+    """Every configuration in the same two processes, one step each in turn (rotating the order).
+
+    On a shared machine the load changes within seconds; measured one after the other, plain DDP
+    and ftlaunch see different machines. Here each round's ratio compares steps taken moments apart.
+    """
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from ftlaunch.data_parallel import DistributedDataParallel
+    from ftlaunch.manager import Manager
+    from ftlaunch.process_group import ProcessGroupBabyGloo, ProcessGroupGloo
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=group, world_size=2)
+    configs: dict[str, tuple] = {}
+    for name, views in (("plain", False), ("plain_views", True)):
+        ddp = DDP(_model(), gradient_as_bucket_view=views)
+        configs[name] = (None, ddp, torch.optim.SGD(ddp.parameters(), lr=1e-3))
+    for name, lighthouse in (("gloo", lh_gloo), ("baby", lh_baby)):
+        pg = ProcessGroupBabyGloo(timeout=10.0) if name == "baby" else ProcessGroupGloo(timedelta(seconds=10))
+        manager = Manager(pg=pg, load_state_dict=None, state_dict=None, replica_id=f"rg{group}",
+                          lighthouse_addr=lighthouse, timeout=timedelta(seconds=10),
+                          quorum_timeout=timedelta(seconds=30))
+        model = _model()
+        configs[name] = (manager, DistributedDataParallel(manager, model), torch.optim.SGD(model.parameters(), lr=1e-3))
+    x = torch.randn(BATCH, WIDTH)
+    clock = time.perf_counter
+    results: dict[str, list[list[float]]] = {name: [] for name in INTERLEAVED}
+    for r in range(rounds):
+        for name in INTERLEAVED[r % 4:] + INTERLEAVED[:r % 4]:
+            manager, ddp, opt = configs[name]
+            t0 = clock()
+            if manager is not None:
+                manager.start_quorum()  # what ftlaunch.Optimizer.zero_grad does
+            opt.zero_grad()
+            t1 = clock()
+            loss = ddp(x).pow(2).mean()
+            t2 = clock()
+            loss.backward()
+            t3 = clock()
+            ok = manager.should_commit() if manager is not None else True
+            t4 = clock()
+            if ok:
+                opt.step()
+            t5 = clock()
+            results[name].append([t5 - t0, t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4])
+    dist.barrier()
+    dist.destroy_process_group()
+    for manager, _, _ in configs.values():
+        if manager is not None:
+            manager.shutdown()
+    Path(out).write_text(json.dumps(results))
+
+
+def interleaved(rounds: int, tmp: Path) -> dict[str, list[list[float]]]:
+    from ftlaunch.lighthouse.server import LighthouseServer
+
+    port = _free_port()
+    with LighthouseServer(min_replicas=2, join_timeout=30.0).start() as lh_gloo, \
+            LighthouseServer(min_replicas=2, join_timeout=30.0).start() as lh_baby:
+        outs = [tmp / f"interleaved{g}.json" for g in range(2)]
+        procs = [_spawn(["interleaved", str(g), str(port), lh_gloo.address, lh_baby.address, str(rounds),
+                         str(outs[g])]) for g in range(2)]
+        for p in procs:
+            p.wait(timeout=1800)
+    return {k: v[rounds // 5:] for k, v in json.loads(outs[0].read_text()).items()}
 
 
 # ------------------------------------------------------------------------------------------ driver
@@ -265,6 +339,43 @@ def transfer_rate() -> str:
     return lines[0].strip() if lines else f"n/a (bench_transport exit {proc.returncode})"
 
 
+def main_interleaved(args: argparse.Namespace) -> int:
+    ratios: dict[str, list[float]] = {"plain_views": [], "gloo": [], "baby": []}
+    vs_views: dict[str, list[float]] = {"gloo": [], "baby": []}
+    phases: dict[str, list[list[float]]] = {k: [] for k in INTERLEAVED}
+    with tempfile.TemporaryDirectory() as d:
+        for i in range(args.runs):
+            res = interleaved(args.interleaved, Path(d))
+            line = []
+            for k in ratios:
+                ratios[k].append(statistics.median(a[0] / p[0] for a, p in zip(res[k], res["plain"], strict=True)))
+                line.append(f"{k} {ratios[k][-1]:.3f}")
+            for k in vs_views:
+                vs_views[k].append(statistics.median(
+                    a[0] / p[0] for a, p in zip(res[k], res["plain_views"], strict=True)))
+            for k in INTERLEAVED:
+                phases[k].append(_phase_medians(res[k]))
+            print(f"run {i + 1}: step-time ratios to plain DDP (median over rounds): " + ", ".join(line), flush=True)
+    med = {k: statistics.median(v) for k, v in ratios.items()}
+    print(f"setup: 2 groups x 1 worker, gloo/loopback, MLP 3x{WIDTH}, batch {BATCH}, SGD; interleaved, "
+          f"{args.interleaved} rounds x {args.runs} runs (medians)")
+    plain_ms = statistics.median(ph[0] for ph in phases["plain"]) * 1e3
+    print(f"plain torch DDP step              {plain_ms:8.2f} ms")
+    print(f"ftlaunch Gloo                     ratio {med['gloo']:5.2f}  (torchft {BASELINE['ratio_gloo']}, "
+          f"target {TARGET['ratio_gloo']})")
+    print(f"ftlaunch BabyGloo                 ratio {med['baby']:5.2f}  (torchft {BASELINE['ratio_baby']}, "
+          f"target {TARGET['ratio_baby']})")
+    print(f"  (plain DDP with gradient_as_bucket_view, ftlaunch's default: ratio {med['plain_views']:.2f}; "
+          f"ftlaunch against it: Gloo {statistics.median(vs_views['gloo']):.2f}, "
+          f"Baby {statistics.median(vs_views['baby']):.2f})")
+    print("per-phase medians (ms)                    " + "".join(f"{k:>12}" for k in INTERLEAVED))
+    names = ("step", *PHASES)
+    for j, name in enumerate(names):
+        cols = [statistics.median(ph[j] for ph in phases[k]) * 1e3 for k in INTERLEAVED]
+        print(f"  {name:<40}" + "".join(f"{c:12.2f}" for c in cols))
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=60)
@@ -276,16 +387,24 @@ def main() -> int:
                     help="print each run and the per-phase step breakdown of plain DDP and ftlaunch")
     ap.add_argument("--launcher", action="store_true",
                     help="measure stall and rejoin through `ftlaunch --chaos` instead of hand-run groups")
+    ap.add_argument("--interleaved", type=int, metavar="ROUNDS", default=0,
+                    help="step-time ratios only, robust to a shared machine: plain DDP, plain DDP with "
+                         "gradient_as_bucket_view, ftlaunch Gloo and Baby take turns step by step in the "
+                         "same two processes, ROUNDS steps each; --runs repeats it")
     ap.add_argument("--worker", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         kind, *rest = args.worker
         if kind == "plain":
             worker_plain(int(rest[0]), int(rest[1]), int(rest[2]), rest[3])
+        elif kind == "interleaved":
+            worker_interleaved(int(rest[0]), int(rest[1]), rest[2], rest[3], int(rest[4]), rest[5])
         else:
             worker_ft(int(rest[0]), rest[1], int(rest[2]), rest[3], rest[4], float(rest[5]))
         return 0
 
+    if args.interleaved:
+        return main_interleaved(args)
     if args.launcher:
         stall, rejoin = through_launcher()
         print(f"through ftlaunch --replicas 2 --chaos (MLP 3x{WIDTH}, batch {BATCH}, 20 ms sleep per step)")
