@@ -117,3 +117,40 @@ def test_gradients_are_bucket_views_by_default_and_the_option_is_respected() -> 
     assert DistributedDataParallel(_RecordingManager(), _mlp()).gradient_as_bucket_view is True  # type: ignore[arg-type]
     ddp = DistributedDataParallel(_RecordingManager(), _mlp(), gradient_as_bucket_view=False)  # type: ignore[arg-type]
     assert ddp.gradient_as_bucket_view is False
+
+
+def test_a_step_whose_cross_group_pg_failed_is_not_committed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Manager.allreduce skips an errored PG without reporting; should_commit must still refuse."""
+    from datetime import timedelta
+
+    from ftlaunch.lighthouse.server import LighthouseServer
+    from ftlaunch.manager import Manager
+    from ftlaunch.process_group import ProcessGroupDummy
+
+    class FailingDummy(ProcessGroupDummy):
+        failure: Exception | None = None
+
+        def errored(self) -> Exception | None:
+            return self.failure
+
+    for var in ("MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    with LighthouseServer("127.0.0.1:0", min_replicas=2, join_timeout=5.0, quorum_tick=0.05).start() as lh:
+        pgs = [FailingDummy(0, 1), FailingDummy(0, 1)]
+        managers = [Manager(pg=pg, load_state_dict=None, state_dict=None, replica_id=f"rg{i}",
+                            lighthouse_addr=lh.address, init_sync=False, timeout=timedelta(seconds=10))
+                    for i, pg in enumerate(pgs)]
+        try:
+            for step in range(2):
+                if step == 1:
+                    pgs[1].failure = RuntimeError("gloo: connection reset by peer")
+                for m in managers:
+                    m.start_quorum()
+                for m in managers:
+                    m.allreduce(torch.ones(4)).wait()
+                committed = [m.should_commit() for m in managers]
+                assert committed == [True, step == 0], (step, committed)
+            assert isinstance(managers[1].errored(), RuntimeError)
+        finally:
+            for m in managers:
+                m.shutdown()
