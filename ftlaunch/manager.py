@@ -23,6 +23,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future as CFuture
 from concurrent.futures import ThreadPoolExecutor
@@ -64,6 +65,33 @@ def _completed(value: T) -> torch.futures.Future[T]:
     fut: torch.futures.Future[T] = torch.futures.Future()
     fut.set_result(value)
     return fut
+
+
+def _wait_all(futures: list[torch.futures.Future[Any]], deadline: float) -> bool:
+    """Wait for every future until ``deadline`` (monotonic); False if some are still running.
+
+    torch futures have no timed wait: completion callbacks count down to an Event instead. The
+    common case (everything already done by the time the optimizer steps) costs one check each.
+    """
+    waiting = [f for f in futures if not f.done()]
+    if waiting:
+        done = threading.Event()
+        left = [len(waiting)]
+        lock = threading.Lock()
+
+        def one_done(_: torch.futures.Future[Any]) -> None:
+            with lock:
+                left[0] -= 1
+                if left[0] == 0:
+                    done.set()
+
+        for f in waiting:
+            f.add_done_callback(one_done)
+        if not done.wait(max(deadline - time.monotonic(), 0.0)):
+            return False
+    for f in futures:
+        f.wait()  # done: surfaces nothing (errors were reported in the completion callbacks)
+    return True
 
 
 def _is_avg(op: Any) -> bool:
@@ -181,6 +209,8 @@ class Manager:
         self._pending_state: dict[str, Any] | None = None
         self._sent_checkpoint = False
         self._shutdown = False
+        # The commit vote's flag, reused every step (see _cross_group_vote).
+        self._vote_flag: torch.Tensor | None = None
 
         self._group_store, self._store_address = self._connect_group_store(
             store_addr, store_port, hostname
@@ -469,9 +499,18 @@ class Manager:
         """True when every rank of every participating group finished this step cleanly."""
         if self._quorum_future is None:
             raise FtlaunchError("should_commit() before start_quorum()")
+        budget = self._commit_timeout if timeout is None else _seconds(timeout)
+        deadline = time.monotonic() + budget
         self.wait_quorum()
-        for fut in self._pending:
-            fut.wait()
+        if not _wait_all(self._pending, deadline):
+            # A collective of this step hangs (a peer stopped, not died). Give up on the step and
+            # abort the process group so the hung op is released; the next quorum rebuilds it.
+            self.report_error(
+                CommunicationError(f"commit timed out after {budget:g} s waiting for this step's allreduces")
+            )
+            abort = getattr(self._pg, "abort", None)
+            if abort is not None:
+                abort()
         self._pending = []
         plan = self._plan
         if plan is not None and plan.heal and self._pending_state is None and self._errored is None:
@@ -480,14 +519,14 @@ class Manager:
         if plan is not None and plan.replica_world_size > 1:
             pg_error = self._pg_error()
             if pg_error is None:
-                ok = self._cross_group_vote(ok)
+                ok = self._cross_group_vote(ok, deadline)
             else:
                 # The cross-group PG failed before or during this step (allreduce skips a failed
                 # group without a word): gradients were not exchanged, so the step cannot commit.
                 self.report_error(pg_error)
                 ok = False
         if self._group_world_size > 1:
-            ok = self._group_vote(ok)
+            ok = self._group_vote(ok, deadline)
         if self._sent_checkpoint:
             self._transport.disallow_checkpoint()
             self._sent_checkpoint = False
@@ -511,29 +550,32 @@ class Manager:
                 )
         return ok
 
-    def _cross_group_vote(self, ok: bool) -> bool:
+    def _cross_group_vote(self, ok: bool, deadline: float) -> bool:
         # The same tensor for every step's vote: a Baby PG shares a storage with its child the first
         # time it sees it (a shm file, an fd sent over a socket, an unregister when it dies), which
         # a fresh tensor per step paid on every vote. After a failed vote the op may still be in
         # flight somewhere, so that tensor is dropped and the next vote starts a new one.
-        flag = getattr(self, "_vote_flag", None)
+        flag = self._vote_flag
         if flag is None:
-            flag = torch.empty(1, dtype=torch.int32)
-            self._vote_flag: torch.Tensor | None = flag
+            flag = self._vote_flag = torch.empty(1, dtype=torch.int32)
         flag.fill_(1 if ok else 0)
         try:
-            self._pg.allreduce([flag], dist.ReduceOp.MIN).wait()
+            # timedelta(0) means "no timeout" to torch: never pass less than a millisecond.
+            left = timedelta(seconds=max(deadline - time.monotonic(), 1e-3))
+            if not self._pg.allreduce([flag], dist.ReduceOp.MIN).wait(left):
+                raise CommunicationError("the commit vote timed out (commit timeout)")
         except Exception as e:  # noqa: BLE001
             self._vote_flag = None
             self.report_error(e)
             return False
         return bool(flag.item() == 1)
 
-    def _group_vote(self, ok: bool) -> bool:
+    def _group_vote(self, ok: bool, deadline: float) -> bool:
         seq = self._quorum_seq
         self._group_store.set(f"commit/{seq}/{self._group_rank}", b"1" if ok else b"0")
         keys = [f"commit/{seq}/{r}" for r in range(self._group_world_size)]
         try:
+            self._group_store.wait(keys, timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
             votes = self._group_store.multi_get(keys)
             if self._group_rank == 0 and seq > 2:
                 for r in range(self._group_world_size):

@@ -159,3 +159,39 @@ def test_unreachable_lighthouse_is_a_clear_error_not_a_hang(tmp_path: Path) -> N
     recs = [json.loads(x) for x in out.read_text().splitlines()]
     assert recs[-1]["exception"] == "LighthouseUnavailableError", recs
     assert time.monotonic() - t0 < 60
+
+
+def test_sigstopped_group_survivor_continues_after_the_timeouts_and_the_group_heals_on_sigcont(
+    tmp_path: Path, groups: list[Group]
+) -> None:
+    """A hung group (SIGSTOP: alive, silent, sockets open) is the case the timeouts exist for: the
+    survivor's step gives up after the collective/commit timeout, the lighthouse drops the silent
+    group after its heartbeat timeout, and the survivor goes on alone. On SIGCONT the stopped group's
+    step fails, it rejoins, heals and ends bit-identical."""
+    import signal
+
+    with LighthouseServer("127.0.0.1:0", min_replicas=1, join_timeout=1.0, heartbeat_timeout=2.0,
+                          quorum_tick=0.05).start() as lh:
+        args = ["--steps", "150", "--step-sleep", "0.1", "--timeout", "3", "--quorum-timeout", "6",
+                "--connect-timeout", "2"]
+        gs = [Group(i, 1, lh.address, tmp_path, args) for i in range(2)]
+        groups.extend(gs)
+        for g in gs:
+            g.start()
+        gs[1].wait_for_step(5, 90)
+        t_stop = time.time()
+        gs[1].procs[0].send_signal(signal.SIGSTOP)
+        try:
+            time.sleep(8.0)  # > collective/commit timeout (3 s) + heartbeat timeout (2 s) + margin
+        finally:
+            t_cont = time.time()
+            gs[1].procs[0].send_signal(signal.SIGCONT)
+        for g in gs:
+            assert g.wait(150) == [0], g.log_tail()
+    alone = [r for r in gs[0].steps() if t_stop < r["t"] < t_cont and r["committed"]]
+    assert len(alone) >= 3, "the survivor did not go on alone while the other group was stopped"
+    assert len({r["pid"] for r in gs[1].steps()}) == 1  # no restart: the stopped process itself rejoined
+    back = [r for r in gs[1].steps() if r["t"] > t_cont and r["committed"]]
+    assert back and back[0]["after"] > 20, back[:3]  # it healed to the survivor's step, not from step 5
+    assert any(r["participants"] == 2 for r in back), "the stopped group never trained with the survivor again"
+    assert gs[0].final()["checksum"] == gs[1].final()["checksum"]  # type: ignore[index]

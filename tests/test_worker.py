@@ -195,3 +195,40 @@ def test_cuda_model_defaults_to_baby_nccl(job: LighthouseServer) -> None:
     model = _model().cuda()
     with ftlaunch.init(model, torch.optim.SGD(model.parameters(), lr=0.1)) as ft:
         assert ft.backend == "baby-nccl" and ft.device.type == "cuda"
+
+
+def test_wait_all_honours_the_deadline() -> None:
+    import threading
+    import time
+
+    from ftlaunch.manager import _wait_all
+
+    never: torch.futures.Future = torch.futures.Future()
+    done: torch.futures.Future = torch.futures.Future()
+    done.set_result(1)
+    t0 = time.monotonic()
+    assert _wait_all([done, never], time.monotonic() + 0.2) is False
+    assert 0.15 < time.monotonic() - t0 < 5
+    later: torch.futures.Future = torch.futures.Future()
+    threading.Timer(0.1, lambda: later.set_result(2)).start()
+    assert _wait_all([done, later], time.monotonic() + 10) is True
+    assert _wait_all([], time.monotonic()) is True
+
+
+def test_commit_timeout_refuses_a_step_whose_collective_hangs(job: LighthouseServer) -> None:
+    """A collective that never completes (a stopped peer) costs at most the commit timeout: the
+    step is refused, the process group aborted (releasing the hung op), and the next step commits."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with ftlaunch.init(model, opt, timeout=5, commit_timeout=0.3, backend="gloo") as ft:
+        assert ft.timeouts.commit == 0.3
+        aborted = []
+        ft.pg.abort = lambda: aborted.append(True)  # type: ignore[method-assign]
+        ddp, fopt = ft.wrap(model, opt)
+        fopt.zero_grad()
+        ddp(torch.randn(4, 8)).sum().backward()
+        ft.manager._pending.append(torch.futures.Future())  # an allreduce that never finishes
+        assert fopt.step() is False
+        assert aborted == [True]
+        assert "commit timed out after 0.3 s" in str(ft.manager.errored())
+        assert _train(ft, model, opt, 1) == [True]
