@@ -48,7 +48,7 @@ def assert_data_positions_agree(per_group: dict[int, dict[int, str]]) -> None:
         assert len({v[step] for v in per_group.values()}) == 1, (step, {g: v[step] for g, v in per_group.items()})
     for v in per_group.values():
         pos = [tuple(map(int, v[s].split(":"))) for s in sorted(v)]
-        assert all(a < b for a, b in zip(pos, pos[1:])), pos
+        assert all(a < b for a, b in zip(pos, pos[1:], strict=False)), pos
 
 
 def summary_row(stdout: str, group: int) -> list[str]:
