@@ -35,17 +35,21 @@ class _SoloGroup(dist.ProcessGroup):
     """World-size-1 placeholder: DDP's construction-time checks pass without any communication."""
 
     def __init__(self) -> None:
-        super().__init__(0, 1)
+        # torch binds a (rank, size) constructor for Python subclasses; its stub lists only
+        # (store, rank, size).
+        super().__init__(0, 1)  # type: ignore[call-arg]
 
     def allgather(self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> dist.Work:
         for outs, inp in zip(output_tensors, input_tensors, strict=True):
             outs[0].copy_(inp)
         return _Done(output_tensors)
 
-    def broadcast(self, tensors: Any, opts: Any = None) -> dist.Work:
+    # DDP calls these positionally as (tensors, opts); the stub's keyword/timeout overload forms
+    # are not needed here, hence ignore[override].
+    def broadcast(self, tensors: Any, opts: Any = None) -> dist.Work:  # type: ignore[override]
         return _Done(tensors)
 
-    def allreduce(self, tensors: Any, opts: Any = None) -> dist.Work:
+    def allreduce(self, tensors: Any, opts: Any = None) -> dist.Work:  # type: ignore[override]
         return _Done(tensors)
 
     def barrier(self, opts: Any = None) -> dist.Work:

@@ -266,7 +266,7 @@ class Manager:
                     "MASTER_PORT (torchrun/ftlaunch do) or pass store_addr/store_port"
                 )
             host = hostname or "127.0.0.1"
-            store: dist.Store = dist.TCPStore(
+            store = dist.TCPStore(
                 host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=self._timeout)
             )
             addr, port = host, store.port
@@ -346,12 +346,14 @@ class Manager:
             )
             self._sent_checkpoint = True
         if plan.heal:
-            src = quorum.participants[plan.recover_src_rank]  # type: ignore[index]
+            src_rank = plan.recover_src_rank
+            assert src_rank is not None  # plan.heal means recover_src_rank is set
+            src = quorum.participants[src_rank]
             metas = src.data.get("ckpt") or []
             meta = metas[self._group_rank] if self._group_rank < len(metas) else ""
             self.log.info("healing from %s at step %d", plan.recover_src_id, plan.max_step)
             state = self._transport.recv_checkpoint(
-                src_rank=plan.recover_src_rank,
+                src_rank=src_rank,
                 metadata=meta,
                 step=plan.max_step,
                 timeout=timedelta(seconds=self._heal_timeout),
@@ -572,7 +574,8 @@ class Manager:
 
     def _group_vote(self, ok: bool, deadline: float) -> bool:
         seq = self._quorum_seq
-        self._group_store.set(f"commit/{seq}/{self._group_rank}", b"1" if ok else b"0")
+        # Store.set takes bytes too (pybind std::string); torch's stub says str only.
+        self._group_store.set(f"commit/{seq}/{self._group_rank}", b"1" if ok else b"0")  # type: ignore[arg-type]
         keys = [f"commit/{seq}/{r}" for r in range(self._group_world_size)]
         try:
             self._group_store.wait(keys, timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))

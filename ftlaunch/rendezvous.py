@@ -230,7 +230,8 @@ def is_local_host(host: str) -> bool:
         ip = ipaddress.ip_address(host)
     except ValueError:
         try:
-            ips = {info[4][0] for info in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)}
+            # An IPv4/IPv6 sockaddr starts with the address text (typeshed allows int for other families).
+            ips = {str(info[4][0]) for info in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)}
         except (OSError, UnicodeError):
             return False
     else:

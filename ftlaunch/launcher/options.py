@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import signal
 from dataclasses import dataclass, field
+from signal import Signals
 
 from ftlaunch.errors import ConfigurationError
 
@@ -61,7 +62,7 @@ class ChaosSpec:
             raise ConfigurationError("--chaos signal=STOP applies to workers, not target=agent")
 
     @property
-    def signum(self) -> signal.Signals:
+    def signum(self) -> Signals:  # not signal.Signals: the `signal` field shadows the module here
         return signal.Signals[f"SIG{self.signal}"]
 
     @classmethod

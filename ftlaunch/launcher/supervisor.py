@@ -671,7 +671,7 @@ class Supervisor:
     def _install_signal_handlers(self) -> dict[int, Any]:
         if threading.current_thread() is not threading.main_thread():
             return {}
-        old = {}
+        old: dict[int, Any] = {}
         for sig in (signal.SIGINT, signal.SIGTERM):
             old[sig] = signal.signal(sig, self._on_signal)
         return old

@@ -25,7 +25,7 @@ import threading
 import weakref
 from collections import deque
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import torch
 
@@ -132,9 +132,9 @@ class SharedTensors:
             except RuntimeError as e:  # e.g. shared by file name, not by descriptor
                 logger.debug("ftlaunch.process_group: staging tensor (cannot share storage: %s)", e)
             else:
-                return TensorDesc(
-                    key, tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()), dtype
-                )
+                # A real (not traced) tensor's offset is an int; the stub's SymInt is for tracing.
+                offset = cast(int, tensor.storage_offset())
+                return TensorDesc(key, offset, tuple(tensor.shape), tuple(tensor.stride()), dtype)
         return self._stage(tensor, staged, mutable, dtype)
 
     def _stage(self, tensor: torch.Tensor, staged: list[_Staged], mutable: bool, dtype: str) -> TensorDesc:
@@ -144,7 +144,8 @@ class SharedTensors:
         view.copy_(tensor)
         staged.append(_Staged(tensor, view, buffer, mutable))
         key = self._register(buffer.untyped_storage())
-        return TensorDesc(key, view.storage_offset(), tuple(view.shape), tuple(view.stride()), dtype)
+        offset = cast(int, view.storage_offset())  # a real tensor: an int, not the stub's SymInt
+        return TensorDesc(key, offset, tuple(view.shape), tuple(view.stride()), dtype)
 
     def _acquire(self, nbytes: int) -> torch.Tensor:
         size = max(_MIN_POOL_BYTES, 1 << (nbytes - 1).bit_length())
@@ -178,7 +179,9 @@ class ChildStorages:
 
     def add(self, key: StorageKey, nbytes: int, fd: int) -> None:
         try:
-            self._storages[key] = torch.UntypedStorage._new_shared_fd_cpu(fd, nbytes)
+            # Private torch API (what torch.multiprocessing uses to map a storage shared by fd),
+            # absent from the stubs.
+            self._storages[key] = torch.UntypedStorage._new_shared_fd_cpu(fd, nbytes)  # type: ignore[attr-defined]
         finally:
             os.close(fd)
 

@@ -728,11 +728,14 @@ class ProcessGroupBaby(ProcessGroup):
         return self._submit("barrier", (), (), [])
 
 
-_PREMUL_SUM = int(dist.ReduceOp.RedOpType.PREMUL_SUM)
+# torch's stub declares the RedOpType members on ReduceOp (the same objects at runtime) and leaves
+# the enum itself empty.
+_PREMUL_SUM = int(dist.ReduceOp.RedOpType.PREMUL_SUM)  # type: ignore[attr-defined]
 
 
 def _op_code(op: dist.ReduceOp) -> int:
-    code = int(op.op if isinstance(op, dist.ReduceOp) else op)
+    # ReduceOp.op (its RedOpType) is bound at runtime but missing from torch's stub.
+    code = int(op.op if isinstance(op, dist.ReduceOp) else op)  # type: ignore[attr-defined]
     if code == _PREMUL_SUM:
         raise NotImplementedError("PREMUL_SUM is not supported by Baby process groups")
     return code

@@ -289,13 +289,15 @@ class ProcessGroup(dist.ProcessGroup):
     """
 
     def __init__(self, rank: int = 0, world_size: int = 1) -> None:
-        super().__init__(rank, world_size)
+        # torch binds a (rank, size) constructor for Python subclasses; its stub lists only
+        # (store, rank, size).
+        super().__init__(rank, world_size)  # type: ignore[call-arg]
         self._rank = rank
         self._world_size = world_size
         self._store_addr = ""
         self._generation = 0
         self._error: Exception | None = None
-        self._group_name: str | None = None
+        self._group_name: c10d.GroupName | None = None
         self._auto_named = False
         self._error_lock = threading.Lock()
 
@@ -323,20 +325,20 @@ class ProcessGroup(dist.ProcessGroup):
         return self.getBackendName()
 
     @property
-    def group_name(self) -> str:
+    def group_name(self) -> c10d.GroupName:
         """A process-unique name; the one given to `register` once registered."""
         if self._group_name is None:
-            self._group_name = f"ftlaunch:{self.getBackendName()}:{next(_NAME_COUNTER)}"
+            self._group_name = c10d.GroupName(f"ftlaunch:{self.getBackendName()}:{next(_NAME_COUNTER)}")
         return self._group_name
 
     def getGroupName(self) -> str:  # noqa: N802
         return self.group_name
 
     def setGroupName(self, name: str) -> None:  # noqa: N802
-        self._group_name = name
+        self._group_name = c10d.GroupName(name)
 
     def _set_group_name(self, name: str) -> None:
-        self._group_name = name
+        self._group_name = c10d.GroupName(name)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(rank={self.rank()}, size={self.size()}, store={self._store_addr!r})"
@@ -453,17 +455,22 @@ class ProcessGroup(dist.ProcessGroup):
     def _register_as(self, name: str) -> None:
         if name in c10d._world.pg_names.values():
             raise ValueError(f"a process group named {name!r} is already registered")
-        self._group_name = name
+        group_name = self._group_name = c10d.GroupName(name)
         backend = self.getBackendName()
         world = c10d._world
-        world.pg_map[self] = (backend, None)
-        world.pg_names[self] = name
-        world.pg_group_ranks[self] = _LiveRankMap(self)
+        # No c10d Store behind our groups (each configure builds its own). torch annotates the slot
+        # as a Store but reads it only for the default group, groups it derives from another (by
+        # tag, shrink) and symmetric memory - none of which applies to ours.
+        world.pg_map[self] = (backend, None)  # type: ignore[assignment]
+        world.pg_names[self] = group_name
+        # A live read-only Mapping where torch annotates a dict: torch only reads the table
+        # ([]/items/keys), never mutates it.
+        world.pg_group_ranks[self] = _LiveRankMap(self)  # type: ignore[assignment]
         world.pg_backend_config[self] = backend
         tag = f"ptd:{name}"
         world.pg_to_tag[self] = tag
         world.tags_to_pg.setdefault(tag, []).append(self)
-        c10d._register_process_group(name, self)
+        c10d._register_process_group(group_name, self)
         self._auto_named = False
 
     def register(self, name: str) -> ProcessGroup:
@@ -500,7 +507,11 @@ class ProcessGroup(dist.ProcessGroup):
                 pass
 
     # ---- public collectives (torch names and overloads) ------------------------------------
-    def allreduce(self, tensors: Any, opts: Any = None) -> dist.Work:
+    # Typing: one implementation serves all of a method's overloads in torch's stub, taking them
+    # positionally and normalising them (the stub's ``op=``/``timeout=`` keyword forms are not
+    # supported), hence ``ignore[override]``. The aliases under torch's other names take the same
+    # positional arguments; the stub only names the parameters differently (``ignore[assignment]``).
+    def allreduce(self, tensors: Any, opts: Any = None) -> dist.Work:  # type: ignore[override]
         return self._do_allreduce(_tensor_list(tensors, "tensors"), _with_reduce(opts, AllreduceOptions))
 
     def allreduce_coalesced(self, tensors: Any, opts: Any = None) -> dist.Work:
@@ -522,7 +533,7 @@ class ProcessGroup(dist.ProcessGroup):
     ) -> dist.Work:
         return self._do_all_gather_single(output_tensor, input_tensor, _plain(opts, AllgatherOptions))
 
-    _allgather_base = all_gather_single
+    _allgather_base = all_gather_single  # type: ignore[assignment]
 
     def all_gather_single_coalesced(
         self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor], opts: Any = None
@@ -533,9 +544,9 @@ class ProcessGroup(dist.ProcessGroup):
             _plain(opts, AllgatherOptions),
         )
 
-    allgather_into_tensor_coalesced = all_gather_single_coalesced
+    allgather_into_tensor_coalesced = all_gather_single_coalesced  # type: ignore[assignment]
 
-    def broadcast(self, tensors: Any, opts: Any = None) -> dist.Work:
+    def broadcast(self, tensors: Any, opts: Any = None) -> dist.Work:  # type: ignore[override]
         if isinstance(opts, int):
             root, opts = opts, BroadcastOptions()
             opts.rootRank = root
@@ -546,7 +557,7 @@ class ProcessGroup(dist.ProcessGroup):
         opts.rootRank = root
         return self._do_broadcast([tensor], opts)
 
-    def reduce_scatter(self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> dist.Work:
+    def reduce_scatter(self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> dist.Work:  # type: ignore[override]
         if isinstance(output_tensors, torch.Tensor):
             outputs = [output_tensors]
             inputs = [_tensor_list(input_tensors, "input_tensors")]
@@ -562,7 +573,7 @@ class ProcessGroup(dist.ProcessGroup):
             output_tensor, input_tensor, _with_reduce(opts, ReduceScatterOptions)
         )
 
-    _reduce_scatter_base = reduce_scatter_single
+    _reduce_scatter_base = reduce_scatter_single  # type: ignore[assignment]
 
     def reduce_scatter_single_coalesced(
         self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor], opts: Any = None
@@ -573,7 +584,7 @@ class ProcessGroup(dist.ProcessGroup):
             _with_reduce(opts, ReduceScatterOptions),
         )
 
-    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced  # type: ignore[assignment]
 
     def all_to_all_single(
         self,
@@ -591,7 +602,7 @@ class ProcessGroup(dist.ProcessGroup):
             _plain(opts, AllToAllOptions),
         )
 
-    alltoall_base = all_to_all_single
+    alltoall_base = all_to_all_single  # type: ignore[assignment]
 
     def alltoall(self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> dist.Work:
         return self._do_alltoall(

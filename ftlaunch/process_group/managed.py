@@ -56,7 +56,9 @@ class ManagedProcessGroup(ProcessGroupWrapper):
         super().__init__(manager.pg)
         self._manager = manager
 
-    def allreduce(self, tensors: Any, opts: Any = None) -> dist.Work:
+    # Takes torch's overload forms positionally (a tensor or a list; opts or a ReduceOp), like the
+    # base class; the stub's op=/timeout= keyword forms are not supported, hence ignore[override].
+    def allreduce(self, tensors: Any, opts: Any = None) -> dist.Work:  # type: ignore[override]
         if isinstance(tensors, torch.Tensor):
             tensors = [tensors]
         op = _op_of(opts)
