@@ -106,9 +106,11 @@ def _sim_worker(addr: str, rids: list[str], rounds: int, warmup: int, barrier, o
             head += f"X-Ftlaunch-Replica: {replica}\r\n"
         return head.encode() + b"\r\n" + body
 
+    scratch = memoryview(bytearray(262144))  # recv_into: no 256 KiB allocation per read
+
     def read_response(s: socket.socket, buf: bytearray) -> bytes | None:
         """Append what is available; return the body once the response is complete."""
-        buf += s.recv(262144)
+        buf += scratch[: s.recv_into(scratch)]
         end = buf.find(b"\r\n\r\n")
         if end < 0:
             return None

@@ -622,3 +622,114 @@ def test_peer_closed_probe_neither_reads_nor_blocks():
     finally:
         conn.close()
         listener.close()
+
+
+# ---------------------------------------------------------------------------------- event loop
+
+
+def _post(path: str, obj: dict, extra: bytes = b"") -> bytes:
+    body = json.dumps(obj).encode()
+    return (
+        b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n%s\r\n"
+        % (path.encode(), len(body), extra)
+    ) + body
+
+
+def _read_responses(sock: socket.socket, n: int) -> list[tuple[int, dict]]:
+    """Read ``n`` complete JSON responses from a keep-alive socket, in order."""
+    buf, out = b"", []
+    while len(out) < n:
+        head_end = buf.find(b"\r\n\r\n")
+        if head_end >= 0:
+            head = buf[:head_end].decode("latin-1")
+            length = int(next(line.split(":", 1)[1] for line in head.split("\r\n") if line.lower().startswith("content-length")))
+            if len(buf) >= head_end + 4 + length:
+                status = int(head.split(" ", 2)[1])
+                out.append((status, json.loads(buf[head_end + 4 : head_end + 4 + length])))
+                buf = buf[head_end + 4 + length :]
+                continue
+        chunk = sock.recv(65536)
+        assert chunk, f"connection closed after {len(out)} of {n} responses"
+        buf += chunk
+    return out
+
+
+def test_request_trickling_in_byte_by_byte_is_parsed(server):
+    """Partial requests are replayed through http.server's parser as bytes arrive."""
+    host, port = parse_host_port(server.address)
+    with socket.create_connection((host, port), timeout=10) as sock:
+        for byte in _post("/v1/heartbeat", {"replica_id": "slow"}):
+            sock.sendall(bytes([byte]))
+            time.sleep(0.001)
+        assert _read_responses(sock, 1) == [(200, {"ok": True, "version": 1})]
+    assert group(server, "slow")["heartbeats"] == 1
+
+
+def test_pipelined_requests_are_answered_in_order(server):
+    host, port = parse_host_port(server.address)
+    with socket.create_connection((host, port), timeout=10) as sock:
+        sock.sendall(
+            _post("/heartbeat", {"replica_id": "p"}) + _post("/heartbeat", {"replica_id": 7})
+            + _post("/leave", {"replica_id": "p"})
+        )
+        got = _read_responses(sock, 3)
+    assert [code for code, _ in got] == [200, 400, 200] and got[2][1]["left"] is True
+
+
+def test_bytes_sent_while_parked_wait_for_the_answer(make_server):
+    s = make_server(min_replicas=2)
+    host, port = parse_host_port(s.address)
+    with socket.create_connection((host, port), timeout=10) as sock:
+        sock.sendall(_post("/quorum", {"member": {"replica_id": "a"}, "timeout": 20}) + _post("/heartbeat", {"replica_id": "a"}))
+        wait_for(lambda: s.status()["pending"] == ["a"], what="a parked")
+        time.sleep(0.05)
+        assert group(s, "a")["heartbeats"] == 0  # the pipelined heartbeat waits behind the long poll
+        client = LighthouseClient(s.address)
+        assert client.quorum(QuorumMember("b"), 20).replica_ids == ("a", "b")
+        (code, payload), (code2, _) = _read_responses(sock, 2)
+        assert code == 200 and payload["quorum"]["participants"][0]["replica_id"] == "a" and code2 == 200
+        client.close()
+    assert group(s, "a")["heartbeats"] == 1
+
+
+def test_expect_100_continue(server):
+    host, port = parse_host_port(server.address)
+    body = json.dumps({"replica_id": "e"}).encode()
+    with socket.create_connection((host, port), timeout=10) as sock:
+        sock.sendall(
+            b"POST /heartbeat HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nContent-Length: %d\r\n\r\n" % len(body)
+        )
+        interim = sock.recv(65536)
+        assert interim.startswith(b"HTTP/1.1 100"), interim
+        sock.sendall(body)
+        assert _read_responses(sock, 1) == [(200, {"ok": True, "version": 1})]
+
+
+def test_many_groups_asking_at_once_share_one_quorum(make_server):
+    """64 raw keep-alive connections ask in the same instant, twice: one answer each, same bytes."""
+    n = 64
+    s = make_server(min_replicas=n)
+    host, port = parse_host_port(s.address)
+    socks = [socket.create_connection((host, port), timeout=20) for _ in range(n)]
+    try:
+        for step in range(2):
+            for i, sock in enumerate(socks):
+                sock.sendall(_post("/quorum", {"member": {"replica_id": f"g{i:02d}", "step": step}, "timeout": 20}))
+            answers = [_read_responses(sock, 1)[0] for sock in socks]
+            assert {code for code, _ in answers} == {200}
+            assert len({json.dumps(payload, sort_keys=True) for _, payload in answers}) == 1
+            assert len(answers[0][1]["quorum"]["participants"]) == n
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+def test_idle_keepalive_is_closed_quietly(server):
+    server.idle_timeout = 0.3  # shortened for the test
+    sock = _bound_connection(server, "idle")
+    t0 = time.monotonic()
+    assert sock.recv(100) == b""  # the server closed it ...
+    assert time.monotonic() - t0 < 5.0
+    sock.close()
+    wait_for(lambda: group(server, "idle")["connections"] == 0, what="connection gone")
+    assert group(server, "idle")["health"] == "live"  # ... and that is not a death

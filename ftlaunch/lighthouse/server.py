@@ -1,36 +1,44 @@
-"""The lighthouse: a small HTTP/JSON quorum server on the standard library's ThreadingHTTPServer.
+"""The lighthouse: a small HTTP/JSON quorum server; requests are parsed by the standard library's
+`http.server.BaseHTTPRequestHandler`, connections are driven by one event-loop thread.
 
-One thread per connection (clients keep connections alive, so no per-request thread), one lock
-guarding all state, and the decision recomputed on every event (request arrival, disconnect,
-failure report, eviction) by the pure `decide_quorum`. A timer thread ticking every
-``quorum_tick`` seconds covers what only time changes: the join timeout, heartbeat expiry, dead
-peers of connections that are parked in a long poll, and clients too slow to send their request.
+One I/O thread multiplexes every connection with a selector (no thread per connection: with 64
+groups asking at once, 64 handler threads handing the GIL to one another cost more CPU than the
+requests themselves). Each connection keeps one `_Handler`, whose request parsing is http.server's
+own: the bytes received so far are offered to it, and if they do not hold a whole request yet the
+attempt is dropped and replayed from the start when more bytes arrive (`_Reader`). A quorum request
+parks without blocking anything; its answer is written by the loop when the quorum forms (encoded
+once per quorum, the same bytes for every keep-alive member).
+
+One lock guards all state, and the decision is recomputed on every event (request arrival,
+disconnect, failure report, eviction) by the pure `decide_quorum`. A timer thread ticking every
+``quorum_tick`` seconds covers what only time changes: the join timeout and heartbeat expiry.
 
 Failure detection: requests carrying the ``X-Ftlaunch-Replica`` header bind their connection to
 that replica group. When the peer closes the group's last bound connection (EOF or reset: the
 process died) without a prior ``leave``, the group is marked disconnected at once and the quorum
-is recomputed. A group that stays connected but silent drops out after ``heartbeat_timeout``.
-
-Fan-out: the thread that forms a quorum encodes it once and writes it to every parked keep-alive
-waiter with non-blocking sends before waking them (see `_deliver_directly`), so the latency of a
-64-group quorum is not 64 scheduler wake-ups long.
+is recomputed; the loop watches parked connections too, so a long poll's death is seen at once.
+A group that stays connected but silent drops out after ``heartbeat_timeout``.
 """
 
 from __future__ import annotations
 
+import heapq
 import hmac
+import io
+import itertools
 import json
 import logging
 import math
+import os
 import select
+import selectors
 import socket
-import socketserver
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -69,6 +77,14 @@ HISTORY_LEN = 200
 REQUEST_READ_TIMEOUT = 10.0
 #: Minimum time an idle keep-alive connection is kept open between requests (see `idle_timeout`).
 MIN_IDLE_TIMEOUT = 120.0
+#: Pending connections the kernel queues before the loop accepts them.
+LISTEN_BACKLOG = 256
+#: Bytes asked of the kernel per recv.
+RECV_SIZE = 65536
+#: A parked connection whose peer sends more than this before its answer is dropped.
+MAX_PIPELINED_BYTES = 2 * MAX_BODY_BYTES
+#: How long shutdown keeps trying to write answers already due (the 503s of parked requests).
+SHUTDOWN_FLUSH_TIMEOUT = 1.0
 
 # The highest quorum id any server in this process handed out: a server started in the same
 # millisecond as its predecessor (tests do that) still starts above it.
@@ -88,46 +104,155 @@ class _HTTPError(Exception):
 
 
 class _Conn:
-    """Server-side record of one client connection."""
+    """Server-side record of one client connection (I/O fields: event-loop thread only)."""
 
-    __slots__ = ("sock", "peer", "replica_id", "closed", "busy", "pending", "timed_out")
+    __slots__ = (
+        "sock", "fd", "peer", "replica_id", "closed", "busy", "pending", "timed_out", "handler",
+        "inbuf", "outbuf", "eof", "close_after_write", "deadline", "scheduled", "reading", "want", "nl_from", "continue_sent",
+        "events", "io_closed",
+    )
 
     def __init__(self, sock: socket.socket, peer: str) -> None:
         self.sock = sock
+        self.fd = sock.fileno()
         self.peer = peer
         self.replica_id: str | None = None
-        self.closed = False
-        self.busy = False  # parked in a long poll: nobody reads it, so the tick probes it for hang-up
+        self.closed = False  # bookkeeping done (`_close_locked`); the socket may still be open
+        self.busy = False  # parked in a long poll
         self.pending: _Pending | None = None
-        self.timed_out = False  # the read watchdog fired
+        self.timed_out = False  # the read deadline passed with a partial request
+        self.handler: _Handler | None = None
+        self.inbuf = bytearray()  # received, not yet consumed by a complete request
+        self.outbuf = bytearray()  # to send once the socket takes more
+        self.eof = False  # the peer closed its side (or reset)
+        self.close_after_write = False
+        self.deadline: float | None = None  # idle, read or long-poll deadline (monotonic)
+        self.reading = False  # a partial request is buffered: `deadline` is its read deadline
+        self.want = 0  # replay the parse once inbuf holds this many bytes ...
+        self.nl_from = -1  # ... or a newline at or after this offset
+        self.continue_sent = False  # "100 Continue" already sent for the current request
+        self.scheduled: float | None = None  # the earliest entry of this connection in the deadline heap
+        self.events = selectors.EVENT_READ  # what the selector watches for
+        self.io_closed = False  # socket closed and unregistered
 
 
 class _Pending:
-    """A quorum request parked in a long poll; resolved (once) with a quorum or an error.
+    """A quorum request parked in a long poll; resolved (once, under the server lock) with a quorum
+    or an error, and then answered by the event loop."""
 
-    The waiter sleeps on its own Event, not on the server lock, so waking 64 of them does not make
-    them queue for the lock one after another.
-    """
+    __slots__ = ("member", "conn", "timeout", "done", "result", "body", "response", "error", "_notify")
 
-    __slots__ = ("member", "done", "result", "body", "error", "sock", "response", "sent")
-
-    def __init__(self, member: QuorumMember, sock: socket.socket | None = None) -> None:
+    def __init__(self, member: QuorumMember, conn: _Conn, notify: Any) -> None:
         self.member = member
-        self.done = threading.Event()
+        self.conn = conn
+        self.timeout = DEFAULT_QUORUM_TIMEOUT
+        self.done = False
         self.result: Quorum | None = None
         self.body = b""  # the encoded 200 response body for `result`
+        self.response = b""  # the whole keep-alive HTTP/1.1 response for `result`, shared by all members
         self.error: tuple[int, str] | None = None  # (status, message); status 0 = drop silently
-        self.sock = sock  # set if the forming thread may write the response directly (keep-alive 1.1)
-        self.response = b""  # full HTTP response, when written (partly) by the forming thread
-        self.sent = 0  # bytes of `response` already written by the forming thread
+        self._notify = notify
 
     def resolve(
-        self, result: Quorum | None = None, error: tuple[int, str] | None = None, body: bytes = b""
+        self,
+        result: Quorum | None = None,
+        error: tuple[int, str] | None = None,
+        body: bytes = b"",
+        response: bytes = b"",
     ) -> None:
-        if self.done.is_set():  # first answer wins; the waiter may already be writing it
+        if self.done:  # first answer wins
             return
-        self.result, self.error, self.body = result, error, body
-        self.done.set()
+        self.result, self.error, self.body, self.response = result, error, body, response
+        self.done = True
+        self._notify(self)
+
+
+class _Incomplete(Exception):
+    """The buffered bytes do not hold a whole request yet (raised inside http.server's parsing)."""
+
+
+class _Reader:
+    """The ``rfile`` a `_Handler` parses from: the connection's buffered bytes.
+
+    Raises `_Incomplete` where a socket file would block, so a parse attempt on a partial request
+    is abandoned and replayed from the start when more bytes arrive; ``pos`` is how much a complete
+    request consumed. With ``eof`` (peer closed, or read deadline passed) it returns short reads
+    like a socket file at EOF, and http.server produces its usual errors.
+    """
+
+    __slots__ = ("buf", "pos", "eof", "want", "nl_from")
+
+    def __init__(self, buf: bytearray, eof: bool) -> None:
+        self.buf = buf
+        self.pos = 0
+        self.eof = eof
+        self.want = 0  # after _Incomplete: inbuf size worth another attempt ...
+        self.nl_from = -1  # ... or the offset from which a newline is (readline)
+
+    def readline(self, limit: int = -1) -> bytes:
+        buf, pos = self.buf, self.pos
+        stop = len(buf) if limit is None or limit < 0 else min(len(buf), pos + limit)
+        nl = buf.find(b"\n", pos, stop)
+        if nl >= 0:
+            end = nl + 1
+        elif stop - pos == limit or self.eof:
+            end = stop
+        else:  # retry when a newline arrives (or enough bytes to hit the limit)
+            self.want, self.nl_from = len(buf) + RECV_SIZE, len(buf)
+            raise _Incomplete
+        self.pos = end
+        return bytes(buf[pos:end])
+
+    def read(self, n: int = -1) -> bytes:
+        buf, pos = self.buf, self.pos
+        if n is None or n < 0:
+            if not self.eof:
+                self.want = len(buf) + 1
+                raise _Incomplete
+            n = len(buf) - pos
+        if len(buf) - pos < n and not self.eof:
+            self.want = pos + n
+            raise _Incomplete
+        data = bytes(buf[pos : pos + n])
+        self.pos += len(data)
+        return data
+
+
+class _Waker:
+    """A file descriptor the event loop selects on; `set` (any thread) makes it readable."""
+
+    def __init__(self) -> None:
+        self._closed = False
+        if hasattr(os, "eventfd"):
+            self._r = self._w = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        else:  # pragma: no cover - non-Linux
+            self._r, self._w = os.pipe()
+            for fd in (self._r, self._w):
+                os.set_blocking(fd, False)
+
+    def fileno(self) -> int:
+        return self._r
+
+    def set(self) -> None:
+        if self._closed:
+            return
+        try:
+            os.write(self._w, b"\1\0\0\0\0\0\0\0")  # an eventfd takes exactly 8 bytes
+        except OSError:  # full pipe/counter (it is readable then) or closed at shutdown
+            pass
+
+    def clear(self) -> None:
+        try:
+            while os.read(self._r, 4096):
+                pass
+        except OSError:  # EAGAIN: drained
+            pass
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            for fd in {self._r, self._w}:
+                os.close(fd)
 
 
 @dataclass
@@ -188,17 +313,28 @@ class LighthouseServer:
         self._evicted: dict[str, str] = {}
         self._conns: set[_Conn] = set()
         self._by_replica: dict[str, set[_Conn]] = {}
-        self._reading: dict[_Conn, float] = {}  # connections mid-request -> read deadline
         self._history: deque[dict[str, Any]] = deque(maxlen=HISTORY_LEN)
         self._stopping = False
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
 
+        # Event loop (see the module docstring): owned by the "lighthouse-io" thread once started.
+        self._resolved: deque[_Pending] = deque()  # resolved long polls for the loop to answer
+        self._loop_ident: int | None = None
+        self._deadlines: list[tuple[float, int, _Conn]] = []  # heap; stale entries are skipped
+        self._seq = itertools.count()
+        self._io_conns: set[_Conn] = set()
         try:
-            self._httpd = _HTTPServer((host, port), self)
+            family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            self._listener = socket.create_server((host, port), family=family, backlog=LISTEN_BACKLOG)
         except OSError as e:
             raise ConfigurationError(f"lighthouse: cannot bind {bind!r}: {e}") from None
-        bound_host, bound_port = self._httpd.server_address[:2]
+        self._listener.setblocking(False)
+        self._waker = _Waker()
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self._listener, selectors.EVENT_READ, None)
+        self._selector.register(self._waker.fileno(), selectors.EVENT_READ, self._waker)
+        bound_host, bound_port = self._listener.getsockname()[:2]
         if bound_host in ("0.0.0.0", "::", ""):
             bound_host = socket.gethostname()
         self._address = format_url(bound_host, bound_port)
@@ -208,9 +344,7 @@ class LighthouseServer:
     def start(self) -> LighthouseServer:
         if self._threads:
             raise RuntimeError("lighthouse already started")
-        serve = threading.Thread(
-            target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05}, name="lighthouse-http", daemon=True
-        )
+        serve = threading.Thread(target=self._serve, name="lighthouse-io", daemon=True)
         tick = threading.Thread(target=self._tick_loop, name="lighthouse-tick", daemon=True)
         self._threads = [serve, tick]
         serve.start()
@@ -245,22 +379,13 @@ class LighthouseServer:
                 pending.resolve(error=(503, "lighthouse shutting down"))
             self._pending.clear()
             self._requests.clear()
-            conns = list(self._conns)
         self._stop.set()
-        if self._threads:
-            self._httpd.shutdown()
-        self._httpd.server_close()
-        # Reading half only: parked long polls can still write their 503, idle readers see EOF.
-        for conn in conns:
-            _shutdown_socket(conn.sock, socket.SHUT_RD)
+        self._waker.set()
+        # The loop writes the 503s it can, closes every connection and the listener, then exits.
         for t in self._threads:
             t.join(timeout=5.0)
-        deadline = time.monotonic() + 5.0
-        while time.monotonic() < deadline:
-            with self._lock:
-                if not self._conns:
-                    break
-            time.sleep(0.01)
+        if not self._threads:
+            self._close_io()
         log.info("lighthouse: %s stopped", self._address)
 
     def __enter__(self) -> LighthouseServer:
@@ -412,17 +537,11 @@ class LighthouseServer:
         # Encoded once per formed quorum, not once per waiter: with 64 groups that is most of the work.
         body = json.dumps({"quorum": quorum.to_json(), "version": API_VERSION}).encode()
         response = _RESPONSE_200_JSON % len(body) + body
-        delivered = []
         for member in quorum.participants:
             rid = member.replica_id
             del self._requests[rid]
-            pending = self._pending.pop(rid)
-            _deliver_directly(pending, response)
-            delivered.append(pending)
+            self._pending.pop(rid).resolve(result=quorum, body=body, response=response)
             self._info[rid].step = member.step
-        # Wake the waiters only after all sends: a woken waiter competes for the GIL with this loop.
-        for pending in delivered:
-            pending.resolve(result=quorum, body=body)
         self._round_start = now if self._requests else None
         if changed:
             self._record(
@@ -456,12 +575,10 @@ class LighthouseServer:
 
     # -- endpoint bodies (called by the handler; raise _HTTPError for error responses)
 
-    def _op_quorum(
-        self, conn: _Conn, member: QuorumMember, timeout: float, *, bind: bool, direct: bool
-    ) -> _Pending:
-        """Park until a quorum containing ``member`` forms; returns the resolved request.
+    def _op_quorum(self, conn: _Conn, member: QuorumMember, *, bind: bool) -> _Pending:
+        """Park ``member``'s request until a quorum containing it forms (maybe at once).
 
-        ``direct``: the forming thread may write the response itself (see `_deliver_directly`).
+        Returns the request; the event loop answers it once it is resolved, or times it out.
         """
         rid = member.replica_id
         now = time.monotonic()
@@ -477,26 +594,28 @@ class LighthouseServer:
             old = self._pending.get(rid)
             if old is not None:
                 old.resolve(error=(409, f"superseded by a newer quorum request of replica {rid}"))
-            pending = _Pending(member, conn.sock if direct else None)
+            pending = _Pending(member, conn, self._pending_resolved)
             self._pending[rid] = pending
             self._requests[rid] = member
             if self._round_start is None:
                 self._round_start = now
             conn.busy, conn.pending = True, pending
             self._decide(now)
-        try:
-            if not pending.done.wait(timeout):
-                with self._lock:
-                    if not pending.done.is_set():
-                        reason = self._waiting_reason(time.monotonic())
-                        self._drop_request(rid, pending)
-                        pending.resolve(error=(408, f"no quorum containing {rid} within {timeout:g}s: {reason}"))
-        finally:
-            conn.busy, conn.pending = False, None
-        if pending.error is not None:
-            code, message = pending.error
-            raise _HTTPError(code, message, close=code == 0)
         return pending
+
+    def _expire_long_poll(self, pending: _Pending, timeout: float) -> None:
+        rid = pending.member.replica_id
+        with self._lock:
+            if not pending.done:
+                reason = self._waiting_reason(time.monotonic())
+                self._drop_request(rid, pending)
+                pending.resolve(error=(408, f"no quorum containing {rid} within {timeout:g}s: {reason}"))
+
+    def _pending_resolved(self, pending: _Pending) -> None:
+        """`_Pending.resolve` hook (under the lock): queue the answer for the event loop."""
+        self._resolved.append(pending)
+        if threading.get_ident() != self._loop_ident:
+            self._waker.set()
 
     def _op_heartbeat(self, conn: _Conn, rid: str, *, bind: bool) -> dict:
         now = time.monotonic()
@@ -571,22 +690,11 @@ class LighthouseServer:
 
     # ------------------------------------------------------------------ connections
 
-    def _conn_opened(self, sock: socket.socket, peer: str) -> _Conn:
-        conn = _Conn(sock, peer)
-        with self._lock:
-            self._conns.add(conn)
-        return conn
-
-    def _conn_closed(self, conn: _Conn, *, peer_eof: bool) -> None:
-        with self._lock:
-            self._close_locked(conn, peer_eof=peer_eof, now=time.monotonic())
-
     def _close_locked(self, conn: _Conn, *, peer_eof: bool, now: float) -> None:
         if conn.closed:
             return
         conn.closed = True
         self._conns.discard(conn)
-        self._reading.pop(conn, None)
         if conn.pending is not None:  # parked long poll of a dead peer: withdraw it, answer nobody
             pending = conn.pending
             pending.resolve(error=(0, "connection closed by peer"))
@@ -597,14 +705,304 @@ class LighthouseServer:
         self._unbind(conn)
         if not peer_eof or self._stopping:
             return
-        # All sockets of a dead process close together, but a parked long poll is not being read:
-        # probe the group's other connections so the last one is noticed now, not a tick later.
+        # All sockets of a dead process close together: probe the group's other parked connections
+        # so that the last one is noticed now, whatever order the loop sees their EOFs in.
         for other in list(self._by_replica.get(rid, ())):
             if other.busy and _peer_closed(other.sock):
                 self._close_locked(other, peer_eof=True, now=now)
         if rid in self._by_replica:
             return
         self._mark_down(rid, Connection.DISCONNECTED, "connection closed without leave", now)
+
+    # ------------------------------------------------------------------ event loop ("lighthouse-io")
+    #
+    # Everything below runs in the loop thread only, except `_close_io` before `start`. Other
+    # threads reach a connection only through its bookkeeping, under the lock, and through
+    # `_resolved` + the waker.
+
+    def _serve(self) -> None:
+        self._loop_ident = threading.get_ident()
+        select_ = self._selector.select
+        try:
+            while not self._stop.is_set():
+                for key, mask in select_(self._next_timeout()):
+                    conn = key.data
+                    if conn is None:
+                        self._accept()
+                    elif conn is self._waker:
+                        self._waker.clear()
+                    elif not conn.io_closed:
+                        try:
+                            if mask & selectors.EVENT_WRITE:
+                                self._on_writable(conn)
+                            if mask & selectors.EVENT_READ and not conn.io_closed:
+                                self._on_readable(conn)
+                        except Exception:
+                            log.exception("lighthouse: unexpected error serving %s", conn.peer)
+                            self._close(conn, peer_eof=False)
+                    # Answer a quorum formed by this event before looking at the next one.
+                    self._answer_resolved()
+                self._answer_resolved()
+                self._expire_deadlines()
+            self._answer_resolved()  # the 503s of shutdown
+            self._flush_before_exit()
+        except Exception:  # pragma: no cover - a bug; leave a trace instead of a silent dead server
+            log.exception("lighthouse: event loop failed")
+        finally:
+            self._close_io()
+
+    def _close_io(self) -> None:
+        for conn in list(self._io_conns):
+            self._close(conn, peer_eof=False)
+        for closable in (self._selector, self._listener, self._waker):
+            try:
+                closable.close()
+            except (OSError, ValueError, RuntimeError):
+                pass
+
+    def _flush_before_exit(self) -> None:
+        deadline = time.monotonic() + SHUTDOWN_FLUSH_TIMEOUT
+        while time.monotonic() < deadline:
+            waiting = [c for c in self._io_conns if c.outbuf]
+            if not waiting:
+                return
+            for conn in waiting:
+                self._on_writable(conn)
+            time.sleep(0.005)
+
+    def _accept(self) -> None:
+        for _ in range(64):
+            try:
+                sock, addr = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:  # e.g. out of file descriptors: retried on the next readiness
+                log.warning("lighthouse: accept failed: %s", e)
+                time.sleep(0.01)
+                return
+            try:
+                sock.setblocking(False)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except OSError:
+                sock.close()
+                continue
+            peer = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else str(addr)
+            conn = _Conn(sock, peer)
+            conn.handler = _Handler(self, conn, addr)
+            with self._lock:
+                if self._stopping:
+                    sock.close()
+                    continue
+                self._conns.add(conn)
+            self._io_conns.add(conn)
+            self._selector.register(sock, selectors.EVENT_READ, conn)
+            self._set_deadline(conn, time.monotonic() + self.idle_timeout)
+
+    def _set_deadline(self, conn: _Conn, when: float) -> None:
+        conn.deadline = when
+        if conn.scheduled is None or when < conn.scheduled:  # a later deadline re-arms lazily
+            conn.scheduled = when
+            heapq.heappush(self._deadlines, (when, next(self._seq), conn))
+
+    def _next_timeout(self) -> float | None:
+        return max(0.0, self._deadlines[0][0] - time.monotonic()) if self._deadlines else None
+
+    def _expire_deadlines(self) -> None:
+        heap = self._deadlines
+        now = time.monotonic()
+        while heap and heap[0][0] <= now:
+            when, _, conn = heapq.heappop(heap)
+            if when != conn.scheduled or conn.io_closed:
+                continue  # superseded by an earlier entry, or gone
+            conn.scheduled = None
+            if conn.deadline is None:
+                continue
+            if conn.deadline > now:  # pushed back since: re-arm
+                self._set_deadline(conn, conn.deadline)
+                continue
+            conn.deadline = None
+            try:
+                self._on_deadline(conn)
+            except Exception:
+                log.exception("lighthouse: unexpected error serving %s", conn.peer)
+                self._close(conn, peer_eof=False)
+            self._answer_resolved()
+
+    def _on_deadline(self, conn: _Conn) -> None:
+        if conn.pending is not None:  # long poll: answered 408 by _answer_resolved
+            self._expire_long_poll(conn.pending, conn.pending.timeout)
+        elif conn.reading:  # partial request: http.server's parse at "EOF" yields the 408
+            conn.timed_out = True
+            self._process(conn)
+        else:  # idle keep-alive, or a peer that does not read its response: not a death
+            self._close(conn, peer_eof=False)
+
+    def _watch(self, conn: _Conn) -> None:
+        events = (0 if conn.eof else selectors.EVENT_READ) | (selectors.EVENT_WRITE if conn.outbuf else 0)
+        if events != conn.events:
+            if events:
+                self._selector.modify(conn.sock, events, conn)
+            else:
+                self._selector.unregister(conn.sock)
+            conn.events = events
+
+    def _on_readable(self, conn: _Conn) -> None:
+        try:
+            data = conn.sock.recv(RECV_SIZE)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:  # reset: the peer is gone
+            data = b""
+        if data:
+            conn.inbuf += data
+            if conn.pending is None:
+                self._process(conn)
+            elif len(conn.inbuf) > MAX_PIPELINED_BYTES:
+                log.warning("lighthouse: %s sent %d bytes while parked; dropping it", conn.peer, len(conn.inbuf))
+                self._close(conn, peer_eof=False)
+            return
+        conn.eof = True
+        if conn.pending is not None:  # the peer died while parked: withdraw the request
+            self._close(conn, peer_eof=not self._stopping)
+            return
+        self._watch(conn)
+        self._process(conn)
+
+    def _on_writable(self, conn: _Conn) -> None:
+        try:
+            sent = conn.sock.send(conn.outbuf)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self._close(conn, peer_eof=not self._stopping)
+            return
+        del conn.outbuf[:sent]
+        if not conn.outbuf:
+            self._watch(conn)
+            if self._written(conn):
+                self._process(conn)
+
+    def _write(self, conn: _Conn, data: bytes) -> None:
+        """Send ``data`` now as far as the socket takes it; the rest once it is writable."""
+        if conn.outbuf:
+            conn.outbuf += data
+            return
+        try:
+            sent = conn.sock.send(data)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        except OSError:
+            self._close(conn, peer_eof=not self._stopping)
+            return
+        if sent < len(data):
+            conn.outbuf += memoryview(data)[sent:]
+            self._watch(conn)
+            if not conn.reading:  # a peer that never reads its answer is closed when idle
+                self._set_deadline(conn, time.monotonic() + self.idle_timeout)
+
+    def _written(self, conn: _Conn) -> bool:
+        """A response went out completely: close, or return True if requests may follow."""
+        if conn.close_after_write:
+            self._close(conn, peer_eof=conn.eof and not conn.timed_out and not self._stopping)
+            return False
+        if not conn.reading:
+            self._set_deadline(conn, time.monotonic() + self.idle_timeout)
+        return True
+
+    def _process(self, conn: _Conn) -> None:
+        """Parse and serve the requests buffered on ``conn``, one at a time, until one is partial,
+        parks, or leaves a response the socket has not taken yet."""
+        handler = conn.handler
+        assert handler is not None
+        while not conn.io_closed and conn.pending is None and not conn.outbuf:
+            final = conn.eof or conn.timed_out
+            if not conn.inbuf:
+                if conn.eof:
+                    self._close(conn, peer_eof=not conn.timed_out and not self._stopping)
+                return
+            if not final and not self._worth_replay(conn):
+                return  # replaying the parse now would stop at the same place
+            reader = _Reader(conn.inbuf, final)
+            handler.begin(reader)
+            try:
+                BaseHTTPRequestHandler.handle_one_request(handler)
+            except _Incomplete:
+                conn.want, conn.nl_from = reader.want, reader.nl_from
+                if handler.continue_written:  # the client waits for it before sending the body
+                    conn.continue_sent = True
+                    self._write(conn, handler.wfile.getvalue())
+                if not conn.reading:  # the whole request must arrive within read_timeout
+                    conn.reading = True
+                    self._set_deadline(conn, time.monotonic() + self.read_timeout)
+                return
+            del conn.inbuf[: reader.pos]
+            conn.want, conn.nl_from, conn.reading, conn.continue_sent = 0, -1, False, False
+            out = handler.wfile.getvalue()
+            pending, handler.parked = handler.parked, None
+            if pending is not None:  # long poll: answered by _answer_resolved, maybe right away
+                if out:  # "100 Continue"
+                    self._write(conn, out)
+                self._set_deadline(conn, time.monotonic() + pending.timeout)
+                return
+            if handler.close_connection:
+                conn.close_after_write = True
+            if out:
+                self._write(conn, out)
+            if conn.io_closed or conn.outbuf or not self._written(conn):
+                return
+
+    @staticmethod
+    def _worth_replay(conn: _Conn) -> bool:
+        if len(conn.inbuf) >= conn.want:
+            return True
+        if conn.nl_from < 0:  # waiting for body bytes
+            return False
+        if conn.inbuf.find(b"\n", conn.nl_from) >= 0:
+            return True
+        conn.nl_from = len(conn.inbuf)  # scan each byte once, however slowly a line trickles in
+        return False
+
+    def _answer_resolved(self) -> None:
+        """Write the answers of resolved long polls (a formed quorum: one shared byte string)."""
+        resolved = self._resolved
+        while resolved:
+            pending = resolved.popleft()
+            conn = pending.conn
+            if conn.pending is not pending or conn.io_closed:
+                continue
+            conn.busy, conn.pending = False, None
+            handler = conn.handler
+            assert handler is not None
+            if pending.error is not None:
+                code, message = pending.error
+                if code == 0:  # the peer is gone: nothing to answer
+                    self._close(conn, peer_eof=True)
+                    continue
+                data = handler.render(handler._send_error_json, code, message)
+            elif handler.close_connection or not pending.response:
+                data = handler.render(handler._send, 200, "application/json", pending.body)
+            else:
+                data = pending.response
+            if handler.close_connection:
+                conn.close_after_write = True
+            self._write(conn, data)
+            if not conn.io_closed and not conn.outbuf and self._written(conn):
+                self._process(conn)  # what the peer sent meanwhile
+
+    def _close(self, conn: _Conn, *, peer_eof: bool) -> None:
+        if conn.io_closed:
+            return
+        with self._lock:
+            self._close_locked(conn, peer_eof=peer_eof, now=time.monotonic())
+        conn.io_closed = True
+        self._io_conns.discard(conn)
+        try:
+            self._selector.unregister(conn.sock)
+        except (KeyError, ValueError, OSError):
+            pass
+        _shutdown_socket(conn.sock, socket.SHUT_WR)
+        conn.sock.close()
+        conn.inbuf, conn.outbuf = bytearray(), bytearray()
 
     # ------------------------------------------------------------------ timer
 
@@ -627,44 +1025,11 @@ class LighthouseServer:
                     self._record("silent", rid, info.reason)
                     self._mark_prev_broken(rid)
                     log.warning("lighthouse: replica %s silent: %s", rid, info.reason)
-            for conn in [c for c in self._conns if c.busy]:
-                if _peer_closed(conn.sock):
-                    self._close_locked(conn, peer_eof=True, now=now)
             self._decide(now)
-        for conn, deadline in list(self._reading.items()):
-            if now > deadline and not conn.timed_out:
-                conn.timed_out = True
-                _shutdown_socket(conn.sock, socket.SHUT_RD)  # the blocked read returns EOF -> 408
 
 
 #: The quorum response, byte for byte what `_Handler._send` produces for a 200 JSON body.
 _RESPONSE_200_JSON = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
-
-
-def _deliver_directly(pending: _Pending, response: bytes) -> None:
-    """Write a formed quorum's response from the forming thread, without blocking.
-
-    Waking N handler threads so that each writes its own response costs N thread switches, each
-    at the mercy of the scheduler on a busy host; one thread doing N non-blocking sends does not.
-    Whatever the socket does not take at once, the waiter's own thread writes after it wakes.
-    """
-    sock = pending.sock
-    if sock is None or pending.done.is_set():
-        return
-    pending.response = response
-    # A socket with a timeout polls (up to the timeout) before sending, even with MSG_DONTWAIT;
-    # timeout 0 makes it a plain non-blocking send. Safe: its handler is parked, not using it.
-    timeout = sock.gettimeout()
-    try:
-        sock.settimeout(0.0)
-        pending.sent = sock.send(response)
-    except (OSError, ValueError):  # EAGAIN or a dead peer: the waiter's own thread writes / sees it
-        pending.sent = 0
-    finally:
-        try:
-            sock.settimeout(timeout)
-        except OSError:
-            pass
 
 
 _HANGUP = select.POLLHUP | select.POLLERR | select.POLLNVAL | getattr(select, "POLLRDHUP", 0)
@@ -695,26 +1060,6 @@ def _shutdown_socket(sock: socket.socket, how: int) -> None:
         pass
 
 
-class _HTTPServer(ThreadingHTTPServer):
-    daemon_threads = True
-    request_queue_size = 256
-
-    def __init__(self, address: tuple[str, int], lighthouse: LighthouseServer) -> None:
-        self.lighthouse = lighthouse
-        if ":" in address[0]:
-            self.address_family = socket.AF_INET6
-        super().__init__(address, _Handler)
-
-    def server_bind(self) -> None:
-        # HTTPServer.server_bind resolves the FQDN (a DNS lookup that can stall); we do not need it.
-        socketserver.TCPServer.server_bind(self)
-        host, port = self.server_address[:2]
-        self.server_name, self.server_port = str(host), int(port)
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        log.exception("lighthouse: unexpected error serving %s", client_address)
-
-
 def _expect(obj: dict, required: dict[str, tuple[type, ...]], optional: dict[str, tuple[type, ...]]) -> None:
     unknown = sorted(set(obj) - set(required) - set(optional))
     if unknown:
@@ -735,11 +1080,15 @@ def _check_replica_id(rid: str) -> None:
 
 
 class _Handler(BaseHTTPRequestHandler):
+    """http.server's request parsing and our endpoints, for one connection of the event loop.
+
+    Not driven by socketserver: the loop calls `BaseHTTPRequestHandler.handle_one_request` once per
+    request attempt, with ``rfile`` reading the connection's buffered bytes (`_Reader`) and
+    ``wfile`` collecting the response, which the loop then sends without blocking.
+    """
+
     protocol_version = "HTTP/1.1"
     server_version = "ftlaunch-lighthouse"
-    disable_nagle_algorithm = True
-    wbufsize = -1  # buffered: status line, headers and body leave in one send at flush
-    server: _HTTPServer
 
     _ROUTES: dict[str, dict[str, str]] = {
         "/": {"GET": "_get_dashboard"},
@@ -751,49 +1100,46 @@ class _Handler(BaseHTTPRequestHandler):
         "/admin/evict": {"POST": "_post_evict"},
     }
 
-    def setup(self) -> None:
-        super().setup()
-        self.lh: LighthouseServer = self.server.lighthouse
-        self.connection.settimeout(self.lh.idle_timeout)
-        peer = self.client_address
-        self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
-        self.conn = self.lh._conn_opened(self.connection, self.peer)
-        self.peer_eof = False
+    def __init__(self, lh: LighthouseServer, conn: _Conn, client_address: Any) -> None:
+        # Deliberately not BaseRequestHandler.__init__, which would serve the socket in this call.
+        self.lh = lh
+        self.conn = conn
+        self.request = self.connection = conn.sock
+        self.client_address = client_address
+        self.server = None
+        self.peer = conn.peer
+        self.rfile: Any = None
+        self.wfile = io.BytesIO()
         self.body_read = False
+        self.parked: _Pending | None = None
+        self.continue_written = False
 
-    def handle_one_request(self) -> None:
-        # Idle phase: wait (up to idle_timeout) for the first byte of the next request.
-        try:
-            head = self.rfile.peek(1)
-        except TimeoutError:
-            self.close_connection = True
-            return
-        except OSError:
-            self.peer_eof = self.close_connection = True
-            return
-        if not head:
-            self.peer_eof = not self.conn.timed_out and not self.lh._stopping
-            self.close_connection = True
-            return
-        # Request phase: the whole request must arrive within read_timeout (tick-driven watchdog).
+    def begin(self, reader: _Reader) -> None:
+        """Reset the per-request state for one parse attempt over ``reader``."""
+        self.rfile = reader
+        self.wfile = io.BytesIO()
+        self.close_connection = True
+        self.raw_requestline = b""
+        self.requestline = ""
+        self.request_version = self.default_request_version
+        self.command = None
+        self.headers = None
         self.body_read = False
-        self.lh._reading[self.conn] = time.monotonic() + self.lh.read_timeout
-        try:
-            super().handle_one_request()
-        except (ConnectionResetError, BrokenPipeError, ConnectionAbortedError):
-            self.peer_eof = self.close_connection = True
-        finally:
-            self.lh._reading.pop(self.conn, None)
-        if self.conn.timed_out:
-            self.close_connection = True
+        self.parked = None
+        self.continue_written = False
 
-    def finish(self) -> None:
-        try:
-            super().finish()
-        except OSError:
-            pass
-        finally:
-            self.lh._conn_closed(self.conn, peer_eof=self.peer_eof)
+    def render(self, write: Any, *args: Any) -> bytes:
+        """The bytes ``write(*args)`` (one of the ``_send`` methods) produces for the current request."""
+        self.wfile = io.BytesIO()
+        write(*args)
+        return self.wfile.getvalue()
+
+    def handle_expect_100(self) -> bool:
+        if not self.conn.continue_sent:  # once per request, however often its parse is replayed
+            self.send_response_only(HTTPStatus.CONTINUE)
+            self.end_headers()
+            self.continue_written = True
+        return True
 
     # -- logging: http.server writes to stderr; route it to our logger, quietly
 
@@ -897,11 +1243,9 @@ class _Handler(BaseHTTPRequestHandler):
         if length > MAX_BODY_BYTES:
             raise _HTTPError(413, f"request body of {length} bytes exceeds the limit of {MAX_BODY_BYTES}", close=True)
         body = self.rfile.read(length)
-        self.lh._reading.pop(self.conn, None)  # request fully received: the read deadline is over
-        if len(body) < length:
+        if len(body) < length:  # only at EOF or past the read deadline
             if self.conn.timed_out:
                 raise _HTTPError(408, f"request not received within {self.lh.read_timeout:g}s", close=True)
-            self.peer_eof = True
             raise _HTTPError(400, "truncated request body", close=True)
         self.body_read = True
         try:
@@ -923,12 +1267,10 @@ class _Handler(BaseHTTPRequestHandler):
     # -- endpoints
 
     def _get_dashboard(self) -> None:
-        self.lh._reading.pop(self.conn, None)
         html = dashboard.render(self.lh.status())
         self._send(200, "text/html; charset=utf-8", html.encode())
 
     def _get_status(self) -> None:
-        self.lh._reading.pop(self.conn, None)
         self._send_json(200, self.lh.status())
 
     def _post_quorum(self) -> None:
@@ -943,12 +1285,8 @@ class _Handler(BaseHTTPRequestHandler):
         if not (0 < timeout <= MAX_QUORUM_TIMEOUT):
             raise _HTTPError(400, f"timeout must be in (0, {MAX_QUORUM_TIMEOUT:g}] seconds, got {timeout:g}")
         bind = self.headers.get(REPLICA_HEADER) is not None
-        direct = self.request_version == "HTTP/1.1" and not self.close_connection
-        pending = self.lh._op_quorum(self.conn, member, timeout, bind=bind, direct=direct)
-        if pending.response:
-            self.wfile.write(pending.response[pending.sent :])  # the rest, if any
-        else:
-            self._send(200, "application/json", pending.body)
+        self.parked = self.lh._op_quorum(self.conn, member, bind=bind)  # the loop answers it
+        self.parked.timeout = timeout
 
     def _post_heartbeat(self) -> None:
         obj = self._read_json()
