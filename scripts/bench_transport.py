@@ -4,21 +4,31 @@ Sender and receiver are separate processes, as between two replica groups. Print
 bytes/s) per run and the median, beside torchft's HTTP transport (1.1 GB/s measured on this
 machine) and ftlaunch's target (>= 2 GB/s for a 256 MB state dict).
 
-    python scripts/bench_transport.py [--size-mb 256] [--runs 5] [--chunks 4] [--tensors 64] [--no-pg]
+    python scripts/bench_transport.py [--size-mb 256] [--runs 5] [--chunks N ...] [--tensors 64] [--no-pg]
 
-Modes: ``fresh`` allocates the received tensors (a restarted process); ``in-place`` receives into
-the receiver's existing tensors (``state_dict=`` callable), which avoids first-touch page faults.
+``--chunks`` defaults to HTTPTransport's default (one connection per usable CPU, at most 4).
+
+Modes: ``fresh`` allocates the received tensors, as the Manager does; ``in-place`` receives into the
+receiver's existing tensors (``state_dict=`` callable), which needs no new memory.
+
+The fresh receiver runs with ``MALLOC_MMAP_THRESHOLD_`` set low, so every receive gets memory the
+process never touched, as a restarted process does (otherwise glibc may hand back the previous
+run's freed tensors, already backed with pages, and the figure depends on heap luck). Its first run
+is also the first receive of a new process. Sender and receiver share this machine's CPUs, and
+other processes may too: the load average is printed, and runs vary with it.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import multiprocessing as mp
 import os
 import resource
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from datetime import timedelta
 
 import psutil
@@ -26,6 +36,8 @@ import psutil
 TORCHFT_HTTP_GBPS = 1.1
 TARGET_GBPS = 2.0
 TIMEOUT = timedelta(seconds=120)
+#: glibc serves allocations of at least this many bytes with a fresh mmap (and unmaps them on free).
+FRESH_MEMORY_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 
 
 def make_state(size_bytes: int, ntensors: int, seed: int = 0) -> dict:
@@ -47,7 +59,7 @@ def _state_nbytes(state: dict) -> int:
     return sum(t.numel() * t.element_size() for t in state["model"].values()) + 8
 
 
-def _http_sender(q: mp.Queue, stop: mp.Event, size: int, ntensors: int, chunks: int) -> None:
+def _http_sender(q: mp.Queue, stop: mp.Event, size: int, ntensors: int, chunks: int | None) -> None:
     from ftlaunch.checkpointing import HTTPTransport
 
     state = make_state(size, ntensors)
@@ -59,6 +71,20 @@ def _http_sender(q: mp.Queue, stop: mp.Event, size: int, ntensors: int, chunks: 
     tr.shutdown()
 
 
+@contextlib.contextmanager
+def _environ(extra: dict[str, str]) -> Iterator[None]:
+    saved = {k: os.environ.get(k) for k in extra}
+    os.environ.update(extra)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def _cpu_seconds() -> float:
     """CPU time (user + system, all threads) this process has used."""
     r = resource.getrusage(resource.RUSAGE_SELF)
@@ -66,7 +92,14 @@ def _cpu_seconds() -> float:
 
 
 def _http_receiver(
-    q: mp.Queue, ack: mp.Event, url: str, size: int, ntensors: int, chunks: int, runs: int, inplace: bool
+    q: mp.Queue,
+    ack: mp.Event,
+    url: str,
+    size: int,
+    ntensors: int,
+    chunks: int | None,
+    runs: int,
+    inplace: bool,
 ) -> None:
     import torch
 
@@ -92,12 +125,18 @@ def _http_receiver(
     q.put(ok)
 
 
-def bench_http(size: int, ntensors: int, chunks: int, runs: int) -> list[str]:
+def bench_http(size: int, ntensors: int, chunks: int | None, runs: int) -> list[str]:
     ctx = mp.get_context("spawn")
     q, stop = ctx.Queue(), ctx.Event()
     sender = ctx.Process(target=_http_sender, args=(q, stop, size, ntensors, chunks), daemon=True)
     sender.start()
     lines = []
+    if chunks is None:
+        from ftlaunch.checkpointing.http_transport import default_num_chunks
+
+        label = f"auto ({default_num_chunks()})"
+    else:
+        label = str(chunks)
     try:
         url, prep = q.get(timeout=120)
         nbytes = _state_nbytes(make_state(size, ntensors))
@@ -107,7 +146,8 @@ def bench_http(size: int, ntensors: int, chunks: int, runs: int) -> list[str]:
             recv = ctx.Process(
                 target=_http_receiver, args=(rq, go, url, size, ntensors, chunks, runs, inplace), daemon=True
             )
-            recv.start()
+            with _environ({} if inplace else FRESH_MEMORY_ENV):  # read by the child's malloc at start
+                recv.start()
             rq.get(timeout=120)
             sender_cpu0 = sum(psutil.Process(sender.pid).cpu_times()[:2])
             go.set()
@@ -120,10 +160,14 @@ def bench_http(size: int, ntensors: int, chunks: int, runs: int) -> list[str]:
             gb = nbytes * runs / 1e9
             mode = "in-place" if inplace else "fresh"
             lines.append(
-                f"  HTTP {mode:8s} chunks={chunks}: median {statistics.median(rates):.2f} GB/s, "
+                f"  HTTP {mode:8s} chunks={label}: median {statistics.median(rates):.2f} GB/s, "
                 f"best {max(rates):.2f} (runs: {', '.join(f'{r:.2f}' for r in rates)}) data ok={ok} "
                 f"| torchft {TORCHFT_HTTP_GBPS} GB/s, target >= {TARGET_GBPS} GB/s"
             )
+            if not inplace:
+                lines.append(
+                    "      (new memory every run, as in a restarted process; the first run is a new process's)"
+                )
             lines.append(
                 f"      CPU per GB (user+system, all threads): receiver {recv_cpu / gb * 1e3:.0f} ms, "
                 f"sender {sender_cpu / gb * 1e3:.0f} ms"
@@ -198,7 +242,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size-mb", type=int, default=256, help="state dict size in MiB (default 256)")
     ap.add_argument("--tensors", type=int, default=64, help="number of large tensors (default 64)")
-    ap.add_argument("--chunks", type=int, nargs="+", default=[4], help="HTTP num_chunks values to try")
+    ap.add_argument(
+        "--chunks", type=int, nargs="+", default=[None], help="HTTP num_chunks values to try (default: auto)"
+    )
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--no-pg", action="store_true", help="skip the PGTransport (gloo) comparison")
     args = ap.parse_args()

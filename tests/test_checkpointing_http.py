@@ -503,6 +503,71 @@ def test_server_ignoring_range_is_rejected(receiver: HTTPTransport) -> None:
             receiver.recv_checkpoint(0, srv.url, 1, TIMEOUT)
 
 
+def _raw_partial(h: BaseHTTPRequestHandler, data: bytes, first: bytes) -> None:
+    """A correct 206 answer whose headers and ``first`` bytes go out in one write (so the client's
+    buffered reader takes body bytes along with the headers), then ``data[len(first):]`` later."""
+    a, b = (int(x) for x in h.headers["Range"].removeprefix("bytes=").split("-"))
+    head = (
+        f"HTTP/1.1 206 Partial Content\r\nContent-Range: bytes {a}-{b}/{h.server.total}\r\n"  # type: ignore[attr-defined]
+        f"Content-Length: {len(data)}\r\n\r\n"
+    ).encode()
+    h.wfile.write(head + first)
+    time.sleep(0.05)
+    h.wfile.write(data[len(first) :])
+
+
+def test_body_bytes_arriving_with_the_headers_are_kept(receiver: HTTPTransport) -> None:
+    """The body is read straight from the socket after the headers: bytes http.client's buffered
+    reader already took must come first, whatever their number."""
+    for n in (1, 777, 4000):
+
+        def early(h: BaseHTTPRequestHandler, what: str, data: bytes, n: int = n) -> bool:
+            if what != "body":
+                return False
+            _raw_partial(h, data, data[:n])
+            return True
+
+        with fake_server(early) as srv:
+            assert_state_equal(receiver.recv_checkpoint(0, srv.url, 1, TIMEOUT), make_state(8, 400_000))
+
+
+def test_bytes_beyond_the_range_are_rejected(receiver: HTTPTransport) -> None:
+    payload = ser.dumps({"w": torch.arange(100)}, step=1)  # one small range: it fits the first read
+    length = ser.parse_frame_prefix(payload)
+
+    def overlong(h: BaseHTTPRequestHandler, what: str, data: bytes) -> bool:
+        if what != "body":
+            return False
+        _raw_partial(h, data, data + b"trailing garbage")
+        return True
+
+    frame, body = payload[: ser.FRAME_PREFIX_LEN + length], payload[ser.FRAME_PREFIX_LEN + length :]
+    with fake_server(overlong, frame=frame, body=body) as srv:
+        with pytest.raises(CheckpointTransportError, match="sent more than"):
+            receiver.recv_checkpoint(0, srv.url, 1, TIMEOUT)
+
+
+def test_fresh_receive_of_many_pieces(receiver: HTTPTransport) -> None:
+    """Large fresh tensors arrive in several pieces per connection, each pre-faulted before its
+    read; sizes straddle page, checksum-block and piece boundaries."""
+    g = torch.Generator().manual_seed(11)
+    state = {
+        "a": torch.randn(3 * (1 << 20) + 5, generator=g),  # > PIECE_BYTES: split across pieces
+        "b": torch.randint(-(2**62), 2**62, (700_001,), generator=g),
+        "c": torch.randn(513, 1031, generator=g).to(torch.bfloat16).t(),  # non-contiguous source
+        "d": torch.rand(1 << 20, generator=g) > 0.5,
+        "e": torch.tensor(2.5, dtype=torch.float64),
+    }
+    sender: HTTPTransport = HTTPTransport(TIMEOUT)
+    try:
+        sender.send_checkpoint([1], 4, state, TIMEOUT)
+        got = receiver.recv_checkpoint(0, sender.metadata(), 4, TIMEOUT)
+    finally:
+        sender.shutdown()
+    assert_state_equal(got, state)
+    assert all(t.is_contiguous() for t in got.values())
+
+
 @pytest.mark.timeout(60)
 def test_stalled_body_times_out(receiver: HTTPTransport) -> None:
     release = threading.Event()
@@ -551,6 +616,20 @@ def test_trickling_header_times_out(receiver: HTTPTransport) -> None:
         elapsed = time.monotonic() - t0
         release.set()
     assert 1.5 < elapsed < 20, elapsed
+
+
+def test_default_connections_follow_the_usable_cpus() -> None:
+    from ftlaunch.checkpointing.http_transport import default_num_chunks
+
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    assert default_num_chunks() == max(1, min(4, cpus))
+    transport: HTTPTransport = HTTPTransport(TIMEOUT)
+    try:
+        assert transport._num_chunks == default_num_chunks()
+    finally:
+        transport.shutdown()
+    with pytest.raises(ValueError, match="num_chunks"):
+        HTTPTransport(TIMEOUT, num_chunks=0)
 
 
 @pytest.mark.parametrize("bind", ["127.0.0.1:0", "::1", "[::1]:0"])

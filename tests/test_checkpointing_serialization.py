@@ -8,7 +8,9 @@ import math
 import os
 import pickle
 import random
+import resource
 import struct
+import sys
 import warnings
 import zlib
 from typing import Any
@@ -208,6 +210,56 @@ def test_checksum_of_misaligned_view() -> None:
     base = torch.arange(100, dtype=torch.float32)
     view = base[1:]  # 4-byte storage offset: cannot be viewed as int64 in place
     assert ser.checksum(view) == ser.checksum_reference(bytes(ser.byte_view(view.clone())))
+
+
+def _minor_faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MADV_POPULATE_WRITE is Linux only")
+def test_prefault_backs_fresh_memory_without_changing_it() -> None:
+    # 64 MiB: above glibc's largest mmap threshold, so the pages are new to the process.
+    t = torch.empty(64 << 20, dtype=torch.uint8)
+    if not ser.prefault(t):
+        pytest.skip("this kernel has no MADV_POPULATE_WRITE")
+    before = _minor_faults()
+    ser.tensor_bytes(t)[::4096].fill_(7)  # one write per page
+    assert _minor_faults() - before < 1000, "pages were not backed by prefault"  # 16384 pages otherwise
+    # contents are never changed, and ranges, odd edges and empty tensors are fine
+    u = torch.arange(300_000, dtype=torch.int64)
+    want = u.clone()
+    assert ser.prefault(u, 12_345, 1_000_001) and ser.prefault(u[1:]) and ser.prefault(u, 5, 5)
+    assert ser.prefault(torch.empty(0)) and ser.prefault(torch.empty(3, 0, dtype=torch.bool))
+    assert torch.equal(u, want)
+    assert not ser.prefault(torch.empty(10, device="meta"))
+
+
+def test_plan_slots_marks_fresh_allocations() -> None:
+    state = {"a": torch.randn(4, 5), "b": torch.arange(6), "c": torch.zeros(3)}
+    header = ser.encode(state, 1, device=torch.device("cpu")).header
+    fresh = ser.plan_slots(header, torch.device("cpu"))
+    assert all(s.fresh and s.landing is s.target for s in fresh)
+    mine = {"a": torch.zeros(4, 5), "b": torch.zeros(7, dtype=torch.int64)}  # "b": wrong shape
+    slots = ser.plan_slots(header, torch.device("cpu"), template=mine)
+    by_index = {s.entry.index: s for s in slots}
+    assert not by_index[0].fresh and by_index[0].target is mine["a"]
+    assert by_index[1].fresh and by_index[2].fresh
+
+
+def test_fresh_tensors_are_independent() -> None:
+    """Every received tensor owns its storage (not a view into a shared receive buffer): freeing,
+    resizing or keeping one alone behaves as for any tensor the caller allocated."""
+    state = make_state(5, big=70_000)
+    out = ser.loads(ser.dumps(state, step=2), expected_step=2)
+    seen = set()
+    for t in [*out["model"].values(), out["big"], out["odd"], *out["scalars"]]:
+        st_ = t.untyped_storage()
+        assert st_.nbytes() == t.numel() * t.element_size() and t.storage_offset() == 0
+        assert st_.data_ptr() not in seen
+        seen.add(st_.data_ptr())
+    big = out["big"]
+    big.resize_(big.numel() * 2)  # a storage of its own can grow
+    assert torch.equal(big[:70_000], state["big"])
 
 
 # --------------------------------------------------------------------------------------------------

@@ -21,6 +21,8 @@ MAC: integrity against an adversary needs an authenticated channel.
 
 Zero copy: the sender exposes each tensor's storage as a ``memoryview`` (no copy for contiguous CPU
 tensors); the receiver reads the body straight into preallocated (or the caller's existing) tensors.
+Preallocated tensors each get their own storage (`plan_slots`), and receivers back their pages
+ahead of the bytes (`prefault`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import collections
 import ctypes
 import json
 import logging
+import mmap
 import struct
 import sys
 import zlib
@@ -130,12 +133,68 @@ def byte_view(t: torch.Tensor) -> memoryview:
     return memoryview(arr).cast("B")
 
 
-def _block_sums(u8: torch.Tensor, j0: int, j1: int) -> torch.Tensor:
-    """Sums (int64, wrapping) of the 64 KiB blocks ``j0..j1`` of an 8-byte aligned uint8 tensor."""
+_MADV_POPULATE_WRITE = 23  # <linux/mman.h>, Linux >= 5.14
+_PAGE = mmap.PAGESIZE
+
+
+def _load_madvise() -> Any:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_madvise = _load_madvise()
+
+
+def prefault(t: torch.Tensor, lo: int = 0, hi: int | None = None) -> bool:
+    """Have the kernel back bytes ``[lo, hi)`` of a contiguous CPU tensor with memory now, without
+    writing them (``madvise(MADV_POPULATE_WRITE)``; the GIL is released during the call).
+
+    Fresh memory is mapped lazily: the kernel allocates and zeroes each 4 KiB page on its first
+    write. When that first write is a socket read, the faults are taken while the read holds the
+    socket, which stalls the connection; a receiver calls this from a helper thread ahead of the
+    bytes' arrival instead. Only whole pages inside the range are populated and no byte changes, so
+    calling it on memory that is already backed (or concurrently written) is harmless and cheap.
+
+    Returns False where unsupported (not Linux, kernel < 5.14, not a CPU tensor) or when the kernel
+    declined (e.g. memory pressure): the writes then fault the pages as usual.
+    """
+    global _madvise
+    fn = _madvise
+    if fn is None or t.device.type != "cpu":
+        return False
+    nbytes = t.numel() * t.element_size()
+    hi = nbytes if hi is None else min(hi, nbytes)
+    start = -(-(t.data_ptr() + lo) // _PAGE) * _PAGE
+    end = (t.data_ptr() + hi) // _PAGE * _PAGE
+    if end <= start:
+        return True
+    if fn(start, end - start, _MADV_POPULATE_WRITE) == 0:
+        return True
+    if ctypes.get_errno() == 22:  # EINVAL: this kernel has no MADV_POPULATE_WRITE
+        _madvise = None
+    return False
+
+
+def _block_sums(u8: torch.Tensor, j0: int, j1: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Sums (int64, wrapping) of the 64 KiB blocks ``j0..j1`` of an 8-byte aligned uint8 tensor,
+    written to ``out`` (``j1 - j0`` int64 elements) when given."""
     rows = u8[j0 * BLOCK_BYTES : j1 * BLOCK_BYTES].view(torch.int64).view(j1 - j0, _SUM_BLOCK_WORDS)
+    if out is None:
+        out = torch.empty(j1 - j0, dtype=torch.int64, device=rows.device)
     if rows.device.type != "cpu":
-        return rows.sum(dim=1)  # accelerators: one kernel
-    return torch.cat([rows[i : i + _OP_BLOCKS].sum(dim=1) for i in range(0, j1 - j0, _OP_BLOCKS)])
+        return torch.sum(rows, dim=1, out=out)  # accelerators: one kernel
+    # Last blocks first: a receiver calls this right after a read wrote the bytes in order, so the
+    # end of the piece is still in the CPU cache (measured ~1.4x faster than front to back for 4 MiB).
+    for i in reversed(range(0, j1 - j0, _OP_BLOCKS)):
+        torch.sum(rows[i : i + _OP_BLOCKS], dim=1, out=out[i : i + _OP_BLOCKS])
+    return out
 
 
 def _rest_sum(u8: torch.Tensor, start: int) -> int:
@@ -240,7 +299,7 @@ class IncrementalChecksum:
             raise ValueError(f"piece [{lo}, {hi}) is not block aligned")
         j0, j1 = lo // BLOCK_BYTES, min(hi // BLOCK_BYTES, self._nblocks)
         if j1 > j0:
-            self._sums[j0:j1] = _block_sums(self._u8, j0, j1)
+            _block_sums(self._u8, j0, j1, out=self._sums[j0:j1])
         if hi == self._nbytes:
             self._rest = _rest_sum(self._u8, self._nblocks * BLOCK_BYTES)
 
@@ -716,6 +775,8 @@ class Slot:
     target: torch.Tensor
     #: Set by receivers that checksum pieces as they arrive; otherwise `verify` does it all.
     incremental: IncrementalChecksum | None = None
+    #: ``landing`` was allocated for this receive (its pages are not backed yet: see `prefault`).
+    fresh: bool = False
 
     def verify(self, got: str | None = None) -> None:
         """Compare the received bytes' checksum (``got``, or computed now) with the header's."""
@@ -777,11 +838,13 @@ def plan_slots(header: Header, device: torch.device, template: Any = None) -> li
             and id(t) not in used
         ):
             used.add(id(t))
-            landing = t.detach() if t.device == device else torch.empty(e.shape, dtype=e.dtype, device=device)
-            slots.append(Slot(e, landing, t))
+            if t.device == device:
+                slots.append(Slot(e, t.detach(), t))
+            else:
+                slots.append(Slot(e, torch.empty(e.shape, dtype=e.dtype, device=device), t, fresh=True))
         else:
             fresh = torch.empty(e.shape, dtype=e.dtype, device=device)
-            slots.append(Slot(e, fresh, fresh))
+            slots.append(Slot(e, fresh, fresh, fresh=True))
     return slots
 
 
@@ -898,6 +961,7 @@ __all__ = [
     "parse_frame_prefix",
     "parse_header",
     "plan_slots",
+    "prefault",
     "split_body",
     "tensor_bytes",
 ]
