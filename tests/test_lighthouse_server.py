@@ -733,3 +733,23 @@ def test_idle_keepalive_is_closed_quietly(server):
     sock.close()
     wait_for(lambda: group(server, "idle")["connections"] == 0, what="connection gone")
     assert group(server, "idle")["health"] == "live"  # ... and that is not a death
+
+
+def test_repeated_request_heads_on_a_keepalive_connection(server):
+    """The same request line + headers reuse their earlier parse; anything else is parsed anew."""
+    host, port = parse_host_port(server.address)
+    with socket.create_connection((host, port), timeout=10) as sock:
+        # Same head, different bodies (same length): each body is read and validated on its own.
+        sock.sendall(_post("/heartbeat", {"replica_id": "h1"}) + _post("/heartbeat", {"replica_id": "h2"}))
+        sock.sendall(_post("/heartbeat", {"replica_id": 12}))  # same length, invalid body
+        assert [code for code, _ in _read_responses(sock, 3)] == [200, 200, 400]
+        # A different path or length is a different head.
+        sock.sendall(_post("/leave", {"replica_id": "h1"}) + _post("/heartbeat", {"replica_id": "h333"}))
+        (c1, p1), (c2, _) = _read_responses(sock, 2)
+        assert c1 == 200 and p1["left"] is True and c2 == 200
+        # A head that ends the connection still does, also when repeated.
+        sock.sendall(_post("/heartbeat", {"replica_id": "h1"}, b"Connection: close\r\n"))
+        assert _read_responses(sock, 1)[0][0] == 200
+        assert sock.recv(100) == b""
+    assert {g["replica_id"] for g in server.status()["groups"]} == {"h2", "h333"} | {"h1"}
+    assert group(server, "h1")["heartbeats"] == 1 and group(server, "h2")["heartbeats"] == 1

@@ -925,7 +925,13 @@ class LighthouseServer:
             reader = _Reader(conn.inbuf, final)
             handler.begin(reader)
             try:
-                BaseHTTPRequestHandler.handle_one_request(handler)
+                head = handler.known_head
+                if head is not None and conn.inbuf.startswith(head):
+                    reader.pos = len(head)
+                    handler.handle_known_head()
+                else:
+                    BaseHTTPRequestHandler.handle_one_request(handler)
+                    handler.remember_head(conn.inbuf)
             except _Incomplete:
                 conn.want, conn.nl_from = reader.want, reader.nl_from
                 if handler.continue_written:  # the client waits for it before sending the body
@@ -1113,6 +1119,9 @@ class _Handler(BaseHTTPRequestHandler):
         self.body_read = False
         self.parked: _Pending | None = None
         self.continue_written = False
+        self.known_head: bytes | None = None  # request line + headers of the last parsed request ...
+        self._known: tuple | None = None  # ... and what parse_request made of them
+        self._parsed: tuple | None = None
 
     def begin(self, reader: _Reader) -> None:
         """Reset the per-request state for one parse attempt over ``reader``."""
@@ -1127,6 +1136,39 @@ class _Handler(BaseHTTPRequestHandler):
         self.body_read = False
         self.parked = None
         self.continue_written = False
+        self._parsed = None
+
+    def parse_request(self) -> bool:
+        ok = super().parse_request()
+        if ok:
+            self._parsed = (
+                self.rfile.pos, self.raw_requestline, self.requestline, self.command, self.path,
+                self.request_version, self.headers, self.close_connection,
+            )
+        return ok
+
+    # A keep-alive client sends the same request line and headers again and again (a heartbeat
+    # connection: always the same bytes; a quorum connection: the same until the body's length
+    # changes). parse_request is a function of those bytes, so when the buffer starts with exactly
+    # the bytes parsed last time on this connection, its result is reused instead of recomputed
+    # (about 40% of the server's work per request). Any other bytes go through http.server again.
+
+    def remember_head(self, buf: bytearray) -> None:
+        parsed = self._parsed
+        if parsed is None or self.headers.get("Expect") is not None or not hasattr(self, "do_" + self.command):
+            self.known_head = self._known = None
+            return
+        self.known_head = bytes(buf[: parsed[0]])
+        self._known = parsed[1:]
+
+    def handle_known_head(self) -> None:
+        """`BaseHTTPRequestHandler.handle_one_request` after its parse, from the remembered parse."""
+        assert self._known is not None
+        (
+            self.raw_requestline, self.requestline, self.command, self.path,
+            self.request_version, self.headers, self.close_connection,
+        ) = self._known
+        getattr(self, "do_" + self.command)()
 
     def render(self, write: Any, *args: Any) -> bytes:
         """The bytes ``write(*args)`` (one of the ``_send`` methods) produces for the current request."""
