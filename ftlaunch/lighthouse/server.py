@@ -107,14 +107,13 @@ class _Conn:
     """Server-side record of one client connection (I/O fields: event-loop thread only)."""
 
     __slots__ = (
-        "sock", "fd", "peer", "replica_id", "closed", "busy", "pending", "timed_out", "handler",
+        "sock", "peer", "replica_id", "closed", "busy", "pending", "timed_out", "handler",
         "inbuf", "outbuf", "eof", "close_after_write", "deadline", "scheduled", "reading", "want", "nl_from", "continue_sent",
         "events", "io_closed",
     )
 
     def __init__(self, sock: socket.socket, peer: str) -> None:
         self.sock = sock
-        self.fd = sock.fileno()
         self.peer = peer
         self.replica_id: str | None = None
         self.closed = False  # bookkeeping done (`_close_locked`); the socket may still be open
@@ -977,23 +976,30 @@ class LighthouseServer:
             if conn.pending is not pending or conn.io_closed:
                 continue
             conn.busy, conn.pending = False, None
-            handler = conn.handler
-            assert handler is not None
-            if pending.error is not None:
-                code, message = pending.error
-                if code == 0:  # the peer is gone: nothing to answer
-                    self._close(conn, peer_eof=True)
-                    continue
-                data = handler.render(handler._send_error_json, code, message)
-            elif handler.close_connection or not pending.response:
-                data = handler.render(handler._send, 200, "application/json", pending.body)
-            else:
-                data = pending.response
-            if handler.close_connection:
-                conn.close_after_write = True
-            self._write(conn, data)
-            if not conn.io_closed and not conn.outbuf and self._written(conn):
-                self._process(conn)  # what the peer sent meanwhile
+            try:
+                self._answer(conn, pending)
+            except Exception:
+                log.exception("lighthouse: unexpected error serving %s", conn.peer)
+                self._close(conn, peer_eof=False)
+
+    def _answer(self, conn: _Conn, pending: _Pending) -> None:
+        handler = conn.handler
+        assert handler is not None
+        if pending.error is not None:
+            code, message = pending.error
+            if code == 0:  # the peer is gone: nothing to answer
+                self._close(conn, peer_eof=True)
+                return
+            data = handler.render(handler._send_error_json, code, message)
+        elif handler.close_connection or not pending.response:
+            data = handler.render(handler._send, 200, "application/json", pending.body)
+        else:
+            data = pending.response
+        if handler.close_connection:
+            conn.close_after_write = True
+        self._write(conn, data)
+        if not conn.io_closed and not conn.outbuf and self._written(conn):
+            self._process(conn)  # what the peer sent meanwhile
 
     def _close(self, conn: _Conn, *, peer_eof: bool) -> None:
         if conn.io_closed:
