@@ -935,14 +935,14 @@ class LighthouseServer:
                 conn.want, conn.nl_from = reader.want, reader.nl_from
                 if handler.continue_written:  # the client waits for it before sending the body
                     conn.continue_sent = True
-                    self._write(conn, handler.wfile.getvalue())
+                    self._write(conn, handler.wfile.getvalue())  # type: ignore[attr-defined]  # a BytesIO (begin())
                 if not conn.reading:  # the whole request must arrive within read_timeout
                     conn.reading = True
                     self._set_deadline(conn, time.monotonic() + self.read_timeout)
                 return
             del conn.inbuf[: reader.pos]
             conn.want, conn.nl_from, conn.reading, conn.continue_sent = 0, -1, False, False
-            out = handler.wfile.getvalue()
+            out = handler.wfile.getvalue()  # type: ignore[attr-defined]  # a BytesIO (begin())
             pending, handler.parked = handler.parked, None
             if pending is not None:  # long poll: answered by _answer_resolved, maybe right away
                 if out:  # "100 Continue"
@@ -1118,7 +1118,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.conn = conn
         self.request = self.connection = conn.sock
         self.client_address = client_address
-        self.server = None
+        self.server = None  # type: ignore[assignment]  # served by the loop, not a socketserver
         self.peer = conn.peer
         self.rfile: Any = None
         self.wfile = io.BytesIO()
@@ -1137,8 +1137,8 @@ class _Handler(BaseHTTPRequestHandler):
         self.raw_requestline = b""
         self.requestline = ""
         self.request_version = self.default_request_version
-        self.command = None
-        self.headers = None
+        self.command = None  # type: ignore[assignment]  # unset until parse_request succeeds
+        self.headers = None  # type: ignore[assignment]  # (as in http.server before a parse)
         self.body_read = False
         self.parked = None
         self.continue_written = False
