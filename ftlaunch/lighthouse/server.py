@@ -456,6 +456,17 @@ class LighthouseServer:
         if replica_id in self._prev_ids:
             self._prev_broken = True
 
+    def _admit(self, conn: _Conn, rid: str, now: float, *, bind: bool) -> bool:
+        """Common start of a group's request (under the lock): refuse while stopping, refuse an
+        evicted group, bind the connection to the group if asked, and count a sign of life.
+        Returns True if the group was not live before (see `_touch`)."""
+        if self._stopping:
+            raise _HTTPError(503, "lighthouse shutting down")
+        self._take_eviction(rid)
+        if bind:
+            self._bind(conn, rid)
+        return self._touch(rid, now)
+
     def _touch(self, rid: str, now: float) -> bool:
         """Register a sign of life; returns True if the group was not live before."""
         g = self._groups.get(rid)
@@ -582,12 +593,7 @@ class LighthouseServer:
         rid = member.replica_id
         now = time.monotonic()
         with self._lock:
-            if self._stopping:
-                raise _HTTPError(503, "lighthouse shutting down")
-            self._take_eviction(rid)
-            if bind:
-                self._bind(conn, rid)
-            self._touch(rid, now)
+            self._admit(conn, rid, now, bind=bind)
             info = self._info[rid]
             info.step, info.address = member.step, member.address
             old = self._pending.get(rid)
@@ -619,12 +625,7 @@ class LighthouseServer:
     def _op_heartbeat(self, conn: _Conn, rid: str, *, bind: bool) -> dict:
         now = time.monotonic()
         with self._lock:
-            if self._stopping:
-                raise _HTTPError(503, "lighthouse shutting down")
-            self._take_eviction(rid)
-            if bind:
-                self._bind(conn, rid)
-            revived = self._touch(rid, now)
+            revived = self._admit(conn, rid, now, bind=bind)
             self._info[rid].heartbeats += 1
             if revived and rid in self._requests:
                 self._decide(now)
