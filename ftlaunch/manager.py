@@ -94,6 +94,17 @@ def _wait_all(futures: list[torch.futures.Future[Any]], deadline: float) -> bool
     return True
 
 
+def release_process_group(pg: Any) -> None:
+    """Shut ``pg`` down if it can be; best effort (teardown must not mask the reason for it)."""
+    shutdown = getattr(pg, "shutdown", None)
+    if shutdown is None:
+        return
+    try:
+        shutdown()
+    except Exception as e:  # noqa: BLE001 - torch raises several types here
+        logger.debug("process group shutdown: %s", e)
+
+
 def _is_avg(op: Any) -> bool:
     """AVG given as a string, a ``ReduceOp`` or a ``ReduceOp.RedOpType`` (which compare equal)."""
     if isinstance(op, str):
@@ -257,6 +268,8 @@ class Manager:
         Keys are prefixed per restart attempt so a restarted group never reads its previous
         incarnation's quorum or votes (torchelastic keeps its store across worker restarts).
         """
+        # Non-leader ranks wait on the store for the leader's quorum call (quorum + its connect retries).
+        self._store_timeout = timedelta(seconds=max(self._quorum_timeout + self._connect_timeout, self._timeout))
         addr = store_addr or os.environ.get(env.MASTER_ADDR)
         port = store_port if store_port is not None else env.get_int(env.MASTER_PORT)
         if addr is None or port is None:
@@ -281,8 +294,7 @@ class Manager:
                 )
             except Exception as e:  # noqa: BLE001 - torch raises several types here
                 raise CommunicationError(f"cannot connect to the replica group's store at {addr}:{port}: {e}") from e
-            # Non-leader ranks wait here for the leader's quorum call (quorum + its connect retries).
-            store.set_timeout(timedelta(seconds=max(self._quorum_timeout + self._connect_timeout, self._timeout)))
+            store.set_timeout(self._store_timeout)
         attempt = os.environ.get(env.TORCHELASTIC_RESTART_COUNT, "0")
         prefixed = dist.PrefixStore(f"/ftlaunch/{self.replica_id}/attempt_{attempt}", store)
         host_for_peers = addr if ":" not in addr or addr.startswith("[") else f"[{addr}]"
@@ -578,8 +590,13 @@ class Manager:
         self._group_store.set(f"commit/{seq}/{self._group_rank}", b"1" if ok else b"0")  # type: ignore[arg-type]
         keys = [f"commit/{seq}/{r}" for r in range(self._group_world_size)]
         try:
-            self._group_store.wait(keys, timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
-            votes = self._group_store.multi_get(keys)
+            # Bound the vote by the commit deadline. set_timeout is local to this client, so this
+            # costs no extra round trip on the per-step path (a store.wait() before the get would).
+            self._group_store.set_timeout(timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
+            try:
+                votes = self._group_store.multi_get(keys)
+            finally:
+                self._group_store.set_timeout(self._store_timeout)
             if self._group_rank == 0 and seq > 2:
                 for r in range(self._group_world_size):
                     self._group_store.delete_key(f"commit/{seq - 2}/{r}")
@@ -657,10 +674,5 @@ class Manager:
             self._client.close()
         self._executor.shutdown(wait=wait, cancel_futures=True)
         self._transport.shutdown(wait=wait)
-        shutdown_pg = getattr(self._pg, "shutdown", None)
-        if shutdown_pg is not None:
-            try:
-                shutdown_pg()
-            except Exception as e:  # noqa: BLE001
-                self.log.debug("process group shutdown: %s", e)
+        release_process_group(self._pg)
         self.log.info("manager shut down")

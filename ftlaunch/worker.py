@@ -139,7 +139,7 @@ class FaultTolerance:
             num_replicas=self.world_size,
             **kwargs,
         )
-        self.manager.register_state_dict_fn(key, s.load_state_dict, s.state_dict)
+        s.register(self.manager, key)
         return s
 
     def shutdown(self) -> None:
@@ -233,10 +233,11 @@ def init(
     want_intra = world_size > 1 if intra_group is None else intra_group
     intra, owns_intra = _intra_group(want_intra, dev, timeouts)
 
+    from ftlaunch.manager import Manager, release_process_group
+
     pg = make_process_group(chosen_backend, timeouts.as_timedelta("collective"))
     try:
         ckpt = _make_transport(chosen_transport, pg, dev, timeouts)
-        from ftlaunch.manager import Manager
 
         manager = Manager(
             pg=pg,
@@ -250,7 +251,7 @@ def init(
             **manager_kwargs,
         )
     except BaseException:
-        _close_quietly(pg)
+        release_process_group(pg)
         if owns_intra and dist.is_initialized():
             dist.destroy_process_group()
         raise
@@ -321,13 +322,3 @@ def _make_transport(name: str, pg: Any, device: torch.device, timeouts: Timeouts
     if name == "pg":
         return PGTransport(pg, timeout=timeouts.as_timedelta("heal"), device=device)
     return HTTPTransport(timeout=timeouts.as_timedelta("heal"))
-
-
-def _close_quietly(pg: Any) -> None:
-    shutdown = getattr(pg, "shutdown", None)
-    if shutdown is None:
-        return
-    try:
-        shutdown()
-    except Exception as e:  # noqa: BLE001 - already failing; keep the original error
-        logger.debug("process group shutdown after a failed init: %s", e)
