@@ -31,23 +31,6 @@ TIMEOUT = timedelta(seconds=30)
 CTX = mp.get_context("spawn")
 
 
-def spawn_context() -> Any:
-    """The spawn context, with Python's resource tracker started outside the leak check's marker.
-
-    Spawning starts multiprocessing's per-interpreter resource tracker, which lives as long as
-    pytest itself: it is not a process a test leaked, so it must not carry the session marker.
-    """
-    from multiprocessing import resource_tracker
-
-    marker = os.environ.pop("FTLAUNCH_TEST_SESSION", None)
-    try:
-        resource_tracker.ensure_running()
-    finally:
-        if marker is not None:
-            os.environ["FTLAUNCH_TEST_SESSION"] = marker
-    return CTX
-
-
 # --------------------------------------------------------------------------------------------------
 # a sender in another process
 
@@ -62,7 +45,7 @@ def _sender_main(q: Any, stop: Any, step: int, seed: int, big: int) -> None:
 
 @contextmanager
 def sender_process(step: int = 5, seed: int = 0, big: int = 0) -> Iterator[tuple[str, mp.Process]]:
-    ctx = spawn_context()
+    ctx = CTX
     q, stop = ctx.Queue(), ctx.Event()
     proc = ctx.Process(target=_sender_main, args=(q, stop, step, seed, big), daemon=True)
     proc.start()
@@ -147,7 +130,7 @@ def test_in_place_receive_keeps_tensor_identity() -> None:
 @pytest.mark.timeout(150)
 def test_multiple_receivers_in_parallel() -> None:
     with sender_process(step=2, seed=7, big=300_000) as (url, _proc):
-        ctx = spawn_context()
+        ctx = CTX
         q = ctx.Queue()
         procs = [
             ctx.Process(target=_receiver_main, args=(q, url, 2, 7, 300_000, i == 1), daemon=True)

@@ -24,25 +24,6 @@ CTX = mp.get_context("spawn")
 TOKEN = "tok"
 
 
-def _start_unmarked_resource_tracker() -> None:
-    """Start multiprocessing's resource tracker without the leak-check marker.
-
-    The tracker (started by the first mp.Queue) lives as long as pytest itself; it is not a process
-    a test leaked, so it must not carry conftest's session marker.
-    """
-    from multiprocessing import resource_tracker
-
-    marker = os.environ.pop("FTLAUNCH_TEST_SESSION", None)
-    try:
-        resource_tracker.ensure_running()
-    finally:
-        if marker is not None:
-            os.environ["FTLAUNCH_TEST_SESSION"] = marker
-
-
-_start_unmarked_resource_tracker()
-
-
 # ---------------------------------------------------------------------------------- child processes
 
 

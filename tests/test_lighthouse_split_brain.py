@@ -28,24 +28,6 @@ HB_INTERVAL = 0.1
 STEP_SLEEP = 0.1
 
 
-def _start_unmarked_resource_tracker() -> None:
-    """Start multiprocessing's resource tracker without conftest's leak-check marker.
-
-    It lives as long as pytest (created by the first mp.Queue); it is not a process a test leaked.
-    """
-    from multiprocessing import resource_tracker
-
-    marker = os.environ.pop("FTLAUNCH_TEST_SESSION", None)
-    try:
-        resource_tracker.ensure_running()
-    finally:
-        if marker is not None:
-            os.environ["FTLAUNCH_TEST_SESSION"] = marker
-
-
-_start_unmarked_resource_tracker()
-
-
 # ---------------------------------------------------------------------------------- child processes
 
 
@@ -87,8 +69,6 @@ def _burn(stop: mp.Event) -> None:
     while not stop.is_set():
         for _ in range(20_000):
             x += 1
-
-
 
 
 def _reap(procs: list[mp.Process]) -> None:
