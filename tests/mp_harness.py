@@ -12,8 +12,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import psutil
 import torch.distributed as dist
+from workers.helpers import kill_tree
 
 REPO = Path(__file__).resolve().parent.parent
 WORKER = REPO / "tests" / "workers" / "manager_worker.py"
@@ -124,16 +124,3 @@ class Group:
                 kill_tree(p.pid)
         self.store = None
 
-
-def kill_tree(pid: int) -> None:
-    try:
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return
-    for p in procs:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(procs, timeout=10)
