@@ -43,14 +43,7 @@ def kill_tree(pid: int) -> None:
 
 def run(cmd: list[str], timeout: float, cwd: str = REPO, env: dict[str, str] | None = None) -> Result:
     """Run ``cmd`` to completion; on timeout kill its whole tree and raise."""
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        kill_tree(proc.pid)
-        out, err = proc.communicate()
-        raise AssertionError(f"{cmd} did not finish within {timeout}s\nstdout:\n{out}\nstderr:\n{err}") from None
-    return Result(proc.returncode, out, err)
+    return finish(start(cmd, cwd, env), timeout)
 
 
 def start(cmd: list[str], cwd: str = REPO, env: dict[str, str] | None = None) -> subprocess.Popen:
@@ -63,7 +56,7 @@ def finish(proc: subprocess.Popen, timeout: float) -> Result:
     except subprocess.TimeoutExpired:
         kill_tree(proc.pid)
         out, err = proc.communicate()
-        raise AssertionError(f"process did not finish within {timeout}s\nstdout:\n{out}\nstderr:\n{err}") from None
+        raise AssertionError(f"{proc.args} did not finish within {timeout}s\nstdout:\n{out}\nstderr:\n{err}") from None
     return Result(proc.returncode, out, err)
 
 
