@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from test_checkpointing_http import spawn_context, with_timeout_join
+from test_checkpointing_http import CTX, with_timeout_join
 from test_checkpointing_serialization import assert_state_equal, make_state
 
 from ftlaunch.checkpointing import PGTransport
@@ -143,7 +143,7 @@ class World:
     """``world`` spawned ranks sharing a Gloo process group whose store lives in the test process."""
 
     def __init__(self, world: int, scenario: str, env: dict[str, str] | None = None) -> None:
-        ctx = spawn_context()
+        ctx = CTX
         self.store = dist.TCPStore(
             "127.0.0.1", 0, world, True, timeout=timedelta(seconds=60), wait_for_workers=False
         )
