@@ -15,20 +15,7 @@ from torch import nn
 from torch.nn import parallel
 
 from ftlaunch.manager import Manager
-
-
-class _Done(dist.Work):
-    def __init__(self, result: Any) -> None:
-        super().__init__()
-        self._result = result
-
-    def wait(self, timeout: Any = None) -> bool:
-        return True
-
-    def get_future(self) -> torch.futures.Future[Any]:
-        fut: torch.futures.Future[Any] = torch.futures.Future()
-        fut.set_result(self._result)
-        return fut
+from ftlaunch.process_group.base import DoneWork
 
 
 class _SoloGroup(dist.ProcessGroup):
@@ -42,18 +29,18 @@ class _SoloGroup(dist.ProcessGroup):
     def allgather(self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> dist.Work:
         for outs, inp in zip(output_tensors, input_tensors, strict=True):
             outs[0].copy_(inp)
-        return _Done(output_tensors)
+        return DoneWork(output_tensors)
 
     # DDP calls these positionally as (tensors, opts); the stub's keyword/timeout overload forms
     # are not needed here, hence ignore[override].
     def broadcast(self, tensors: Any, opts: Any = None) -> dist.Work:  # type: ignore[override]
-        return _Done(tensors)
+        return DoneWork(tensors)
 
     def allreduce(self, tensors: Any, opts: Any = None) -> dist.Work:  # type: ignore[override]
-        return _Done(tensors)
+        return DoneWork(tensors)
 
     def barrier(self, opts: Any = None) -> dist.Work:
-        return _Done(None)
+        return DoneWork(None)
 
     def size(self) -> int:
         return 1

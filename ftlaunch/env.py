@@ -1,13 +1,16 @@
-"""Every environment variable ftlaunch reads or writes, in one place.
+"""Every environment variable ftlaunch reads or writes, and the launcher->worker contract.
 
-The launcher, the rendezvous handler and the torchx components *publish* these to workers; the
-Manager and ``ftlaunch.init`` *read* them. Keeping the names here means the README table, the
-writers and the readers cannot drift apart.
+The launcher, the rendezvous handler and the torchx components *publish* a `JobEnv` to workers
+(`JobEnv.to_environ`, the single writer); ``ftlaunch.init`` *reads* it once (`JobEnv.from_environ`,
+the single parser, with the error hints) and hands explicit values to the Manager and the sampler.
+Keeping the names here means the README table, the writers and the readers cannot drift apart.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 # --- set by torchrun / torchelastic inside every worker (we set the same ones) -------------------
 RANK = "RANK"
@@ -64,13 +67,18 @@ ALL_FTLAUNCH_VARS = (
 )
 
 
-def lighthouse_address(environ: dict[str, str] | None = None) -> str | None:
+def replica_id(replica_group_id: int) -> str:
+    """The lighthouse's name for replica group ``replica_group_id`` (the one place it is spelled)."""
+    return f"rg{replica_group_id}"
+
+
+def lighthouse_address(environ: Mapping[str, str] | None = None) -> str | None:
     """The lighthouse address from the environment (ours first, torchft's as fallback)."""
     env = os.environ if environ is None else environ
     return env.get(FTLAUNCH_LIGHTHOUSE) or env.get(TORCHFT_LIGHTHOUSE) or None
 
 
-def get_int(name: str, default: int | None = None, environ: dict[str, str] | None = None) -> int | None:
+def get_int(name: str, default: int | None = None, environ: Mapping[str, str] | None = None) -> int | None:
     """Read an integer variable; a malformed value is a clear `ConfigurationError`, not a traceback."""
     from ftlaunch.errors import ConfigurationError
 
@@ -82,3 +90,127 @@ def get_int(name: str, default: int | None = None, environ: dict[str, str] | Non
         return int(raw)
     except ValueError:
         raise ConfigurationError(f"environment variable {name}={raw!r} is not an integer") from None
+
+
+HOW_TO_LAUNCH = (
+    "Launch the script with one of:\n"
+    "  ftlaunch --replicas 2 train.py\n"
+    "  torchrun --rdzv-backend ftlaunch --rdzv-endpoint HOST:PORT "
+    "--rdzv-conf replica_group_id=G,num_replica_groups=N train.py\n"
+    "  torchx run -s local_cwd ftlaunch:hsdp --replicas 2 --script train.py\n"
+    f"or set {REPLICA_GROUP_ID}, {NUM_REPLICA_GROUPS} and {FTLAUNCH_LIGHTHOUSE} yourself "
+    "(against a running `ftlaunch-lighthouse`), or pass them to ftlaunch.init()"
+)
+
+
+@dataclass(frozen=True)
+class JobEnv:
+    """What every launch path tells a worker about its job: the launcher->worker contract.
+
+    Built once, validated once: `from_environ` on the worker side, `to_environ` on the launcher
+    side (the only writer of these variables), so the three launch paths cannot disagree on a name
+    or a format.
+    """
+
+    replica_group_id: int
+    num_replica_groups: int
+    #: The lighthouse, normalised to ``http://host:port``.
+    lighthouse: str
+    #: The job token the lighthouse requires (None: a lighthouse without one).
+    token: str | None = None
+
+    def __post_init__(self) -> None:
+        from ftlaunch.errors import ConfigurationError
+
+        if self.num_replica_groups < 1:
+            raise ConfigurationError(f"{NUM_REPLICA_GROUPS}={self.num_replica_groups} must be >= 1")
+        if not 0 <= self.replica_group_id < self.num_replica_groups:
+            raise ConfigurationError(
+                f"replica group id {self.replica_group_id} is outside 0..{self.num_replica_groups - 1} "
+                f"({NUM_REPLICA_GROUPS}={self.num_replica_groups})"
+            )
+        object.__setattr__(self, "lighthouse", normalize_lighthouse(self.lighthouse, FTLAUNCH_LIGHTHOUSE))
+
+    @property
+    def replica_id(self) -> str:
+        return replica_id(self.replica_group_id)
+
+    @classmethod
+    def from_environ(
+        cls,
+        environ: Mapping[str, str] | None = None,
+        *,
+        replica_group_id: int | None = None,
+        num_replica_groups: int | None = None,
+        lighthouse: str | None = None,
+        token: str | None = None,
+    ) -> JobEnv:
+        """The job this worker belongs to: explicit values first, then the environment.
+
+        Raises `ConfigurationError` naming what is missing or malformed and how to launch.
+        """
+        from ftlaunch.errors import ConfigurationError
+
+        env = os.environ if environ is None else environ
+        group = replica_group_id if replica_group_id is not None else get_int(REPLICA_GROUP_ID, environ=env)
+        addr = lighthouse or lighthouse_address(env)
+        missing = [name for name, value in ((REPLICA_GROUP_ID, group), (FTLAUNCH_LIGHTHOUSE, addr)) if value is None]
+        if missing:
+            raise ConfigurationError(f"found no ftlaunch job: {' and '.join(missing)} not set. {HOW_TO_LAUNCH}")
+        num = num_replica_groups if num_replica_groups is not None else get_int(NUM_REPLICA_GROUPS, environ=env)
+        if num is None:
+            raise ConfigurationError(f"{NUM_REPLICA_GROUPS} is not set. {HOW_TO_LAUNCH}")
+        assert group is not None and addr is not None  # narrowed by the checks above
+        return cls(group, num, addr, token if token is not None else (env.get(FTLAUNCH_TOKEN) or None))
+
+    def to_environ(self) -> dict[str, str]:
+        """The variables a launcher sets in every worker of this replica group."""
+        out = {
+            REPLICA_GROUP_ID: str(self.replica_group_id),
+            NUM_REPLICA_GROUPS: str(self.num_replica_groups),
+            FTLAUNCH_LIGHTHOUSE: self.lighthouse,
+        }
+        if self.token:
+            out[FTLAUNCH_TOKEN] = self.token
+        return out
+
+
+@dataclass(frozen=True)
+class GroupEnv:
+    """What torchelastic tells a worker about its own replica group (rank, size, the group's store)."""
+
+    rank: int = 0
+    world_size: int = 1
+    #: The group's store (torchelastic's ``MASTER_ADDR``/``MASTER_PORT``), None outside torchelastic.
+    master_addr: str | None = None
+    master_port: int | None = None
+    #: torchelastic's restart count: the attempt number of this incarnation of the group's workers.
+    restart_count: int = 0
+
+    def __post_init__(self) -> None:
+        from ftlaunch.errors import ConfigurationError
+
+        if not 0 <= self.rank < self.world_size:
+            raise ConfigurationError(f"{RANK}={self.rank} is outside {WORLD_SIZE}={self.world_size}")
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> GroupEnv:
+        env = os.environ if environ is None else environ
+        return cls(
+            rank=get_int(RANK, 0, env) or 0,
+            world_size=get_int(WORLD_SIZE, 1, env) or 1,
+            master_addr=env.get(MASTER_ADDR) or None,
+            master_port=get_int(MASTER_PORT, None, env),
+            restart_count=get_int(TORCHELASTIC_RESTART_COUNT, 0, env) or 0,
+        )
+
+
+def normalize_lighthouse(address: str, what: str = "lighthouse address") -> str:
+    """``host:port`` or ``http://host:port`` -> ``http://host:port``; `ConfigurationError` otherwise."""
+    from ftlaunch.addresses import parse_address
+    from ftlaunch.errors import ConfigurationError
+
+    try:
+        return parse_address(address, allow_http=True).url
+    except (ValueError, TypeError) as e:
+        raise ConfigurationError(f"{what}={address!r} is not a lighthouse address: {e}") from None

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from concurrent.futures import Future as CFuture
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -43,28 +43,18 @@ from ftlaunch.errors import (
 )
 from ftlaunch.lighthouse.quorum import Quorum, QuorumMember
 from ftlaunch.plan import StepPlan, plan_step
+from ftlaunch.process_group.base import completed_future
+from ftlaunch.timeouts import to_seconds
 
 if TYPE_CHECKING:
     from ftlaunch.timeouts import Timeouts
 
 logger = logging.getLogger(__name__)
 
-T = TypeVar("T")
-
 #: Key of the manager's own state inside the healed state dict.
 MANAGER_STATE_KEY = "ftlaunch_manager"
 #: Key of the user state registered through the constructor.
 DEFAULT_STATE_KEY = "default"
-
-
-def _seconds(value: timedelta | float | int) -> float:
-    return value.total_seconds() if isinstance(value, timedelta) else float(value)
-
-
-def _completed(value: T) -> torch.futures.Future[T]:
-    fut: torch.futures.Future[T] = torch.futures.Future()
-    fut.set_result(value)
-    return fut
 
 
 def _wait_all(futures: list[torch.futures.Future[Any]], deadline: float) -> bool:
@@ -250,7 +240,7 @@ class Manager:
             self._client = LighthouseClient(
                 addr, connect_timeout=self._connect_timeout, token=token or os.environ.get(env.FTLAUNCH_TOKEN)
             )
-            self._heartbeat = self._client.start_heartbeat(replica_id, _seconds(heartbeat_interval))
+            self._heartbeat = self._client.start_heartbeat(replica_id, to_seconds(heartbeat_interval))
         self.log.info(
             "manager up: group world_size=%d store=%s transport=%s",
             self._group_world_size,
@@ -322,7 +312,7 @@ class Manager:
         self._pending = []
         self._pending_state = None
         self._plan = None
-        quorum_timeout = self._quorum_timeout if timeout is None else _seconds(timeout)
+        quorum_timeout = self._quorum_timeout if timeout is None else to_seconds(timeout)
         self._quorum_seq += 1
         fut = self._executor.submit(self._run_quorum, self._quorum_seq, allow_heal, shrink_only, quorum_timeout)
         self._quorum_future = fut
@@ -454,7 +444,7 @@ class Manager:
         plan = self._plan
         if plan is None or self._pg_error() is not None:
             # No usable process group this step (quorum or reconfigure failed): nothing to talk to.
-            return _completed(tensor)
+            return completed_future(tensor)
         # Even after a local error we still take part: every group must issue the same sequence of
         # collectives, or peers hang (or gloo aborts on a size mismatch). The commit vote discards the step.
         divisor = plan.num_sources if avg else 1
@@ -472,14 +462,14 @@ class Manager:
             else:
                 post_divide = True  # other dtypes: divided after the sum, as before
         if plan.replica_world_size == 1:
-            return _completed(tensor)  # alone (and so the only source): the average is the tensor
+            return completed_future(tensor)  # alone (and so the only source): the average is the tensor
         op = dist.ReduceOp.SUM if avg or reduce_op == "sum" else reduce_op
         try:
             work = self._pg.allreduce([tensor], op)
             fut = work.get_future()
         except Exception as e:  # noqa: BLE001
             self.report_error(e)
-            return _completed(tensor)
+            return completed_future(tensor)
 
         def finish(f: torch.futures.Future[Any]) -> torch.Tensor:
             try:
@@ -513,7 +503,7 @@ class Manager:
         """True when every rank of every participating group finished this step cleanly."""
         if self._quorum_future is None:
             raise FtlaunchError("should_commit() before start_quorum()")
-        budget = self._commit_timeout if timeout is None else _seconds(timeout)
+        budget = self._commit_timeout if timeout is None else to_seconds(timeout)
         deadline = time.monotonic() + budget
         self.wait_quorum()
         if not _wait_all(self._pending, deadline):

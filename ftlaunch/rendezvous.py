@@ -36,7 +36,6 @@ def create_handler():  # type: ignore[no-untyped-def]
     return _creator
 
 
-import ipaddress  # noqa: E402
 import logging  # noqa: E402
 import os  # noqa: E402
 import socket  # noqa: E402
@@ -55,6 +54,7 @@ from torch.distributed.elastic.rendezvous.api import (  # noqa: E402
 )
 
 from ftlaunch import env  # noqa: E402
+from ftlaunch.addresses import http_url, is_local_host, parse_host_port  # noqa: E402
 from ftlaunch.errors import ConfigurationError, LighthouseError  # noqa: E402
 
 if TYPE_CHECKING:
@@ -207,8 +207,6 @@ class FtRendezvousConfig:
 
 def split_host_port(addr: str) -> tuple[str, int]:
     """``"http://h:p"``, ``"h:p"`` or ``"[::1]:p"`` -> ``(host, port)``; `ConfigurationError` otherwise."""
-    from ftlaunch.lighthouse.protocol import parse_host_port
-
     try:
         return parse_host_port(addr)
     except ValueError as e:
@@ -217,42 +215,7 @@ def split_host_port(addr: str) -> tuple[str, int]:
 
 def http_address(addr: str) -> str:
     """Normalize a lighthouse address to ``http://host:port`` (brackets kept for IPv6)."""
-    from ftlaunch.lighthouse.protocol import format_url
-
-    return format_url(*split_host_port(addr))
-
-
-def is_local_host(host: str) -> bool:
-    """Whether ``host`` names this machine (loopback, our hostname, or one of our addresses)."""
-    if host in ("localhost", "", socket.gethostname(), socket.getfqdn()):
-        return True
-    try:
-        ip = ipaddress.ip_address(host)
-    except ValueError:
-        try:
-            # An IPv4/IPv6 sockaddr starts with the address text (typeshed allows int for other families).
-            ips = {str(info[4][0]) for info in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)}
-        except (OSError, UnicodeError):
-            return False
-    else:
-        if ip.is_loopback:
-            return True
-        ips = {str(ip)}
-    try:
-        import psutil
-
-        local = {a.address.split("%")[0] for addrs in psutil.net_if_addrs().values() for a in addrs}
-    except Exception:  # noqa: BLE001 - best effort; a false "not local" only means we do not host
-        return False
-    return bool(ips & local) or any(ipaddress.ip_address(i).is_loopback for i in ips if _is_ip(i))
-
-
-def _is_ip(text: str) -> bool:
-    try:
-        ipaddress.ip_address(text)
-    except ValueError:
-        return False
-    return True
+    return http_url(*split_host_port(addr))
 
 
 def probe_lighthouse(addr: str, timeout: float = 1.0) -> bool:

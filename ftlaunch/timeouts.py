@@ -71,7 +71,9 @@ __all__ = [
     "RULES",
     "Rule",
     "Timeouts",
+    "as_timedelta",
     "parse_duration",
+    "to_seconds",
 ]
 
 #: Environment variable of the one knob ``T`` (seconds, see `parse_duration`).
@@ -179,13 +181,24 @@ def parse_duration(text: str, name: str) -> float:
     return value * 60.0 if m.group(2).lower() == "m" else value
 
 
-def _seconds(value: object, what: str) -> float:
-    """Seconds from a number or a `timedelta`; anything else is misuse (TypeError)."""
+def to_seconds(value: object, what: str = "timeout") -> float:
+    """Seconds from a number or a `timedelta`; anything else is misuse (TypeError).
+
+    The one conversion between the two ways torch and torchft spell a duration."""
     if isinstance(value, timedelta):
         return value.total_seconds()
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
     raise TypeError(f"{what} must be seconds (int or float) or a datetime.timedelta, got {value!r}")
+
+
+def as_timedelta(value: object, what: str = "timeout") -> timedelta:
+    """A positive `timedelta` from seconds or a `timedelta` (torchft's Baby groups take floats, the
+    others timedeltas); zero or less is a ValueError: torch reads ``timedelta(0)`` as "no timeout"."""
+    seconds = to_seconds(value, what)
+    if not seconds > 0:
+        raise ValueError(f"{what} must be positive, got {value!r}")
+    return timedelta(seconds=seconds)
 
 
 @dataclass(frozen=True)
@@ -207,7 +220,7 @@ class Timeouts:
 
     def __post_init__(self) -> None:
         for name in _FIELD_ORDER:
-            object.__setattr__(self, name, _seconds(getattr(self, name), f"{name} timeout"))
+            object.__setattr__(self, name, to_seconds(getattr(self, name), f"{name} timeout"))
         object.__setattr__(self, "sources", {n: self.sources.get(n, "given") for n in _FIELD_ORDER})
         self.validate()
 
@@ -244,7 +257,7 @@ class Timeouts:
         for name in _FIELD_ORDER:
             var = ENV_VARS[name]
             if args[name] is not None:
-                values[name] = _seconds(args[name], f"{name} timeout")
+                values[name] = to_seconds(args[name], f"{name} timeout")
                 sources[name] = f"argument {name}="
             elif env.get(var):
                 sources[name] = f"env {var}"
@@ -312,7 +325,7 @@ def _base_timeout(
 ) -> tuple[float | None, str]:
     """``T`` and where it came from; None (with a problem recorded) when unusable."""
     if timeout is not None:
-        value, src = _seconds(timeout, "timeout"), "set by argument timeout="
+        value, src = to_seconds(timeout, "timeout"), "set by argument timeout="
     elif env.get(FTLAUNCH_TIMEOUT):
         src = f"set by env {FTLAUNCH_TIMEOUT}"
         try:

@@ -98,7 +98,7 @@ def _sim_worker(
     import selectors
     import socket
 
-    from ftlaunch.lighthouse.protocol import parse_host_port
+    from ftlaunch.addresses import parse_host_port
 
     host, port = parse_host_port(addr)
     length_re = re.compile(rb"content-length:\s*(\d+)", re.I)

@@ -15,9 +15,9 @@ from collections.abc import Callable, Iterator
 import psutil
 import pytest
 
+from ftlaunch.addresses import parse_host_port
 from ftlaunch.errors import EvictedError, LighthouseUnavailableError, QuorumTimeoutError
 from ftlaunch.lighthouse import LighthouseClient, LighthouseServer, QuorumMember
-from ftlaunch.lighthouse.protocol import parse_host_port
 
 log = logging.getLogger(__name__)
 CTX = mp.get_context("spawn")

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
+from ftlaunch.addresses import parse_host_port
 from ftlaunch.errors import (
     ConfigurationError,
     EvictedError,
@@ -20,7 +21,7 @@ from ftlaunch.errors import (
     QuorumTimeoutError,
 )
 from ftlaunch.lighthouse import LighthouseClient, LighthouseServer, QuorumMember
-from ftlaunch.lighthouse.protocol import MAX_BODY_BYTES, parse_host_port
+from ftlaunch.lighthouse.protocol import MAX_BODY_BYTES
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -11,8 +11,9 @@ import pytest
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousParameters
 from workers.helpers import WORKER, finish, free_port, records, run, start
 
+from ftlaunch.addresses import is_local_host
 from ftlaunch.errors import ConfigurationError
-from ftlaunch.rendezvous import FtRendezvousConfig, create_rdzv_handler, is_local_host
+from ftlaunch.rendezvous import FtRendezvousConfig, create_rdzv_handler
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 

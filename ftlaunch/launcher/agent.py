@@ -30,7 +30,7 @@ from typing import Any
 import psutil
 
 from ftlaunch import env
-from ftlaunch.launcher.procs import die_with_parent
+from ftlaunch.lifetime import die_with_parent
 
 logger = logging.getLogger("ftlaunch.launcher.agent")
 

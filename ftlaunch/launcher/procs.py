@@ -1,4 +1,4 @@
-"""Process-tree helpers: subreaper, parent-death signal, killing whole trees.
+"""Process-tree helpers: finding and killing whole trees (the prctl calls live in `ftlaunch.lifetime`).
 
 torchelastic starts every worker in a new session, so killing an agent does not kill its workers:
 they are re-parented and keep running. The supervisor therefore makes itself a *child subreaper*
@@ -8,8 +8,6 @@ tree, and can be found and killed by walking that tree.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import logging
 import os
 import signal
@@ -18,33 +16,6 @@ import time
 import psutil
 
 logger = logging.getLogger(__name__)
-
-_PR_SET_PDEATHSIG = 1
-_PR_SET_CHILD_SUBREAPER = 36
-
-
-def _prctl(option: int, value: int) -> bool:
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        return libc.prctl(option, value, 0, 0, 0) == 0
-    except (OSError, AttributeError):
-        return False
-
-
-def become_subreaper() -> bool:
-    """Make orphaned descendants re-parent to this process (Linux only; False elsewhere)."""
-    return _prctl(_PR_SET_CHILD_SUBREAPER, 1)
-
-
-def die_with_parent(sig: int = signal.SIGTERM, expected_parent: int | None = None) -> bool:
-    """Ask the kernel to send ``sig`` to this process when its parent dies (Linux only).
-
-    If the parent already died before the call (``getppid`` changed), send the signal at once.
-    """
-    ok = _prctl(_PR_SET_PDEATHSIG, int(sig))
-    if ok and expected_parent is not None and os.getppid() != expected_parent:
-        os.kill(os.getpid(), sig)
-    return ok
 
 
 def descendants(pid: int) -> list[psutil.Process]:

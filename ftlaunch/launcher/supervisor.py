@@ -43,6 +43,7 @@ from ftlaunch.launcher import procs
 from ftlaunch.launcher.agent import AgentConfig
 from ftlaunch.launcher.options import ChaosSpec, LaunchOptions
 from ftlaunch.launcher.output import WORKER_LINE, Console, format_table, parse_checksum, parse_step
+from ftlaunch.lifetime import become_subreaper
 
 logger = logging.getLogger(__name__)
 
@@ -150,7 +151,7 @@ class Supervisor:
 
     def run(self) -> int:
         """Run the job to the end; returns the process exit code."""
-        procs.become_subreaper()
+        become_subreaper()
         old_handlers = self._install_signal_handlers()
         try:
             try:
@@ -186,11 +187,11 @@ class Supervisor:
 
     def _start_lighthouse(self) -> None:
         if self.opts.lighthouse:
+            from ftlaunch.addresses import http_url, parse_host_port
             from ftlaunch.lighthouse.client import LighthouseClient
-            from ftlaunch.lighthouse.protocol import format_url, parse_host_port
 
             try:
-                addr = format_url(*parse_host_port(self.opts.lighthouse))
+                addr = http_url(*parse_host_port(self.opts.lighthouse))
             except ValueError as e:
                 raise LaunchError(f"--lighthouse {self.opts.lighthouse!r}: {e}") from None
             client = LighthouseClient(addr, connect_timeout=5.0, token=self._token)

@@ -23,8 +23,9 @@ import time
 import weakref
 from typing import Any
 
+from ftlaunch.addresses import http_url, parse_host_port
 from ftlaunch.errors import EvictedError, LighthouseError, LighthouseUnavailableError, QuorumTimeoutError
-from ftlaunch.lighthouse.protocol import API_VERSION, PATH_PREFIX, REPLICA_HEADER, format_url, parse_host_port
+from ftlaunch.lighthouse.protocol import API_VERSION, PATH_PREFIX, REPLICA_HEADER
 from ftlaunch.lighthouse.quorum import Quorum, QuorumMember
 
 log = logging.getLogger(__name__)
@@ -84,7 +85,7 @@ class _Channel:
             headers[REPLICA_HEADER] = bind_replica
         if admin and self._token:
             headers["Authorization"] = f"Bearer {self._token}"
-        url = format_url(self._host, self._port)
+        url = http_url(self._host, self._port)
         deadline: float | None = None  # set at the first failure: retries get connect_timeout from there
         backoff = _BACKOFF_START
         last_error: BaseException | None = None
@@ -227,7 +228,7 @@ class LighthouseClient:
         if connect_timeout <= 0:
             raise ValueError(f"connect_timeout must be > 0, got {connect_timeout}")
         self._host, self._port = parse_host_port(addr)
-        self.address = format_url(self._host, self._port)
+        self.address = http_url(self._host, self._port)
         self._connect_timeout = float(connect_timeout)
         self._token = token or None
         self._local = threading.local()

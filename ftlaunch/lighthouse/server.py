@@ -42,6 +42,7 @@ from http.server import BaseHTTPRequestHandler
 from typing import Any
 from urllib.parse import urlsplit
 
+from ftlaunch.addresses import http_url, parse_host_port
 from ftlaunch.errors import ConfigurationError
 from ftlaunch.lighthouse import dashboard
 from ftlaunch.lighthouse.protocol import (
@@ -52,8 +53,6 @@ from ftlaunch.lighthouse.protocol import (
     MAX_REPLICA_ID_LEN,
     PATH_PREFIX,
     REPLICA_HEADER,
-    format_url,
-    parse_host_port,
 )
 from ftlaunch.lighthouse.quorum import (
     Connection,
@@ -336,7 +335,7 @@ class LighthouseServer:
         bound_host, bound_port = self._listener.getsockname()[:2]
         if bound_host in ("0.0.0.0", "::", ""):
             bound_host = socket.gethostname()
-        self._address = format_url(bound_host, bound_port)
+        self._address = http_url(bound_host, bound_port)
 
     # ------------------------------------------------------------------ lifecycle
 

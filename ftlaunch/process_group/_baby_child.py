@@ -10,13 +10,11 @@ that polls the parent pid for the cases PDEATHSIG misses).
 from __future__ import annotations
 
 import argparse
-import ctypes
 import logging
 import os
 import queue
 import signal
 import socket
-import sys
 import threading
 import time
 from collections import deque
@@ -24,21 +22,18 @@ from multiprocessing.connection import Connection
 from multiprocessing.reduction import recvfds
 from typing import Any
 
+from ftlaunch.lifetime import die_with_parent
+
 logger = logging.getLogger("ftlaunch.process_group.baby_child")
 
-_PR_SET_PDEATHSIG = 1
 _WATCHDOG_INTERVAL = 0.25
 
 
 def _die_with_parent(parent_pid: int, use_pdeathsig: bool) -> None:
     """Make sure this process never outlives the parent that owns it."""
-    if use_pdeathsig and sys.platform.startswith("linux"):
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        except (OSError, AttributeError):
-            pass
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+    if use_pdeathsig:
+        die_with_parent(signal.SIGKILL, expected_parent=parent_pid)
+    if os.getppid() != parent_pid:  # the parent died before we got here
         os._exit(1)
 
     def _watch() -> None:

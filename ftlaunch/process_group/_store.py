@@ -7,67 +7,16 @@ rendezvous can never collide with those of an earlier (possibly half-failed) con
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from datetime import timedelta
 
 import torch.distributed as dist
 
+from ftlaunch.addresses import StoreAddress, parse_store_addr
 from ftlaunch.errors import CommunicationError
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["StoreAddress", "parse_store_addr", "create_store_client"]
-
-
-@dataclass(frozen=True)
-class StoreAddress:
-    """A parsed "host:port/prefix" address (host without IPv6 brackets)."""
-
-    host: str
-    port: int
-    prefix: str
-
-    def __str__(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"{host}:{self.port}/{self.prefix}" if self.prefix else f"{host}:{self.port}"
-
-
-def parse_store_addr(store_addr: str) -> StoreAddress:
-    """Parse "host:port[/prefix]"; IPv6 hosts must be bracketed ("[::1]:1234/p").
-
-    Raises ValueError with the offending address for anything else, so a typo in a rendezvous
-    address fails at once instead of as a connect timeout a minute later.
-    """
-    if not isinstance(store_addr, str):
-        raise TypeError(f"store address must be a str, got {type(store_addr).__name__}")
-    addr = store_addr.strip()
-    hostport, sep, prefix = addr.partition("/")
-    if addr.startswith("["):
-        end = addr.find("]")
-        if end < 0:
-            raise ValueError(f"bad store address {store_addr!r}: unterminated '[' in IPv6 host")
-        host = addr[1:end]
-        rest = addr[end + 1 :]
-        if not rest.startswith(":"):
-            raise ValueError(f"bad store address {store_addr!r}: expected ':port' after ']'")
-        port_str, sep, prefix = rest[1:].partition("/")
-    else:
-        if hostport.count(":") != 1:
-            raise ValueError(
-                f"bad store address {store_addr!r}: expected 'host:port/prefix' "
-                "(IPv6 hosts must be written in brackets, e.g. '[::1]:1234/prefix')"
-            )
-        host, _, port_str = hostport.partition(":")
-    if not host:
-        raise ValueError(f"bad store address {store_addr!r}: empty host")
-    if not port_str.isdigit():
-        raise ValueError(f"bad store address {store_addr!r}: port {port_str!r} is not a number")
-    port = int(port_str)
-    if not 0 < port < 65536:
-        raise ValueError(f"bad store address {store_addr!r}: port {port} out of range 1..65535")
-    if sep and not prefix:
-        raise ValueError(f"bad store address {store_addr!r}: empty prefix after '/'")
-    return StoreAddress(host=host, port=port, prefix=prefix)
 
 
 def connect_store(addr: StoreAddress, timeout: timedelta) -> dist.TCPStore:

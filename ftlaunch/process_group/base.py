@@ -23,7 +23,7 @@ import threading
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -40,24 +40,16 @@ from torch.distributed import distributed_c10d as c10d
 
 from ftlaunch.errors import CommunicationError
 from ftlaunch.process_group._store import first_line
+from ftlaunch.timeouts import as_timedelta
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ProcessGroup", "as_timedelta"]
+__all__ = ["ProcessGroup", "as_timedelta", "completed_future", "DoneWork"]
+
+T = TypeVar("T")
 
 _NAME_COUNTER = itertools.count()
 _ZERO = timedelta(0)
-
-
-def as_timedelta(timeout: float | timedelta) -> timedelta:
-    """Accept seconds or a timedelta (torchft's Baby groups take floats, the others timedeltas)."""
-    if isinstance(timeout, timedelta):
-        value = timeout
-    else:
-        value = timedelta(seconds=float(timeout))
-    if value <= _ZERO:
-        raise ValueError(f"timeout must be positive, got {timeout!r}")
-    return value
 
 
 # --------------------------------------------------------------------------------------------
@@ -85,9 +77,14 @@ class DoneWork(dist.Work):
         return None
 
     def get_future(self) -> torch.futures.Future:
-        fut: torch.futures.Future = torch.futures.Future()
-        fut.set_result(self._result)
-        return fut
+        return completed_future(self._result)
+
+
+def completed_future(value: T) -> torch.futures.Future[T]:
+    """A torch future that already holds ``value``."""
+    fut: torch.futures.Future[T] = torch.futures.Future()
+    fut.set_result(value)
+    return fut
 
 
 class FtWork(dist.Work):

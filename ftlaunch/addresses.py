@@ -1,0 +1,167 @@
+"""Network addresses, parsed in one place: ``host:port``, ``[v6]:port``, ``http://host:port`` and
+store addresses ``host:port/prefix``.
+
+Every component names peers this way (the lighthouse, the replica groups' stores, the rendezvous
+endpoint), and each used to carry its own splitter; one parser means one set of rules and one set of
+error messages. The splitting itself is `urllib.parse`'s (IPv6 brackets, port range and digits);
+this module adds the rules urllib leaves open: a port is required unless a default is given, IPv6
+hosts must be bracketed, and a lighthouse address has no path.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+__all__ = [
+    "Address",
+    "format_host_port",
+    "http_url",
+    "is_local_host",
+    "parse_address",
+    "parse_host_port",
+    "parse_store_addr",
+]
+
+
+@dataclass(frozen=True)
+class Address:
+    """A parsed ``host:port[/prefix]`` (``host`` without IPv6 brackets)."""
+
+    host: str
+    port: int
+    prefix: str = ""
+
+    @property
+    def host_port(self) -> str:
+        return format_host_port(self.host, self.port)
+
+    @property
+    def url(self) -> str:
+        """``http://host:port``: the form clients of an HTTP service (the lighthouse) use."""
+        return f"http://{self.host_port}"
+
+    def __str__(self) -> str:
+        return f"{self.host_port}/{self.prefix}" if self.prefix else self.host_port
+
+
+#: The name process-group code has always used for a parsed store address.
+StoreAddress = Address
+
+
+def format_host_port(host: str, port: int) -> str:
+    """``host:port``, with brackets around an IPv6 host."""
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+def http_url(host: str, port: int) -> str:
+    return f"http://{format_host_port(host, port)}"
+
+
+def parse_address(
+    text: str,
+    *,
+    default_port: int | None = None,
+    allow_http: bool = False,
+    allow_prefix: bool = False,
+    min_port: int = 0,
+) -> Address:
+    """Parse ``host:port[/prefix]``; ValueError naming ``text`` for anything malformed.
+
+    ``allow_http`` accepts an ``http://`` scheme (and a trailing ``/``); ``allow_prefix`` accepts a
+    path, returned without its leading ``/`` as ``prefix``. A bare host takes ``default_port``.
+    """
+    if not isinstance(text, str):
+        raise TypeError(f"an address must be a str, got {type(text).__name__}")
+    s = text.strip()
+    if "://" in s:
+        scheme = s.split("://", 1)[0]
+        if not (allow_http and scheme.lower() == "http"):
+            raise ValueError(f"unsupported scheme in address {text!r} (only http:// is served)")
+        s = s.split("://", 1)[1]
+        if not allow_prefix:
+            s = s.rstrip("/")
+    netloc, slash, path = s.partition("/")
+    if slash and not allow_prefix:
+        raise ValueError(f"address {text!r} must not contain a path")
+    if slash and not path:
+        raise ValueError(f"address {text!r} has an empty prefix after '/'")
+    if not netloc.startswith("[") and netloc.count(":") > 1:
+        raise ValueError(f"IPv6 address {text!r} must be written [addr]:port")
+    if any(c in netloc for c in "@?#"):
+        raise ValueError(f"bad address {text!r}")
+    try:
+        port = urlsplit("//" + netloc).port  # validates brackets, digits and range
+    except ValueError as e:
+        raise ValueError(f"bad address {text!r}: {e}") from None
+    if netloc.startswith("["):
+        host, after = netloc[1:].split("]", 1)
+        if after and not after.startswith(":"):
+            raise ValueError(f"bad address {text!r}: expected ':port' after ']'")
+    else:
+        host = netloc.partition(":")[0]  # urlsplit's .hostname would lower-case it
+    if not host:
+        raise ValueError(f"address {text!r} has no host")
+    if port is None:
+        if netloc.endswith(":"):
+            raise ValueError(f"address {text!r} has an empty port")
+        if default_port is None:
+            raise ValueError(f"address {text!r} has no port")
+        port = default_port
+    if port < min_port:
+        raise ValueError(f"port {port} of address {text!r} is out of range {min_port}..65535")
+    return Address(host=host, port=port, prefix=path)
+
+
+def parse_host_port(text: str, *, default_port: int | None = None) -> tuple[str, int]:
+    """``host:port`` / ``[v6]:port`` / ``http://host:port[/]`` -> ``(host, port)``; ValueError otherwise."""
+    a = parse_address(text, default_port=default_port, allow_http=True)
+    return a.host, a.port
+
+
+def parse_store_addr(store_addr: str) -> Address:
+    """Parse a store address ``host:port[/prefix]`` (IPv6 hosts bracketed: ``[::1]:1234/p``).
+
+    Raises ValueError ("bad store address ...") for anything else, so a typo in a rendezvous address
+    fails at once instead of as a connect timeout a minute later.
+    """
+    try:
+        return parse_address(store_addr, allow_prefix=True, min_port=1)
+    except ValueError as e:
+        raise ValueError(f"bad store address {store_addr!r}: {e}") from None
+
+
+def is_local_host(host: str) -> bool:
+    """Whether ``host`` names this machine (loopback, our hostname, or one of our addresses)."""
+    if host in ("localhost", "", socket.gethostname(), socket.getfqdn()):
+        return True
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        try:
+            # An IPv4/IPv6 sockaddr starts with the address text (typeshed allows int for other families).
+            ips = {str(info[4][0]) for info in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)}
+        except (OSError, UnicodeError):
+            return False
+    else:
+        if ip.is_loopback:
+            return True
+        ips = {str(ip)}
+    if any(_is_loopback(i) for i in ips):
+        return True
+    try:
+        import psutil
+
+        local = {a.address.split("%")[0] for addrs in psutil.net_if_addrs().values() for a in addrs}
+    except Exception:  # noqa: BLE001 - best effort; a false "not local" only means we do not host
+        return False
+    return bool(ips & local)
+
+
+def _is_loopback(text: str) -> bool:
+    try:
+        return ipaddress.ip_address(text).is_loopback
+    except ValueError:
+        return False

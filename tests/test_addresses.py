@@ -1,0 +1,78 @@
+"""ftlaunch.addresses: the one parser of host:port, lighthouse URLs and store addresses."""
+
+from __future__ import annotations
+
+import pytest
+
+from ftlaunch.addresses import (
+    Address,
+    format_host_port,
+    http_url,
+    is_local_host,
+    parse_address,
+    parse_host_port,
+    parse_store_addr,
+)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("h:80", ("h", 80)),
+        ("HostName:80", ("HostName", 80)),  # case kept: it is compared with gethostname()
+        ("http://h:1/", ("h", 1)),
+        ("HTTP://h:1", ("h", 1)),
+        ("[::1]:8", ("::1", 8)),
+        ("http://[::1]:8/", ("::1", 8)),
+        ("[::]:0", ("::", 0)),
+        (" 127.0.0.1:29510 ", ("127.0.0.1", 29510)),
+    ],
+)
+def test_parse_host_port(text: str, expected: tuple[str, int]) -> None:
+    assert parse_host_port(text) == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("h", "has no port"),
+        ("h:", "empty port"),
+        ("h:abc", "bad address"),
+        ("h:70000", "bad address"),
+        ("ftp://h:1", "unsupported scheme"),
+        ("http://h:1/x", "must not contain a path"),
+        ("::1:80", r"must be written \[addr\]:port"),
+        ("[::1", "bad address"),
+        ("[::1]80", "expected ':port' after ']'"),
+        (":80", "has no host"),
+        ("user@h:80", "bad address"),
+    ],
+)
+def test_parse_host_port_rejects(text: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        parse_host_port(text)
+
+
+def test_default_port_and_formatting() -> None:
+    assert parse_host_port("h", default_port=7) == ("h", 7)
+    assert parse_host_port("[::1]", default_port=7) == ("::1", 7)
+    assert format_host_port("::1", 5) == "[::1]:5" and format_host_port("h", 5) == "h:5"
+    assert http_url("::1", 5) == "http://[::1]:5"
+    a = parse_address("[fe80::1%eth0]:5/p/q", allow_prefix=True)
+    assert a == Address("fe80::1%eth0", 5, "p/q") and str(a) == "[fe80::1%eth0]:5/p/q"
+    assert a.url == "http://[fe80::1%eth0]:5"
+    with pytest.raises(TypeError):
+        parse_address(5)  # type: ignore[arg-type]
+
+
+def test_store_address_rules() -> None:
+    assert parse_store_addr("h:1/a/b") == Address("h", 1, "a/b")
+    for bad in ("h:0/p", "h:1/", "http://h:1/p"):
+        with pytest.raises(ValueError, match="bad store address"):
+            parse_store_addr(bad)
+
+
+def test_is_local_host() -> None:
+    assert is_local_host("localhost") and is_local_host("127.0.0.1") and is_local_host("::1")
+    assert not is_local_host("192.0.2.1")  # TEST-NET-1, never assigned
+    assert not is_local_host("no-such-host.invalid")
