@@ -4,7 +4,13 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh || exit 1
 PY=${PYTHON:-python3}
-"$PY" -m pytest -q -p no:cacheprovider "$@"
+# Without arguments: the representative suite (what CI runs). Scenarios marked `slow` (long
+# multi-process chaos runs) are left out unless FTLAUNCH_TESTS=all; with arguments, exactly what you name.
+select=()
+if [ "$#" -eq 0 ] && [ "${FTLAUNCH_TESTS:-}" != "all" ]; then
+  select=(-m "not slow")
+fi
+"$PY" -m pytest -q -p no:cacheprovider "${select[@]}" "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then
   echo "[test] pytest collected no tests: failing on purpose" >&2
