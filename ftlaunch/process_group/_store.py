@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from ftlaunch.addresses import StoreAddress, parse_store_addr
 from ftlaunch.errors import CommunicationError
+from ftlaunch.timeouts import as_timedelta
 
 logger = logging.getLogger(__name__)
 
@@ -34,10 +35,8 @@ def create_store_client(store_addr: str, timeout: timedelta | float = timedelta(
 
     Connection failures raise `CommunicationError`; malformed addresses raise ValueError.
     """
-    if not isinstance(timeout, timedelta):
-        timeout = timedelta(seconds=float(timeout))
     addr = parse_store_addr(store_addr)
-    store: dist.Store = connect_store(addr, timeout)
+    store: dist.Store = connect_store(addr, as_timedelta(timeout))
     if addr.prefix:
         store = dist.PrefixStore(addr.prefix, store)
     return store
