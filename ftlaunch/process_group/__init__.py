@@ -16,7 +16,8 @@ They know nothing of the Manager or the lighthouse. The layout:
 
 from __future__ import annotations
 
-from ftlaunch.process_group._store import create_store_client, parse_store_addr
+from ftlaunch.addresses import parse_store_addr
+from ftlaunch.process_group._store import create_store_client
 from ftlaunch.process_group.baby import ProcessGroupBaby, ProcessGroupBabyGloo, ProcessGroupBabyNCCL
 from ftlaunch.process_group.base import ProcessGroup
 from ftlaunch.process_group.device_mesh import extend_device_mesh

@@ -1,4 +1,4 @@
-"""Store addresses ("host:port/prefix") and store clients for process-group rendezvous.
+"""Store clients for process-group rendezvous (addresses "host:port/prefix" are parsed by `ftlaunch.addresses`).
 
 Every `configure` gets a fresh, unique prefix on a shared TCPStore, so the keys a backend uses to
 rendezvous can never collide with those of an earlier (possibly half-failed) configuration.
@@ -17,7 +17,7 @@ from ftlaunch.timeouts import as_timedelta
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["StoreAddress", "parse_store_addr", "create_store_client"]
+__all__ = ["connect_store", "create_store_client", "first_line"]
 
 
 def connect_store(addr: StoreAddress, timeout: timedelta) -> dist.TCPStore:

@@ -38,10 +38,11 @@ from torch._C._distributed_c10d import (
 )
 from torch.distributed import distributed_c10d as c10d
 
+from ftlaunch.addresses import parse_store_addr
 from ftlaunch.errors import CommunicationError
 from ftlaunch.process_group import _registry
 from ftlaunch.process_group._overloads import plain, tensor_list, with_reduce
-from ftlaunch.process_group._store import first_line, parse_store_addr
+from ftlaunch.process_group._store import first_line
 
 # DoneWork and completed_future live in `work`; they are also importable from here, where code
 # outside this package has always found them.

@@ -181,4 +181,3 @@ class ComposedWork(dist.Work):
 
         torch.futures.collect_all(futures).add_done_callback(_done)
         return out
-

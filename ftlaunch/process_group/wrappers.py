@@ -31,8 +31,9 @@ from torch._C._distributed_c10d import (
     ReduceScatterOptions,
 )
 
+from ftlaunch.addresses import parse_store_addr
 from ftlaunch.errors import CommunicationError
-from ftlaunch.process_group._store import connect_store, first_line, parse_store_addr
+from ftlaunch.process_group._store import connect_store, first_line
 from ftlaunch.process_group.base import ProcessGroup
 from ftlaunch.process_group.work import FtWork
 from ftlaunch.timeouts import as_timedelta
