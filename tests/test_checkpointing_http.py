@@ -24,7 +24,9 @@ import torch
 from test_checkpointing_serialization import assert_state_equal, make_state
 
 from ftlaunch.checkpointing import HTTPTransport
-from ftlaunch.checkpointing import serialization as ser
+from ftlaunch.checkpointing.serialization.encode import dumps
+from ftlaunch.checkpointing.serialization.header import FRAME_PREFIX_LEN, parse_frame_prefix, parse_header
+from ftlaunch.checkpointing.serialization.spec import MAGIC
 from ftlaunch.errors import CheckpointTransportError
 
 TIMEOUT = timedelta(seconds=30)
@@ -228,7 +230,7 @@ def test_protocol_status_codes() -> None:
         sender.send_checkpoint([1], 3, {"w": torch.arange(100, dtype=torch.int64)}, TIMEOUT)
         status, headers, frame = _request(url, "/checkpoint/3/header")
         assert status == 200 and headers["ETag"]
-        header = ser.parse_header(frame, expected_step=3)
+        header = parse_header(frame, expected_step=3)
         status, _, body = _request(url, "/checkpoint/3/body")
         assert status == 200 and len(body) == header.body_nbytes == 800
         status, h, part = _request(url, "/checkpoint/3/body", {"Range": "bytes=8-15"})
@@ -369,11 +371,11 @@ def fake_server(
     frame: bytes | None = None,
     body: bytes | None = None,
 ) -> Iterator[_FakeServer]:
-    payload = ser.dumps(make_state(8, 400_000), step=1)
-    length = ser.parse_frame_prefix(payload)
+    payload = dumps(make_state(8, 400_000), step=1)
+    length = parse_frame_prefix(payload)
     srv = _FakeServer(
-        payload[: ser.FRAME_PREFIX_LEN + length] if frame is None else frame,
-        payload[ser.FRAME_PREFIX_LEN + length :] if body is None else body,
+        payload[: FRAME_PREFIX_LEN + length] if frame is None else frame,
+        payload[FRAME_PREFIX_LEN + length :] if body is None else body,
         behave,
     )
     try:
@@ -393,19 +395,19 @@ def test_fake_server_is_faithful(receiver: HTTPTransport) -> None:
 
 
 def test_corrupted_header_is_rejected(receiver: HTTPTransport) -> None:
-    payload = ser.dumps(make_state(8, 400_000), step=1)
-    length = ser.parse_frame_prefix(payload)
-    frame = bytearray(payload[: ser.FRAME_PREFIX_LEN + length])
-    frame[ser.FRAME_PREFIX_LEN + length // 2] ^= 0x04
+    payload = dumps(make_state(8, 400_000), step=1)
+    length = parse_frame_prefix(payload)
+    frame = bytearray(payload[: FRAME_PREFIX_LEN + length])
+    frame[FRAME_PREFIX_LEN + length // 2] ^= 0x04
     with fake_server(_honest, frame=bytes(frame)) as srv:
         with pytest.raises(CheckpointTransportError, match="header checksum mismatch"):
             receiver.recv_checkpoint(0, srv.url, 1, TIMEOUT)
 
 
 def test_corrupted_body_is_rejected(receiver: HTTPTransport) -> None:
-    payload = ser.dumps(make_state(8, 400_000), step=1)
-    length = ser.parse_frame_prefix(payload)
-    body = bytearray(payload[ser.FRAME_PREFIX_LEN + length :])
+    payload = dumps(make_state(8, 400_000), step=1)
+    length = parse_frame_prefix(payload)
+    body = bytearray(payload[FRAME_PREFIX_LEN + length :])
     body[len(body) - 1000] ^= 0x01  # inside the big tensor, the last one in the body
     with fake_server(_honest, body=bytes(body)) as srv:
         with pytest.raises(CheckpointTransportError, match="checksum mismatch"):
@@ -421,7 +423,7 @@ def test_pickle_is_rejected(receiver: HTTPTransport) -> None:
 
 def test_huge_header_claim_is_rejected(receiver: HTTPTransport) -> None:
     raw = b"{}"
-    frame = ser.MAGIC + struct.pack("<QI", 2**40, zlib.crc32(raw)) + raw
+    frame = MAGIC + struct.pack("<QI", 2**40, zlib.crc32(raw)) + raw
     with fake_server(_honest, frame=frame) as srv:
         with pytest.raises(CheckpointTransportError, match="exceeds"):
             receiver.recv_checkpoint(0, srv.url, 1, TIMEOUT)
@@ -515,8 +517,8 @@ def test_body_bytes_arriving_with_the_headers_are_kept(receiver: HTTPTransport) 
 
 
 def test_bytes_beyond_the_range_are_rejected(receiver: HTTPTransport) -> None:
-    payload = ser.dumps({"w": torch.arange(100)}, step=1)  # one small range: it fits the first read
-    length = ser.parse_frame_prefix(payload)
+    payload = dumps({"w": torch.arange(100)}, step=1)  # one small range: it fits the first read
+    length = parse_frame_prefix(payload)
 
     def overlong(h: BaseHTTPRequestHandler, what: str, data: bytes) -> bool:
         if what != "body":
@@ -524,7 +526,7 @@ def test_bytes_beyond_the_range_are_rejected(receiver: HTTPTransport) -> None:
         _raw_partial(h, data, data + b"trailing garbage")
         return True
 
-    frame, body = payload[: ser.FRAME_PREFIX_LEN + length], payload[ser.FRAME_PREFIX_LEN + length :]
+    frame, body = payload[: FRAME_PREFIX_LEN + length], payload[FRAME_PREFIX_LEN + length :]
     with fake_server(overlong, frame=frame, body=body) as srv:
         with pytest.raises(CheckpointTransportError, match="sent more than"):
             receiver.recv_checkpoint(0, srv.url, 1, TIMEOUT)

@@ -19,8 +19,9 @@ from test_checkpointing_http import CTX, with_timeout_join
 from test_checkpointing_serialization import assert_state_equal, make_state
 
 from ftlaunch.checkpointing import PGTransport
-from ftlaunch.checkpointing import serialization as ser
 from ftlaunch.checkpointing.pg_transport import TAG_BASE
+from ftlaunch.checkpointing.serialization.buffers import tensor_bytes
+from ftlaunch.checkpointing.serialization.encode import encode
 from ftlaunch.errors import CheckpointTransportError
 
 TIMEOUT = timedelta(seconds=30)
@@ -46,7 +47,7 @@ def _raw_send(
     pg.send([t], dst, TAG_BASE + 1).wait()
     for i, x in enumerate(tensors or []):
         if x.numel():
-            pg.send([ser.tensor_bytes(x)], dst, TAG_BASE + 2 + i).wait()
+            pg.send([tensor_bytes(x)], dst, TAG_BASE + 2 + i).wait()
 
 
 def _main_scenario(rank: int, pg: dist.ProcessGroup, ready: Any) -> dict[str, str]:
@@ -61,16 +62,16 @@ def _main_scenario(rank: int, pg: dist.ProcessGroup, ready: Any) -> dict[str, st
         transport: PGTransport = PGTransport(pg, TIMEOUT, CPU)
         out["send"] = _outcome(lambda: transport.send_checkpoint([1, 2], 5, state, TIMEOUT))
         barrier()
-        enc = ser.encode(state, 5, CPU)
+        enc = encode(state, 5, CPU)
         frame = bytearray(enc.frame)
         frame[len(frame) // 2] ^= 0x10
         _raw_send(pg, 1, bytes(frame))
         barrier()
         _raw_send(pg, 1, pickle.dumps({"w": torch.zeros(3)}))
         barrier()
-        tensors = [ser.tensor_bytes(t).clone() for t in enc.tensors]  # bytes exactly (bool clones normalize)
+        tensors = [tensor_bytes(t).clone() for t in enc.tensors]  # bytes exactly (bool clones normalize)
         big = enc.header.tensors[-1].index
-        ser.tensor_bytes(tensors[big])[1000] ^= 0x01
+        tensor_bytes(tensors[big])[1000] ^= 0x01
         _raw_send(pg, 1, enc.frame, tensors)
         barrier()
         quick = timedelta(seconds=3)  # the receiver refuses this one: our sends may be left unmatched

@@ -20,7 +20,17 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ftlaunch.checkpointing import serialization as ser
+from ftlaunch.checkpointing.serialization.buffers import byte_view, prefault, tensor_bytes
+from ftlaunch.checkpointing.serialization.checksum import (
+    BLOCK_BYTES,
+    IncrementalChecksum,
+    checksum,
+    checksum_reference,
+)
+from ftlaunch.checkpointing.serialization.encode import dumps, encode
+from ftlaunch.checkpointing.serialization.header import FRAME_PREFIX_LEN, parse_frame_prefix, parse_header
+from ftlaunch.checkpointing.serialization.receive import loads, plan_slots
+from ftlaunch.checkpointing.serialization.spec import DTYPES, MAGIC, MAX_DEPTH, MAX_HEADER_BYTES
 from ftlaunch.errors import CheckpointTransportError
 
 # --------------------------------------------------------------------------------------------------
@@ -45,7 +55,7 @@ def make_state(seed: int = 0, big: int = 0) -> dict:
     tied = torch.randn(5, generator=g)
     state: dict[Any, Any] = {
         "model": collections.OrderedDict(
-            (f"t_{name}", random_tensor(g, dtype, (3, 5))) for name, dtype in sorted(ser.DTYPES.items())
+            (f"t_{name}", random_tensor(g, dtype, (3, 5))) for name, dtype in sorted(DTYPES.items())
         ),
         "views": {
             "transposed": base.t(),  # non-contiguous
@@ -95,7 +105,7 @@ def assert_state_equal(got: Any, want: Any, path: str = "state") -> None:
     if isinstance(want, torch.Tensor):
         assert got.dtype == want.dtype and got.shape == want.shape, f"{path}: {got.dtype}{got.shape}"
         w = want.detach().resolve_conj().resolve_neg().contiguous()
-        assert torch.equal(ser.tensor_bytes(got.contiguous()), ser.tensor_bytes(w)), f"{path}: data differs"
+        assert torch.equal(tensor_bytes(got.contiguous()), tensor_bytes(w)), f"{path}: data differs"
     elif isinstance(want, dict):
         assert list(got.keys()) == list(want.keys()), f"{path}: keys {list(got)} != {list(want)}"
         for k in want:
@@ -113,13 +123,13 @@ def assert_state_equal(got: Any, want: Any, path: str = "state") -> None:
 def frame_json(doc: Any) -> bytes:
     """Frame an arbitrary JSON document with a *valid* crc, to test validation beyond the crc."""
     raw = json.dumps(doc).encode()
-    return ser.MAGIC + struct.pack("<QI", len(raw), zlib.crc32(raw)) + raw
+    return MAGIC + struct.pack("<QI", len(raw), zlib.crc32(raw)) + raw
 
 
 def split_payload(data: bytes) -> tuple[dict, bytes]:
-    length = ser.parse_frame_prefix(data)
-    return json.loads(data[ser.FRAME_PREFIX_LEN : ser.FRAME_PREFIX_LEN + length]), data[
-        ser.FRAME_PREFIX_LEN + length :
+    length = parse_frame_prefix(data)
+    return json.loads(data[FRAME_PREFIX_LEN : FRAME_PREFIX_LEN + length]), data[
+        FRAME_PREFIX_LEN + length :
     ]
 
 
@@ -129,7 +139,7 @@ def split_payload(data: bytes) -> tuple[dict, bytes]:
 
 def test_round_trip_every_leaf_kind() -> None:
     state = make_state(1)
-    out = ser.loads(ser.dumps(state, step=12), expected_step=12)
+    out = loads(dumps(state, step=12), expected_step=12)
     assert_state_equal(out, state)
     assert type(out["model"]) is collections.OrderedDict and type(out["scalars"]) is tuple
     assert out["tied_a"] is out["tied_b"], "a tensor shared in the state is shared after decoding"
@@ -149,27 +159,27 @@ def test_dtype_whitelist_covers_common_dtypes() -> None:
         "int16",
         "int32",
     ):
-        assert name in ser.DTYPES
+        assert name in DTYPES
     for name in ("int64", "uint8", "bool"):
-        assert name in ser.DTYPES
-    assert "qint8" not in ser.DTYPES and "quint8" not in ser.DTYPES
+        assert name in DTYPES
+    assert "qint8" not in DTYPES and "quint8" not in DTYPES
 
 
 def test_shared_tensor_travels_once() -> None:
     t = torch.randn(1000)
-    once = len(ser.dumps({"a": t}))
-    twice = len(ser.dumps({"a": t, "b": t}))
+    once = len(dumps({"a": t}))
+    twice = len(dumps({"a": t, "b": t}))
     assert twice - once < 100, "a tied tensor must not be sent twice"
 
 
 def test_template_receives_in_place() -> None:
     state = make_state(2)
-    data = ser.dumps(state, step=3)
+    data = dumps(state, step=3)
     mine = make_state(99)  # same structure, other values
     keep = {k: (v, v.data_ptr()) for k, v in mine["model"].items()}
     wrong_shape = torch.zeros(7)
     mine["odd"] = wrong_shape
-    out = ser.loads(data, expected_step=3, template=mine)
+    out = loads(data, expected_step=3, template=mine)
     assert_state_equal(out, state)
     for k, (t, ptr) in keep.items():
         assert out["model"][k] is t and t.data_ptr() == ptr, f"{k} was not received in place"
@@ -181,7 +191,7 @@ def test_template_receives_in_place() -> None:
 def test_template_tensor_is_not_reused_for_two_sources() -> None:
     a, b = torch.randn(4), torch.randn(4)
     shared = torch.zeros(4)
-    out = ser.loads(ser.dumps({"a": a, "b": b}), template={"a": shared, "b": shared})
+    out = loads(dumps({"a": a, "b": b}), template={"a": shared, "b": shared})
     assert torch.equal(out["a"], a) and torch.equal(out["b"], b)
 
 
@@ -189,10 +199,10 @@ def test_template_tensor_is_not_reused_for_two_sources() -> None:
 def test_checksum_matches_reference(n: int) -> None:
     data = os.urandom(n)
     t = torch.frombuffer(bytearray(data), dtype=torch.uint8) if n else torch.empty(0, dtype=torch.uint8)
-    want = ser.checksum_reference(data)
-    assert ser.checksum(t) == want
-    inc = ser.IncrementalChecksum(t)
-    cuts = sorted(set(range(0, n, 2 * ser.BLOCK_BYTES)) | {n})
+    want = checksum_reference(data)
+    assert checksum(t) == want
+    inc = IncrementalChecksum(t)
+    cuts = sorted(set(range(0, n, 2 * BLOCK_BYTES)) | {n})
     pieces = list(zip(cuts, cuts[1:], strict=False))
     random.Random(n).shuffle(pieces)  # any order, as parallel connections deliver them
     for lo, hi in pieces:
@@ -203,13 +213,13 @@ def test_checksum_matches_reference(n: int) -> None:
 def test_checksum_wraps_modulo_2_64() -> None:
     words = [2**64 - 1] * 70000 + [12345]
     data = b"".join(w.to_bytes(8, "little") for w in words)
-    assert ser.checksum(torch.frombuffer(bytearray(data), dtype=torch.uint8)) == ser.checksum_reference(data)
+    assert checksum(torch.frombuffer(bytearray(data), dtype=torch.uint8)) == checksum_reference(data)
 
 
 def test_checksum_of_misaligned_view() -> None:
     base = torch.arange(100, dtype=torch.float32)
     view = base[1:]  # 4-byte storage offset: cannot be viewed as int64 in place
-    assert ser.checksum(view) == ser.checksum_reference(bytes(ser.byte_view(view.clone())))
+    assert checksum(view) == checksum_reference(bytes(byte_view(view.clone())))
 
 
 def _minor_faults() -> int:
@@ -220,27 +230,27 @@ def _minor_faults() -> int:
 def test_prefault_backs_fresh_memory_without_changing_it() -> None:
     # 64 MiB: above glibc's largest mmap threshold, so the pages are new to the process.
     t = torch.empty(64 << 20, dtype=torch.uint8)
-    if not ser.prefault(t):
+    if not prefault(t):
         pytest.skip("this kernel has no MADV_POPULATE_WRITE")
     before = _minor_faults()
-    ser.tensor_bytes(t)[::4096].fill_(7)  # one write per page
+    tensor_bytes(t)[::4096].fill_(7)  # one write per page
     assert _minor_faults() - before < 1000, "pages were not backed by prefault"  # 16384 pages otherwise
     # contents are never changed, and ranges, odd edges and empty tensors are fine
     u = torch.arange(300_000, dtype=torch.int64)
     want = u.clone()
-    assert ser.prefault(u, 12_345, 1_000_001) and ser.prefault(u[1:]) and ser.prefault(u, 5, 5)
-    assert ser.prefault(torch.empty(0)) and ser.prefault(torch.empty(3, 0, dtype=torch.bool))
+    assert prefault(u, 12_345, 1_000_001) and prefault(u[1:]) and prefault(u, 5, 5)
+    assert prefault(torch.empty(0)) and prefault(torch.empty(3, 0, dtype=torch.bool))
     assert torch.equal(u, want)
-    assert not ser.prefault(torch.empty(10, device="meta"))
+    assert not prefault(torch.empty(10, device="meta"))
 
 
 def test_plan_slots_marks_fresh_allocations() -> None:
     state = {"a": torch.randn(4, 5), "b": torch.arange(6), "c": torch.zeros(3)}
-    header = ser.encode(state, 1, device=torch.device("cpu")).header
-    fresh = ser.plan_slots(header, torch.device("cpu"))
+    header = encode(state, 1, device=torch.device("cpu")).header
+    fresh = plan_slots(header, torch.device("cpu"))
     assert all(s.fresh and s.landing is s.target for s in fresh)
     mine = {"a": torch.zeros(4, 5), "b": torch.zeros(7, dtype=torch.int64)}  # "b": wrong shape
-    slots = ser.plan_slots(header, torch.device("cpu"), template=mine)
+    slots = plan_slots(header, torch.device("cpu"), template=mine)
     by_index = {s.entry.index: s for s in slots}
     assert not by_index[0].fresh and by_index[0].target is mine["a"]
     assert by_index[1].fresh and by_index[2].fresh
@@ -250,7 +260,7 @@ def test_fresh_tensors_are_independent() -> None:
     """Every received tensor owns its storage (not a view into a shared receive buffer): freeing,
     resizing or keeping one alone behaves as for any tensor the caller allocated."""
     state = make_state(5, big=70_000)
-    out = ser.loads(ser.dumps(state, step=2), expected_step=2)
+    out = loads(dumps(state, step=2), expected_step=2)
     seen = set()
     for t in [*out["model"].values(), out["big"], out["odd"], *out["scalars"]]:
         st_ = t.untyped_storage()
@@ -284,14 +294,14 @@ def test_unsupported_values_are_rejected(bad: Any) -> None:
             warnings.simplefilter("ignore")  # quantized tensors are deprecated, but still exist
             bad = {"x": torch.quantize_per_tensor(torch.zeros(2), 0.1, 0, torch.qint8)}
     with pytest.raises(TypeError):
-        ser.dumps(bad)
+        dumps(bad)
 
 
 def test_cycles_are_rejected() -> None:
     a: list[Any] = [1]
     a.append(a)
     with pytest.raises(ValueError, match="cycle"):
-        ser.dumps({"a": a})
+        dumps({"a": a})
 
 
 # --------------------------------------------------------------------------------------------------
@@ -301,29 +311,29 @@ def test_cycles_are_rejected() -> None:
 def test_pickle_payload_is_rejected() -> None:
     evil = pickle.dumps({"w": torch.zeros(3)})
     with pytest.raises(CheckpointTransportError, match="magic"):
-        ser.loads(evil)
+        loads(evil)
     with pytest.raises(CheckpointTransportError):
-        ser.parse_header(evil)
+        parse_header(evil)
 
 
 def test_wrong_step_is_rejected() -> None:
     with pytest.raises(CheckpointTransportError, match="step 4, expected step 5"):
-        ser.loads(ser.dumps({"a": torch.zeros(1)}, step=4), expected_step=5)
+        loads(dumps({"a": torch.zeros(1)}, step=4), expected_step=5)
 
 
 def test_every_header_byte_flip_is_detected() -> None:
-    data = ser.dumps({"w": torch.randn(3, 3), "lr": 0.1, "name": "x"}, step=1)
-    length = ser.parse_frame_prefix(data)
-    for i in range(ser.FRAME_PREFIX_LEN + length):
+    data = dumps({"w": torch.randn(3, 3), "lr": 0.1, "name": "x"}, step=1)
+    length = parse_frame_prefix(data)
+    for i in range(FRAME_PREFIX_LEN + length):
         bad = bytearray(data)
         bad[i] ^= 0x20
         with pytest.raises(CheckpointTransportError):
-            ser.loads(bytes(bad))
+            loads(bytes(bad))
 
 
 def test_body_corruption_is_detected() -> None:
     state = {"w": torch.randn(100_000), "b": torch.arange(10)}
-    data = ser.dumps(state)
+    data = dumps(state)
     _doc, body = split_payload(data)
     start = len(data) - len(body)
     rng = random.Random(0)
@@ -331,21 +341,21 @@ def test_body_corruption_is_detected() -> None:
         bad = bytearray(data)
         bad[start + rng.randrange(len(body) - 80)] ^= 1 << rng.randrange(8)  # skip the trailing tensor's pad
         with pytest.raises(CheckpointTransportError, match="checksum mismatch"):
-            ser.loads(bytes(bad))
+            loads(bytes(bad))
 
 
 def test_truncation_and_extension_are_detected() -> None:
-    data = ser.dumps(make_state(3))
-    for cut in (0, 5, ser.FRAME_PREFIX_LEN, ser.FRAME_PREFIX_LEN + 10, len(data) // 2, len(data) - 1):
+    data = dumps(make_state(3))
+    for cut in (0, 5, FRAME_PREFIX_LEN, FRAME_PREFIX_LEN + 10, len(data) // 2, len(data) - 1):
         with pytest.raises(CheckpointTransportError):
-            ser.loads(data[:cut])
+            loads(data[:cut])
     with pytest.raises(CheckpointTransportError, match="body"):
-        ser.loads(data + b"\0")
+        loads(data + b"\0")
 
 
 def _valid_doc() -> tuple[dict, bytes]:
     return split_payload(
-        ser.dumps({"a": torch.arange(4, dtype=torch.int32), "b": [1.5, torch.ones(2)]}, step=2)
+        dumps({"a": torch.arange(4, dtype=torch.int32), "b": [1.5, torch.ones(2)]}, step=2)
     )
 
 
@@ -397,7 +407,7 @@ def _mutations() -> list[tuple[str, Any]]:
         ("bare float", set_(["tree"], {"list": [{"tensor": 0}, {"tensor": 1}, 1.5]})),
         ("bad device", set_(["tree"], {"list": [{"tensor": 0}, {"tensor": 1}, {"device": "floppy:3"}]})),
         ("bad dtype leaf", set_(["tree"], {"list": [{"tensor": 0}, {"tensor": 1}, {"dtype": "object"}]})),
-        ("too deep", set_(["tree"], _deep({"list": [{"tensor": 0}, {"tensor": 1}]}, ser.MAX_DEPTH + 5))),
+        ("too deep", set_(["tree"], _deep({"list": [{"tensor": 0}, {"tensor": 1}]}, MAX_DEPTH + 5))),
     ]
 
 
@@ -412,13 +422,13 @@ def test_schema_violations_are_rejected(name: str, mutate: Any) -> None:
     doc, body = _valid_doc()
     bad = frame_json(mutate(doc)) + body
     with pytest.raises(CheckpointTransportError, match="invalid checkpoint payload"):
-        ser.loads(bad)
+        loads(bad)
 
 
 def test_valid_crafted_header_is_accepted() -> None:
     """The crafted-header helper itself produces acceptable frames (so the rejections above are real)."""
     doc, body = _valid_doc()
-    out = ser.loads(frame_json(doc) + body, expected_step=2)
+    out = loads(frame_json(doc) + body, expected_step=2)
     assert torch.equal(out["a"], torch.arange(4, dtype=torch.int32)) and out["b"][0] == 1.5
 
 
@@ -434,20 +444,20 @@ def test_valid_crafted_header_is_accepted() -> None:
     ids=["not utf-8", "NaN", "deep json", "huge int", "empty"],
 )
 def test_hostile_json_is_rejected(raw: bytes) -> None:
-    frame = ser.MAGIC + struct.pack("<QI", len(raw), zlib.crc32(raw)) + raw
+    frame = MAGIC + struct.pack("<QI", len(raw), zlib.crc32(raw)) + raw
     with pytest.raises(CheckpointTransportError):
-        ser.loads(frame)
+        loads(frame)
 
 
 def test_oversized_header_length_is_rejected_before_reading() -> None:
     with pytest.raises(CheckpointTransportError, match="exceeds"):
-        ser.parse_frame_prefix(ser.MAGIC + struct.pack("<QI", ser.MAX_HEADER_BYTES + 1, 0))
+        parse_frame_prefix(MAGIC + struct.pack("<QI", MAX_HEADER_BYTES + 1, 0))
 
 
 # --------------------------------------------------------------------------------------------------
 # property tests
 
-_DTYPE_LIST = sorted(ser.DTYPES.items())
+_DTYPE_LIST = sorted(DTYPES.items())
 
 
 @st.composite
@@ -494,14 +504,14 @@ _SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[Hea
 @_SETTINGS
 @given(tree=trees, step=st.integers(-(2**63), 2**63 - 1))
 def test_property_round_trip(tree: Any, step: int) -> None:
-    assert_state_equal(ser.loads(ser.dumps(tree, step=step), expected_step=step), tree)
+    assert_state_equal(loads(dumps(tree, step=step), expected_step=step), tree)
 
 
 @_SETTINGS
 @given(tree=trees, data=st.data())
 def test_property_corruption_never_escapes(tree: Any, data: st.DataObject) -> None:
     """Random byte flips, truncations and extensions: either detected or harmless (padding)."""
-    payload = bytearray(ser.dumps(tree, step=1))
+    payload = bytearray(dumps(tree, step=1))
     kind = data.draw(st.sampled_from(["flip", "truncate", "extend"]))
     if kind == "flip":
         for _ in range(data.draw(st.integers(1, 4))):
@@ -512,7 +522,7 @@ def test_property_corruption_never_escapes(tree: Any, data: st.DataObject) -> No
     else:
         payload += data.draw(st.binary(min_size=1, max_size=16))
     try:
-        out = ser.loads(bytes(payload), expected_step=1)
+        out = loads(bytes(payload), expected_step=1)
     except CheckpointTransportError:
         return
     assert kind == "flip"
@@ -522,6 +532,6 @@ def test_property_corruption_never_escapes(tree: Any, data: st.DataObject) -> No
 @_SETTINGS
 @given(raw=st.binary(max_size=200))
 def test_property_garbage_is_rejected(raw: bytes) -> None:
-    for candidate in (raw, ser.MAGIC + raw, ser.MAGIC + struct.pack("<QI", len(raw), zlib.crc32(raw)) + raw):
+    for candidate in (raw, MAGIC + raw, MAGIC + struct.pack("<QI", len(raw), zlib.crc32(raw)) + raw):
         with pytest.raises(CheckpointTransportError):
-            ser.loads(candidate)
+            loads(candidate)

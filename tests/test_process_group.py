@@ -30,7 +30,7 @@ from ftlaunch.process_group import (
     create_store_client,
     parse_store_addr,
 )
-from ftlaunch.process_group.base import DoneWork
+from ftlaunch.process_group.work import DoneWork
 
 start_unmarked_resource_tracker()
 

@@ -1,8 +1,14 @@
 """Live-recovery checkpoint transports: copy the live state from a healthy replica group.
 
-`HTTPTransport` serves the state over HTTP and fetches it with parallel range requests;
-`PGTransport` sends it over a (reconfigured) process group. Both use `serialization`: a JSON header
-plus raw tensor bytes — never pickle. Failures raise `ftlaunch.errors.CheckpointTransportError`.
+A healing group copies the state of a healthy one at the current step instead of reloading a
+checkpoint. `transport.CheckpointTransport` is the interface the Manager uses; two implement it:
+
+* `http_transport.HTTPTransport` (default) serves the state over HTTP and fetches it with parallel
+  range requests (`_http_server` is its serving side, `_http_fetch` its fetching side);
+* `pg_transport.PGTransport` sends it over a (reconfigured) process group, e.g. NCCL between GPUs.
+
+Both use `serialization/`, the wire format: a JSON header plus raw tensor bytes, never pickle.
+Failures raise `ftlaunch.errors.CheckpointTransportError`.
 """
 
 from ftlaunch.checkpointing.http_transport import HTTPTransport

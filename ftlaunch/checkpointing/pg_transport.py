@@ -24,7 +24,11 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from ftlaunch.checkpointing import serialization as ser
+from ftlaunch.checkpointing.serialization.buffers import byte_view, tensor_bytes
+from ftlaunch.checkpointing.serialization.encode import encode
+from ftlaunch.checkpointing.serialization.header import FRAME_PREFIX_LEN, MAX_FRAME_BYTES, parse_header
+from ftlaunch.checkpointing.serialization.receive import finish, plan_slots
+from ftlaunch.checkpointing.serialization.spec import invalid
 from ftlaunch.checkpointing.transport import CheckpointTransport
 from ftlaunch.errors import CheckpointTransportError, CommunicationError
 
@@ -84,14 +88,14 @@ class PGTransport(CheckpointTransport[T]):
         """Push ``state_dict`` to every rank in ``dst_ranks``; returns when all sends completed."""
         t0 = time.perf_counter()
         deadline = time.monotonic() + timeout.total_seconds()
-        enc = ser.encode(state_dict, step, device=self._device)
+        enc = encode(state_dict, step, device=self._device)
         frame = torch.frombuffer(bytearray(enc.frame), dtype=torch.uint8).to(self._device)
         length = torch.tensor([frame.numel()], dtype=torch.int64, device=self._device)
         pending = []
         for dst in dst_ranks:
             messages = [("header length", length, TAG_BASE), ("header", frame, TAG_BASE + 1)]
             messages += [
-                (f"tensor {e.index}", ser.tensor_bytes(t), TAG_BASE + 2 + e.index)
+                (f"tensor {e.index}", tensor_bytes(t), TAG_BASE + 2 + e.index)
                 for e, t in zip(enc.header.tensors, enc.tensors, strict=True)
                 if e.nbytes
             ]
@@ -115,31 +119,24 @@ class PGTransport(CheckpointTransport[T]):
         length = torch.zeros(1, dtype=torch.int64, device=self._device)
         self._wait(self._post(self._pg.recv, length, src_rank, TAG_BASE, what), deadline, what)
         n = int(length.item())
-        if not ser.FRAME_PREFIX_LEN <= n <= ser.FRAME_PREFIX_LEN + ser.MAX_HEADER_BYTES:
-            raise CheckpointTransportError(
-                f"invalid checkpoint payload: header length {n} from rank {src_rank}"
-            )
+        if not FRAME_PREFIX_LEN <= n <= MAX_FRAME_BYTES:
+            raise invalid(f"header length {n} from rank {src_rank}")
         frame = torch.empty(n, dtype=torch.uint8, device=self._device)
         self._wait(self._post(self._pg.recv, frame, src_rank, TAG_BASE + 1, what), deadline, what)
-        header = ser.parse_header(ser.byte_view(frame.cpu()).tobytes(), expected_step=step)
+        header = parse_header(byte_view(frame.cpu()).tobytes(), expected_step=step)
         template = self._state_dict() if self._state_dict is not None else None
-        try:
-            slots = ser.plan_slots(header, self._device, template)
-        except RuntimeError as e:
-            raise CheckpointTransportError(
-                f"cannot allocate the received state ({header.body_nbytes} bytes): {e}"
-            ) from e
+        slots = plan_slots(header, self._device, template)
         pending = []
         for s in slots:
             if s.entry.nbytes:
                 what = f"receiving tensor {s.entry.index} of step {step} from rank {src_rank}"
                 tag = TAG_BASE + 2 + s.entry.index
                 pending.append(
-                    (what, self._post(self._pg.recv, ser.tensor_bytes(s.landing), src_rank, tag, what))
+                    (what, self._post(self._pg.recv, tensor_bytes(s.landing), src_rank, tag, what))
                 )
         for what, work in pending:
             self._wait(work, deadline, what)
-        result = ser.finish(header, slots)
+        result = finish(header, slots)
         logger.info(
             "checkpoint transport (pg): received step %d (%d tensors, %d bytes) from rank %d in %.3fs",
             step, len(slots), header.body_nbytes, src_rank, time.perf_counter() - t0,

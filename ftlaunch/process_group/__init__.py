@@ -1,18 +1,29 @@
-"""Reconfigurable process groups (torchft's API): membership changes in place via ``configure``."""
+"""Reconfigurable process groups (torchft's API): membership changes in place via ``configure``.
+
+Why a folder of its own: the cross-replica-group collectives of a training step run on these
+groups, and a peer's death must become a `CommunicationError` and a reconfigure, never a hang.
+They know nothing of the Manager or the lighthouse. The layout:
+
+* `base` - `ProcessGroup`, torch's interface plus the lifecycle and error model every group shares;
+  `work` - the Work objects ops return; `_overloads`, `_registry` - torch's call forms and tables.
+* `wrappers` - `ProcessGroupWrapper` and the in-process `ProcessGroupGloo`/`ProcessGroupNCCL`;
+  `error_swallowing` and `dummy` - groups that report instead of raising, or do nothing.
+* `baby` - `ProcessGroupBabyGloo`/`ProcessGroupBabyNCCL`, the backend in a child process so abort
+  never hangs; `_baby_handle` is the parent's end, `_baby_child` the child, `_shm` the shared
+  tensors between them.
+* `_store` - store addresses and clients; `device_mesh` - plugging a group into a DeviceMesh.
+"""
 
 from __future__ import annotations
 
-from ftlaunch.process_group._store import create_store_client, parse_store_addr
+from ftlaunch.addresses import parse_store_addr
+from ftlaunch.process_group._store import create_store_client
 from ftlaunch.process_group.baby import ProcessGroupBaby, ProcessGroupBabyGloo, ProcessGroupBabyNCCL
 from ftlaunch.process_group.base import ProcessGroup
 from ftlaunch.process_group.device_mesh import extend_device_mesh
-from ftlaunch.process_group.wrappers import (
-    ErrorSwallowingProcessGroupWrapper,
-    ProcessGroupDummy,
-    ProcessGroupGloo,
-    ProcessGroupNCCL,
-    ProcessGroupWrapper,
-)
+from ftlaunch.process_group.dummy import ProcessGroupDummy
+from ftlaunch.process_group.error_swallowing import ErrorSwallowingProcessGroupWrapper
+from ftlaunch.process_group.wrappers import ProcessGroupGloo, ProcessGroupNCCL, ProcessGroupWrapper
 
 __all__ = [
     "ErrorSwallowingProcessGroupWrapper",

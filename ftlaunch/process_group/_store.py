@@ -1,4 +1,4 @@
-"""Store addresses ("host:port/prefix") and store clients for process-group rendezvous.
+"""Store clients for process-group rendezvous (addresses "host:port/prefix" are parsed by `ftlaunch.addresses`).
 
 Every `configure` gets a fresh, unique prefix on a shared TCPStore, so the keys a backend uses to
 rendezvous can never collide with those of an earlier (possibly half-failed) configuration.
@@ -13,10 +13,11 @@ import torch.distributed as dist
 
 from ftlaunch.addresses import StoreAddress, parse_store_addr
 from ftlaunch.errors import CommunicationError
+from ftlaunch.timeouts import as_timedelta
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["StoreAddress", "parse_store_addr", "create_store_client"]
+__all__ = ["connect_store", "create_store_client", "first_line"]
 
 
 def connect_store(addr: StoreAddress, timeout: timedelta) -> dist.TCPStore:
@@ -34,10 +35,8 @@ def create_store_client(store_addr: str, timeout: timedelta | float = timedelta(
 
     Connection failures raise `CommunicationError`; malformed addresses raise ValueError.
     """
-    if not isinstance(timeout, timedelta):
-        timeout = timedelta(seconds=float(timeout))
     addr = parse_store_addr(store_addr)
-    store: dist.Store = connect_store(addr, timeout)
+    store: dist.Store = connect_store(addr, as_timedelta(timeout))
     if addr.prefix:
         store = dist.PrefixStore(addr.prefix, store)
     return store

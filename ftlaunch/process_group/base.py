@@ -1,4 +1,4 @@
-"""The reconfigurable `ProcessGroup` base class and the `Work` objects it returns.
+"""The reconfigurable `ProcessGroup` base class: torch's interface, the lifecycle, the error model.
 
 Why a subclass of ``torch.distributed.ProcessGroup``: torch's Python collectives
 (``dist.all_reduce(t, group=pg)``) call the group's Python methods directly, and C++ callers
@@ -13,6 +13,8 @@ vs ``allreduce([t], opts)``) and call one ``_do_<op>`` hook per operation. Subcl
 hooks their backend has natively; the base class provides composites for the rest (reduce_scatter
 from allreduce, all_gather_single from allgather, coalesced ops as several ops, barrier as a tiny
 allreduce), so no caller sees a NotImplementedError where a correct fallback exists.
+
+The `Work` objects the ops return are in `work`; torch's registries are handled by `_registry`.
 """
 
 from __future__ import annotations
@@ -20,10 +22,8 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -38,244 +38,21 @@ from torch._C._distributed_c10d import (
 )
 from torch.distributed import distributed_c10d as c10d
 
+from ftlaunch.addresses import parse_store_addr
 from ftlaunch.errors import CommunicationError
+from ftlaunch.process_group import _registry
+from ftlaunch.process_group._overloads import plain, tensor_list, with_reduce
 from ftlaunch.process_group._store import first_line
-from ftlaunch.timeouts import as_timedelta
+
+# DoneWork and completed_future live in `work`; they are also importable from here, where code
+# outside this package has always found them.
+from ftlaunch.process_group.work import ComposedWork, DoneWork, completed_future
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ProcessGroup", "as_timedelta", "completed_future", "DoneWork"]
-
-T = TypeVar("T")
+__all__ = ["DoneWork", "ProcessGroup", "completed_future"]
 
 _NAME_COUNTER = itertools.count()
-_ZERO = timedelta(0)
-
-
-# --------------------------------------------------------------------------------------------
-# Work objects
-# --------------------------------------------------------------------------------------------
-
-
-class DoneWork(dist.Work):
-    """An already completed Work whose future holds `result` (used by Dummy and error swallowing)."""
-
-    def __init__(self, result: Any = None) -> None:
-        super().__init__()
-        self._result = result
-
-    def wait(self, timeout: timedelta = _ZERO) -> bool:
-        return True
-
-    def is_completed(self) -> bool:
-        return True
-
-    def is_success(self) -> bool:
-        return True
-
-    def exception(self) -> None:
-        return None
-
-    def get_future(self) -> torch.futures.Future:
-        return completed_future(self._result)
-
-
-def completed_future(value: T) -> torch.futures.Future[T]:
-    """A torch future that already holds ``value``."""
-    fut: torch.futures.Future[T] = torch.futures.Future()
-    fut.set_result(value)
-    return fut
-
-
-class FtWork(dist.Work):
-    """Wraps a backend's Work so that failures surface as `CommunicationError` and mark the group.
-
-    Kept deliberately thin (one Python object, no thread): it is created for every operation.
-    `release` drops the backend Work when the group aborts after an error: a gloo Work keeps its
-    communication context - and so its sockets - alive, and peers blocked on us only fail fast
-    once those sockets close.
-    """
-
-    def __init__(self, pg: ProcessGroup, inner: dist.Work, op: str, peer: int | None = None) -> None:
-        super().__init__()
-        self._pg = pg
-        self._inner: dist.Work | None = inner
-        self._op = op
-        self._peer = peer
-        self._generation = pg._generation
-
-    def release(self) -> None:
-        self._inner = None
-
-    def _released_error(self) -> CommunicationError:
-        return self._pg._record_error(
-            self._op, "aborted (the group failed, was aborted or was reconfigured)", self._peer, self._generation
-        )
-
-    def wait(self, timeout: timedelta = _ZERO) -> bool:
-        inner = self._inner
-        if inner is None:
-            raise self._released_error()
-        try:
-            if timeout:
-                return inner.wait(timeout)
-            return inner.wait()
-        except Exception as e:
-            error = e
-        # Drop the failed backend Work before recording the error: the error (and with it this
-        # frame, through its traceback) is kept by the group, and the Work would keep the
-        # backend's sockets open.
-        inner = None
-        self._inner = None
-        raise self._pg._record_error(self._op, error, self._peer, self._generation) from error
-
-    def is_completed(self) -> bool:
-        inner = self._inner
-        return True if inner is None else inner.is_completed()
-
-    def get_future(self) -> torch.futures.Future:
-        out: torch.futures.Future = torch.futures.Future()
-        inner = self._inner
-        if inner is None:
-            out.set_exception(self._released_error())
-            return out
-        pg, op, peer, generation = self._pg, self._op, self._peer, self._generation
-
-        def _done(fut: torch.futures.Future) -> None:
-            try:
-                value = fut.value()
-            except Exception as e:
-                # Runs on a backend thread: the group must not tear its backend down here.
-                out.set_exception(pg._record_error(op, e, peer, generation, on_backend_thread=True))
-            else:
-                out.set_result(value)
-
-        inner.get_future().add_done_callback(_done)
-        return out
-
-
-class ComposedWork(dist.Work):
-    """Several Works seen as one, plus an optional step to run once all finished (copy results)."""
-
-    def __init__(
-        self,
-        works: Sequence[dist.Work],
-        result: Any,
-        after: Callable[[], None] | None = None,
-    ) -> None:
-        super().__init__()
-        self._works = list(works)
-        self._result = result
-        self._after = after
-        self._after_lock = threading.Lock()
-        self._after_done = False
-
-    def _finish(self) -> None:
-        with self._after_lock:
-            if not self._after_done:
-                self._after_done = True
-                if self._after is not None:
-                    self._after()
-
-    def wait(self, timeout: timedelta = _ZERO) -> bool:
-        for work in self._works:
-            if timeout:
-                work.wait(timeout)
-            else:
-                work.wait()
-        self._finish()
-        return True
-
-    def is_completed(self) -> bool:
-        return all(w.is_completed() for w in self._works) and self._after_done
-
-    def get_future(self) -> torch.futures.Future:
-        out: torch.futures.Future = torch.futures.Future()
-        futures = [w.get_future() for w in self._works]
-
-        def _done(_: torch.futures.Future) -> None:
-            try:
-                for fut in futures:
-                    fut.value()
-                self._finish()
-            except Exception as e:
-                out.set_exception(e)
-            else:
-                out.set_result(self._result)
-
-        torch.futures.collect_all(futures).add_done_callback(_done)
-        return out
-
-
-# --------------------------------------------------------------------------------------------
-# Argument normalisation (torch's overloads -> one canonical form)
-# --------------------------------------------------------------------------------------------
-
-
-def _reduce_op(op: Any) -> dist.ReduceOp:
-    if isinstance(op, dist.ReduceOp):
-        return op
-    if isinstance(op, dist.ReduceOp.RedOpType):
-        return dist.ReduceOp(op)
-    raise TypeError(f"expected a ReduceOp or options object, got {type(op).__name__}")
-
-
-def _tensor_list(tensors: Any, what: str) -> list[torch.Tensor]:
-    if isinstance(tensors, torch.Tensor):
-        return [tensors]
-    if isinstance(tensors, (list, tuple)) and all(isinstance(t, torch.Tensor) for t in tensors):
-        return list(tensors)
-    raise TypeError(f"{what} must be a Tensor or a list of Tensors, got {type(tensors).__name__}")
-
-
-def _with_reduce(opts: Any, cls: type) -> Any:
-    if opts is None:
-        return cls()
-    if isinstance(opts, cls):
-        return opts
-    new = cls()
-    new.reduceOp = _reduce_op(opts)
-    return new
-
-
-def _plain(opts: Any, cls: type) -> Any:
-    if opts is None:
-        return cls()
-    if not isinstance(opts, cls):
-        raise TypeError(f"expected {cls.__name__}, got {type(opts).__name__}")
-    return opts
-
-
-class _LiveRankMap(Mapping[int, int]):
-    """torch's "global rank -> group rank" table for a group whose rank changes at configure.
-
-    Our groups span replica groups, each with its own default group, so the only global rank
-    that means anything here is this process's own; it maps to the current group rank.
-    """
-
-    def __init__(self, pg: ProcessGroup) -> None:
-        self._pg = weakref.ref(pg)
-
-    @staticmethod
-    def _own() -> int:
-        return dist.get_rank() if dist.is_initialized() else 0
-
-    def __getitem__(self, global_rank: int) -> int:
-        pg = self._pg()
-        if pg is None or global_rank != self._own():
-            raise KeyError(global_rank)
-        return pg.rank()
-
-    def __iter__(self) -> Iterator[int]:
-        return iter([self._own()])
-
-    def __len__(self) -> int:
-        return 1
-
-
-# --------------------------------------------------------------------------------------------
-# ProcessGroup
-# --------------------------------------------------------------------------------------------
 
 
 class ProcessGroup(dist.ProcessGroup):
@@ -297,6 +74,7 @@ class ProcessGroup(dist.ProcessGroup):
         self._group_name: c10d.GroupName | None = None
         self._auto_named = False
         self._error_lock = threading.Lock()
+        self._closed = False  # shut down (until the next configure)
 
     # ---- identity ---------------------------------------------------------------------------
     def rank(self) -> int:
@@ -365,7 +143,12 @@ class ProcessGroup(dist.ProcessGroup):
         raise NotImplementedError(f"{type(self).__name__} does not support set_timeout")
 
     def _begin_configure(self, store_addr: str, rank: int, world_size: int) -> None:
-        """Validate arguments and start a new generation (errors of the old one are forgotten)."""
+        """Validate arguments and start a new generation (errors of the old one are forgotten).
+
+        Malformed arguments are misuse: ValueError/TypeError before anything changes. A configure
+        after `shutdown` rebuilds the group (as in torchft).
+        """
+        parse_store_addr(store_addr)
         if not isinstance(rank, int) or not isinstance(world_size, int):
             raise TypeError("rank and world_size must be ints")
         if world_size < 1:
@@ -375,6 +158,7 @@ class ProcessGroup(dist.ProcessGroup):
         with self._error_lock:
             self._generation += 1
             self._error = None
+        self._closed = False
         self._store_addr = store_addr
         self._rank = rank
         self._world_size = world_size
@@ -429,46 +213,25 @@ class ProcessGroup(dist.ProcessGroup):
             return ValueError(f"{op} rejected its arguments on {self._describe()}: {first_line(exc)}")
         return exc
 
+    def _unusable_error(self, op: str) -> Exception:
+        """Why ``op`` cannot run with no backend up: shut down, failed (that error), or never configured."""
+        if self._closed:
+            return ValueError(f"{op}: {type(self).__name__} was shut down; configure() it again to reuse it")
+        if self._error is not None:
+            return self._error
+        return ValueError(f"{op}: {type(self).__name__} is not configured; call configure() first")
+
     def _unsupported(self, op: str) -> NotImplementedError:
         return NotImplementedError(f"{op} is not supported by the {self.getBackendName()} backend")
 
-    # ---- registry ---------------------------------------------------------------------------
-    # Like torch's own groups, ours live in torch's registries (``_world`` and the C++ name
-    # registry) from their first configure on: ``dist.get_backend(pg)``, ``dist.get_rank(pg)``,
-    # functional collectives by ``pg.group_name`` and ``destroy_process_group(pg)`` then work,
-    # and - important for the error model - an exception raised inside ``dist.all_reduce(...,
-    # group=pg)`` reaches the caller instead of being masked by torch's error logger, which
-    # looks the group up there. As with torch's groups, `shutdown` frees the resources and
-    # ``destroy_process_group(pg)`` (or `unregister`) also drops the registration.
-
+    # ---- registry (see `_registry`: torch's tables, from the first configure on) --------------
     def _is_registered(self) -> bool:
-        return c10d._world.pg_names.get(self) is not None
+        return _registry.is_registered(self)
 
     def _auto_register(self) -> None:
         if not self._is_registered():
-            self._register_as(self.group_name)
+            self._group_name = _registry.add(self, self.group_name)
             self._auto_named = True
-
-    def _register_as(self, name: str) -> None:
-        if name in c10d._world.pg_names.values():
-            raise ValueError(f"a process group named {name!r} is already registered")
-        group_name = self._group_name = c10d.GroupName(name)
-        backend = self.getBackendName()
-        world = c10d._world
-        # No c10d Store behind our groups (each configure builds its own). torch annotates the slot
-        # as a Store but reads it only for the default group, groups it derives from another (by
-        # tag, shrink) and symmetric memory - none of which applies to ours.
-        world.pg_map[self] = (backend, None)  # type: ignore[assignment]
-        world.pg_names[self] = group_name
-        # A live read-only Mapping where torch annotates a dict: torch only reads the table
-        # ([]/items/keys), never mutates it.
-        world.pg_group_ranks[self] = _LiveRankMap(self)  # type: ignore[assignment]
-        world.pg_backend_config[self] = backend
-        tag = f"ptd:{name}"
-        world.pg_to_tag[self] = tag
-        world.tags_to_pg.setdefault(tag, []).append(self)
-        c10d._register_process_group(group_name, self)
-        self._auto_named = False
 
     def register(self, name: str) -> ProcessGroup:
         """Register under `name` (torchft's API): then usable by that name, e.g. by functional
@@ -476,32 +239,18 @@ class ProcessGroup(dist.ProcessGroup):
         if not name or not isinstance(name, str):
             raise ValueError("register() needs a non-empty name")
         if self._is_registered():
-            if not getattr(self, "_auto_named", False):
+            if not self._auto_named:
                 raise ValueError(f"{self!r} is already registered as {self._group_name!r}")
             self.unregister()
-        self._register_as(name)
+        self._group_name = _registry.add(self, name)
+        self._auto_named = False
         return self
 
     def unregister(self) -> None:
         """Remove this group from torch's registries (destroy_process_group(pg) also does)."""
-        world = c10d._world
         if not self._is_registered():
             raise ValueError(f"{self!r} is not registered")
-        name = world.pg_names.pop(self, None)
-        world.pg_map.pop(self, None)
-        world.pg_group_ranks.pop(self, None)
-        world.pg_backend_config.pop(self, None)
-        world.pg_coalesce_state.pop(self, None)
-        tag = world.pg_to_tag.pop(self, None)
-        if tag is not None and self in world.tags_to_pg.get(tag, []):
-            world.tags_to_pg[tag].remove(self)
-            if not world.tags_to_pg[tag]:
-                del world.tags_to_pg[tag]
-        if name is not None:
-            try:
-                c10d._unregister_process_group(name)
-            except Exception:  # already gone from the C++ registry
-                pass
+        _registry.remove(self)
 
     # ---- public collectives (torch names and overloads) ------------------------------------
     # Typing: one implementation serves all of a method's overloads in torch's stub, taking them
@@ -509,26 +258,26 @@ class ProcessGroup(dist.ProcessGroup):
     # supported), hence ``ignore[override]``. The aliases under torch's other names take the same
     # positional arguments; the stub only names the parameters differently (``ignore[assignment]``).
     def allreduce(self, tensors: Any, opts: Any = None) -> dist.Work:  # type: ignore[override]
-        return self._do_allreduce(_tensor_list(tensors, "tensors"), _with_reduce(opts, AllreduceOptions))
+        return self._do_allreduce(tensor_list(tensors, "tensors"), with_reduce(opts, AllreduceOptions))
 
     def allreduce_coalesced(self, tensors: Any, opts: Any = None) -> dist.Work:
         return self._do_allreduce_coalesced(
-            _tensor_list(tensors, "tensors"), _with_reduce(opts, AllreduceCoalescedOptions)
+            tensor_list(tensors, "tensors"), with_reduce(opts, AllreduceCoalescedOptions)
         )
 
     def allgather(self, output_tensors: Any, input_tensor: Any, opts: Any = None) -> dist.Work:
         if isinstance(input_tensor, torch.Tensor):
-            outputs = [_tensor_list(output_tensors, "output_tensors")]
+            outputs = [tensor_list(output_tensors, "output_tensors")]
             inputs = [input_tensor]
         else:
-            inputs = _tensor_list(input_tensor, "input_tensors")
-            outputs = [_tensor_list(o, "output_tensors[i]") for o in output_tensors]
-        return self._do_allgather(outputs, inputs, _plain(opts, AllgatherOptions))
+            inputs = tensor_list(input_tensor, "input_tensors")
+            outputs = [tensor_list(o, "output_tensors[i]") for o in output_tensors]
+        return self._do_allgather(outputs, inputs, plain(opts, AllgatherOptions))
 
     def all_gather_single(
         self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, opts: Any = None
     ) -> dist.Work:
-        return self._do_all_gather_single(output_tensor, input_tensor, _plain(opts, AllgatherOptions))
+        return self._do_all_gather_single(output_tensor, input_tensor, plain(opts, AllgatherOptions))
 
     _allgather_base = all_gather_single  # type: ignore[assignment]
 
@@ -536,9 +285,9 @@ class ProcessGroup(dist.ProcessGroup):
         self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor], opts: Any = None
     ) -> dist.Work:
         return self._do_all_gather_single_coalesced(
-            _tensor_list(output_tensors, "output_tensors"),
-            _tensor_list(input_tensors, "input_tensors"),
-            _plain(opts, AllgatherOptions),
+            tensor_list(output_tensors, "output_tensors"),
+            tensor_list(input_tensors, "input_tensors"),
+            plain(opts, AllgatherOptions),
         )
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced  # type: ignore[assignment]
@@ -547,7 +296,7 @@ class ProcessGroup(dist.ProcessGroup):
         if isinstance(opts, int):
             root, opts = opts, BroadcastOptions()
             opts.rootRank = root
-        return self._do_broadcast(_tensor_list(tensors, "tensors"), _plain(opts, BroadcastOptions))
+        return self._do_broadcast(tensor_list(tensors, "tensors"), plain(opts, BroadcastOptions))
 
     def broadcast_one(self, tensor: torch.Tensor, root: int) -> dist.Work:
         opts = BroadcastOptions()
@@ -557,17 +306,17 @@ class ProcessGroup(dist.ProcessGroup):
     def reduce_scatter(self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> dist.Work:  # type: ignore[override]
         if isinstance(output_tensors, torch.Tensor):
             outputs = [output_tensors]
-            inputs = [_tensor_list(input_tensors, "input_tensors")]
+            inputs = [tensor_list(input_tensors, "input_tensors")]
         else:
-            outputs = _tensor_list(output_tensors, "output_tensors")
-            inputs = [_tensor_list(i, "input_tensors[i]") for i in input_tensors]
-        return self._do_reduce_scatter(outputs, inputs, _with_reduce(opts, ReduceScatterOptions))
+            outputs = tensor_list(output_tensors, "output_tensors")
+            inputs = [tensor_list(i, "input_tensors[i]") for i in input_tensors]
+        return self._do_reduce_scatter(outputs, inputs, with_reduce(opts, ReduceScatterOptions))
 
     def reduce_scatter_single(
         self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, opts: Any = None
     ) -> dist.Work:
         return self._do_reduce_scatter_single(
-            output_tensor, input_tensor, _with_reduce(opts, ReduceScatterOptions)
+            output_tensor, input_tensor, with_reduce(opts, ReduceScatterOptions)
         )
 
     _reduce_scatter_base = reduce_scatter_single  # type: ignore[assignment]
@@ -576,9 +325,9 @@ class ProcessGroup(dist.ProcessGroup):
         self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor], opts: Any = None
     ) -> dist.Work:
         return self._do_reduce_scatter_single_coalesced(
-            _tensor_list(output_tensors, "output_tensors"),
-            _tensor_list(input_tensors, "input_tensors"),
-            _with_reduce(opts, ReduceScatterOptions),
+            tensor_list(output_tensors, "output_tensors"),
+            tensor_list(input_tensors, "input_tensors"),
+            with_reduce(opts, ReduceScatterOptions),
         )
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced  # type: ignore[assignment]
@@ -596,26 +345,26 @@ class ProcessGroup(dist.ProcessGroup):
             input_tensor,
             list(output_split_sizes),
             list(input_split_sizes),
-            _plain(opts, AllToAllOptions),
+            plain(opts, AllToAllOptions),
         )
 
     alltoall_base = all_to_all_single  # type: ignore[assignment]
 
     def alltoall(self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> dist.Work:
         return self._do_alltoall(
-            _tensor_list(output_tensors, "output_tensors"),
-            _tensor_list(input_tensors, "input_tensors"),
-            _plain(opts, AllToAllOptions),
+            tensor_list(output_tensors, "output_tensors"),
+            tensor_list(input_tensors, "input_tensors"),
+            plain(opts, AllToAllOptions),
         )
 
     def send(self, tensors: Any, dst_rank: int, tag: int = 0) -> dist.Work:
-        return self._do_send(_tensor_list(tensors, "tensors"), dst_rank, tag)
+        return self._do_send(tensor_list(tensors, "tensors"), dst_rank, tag)
 
     def recv(self, tensors: Any, src_rank: int, tag: int = 0) -> dist.Work:
-        return self._do_recv(_tensor_list(tensors, "tensors"), src_rank, tag)
+        return self._do_recv(tensor_list(tensors, "tensors"), src_rank, tag)
 
     def barrier(self, opts: Any = None) -> dist.Work:
-        return self._do_barrier(_plain(opts, BarrierOptions))
+        return self._do_barrier(plain(opts, BarrierOptions))
 
     # ---- hooks: native ops (subclasses) -----------------------------------------------------
     def _do_allreduce(self, tensors: list[torch.Tensor], opts: AllreduceOptions) -> dist.Work:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import itertools
 
-from torch.distributed import distributed_c10d as c10d
 from torch.distributed.device_mesh import DeviceMesh
 
+from ftlaunch.process_group import _registry
 from ftlaunch.process_group.base import ProcessGroup
 
 __all__ = ["extend_device_mesh"]
@@ -31,7 +31,7 @@ def extend_device_mesh(mesh: DeviceMesh, pg: ProcessGroup, name: str = "dp", dim
         raise ValueError(f"mesh already has a dimension named {name!r}")
     if not 0 <= dim <= mesh.ndim:
         raise ValueError(f"dim {dim} out of range for a {mesh.ndim}-d mesh")
-    if c10d._world.pg_names.get(pg) is None:
+    if not _registry.is_registered(pg):
         pg.register(f"ftlaunch-{name}-{next(_NAMES)}")
     groups = [mesh.get_group(i) for i in range(mesh.ndim)]
     groups.insert(dim, pg)

@@ -1,4 +1,4 @@
-"""In-process reconfigurable groups: a generic wrapper, Gloo, NCCL, error swallowing, dummy.
+"""In-process reconfigurable groups: `ProcessGroupWrapper` and the Gloo and NCCL groups built on it.
 
 `ProcessGroupWrapper` forwards every operation to the backend object of the current
 configuration (a torch ``Backend`` such as gloo's, or another ftlaunch group). Forwarding is one
@@ -6,6 +6,9 @@ Python call plus one thin `FtWork` per op — no copies, no threads — so the t
 backend's own. `configure` drops the old backend (its destructor joins gloo's worker threads and
 closes its sockets; a dead peer makes those finish at once, a hung one within the timeout) and
 builds a new one on the new store prefix.
+
+The wrappers that change what an op does live beside it: `error_swallowing` (errors become
+reports), and `dummy` (no communication at all) is a plain `ProcessGroup`.
 """
 
 from __future__ import annotations
@@ -28,19 +31,16 @@ from torch._C._distributed_c10d import (
     ReduceScatterOptions,
 )
 
+from ftlaunch.addresses import parse_store_addr
 from ftlaunch.errors import CommunicationError
-from ftlaunch.process_group._store import connect_store, first_line, parse_store_addr
-from ftlaunch.process_group.base import DoneWork, FtWork, ProcessGroup, as_timedelta
+from ftlaunch.process_group._store import connect_store, first_line
+from ftlaunch.process_group.base import ProcessGroup
+from ftlaunch.process_group.work import FtWork
+from ftlaunch.timeouts import as_timedelta
 
 logger = logging.getLogger(__name__)
 
-__all__ = [
-    "ErrorSwallowingProcessGroupWrapper",
-    "ProcessGroupDummy",
-    "ProcessGroupGloo",
-    "ProcessGroupNCCL",
-    "ProcessGroupWrapper",
-]
+__all__ = ["ProcessGroupGloo", "ProcessGroupNCCL", "ProcessGroupWrapper"]
 
 
 class ProcessGroupWrapper(ProcessGroup):
@@ -54,10 +54,8 @@ class ProcessGroupWrapper(ProcessGroup):
         super().__init__(0, 1)
         self._pg: Any = pg
         self._timeout = as_timedelta(timeout)
-        self._store: dist.Store | None = None
         self._store_clients: dict[tuple[str, int], dist.Store] = {}
         self._lock = threading.RLock()
-        self._closed = False
         self._wrap_works = not isinstance(pg, ProcessGroup)
         self._live_works: weakref.WeakSet[FtWork] = weakref.WeakSet()
         self._works_lock = threading.Lock()  # WeakSet is not safe against concurrent add/iterate
@@ -105,11 +103,9 @@ class ProcessGroupWrapper(ProcessGroup):
 
     # ---- lifecycle --------------------------------------------------------------------------
     def configure(self, store_addr: str, rank: int, world_size: int) -> None:
-        parse_store_addr(store_addr)  # malformed addresses are misuse: ValueError before anything else
         with self._lock:
-            self._closed = False  # a configure after shutdown() rebuilds the group (as torchft)
-            self._abort_pending = None
             self._begin_configure(store_addr, rank, world_size)
+            self._abort_pending = None  # that generation's backend is released below
             if not self._owns_backend():
                 if not isinstance(self._pg, ProcessGroup):
                     raise ValueError(
@@ -119,9 +115,7 @@ class ProcessGroupWrapper(ProcessGroup):
                 return
             self._release_backend(abort=True)
             try:
-                store = self._prefixed_store(store_addr)
-                self._store = store
-                self._pg = self._create_pg(store, rank, world_size)
+                self._pg = self._create_pg(self._prefixed_store(store_addr), rank, world_size)
             except (CommunicationError, RuntimeError, TimeoutError) as e:
                 self._release_backend(abort=True)
                 self._store_clients = {}  # the connection itself may be what failed
@@ -152,7 +146,6 @@ class ProcessGroupWrapper(ProcessGroup):
         waiting on them afterwards raises CommunicationError.
         """
         old, self._pg = self._pg, None
-        self._store = None
         with self._works_lock:
             works, self._live_works = list(self._live_works), weakref.WeakSet()
         for work in works:
@@ -228,13 +221,9 @@ class ProcessGroupWrapper(ProcessGroup):
         if self._error is not None and self._owns_backend():
             raise self._error  # errored: fail fast until the next configure
         pg = self._pg
-        if pg is not None:
-            return pg
-        if self._closed:
-            raise ValueError(f"{op}: {type(self).__name__} was shut down; configure() it again to reuse it")
-        if self._error is not None:
-            raise self._error
-        raise ValueError(f"{op}: {type(self).__name__} is not configured; call configure() first")
+        if pg is None:
+            raise self._unusable_error(op)
+        return pg
 
     def _forward(self, op: str, method: str, *args: Any, peer: int | None = None) -> dist.Work:
         pg = self._current(op)
@@ -361,173 +350,3 @@ class ProcessGroupNCCL(ProcessGroupWrapper):
             # Connect eagerly so configure() fails here, not inside the first collective.
             pg.eager_connect_single_device(torch.device("cuda", torch.cuda.current_device()))
         return pg
-
-
-class ErrorSwallowingProcessGroupWrapper(ProcessGroupWrapper):
-    """Turns communication errors into reported errors and dummy results.
-
-    After the first error every operation returns a completed Work (tensors left as they are)
-    until the next `configure`, so modeling code needs no error handling; the owner (Manager)
-    checks `error()` once per step and discards the step.
-    """
-
-    def __init__(self, pg: ProcessGroup) -> None:
-        if not isinstance(pg, ProcessGroup):
-            raise TypeError("ErrorSwallowingProcessGroupWrapper needs an ftlaunch ProcessGroup")
-        super().__init__(pg=pg)
-        self._swallowed: Exception | None = None
-
-    def configure(self, store_addr: str, rank: int, world_size: int) -> None:
-        self._swallowed = None
-        super().configure(store_addr, rank, world_size)
-
-    def error(self) -> Exception | None:
-        """The error reported since the last configure, if any."""
-        return self._swallowed
-
-    def report_error(self, e: Exception) -> None:
-        """Record `e`; all following operations are skipped until the next configure."""
-        if self._swallowed is None:
-            logger.warning("ftlaunch.process_group: swallowing error, skipping ops until reconfigure: %s", e)
-            self._swallowed = e
-
-    def errored(self) -> Exception | None:
-        return self._swallowed or super().errored()
-
-    def _forward(self, op: str, method: str, *args: Any, peer: int | None = None) -> dist.Work:
-        result = _result_of(method, args)
-        if self._swallowed is not None:
-            return DoneWork(result)
-        try:
-            work = super()._forward(op, method, *args, peer=peer)
-        except CommunicationError as e:
-            self.report_error(e)
-            return DoneWork(result)
-        return _SwallowingWork(self, work, result)
-
-
-def _result_of(method: str, args: tuple[Any, ...]) -> Any:
-    """What a completed op's future holds: the tensors it wrote (the first argument, as torch)."""
-    if method == "barrier":
-        return []
-    first = args[0]
-    return first if isinstance(first, list) else [first]
-
-
-class _SwallowingWork(dist.Work):
-    """Reports a failure to its wrapper instead of raising it."""
-
-    def __init__(self, pg: ErrorSwallowingProcessGroupWrapper, inner: dist.Work, result: Any) -> None:
-        super().__init__()
-        self._pg = pg
-        self._inner = inner
-        self._result = result
-
-    def wait(self, timeout: timedelta = timedelta(0)) -> bool:
-        try:
-            if timeout:
-                self._inner.wait(timeout)
-            else:
-                self._inner.wait()
-        except Exception as e:
-            self._pg.report_error(e)
-        return True
-
-    def is_completed(self) -> bool:
-        return self._inner.is_completed()
-
-    def get_future(self) -> torch.futures.Future:
-        out: torch.futures.Future = torch.futures.Future()
-        pg, result = self._pg, self._result
-
-        def _done(fut: torch.futures.Future) -> None:
-            try:
-                value = fut.value()
-            except Exception as e:
-                pg.report_error(e)
-                value = result
-            out.set_result(value)
-
-        self._inner.get_future().add_done_callback(_done)
-        return out
-
-
-class ProcessGroupDummy(ProcessGroup):
-    """Discards all data and returns success at once (to silence ops without touching the caller).
-
-    Every operation leaves its tensors untouched and completes immediately; `configure` only
-    records the rank and world size (and counts calls in ``configure_count``).
-    """
-
-    def __init__(self, rank: int, world: int) -> None:
-        super().__init__(rank, world)
-        if world < 1 or not 0 <= rank < world:
-            raise ValueError(f"bad rank/world: {rank}/{world}")
-        self.configure_count = 0
-        self._auto_register()
-
-    def getBackendName(self) -> str:  # noqa: N802
-        return "ftlaunch-dummy"
-
-    def configure(self, store_addr: str, rank: int, world_size: int) -> None:
-        parse_store_addr(store_addr)
-        self._begin_configure(store_addr, rank, world_size)
-        self.configure_count += 1
-
-    def set_timeout(self, timeout: timedelta | float) -> None:
-        as_timedelta(timeout)
-
-    def _do_allreduce(self, tensors: list[torch.Tensor], opts: AllreduceOptions) -> dist.Work:
-        return DoneWork(tensors)
-
-    def _do_allreduce_coalesced(
-        self, tensors: list[torch.Tensor], opts: AllreduceCoalescedOptions
-    ) -> dist.Work:
-        return DoneWork(tensors)
-
-    def _do_allgather(
-        self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: AllgatherOptions
-    ) -> dist.Work:
-        return DoneWork(outputs)
-
-    def _do_all_gather_single(
-        self, output: torch.Tensor, input: torch.Tensor, opts: AllgatherOptions
-    ) -> dist.Work:
-        return DoneWork([output])
-
-    def _do_broadcast(self, tensors: list[torch.Tensor], opts: BroadcastOptions) -> dist.Work:
-        return DoneWork(tensors)
-
-    def _do_reduce_scatter(
-        self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: ReduceScatterOptions
-    ) -> dist.Work:
-        return DoneWork(outputs)
-
-    def _do_reduce_scatter_single(
-        self, output: torch.Tensor, input: torch.Tensor, opts: ReduceScatterOptions
-    ) -> dist.Work:
-        return DoneWork([output])
-
-    def _do_all_to_all_single(
-        self,
-        output: torch.Tensor,
-        input: torch.Tensor,
-        output_splits: list[int],
-        input_splits: list[int],
-        opts: AllToAllOptions,
-    ) -> dist.Work:
-        return DoneWork([output])
-
-    def _do_alltoall(
-        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: AllToAllOptions
-    ) -> dist.Work:
-        return DoneWork(outputs)
-
-    def _do_send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> dist.Work:
-        return DoneWork(tensors)
-
-    def _do_recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> dist.Work:
-        return DoneWork(tensors)
-
-    def _do_barrier(self, opts: BarrierOptions) -> dist.Work:
-        return DoneWork([])

@@ -1,0 +1,209 @@
+"""The header frame: what a receiver reads first, and validates completely before it allocates.
+
+``header frame`` = ``MAGIC`` (8 bytes) | JSON length (uint64 LE) | crc32 of the JSON (uint32 LE) | JSON
+
+Why JSON and not ``torch.save``/pickle: the bytes come from the network, and unpickling them runs
+whatever code the peer (or anyone who can reach the port) chooses. The receiver checks the magic
+and the length before reading the JSON, the crc32 before parsing it, and then the schema exactly
+(known keys, exact types, whitelisted dtypes, every tensor inside the body and none overlapping),
+so a `Header` it returns describes a body that can be received into tensors of validated dtype
+and shape. The header is small, so crc32 protects it; tensor bytes carry `checksum.checksum`.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import sys
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ftlaunch.checkpointing.serialization import tree
+from ftlaunch.checkpointing.serialization.spec import (
+    ALIGNMENT,
+    CHECKSUM,
+    DTYPE_NAMES,
+    DTYPES,
+    FORMAT,
+    MAGIC,
+    MAX_HEADER_BYTES,
+    MAX_NDIM,
+    VERSION,
+    invalid,
+    is_int,
+)
+from ftlaunch.errors import CheckpointTransportError
+
+__all__ = [
+    "FRAME_PREFIX_LEN",
+    "MAX_FRAME_BYTES",
+    "Header",
+    "TensorEntry",
+    "frame_header",
+    "parse_frame_prefix",
+    "parse_header",
+]
+
+_PREFIX = struct.Struct("<8sQI")
+#: Bytes before the JSON in a header frame: magic, JSON length, crc32.
+FRAME_PREFIX_LEN = _PREFIX.size
+#: The largest header frame a receiver accepts (checked before reading it).
+MAX_FRAME_BYTES = FRAME_PREFIX_LEN + MAX_HEADER_BYTES
+
+_HEADER_KEYS = {
+    "format",
+    "version",
+    "step",
+    "byteorder",
+    "checksum",
+    "alignment",
+    "body_nbytes",
+    "tensors",
+    "tree",
+}
+_TENSOR_KEYS = {"dtype", "shape", "offset", "nbytes", "sum", "requires_grad"}
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of the body, as described (and validated) by the header."""
+
+    index: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+    sum: str
+    requires_grad: bool
+
+    def to_json(self) -> dict:
+        return {
+            "dtype": DTYPE_NAMES[self.dtype],
+            "shape": list(self.shape),
+            "offset": self.offset,
+            "nbytes": self.nbytes,
+            "sum": self.sum,
+            "requires_grad": self.requires_grad,
+        }
+
+
+@dataclass(frozen=True)
+class Header:
+    """A whole payload's description: the step, the body size, its tensors and the value tree."""
+
+    step: int
+    body_nbytes: int
+    tensors: tuple[TensorEntry, ...]
+    tree: Any  # validated JSON node (see docs/checkpointing.md)
+
+
+def frame_header(header: Header) -> bytes:
+    """The header frame (prefix + JSON) a sender sends before the body."""
+    doc = {
+        "format": FORMAT,
+        "version": VERSION,
+        "step": header.step,
+        "byteorder": sys.byteorder,
+        "checksum": CHECKSUM,
+        "alignment": ALIGNMENT,
+        "body_nbytes": header.body_nbytes,
+        "tensors": [e.to_json() for e in header.tensors],
+        "tree": header.tree,
+    }
+    raw = json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+    return _PREFIX.pack(MAGIC, len(raw), zlib.crc32(raw)) + raw
+
+
+def parse_frame_prefix(prefix: bytes | bytearray | memoryview) -> int:
+    """Validate the fixed-size start of a header frame; return the JSON length that follows."""
+    if len(prefix) < FRAME_PREFIX_LEN:
+        raise invalid(f"header frame truncated ({len(prefix)} < {FRAME_PREFIX_LEN} bytes)")
+    magic, length, _crc = _PREFIX.unpack_from(prefix)
+    if magic != MAGIC:
+        raise invalid(f"bad magic {bytes(magic)!r} (not an ftlaunch checkpoint; pickles are never accepted)")
+    if length > MAX_HEADER_BYTES:
+        raise invalid(f"header length {length} exceeds the limit of {MAX_HEADER_BYTES} bytes")
+    return length
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"non-finite JSON constant {name}")
+
+
+def parse_header(frame: bytes | bytearray | memoryview, expected_step: int | None = None) -> Header:
+    """Parse and fully validate a header frame. Anything malformed -> CheckpointTransportError."""
+    length = parse_frame_prefix(frame)
+    _magic, _len, crc = _PREFIX.unpack_from(frame)
+    if len(frame) != FRAME_PREFIX_LEN + length:
+        raise invalid(f"header frame is {len(frame)} bytes, expected {FRAME_PREFIX_LEN + length}")
+    raw = bytes(frame[FRAME_PREFIX_LEN:])
+    if zlib.crc32(raw) != crc:
+        raise invalid("header checksum mismatch (corrupted header)")
+    try:
+        doc = json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise invalid(f"header is not valid JSON: {e}") from None
+    header = _validate_header(doc)
+    if expected_step is not None and header.step != expected_step:
+        raise CheckpointTransportError(f"checkpoint is for step {header.step}, expected step {expected_step}")
+    return header
+
+
+def _validate_header(doc: Any) -> Header:
+    if not isinstance(doc, dict) or set(doc) != _HEADER_KEYS:
+        keys = sorted(doc) if isinstance(doc, dict) else type(doc).__name__
+        raise invalid(f"header must be an object with keys {sorted(_HEADER_KEYS)}, got {keys}")
+    if doc["format"] != FORMAT or doc["version"] != VERSION:
+        raise invalid(f"unsupported format {doc['format']!r} version {doc['version']!r}")
+    if doc["byteorder"] != sys.byteorder:
+        raise invalid(f"byte order {doc['byteorder']!r} differs from this machine's {sys.byteorder!r}")
+    if doc["checksum"] != CHECKSUM or doc["alignment"] != ALIGNMENT:
+        raise invalid(f"unsupported checksum {doc['checksum']!r} / alignment {doc['alignment']!r}")
+    step, body_nbytes = doc["step"], doc["body_nbytes"]
+    if not is_int(step) or not is_int(body_nbytes) or body_nbytes < 0:
+        raise invalid("step and body_nbytes must be integers (body_nbytes >= 0)")
+    if not isinstance(doc["tensors"], list):
+        raise invalid("tensors must be a list")
+    entries = tuple(_validate_entry(i, e, body_nbytes) for i, e in enumerate(doc["tensors"]))
+    end = 0
+    for e in sorted((e for e in entries if e.nbytes), key=lambda e: e.offset):
+        if e.offset < end:
+            raise invalid(f"tensor {e.index} overlaps the previous tensor")
+        end = e.offset + e.nbytes
+    refs: set[int] = set()
+    tree.validate(doc["tree"], len(entries), refs)
+    if len(refs) != len(entries):
+        raise invalid(f"{len(entries) - len(refs)} tensors are not referenced by the tree")
+    return Header(step=step, body_nbytes=body_nbytes, tensors=entries, tree=doc["tree"])
+
+
+def _validate_entry(i: int, e: Any, body_nbytes: int) -> TensorEntry:
+    if not isinstance(e, dict) or set(e) != _TENSOR_KEYS:
+        raise invalid(f"tensor {i}: must be an object with keys {sorted(_TENSOR_KEYS)}")
+    dtype = DTYPES.get(e["dtype"]) if isinstance(e["dtype"], str) else None
+    if dtype is None:
+        raise invalid(f"tensor {i}: dtype {e['dtype']!r} is not allowed")
+    shape = e["shape"]
+    if not isinstance(shape, list) or len(shape) > MAX_NDIM or not all(is_int(s) and s >= 0 for s in shape):
+        raise invalid(f"tensor {i}: bad shape {shape!r}")
+    offset, nbytes = e["offset"], e["nbytes"]
+    if not is_int(offset) or not is_int(nbytes) or offset < 0 or nbytes < 0:
+        raise invalid(f"tensor {i}: offset/nbytes must be non-negative integers")
+    numel = 1
+    for s in shape:
+        numel *= s
+    if numel * dtype.itemsize != nbytes:
+        raise invalid(f"tensor {i}: nbytes {nbytes} does not match dtype {e['dtype']} and shape {shape}")
+    if offset + nbytes > body_nbytes:
+        raise invalid(
+            f"tensor {i}: bytes [{offset}, {offset + nbytes}) lie outside the body ({body_nbytes} bytes)"
+        )
+    s = e["sum"]
+    if not isinstance(s, str) or len(s) != 32 or any(c not in "0123456789abcdef" for c in s):
+        raise invalid(f"tensor {i}: bad checksum {s!r}")
+    if type(e["requires_grad"]) is not bool:
+        raise invalid(f"tensor {i}: requires_grad must be a boolean")
+    return TensorEntry(i, dtype, tuple(shape), offset, nbytes, s, e["requires_grad"])
