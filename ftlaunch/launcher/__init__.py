@@ -1,6 +1,6 @@
 """The ``ftlaunch`` launcher: a supervisor that runs N replica groups, each a torchelastic agent.
 
-See docs/launcher.md. Entry points: the ``ftlaunch`` console script (`ftlaunch.cli`), `Supervisor`
+See docs/launcher.md. Entry points: the ``ftlaunch`` console script (`ftlaunch.launcher.cli`), `Supervisor`
 for programmatic use, and the torchx components in `ftlaunch.launcher.torchx_components`.
 """
 

@@ -221,7 +221,7 @@ def run_agent(cfg: AgentConfig) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from ftlaunch import rendezvous
+    from ftlaunch.launcher import rendezvous
 
     rendezvous.register()
     os.environ[env.REPLICA_GROUP_ID] = str(cfg.group)
