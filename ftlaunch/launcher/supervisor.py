@@ -78,7 +78,6 @@ class _Agent:
     """A group's running agent process and its pipes."""
 
     proc: subprocess.Popen
-    incarnation: int
     result_file: str
     #: stdout, stderr and the event pipe; the agent's last words are in once all three are closed.
     open_streams: int = 3
@@ -222,7 +221,7 @@ class Supervisor:
             )
         finally:
             os.close(write_fd)
-        self._agents[group.gid] = _Agent(proc, inc, result_file)
+        self._agents[group.gid] = _Agent(proc, result_file)
         assert proc.stdout is not None and proc.stderr is not None  # noqa: S101 - Popen(PIPE) contract
         for name, stream in (("out", proc.stdout), ("err", proc.stderr)):
             threading.Thread(
@@ -280,7 +279,7 @@ class Supervisor:
 
     def _handle(self, kind: str, gid: int, inc: int, payload: Any) -> None:
         group, agent = self.groups[gid], self._agents.get(gid)
-        current = agent is not None and inc == agent.incarnation
+        current = inc == group.incarnation  # not a line of an agent that was replaced
         if kind == "eof":
             if current and agent is not None:
                 agent.open_streams -= 1
