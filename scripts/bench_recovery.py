@@ -300,7 +300,7 @@ def through_launcher(steps: int = 400, kill_at: int = 60) -> tuple[float, float]
     import re
 
     script = HERE.parent / "train_ddp.py"
-    cmd = [sys.executable, "-m", "ftlaunch.cli", "--replicas", "2", "--no-status",
+    cmd = [sys.executable, "-m", "ftlaunch.launcher.cli", "--replicas", "2", "--no-status",
            "--chaos", f"steps={kill_at},group=1", str(script), "--steps", str(steps), "--width", str(WIDTH),
            "--batch-size", str(BATCH), "--step-sleep", "0.02"]
     env = dict(os.environ, OMP_NUM_THREADS="1")

@@ -9,8 +9,8 @@ import sys
 import pytest
 from workers.helpers import FTLAUNCH, WORKER, free_port, run
 
-from ftlaunch.cli import options_from_args
 from ftlaunch.errors import ConfigurationError
+from ftlaunch.launcher.cli import options_from_args
 from ftlaunch.launcher.options import ChaosSpec, LaunchOptions
 
 

@@ -13,7 +13,7 @@ from workers.helpers import WORKER, finish, free_port, records, run, start
 
 from ftlaunch.addresses import is_local_host
 from ftlaunch.errors import ConfigurationError
-from ftlaunch.rendezvous import FtRendezvousConfig, create_rdzv_handler
+from ftlaunch.launcher.rendezvous import FtRendezvousConfig, create_rdzv_handler
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 
@@ -88,7 +88,7 @@ def test_entry_point_registers_backend_in_a_fresh_interpreter() -> None:
         "print(type(h).__name__, h.get_backend(), h.get_run_id())\n"
         "h.shutdown()\n"
     )
-    for first in ("torch.distributed.run", "ftlaunch.rendezvous"):
+    for first in ("torch.distributed.run", "ftlaunch.launcher.rendezvous"):
         res = run([sys.executable, "-c", code.format(first=first)], timeout=50)
         assert res.returncode == 0, res.stderr
         assert res.stdout.split() == ["FtlaunchRendezvousHandler", "ftlaunch", "r-rg0"]

@@ -1,26 +1,19 @@
-"""The ``ftlaunch`` launcher: a supervisor that runs N replica groups, each a torchelastic agent.
+"""Launching fault-tolerant jobs: everything that starts, watches and restarts replica groups.
 
-See docs/launcher.md. Entry points: the ``ftlaunch`` console script (`ftlaunch.cli`), `Supervisor`
-for programmatic use, and the torchx components in `ftlaunch.launcher.torchx_components`.
+The three ways in (docs/launcher.md) and the modules behind them:
+
+* ``ftlaunch`` -- `cli` (flags -> `options.LaunchOptions`) runs the `supervisor`: the lifecycle loop
+  of one torchelastic `agent` process per replica group. What it learns goes to each group's
+  accounting (`group`); ``--chaos`` is `chaos`; the status line and the summary are `report` (over
+  `output`'s console); process-tree teardown is `procs`.
+* ``torchrun --rdzv-backend ftlaunch`` -- `rendezvous`, the torchelastic backend (also used by the
+  agents of ``ftlaunch``). It publishes the job environment (`ftlaunch.env.JobEnv`) to the workers
+  under every launch path.
+* ``torchx run ftlaunch:hsdp`` -- `torchx_components` builds the app; its lighthouse role is
+  `lighthouse_role`.
+
+Every path that hosts a lighthouse, or uses one running elsewhere, goes through `lighthouse_host`,
+which is also the launcher's only reader of the lighthouse status. This package sits above
+`ftlaunch.lighthouse` and the foundation modules (`env`, `addresses`, `errors`, `lifetime`); nothing
+below imports it. Importing it starts no thread and does not import torch.
 """
-
-from __future__ import annotations
-
-from ftlaunch.launcher.options import ChaosSpec, LaunchOptions
-
-__all__ = ["ChaosSpec", "LaunchOptions", "Supervisor", "run"]
-
-
-def run(opts: LaunchOptions) -> int:
-    """Run a job to completion and return ``ftlaunch``'s exit code."""
-    from ftlaunch.launcher.supervisor import Supervisor
-
-    return Supervisor(opts).run()
-
-
-def __getattr__(name: str):  # lazy: importing the package must not start threads or import torch
-    if name == "Supervisor":
-        from ftlaunch.launcher.supervisor import Supervisor
-
-        return Supervisor
-    raise AttributeError(name)

@@ -24,52 +24,60 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import psutil
 
 from ftlaunch import env
+from ftlaunch.launcher.options import LaunchOptions
 from ftlaunch.lifetime import die_with_parent
 
 logger = logging.getLogger("ftlaunch.launcher.agent")
 
-#: Lines the agent prints that are not worker output start with this (the supervisor strips it).
-WORKER_PREFIX_TEMPLATE = "[rg{group}/r${{rank}}] "
+#: torchelastic's prefix of every worker line, ``[rg<group>/r<rank>] `` (`output.WORKER_LINE` parses it).
+WORKER_PREFIX_TEMPLATE = "[{replica_id}/r${{rank}}] "
 
 
-@dataclass
+@dataclass(frozen=True)
 class AgentConfig:
-    """Everything one agent needs; written to a JSON file by the supervisor."""
+    """Everything one agent needs besides its job; the supervisor writes it as a JSON file.
 
-    group: int
-    num_groups: int
-    lighthouse: str
+    The launch options come whole (what the user asked for) plus this agent's plumbing. The job --
+    replica group, number of groups, lighthouse, token -- is not here: it is the agent's environment
+    (`env.JobEnv`, written by the supervisor), which its workers inherit, exactly as under
+    ``torchrun --rdzv-backend ftlaunch``.
+    """
+
+    options: LaunchOptions
     run_id: str
-    entrypoint: str
-    args: list[str]
-    nproc_per_node: int = 1
-    max_restarts: int = 3
-    monitor_interval: float = 0.1
-    role: str = "default"
-    start_method: str = "spawn"
-    log_dir: str | None = None
-    redirects: str = "0"
-    tee: str = "3"
-    local_ranks_filter: str = ""
-    run_path: bool = False
-    rdzv_conf: dict[str, str] = field(default_factory=dict)
-    shutdown_timeout: int | None = None
+    log_dir: str
     event_fd: int | None = None
     result_file: str | None = None
     supervisor_pid: int | None = None
+
+    @classmethod
+    def for_group(
+        cls, opts: LaunchOptions, *, run_id: str, log_dir: str, event_fd: int, result_file: str
+    ) -> AgentConfig:
+        # The agent needs neither the chaos spec nor the token (it has that in its environment and a
+        # secret does not belong in a file).
+        return cls(
+            options=dataclasses.replace(opts, chaos=None, token=None),
+            run_id=run_id,
+            log_dir=log_dir,
+            event_fd=event_fd,
+            result_file=result_file,
+            supervisor_pid=os.getpid(),
+        )
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
 
     @classmethod
     def from_json(cls, text: str) -> AgentConfig:
-        return cls(**json.loads(text))
+        data = json.loads(text)
+        return cls(**{**data, "options": LaunchOptions(**data["options"])})
 
 
 class EventWriter:
@@ -221,56 +229,55 @@ def run_agent(cfg: AgentConfig) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from ftlaunch import rendezvous
+    from ftlaunch.launcher import rendezvous
 
     rendezvous.register()
-    os.environ[env.REPLICA_GROUP_ID] = str(cfg.group)
-    os.environ[env.NUM_REPLICA_GROUPS] = str(cfg.num_groups)
-    os.environ[env.FTLAUNCH_LIGHTHOUSE] = cfg.lighthouse
-    if "OMP_NUM_THREADS" not in os.environ and cfg.nproc_per_node > 1:
+    job = env.JobEnv.from_environ()  # written by the supervisor
+    opts = cfg.options
+    if "OMP_NUM_THREADS" not in os.environ and opts.nproc_per_node > 1:
         os.environ["OMP_NUM_THREADS"] = "1"  # as torchrun does
 
     events = EventWriter(cfg.event_fd)
     watcher = WorkerWatcher(events)
     watcher.start()
 
-    ranks = {int(r) for r in cfg.local_ranks_filter.split(",") if r.strip()} or None
+    ranks = {int(r) for r in opts.local_ranks_filter.split(",") if r.strip()} or None
     logs_specs = DefaultLogsSpecs(
-        log_dir=cfg.log_dir, redirects=_std(cfg.redirects), tee=_std(cfg.tee), local_ranks_filter=ranks
+        log_dir=cfg.log_dir, redirects=_std(opts.redirects), tee=_std(opts.tee), local_ranks_filter=ranks
     )
     rdzv_conf = {
-        "replica_group_id": str(cfg.group),
-        "num_replica_groups": str(cfg.num_groups),
+        "replica_group_id": str(job.replica_group_id),
+        "num_replica_groups": str(job.num_replica_groups),
         # The supervisor owns the lighthouse; an agent must never start a second one.
         "start_lighthouse": "false",
-        **cfg.rdzv_conf,
+        **opts.rdzv_conf,
     }
     launch_config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
-        nproc_per_node=cfg.nproc_per_node,
+        nproc_per_node=opts.nproc_per_node,
         logs_specs=logs_specs,
         run_id=cfg.run_id,
-        role=cfg.role,
-        rdzv_endpoint=cfg.lighthouse,
+        role=opts.role,
+        rdzv_endpoint=job.lighthouse,
         rdzv_backend=rendezvous.BACKEND_NAME,
         rdzv_configs=rdzv_conf,
-        max_restarts=cfg.max_restarts,
-        monitor_interval=cfg.monitor_interval,
-        start_method=cfg.start_method,
-        log_line_prefix_template=WORKER_PREFIX_TEMPLATE.format(group=cfg.group),
-        shutdown_timeout=cfg.shutdown_timeout,
+        max_restarts=opts.max_restarts,
+        monitor_interval=opts.monitor_interval,
+        start_method=opts.start_method,
+        log_line_prefix_template=WORKER_PREFIX_TEMPLATE.format(replica_id=job.replica_id),
+        shutdown_timeout=opts.agent_shutdown_timeout,
     )
-    if cfg.run_path:
+    if opts.run_path:
         from torch.distributed.run import run_script_path
 
         entrypoint: Any = run_script_path
     else:
-        entrypoint = cfg.entrypoint
+        entrypoint = opts.entrypoint
 
     result: dict[str, Any]
     try:
-        elastic_launch(launch_config, entrypoint)(*cfg.args)
+        elastic_launch(launch_config, entrypoint)(*opts.args)
         result, code = {"status": "succeeded"}, 0
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
@@ -278,7 +285,7 @@ def run_agent(cfg: AgentConfig) -> int:
     except SignalException as e:
         result, code = {"status": "signaled", "signal": signal.Signals(e.sigval).name}, 128 + int(e.sigval)
     except Exception as e:  # noqa: BLE001 - reported to the supervisor, which decides
-        logger.exception("agent for replica group %d failed", cfg.group)
+        logger.exception("agent for replica group %d failed", job.replica_group_id)
         result, code = {"status": "error", "message": f"{type(e).__name__}: {e}"}, 1
     finally:
         watcher.stop()

@@ -21,6 +21,7 @@ from typing import NoReturn
 
 from ftlaunch import env
 from ftlaunch.errors import ConfigurationError
+from ftlaunch.launcher.lighthouse_host import HostedLighthouse, LighthouseSettings
 
 ADDRESS_FILE = "lighthouse.addr"
 
@@ -52,17 +53,16 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=os.environ.get("LOGLEVEL", "INFO").upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from ftlaunch.lighthouse.server import LighthouseServer
-
     os.makedirs(args.job_dir, exist_ok=True)
+    settings = LighthouseSettings(
+        bind=args.bind,
+        min_replicas=args.min_replicas,
+        join_timeout=args.join_timeout,
+        heartbeat_timeout=args.heartbeat_timeout,
+        token=os.environ.get(env.FTLAUNCH_TOKEN) or None,
+    )
     try:
-        server = LighthouseServer(
-            args.bind,
-            min_replicas=args.min_replicas,
-            join_timeout=args.join_timeout,
-            heartbeat_timeout=args.heartbeat_timeout,
-            token=os.environ.get(env.FTLAUNCH_TOKEN) or None,
-        ).start()
+        lighthouse = HostedLighthouse.start(settings)
     except ConfigurationError as e:
         print(f"lighthouse role: error: {e}", file=sys.stderr)
         return 2
@@ -71,9 +71,9 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, lambda *_: stop.set())
     path = os.path.join(args.job_dir, ADDRESS_FILE)
     with open(path + ".tmp", "w") as f:
-        f.write(server.address + "\n")
+        f.write(lighthouse.address + "\n")
     os.replace(path + ".tmp", path)  # readers never see a partial address
-    print(f"ftlaunch lighthouse role listening on {server.address}", flush=True)
+    print(f"ftlaunch lighthouse role listening on {lighthouse.address}", flush=True)
     try:
         while not stop.wait(0.2):
             done = finished_groups(args.job_dir)
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
                     shutil.rmtree(args.job_dir, ignore_errors=True)
                 break
     finally:
-        server.shutdown()
+        lighthouse.stop()
     return 0
 
 

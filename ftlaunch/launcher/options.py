@@ -171,3 +171,11 @@ class LaunchOptions:
                 raise ConfigurationError(message)
         if self.chaos is not None and self.chaos.group is not None and self.chaos.group >= self.replicas:
             raise ConfigurationError(f"--chaos group={self.chaos.group} but there are only {self.replicas} groups")
+
+    @property
+    def agent_shutdown_timeout(self) -> int:
+        """Seconds an agent gives its workers between SIGTERM and SIGKILL: ``--shutdown-timeout``, by
+        default a little less than ``--grace-period`` so the agent finishes before the supervisor kills it."""
+        if self.shutdown_timeout is not None:
+            return self.shutdown_timeout
+        return max(1, int(self.grace_period) - 2)

@@ -1,9 +1,10 @@
-"""Process-tree helpers: finding and killing whole trees (the prctl calls live in `ftlaunch.lifetime`).
+"""Process-tree teardown: finding a replica group's processes and killing whole trees.
 
 torchelastic starts every worker in a new session, so killing an agent does not kill its workers:
 they are re-parented and keep running. The supervisor therefore makes itself a *child subreaper*
-(Linux): orphans of its agents are re-parented to it instead of to init, stay visible in its process
-tree, and can be found and killed by walking that tree.
+(Linux; the prctl calls live in `ftlaunch.lifetime`): orphans of its agents are re-parented to it
+instead of to init, stay visible in its process tree, and are found by the replica group their
+environment names (``REPLICA_GROUP_ID``) and killed by walking that tree.
 """
 
 from __future__ import annotations
@@ -11,9 +12,13 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import subprocess
 import time
+from collections.abc import Iterable
 
 import psutil
+
+from ftlaunch import env
 
 logger = logging.getLogger(__name__)
 
@@ -101,3 +106,50 @@ def env_of(p: psutil.Process) -> dict[str, str]:
         return p.environ()
     except psutil.Error:
         return {}
+
+
+def group_processes(gid: int, worker_pids: Iterable[int], agents: set[int]) -> list[psutil.Process]:
+    """Live processes of replica group ``gid`` other than the ``agents``: its known workers, every
+    process of ours whose environment names the group (workers re-parented to us when their agent
+    died), and all their descendants (e.g. Baby process-group children)."""
+    found: dict[int, psutil.Process] = {}
+    for pid in worker_pids:
+        try:
+            found[pid] = psutil.Process(pid)
+        except psutil.Error:
+            continue
+    for child in psutil.Process().children(recursive=True):
+        if child.pid in agents or child.pid in found:
+            continue
+        if env_of(child).get(env.REPLICA_GROUP_ID) == str(gid):
+            found[child.pid] = child
+    for p in list(found.values()):
+        for d in descendants(p.pid):
+            found.setdefault(d.pid, d)
+    return list(found.values())
+
+
+def stop_job(agents: list[subprocess.Popen], extra: list[psutil.Process], grace: float) -> None:
+    """Stop a whole job: SIGTERM the ``agents``, ``grace`` seconds, then SIGKILL whatever is left of
+    their trees, of ``extra`` and of any process of ours that belongs to a replica group."""
+    roots = []
+    for agent in agents:
+        if agent.poll() is None:
+            try:
+                roots.append(psutil.Process(agent.pid))
+            except psutil.Error:
+                continue
+    if roots or extra:
+        left = terminate_tree(roots, grace, extra)
+        if left:
+            logger.error("could not stop processes: %s", [p.pid for p in left])
+    for agent in agents:
+        try:
+            agent.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            continue
+    # Anything re-parented to us that is still around (workers of a killed agent) goes too.
+    leftovers = [p for p in psutil.Process().children(recursive=True) if env.REPLICA_GROUP_ID in env_of(p)]
+    if leftovers:
+        kill_procs(leftovers)
+    reap_zombies(set())

@@ -43,6 +43,21 @@ def with_runtime_annotations(fn: Callable[..., Any]) -> Callable[..., Any]:
     return fn
 
 
+def _job_environ(group: int, replicas: int, lighthouse: str) -> dict[str, str]:
+    """The job environment of group role ``group``.
+
+    With a lighthouse of the user's it is the whole launcher->worker contract (`env.JobEnv`). With a
+    lighthouse role the address exists only once that role has bound its port, so the group's
+    rendezvous publishes the contract at run time (``JobEnv.to_environ``, before the workers start)
+    and the spec names the group only.
+    """
+    from ftlaunch import env
+
+    if lighthouse:
+        return env.JobEnv(group, replicas, lighthouse).to_environ()
+    return {env.REPLICA_GROUP_ID: str(group), env.NUM_REPLICA_GROUPS: str(replicas)}
+
+
 class _Raw(str):
     """A shell word that must not be quoted (it holds a variable expansion)."""
 
@@ -104,7 +119,6 @@ def hsdp_app(
     own_job_dir = not job_dir
     job_dir = job_dir or f"/tmp/ftlaunch-torchx/{macros.app_id}"
     base_env = {"LOGLEVEL": "WARNING", **(env or {})}
-    base_env[ftenv.NUM_REPLICA_GROUPS] = str(replicas)
     resource = specs.resource(cpu=cpu, gpu=gpu, memMB=memMB, h=h)
     parsed_mounts = specs.parse_mounts(mounts) if mounts else []
     roles = []
@@ -136,9 +150,10 @@ def hsdp_app(
         )
 
     for group in range(replicas):
+        rid = ftenv.replica_id(group)
         conf = f"replica_group_id={group},num_replica_groups={replicas}{lighthouse_conf}"
         if nnodes_per_replica > 1:
-            conf += f",group_endpoint=file:{job_dir}/rg{group}.store"
+            conf += f",group_endpoint=file:{job_dir}/{rid}.store"
         torchrun = [
             "torchrun",
             "--rdzv-backend", "ftlaunch",
@@ -152,19 +167,19 @@ def hsdp_app(
         ]
         torchrun += [script] if script is not None else ["-m", m or ""]
         torchrun += list(script_args)
-        exit_file = f"{job_dir}/rg{group}.{macros.replica_id}.exit"
+        exit_file = f"{job_dir}/{rid}.{macros.replica_id}.exit"
         command = (
             f"mkdir -p {shlex.quote(job_dir)}; {_join(torchrun)}; rc=$?; "
             f"echo $rc > {shlex.quote(exit_file)}; exit $rc"
         )
         roles.append(
             specs.Role(
-                name=f"rg{group}",
+                name=rid,
                 image=image,
                 entrypoint="bash",
                 args=["-c", command],
                 num_replicas=nnodes_per_replica,
-                env={**base_env, ftenv.REPLICA_GROUP_ID: str(group)},
+                env={**base_env, **_job_environ(group, replicas, lighthouse)},
                 resource=resource,
                 mounts=parsed_mounts,
                 max_retries=max_retries,

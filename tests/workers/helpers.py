@@ -17,7 +17,7 @@ import psutil
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WORKER = os.path.join(REPO, "tests", "workers", "worker.py")
-FTLAUNCH = [sys.executable, "-m", "ftlaunch.cli"]
+FTLAUNCH = [sys.executable, "-m", "ftlaunch.launcher.cli"]
 
 
 @dataclass

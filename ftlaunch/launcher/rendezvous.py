@@ -12,13 +12,14 @@ Two levels of membership, kept apart on purpose:
   This handler never consults it to decide a restart (`num_nodes_waiting` only counts the group's
   own nodes), so a group coming or going never restarts a healthy one.
 
-The handler also publishes the worker environment (``REPLICA_GROUP_ID``, ``NUM_REPLICA_GROUPS``,
-``FTLAUNCH_LIGHTHOUSE`` and, when known, ``FTLAUNCH_TOKEN``) by setting it in the agent's
-``os.environ`` before torchelastic starts the workers, which inherit the agent's environment.
+The handler also publishes the job environment (`env.JobEnv`: ``REPLICA_GROUP_ID``,
+``NUM_REPLICA_GROUPS``, ``FTLAUNCH_LIGHTHOUSE`` and, when known, ``FTLAUNCH_TOKEN``) by setting it in
+the agent's ``os.environ`` before torchelastic starts the workers, which inherit the agent's
+environment. It does so under all three launch paths (``ftlaunch``, ``torchrun``, torchx).
 
-If no lighthouse answers at the endpoint and the endpoint names this machine, the handler starts one
-inside this agent process (as the c10d backend hosts its store). That lighthouse lives exactly as long
-as this agent: a single point of failure for the whole job (see docs/launcher.md).
+If no lighthouse answers at the endpoint and the endpoint names this machine, the handler hosts one
+inside this agent process (`HostedLighthouse`, as the c10d backend hosts its store). That lighthouse
+lives exactly as long as this agent: a single point of failure for the whole job (see docs/launcher.md).
 """
 
 from __future__ import annotations
@@ -36,13 +37,14 @@ def create_handler():  # type: ignore[no-untyped-def]
     return _creator
 
 
+import dataclasses  # noqa: E402
 import logging  # noqa: E402
 import os  # noqa: E402
 import socket  # noqa: E402
 import time  # noqa: E402
+from collections.abc import Mapping  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 from datetime import timedelta  # noqa: E402
-from typing import TYPE_CHECKING, Any  # noqa: E402
 
 from torch.distributed import TCPStore  # noqa: E402
 from torch.distributed.elastic.rendezvous.api import (  # noqa: E402
@@ -54,11 +56,9 @@ from torch.distributed.elastic.rendezvous.api import (  # noqa: E402
 )
 
 from ftlaunch import env  # noqa: E402
-from ftlaunch.addresses import http_url, is_local_host, parse_host_port  # noqa: E402
-from ftlaunch.errors import ConfigurationError, LighthouseError  # noqa: E402
-
-if TYPE_CHECKING:
-    from ftlaunch.lighthouse.server import LighthouseServer
+from ftlaunch.addresses import format_host_port, is_local_host, parse_host_port  # noqa: E402
+from ftlaunch.errors import ConfigurationError  # noqa: E402
+from ftlaunch.launcher.lighthouse_host import HostedLighthouse, LighthouseSettings, RemoteLighthouse  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -117,9 +117,9 @@ class FtRendezvousConfig:
     token: str | None = None
 
     @classmethod
-    def from_params(cls, params: RendezvousParameters, environ: dict[str, str] | None = None) -> FtRendezvousConfig:
+    def from_params(cls, params: RendezvousParameters, environ: Mapping[str, str] | None = None) -> FtRendezvousConfig:
         """Validate ``params.config``; every problem is a `ConfigurationError` naming the key."""
-        environ = dict(os.environ) if environ is None else environ
+        environ = os.environ if environ is None else environ
         unknown = sorted(k for k in params.config if k not in _OUR_KEYS and k not in _INNER_KEYS)
         if unknown:
             raise ConfigurationError(
@@ -127,33 +127,28 @@ class FtRendezvousConfig:
                 f"ftlaunch keys: {', '.join(_OUR_KEYS)}; torchelastic keys: {', '.join(sorted(_INNER_KEYS))}"
             )
 
-        def raw(key: str, env_name: str | None = None) -> str | None:
-            value = params.config.get(key)
-            if value is None and env_name is not None:
-                value = environ.get(env_name)
-            if value is None:
-                return None
-            return str(value).strip()
-
-        def as_int(key: str, env_name: str | None = None, *, required: bool = False, default: int = 0) -> int:
-            value = raw(key, env_name)
-            if value is None or value == "":
-                if required:
-                    hint = f" (or set {env_name})" if env_name else ""
-                    raise ConfigurationError(
-                        f"ftlaunch rendezvous: --rdzv-conf is missing {key}{hint}, e.g. {_EXAMPLE}"
-                    )
-                return default
+        def as_int(key: str, env_name: str | None = None, default: int | None = None) -> int | None:
             try:
-                return int(value)
+                value = params.get_as_int(key)
             except ValueError:
                 raise ConfigurationError(
-                    f"ftlaunch rendezvous: {key}={value!r} is not an integer"
+                    f"ftlaunch rendezvous: {key}={params.get(key)!r} is not an integer"
                 ) from None
+            if value is None and env_name is not None:
+                value = env.get_int(env_name, environ=environ)
+            return default if value is None else value
 
-        def as_float(key: str, default: float) -> float:
-            value = raw(key)
-            if value is None or value == "":
+        def required(key: str, env_name: str) -> int:
+            value = as_int(key, env_name)
+            if value is None:
+                raise ConfigurationError(
+                    f"ftlaunch rendezvous: --rdzv-conf is missing {key} (or set {env_name}), e.g. {_EXAMPLE}"
+                )
+            return value
+
+        def as_seconds(key: str, default: float) -> float:
+            value = params.get(key)
+            if value is None:
                 return default
             try:
                 number = float(value)
@@ -164,17 +159,20 @@ class FtRendezvousConfig:
             return number
 
         def as_bool(key: str, default: bool) -> bool:
-            value = raw(key)
-            if value is None or value == "":
-                return default
-            if value.lower() in ("1", "true", "t", "yes", "y"):
-                return True
-            if value.lower() in ("0", "false", "f", "no", "n"):
-                return False
-            raise ConfigurationError(f"ftlaunch rendezvous: {key}={value!r} is not a boolean")
+            try:
+                value = params.get_as_bool(key, default)
+            except ValueError:
+                raise ConfigurationError(f"ftlaunch rendezvous: {key}={params.get(key)!r} is not a boolean") from None
+            return default if value is None else value
 
-        group = as_int("replica_group_id", env.REPLICA_GROUP_ID, required=True)
-        num = as_int("num_replica_groups", env.NUM_REPLICA_GROUPS, required=True)
+        def as_str(key: str, env_name: str | None = None) -> str:
+            value = params.get(key)
+            if value is None and env_name is not None:
+                value = environ.get(env_name)
+            return str(value).strip() if value is not None else ""
+
+        group = required("replica_group_id", env.REPLICA_GROUP_ID)
+        num = required("num_replica_groups", env.NUM_REPLICA_GROUPS)
         if num < 1:
             raise ConfigurationError(f"ftlaunch rendezvous: num_replica_groups={num} must be >= 1")
         if not 0 <= group < num:
@@ -183,62 +181,39 @@ class FtRendezvousConfig:
                 f"(num_replica_groups={num})"
             )
         min_replicas = as_int("lighthouse_min_replicas", default=1)
+        assert min_replicas is not None  # noqa: S101 - has a default
         if min_replicas < 1:
             raise ConfigurationError(f"ftlaunch rendezvous: lighthouse_min_replicas={min_replicas} must be >= 1")
-        token = raw("token", env.FTLAUNCH_TOKEN) or None
         return cls(
             replica_group_id=group,
             num_replica_groups=num,
-            group_endpoint=raw("group_endpoint") or "",
-            lighthouse_file=raw("lighthouse_file") or "",
-            lighthouse_timeout=as_float("lighthouse_timeout", 60.0),
+            group_endpoint=as_str("group_endpoint"),
+            lighthouse_file=as_str("lighthouse_file"),
+            lighthouse_timeout=as_seconds("lighthouse_timeout", 60.0),
             start_lighthouse=as_bool("start_lighthouse", True),
-            lighthouse_bind=raw("lighthouse_bind", env.FTLAUNCH_LIGHTHOUSE_BIND) or "",
+            lighthouse_bind=as_str("lighthouse_bind", env.FTLAUNCH_LIGHTHOUSE_BIND),
             lighthouse_min_replicas=min_replicas,
-            lighthouse_join_timeout=as_float("lighthouse_join_timeout", 60.0),
-            lighthouse_heartbeat_timeout=as_float("lighthouse_heartbeat_timeout", 5.0),
-            lighthouse_linger=as_float("lighthouse_linger", 60.0),
-            token=token,
+            lighthouse_join_timeout=as_seconds("lighthouse_join_timeout", 60.0),
+            lighthouse_heartbeat_timeout=as_seconds("lighthouse_heartbeat_timeout", 5.0),
+            lighthouse_linger=as_seconds("lighthouse_linger", 60.0),
+            token=as_str("token", env.FTLAUNCH_TOKEN) or None,
+        )
+
+    @property
+    def lighthouse_settings(self) -> LighthouseSettings:
+        """How to host a lighthouse here (``bind`` filled in by the caller when not configured)."""
+        return LighthouseSettings(
+            bind=self.lighthouse_bind,
+            min_replicas=self.lighthouse_min_replicas,
+            join_timeout=self.lighthouse_join_timeout,
+            heartbeat_timeout=self.lighthouse_heartbeat_timeout,
+            token=self.token,
         )
 
 
-# --- addresses -----------------------------------------------------------------------------------
-
-
-def split_host_port(addr: str) -> tuple[str, int]:
-    """``"http://h:p"``, ``"h:p"`` or ``"[::1]:p"`` -> ``(host, port)``; `ConfigurationError` otherwise."""
-    try:
-        return parse_host_port(addr)
-    except ValueError as e:
-        raise ConfigurationError(f"bad lighthouse address {addr!r}: {e}") from None
-
-
-def http_address(addr: str) -> str:
-    """Normalize a lighthouse address to ``http://host:port`` (brackets kept for IPv6)."""
-    return http_url(*split_host_port(addr))
-
-
-def probe_lighthouse(addr: str, timeout: float = 1.0) -> bool:
-    """True when a lighthouse answers a status request at ``addr``."""
-    from ftlaunch.lighthouse.client import LighthouseClient
-
-    try:
-        client = LighthouseClient(addr, connect_timeout=timeout)
-    except (LighthouseError, OSError, ValueError):
-        return False
-    try:
-        client.status()
-        return True
-    except (LighthouseError, OSError, ValueError):
-        return False
-    finally:
-        client.close()
-
-
-def live_groups(status: dict[str, Any]) -> int:
-    """How many replica groups a lighthouse status reports as live (connected and heard from)."""
-    groups = status.get("groups") or []
-    return sum(1 for g in groups if isinstance(g, dict) and g.get("health") == "live")
+def _lighthouse_url(addr: str, what: str) -> str:
+    """``host:port`` or ``http://host:port`` -> ``http://host:port``; `ConfigurationError` naming ``what``."""
+    return env.normalize_lighthouse(addr, f"ftlaunch rendezvous: {what}")
 
 
 # --- the handler ---------------------------------------------------------------------------------
@@ -262,7 +237,7 @@ class FtlaunchRendezvousHandler(RendezvousHandler):
         self._endpoint = endpoint.strip()
         self._run_id = run_id
         self._lighthouse_addr: str | None = None
-        self._server: LighthouseServer | None = None
+        self._hosted: HostedLighthouse | None = None
         self._rounds = 0
 
     # torchelastic API
@@ -273,15 +248,6 @@ class FtlaunchRendezvousHandler(RendezvousHandler):
     def use_agent_store(self) -> bool:
         # The agent (of group rank 0) hosts the workers' store: a fresh one every round.
         return True
-
-    @property
-    def lighthouse_address(self) -> str | None:
-        """``http://host:port`` once resolved (after the first `next_rendezvous`)."""
-        return self._lighthouse_addr
-
-    @property
-    def hosts_lighthouse(self) -> bool:
-        return self._server is not None
 
     def next_rendezvous(self) -> RendezvousInfo:
         addr = self._ensure_lighthouse()
@@ -340,16 +306,16 @@ class FtlaunchRendezvousHandler(RendezvousHandler):
         if cfg.lighthouse_file:
             addr = self._read_lighthouse_file(cfg.lighthouse_file, deadline)
         elif self._endpoint:
-            addr = http_address(self._endpoint)
+            addr = _lighthouse_url(self._endpoint, "--rdzv-endpoint")
         else:
             raise ConfigurationError(
                 "ftlaunch rendezvous: no lighthouse: pass --rdzv-endpoint HOST:PORT (or lighthouse_file= "
                 "in --rdzv-conf)"
             )
-        host, port = split_host_port(addr)
+        host, port = parse_host_port(addr)
         attempted_start = False
         while True:
-            if probe_lighthouse(addr, timeout=min(2.0, cfg.lighthouse_timeout)):
+            if RemoteLighthouse.answers(addr, timeout=min(2.0, cfg.lighthouse_timeout)):
                 break
             if not attempted_start and cfg.start_lighthouse and not cfg.lighthouse_file and is_local_host(host):
                 attempted_start = True
@@ -358,8 +324,9 @@ class FtlaunchRendezvousHandler(RendezvousHandler):
                         "ftlaunch rendezvous: --rdzv-endpoint with port 0 cannot be shared by "
                         f"{cfg.num_replica_groups} replica groups; give a fixed port or start a lighthouse"
                     )
-                if self._start_lighthouse(host, port):
-                    addr = self._server.address if self._server is not None else addr
+                self._hosted = self._host_lighthouse(host, port)
+                if self._hosted is not None:
+                    addr = self._hosted.address
                     break
                 continue  # someone else on this machine bound it first: connect to theirs
             if time.monotonic() > deadline:
@@ -380,7 +347,7 @@ class FtlaunchRendezvousHandler(RendezvousHandler):
                 with open(path) as f:
                     text = f.read().strip()
                 if text:
-                    return http_address(text)
+                    return _lighthouse_url(text, f"the address in {path}")
             except FileNotFoundError:
                 pass
             if time.monotonic() > deadline:
@@ -389,56 +356,35 @@ class FtlaunchRendezvousHandler(RendezvousHandler):
                 )
             time.sleep(0.1)
 
-    def _start_lighthouse(self, host: str, port: int) -> bool:
-        from ftlaunch.lighthouse.server import LighthouseServer
-
-        cfg = self.config
-        bind = cfg.lighthouse_bind or f"{host if ':' not in host else f'[{host}]'}:{port}"
+    def _host_lighthouse(self, host: str, port: int) -> HostedLighthouse | None:
+        settings = self.config.lighthouse_settings
+        if not settings.bind:
+            settings = dataclasses.replace(settings, bind=format_host_port(host, port))
         try:
-            server = LighthouseServer(
-                bind,
-                min_replicas=cfg.lighthouse_min_replicas,
-                join_timeout=cfg.lighthouse_join_timeout,
-                heartbeat_timeout=cfg.lighthouse_heartbeat_timeout,
-                token=cfg.token,
-            ).start()
+            hosted = HostedLighthouse.start(settings)
         except (OSError, ConfigurationError) as e:
             # Typically "address in use": another node on this machine won the race; use theirs.
-            logger.info("ftlaunch rendezvous: could not host the lighthouse on %s (%s); connecting", bind, e)
-            return False
-        self._server = server
+            logger.info("ftlaunch rendezvous: could not host the lighthouse on %s (%s); connecting", settings.bind, e)
+            return None
         logger.warning(
             "ftlaunch rendezvous: no lighthouse answered at %s:%d, so this agent (pid %d) hosts one at %s. "
             "It is a single point of failure: if this agent dies, every replica group loses its lighthouse.",
             host,
             port,
             os.getpid(),
-            server.address,
+            hosted.address,
         )
-        return True
+        return hosted
 
     def _stop_hosted_lighthouse(self) -> None:
-        server, self._server = self._server, None
-        if server is None:
-            return
-        deadline = time.monotonic() + self.config.lighthouse_linger
-        while time.monotonic() < deadline:
-            try:
-                count = live_groups(server.status())
-            except Exception:  # noqa: BLE001 - a broken status must not keep us alive
-                count = 0
-            if count == 0:
-                break
-            time.sleep(0.2)
-        server.shutdown()
+        hosted, self._hosted = self._hosted, None
+        if hosted is not None:
+            hosted.stop(linger=self.config.lighthouse_linger)
 
     def _publish_env(self, addr: str) -> None:
         cfg = self.config
-        os.environ[env.REPLICA_GROUP_ID] = str(cfg.replica_group_id)
-        os.environ[env.NUM_REPLICA_GROUPS] = str(cfg.num_replica_groups)
-        os.environ[env.FTLAUNCH_LIGHTHOUSE] = addr
-        if cfg.token:
-            os.environ[env.FTLAUNCH_TOKEN] = cfg.token
+        job = env.JobEnv(cfg.replica_group_id, cfg.num_replica_groups, addr, cfg.token)
+        os.environ.update(job.to_environ())
 
 
 def _inner_params(params: RendezvousParameters, cfg: FtRendezvousConfig, run_id: str) -> RendezvousParameters:
@@ -478,7 +424,7 @@ def create_rdzv_handler(params: RendezvousParameters) -> FtlaunchRendezvousHandl
 
     cfg = FtRendezvousConfig.from_params(params)
     run_id = params.run_id if params.run_id not in ("", "none") else "ftlaunch"
-    group_run_id = f"{run_id}-rg{cfg.replica_group_id}"
+    group_run_id = f"{run_id}-{env.replica_id(cfg.replica_group_id)}"
     inner_params = _inner_params(params, cfg, group_run_id)
     backend, store = create_backend(inner_params)
     inner = dynamic_rendezvous.create_handler(store, backend, inner_params)

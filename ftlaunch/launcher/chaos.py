@@ -1,0 +1,177 @@
+"""``--chaos``: when to inject a fault, whom to hit, and sending the signal.
+
+`ChaosSchedule` says when an injection is due (every N seconds of training, or at given steps) and
+`choose_target` whom it may hit; both are pure, so they are unit-tested without processes. `Chaos`
+sends the signals, lets SIGSTOPped workers continue after ``stop_for`` and records each injection
+for the summary. The spec itself is parsed in `ftlaunch.launcher.options` (`ChaosSpec`).
+
+Safety rules: never the last healthy group (nobody could heal the others), never a group that is
+still recovering, and nothing once a group has finished or failed for good (the job is ending).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from ftlaunch.launcher.group import FAILED, SUCCEEDED, Group
+from ftlaunch.launcher.options import ChaosSpec
+from ftlaunch.launcher.output import Console
+
+
+@dataclass
+class Injection:
+    """One fault injected, and how its victim fared."""
+
+    at: float
+    group: int
+    signal: str
+    target: str
+    step: int | None
+    #: Seconds from the injection to the victim's next committed step (None: it never committed again).
+    rejoined_after: float | None = None
+
+
+class ChaosSchedule:
+    """When the next injection is due: every ``spec.every`` seconds and/or at ``spec.steps``."""
+
+    def __init__(self, spec: ChaosSpec, started: float) -> None:
+        self.spec = spec
+        self._started = started
+        self._next_at: float | None = None
+        self._steps = list(spec.steps)
+
+    def due(self, now: float, training_started: float | None, step: int | None) -> bool:
+        """Whether to inject now. The clock of ``every`` starts at the first step line (or at
+        launch + ``start``); ``steps`` compare against the furthest step of any group."""
+        every = self.spec.every
+        if every is not None and self._next_at is None:
+            origin = self._started + self.spec.start if self.spec.start is not None else training_started
+            if origin is not None:
+                self._next_at = origin + every
+        if self._next_at is not None and now >= self._next_at:
+            return True
+        return self._step_due(step)
+
+    def injected(self, now: float, step: int | None) -> None:
+        """An injection happened: consume the step it was due for and restart the ``every`` clock."""
+        if self._step_due(step):
+            self._steps.pop(0)
+        if self.spec.every is not None and self._next_at is not None and now >= self._next_at:
+            self._next_at = now + self.spec.every
+
+    def _step_due(self, step: int | None) -> bool:
+        return bool(self._steps) and step is not None and step >= self._steps[0]
+
+
+def choose_target(
+    spec: ChaosSpec, groups: Sequence[Group], training_started: float | None, rng: random.Random
+) -> Group | None:
+    """The group to hit now, or None when no group can safely be hit."""
+    # Only groups that are training: a group still starting up is not a meaningful target (unless
+    # the script prints no step lines at all).
+    healthy = [g for g in groups if g.healthy and g.worker_pids and (g.stepped or training_started is None)]
+    if spec.group is not None:
+        target = groups[spec.group]
+        others = [g for g in healthy if g is not target]
+        return target if target in healthy and (others or len(groups) == 1) else None
+    if len(healthy) < 2 and len(groups) > 1:
+        return None  # never take down the last healthy group: nobody could heal the others
+    return rng.choice(healthy) if healthy else None
+
+
+class Chaos:
+    """Injects the faults of ``spec`` into ``groups`` on the supervisor's main thread."""
+
+    def __init__(
+        self,
+        spec: ChaosSpec,
+        groups: Sequence[Group],
+        console: Console,
+        started: float,
+        kill: Callable[[int, int], None] = os.kill,
+    ) -> None:
+        self.spec = spec
+        self.injections: list[Injection] = []
+        self._groups = groups
+        self._console = console
+        self._schedule = ChaosSchedule(spec, started)
+        self._rng = random.Random(spec.seed)
+        self._kill = kill
+        self._stopped: dict[int, tuple[list[int], float]] = {}  # group -> (SIGSTOPped pids, resume at)
+
+    def tick(self, now: float, training_started: float | None, agent_pids: dict[int, int]) -> None:
+        """Resume stopped workers that are due, then inject if an injection is due and safe."""
+        self._resume_due(now)
+        spec = self.spec
+        if spec.count is not None and len(self.injections) >= spec.count:
+            return
+        if any(g.finishing or g.state in (SUCCEEDED, FAILED) for g in self._groups):
+            return  # the job is ending (or degraded): do not pile on
+        step = max((g.last_step for g in self._groups if g.last_step is not None), default=None)
+        if not self._schedule.due(now, training_started, step):
+            return
+        target = choose_target(spec, self._groups, training_started, self._rng)
+        if target is None:
+            return  # not safe right now (a group is still recovering); try again on the next tick
+        if self._inject(target, now, step, agent_pids.get(target.gid)):
+            self._schedule.injected(now, step)
+
+    def rejoined(self, gid: int, now: float) -> None:
+        """Group ``gid`` committed again after a failure: its pending injections are over."""
+        for inj in self.injections:
+            if inj.group == gid and inj.rejoined_after is None:
+                inj.rejoined_after = now - inj.at
+
+    def forget(self, gid: int) -> None:
+        """Group ``gid``'s workers are gone (its agent died): nothing of it is stopped any more."""
+        self._stopped.pop(gid, None)
+
+    def resume_all(self) -> None:
+        """SIGCONT every stopped worker (before teardown, so they can handle SIGTERM)."""
+        for gid in list(self._stopped):
+            self._resume(gid)
+
+    def _inject(self, group: Group, now: float, step: int | None, agent_pid: int | None) -> bool:
+        spec = self.spec
+        if spec.target == "agent":
+            if agent_pid is None:
+                return False
+            pids = [agent_pid]
+        else:
+            pids = list(group.worker_pids.values())
+        sent = []
+        for pid in pids:
+            try:
+                self._kill(pid, spec.signum)
+                sent.append(pid)
+            except ProcessLookupError:
+                continue
+        if not sent:
+            return False
+        if spec.signal == "STOP":
+            self._stopped[group.gid] = (sent, now + spec.stop_for)
+            group.hung(now)  # a hung group: rejoin is measured from here too
+        self.injections.append(Injection(now, group.gid, f"SIG{spec.signal}", spec.target, step))
+        self._console.err(
+            f"[ftlaunch] chaos: SIG{spec.signal} -> replica group {group.gid} {spec.target} "
+            f"(pids {','.join(map(str, sent))})" + (f" at step {step}" if step is not None else "")
+        )
+        return True
+
+    def _resume_due(self, now: float) -> None:
+        for gid, (_, resume_at) in list(self._stopped.items()):
+            if now >= resume_at:
+                self._resume(gid)
+
+    def _resume(self, gid: int) -> None:
+        pids, _ = self._stopped.pop(gid)
+        for pid in pids:
+            try:
+                self._kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                continue
+        self._groups[gid].resumed()

@@ -1,0 +1,251 @@
+"""What the supervisor knows about one replica group, and how each piece of news changes it.
+
+The supervisor's main thread hands a `Group` every piece of news about it -- an agent started, the
+agent's events (workers started, a worker exited), the agent's exit, rank 0's step lines -- and the
+status line and the summary read the counts back. A `Group` starts no process and reads no clock
+(times are arguments), so the accounting is unit-tested in one process.
+
+**One failure is one count.** A failure ends one *attempt* of the group, ``(incarnation, generation)``:
+which agent (the supervisor respawns a dead one) and which of torchelastic's restarts inside it.
+Several reports can arrive for one attempt -- the dying worker's exit, its siblings' exits (torchelastic
+stops them), the next generation's workers appearing (when torchelastic reaped the dead worker before
+the agent read its status), the agent's own exit when it dies while its group is down -- and
+`failures` is the number of distinct failed attempts, so every report after the first is the same
+failure.
+"""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import dataclass, field
+from typing import Any
+
+from ftlaunch import env
+
+STARTING = "starting"
+RUNNING = "running"
+SUCCEEDED = "succeeded"
+FAILED = "failed"
+STOPPED = "stopped"
+TERMINAL = (SUCCEEDED, FAILED, STOPPED)
+
+#: ``(incarnation, generation)``: one agent's one start of the group's workers.
+Attempt = tuple[int, int]
+
+
+@dataclass(frozen=True)
+class AgentExit:
+    """What the supervisor does after a group's agent process exited."""
+
+    #: Start a new agent for the group.
+    respawn: bool = False
+    #: The agent died with workers possibly left behind: kill the group's orphans first.
+    kill_orphans: bool = False
+    #: Tell the lighthouse the group failed, with this reason.
+    report: str | None = None
+    #: A line for the console.
+    message: str | None = None
+
+
+@dataclass
+class Group:
+    """The supervisor's view of one replica group (everything else is derived from these)."""
+
+    gid: int
+    state: str = STARTING
+    #: Agents started for this group so far (1 = the first one).
+    incarnation: int = 0
+    #: torchelastic's restart count (``TORCHELASTIC_RESTART_COUNT``) of the current agent's workers.
+    generation: int = 0
+    #: Rank -> pid of the current workers.
+    worker_pids: dict[int, int] = field(default_factory=dict)
+    #: torchelastic restarts plus agent respawns.
+    restarts: int = 0
+    failed_attempts: set[Attempt] = field(default_factory=set)
+    committed: int = 0
+    last_step: int | None = None
+    #: Committed a step since its current workers started.
+    stepped: bool = False
+    #: Since when the group has been down (failed or hung) without committing again.
+    failure_at: float | None = None
+    #: Failure -> next committed step, per recovery.
+    rejoin_times: list[float] = field(default_factory=list)
+    checksum: str | None = None
+    root_cause: str | None = None
+    #: One of its workers exited 0: the training is ending.
+    finishing: bool = False
+    #: Its workers are SIGSTOPped (chaos).
+    paused: bool = False
+
+    # --- derived ---------------------------------------------------------------------------------
+
+    @property
+    def replica_id(self) -> str:
+        return env.replica_id(self.gid)
+
+    @property
+    def attempt(self) -> Attempt:
+        return (self.incarnation, self.generation)
+
+    @property
+    def failures(self) -> int:
+        return len(self.failed_attempts)
+
+    @property
+    def agent_respawns(self) -> int:
+        return max(0, self.incarnation - 1)
+
+    @property
+    def terminal(self) -> bool:
+        return self.state in TERMINAL
+
+    @property
+    def healthy(self) -> bool:
+        """Running with workers up and not recovering from a failure or a hang."""
+        return self.state == RUNNING and self.failure_at is None and not self.paused
+
+    @property
+    def recovering(self) -> bool:
+        """Down and not back yet: a committed line now is in-flight output of the dead (or stopped)
+        workers, not a rejoin."""
+        return self.paused or self.state == STARTING or self.attempt in self.failed_attempts
+
+    # --- news ------------------------------------------------------------------------------------
+
+    def agent_started(self) -> None:
+        """A new agent runs the group (the first one, or a respawn): a new attempt, no workers yet."""
+        if self.incarnation > 0:
+            self.restarts += 1
+        self.incarnation += 1
+        self.state = STARTING
+        self.generation = 0
+        self.worker_pids = {}
+        self.stepped = False
+        self.paused = False
+
+    def workers_started(self, restart: int, pids: dict[int, int], now: float) -> str | None:
+        """The agent saw workers of torchelastic restart ``restart``.
+
+        Returns a failure to report when this is the first news of one: a new generation means the
+        previous one failed, even if its exit status was reaped before the agent could read it.
+        """
+        failure = None
+        if restart > self.generation:
+            failure = self._fail(self.attempt, now, f"workers of restart {self.generation} failed")
+            self.restarts += restart - self.generation
+            self.generation = restart
+            self.worker_pids = dict(pids)
+            self.stepped = False
+        else:
+            self.worker_pids.update(pids)
+        if self.state == STARTING:
+            self.state = RUNNING
+        return failure
+
+    def worker_exited(
+        self, pid: int, rank: Any, restart: int, failed: bool | None, how: str, now: float
+    ) -> str | None:
+        """A worker of restart ``restart`` exited (``failed`` None: its status is unknown).
+
+        Returns the failure to report when it is the first news of its attempt's failure.
+        """
+        self.worker_pids = {r: p for r, p in self.worker_pids.items() if p != pid}
+        if failed is False:
+            self.finishing = True  # a worker completed: the training is ending
+        if not failed:
+            return None
+        return self._fail((self.incarnation, restart), now, f"rank {rank} (pid {pid}) {how}")
+
+    def agent_exited(
+        self, code: int, result: dict[str, Any], max_agent_restarts: int, now: float
+    ) -> AgentExit:
+        """The agent process exited with ``code``, leaving ``result`` (its result file, or {})."""
+        status = result.get("status")
+        if code == 0 and status == "succeeded":
+            self.state = SUCCEEDED
+            return AgentExit()
+        if status == "failed":  # torchelastic gave up: restarts exhausted
+            self.state = FAILED
+            self.root_cause = f"replica group {self.gid} failed: {describe_root_cause(result.get('root_cause', {}))}"
+            return AgentExit(report="workers failed, no restarts left")
+        # The agent itself died (killed, crashed, or an exception outside the workers).
+        how = f"killed by {_signal_name(-code)}" if code < 0 else f"exited with code {code}"
+        detail = f": {result['message']}" if status == "error" and result.get("message") else ""
+        report = self._fail(self.attempt, now, f"agent {how}")
+        if status == "error" and self.state == STARTING:  # it never started a worker: respawning cannot help
+            self.state = FAILED
+            self.root_cause = f"replica group {self.gid}: agent {how}{detail}"
+            return AgentExit(kill_orphans=True, report=report)
+        if self.agent_respawns >= max_agent_restarts:
+            self.state = FAILED
+            self.root_cause = (
+                f"replica group {self.gid}: agent {how}{detail}; respawn budget "
+                f"(--max-agent-restarts {max_agent_restarts}) exhausted"
+            )
+            return AgentExit(kill_orphans=True, report=report)
+        message = (
+            f"[ftlaunch] replica group {self.gid}: agent {how}{detail}; respawning it "
+            f"({self.agent_respawns + 1}/{max_agent_restarts})"
+        )
+        return AgentExit(respawn=True, kill_orphans=True, report=report, message=message)
+
+    def step_line(self, step: int, committed: bool, now: float) -> float | None:
+        """Rank 0 printed a step. Returns the time to rejoin when this commit ends a failure."""
+        if not committed:
+            return None
+        self.stepped = True
+        self.committed += 1
+        self.last_step = step
+        if self.failure_at is None or self.recovering:
+            return None
+        elapsed = now - self.failure_at
+        self.rejoin_times.append(elapsed)
+        self.failure_at = None
+        return elapsed
+
+    def hung(self, now: float) -> None:
+        """Its workers were SIGSTOPped: down from now until they commit again after `resumed`."""
+        self.paused = True
+        self.failure_at = now
+
+    def resumed(self) -> None:
+        self.paused = False
+
+    def stopped_by_launcher(self) -> None:
+        """The launcher is stopping the job (signal or another group's fate)."""
+        if not self.terminal:
+            self.state = STOPPED
+
+    def _fail(self, attempt: Attempt, now: float, reason: str) -> str | None:
+        if attempt in self.failed_attempts:
+            return None  # another report of a failure already counted
+        self.failed_attempts.add(attempt)
+        if self.failure_at is None:
+            self.failure_at = now
+        return reason
+
+
+def describe_root_cause(cause: dict[str, Any]) -> str:
+    """One line from the agent's root-cause record (torchelastic's first failure)."""
+    if not cause:
+        return "workers failed (no details)"
+    if cause.get("signal"):
+        how = f"killed by {cause['signal']}"
+    else:
+        how = f"exited with code {cause.get('exitcode')}"
+    text = f"rank {cause.get('rank')} (pid {cause.get('pid')}) {how}"
+    message = (cause.get("message") or "").strip()
+    if message:
+        text += f": {message.splitlines()[-1]}"
+    elif cause.get("stderr_tail"):
+        text += f": {cause['stderr_tail'][-1]}"
+    if cause.get("error_file"):
+        text += f" (error file {cause['error_file']})"
+    return text
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"

@@ -1,0 +1,129 @@
+"""What ``ftlaunch`` tells the user about the job: the live status line and the summary at exit.
+
+Pure formatting over the groups' accounting (`ftlaunch.launcher.group`), the chaos record and the
+lighthouse (read only through `JobLighthouse`: the quorum id today; progress and spares when the
+lighthouse reports them). `StatusLine` throttles the redraws; `summary_lines` is the table printed
+at exit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from ftlaunch import env
+from ftlaunch.launcher.chaos import Injection
+from ftlaunch.launcher.group import RUNNING, Group
+from ftlaunch.launcher.lighthouse_host import JobLighthouse
+from ftlaunch.launcher.output import Console, format_table
+
+#: Seconds between two redraws of the status line (each reads the lighthouse status).
+STATUS_INTERVAL_S = 0.5
+
+SUMMARY_HEADERS = [
+    "group", "state", "steps committed", "last step", "failures", "restarts", "time to rejoin", "final checksum",
+]
+
+
+def max_step(groups: Sequence[Group]) -> int | None:
+    """The furthest step any group reported."""
+    return max((g.last_step for g in groups if g.last_step is not None), default=None)
+
+
+def status_text(groups: Sequence[Group], quorum_id: Any, elapsed: float) -> str:
+    """The one-line status: quorum, step, groups up, failures, restarts, time."""
+    up = sum(1 for g in groups if g.state == RUNNING)
+    step = max_step(groups)
+    return (
+        f"[ftlaunch] quorum {quorum_id if quorum_id is not None else '-'} | "
+        f"step {step if step is not None else '-'} | groups up {up}/{len(groups)} | "
+        f"failures {sum(g.failures for g in groups)} | restarts {sum(g.restarts for g in groups)} | "
+        f"{elapsed:.0f}s"
+    )
+
+
+class StatusLine:
+    """The status line kept at the bottom of a terminal, redrawn at most every `STATUS_INTERVAL_S`."""
+
+    def __init__(self, console: Console, lighthouse: JobLighthouse, started: float) -> None:
+        self._console = console
+        self._lighthouse = lighthouse
+        self._started = started
+        self._last_draw = 0.0
+        #: The last quorum id the lighthouse reported (kept when a read fails).
+        self.quorum_id: Any = None
+
+    def tick(self, now: float, groups: Sequence[Group]) -> None:
+        if not self._console.status_enabled or now - self._last_draw < STATUS_INTERVAL_S:
+            return
+        self._last_draw = now
+        self.quorum_id = self._lighthouse.quorum_id() or self.quorum_id
+        self._console.status(status_text(groups, self.quorum_id, now - self._started))
+
+    def last_quorum_id(self) -> Any:
+        """The quorum id now, or the last one seen (for the summary)."""
+        return self._lighthouse.quorum_id() or self.quorum_id
+
+
+def summary_lines(
+    code: int,
+    elapsed: float,
+    groups: Sequence[Group],
+    quorum_id: Any,
+    injections: Sequence[Injection] | None,
+    started: float,
+    log_dir: str,
+) -> list[str]:
+    """The summary printed at exit with the job's exit ``code`` (0: it finished; ``injections`` None:
+    it ran without ``--chaos``)."""
+    lines = [
+        "",
+        f"[ftlaunch] summary: exit {code} after {elapsed:.1f}s"
+        + (f", last quorum id {quorum_id}" if quorum_id is not None else ""),
+    ]
+    rows = []
+    for g in groups:
+        rejoin = f"{max(g.rejoin_times):.1f}s max ({len(g.rejoin_times)}x)" if g.rejoin_times else "-"
+        rows.append(
+            [
+                g.replica_id,
+                g.state,
+                str(g.committed),
+                str(g.last_step) if g.last_step is not None else "-",
+                str(g.failures),
+                str(g.restarts),
+                rejoin,
+                g.checksum or "-",
+            ]
+        )
+    lines += ["[ftlaunch] " + line for line in format_table(SUMMARY_HEADERS, rows)]
+    sums = {g.checksum for g in groups if g.checksum}
+    if sums:
+        with_sum = sum(1 for g in groups if g.checksum)
+        if len(sums) == 1:
+            lines.append(f"[ftlaunch] {with_sum}/{len(groups)} groups ended bit-identical ({sums.pop()})")
+        else:
+            lines.append(f"[ftlaunch] WARNING: groups ended with different weights: {sorted(sums)}")
+    if injections is not None:
+        lines.append(f"[ftlaunch] chaos: {len(injections)} injection(s)")
+        for inj in injections:
+            fate = (
+                f"group committed again {inj.rejoined_after:.1f}s later"
+                if inj.rejoined_after is not None
+                else "group did not commit again"
+            )
+            at = f" at step {inj.step}" if inj.step is not None else ""
+            lines.append(
+                f"[ftlaunch]   t={inj.at - started:.1f}s {inj.signal} {env.replica_id(inj.group)} {inj.target}{at}: {fate}"
+            )
+        total = sum(g.committed for g in groups)
+        lines.append(
+            f"[ftlaunch] training {'finished' if code == 0 else 'did not finish'} despite "
+            f"{sum(g.failures for g in groups)} failure(s); {total} committed group-steps"
+        )
+    for g in groups:
+        if g.root_cause:
+            lines.append(f"[ftlaunch] root cause: {g.root_cause}")
+    if code != 0:
+        lines.append(f"[ftlaunch] logs kept in {log_dir}")
+    return lines

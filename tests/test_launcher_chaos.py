@@ -1,0 +1,143 @@
+"""``--chaos`` scheduling, target choice and injection (ftlaunch.launcher.chaos) in one process: the
+signals go to a recording fake instead of ``os.kill``."""
+
+from __future__ import annotations
+
+import io
+import random
+import signal
+
+from ftlaunch.launcher.chaos import Chaos, ChaosSchedule, choose_target
+from ftlaunch.launcher.group import Group
+from ftlaunch.launcher.options import ChaosSpec
+from ftlaunch.launcher.output import Console
+
+
+def training(n: int, stepped: bool = True) -> list[Group]:
+    groups = []
+    for gid in range(n):
+        g = Group(gid)
+        g.agent_started()
+        g.workers_started(0, {0: 100 + gid}, now=0.0)
+        if stepped:
+            g.step_line(1, True, now=0.0)
+        groups.append(g)
+    return groups
+
+
+class Kills:
+    def __init__(self, dead: frozenset[int] = frozenset()) -> None:
+        self.sent: list[tuple[int, int]] = []
+        self._dead = dead
+
+    def __call__(self, pid: int, sig: int) -> None:
+        if pid in self._dead:
+            raise ProcessLookupError(pid)
+        self.sent.append((pid, sig))
+
+
+def chaos(spec: ChaosSpec, groups: list[Group], kills: Kills) -> tuple[Chaos, io.StringIO]:
+    err = io.StringIO()
+    return Chaos(spec, groups, Console(io.StringIO(), err, status=False), started=100.0, kill=kills), err
+
+
+def test_every_counts_from_the_first_step_line_and_restarts_after_each_injection() -> None:
+    s = ChaosSchedule(ChaosSpec(every=10), started=100.0)
+    assert not s.due(200.0, training_started=None, step=None)  # no training yet: the clock has not started
+    assert not s.due(115.0, training_started=110.0, step=3)
+    assert s.due(120.0, training_started=110.0, step=5)
+    s.injected(121.0, step=5)
+    assert not s.due(130.0, 110.0, 9) and s.due(131.0, 110.0, 9)
+
+
+def test_start_counts_from_launch() -> None:
+    s = ChaosSchedule(ChaosSpec(every=5, start=1), started=100.0)
+    assert not s.due(105.9, training_started=None, step=None) and s.due(106.0, None, None)
+
+
+def test_steps_are_due_in_order_and_consumed_once_injected() -> None:
+    s = ChaosSchedule(ChaosSpec(steps=(10, 30)), started=0.0)
+    assert not s.due(1.0, 0.0, 9) and s.due(1.0, 0.0, 10)
+    s.injected(1.0, 12)
+    assert not s.due(2.0, 0.0, 29) and s.due(2.0, 0.0, 31)
+    s.injected(2.0, 31)
+    assert not s.due(3.0, 0.0, 1000)
+
+
+def test_target_is_never_the_last_healthy_group() -> None:
+    rng = random.Random(0)
+    groups = training(2)
+    groups[0].worker_exited(100, 0, 0, True, "killed", now=1.0)  # recovering
+    assert choose_target(ChaosSpec(every=1), groups, 0.0, rng) is None
+    assert choose_target(ChaosSpec(every=1, group=1), groups, 0.0, rng) is None
+    groups = training(2)
+    assert choose_target(ChaosSpec(every=1, group=1), groups, 0.0, rng) is groups[1]
+    assert choose_target(ChaosSpec(every=1), groups, 0.0, rng) in groups
+    assert choose_target(ChaosSpec(every=1), training(1), 0.0, rng) is not None  # a one-group job may be hit
+
+
+def test_target_must_be_training_once_training_has_started() -> None:
+    rng = random.Random(0)
+    groups = training(2, stepped=False)
+    assert choose_target(ChaosSpec(every=1), groups, training_started=5.0, rng=rng) is None
+    assert choose_target(ChaosSpec(every=1), groups, training_started=None, rng=rng) is not None
+
+
+def test_kill_injection_is_recorded_and_measured_until_the_group_rejoins() -> None:
+    groups, kills = training(2), Kills()
+    c, err = chaos(ChaosSpec(steps=(1,), group=1), groups, kills)
+    c.tick(110.0, training_started=105.0, agent_pids={0: 50, 1: 51})
+    assert kills.sent == [(101, signal.SIGKILL)]
+    assert "[ftlaunch] chaos: SIGKILL -> replica group 1 workers (pids 101) at step 1" in err.getvalue()
+    c.tick(111.0, 105.0, {0: 50, 1: 51})
+    assert len(c.injections) == 1  # steps=1 is consumed
+    c.rejoined(1, now=114.0)
+    assert c.injections[0].rejoined_after == 4.0
+
+
+def test_agent_target_and_gone_processes() -> None:
+    groups, kills = training(2), Kills(dead=frozenset({101}))
+    c, _ = chaos(ChaosSpec(every=1, group=1, target="agent"), groups, kills)
+    c.tick(110.0, 105.0, agent_pids={1: 51})
+    assert kills.sent == [(51, signal.SIGKILL)]
+    groups, kills = training(2), Kills(dead=frozenset({101}))
+    c, _ = chaos(ChaosSpec(every=1, group=1), groups, kills)
+    c.tick(110.0, 105.0, {})
+    assert c.injections == []  # nothing was there to hit: try again later
+
+
+def test_stop_hangs_the_group_then_resumes_it() -> None:
+    groups, kills = training(2), Kills()
+    c, _ = chaos(ChaosSpec(steps=(1,), group=0, signal="STOP", stop_for=3), groups, kills)
+    c.tick(110.0, 105.0, {})
+    assert kills.sent == [(100, signal.SIGSTOP)] and groups[0].paused and not groups[0].healthy
+    c.tick(112.9, 105.0, {})
+    assert groups[0].paused
+    c.tick(113.0, 105.0, {})
+    assert kills.sent[-1] == (100, signal.SIGCONT) and not groups[0].paused
+
+
+def test_resume_all_before_teardown() -> None:
+    groups, kills = training(2), Kills()
+    c, _ = chaos(ChaosSpec(steps=(1,), group=0, signal="STOP", stop_for=100), groups, kills)
+    c.tick(110.0, 105.0, {})
+    c.resume_all()
+    assert kills.sent[-1] == (100, signal.SIGCONT)
+
+
+def test_count_and_ending_jobs_stop_the_chaos() -> None:
+    groups, kills = training(3), Kills()
+    c, _ = chaos(ChaosSpec(every=1, count=1, seed=1), groups, kills)
+    c.tick(110.0, 105.0, {})
+    victim = next(g for g in groups if g.worker_pids[0] == kills.sent[0][0])
+    victim.worker_exited(victim.worker_pids[0], 0, 0, True, "killed by SIGKILL", now=110.1)
+    victim.workers_started(1, {0: 200}, now=111.0)
+    victim.step_line(5, True, now=112.0)
+    assert all(g.healthy for g in groups)  # a target is available again, but count=1 is spent
+    c.tick(120.0, 105.0, {})
+    assert len(kills.sent) == 1
+    groups, kills = training(3), Kills()
+    groups[2].worker_exited(102, 0, 0, False, "exited with code 0", now=1.0)  # the training is ending
+    c, _ = chaos(ChaosSpec(every=1), groups, kills)
+    c.tick(110.0, 105.0, {})
+    assert kills.sent == []

@@ -1,0 +1,99 @@
+"""The status line and the summary (ftlaunch.launcher.report), formatted from groups' accounting in
+one process. The e2e tests parse these exact lines."""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+from ftlaunch.launcher.chaos import Injection
+from ftlaunch.launcher.group import Group
+from ftlaunch.launcher.lighthouse_host import JobLighthouse
+from ftlaunch.launcher.output import Console
+from ftlaunch.launcher.report import StatusLine, status_text, summary_lines
+
+
+def groups_after_a_kill() -> list[Group]:
+    a, b = Group(0), Group(1)
+    for g in (a, b):
+        g.agent_started()
+        g.workers_started(0, {0: 10 + g.gid}, now=0.0)
+        for step in range(3):
+            g.step_line(step, True, now=1.0)
+    b.worker_exited(11, 0, 0, True, "killed by SIGKILL", now=2.0)
+    b.workers_started(1, {0: 21}, now=3.0)
+    b.step_line(3, True, now=4.5)
+    a.checksum = b.checksum = "c0ffee"
+    return [a, b]
+
+
+def row(lines: list[str], group: int) -> list[str]:
+    return next(line.split()[2:] for line in lines if line.split()[:2] == ["[ftlaunch]", f"rg{group}"])
+
+
+def test_status_text() -> None:
+    groups = groups_after_a_kill()
+    assert status_text(groups, 7, 12.4) == (
+        "[ftlaunch] quorum 7 | step 3 | groups up 2/2 | failures 1 | restarts 1 | 12s"
+    )
+    assert status_text([Group(0)], None, 0.0).startswith("[ftlaunch] quorum - | step - | groups up 0/1")
+
+
+def test_summary_table_identical_weights_and_chaos() -> None:
+    groups = groups_after_a_kill()
+    injections = [Injection(at=102.0, group=1, signal="SIGKILL", target="workers", step=2, rejoined_after=2.5)]
+    lines = summary_lines(0, 30.0, groups, 42, injections, started=100.0, log_dir="/logs")
+    assert lines[1] == "[ftlaunch] summary: exit 0 after 30.0s, last quorum id 42"
+    assert row(lines, 0) == ["running", "3", "2", "0", "0", "-", "c0ffee"]
+    assert row(lines, 1) == ["running", "4", "3", "1", "1", "2.5s", "max", "(1x)", "c0ffee"]
+    assert "[ftlaunch] 2/2 groups ended bit-identical (c0ffee)" in lines
+    assert "[ftlaunch] chaos: 1 injection(s)" in lines
+    assert "[ftlaunch]   t=2.0s SIGKILL rg1 workers at step 2: group committed again 2.5s later" in lines
+    assert "[ftlaunch] training finished despite 1 failure(s); 7 committed group-steps" in lines
+    assert not any("logs kept" in line for line in lines)
+
+
+def test_summary_of_a_failed_job() -> None:
+    groups = groups_after_a_kill()
+    groups[1].checksum = "bad"
+    groups[1].root_cause = "replica group 1 failed: rank 0 (pid 21) exited with code 1: ValueError: x"
+    lines = summary_lines(1, 5.0, groups, None, None, started=0.0, log_dir="/logs")
+    assert lines[1] == "[ftlaunch] summary: exit 1 after 5.0s"
+    assert "[ftlaunch] WARNING: groups ended with different weights: ['bad', 'c0ffee']" in lines
+    assert not any("chaos" in line for line in lines)
+    assert lines[-2:] == [f"[ftlaunch] root cause: {groups[1].root_cause}", "[ftlaunch] logs kept in /logs"]
+
+
+class FakeLighthouse(JobLighthouse):
+    def __init__(self) -> None:
+        self.doc: dict[str, Any] | None = {"quorum": {"quorum_id": 5}}
+
+    @property
+    def address(self) -> str:
+        return "http://127.0.0.1:1"
+
+    def status(self) -> dict[str, Any]:
+        if self.doc is None:
+            raise OSError("gone")
+        return self.doc
+
+    def report_failure(self, replica_id: str, reason: str) -> None:
+        raise AssertionError("not used")
+
+    def close(self) -> None:
+        pass
+
+
+def test_status_line_is_throttled_and_keeps_the_last_quorum_id() -> None:
+    out, lh = io.StringIO(), FakeLighthouse()
+    line = StatusLine(Console(out, io.StringIO(), status=True), lh, started=0.0)
+    groups = groups_after_a_kill()
+    line.tick(1.0, groups)
+    assert out.getvalue().endswith("[ftlaunch] quorum 5 | step 3 | groups up 2/2 | failures 1 | restarts 1 | 1s")
+    lh.doc = {"quorum": {"quorum_id": 6}}
+    line.tick(1.2, groups)  # too soon: not redrawn
+    assert "quorum 6" not in out.getvalue()
+    lh.doc = None  # the lighthouse cannot be read
+    line.tick(2.0, groups)
+    assert out.getvalue().endswith("quorum 5 | step 3 | groups up 2/2 | failures 1 | restarts 1 | 2s")
+    assert line.last_quorum_id() == 5
