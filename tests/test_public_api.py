@@ -38,7 +38,7 @@ def test_import_does_not_pull_in_torch() -> None:
 
 def test_torchx_components_survive_importing_the_training_wrappers() -> None:
     """`ftlaunch:ddp` is a torchx component function; no submodule may shadow it."""
-    import ftlaunch.data_parallel  # noqa: F401
+    import ftlaunch.worker.data_parallel  # noqa: F401
     from ftlaunch import DistributedDataParallel  # noqa: F401
 
     assert callable(ftlaunch.ddp) and callable(ftlaunch.hsdp)

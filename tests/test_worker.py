@@ -201,7 +201,7 @@ def test_wait_all_honours_the_deadline() -> None:
     import threading
     import time
 
-    from ftlaunch.manager import _wait_all
+    from ftlaunch.worker.manager import _wait_all
 
     never: torch.futures.Future = torch.futures.Future()
     done: torch.futures.Future = torch.futures.Future()

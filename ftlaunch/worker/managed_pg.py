@@ -17,7 +17,7 @@ import torch.distributed as dist
 from ftlaunch.process_group.wrappers import ProcessGroupWrapper
 
 if TYPE_CHECKING:
-    from ftlaunch.manager import Manager
+    from ftlaunch.worker.manager import Manager
 
 
 class _FuturesWork(dist.Work):

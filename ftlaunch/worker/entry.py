@@ -29,8 +29,8 @@ from ftlaunch.errors import ConfigurationError
 from ftlaunch.timeouts import Timeouts
 
 if TYPE_CHECKING:
-    from ftlaunch.data import DistributedSampler
-    from ftlaunch.manager import Manager
+    from ftlaunch.worker.data import DistributedSampler
+    from ftlaunch.worker.manager import Manager
 
 logger = logging.getLogger(__name__)
 
@@ -118,8 +118,8 @@ class FaultTolerance:
 
     def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
         """DDP across replica groups (averaged inside the group first) and a commit-gated optimizer."""
-        from ftlaunch.data_parallel import DistributedDataParallel
-        from ftlaunch.optim import Optimizer
+        from ftlaunch.worker.data_parallel import DistributedDataParallel
+        from ftlaunch.worker.optim import Optimizer
 
         return (
             DistributedDataParallel(self.manager, model, intra_group=self.intra_group),
@@ -129,7 +129,7 @@ class FaultTolerance:
     def sampler(self, dataset: Any, key: str = "sampler", **kwargs: Any) -> DistributedSampler:
         """A sampler sharding ``dataset`` over replica groups x ranks whose position travels with
         live recovery, so a healed group resumes exactly where its peers are."""
-        from ftlaunch.data import DistributedSampler
+        from ftlaunch.worker.data import DistributedSampler
 
         s = DistributedSampler(
             dataset,
@@ -233,7 +233,7 @@ def init(
     want_intra = world_size > 1 if intra_group is None else intra_group
     intra, owns_intra = _intra_group(want_intra, dev, timeouts)
 
-    from ftlaunch.manager import Manager, release_process_group
+    from ftlaunch.worker.manager import Manager, release_process_group
 
     pg = make_process_group(chosen_backend, timeouts.as_timedelta("collective"))
     try:
