@@ -182,6 +182,11 @@ class Manager:
         self._vote_across_groups = CrossGroupVote()
         self._shutdown = False
 
+        # Only the leader talks to the lighthouse. Built before anything connects: a missing address
+        # is a configuration error, raised before a store or a transport is left behind.
+        self._client: QuorumClient | None = None
+        if self._group_rank == 0:
+            self._client = quorum_client or defaults.lighthouse_client(lighthouse_addr, token, timeouts.connect)
         self._group = GroupStore.open(
             group_store,
             store_addr if store_addr is not None else group_env.master_addr,
@@ -203,9 +208,7 @@ class Manager:
         self._transport_metadata: list[str] | None = None  # every rank's, read once by the leader
 
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"ftlaunch-quorum-{self.replica_id}")
-        self._client: QuorumClient | None = None
-        if self._group_rank == 0:  # only the leader talks to the lighthouse
-            self._client = quorum_client or defaults.lighthouse_client(lighthouse_addr, token, timeouts.connect)
+        if self._client is not None:
             self._client.start_heartbeat(self.replica_id, to_seconds(heartbeat_interval))
         self.log.info(
             "manager up: group world_size=%d store=%s transport=%s",
