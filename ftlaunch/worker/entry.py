@@ -13,7 +13,6 @@ behaves the same under each, and names the three commands when it finds none of 
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -31,8 +30,6 @@ from ftlaunch.process_group.base import ProcessGroup
 from ftlaunch.timeouts import Timeouts
 from ftlaunch.worker.data import DistributedSampler
 from ftlaunch.worker.manager import Manager, release_process_group
-
-logger = logging.getLogger(__name__)
 
 #: Cross-group process-group backends ``init`` can build (argument ``backend=`` or ``FTLAUNCH_BACKEND``).
 BACKENDS = ("baby-gloo", "baby-nccl", "gloo", "nccl")

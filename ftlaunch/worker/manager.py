@@ -128,8 +128,8 @@ class Manager:
         connect, heal and commit timeouts derive from it unless given, and the set is validated
         (``ftlaunch.timeouts``). ``timeouts=`` passes an already derived set instead.
 
-        Injection: ``quorum_client`` replaces the `LighthouseClient` the group leader would build
-        (the Manager owns it: ``shutdown`` leaves and closes it); ``group_store`` replaces the
+        Injection: ``quorum_client`` replaces the `LighthouseClient` the group leader (rank 0) would
+        build (the Manager owns it: ``shutdown`` leaves and closes it); ``group_store`` replaces the
         connection to the replica group's store (``store_addr``/``store_port`` then only name it
         for the other groups, and may be omitted for a ``TCPStore``).
         """
