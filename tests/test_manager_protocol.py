@@ -31,6 +31,7 @@ from ftlaunch.errors import (
 from ftlaunch.lighthouse.quorum import Quorum, QuorumMember
 from ftlaunch.process_group.fake import FakeProcessGroup
 from ftlaunch.worker.group_store import GroupStore
+from ftlaunch.worker.managed_pg import ManagedProcessGroup
 from ftlaunch.worker.manager import Manager
 from ftlaunch.worker.recovery import MANAGER_STATE_KEY
 
@@ -326,6 +327,17 @@ def test_alone_the_average_is_the_tensor_and_no_collective_runs(make: Callable[.
     committed, out = g.step(grad=6.0)
     assert committed and out.tolist() == [6.0] * 4
     assert g.pg.ops == []  # no peer: neither a gradient allreduce nor a vote
+
+
+def test_a_managed_process_group_reduces_through_the_manager(make: Callable[..., Group]) -> None:
+    g = make(ScriptedLighthouse(quorum(2, peer("rg1", 3), peer("rg2", 1))))
+    g.m.load_state_dict({"step": 3, "batches_committed": 3})
+    mpg = ManagedProcessGroup(g.m)
+    g.m.start_quorum()
+    t = torch.full((2,), 6.0)
+    assert mpg.allreduce([t], dist.ReduceOp.AVG).wait()
+    assert mpg.size() == 2 and t.tolist() == [9.0, 9.0]  # as Manager.allreduce: 6 / 2 sources, x 3 peers
+    assert g.m.should_commit()
 
 
 # ------------------------------------------------------------------------------ errors and commit
