@@ -1,52 +1,12 @@
-"""Fault-tolerant optimizer wrapper: ``zero_grad`` starts the step's quorum, ``step`` applies the
-update only when every group agreed to commit — so a failed step is discarded, never half-applied.
+"""torchft's module path; the implementation lives in ftlaunch.worker.optim.
+
+Kept so that a torchft script ports by changing ``torchft`` to ``ftlaunch``
+(``from ftlaunch.optim import OptimizerWrapper``). Nothing inside ftlaunch imports this module.
 """
 
-from __future__ import annotations
+from ftlaunch.worker.optim import Optimizer
 
-from typing import Any
+#: torchft's name for the commit-gated optimizer wrapper.
+OptimizerWrapper = Optimizer
 
-import torch
-
-from ftlaunch.manager import Manager
-
-
-class Optimizer(torch.optim.Optimizer):
-    """``Optimizer(manager, optimizer)``: wraps any torch optimizer (torchft's OptimizerWrapper)."""
-
-    def __init__(self, manager: Manager, optim: torch.optim.Optimizer) -> None:
-        # Deliberately not calling super().__init__: all state lives in the wrapped optimizer.
-        self.manager = manager
-        self.optim = optim
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.manager.start_quorum()
-        self.optim.zero_grad(set_to_none=set_to_none)
-
-    def step(self, closure: Any = None) -> Any:
-        if closure is not None:
-            raise ValueError("ftlaunch.Optimizer does not support closures (the commit decision is per step)")
-        if self.manager.should_commit():
-            self.optim.step()
-            return True
-        return False
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
-        return self.optim.param_groups
-
-    @property
-    def state(self) -> Any:  # type: ignore[override]
-        return self.optim.state
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.optim.state_dict()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.optim.load_state_dict(state_dict)
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        self.optim.add_param_group(param_group)
-
-    def __repr__(self) -> str:
-        return f"ftlaunch.Optimizer({self.optim!r})"
+__all__ = ["Optimizer", "OptimizerWrapper"]

@@ -85,9 +85,7 @@ def worker_plain(rank: int, port: int, steps: int, out: str) -> None:
 def worker_ft(group: int, lighthouse: str, steps: int, out: str, backend: str, step_sleep: float) -> None:
     import torch
 
-    from ftlaunch.data_parallel import DistributedDataParallel
-    from ftlaunch.manager import Manager
-    from ftlaunch.optim import Optimizer
+    from ftlaunch import DistributedDataParallel, Manager, Optimizer
     from ftlaunch.process_group import ProcessGroupBabyGloo, ProcessGroupGloo
 
     torch.set_num_threads(1)
@@ -141,8 +139,7 @@ def worker_interleaved(group: int, port: int, lh_gloo: str, lh_baby: str, rounds
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from ftlaunch.data_parallel import DistributedDataParallel
-    from ftlaunch.manager import Manager
+    from ftlaunch import DistributedDataParallel, Manager
     from ftlaunch.process_group import ProcessGroupBabyGloo, ProcessGroupGloo
 
     torch.set_num_threads(1)

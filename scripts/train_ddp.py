@@ -84,9 +84,15 @@ def checksum(model: nn.Module) -> str:
 def long_form(args: argparse.Namespace, model: nn.Module, inner: torch.optim.Optimizer,
               dataset: torch.utils.data.Dataset) -> tuple:
     """torchft-style plumbing: every piece spelled out (what ``ftlaunch.init`` does for you)."""
-    from ftlaunch import DistributedDataParallel, Manager, Optimizer, ProcessGroupBabyGloo, ProcessGroupGloo
+    from ftlaunch import (
+        DistributedDataParallel,
+        DistributedSampler,
+        Manager,
+        Optimizer,
+        ProcessGroupBabyGloo,
+        ProcessGroupGloo,
+    )
     from ftlaunch.checkpointing import PGTransport
-    from ftlaunch.data import DistributedSampler
 
     timeout = timedelta(seconds=args.timeout or 60.0)
     intra = None

@@ -1,4 +1,4 @@
-"""ftlaunch.data.DistributedSampler: sharding over groups x ranks, resumable and redirectable position."""
+"""ftlaunch.worker.data.DistributedSampler: sharding over groups x ranks, resumable and redirectable position."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler as TorchDistributedSampler
 
 from ftlaunch import env
-from ftlaunch.data import STATE_DICT_KEYS, DistributedSampler
 from ftlaunch.errors import ConfigurationError
+from ftlaunch.worker.data import STATE_DICT_KEYS, DistributedSampler
 
 try:
     from hypothesis import given, settings
@@ -287,7 +287,7 @@ def test_only_the_newest_iterator_may_continue() -> None:
 def test_set_epoch_back_warns_about_stale_epoch_counter(caplog: pytest.LogCaptureFixture) -> None:
     s = make(10)
     s.load_state_dict({**s.state_dict(), "epoch": 3})
-    with caplog.at_level(logging.WARNING, logger="ftlaunch.data"):
+    with caplog.at_level(logging.WARNING, logger="ftlaunch.worker.data"):
         s.set_epoch(1)
     assert "sampler.epochs" in caplog.text
 
@@ -428,7 +428,7 @@ def test_register_with_manager() -> None:
 def test_register_matches_manager_signature() -> None:
     import inspect
 
-    from ftlaunch.manager import Manager
+    from ftlaunch.worker.manager import Manager
 
     params = list(inspect.signature(Manager.register_state_dict_fn).parameters)
     assert params == ["self", "key", "load_state_dict", "state_dict"]

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from ftlaunch.data_parallel import DistributedDataParallel, _comm_hook
+from ftlaunch.worker.data_parallel import DistributedDataParallel, _comm_hook
 
 _REAL_HOOK = _comm_hook
 
@@ -72,7 +72,7 @@ def _mlp() -> nn.Sequential:
 
 def _named_layouts(model: nn.Module, iterations: int, monkeypatch: pytest.MonkeyPatch, **kwargs: Any) -> list[list[Any]]:
     """For each iteration, each allreduced bucket in launch order: (its size, its parameter names)."""
-    import ftlaunch.data_parallel as dp
+    import ftlaunch.worker.data_parallel as dp
 
     names = {id(p): n for n, p in model.named_parameters()}
     seen: list[list[Any]] = []
@@ -124,8 +124,8 @@ def test_a_step_whose_cross_group_pg_failed_is_not_committed(monkeypatch: pytest
     from datetime import timedelta
 
     from ftlaunch.lighthouse.server import LighthouseServer
-    from ftlaunch.manager import Manager
     from ftlaunch.process_group import ProcessGroupDummy
+    from ftlaunch.worker.manager import Manager
 
     class FailingDummy(ProcessGroupDummy):
         failure: Exception | None = None

@@ -1,7 +1,7 @@
 """Split-brain guard end to end: replica groups in real processes, stepping like Managers do.
 
 Each member process beats every 0.1 s on its own connection and asks for one quorum per step from
-another thread, like `ftlaunch.manager.Manager`'s group leader. The invariant under test: while
+another thread, like `ftlaunch.worker.manager.Manager`'s group leader. The invariant under test: while
 two groups are alive and beating, neither gets a quorum without the other (two quorums that exist
 at the same time always share a member), even when the processes are frozen for a few ms at a time
 and the CPU is oversubscribed. A group frozen for longer than ``heartbeat_timeout`` or killed is

@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ftlaunch.lighthouse.quorum import Quorum, QuorumMember
-from ftlaunch.plan import plan_step
+from ftlaunch.worker.plan import plan_step
 
 
 def quorum(steps: dict[str, int], qid: int = 7) -> Quorum:

@@ -38,7 +38,40 @@ def test_import_does_not_pull_in_torch() -> None:
 
 def test_torchx_components_survive_importing_the_training_wrappers() -> None:
     """`ftlaunch:ddp` is a torchx component function; no submodule may shadow it."""
-    import ftlaunch.data_parallel  # noqa: F401
+    import ftlaunch.worker.data_parallel  # noqa: F401
     from ftlaunch import DistributedDataParallel  # noqa: F401
 
     assert callable(ftlaunch.ddp) and callable(ftlaunch.hsdp)
+
+
+def test_torchft_module_paths_resolve_to_the_worker_package() -> None:
+    import ftlaunch.data
+    import ftlaunch.manager
+    import ftlaunch.optim
+    import ftlaunch.process_group
+
+    assert ftlaunch.manager.Manager is ftlaunch.Manager
+    assert ftlaunch.optim.OptimizerWrapper is ftlaunch.optim.Optimizer is ftlaunch.Optimizer
+    assert ftlaunch.data.DistributedSampler is ftlaunch.DistributedSampler
+    assert ftlaunch.process_group.ManagedProcessGroup is ftlaunch.ManagedProcessGroup
+    assert ftlaunch.Manager.__module__ == "ftlaunch.worker.manager"
+
+
+def test_nothing_in_the_package_imports_the_torchft_shims() -> None:
+    import ast
+    from pathlib import Path
+
+    shims = {"ftlaunch.manager", "ftlaunch.optim", "ftlaunch.data"}
+    root = Path(ftlaunch.__file__).parent
+    offenders = []
+    for path in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+            elif isinstance(node, ast.Import):
+                names = {a.name for a in node.names}
+            else:
+                continue
+            if names & shims:
+                offenders.append(f"{path.relative_to(root)}:{node.lineno}")
+    assert offenders == []

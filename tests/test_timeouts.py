@@ -400,6 +400,6 @@ def test_the_module_does_not_import_torch_or_the_manager():
     import subprocess
     import sys
 
-    code = "import sys, ftlaunch.timeouts; print('torch' in sys.modules, 'ftlaunch.manager' in sys.modules)"
+    code = "import sys, ftlaunch.timeouts; print('torch' in sys.modules, 'ftlaunch.worker.manager' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False"]

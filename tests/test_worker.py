@@ -14,7 +14,7 @@ import ftlaunch
 from ftlaunch import env
 from ftlaunch.errors import ConfigurationError
 from ftlaunch.lighthouse.server import LighthouseServer
-from ftlaunch.worker import BACKENDS, default_backend, model_device
+from ftlaunch.worker.entry import BACKENDS, default_backend, model_device
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -158,7 +158,7 @@ def test_init_trains_and_shuts_down(
         assert _train(ft, model, opt, 3) == [True] * 3
         assert ft.manager.current_step() == 3
         # The state a restarted group would receive: the model's and the optimizer's.
-        state = ft.manager._full_state_dict()
+        state = ft.manager._state.snapshot()
         assert set(state["default"]) == {"model", "optim"}
         assert set(state["default"]["model"]) == set(model.state_dict())
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
@@ -180,8 +180,8 @@ def test_explicit_state_functions_and_more_state(job: LighthouseServer) -> None:
     with ftlaunch.init(load_state_dict=lambda sd: box.update(sd), state_dict=lambda: dict(box),
                        backend="gloo") as ft:
         ft.manager.register_state_dict_fn("extra", lambda sd: None, lambda: {"y": 2})
-        assert ft.manager._full_state_dict()["default"] == {"x": 1}
-        assert ft.manager._full_state_dict()["extra"] == {"y": 2}
+        assert ft.manager._state.snapshot()["default"] == {"x": 1}
+        assert ft.manager._state.snapshot()["extra"] == {"y": 2}
     with pytest.raises(ValueError, match="both"):
         ftlaunch.init(state_dict=lambda: {}, backend="gloo")
 
@@ -201,18 +201,18 @@ def test_wait_all_honours_the_deadline() -> None:
     import threading
     import time
 
-    from ftlaunch.manager import _wait_all
+    from ftlaunch.worker.commit import wait_all
 
     never: torch.futures.Future = torch.futures.Future()
     done: torch.futures.Future = torch.futures.Future()
     done.set_result(1)
     t0 = time.monotonic()
-    assert _wait_all([done, never], time.monotonic() + 0.2) is False
+    assert wait_all([done, never], time.monotonic() + 0.2) is False
     assert 0.15 < time.monotonic() - t0 < 5
     later: torch.futures.Future = torch.futures.Future()
     threading.Timer(0.1, lambda: later.set_result(2)).start()
-    assert _wait_all([done, later], time.monotonic() + 10) is True
-    assert _wait_all([], time.monotonic()) is True
+    assert wait_all([done, later], time.monotonic() + 10) is True
+    assert wait_all([], time.monotonic()) is True
 
 
 def test_commit_timeout_refuses_a_step_whose_collective_hangs(job: LighthouseServer) -> None:

@@ -21,7 +21,7 @@ import socket
 import threading
 import time
 import weakref
-from typing import Any
+from typing import Any, Protocol
 
 from ftlaunch.addresses import http_url, parse_host_port
 from ftlaunch.errors import EvictedError, LighthouseError, LighthouseUnavailableError, QuorumTimeoutError
@@ -219,6 +219,36 @@ class HeartbeatHandle:
         if self._thread.is_alive():  # stuck on a hung lighthouse: cut the request short
             self._channel.abort()
             self._thread.join(timeout)
+
+
+class QuorumClient(Protocol):
+    """What a replica group's leader needs from the lighthouse; `LighthouseClient` is the real one.
+
+    The Manager is written against this, so its step protocol can be driven by a scripted fake.
+    """
+
+    def quorum(self, member: QuorumMember, timeout: float) -> Quorum:
+        """Block until a quorum containing ``member`` forms (at most ``timeout`` seconds) and return it.
+
+        Raises `QuorumTimeoutError` when none formed in time, `EvictedError` when the group was
+        evicted, `LighthouseUnavailableError` when the lighthouse cannot be reached, and
+        `LighthouseError` for any other refusal.
+        """
+        ...
+
+    def start_heartbeat(self, replica_id: str, interval: float) -> object:
+        """Tell the lighthouse every ``interval`` seconds, from a background thread, that the group
+        lives, until `leave` or `close`. Returns a handle the caller may ignore."""
+        ...
+
+    def leave(self, replica_id: str) -> None:
+        """Graceful exit: stop the group's heartbeats and stop counting it. Raises `LighthouseError`
+        when the lighthouse cannot be told (it then notices the group's silence instead)."""
+        ...
+
+    def close(self) -> None:
+        """Release every connection and thread; raises nothing."""
+        ...
 
 
 class LighthouseClient:

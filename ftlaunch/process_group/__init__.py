@@ -42,10 +42,11 @@ __all__ = [
 
 
 def __getattr__(name: str) -> object:
-    # ManagedProcessGroup lives with the Manager's code (ftlaunch.process_group.managed); it is
-    # exported here lazily, as in torchft, without importing the Manager at package import.
+    # torchft's path (`from torchft.process_group import ManagedProcessGroup`). The class reduces
+    # through the Manager, so it lives a layer above, in ftlaunch.worker.managed_pg; this alias is
+    # resolved on attribute access only, never when this package is imported.
     if name == "ManagedProcessGroup":
-        from ftlaunch.process_group.managed import ManagedProcessGroup
+        from ftlaunch.worker.managed_pg import ManagedProcessGroup
 
         return ManagedProcessGroup
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -20,9 +20,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ftlaunch.data_parallel import DistributedDataParallel
-from ftlaunch.manager import Manager
-from ftlaunch.optim import Optimizer
+from ftlaunch.worker.data_parallel import DistributedDataParallel
+from ftlaunch.worker.manager import Manager
+from ftlaunch.worker.optim import Optimizer
 
 
 def checksum(model: nn.Module, opt: torch.optim.Optimizer) -> str:
@@ -90,7 +90,7 @@ def main() -> int:
         checkpoint_transport=transport,
     )
     if args.sync == "managed-pg":
-        from ftlaunch.process_group.managed import ManagedProcessGroup
+        from ftlaunch.worker.managed_pg import ManagedProcessGroup
 
         mpg = ManagedProcessGroup(manager)
         ddp = model

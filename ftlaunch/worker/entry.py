@@ -13,41 +13,28 @@ behaves the same under each, and names the three commands when it finds none of 
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from ftlaunch import env
+from ftlaunch.checkpointing.transport import CheckpointTransport
 from ftlaunch.errors import ConfigurationError
+from ftlaunch.process_group.base import ProcessGroup
 from ftlaunch.timeouts import Timeouts
-
-if TYPE_CHECKING:
-    from ftlaunch.data import DistributedSampler
-    from ftlaunch.manager import Manager
-
-logger = logging.getLogger(__name__)
+from ftlaunch.worker.data import DistributedSampler
+from ftlaunch.worker.manager import Manager, release_process_group
 
 #: Cross-group process-group backends ``init`` can build (argument ``backend=`` or ``FTLAUNCH_BACKEND``).
 BACKENDS = ("baby-gloo", "baby-nccl", "gloo", "nccl")
 #: Live-recovery transports (argument ``transport=`` or ``FTLAUNCH_TRANSPORT``).
 TRANSPORTS = ("pg", "http")
-
-_HOW_TO_LAUNCH = (
-    "Launch the script with one of:\n"
-    "  ftlaunch --replicas 2 train.py\n"
-    "  torchrun --rdzv-backend ftlaunch --rdzv-endpoint HOST:PORT "
-    "--rdzv-conf replica_group_id=G,num_replica_groups=N train.py\n"
-    "  torchx run -s local_cwd ftlaunch:hsdp --replicas 2 --script train.py\n"
-    f"or set {env.REPLICA_GROUP_ID}, {env.NUM_REPLICA_GROUPS} and {env.FTLAUNCH_LIGHTHOUSE} yourself "
-    "(against a running `ftlaunch-lighthouse`), or pass them to ftlaunch.init()"
-)
 
 
 def _choice(value: str | None, env_name: str, allowed: tuple[str, ...], what: str) -> str | None:
@@ -80,7 +67,7 @@ def model_device(model: nn.Module | None) -> torch.device:
     return torch.device("cpu")
 
 
-def make_process_group(backend: str, timeout: timedelta) -> Any:
+def make_process_group(backend: str, timeout: timedelta) -> ProcessGroup:
     """The reconfigurable cross-group process group for ``backend`` (one of ``BACKENDS``)."""
     from ftlaunch import process_group as pgs
 
@@ -101,7 +88,7 @@ class FaultTolerance:
 
     manager: Manager
     #: The cross-group (replica dimension) process group; reconfigured in place by the Manager.
-    pg: Any
+    pg: ProcessGroup
     replica_group_id: int
     num_replica_groups: int
     #: This worker's rank and the worker count inside its replica group.
@@ -118,8 +105,8 @@ class FaultTolerance:
 
     def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
         """DDP across replica groups (averaged inside the group first) and a commit-gated optimizer."""
-        from ftlaunch.data_parallel import DistributedDataParallel
-        from ftlaunch.optim import Optimizer
+        from ftlaunch.worker.data_parallel import DistributedDataParallel
+        from ftlaunch.worker.optim import Optimizer
 
         return (
             DistributedDataParallel(self.manager, model, intra_group=self.intra_group),
@@ -129,8 +116,6 @@ class FaultTolerance:
     def sampler(self, dataset: Any, key: str = "sampler", **kwargs: Any) -> DistributedSampler:
         """A sampler sharding ``dataset`` over replica groups x ranks whose position travels with
         live recovery, so a healed group resumes exactly where its peers are."""
-        from ftlaunch.data import DistributedSampler
-
         s = DistributedSampler(
             dataset,
             replica_group_id=self.replica_group_id,
@@ -191,27 +176,14 @@ def init(
       group has more than one worker.
     - Other keyword arguments go to :class:`ftlaunch.Manager` (e.g. ``max_retries``, ``init_sync``).
     """
-    group_id = replica_group_id if replica_group_id is not None else env.get_int(env.REPLICA_GROUP_ID)
-    lighthouse_addr = lighthouse or env.lighthouse_address()
-    missing = [
-        name
-        for name, value in ((env.REPLICA_GROUP_ID, group_id), (env.FTLAUNCH_LIGHTHOUSE, lighthouse_addr))
-        if value is None
-    ]
-    if missing:
-        raise ConfigurationError(
-            f"ftlaunch.init() found no ftlaunch job: {' and '.join(missing)} not set. {_HOW_TO_LAUNCH}"
-        )
-    assert group_id is not None and lighthouse_addr is not None  # narrowed by the check above
-    num_groups = num_replica_groups if num_replica_groups is not None else env.get_int(env.NUM_REPLICA_GROUPS)
-    if num_groups is None:
-        raise ConfigurationError(f"{env.NUM_REPLICA_GROUPS} is not set. {_HOW_TO_LAUNCH}")
-    if num_groups < 1 or not 0 <= group_id < num_groups:
-        raise ConfigurationError(
-            f"replica group id {group_id} is outside 0..{num_groups - 1} ({env.NUM_REPLICA_GROUPS}={num_groups})"
-        )
-    rank = env.get_int(env.RANK, 0) or 0
-    world_size = env.get_int(env.WORLD_SIZE, 1) or 1
+    # The launcher->worker contract, read once: every value below is passed on explicitly.
+    job = env.JobEnv.from_environ(
+        replica_group_id=replica_group_id,
+        num_replica_groups=num_replica_groups,
+        lighthouse=lighthouse,
+        token=manager_kwargs.pop("token", None),
+    )
+    group = env.GroupEnv.from_environ()
 
     # Timeouts: one knob, explicit overrides validated together before anything connects.
     overrides = {
@@ -230,10 +202,8 @@ def init(
     if load_state_dict is None and (model is not None or optimizer is not None):
         load_state_dict, state_dict = _model_state_fns(model, optimizer)
 
-    want_intra = world_size > 1 if intra_group is None else intra_group
-    intra, owns_intra = _intra_group(want_intra, dev, timeouts)
-
-    from ftlaunch.manager import Manager, release_process_group
+    want_intra = group.world_size > 1 if intra_group is None else intra_group
+    intra, owns_intra = _intra_group(want_intra, group, dev, timeouts)
 
     pg = make_process_group(chosen_backend, timeouts.as_timedelta("collective"))
     try:
@@ -245,8 +215,13 @@ def init(
             state_dict=state_dict,
             min_replica_size=min_replica_size,
             timeouts=timeouts,
-            lighthouse_addr=lighthouse_addr,
-            replica_id=f"rg{group_id}",
+            rank=group.rank,
+            world_size=group.world_size,
+            store_addr=group.master_addr,
+            store_port=group.master_port,
+            lighthouse_addr=job.lighthouse,
+            token=job.token,
+            replica_id=job.replica_id,
             checkpoint_transport=ckpt,
             **manager_kwargs,
         )
@@ -257,15 +232,16 @@ def init(
         raise
     manager.log.info(
         "ftlaunch.init: replica group %d of %d, rank %d of %d, backend %s, transport %s, device %s",
-        group_id, num_groups, rank, world_size, chosen_backend, chosen_transport, dev,
+        job.replica_group_id, job.num_replica_groups, group.rank, group.world_size, chosen_backend,
+        chosen_transport, dev,
     )  # fmt: skip
     return FaultTolerance(
         manager=manager,
         pg=pg,
-        replica_group_id=group_id,
-        num_replica_groups=num_groups,
-        rank=rank,
-        world_size=world_size,
+        replica_group_id=job.replica_group_id,
+        num_replica_groups=job.num_replica_groups,
+        rank=group.rank,
+        world_size=group.world_size,
         device=dev,
         backend=chosen_backend,
         transport=chosen_transport,
@@ -298,17 +274,19 @@ def _model_state_fns(
     return load, save
 
 
-def _intra_group(want: bool, device: torch.device, timeouts: Timeouts) -> tuple[dist.ProcessGroup | None, bool]:
+def _intra_group(
+    want: bool, group: env.GroupEnv, device: torch.device, timeouts: Timeouts
+) -> tuple[dist.ProcessGroup | None, bool]:
     """The replica group's own process group: torch's default group, initialised here if needed
     from torchelastic's environment (``MASTER_ADDR``/``MASTER_PORT`` of the group's store)."""
     if not want:
         return None, False
     if dist.is_initialized():
         return dist.group.WORLD, False
-    if os.environ.get(env.MASTER_ADDR) is None or os.environ.get(env.MASTER_PORT) is None:
+    if group.master_addr is None or group.master_port is None:
         raise ConfigurationError(
             f"an intra-group process group needs {env.MASTER_ADDR}/{env.MASTER_PORT} (set by "
-            "torchelastic inside a replica group). " + _HOW_TO_LAUNCH
+            "torchelastic inside a replica group). " + env.HOW_TO_LAUNCH
         )
     dist.init_process_group(
         "nccl" if device.type == "cuda" else "gloo", timeout=timeouts.as_timedelta("collective")
@@ -316,7 +294,9 @@ def _intra_group(want: bool, device: torch.device, timeouts: Timeouts) -> tuple[
     return dist.group.WORLD, True
 
 
-def _make_transport(name: str, pg: Any, device: torch.device, timeouts: Timeouts) -> Any:
+def _make_transport(
+    name: str, pg: ProcessGroup, device: torch.device, timeouts: Timeouts
+) -> CheckpointTransport[Any]:
     from ftlaunch.checkpointing import HTTPTransport, PGTransport
 
     if name == "pg":

@@ -9,15 +9,13 @@ does not commit.
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ftlaunch.process_group.wrappers import ProcessGroupWrapper
-
-if TYPE_CHECKING:
-    from ftlaunch.manager import Manager
+from ftlaunch.worker.manager import Manager, ReduceOpLike
 
 
 class _FuturesWork(dist.Work):
@@ -41,12 +39,14 @@ class _FuturesWork(dist.Work):
         return out
 
 
-def _op_of(opts: Any) -> Any:
+def _op_of(opts: Any) -> ReduceOpLike:
+    """The reduce op of torch's ``opts`` argument: None (average), a ReduceOp, or an options object."""
     if opts is None:
         return "avg"
-    if isinstance(opts, dist.ReduceOp) or isinstance(opts, dist.ReduceOp.RedOpType):
+    if isinstance(opts, (dist.ReduceOp, dist.ReduceOp.RedOpType)):
         return opts
-    return getattr(opts, "reduceOp", "avg")
+    op: ReduceOpLike = getattr(opts, "reduceOp", "avg")  # AllreduceOptions and its relatives
+    return op
 
 
 class ManagedProcessGroup(ProcessGroupWrapper):

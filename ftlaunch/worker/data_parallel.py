@@ -14,8 +14,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import parallel
 
-from ftlaunch.manager import Manager
-from ftlaunch.process_group.base import DoneWork
+from ftlaunch.process_group.work import DoneWork
+from ftlaunch.worker.manager import Manager
 
 
 class _SoloGroup(dist.ProcessGroup):

@@ -1,0 +1,73 @@
+"""The two mechanics of a commit decision: waiting (bounded) for a step's collectives, and the vote
+across replica groups that makes a step failed anywhere committed nowhere.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ftlaunch.errors import CommunicationError
+from ftlaunch.process_group.base import ProcessGroup
+
+
+def wait_all(futures: list[torch.futures.Future[Any]], deadline: float) -> bool:
+    """Wait for every future until ``deadline`` (monotonic); False if some are still running.
+
+    torch futures have no timed wait: completion callbacks count down to an Event instead. The
+    common case (everything already done by the time the optimizer steps) costs one check each.
+    """
+    waiting = [f for f in futures if not f.done()]
+    if waiting:
+        done = threading.Event()
+        left = [len(waiting)]
+        lock = threading.Lock()
+
+        def one_done(_: torch.futures.Future[Any]) -> None:
+            with lock:
+                left[0] -= 1
+                if left[0] == 0:
+                    done.set()
+
+        for f in waiting:
+            f.add_done_callback(one_done)
+        if not done.wait(max(deadline - time.monotonic(), 0.0)):
+            return False
+    for f in futures:
+        f.wait()  # done: surfaces nothing (errors were reported in the completion callbacks)
+    return True
+
+
+class CrossGroupVote:
+    """A one-element MIN allreduce over the cross-group process group: 1 if every group is ready.
+
+    The same tensor serves every step's vote: a Baby process group shares a storage with its child
+    the first time it sees it (a shm file, an fd sent over a socket, an unregister when it dies),
+    which a fresh tensor per step paid on every vote. After a failed vote the op may still be in
+    flight somewhere, so that tensor is dropped and the next vote starts a new one.
+    """
+
+    def __init__(self) -> None:
+        self._flag: torch.Tensor | None = None
+
+    def __call__(self, pg: ProcessGroup, ok: bool, deadline: float) -> bool:
+        """Whether every group voted yes; raises `CommunicationError` (or the group's error) when
+        the vote fails or does not finish by ``deadline`` (monotonic)."""
+        flag = self._flag
+        if flag is None:
+            flag = self._flag = torch.empty(1, dtype=torch.int32)
+        flag.fill_(1 if ok else 0)
+        try:
+            # timedelta(0) means "no timeout" to torch: never pass less than a millisecond.
+            left = timedelta(seconds=max(deadline - time.monotonic(), 1e-3))
+            if not pg.allreduce([flag], dist.ReduceOp.MIN).wait(left):
+                raise CommunicationError("the commit vote timed out (commit timeout)")
+        except Exception:
+            self._flag = None
+            raise
+        return bool(flag.item() == 1)

@@ -1,0 +1,42 @@
+"""torchft-compatible defaults: what a Manager that was not given them reads from the environment.
+
+torchft's Manager finds its replica group, rank and lighthouse in the environment when they are
+not passed, and scripts ported from torchft rely on it. Those reads live here, so the Manager
+itself works only with explicit values (``ftlaunch.init`` passes every one of them).
+"""
+
+from __future__ import annotations
+
+import os
+
+from ftlaunch import env
+from ftlaunch.errors import ConfigurationError
+from ftlaunch.lighthouse.client import LighthouseClient, QuorumClient
+
+
+def replica_id() -> str:
+    """This worker's replica id from ``REPLICA_GROUP_ID``; `ConfigurationError` naming the fix."""
+    group = env.get_int(env.REPLICA_GROUP_ID)
+    if group is None:
+        raise ConfigurationError(
+            f"no replica_id given and {env.REPLICA_GROUP_ID} is not set: launch with "
+            "`ftlaunch --replicas N script.py` or pass replica_id="
+        )
+    return env.replica_id(group)
+
+
+def group_env() -> env.GroupEnv:
+    """Rank, size, store and restart count of this worker's replica group, as torchelastic set them."""
+    return env.GroupEnv.from_environ()
+
+
+def lighthouse_client(addr: str | None, token: str | None, connect_timeout: float) -> QuorumClient:
+    """A client of the lighthouse at ``addr`` (else ``FTLAUNCH_LIGHTHOUSE``), with the job token
+    ``token`` (else ``FTLAUNCH_TOKEN``)."""
+    addr = addr or env.lighthouse_address()
+    if not addr:
+        raise ConfigurationError(
+            f"no lighthouse address: pass lighthouse_addr= or set {env.FTLAUNCH_LIGHTHOUSE} "
+            "(the `ftlaunch` launcher sets it for you)"
+        )
+    return LighthouseClient(addr, connect_timeout=connect_timeout, token=token or os.environ.get(env.FTLAUNCH_TOKEN))

@@ -1,0 +1,509 @@
+"""The Manager: the per-step fault-tolerance protocol of one worker of one replica group.
+
+Each step::
+
+    start_quorum()      # optimizer.zero_grad(): ask for the step's quorum in the background
+    ... forward ...     # overlaps the quorum round trip (and the heal transfer, if any)
+    allreduce(grad)     # waits for the quorum, reconfigures the cross-group PG if its id changed
+    should_commit()     # optimizer.step(): every group and every rank agrees, or nobody commits
+
+Failures never raise into the training loop: a failed collective, reconfigure or heal marks the step
+as errored, ``should_commit`` returns False everywhere, and the next quorum (which the failure changes)
+carries on without the dead group. Only conditions training cannot survive raise: the lighthouse is
+gone, this group was evicted, or ``max_retries`` consecutive steps failed.
+
+The class reads in that order. The mechanics live beside it: `plan` (what this group does in the
+step, from the quorum), `group_store` (the quorum relay and the commit vote among the group's
+ranks), `commit` (bounded waits, the vote across groups), `recovery` (what travels with a heal,
+and its transfer), `defaults` (the torchft-compatible defaults read from the environment).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, MutableMapping
+from concurrent.futures import Future as CFuture
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ftlaunch.checkpointing.transport import CheckpointTransport
+from ftlaunch.errors import (
+    CommunicationError,
+    ConfigurationError,
+    EvictedError,
+    FtlaunchError,
+    LighthouseError,
+)
+from ftlaunch.lighthouse.client import QuorumClient
+from ftlaunch.lighthouse.quorum import Quorum, QuorumMember
+from ftlaunch.process_group.base import ProcessGroup
+from ftlaunch.process_group.work import completed_future
+from ftlaunch.timeouts import Timeouts, to_seconds
+from ftlaunch.worker import defaults, recovery
+from ftlaunch.worker.commit import CrossGroupVote, wait_all
+from ftlaunch.worker.group_store import GroupStore
+from ftlaunch.worker.plan import StepPlan, plan_step
+from ftlaunch.worker.recovery import DEFAULT_STATE_KEY, StateRegistry
+
+logger = logging.getLogger(__name__)
+
+#: What ``allreduce`` accepts as its operation: "avg"/"sum" or a torch ReduceOp.
+ReduceOpLike = str | dist.ReduceOp | dist.ReduceOp.RedOpType
+
+
+def release_process_group(pg: ProcessGroup) -> None:
+    """Shut ``pg`` down, best effort: teardown must not mask the reason for it."""
+    try:
+        pg.shutdown()
+    except Exception as e:  # noqa: BLE001 - torch raises several types here
+        logger.debug("process group shutdown: %s", e)
+
+
+def _is_avg(op: ReduceOpLike) -> bool:
+    """AVG given as a string, a ``ReduceOp`` or a ``ReduceOp.RedOpType`` (which compare equal)."""
+    if isinstance(op, str):
+        if op.lower() not in ("avg", "sum"):
+            raise ValueError(f"reduce_op must be 'avg', 'sum' or a torch ReduceOp, got {op!r}")
+        return op.lower() == "avg"
+    return bool(op == dist.ReduceOp.AVG)
+
+
+class _StepLog(logging.LoggerAdapter):
+    """Prefixes every record with ``[rg1/r0 step 42]`` so interleaved worker logs stay readable."""
+
+    def __init__(self, manager: Manager) -> None:
+        super().__init__(logger, {})
+        self._m = manager
+
+    def process(self, msg: Any, kwargs: MutableMapping[str, Any]) -> tuple[Any, MutableMapping[str, Any]]:
+        m = self._m
+        return f"[{m.replica_id}/r{m._group_rank} step {m._step}] {msg}", kwargs
+
+
+class Manager:
+    """Per-step quorum, fault-tolerant allreduce, commit and live recovery (torchft's API)."""
+
+    def __init__(
+        self,
+        pg: ProcessGroup,
+        load_state_dict: Callable[[Any], None] | None,
+        state_dict: Callable[[], Any] | None,
+        min_replica_size: int = 1,
+        use_async_quorum: bool = True,
+        timeout: timedelta | float | None = None,
+        quorum_timeout: timedelta | float | None = None,
+        connect_timeout: timedelta | float | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        store_addr: str | None = None,
+        store_port: int | None = None,
+        lighthouse_addr: str | None = None,
+        replica_id: str | None = None,
+        hostname: str | None = None,
+        heartbeat_interval: timedelta | float = timedelta(milliseconds=100),
+        checkpoint_transport: CheckpointTransport[Any] | None = None,
+        init_sync: bool = True,
+        max_retries: int | None = None,
+        quorum_retries: int = 0,
+        token: str | None = None,
+        heal_timeout: timedelta | float | None = None,
+        commit_timeout: timedelta | float | None = None,
+        timeouts: Timeouts | None = None,
+        quorum_client: QuorumClient | None = None,
+        group_store: dist.Store | None = None,
+    ) -> None:
+        """Arguments not given default the way torchft's do, from the launcher's environment:
+        ``replica_id`` from ``REPLICA_GROUP_ID``, ``rank``/``world_size``/``store_addr``/
+        ``store_port`` from torchelastic's variables, ``lighthouse_addr``/``token`` from
+        ``FTLAUNCH_LIGHTHOUSE``/``FTLAUNCH_TOKEN``.
+
+        Timeouts: ``timeout`` is the one knob (else ``FTLAUNCH_TIMEOUT``, else 60 s); the quorum,
+        connect, heal and commit timeouts derive from it unless given, and the set is validated
+        (``ftlaunch.timeouts``). ``timeouts=`` passes an already derived set instead.
+
+        Injection: ``quorum_client`` replaces the `LighthouseClient` the group leader (rank 0) would
+        build (the Manager owns it: ``shutdown`` leaves and closes it); ``group_store`` replaces the
+        connection to the replica group's store (``store_addr``/``store_port`` then only name it
+        for the other groups, and may be omitted for a ``TCPStore``).
+        """
+        if min_replica_size < 1:
+            raise ValueError(f"min_replica_size must be >= 1, got {min_replica_size}")
+        if max_retries is not None and max_retries < 0:
+            raise ValueError(f"max_retries must be >= 0 or None, got {max_retries}")
+        if timeouts is None:
+            timeouts = Timeouts.derive(
+                timeout, quorum=quorum_timeout, connect=connect_timeout, heal=heal_timeout, commit=commit_timeout
+            )
+        elif any(t is not None for t in (timeout, quorum_timeout, connect_timeout, heal_timeout, commit_timeout)):
+            raise ValueError("pass either timeouts= or the individual timeouts, not both")
+        self.timeouts = timeouts
+        self._pg = pg
+        self._min_replica_size = min_replica_size
+        self._use_async_quorum = use_async_quorum
+        self._init_sync = init_sync
+        self._max_retries = max_retries
+        self._quorum_retries = quorum_retries
+
+        # torchft-compatible defaults: what is not passed, torchelastic and the launcher published.
+        group_env = defaults.group_env()
+        self._group_rank = group_env.rank if rank is None else rank
+        self._group_world_size = group_env.world_size if world_size is None else world_size
+        if not 0 <= self._group_rank < self._group_world_size:
+            raise ConfigurationError(f"rank {self._group_rank} is outside world_size {self._group_world_size}")
+        self.replica_id = defaults.replica_id() if replica_id is None else replica_id
+        self.log = _StepLog(self)
+
+        self._state = StateRegistry(self.load_state_dict, self.state_dict)
+        if (load_state_dict is None) != (state_dict is None):
+            raise ValueError("pass both load_state_dict and state_dict, or neither")
+        if load_state_dict is not None and state_dict is not None:
+            self._state.register(DEFAULT_STATE_KEY, load_state_dict, state_dict)
+
+        # Step state: what this replica group has committed, and the step in progress.
+        self._step = 0
+        self._batches_committed = 0
+        self._commit_failures = 0
+        self._quorum_seq = 0
+        self._quorum_id: int | None = None
+        self._quorum_future: CFuture[None] | None = None
+        self._plan: StepPlan | None = None
+        self._pending: list[torch.futures.Future[torch.Tensor]] = []  # this step's allreduces
+        self._errored: Exception | None = None
+        self._error_lock = threading.Lock()
+        self._pending_state: dict[str, Any] | None = None  # a healer's received state, loaded at commit
+        self._sent_checkpoint = False
+        self._vote_across_groups = CrossGroupVote()
+        self._shutdown = False
+
+        # Only the leader talks to the lighthouse. Built before anything connects: a missing address
+        # is a configuration error, raised before a store or a transport is left behind.
+        self._client: QuorumClient | None = None
+        if self._group_rank == 0:
+            self._client = quorum_client or defaults.lighthouse_client(lighthouse_addr, token, timeouts.connect)
+        self._group = GroupStore.open(
+            group_store,
+            store_addr if store_addr is not None else group_env.master_addr,
+            store_port if store_port is not None else group_env.master_port,
+            replica_id=self.replica_id,
+            attempt=group_env.restart_count,
+            rank=self._group_rank,
+            world_size=self._group_world_size,
+            hostname=hostname,
+            timeouts=timeouts,
+        )
+
+        if checkpoint_transport is None:
+            from ftlaunch.checkpointing import HTTPTransport
+
+            checkpoint_transport = HTTPTransport(timeout=timeouts.as_timedelta("heal"))
+        self._transport: CheckpointTransport[Any] = checkpoint_transport
+        self._group.publish_transport_metadata(self._transport.metadata())
+        self._transport_metadata: list[str] | None = None  # every rank's, read once by the leader
+
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"ftlaunch-quorum-{self.replica_id}")
+        if self._client is not None:
+            self._client.start_heartbeat(self.replica_id, to_seconds(heartbeat_interval))
+        self.log.info(
+            "manager up: group world_size=%d store=%s transport=%s",
+            self._group_world_size, self._group.address, type(self._transport).__name__,
+        )  # fmt: skip
+        timeouts.log(self.log)
+
+    def register_state_dict_fn(
+        self, key: str, load_state_dict: Callable[[Any], None], state_dict: Callable[[], Any]
+    ) -> None:
+        """Add state that travels with live recovery (e.g. a data loader position)."""
+        self._state.register(key, load_state_dict, state_dict)
+
+    # ============================================================================ 1. the quorum
+    def start_quorum(
+        self, allow_heal: bool = True, shrink_only: bool = False, timeout: timedelta | float | None = None
+    ) -> None:
+        """Begin a step: ask for its quorum (in the background when ``use_async_quorum``)."""
+        if self._shutdown:
+            raise FtlaunchError("manager is shut down")
+        if self._quorum_future is not None and not self._quorum_future.done():
+            # The previous step never waited for its quorum (no allreduce, no commit): finish it.
+            self._quorum_future.exception()
+        self._errored = None
+        self._pending = []
+        self._pending_state = None
+        self._plan = None
+        quorum_timeout = self.timeouts.quorum if timeout is None else to_seconds(timeout)
+        self._quorum_seq += 1
+        self._quorum_future = self._executor.submit(
+            self._run_quorum, self._quorum_seq, allow_heal, shrink_only, quorum_timeout
+        )
+        if not self._use_async_quorum:
+            self.wait_quorum()
+
+    def wait_quorum(self) -> None:
+        """Block until this step's quorum is known; fatal lighthouse errors are raised here."""
+        if self._quorum_future is None:
+            raise FtlaunchError("wait_quorum() before start_quorum()")
+        try:
+            self._quorum_future.result()
+        except LighthouseError:
+            raise
+        except Exception as e:  # noqa: BLE001 - reconfigure/heal failures: survive, skip the step
+            self.report_error(e)
+
+    def _run_quorum(self, seq: int, allow_heal: bool, shrink_only: bool, quorum_timeout: float) -> None:
+        """The quorum thread: quorum -> this group's plan -> reconfigure if it changed -> heal."""
+        # Only the leader asks the lighthouse; the group store relays its answer to the other ranks.
+        quorum = self._group.relay_quorum(seq, lambda: self._ask_lighthouse(shrink_only, quorum_timeout))
+        plan = plan_step(quorum, self.replica_id, init_sync=self._init_sync)
+        if plan.quorum_id != self._quorum_id:
+            self._reconfigure(plan)
+        self._plan = plan
+        if not allow_heal:
+            return
+        heal_timeout = self.timeouts.as_timedelta("heal")
+        if plan.recover_dst_ranks:  # a source: serve our state to the healers assigned to us
+            self.log.info("sending state to replica ranks %s", list(plan.recover_dst_ranks))
+            recovery.offer(self._transport, plan, self._step, self._state, heal_timeout)
+            self._sent_checkpoint = True  # served until the vote
+        if plan.heal:  # behind: fetch the state now, load it only once every group agreed to commit
+            self.log.info("healing from %s at step %d", plan.recover_src_id, plan.max_step)
+            self._pending_state = recovery.fetch(
+                self._transport, plan, quorum, self._group_rank, self._state, heal_timeout
+            )
+
+    def _ask_lighthouse(self, shrink_only: bool, quorum_timeout: float) -> Quorum:
+        assert self._client is not None  # the leader has one
+        if self._transport_metadata is None:
+            self._transport_metadata = self._group.transport_metadata()
+        member = QuorumMember(
+            replica_id=self.replica_id,
+            address=f"{socket.gethostname()}:{os.getpid()}",
+            store_address=self._group.address,
+            step=self._step,
+            world_size=self._group_world_size,
+            shrink_only=shrink_only,
+            commit_failures=self._commit_failures,
+            data={"ckpt": self._transport_metadata},
+        )
+        attempts = self._quorum_retries + 1
+        for attempt in range(1, attempts + 1):
+            try:
+                return self._client.quorum(member, timeout=quorum_timeout)
+            except EvictedError:
+                raise
+            except LighthouseError as e:
+                if attempt == attempts:
+                    raise
+                self.log.warning("quorum attempt %d/%d failed: %s", attempt, attempts, e)
+        raise AssertionError("unreachable")
+
+    def _reconfigure(self, plan: StepPlan) -> None:
+        self.log.info(
+            "quorum %d: %d groups (this is replica rank %d), %d up to date at step %d; reconfiguring",
+            plan.quorum_id, plan.replica_world_size, plan.replica_rank, plan.num_sources, plan.max_step,
+        )  # fmt: skip
+        # Mark the id first: if configure fails, the next quorum (whose id the failure changes)
+        # retries with a fresh prefix instead of reusing a half-built one.
+        self._quorum_id = plan.quorum_id
+        store_addr = f"{plan.store_address}/ftlaunch/q{plan.quorum_id}/r{self._group_rank}"
+        self._pg.configure(store_addr, plan.replica_rank, plan.replica_world_size)
+
+    # ============================================================================ 2. allreduce
+    def allreduce(
+        self, tensor: torch.Tensor, reduce_op: ReduceOpLike = "avg"
+    ) -> torch.futures.Future[torch.Tensor]:
+        """Fault-tolerant allreduce over the replica groups; averages over up-to-date groups.
+
+        Never raises a communication error: a failure is recorded (``errored()``), the returned
+        future completes with the tensor as is, and ``should_commit()`` will refuse the step.
+        """
+        avg = _is_avg(reduce_op)
+        self.wait_quorum()
+        plan = self._plan
+        if plan is None or self._pg.errored() is not None:
+            # No usable process group this step (quorum or reconfigure failed): nothing to talk to.
+            return completed_future(tensor)
+        # Even after a local error we still take part: every group must issue the same sequence of
+        # collectives, or peers hang (or gloo aborts on a size mismatch). The commit vote discards the step.
+        divisor = plan.num_sources if avg else 1
+        post_divide = False
+        if plan.heal or self._errored is not None:
+            # A healing group's gradients come from stale weights: contribute zeros, receive the average.
+            tensor.zero_()
+        elif divisor > 1:
+            if tensor.is_floating_point() or tensor.is_complex():
+                # Average as sum(x_i / n), dividing here as torch's DDP does, not (sum x_i) / n in
+                # the completion callback: that runs on a backend thread holding the GIL, and an
+                # 8 MB div_ there stalled this thread's next bucket hook by as long. Every group
+                # computes the same expression, so committed results stay bit-identical.
+                tensor.div_(divisor)
+            else:
+                post_divide = True  # other dtypes: divided after the sum, as before
+        if plan.replica_world_size == 1:
+            return completed_future(tensor)  # alone (and so the only source): the average is the tensor
+        op = dist.ReduceOp.SUM if avg or reduce_op == "sum" else reduce_op
+        try:
+            fut = self._pg.allreduce([tensor], op).get_future()
+        except Exception as e:  # noqa: BLE001
+            self.report_error(e)
+            return completed_future(tensor)
+
+        def finish(f: torch.futures.Future[Any]) -> torch.Tensor:
+            try:
+                f.value()
+                if post_divide:
+                    tensor.div_(divisor)
+            except Exception as e:  # noqa: BLE001 - reported, the step will not commit
+                self.report_error(e)
+            return tensor
+
+        out = fut.then(finish)
+        self._pending.append(out)
+        return out
+
+    def report_error(self, e: Exception) -> None:
+        """Record a failure of this step: it will not be committed (by any group)."""
+        with self._error_lock:
+            if self._errored is None:
+                self._errored = e
+                self.log.warning("step failed, will not commit: %s: %s", type(e).__name__, e)
+
+    def errored(self) -> Exception | None:
+        """This step's first failure, or None."""
+        return self._errored
+
+    # ============================================================================ 3. the commit
+    def should_commit(self, timeout: timedelta | float | None = None) -> bool:
+        """True when every rank of every participating group finished this step cleanly."""
+        if self._quorum_future is None:
+            raise FtlaunchError("should_commit() before start_quorum()")
+        budget = self.timeouts.commit if timeout is None else to_seconds(timeout)
+        deadline = time.monotonic() + budget
+        self.wait_quorum()
+        if not wait_all(self._pending, deadline):
+            # A collective of this step hangs (a peer stopped, not died). Give up on the step and
+            # abort the process group so the hung op is released; the next quorum rebuilds it.
+            self.report_error(
+                CommunicationError(f"commit timed out after {budget:g} s waiting for this step's allreduces")
+            )
+            self._pg.abort()
+        self._pending = []
+        plan = self._plan
+        if plan is not None and plan.heal and self._pending_state is None and self._errored is None:
+            self.report_error(CommunicationError("healing was planned but no state was received"))
+
+        ok = self._errored is None and plan is not None and plan.num_sources >= self._min_replica_size
+        if plan is not None and plan.replica_world_size > 1:
+            ok = self._vote_of_all_groups(ok, deadline)
+        if self._group_world_size > 1:
+            ok = self._vote_of_group_ranks(ok, deadline)
+        if self._sent_checkpoint:
+            # Every healer has voted, so it has its copy: the state may change again.
+            self._transport.disallow_checkpoint()
+            self._sent_checkpoint = False
+
+        if ok:
+            assert plan is not None
+            if plan.heal:
+                # Only now: every rank of every group agreed, so every healing rank loads together.
+                # Loading before the vote let one rank jump to the source's step while a peer rank
+                # whose heal failed stayed behind, and the group's ranks drifted apart.
+                self._load_healed_state()
+            self._step += 1
+            self._batches_committed += plan.num_sources
+            self._commit_failures = 0
+            return True
+        self._commit_failures += 1
+        self.log.info("step not committed (consecutive failures: %d)", self._commit_failures)
+        if self._max_retries is not None and self._commit_failures > self._max_retries:
+            raise FtlaunchError(
+                f"{self._commit_failures} consecutive steps failed to commit (max_retries="
+                f"{self._max_retries}); last error: {self._errored!r}"
+            )
+        return False
+
+    def _vote_of_all_groups(self, ok: bool, deadline: float) -> bool:
+        pg_error = self._pg.errored()
+        if pg_error is not None:
+            # The cross-group PG failed before or during this step (allreduce skips a failed
+            # group without a word): gradients were not exchanged, so the step cannot commit.
+            self.report_error(pg_error)
+            return False
+        try:
+            return self._vote_across_groups(self._pg, ok, deadline)
+        except Exception as e:  # noqa: BLE001 - reported, the step will not commit
+            self.report_error(e)
+            return False
+
+    def _vote_of_group_ranks(self, ok: bool, deadline: float) -> bool:
+        try:
+            return self._group.vote(self._quorum_seq, ok, deadline)
+        except CommunicationError as e:  # a peer rank died: its agent restarts the group
+            self.report_error(e)
+            return False
+
+    def _load_healed_state(self) -> None:
+        state, self._pending_state = self._pending_state, None
+        if state is None:  # guarded before the vote; kept as a clear error rather than a TypeError
+            raise FtlaunchError("healing was planned but no state was received")
+        self._state.load(state)
+        self.log.info("healed: loaded state at step %d", self._step)
+
+    # ============================================================================ state (torchft's API)
+    def state_dict(self) -> dict[str, int]:
+        return {"step": self._step, "batches_committed": self._batches_committed}
+
+    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        self._step = int(state_dict["step"])
+        self._batches_committed = int(state_dict["batches_committed"])
+
+    def current_step(self) -> int:
+        return self._step
+
+    def batches_committed(self) -> int:
+        return self._batches_committed
+
+    def num_participants(self) -> int:
+        """Up-to-date groups in this step's quorum (the divisor of the average)."""
+        self.wait_quorum()
+        return self._plan.num_sources if self._plan is not None else 0
+
+    def participating_rank(self) -> int | None:
+        """This group's rank among the up-to-date groups, None while it heals."""
+        self.wait_quorum()
+        return self._plan.source_rank if self._plan is not None else None
+
+    def is_participating(self) -> bool:
+        return self.participating_rank() is not None
+
+    @property
+    def pg(self) -> ProcessGroup:
+        return self._pg
+
+    @property
+    def group_rank(self) -> int:
+        return self._group_rank
+
+    # ============================================================================ teardown
+    def shutdown(self, wait: bool = True) -> None:
+        """Leave the lighthouse gracefully and release threads, servers and the process group."""
+        if self._shutdown:
+            return
+        self._shutdown = True
+        if self._client is not None:
+            try:
+                self._client.leave(self.replica_id)  # also stops the heartbeat
+            except LighthouseError as e:
+                self.log.debug("leave failed (lighthouse gone?): %s", e)
+            self._client.close()
+        self._executor.shutdown(wait=wait, cancel_futures=True)
+        self._transport.shutdown(wait=wait)
+        release_process_group(self._pg)
+        self.log.info("manager shut down")
+

@@ -1,0 +1,104 @@
+"""Live recovery: the state that travels with a heal, and its transfer within a step.
+
+The state is a set of named ``(load_state_dict, state_dict)`` pairs: the Manager's own (step,
+batches committed) plus whatever the user registered. A source group `offer`s a snapshot to the
+healers the step's plan assigns to it; a healing group `fetch`es it, checks it at once (a peer
+that registered other keys then fails the step's vote instead of raising after a commit) and
+``load``s it only once every group agreed to commit. Every group must register the same keys.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from datetime import timedelta
+from typing import Any
+
+from ftlaunch.checkpointing.transport import CheckpointTransport
+from ftlaunch.errors import CommunicationError, FtlaunchError
+from ftlaunch.lighthouse.quorum import Quorum
+from ftlaunch.worker.plan import StepPlan
+
+#: Key of the Manager's own state (step, batches committed) inside the healed state dict.
+MANAGER_STATE_KEY = "ftlaunch_manager"
+#: Key of the user state passed to the Manager's constructor.
+DEFAULT_STATE_KEY = "default"
+
+LoadFn = Callable[[Any], None]
+SaveFn = Callable[[], Any]
+
+
+class StateRegistry:
+    """The Manager's own state plus whatever the user registered, under unique keys."""
+
+    def __init__(self, load_own: LoadFn, save_own: SaveFn) -> None:
+        self._own = (load_own, save_own)
+        self._user: dict[str, tuple[LoadFn, SaveFn]] = {}
+
+    def register(self, key: str, load_state_dict: LoadFn, state_dict: SaveFn) -> None:
+        """Add state under ``key``; ValueError if the key is taken (or is the Manager's own)."""
+        if key in self._user or key == MANAGER_STATE_KEY:
+            raise ValueError(f"state dict key {key!r} is already registered")
+        self._user[key] = (load_state_dict, state_dict)
+
+    def keys(self) -> list[str]:
+        return [MANAGER_STATE_KEY, *self._user]
+
+    def snapshot(self) -> dict[str, Any]:
+        """Everything a healing group needs, as a dict of the registered state dicts."""
+        state: dict[str, Any] = {key: save() for key, (_, save) in self._user.items()}
+        state[MANAGER_STATE_KEY] = self._own[1]()
+        return state
+
+    def missing(self, state: Mapping[str, Any]) -> list[str]:
+        """Registered keys that ``state`` lacks (a peer that registered different state)."""
+        return [k for k in self.keys() if k not in state]
+
+    def load(self, state: Mapping[str, Any]) -> None:
+        """Load every registered entry, the Manager's own first; `FtlaunchError` if one is missing."""
+        missing = self.missing(state)
+        if missing:
+            raise FtlaunchError(f"healed state has no entries {missing}: do both groups register the same state?")
+        self._own[0](state[MANAGER_STATE_KEY])
+        for key, (load, _) in self._user.items():
+            load(state[key])
+
+
+def offer(
+    transport: CheckpointTransport[Any], plan: StepPlan, step: int, registry: StateRegistry, timeout: timedelta
+) -> None:
+    """Source side: serve (or push) a snapshot of step ``step`` to the healers assigned to this group.
+
+    The caller must call ``transport.disallow_checkpoint()`` before the state changes again.
+    Raises what the transport raises (`CheckpointTransportError`).
+    """
+    transport.send_checkpoint(
+        dst_ranks=list(plan.recover_dst_ranks), step=step, state_dict=registry.snapshot(), timeout=timeout
+    )
+
+
+def fetch(
+    transport: CheckpointTransport[Any],
+    plan: StepPlan,
+    quorum: Quorum,
+    group_rank: int,
+    registry: StateRegistry,
+    timeout: timedelta,
+) -> dict[str, Any]:
+    """Healer side: the state of the plan's source group, from its rank with our group rank.
+
+    Raises `CheckpointTransportError` when the transfer fails and `CommunicationError` when the
+    state lacks a registered key.
+    """
+    src_rank = plan.recover_src_rank
+    if src_rank is None:
+        raise ValueError("fetch() on a plan that does not heal")
+    metas = quorum.participants[src_rank].data.get("ckpt") or []
+    meta = metas[group_rank] if group_rank < len(metas) else ""
+    state = transport.recv_checkpoint(src_rank=src_rank, metadata=meta, step=plan.max_step, timeout=timeout)
+    missing = registry.missing(state)
+    if missing:
+        raise CommunicationError(
+            f"state received from {plan.recover_src_id} has no entries {missing}: "
+            "do all groups register the same state?"
+        )
+    return state

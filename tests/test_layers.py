@@ -1,0 +1,128 @@
+"""The folder layout is the architecture: no module imports a layer above (or beside) its own.
+
+docs/architecture.md draws the same table. Every ``import ftlaunch...`` counts, also one inside a
+function or under ``TYPE_CHECKING``: a lazy import up the layers is still a dependency up the layers.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "ftlaunch"
+
+#: layer -> the module prefixes that make it up (longest prefix wins).
+LAYERS: dict[str, tuple[str, ...]] = {
+    "foundation": (
+        "ftlaunch.errors",
+        "ftlaunch.env",
+        "ftlaunch.timeouts",
+        "ftlaunch.addresses",
+        "ftlaunch.lifetime",
+    ),
+    "lighthouse": ("ftlaunch.lighthouse",),
+    "process_group": ("ftlaunch.process_group",),
+    "checkpointing": ("ftlaunch.checkpointing",),
+    "worker": ("ftlaunch.worker",),
+    "launcher": ("ftlaunch.launcher",),
+    # The public face: the package itself and torchft's module paths (one-line re-exports).
+    "api": ("ftlaunch", "ftlaunch.manager", "ftlaunch.optim", "ftlaunch.data"),
+}
+
+#: layer -> the layers it may import (besides itself).
+ALLOWED: dict[str, set[str]] = {
+    "foundation": set(),
+    "lighthouse": {"foundation"},
+    "process_group": {"foundation"},
+    "checkpointing": {"foundation", "process_group"},
+    "worker": {"foundation", "lighthouse", "process_group", "checkpointing"},
+    "launcher": {"foundation", "lighthouse"},
+    "api": set(LAYERS),
+}
+
+
+#: The only imports allowed up the layers, each a lazy alias that keeps a torchft module path working.
+#: torchft users write ``torchft.process_group.ManagedProcessGroup``; it reduces through the Manager, so
+#: it lives in worker/, and process_group's ``__getattr__`` resolves the old path on first use.
+COMPAT_ALIASES: set[tuple[str, str]] = {
+    ("ftlaunch.process_group", "ftlaunch.worker.managed_pg"),
+}
+
+
+def layer_of(module: str) -> str:
+    best, length = None, -1
+    for layer, prefixes in LAYERS.items():
+        for p in prefixes:
+            # The bare package name matches only itself: a new top-level module must be placed.
+            if (module == p or (p != "ftlaunch" and module.startswith(p + "."))) and len(p) > length:
+                best, length = layer, len(p)
+    if best is None:
+        raise AssertionError(f"module {module} belongs to no layer: add it to LAYERS (and docs/architecture.md)")
+    return best
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_of(path: Path, module: str) -> set[str]:
+    """Every ftlaunch module ``path`` imports, relative imports resolved."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.split(".")[0] == "ftlaunch")
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join([*base, node.module] if node.module else base)
+            else:
+                target = node.module or ""
+            if target.split(".")[0] != "ftlaunch":
+                continue
+            # `from ftlaunch.x import y` may name a submodule y: count the deeper one when it exists.
+            for alias in node.names:
+                sub = f"{target}.{alias.name}"
+                is_module = (PACKAGE.parent / Path(*sub.split("."))).with_suffix(".py").exists() or (
+                    PACKAGE.parent / Path(*sub.split(".")) / "__init__.py"
+                ).exists()
+                found.add(sub if is_module else target)
+    return found
+
+
+def all_modules() -> list[tuple[Path, str]]:
+    return [(p, module_name(p)) for p in sorted(PACKAGE.rglob("*.py"))]
+
+
+def test_every_module_has_a_layer() -> None:
+    for _, module in all_modules():
+        layer_of(module)
+
+
+def test_no_import_runs_up_a_layer() -> None:
+    violations = []
+    for path, module in all_modules():
+        mine = layer_of(module)
+        for target in sorted(imports_of(path, module)):
+            theirs = layer_of(target)
+            if (module, target) in COMPAT_ALIASES:
+                continue
+            if theirs != mine and theirs not in ALLOWED[mine]:
+                violations.append(f"{module} ({mine}) imports {target} ({theirs})")
+    assert not violations, "imports against the layer table:\n" + "\n".join(violations)
+
+
+def test_the_check_sees_violations(tmp_path: Path) -> None:
+    """The walker finds absolute, relative and function-level imports (so the test above can fail)."""
+    src = tmp_path / "m.py"
+    src.write_text(
+        "from ftlaunch.worker import manager\n"
+        "def f():\n    from ..launcher import supervisor\n    import ftlaunch.lighthouse.client\n"
+    )
+    found = imports_of(src, "ftlaunch.process_group.m")
+    assert {layer_of(t) for t in found} == {"worker", "launcher", "lighthouse"}
+    assert "ftlaunch.lighthouse.client" in found
+    assert layer_of("ftlaunch.worker.manager") == "worker" and layer_of("ftlaunch.manager") == "api"
