@@ -140,6 +140,8 @@ class FaultTolerance:
         self.manager.shutdown()
         if self._owns_intra_group and dist.is_initialized():
             dist.destroy_process_group()
+        if not dist.is_initialized():
+            self.intra_group = None  # destroyed: gloo's threads and sockets live as long as a reference
 
     def __enter__(self) -> FaultTolerance:
         return self
@@ -159,7 +161,7 @@ class FaultTolerance:
         ``sdp``/``tp``/``pp`` live inside the replica group (``tp_size`` adjacent ranks per tensor
         parallel gang); ``dp`` and ``root`` span the groups. The first call begins the first step
         and builds them (every worker of the group calls it); later calls return the same object.
-        ``gangs.close()`` - or ``shutdown()`` - tears all of it down.
+        ``gangs.close()`` - or ``shutdown()``, the same - tears all of it down.
         """
         from ftlaunch.gang import FakeGang, ProcessGroupGang
         from ftlaunch.worker.managed_gang import fault_tolerant_gangs
@@ -174,7 +176,7 @@ class FaultTolerance:
             raise ConfigurationError(
                 "ft.gangs() needs the replica group's own process group: ftlaunch.init(intra_group=True)"
             )
-        self._gangs = fault_tolerant_gangs(self.manager, group_root, tp_size=tp_size)
+        self._gangs = fault_tolerant_gangs(self.manager, group_root, tp_size=tp_size, release=self.shutdown)
         return self._gangs
 
 

@@ -25,6 +25,7 @@ replica dimension and the group's gangs (`ProductGang`).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -47,7 +48,7 @@ from ftlaunch.process_group.base import ProcessGroup
 from ftlaunch.worker.managed_pg import ManagedProcessGroup
 from ftlaunch.worker.manager import Manager
 
-__all__ = ["ManagedGang", "fault_tolerant_gangs"]
+__all__ = ["FaultTolerantGangs", "ManagedGang", "fault_tolerant_gangs"]
 
 _TORCH_OP = {
     ReduceOperation.PRODUCT: dist.ReduceOp.PRODUCT,
@@ -189,7 +190,8 @@ class ManagedGang(Gang):
         if pg.size() == 1:
             output_tensor[0].copy_(input_tensor)
             return
-        self._run(pg, lambda g: g.all_gather_single(output_tensor, input_tensor))
+        # Flat views: gloo (in a Baby child too) takes a concatenation, not a stack, of the inputs.
+        self._run(pg, lambda g: g.all_gather_single(output_tensor.view(-1), input_tensor.reshape(-1)))
 
     def all_gather_to_list(self, output_tensors: list[torch.Tensor], input_tensor: torch.Tensor) -> None:
         pg = self._in_a_step("all_gather_to_list")
@@ -250,7 +252,22 @@ class ManagedGang(Gang):
         return f"ManagedGang(rank={pg.rank()}, size={pg.size()}, step={self._manager.current_step()}, device={self._device})"
 
 
-def fault_tolerant_gangs(manager: Manager, group_root: Gang, *, tp_size: int = 1) -> Gangs:
+@dataclass(frozen=True, kw_only=True)
+class FaultTolerantGangs(Gangs):
+    """The `Gangs` of ``ft.gangs()``: closing them also runs ``release`` (``ft.shutdown``), so that
+    nothing of the worker's fault tolerance outlives ``gangs.close()`` - ``ft`` itself holds the
+    replica group's process group, whose gloo threads and sockets live as long as a reference."""
+
+    release: Callable[[], None] = field(default=lambda: None, repr=False, compare=False)
+
+    def close(self) -> None:
+        super().close()
+        self.release()
+
+
+def fault_tolerant_gangs(
+    manager: Manager, group_root: Gang, *, tp_size: int = 1, release: Callable[[], None] | None = None
+) -> FaultTolerantGangs:
     """The `Gangs` of a worker of a fault-tolerant job (what ``ft.gangs()`` returns).
 
     ``group_root`` is the replica group's own gang (every worker of the group; a `FakeGang` for a
@@ -258,16 +275,17 @@ def fault_tolerant_gangs(manager: Manager, group_root: Gang, *, tp_size: int = 1
     the group's data parallel gang, which is ``sdp``; ``rdp`` is the `ManagedGang` across groups,
     ``dp`` = ``rdp`` x ``sdp`` and ``root`` = ``rdp`` x ``group_root``. Begins the first step (the
     coordinator check of `Gangs` needs the quorum's ranks). Every worker of the group calls it.
+    ``release`` runs after the gangs close (``ft.gangs()`` passes ``ft.shutdown``).
     """
     inner = create_parallel_gangs(group_root, tp_size=tp_size)
     rdp = ManagedGang(manager, group_root.device)
     rdp.begin_step()
-    return Gangs(
+    return FaultTolerantGangs(
         root=ProductGang(rdp, group_root),
         dp=ProductGang(rdp, inner.dp),
         rdp=rdp,
         sdp=inner.dp,
         tp=inner.tp,
         pp=inner.pp,
+        release=release or (lambda: None),
     )
-
