@@ -326,3 +326,21 @@ def close_all() -> dict[str, Any]:
         "as_pg_after_close": attempt(lambda: root.as_process_group()),
         "resources": resources(),
     }
+
+
+def cuda_default_group(port: int) -> dict[str, Any]:
+    """NCCL on one GPU (a gang of one): the collectives on CUDA tensors, high-priority streams."""
+    os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    gang = ProcessGroupGang.create_default_process_group(torch.device("cuda"), high_priority=True)
+    t = torch.tensor(F, device=gang.device)
+    gang.all_reduce(t, R.MEAN)
+    o = torch.empty(1, 3, device=gang.device)
+    gang.all_gather(o, t)
+    objects: list[object] = [{"a": 1}]
+    gang.broadcast_objects(objects)
+    gang.barrier()
+    found = {"device": gang.device.type, "mean": t.tolist(), "gather": o.tolist(), "objects": objects,
+             "flag": broadcast_flag(gang, True), "sum": all_sum(gang, 2).item()}  # fmt: skip
+    gang.close()
+    found["initialized"] = torch.distributed.is_initialized()
+    return found

@@ -209,3 +209,12 @@ def test_process_group_gangs_do_what_the_fake_simulates() -> None:
         assert c["after_close"] == c["as_pg_after_close"] == "raises InvalidOperationError"
         # Nothing left: gloo's threads, the store's and peers' sockets, all gone with the groups.
         assert c["resources"] == before, (r, before, c["resources"])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (NCCL's default group on a GPU)")
+@pytest.mark.timeout(180)
+def test_nccl_default_group_on_one_gpu() -> None:
+    with WorkerPool(1) as pool:
+        found = pool.run([0], sc.cuda_default_group, [(free_port(),)], timeout=150)[0]
+    assert found == {"device": "cuda", "mean": sc.F, "gather": [sc.F], "objects": [{"a": 1}], "flag": True,
+                     "sum": 2, "initialized": False}  # fmt: skip
