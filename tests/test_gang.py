@@ -124,6 +124,54 @@ def test_fake_gang_arguments_and_process_group() -> None:
     assert issubclass(NotSupportedError, NotImplementedError) and issubclass(NotSupportedError, FtlaunchError)
 
 
+def _params(fn: Any) -> str:
+    """A callable's parameters as fairseq2's reference writes them: names, keyword-only marker, defaults."""
+    import inspect
+
+    out, star = [], False
+    for p in inspect.signature(fn).parameters.values():
+        if p.name == "self" or p.kind is p.VAR_KEYWORD:
+            continue
+        if p.kind is p.KEYWORD_ONLY and not star:
+            out.append("*")
+            star = True
+        out.append(p.name if p.default is p.empty else f"{p.name}={p.default!r}")
+    return ", ".join(out)
+
+
+def test_names_and_signatures_are_fairseq2s() -> None:
+    import ftlaunch.gang as g
+
+    assert set(g.__all__) >= {
+        "Gang", "ProcessGroupGang", "FakeGang", "Gangs", "ReduceOperation", "create_parallel_gangs",
+        "create_fsdp_gangs", "create_fake_gangs", "maybe_get_current_gangs", "broadcast_flag", "all_sum",
+        "GangError", "raise_operational_gang_error",
+    }  # fmt: skip
+    assert [(op.name, op.value) for op in g.ReduceOperation] == [
+        ("SUM", 1), ("MEAN", 2), ("PRODUCT", 3), ("MIN", 4), ("MAX", 5)]  # fmt: skip
+    expected = {
+        g.Gang.create_gang: "ranks",
+        g.Gang.all_reduce: "tensor, op",
+        g.Gang.all_gather: "output_tensor, input_tensor",
+        g.Gang.all_gather_to_list: "output_tensors, input_tensor",
+        g.Gang.broadcast: "tensor, source_rank=0",
+        g.Gang.broadcast_objects: "objects, source_rank=0",
+        g.ProcessGroupGang.create_default_process_group: "device, *, timeout=None, high_priority=False",
+        g.FakeGang: "device, *, rank=0, size=1",
+        g.Gangs: "*, root, dp, rdp, sdp, tp, pp",
+        g.create_parallel_gangs: "root_gang, *, tp_size=1",
+        g.create_fsdp_gangs: "gangs, intra_node_size=None",
+        g.create_fake_gangs: "device",
+        g.maybe_get_current_gangs: "",
+        g.broadcast_flag: "gang, flag, source_rank=0",
+        g.all_sum: "gang, value",
+        g.raise_operational_gang_error: "cause",
+    }
+    assert {fn.__qualname__: _params(fn) for fn in expected} == {fn.__qualname__: v for fn, v in expected.items()}
+    for name in ("rank", "size", "device", "supports_process_group"):
+        assert isinstance(getattr(g.Gang, name), property)
+
+
 def test_gang_error_is_one_communication_error_type() -> None:
     assert issubclass(GangError, CommunicationError)
     assert not issubclass(CommunicationError, GangError)

@@ -128,7 +128,11 @@ class Gang(ABC):
     def supports_process_group(self) -> bool: ...
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(rank={self.rank}, size={self.size}, device={self.device})"
+        try:
+            where = f"rank={self.rank}, size={self.size}"
+        except Exception as e:  # noqa: BLE001 - a repr must not raise (a closed or not yet formed gang)
+            where = type(e).__name__
+        return f"{type(self).__name__}({where}, device={self.device})"
 
 
 # ---- the checks every implementation runs first -------------------------------------------------

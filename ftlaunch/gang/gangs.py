@@ -113,15 +113,16 @@ def _split(root: Gang, groups: Iterable[list[int]], fake: Gang) -> Gang:
     return mine
 
 
-def create_parallel_gangs(root: Gang, *, tp_size: int = 1) -> Gangs:
-    """Data parallel and tensor parallel gangs over ``root``: ``root.size // tp_size`` x ``tp_size``.
+def create_parallel_gangs(root_gang: Gang, *, tp_size: int = 1) -> Gangs:
+    """Data parallel and tensor parallel gangs over ``root_gang``: ``size // tp_size`` x ``tp_size``.
 
     With 8 processes and ``tp_size=2``: tp gangs [0, 1], [2, 3], [4, 5], [6, 7]; dp gangs
     [0, 2, 4, 6], [1, 3, 5, 7]. ``rdp`` is ``dp`` (plain data parallelism), ``sdp`` and ``pp`` are
-    fakes of size 1. Every process of ``root`` must call it.
+    fakes of size 1. Every process of ``root_gang`` must call it.
 
-    Raises ``ValueError`` if ``tp_size`` is not a positive divisor of ``root.size``; `GangError`.
+    Raises ``ValueError`` if ``tp_size`` is not a positive divisor of ``root_gang.size``; `GangError`.
     """
+    root = root_gang
     if not isinstance(tp_size, int) or tp_size < 1 or root.size % tp_size:
         raise ValueError(f"tp_size must be a positive divisor of the root gang's size {root.size}, got {tp_size!r}")
     fake = FakeGang(root.device)

@@ -2,8 +2,8 @@
 ``ftlaunch`` launcher, which kills and restarts groups).
 
 Each step: ``gangs.rdp.begin_step()``, a forward/backward on this data-parallel rank's batch, the
-gradients averaged over ``gangs.dp`` (inside the replica group, then across groups through the
-Manager), and the update applied only if ``gangs.rdp.should_commit()``. Prints ``step=N
+gradients averaged over ``gangs.sdp`` (inside the replica group) and ``gangs.rdp`` (across groups,
+through the Manager), and the update applied only if ``gangs.rdp.should_commit()``. Prints ``step=N
 committed=...`` lines and ``final_checksum=...`` (read by the launcher's report); it trains past ``--steps`` until
 a step is committed by every group, so a group restarted late still ends identical and writes one JSON
 record per incarnation into ``--out``: the table of tests/gang_scenarios.py on the fault-tolerant
@@ -95,7 +95,8 @@ def main() -> int:
             loss.backward()
             grads = [p.grad for p in model.parameters() if p.grad is not None]
             flat = torch.cat([gr.reshape(-1) for gr in grads])
-            gangs.dp.all_reduce(flat, ReduceOperation.MEAN)  # in the group, then across groups
+            gangs.sdp.all_reduce(flat, ReduceOperation.MEAN)  # inside the replica group
+            gangs.rdp.all_reduce(flat, ReduceOperation.MEAN)  # across groups, through the Manager
             torch.nn.utils.vector_to_parameters(flat, grads)  # type: ignore[arg-type]
             total = all_sum(gangs.dp, loss.item())  # a metric over every data-parallel rank
             sizes[step] = gangs.rdp.size
