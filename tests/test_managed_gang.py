@@ -119,6 +119,20 @@ def test_a_failed_collective_is_reported_not_raised_and_the_step_committed_nowhe
     assert gang.should_commit()
 
 
+def test_a_failed_object_broadcast_leaves_the_objects_and_fails_the_step(make_group: Callable[..., Group]) -> None:
+    g = make_group(ScriptedLighthouse(in_step(1, "rg1"), in_step(2, "rg1")), init_sync=False)
+    gang = ManagedGang(g.m, CPU)
+    gang.begin_step()
+    g.pg.fail_next("broadcast", RuntimeError("peer gone"))
+    objects: list[object] = ["mine"]
+    gang.broadcast_objects(objects, 1)  # from the other group: the length never arrives
+    assert objects == ["mine"] and [op.name for op in g.pg.ops] == ["broadcast"]
+    assert not gang.should_commit()
+    gang.begin_step()
+    gang.broadcast_objects(objects, 0)  # as the source: length, then the pickle
+    assert [op.name for op in g.pg.ops[-3:-1]] == ["broadcast", "broadcast"] and gang.should_commit()
+
+
 def test_misuse_raises_and_collectives_need_a_step(make_group: Callable[..., Group]) -> None:
     g = make_group(ScriptedLighthouse(in_step(1, "rg1")), init_sync=False)
     gang = ManagedGang(g.m, CPU)

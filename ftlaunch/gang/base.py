@@ -192,7 +192,7 @@ def check_objects(objects: object) -> list[object]:
 
 
 def broadcast_pickled(
-    broadcast: Callable[[torch.Tensor, int], None],
+    broadcast: Callable[[torch.Tensor, int], bool | None],
     objects: list[object],
     source_rank: int,
     is_source: bool,
@@ -203,8 +203,8 @@ def broadcast_pickled(
 
     A source whose objects cannot be pickled still sends a length (-1), so every process raises
     the same ``TypeError`` instead of its peers waiting in the second broadcast until a timeout.
-    If a fault-tolerant gang's broadcast failed without raising (the step is then not committed),
-    ``objects`` is left as it was.
+    A fault-tolerant gang's ``broadcast`` returns False when it failed without raising (the step
+    then commits nowhere): ``objects`` is left as it was.
     """
     payload: bytes | None = None
     why = ""
@@ -213,20 +213,17 @@ def broadcast_pickled(
             payload = pickle.dumps(list(objects))
         except Exception as e:  # noqa: BLE001 - pickle raises many types; all are the same misuse here
             why = f": {type(e).__name__}: {e}"
-    sent = len(payload) if payload is not None else (-1 if is_source else -2)
-    length = torch.tensor([sent], dtype=torch.int64, device=device)
-    broadcast(length, source_rank)
+    length = torch.tensor([len(payload) if payload is not None else -1], dtype=torch.int64, device=device)
+    if broadcast(length, source_rank) is False:
+        return
     n = int(length.item())
-    if n == -1:
-        raise TypeError(f"broadcast_objects: the objects of rank {source_rank} cannot be pickled{why}")
     if n < 0:
-        return  # nothing arrived (a fault-tolerant gang's failed step)
+        raise TypeError(f"broadcast_objects: the objects of rank {source_rank} cannot be pickled{why}")
     if payload is not None:
         buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
     else:
         buf = torch.empty(n, dtype=torch.uint8, device=device)
-    broadcast(buf, source_rank)
-    if is_source:
+    if broadcast(buf, source_rank) is False or is_source:
         return
     received = pickle.loads(buf.cpu().numpy().tobytes())  # noqa: S301 - the gang's own peers
     if len(received) != len(objects):

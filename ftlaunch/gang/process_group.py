@@ -57,11 +57,14 @@ _TORCH_OP = {
 
 @contextlib.contextmanager
 def _as_gang_error(op: str) -> Iterator[None]:
-    """torch's communication failures -> `GangError` (misuse, ``ValueError``/``TypeError``, passes)."""
+    """torch's communication failures -> `GangError` (misuse, ``ValueError``/``TypeError``, passes;
+    an op the backend lacks is `NotSupportedError`)."""
     try:
         yield
     except (ValueError, TypeError):
         raise
+    except NotImplementedError as e:
+        raise NotSupportedError(f"{op}: {e}") from e
     except RuntimeError as e:  # DistError, DistBackendError, DistNetworkError, gloo's RuntimeErrors
         raise GangError(f"{op} failed: {e}") from e
 

@@ -214,8 +214,8 @@ class ManagedGang(Gang):
         if pg.size() == 1:
             return
 
-        def send(t: torch.Tensor, src: int) -> None:
-            self._run(pg, lambda g: g.broadcast_one(t, src))
+        def send(t: torch.Tensor, src: int) -> bool:
+            return self._run(pg, lambda g: g.broadcast_one(t, src))
 
         broadcast_pickled(send, objects, source_rank, pg.rank() == source_rank, self._device)
 
