@@ -44,6 +44,14 @@ _LAZY = {
     "PGTransport": "ftlaunch.checkpointing",
     "LighthouseServer": "ftlaunch.lighthouse.server",
     "LighthouseClient": "ftlaunch.lighthouse.client",
+    # fairseq2's Gang API (docs/gang.md); its module is ftlaunch.gang, ft.gangs() builds the
+    # fault-tolerant Gangs.
+    "Gang": "ftlaunch.gang",
+    "Gangs": "ftlaunch.gang",
+    "FakeGang": "ftlaunch.gang",
+    "ProcessGroupGang": "ftlaunch.gang",
+    "ReduceOperation": "ftlaunch.gang",
+    "GangError": "ftlaunch.errors",
 }
 
 

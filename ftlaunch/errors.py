@@ -4,6 +4,10 @@ One base type (`FtlaunchError`) so callers can catch everything we raise, and on
 communication failures (`CommunicationError`, the analogue of fairseq2's ``GangError``) that is
 distinct from misuse, which raises the standard ``ValueError``/``TypeError``. Training code that
 wants to survive a dead peer catches `CommunicationError` and nothing else.
+
+The Gang API (`ftlaunch.gang`, fairseq2's interface) adds fairseq2's names to this one family:
+`GangError` is the `CommunicationError` a gang raises, and `InvalidOperationError`,
+`NotSupportedError` and `OperationalError` are the other conditions its documentation names.
 """
 
 from __future__ import annotations
@@ -42,3 +46,28 @@ class CheckpointTransportError(CommunicationError):
 
 class ConfigurationError(FtlaunchError, ValueError):
     """Settings are missing or inconsistent (bad environment, bad timeout hierarchy, ...)."""
+
+
+class GangError(CommunicationError):
+    """A gang's collective failed (fairseq2's ``GangError``): a peer died, a timeout, a lost connection.
+
+    A subclass of `CommunicationError`, not a sibling or an alias: ``except CommunicationError``
+    (ftlaunch's one rule for surviving a dead peer) also catches gang failures, while
+    ``except GangError`` (fairseq2 code) catches exactly what gangs raise and nothing from the
+    lighthouse or the checkpoint transports. Every gang raises this one type, whatever its backend.
+    """
+
+
+class InvalidOperationError(FtlaunchError):
+    """The call is not valid in the object's current state (a closed gang, a second default group)."""
+
+
+class NotSupportedError(FtlaunchError, NotImplementedError):
+    """This implementation cannot do what was asked (e.g. a ``FakeGang`` as a torch ProcessGroup)."""
+
+
+class OperationalError(FtlaunchError):
+    """The job cannot go on because its environment failed, not because of a bug in the caller.
+
+    fairseq2 recipes turn a `GangError` they cannot handle into this (``raise_operational_gang_error``).
+    """

@@ -23,6 +23,8 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "lighthouse": ("ftlaunch.lighthouse",),
     "process_group": ("ftlaunch.process_group",),
     "checkpointing": ("ftlaunch.checkpointing",),
+    # fairseq2's Gang API over torch.distributed; its fault-tolerant gang lives in worker/.
+    "gang": ("ftlaunch.gang",),
     "worker": ("ftlaunch.worker",),
     "launcher": ("ftlaunch.launcher",),
     # The public face: the package itself and torchft's module paths (one-line re-exports).
@@ -35,7 +37,8 @@ ALLOWED: dict[str, set[str]] = {
     "lighthouse": {"foundation"},
     "process_group": {"foundation"},
     "checkpointing": {"foundation", "process_group"},
-    "worker": {"foundation", "lighthouse", "process_group", "checkpointing"},
+    "gang": {"foundation"},
+    "worker": {"foundation", "lighthouse", "process_group", "checkpointing", "gang"},
     "launcher": {"foundation", "lighthouse"},
     "api": set(LAYERS),
 }

@@ -17,7 +17,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -30,6 +30,9 @@ from ftlaunch.process_group.base import ProcessGroup
 from ftlaunch.timeouts import Timeouts
 from ftlaunch.worker.data import DistributedSampler
 from ftlaunch.worker.manager import Manager, release_process_group
+
+if TYPE_CHECKING:
+    from ftlaunch.gang import Gang, Gangs
 
 #: Cross-group process-group backends ``init`` can build (argument ``backend=`` or ``FTLAUNCH_BACKEND``).
 BACKENDS = ("baby-gloo", "baby-nccl", "gloo", "nccl")
@@ -132,15 +135,49 @@ class FaultTolerance:
         if self._closed:
             return
         self._closed = True
+        if self._gangs is not None:
+            self._gangs.close()  # the Manager, the group's sub-gangs and its default group
         self.manager.shutdown()
         if self._owns_intra_group and dist.is_initialized():
             dist.destroy_process_group()
+        if not dist.is_initialized():
+            self.intra_group = None  # destroyed: gloo's threads and sockets live as long as a reference
 
     def __enter__(self) -> FaultTolerance:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+    # ---- fairseq2's Gang API (docs/gang.md) ----------------------------------------------------
+    _gangs: Gangs | None = field(default=None, repr=False)
+
+    def gangs(self, *, tp_size: int = 1) -> Gangs:
+        """fairseq2's `Gangs` for this worker, fault tolerant across replica groups.
+
+        ``rdp`` is the replica dimension (``ftlaunch.worker.managed_gang.ManagedGang``): its size
+        is the live quorum's, its collectives go through the Manager, and the loop marks each step
+        with ``gangs.rdp.begin_step()`` and ``if gangs.rdp.should_commit(): <apply the update>``.
+        ``sdp``/``tp``/``pp`` live inside the replica group (``tp_size`` adjacent ranks per tensor
+        parallel gang); ``dp`` and ``root`` span the groups. The first call begins the first step
+        and builds them (every worker of the group calls it); later calls return the same object.
+        ``gangs.close()`` - or ``shutdown()``, the same - tears all of it down.
+        """
+        from ftlaunch.gang import FakeGang, ProcessGroupGang
+        from ftlaunch.worker.managed_gang import fault_tolerant_gangs
+
+        if self._gangs is not None:
+            return self._gangs
+        if self.world_size == 1:
+            group_root: Gang = FakeGang(self.device)
+        elif self.intra_group is not None and self.intra_group is dist.group.WORLD:
+            group_root = ProcessGroupGang(self.intra_group, self.device, timeout=self.timeouts.as_timedelta("collective"))
+        else:
+            raise ConfigurationError(
+                "ft.gangs() needs the replica group's own process group: ftlaunch.init(intra_group=True)"
+            )
+        self._gangs = fault_tolerant_gangs(self.manager, group_root, tp_size=tp_size, release=self.shutdown)
+        return self._gangs
 
 
 def init(

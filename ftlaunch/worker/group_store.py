@@ -95,7 +95,7 @@ class GroupStore:
     ) -> None:
         #: ``host:port`` other groups reach the store on (published in the quorum).
         self.address = address
-        self._store = dist.PrefixStore(f"/ftlaunch/{replica_id}/attempt_{attempt}", store)
+        self._live: dist.Store | None = dist.PrefixStore(f"/ftlaunch/{replica_id}/attempt_{attempt}", store)
         self._timeout = timedelta(seconds=timeout)
         self._store.set_timeout(self._timeout)
         self._rank = rank
@@ -134,6 +134,17 @@ class GroupStore:
             store, address=address, replica_id=replica_id, attempt=attempt, rank=rank, world_size=world_size,
             timeout=timeout,
         )  # fmt: skip
+
+    @property
+    def _store(self) -> dist.Store:
+        if self._live is None:
+            raise CommunicationError("the replica group's store connection was closed (the Manager shut down)")
+        return self._live
+
+    def close(self) -> None:
+        """Drop this incarnation's connection to the group's store: its socket (and, for a private
+        store, its server) closes with the last reference. Later calls raise. Idempotent."""
+        self._live = None
 
     # ---- checkpoint-transport metadata: each rank's, collected by the leader for the quorum ----
     def publish_transport_metadata(self, metadata: str) -> None:

@@ -505,5 +505,6 @@ class Manager:
         self._executor.shutdown(wait=wait, cancel_futures=True)
         self._transport.shutdown(wait=wait)
         release_process_group(self._pg)
+        self._group.close()  # its socket: nothing of this worker's may outlive shutdown
         self.log.info("manager shut down")
 
