@@ -52,7 +52,7 @@ from ftlaunch.launcher.lighthouse_host import (
     RemoteLighthouse,
 )
 from ftlaunch.launcher.options import LaunchOptions
-from ftlaunch.launcher.output import WORKER_LINE, Console, parse_checksum, parse_step
+from ftlaunch.launcher.output import WORKER_LINE, Console, parse_checksum, parse_step, without_repeated_tag
 from ftlaunch.launcher.report import StatusLine, summary_lines
 from ftlaunch.launcher.torchrun_flags import parse_signals
 from ftlaunch.lifetime import become_subreaper
@@ -292,7 +292,7 @@ class Supervisor:
         line: str = payload
         m = WORKER_LINE.match(line)
         if m is not None:
-            text = line
+            text = without_repeated_tag(line)
             rank: int | None = int(m.group("rank"))
         else:
             # Agent output (or worker output when --tee is off: then the rank is unknown).
