@@ -1,7 +1,8 @@
 """One replica group's torchelastic agent, run as its own process by the supervisor.
 
 ``python -m ftlaunch.launcher.agent CONFIG.json`` runs ``LocalElasticAgent`` through torchelastic's
-public launcher API (`elastic_launch`) with the ``ftlaunch`` rendezvous backend, so the group restarts
+public launcher API (`elastic_launch`) with the ``ftlaunch`` rendezvous backend and a ``LaunchConfig``
+made by torchrun's own ``config_from_args`` (`torchrun_flags.launch_config`), so the group restarts
 its own workers (up to ``max_restarts``) exactly as under ``torchrun``. Besides, it
 
 * watches its workers and writes one JSON line per event to the supervisor's event pipe: the worker
