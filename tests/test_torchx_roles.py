@@ -58,6 +58,17 @@ def test_job_dir_and_bind_per_scheduler(tmp_path, monkeypatch) -> None:
     assert placement.lighthouse_bind("10.0.0.5:29510", local) == "10.0.0.5:29510"
 
 
+def test_group_role_torchrun_arguments() -> None:
+    from ftlaunch.launcher.group_role import build_parser, torchrun_argv
+
+    args = build_parser().parse_args(["--group", "1", "--groups", "3", "--nnodes", "2", "--", "--nnodes", "2", "t.py"])
+    argv = torchrun_argv(args, "http://lh:1234", "/shared/job")
+    assert argv[:2] == ["--rdzv-endpoint", "http://lh:1234"] and argv[-3:] == ["--nnodes", "2", "t.py"]
+    conf = dict(kv.split("=", 1) for kv in argv[3].split(","))
+    assert conf == {"replica_group_id": "1", "num_replica_groups": "3", "start_lighthouse": "false",
+                    "group_endpoint": "file:/shared/job/rg1.store"}
+
+
 def test_group_roles_connect_to_the_schedulers_name_for_the_lighthouse() -> None:
     assert resolve_endpoint("http://lighthouse-node:41234", Placement(SLURM, "gpu-node-17")) == \
         "http://gpu-node-17:41234"

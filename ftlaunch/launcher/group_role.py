@@ -96,7 +96,9 @@ def _wait_for_address(job_dir: str, timeout: float) -> str:
 
 def torchrun_argv(args: argparse.Namespace, endpoint: str, job_dir: str | None) -> list[str]:
     """torchrun's arguments: the endpoint and the group's rendezvous keys, then the spec's own."""
-    conf = f"replica_group_id={args.group},num_replica_groups={args.groups}"
+    # The lighthouse is the lighthouse role's (or yours): a group must never start one of its own, even
+    # when the endpoint is this machine and the lighthouse is gone.
+    conf = f"replica_group_id={args.group},num_replica_groups={args.groups},start_lighthouse=false"
     if args.nnodes > 1:
         if job_dir is None:  # placement.job_dir(needed=True) has refused already
             raise ConfigurationError("a multi-node replica group needs a job directory")
