@@ -109,21 +109,24 @@ def hsdp(
     join_timeout: float = 60.0,
     heartbeat_timeout: float = 5.0,
     lighthouse: str = "",
-    lighthouse_bind: str = "127.0.0.1:0",
+    lighthouse_bind: str = "",
     job_dir: str = "",
     env: dict[str, str] | None = None,
     max_retries: int = 0,
     mounts: list[str] | None = None,
     tee: int = 3,
 ) -> AppDef:
-    """Fault-tolerant HSDP/DDP training: a lighthouse role plus one torchrun role per replica group.
+    """Fault-tolerant training over replica groups: a lighthouse role plus one torchrun role per group.
 
     Usage: torchx run -s local_cwd ftlaunch:hsdp --replicas 2 --workers_per_replica 2 --script train.py
 
     Each replica group is its own ``torchrun --rdzv-backend ftlaunch`` (``nnodes_per_replica`` nodes of
     ``workers_per_replica`` workers), restarted by torchelastic on failure without stopping the others.
-    No port is fixed: the lighthouse role publishes its address in ``job_dir``, which every role must
-    share (automatic on local schedulers); or pass ``lighthouse`` to use a lighthouse you run.
+    ftlaunch provides the replica dimension (gradients averaged across groups, live recovery of a
+    restarted group); what happens inside a group is the script's choice -- DDP, or FSDP sharding
+    within the group, which with the replica dimension makes HSDP. The same spec works on every
+    scheduler: the roles decide at start-up where the lighthouse listens and which directory they
+    share (see docs/launcher.md), or pass ``lighthouse`` to use a lighthouse you run.
 
     Args:
         script_args: arguments of the training script or module
@@ -143,11 +146,11 @@ def hsdp(
         join_timeout: seconds the lighthouse waits for stragglers before forming a quorum
         heartbeat_timeout: seconds after which a silent group leaves the quorum
         lighthouse: HOST:PORT of an existing lighthouse (then no lighthouse role is started)
-        lighthouse_bind: where the lighthouse role listens; 0.0.0.0:0 when groups run on other hosts
-        job_dir: directory shared by all roles (default /tmp/ftlaunch-torchx/<app_id>)
+        lighthouse_bind: where the lighthouse role listens (default: 127.0.0.1:0 when all roles share this machine, else 0.0.0.0:0 with a job token)
+        job_dir: directory shared by all roles (default: /tmp/ftlaunch-torchx/<app_id> on one machine, .ftlaunch-torchx/<app_id> in the submission directory on Slurm; required on Kubernetes unless lighthouse is given)
         env: environment variables for every role (e.g. K1=v1,K2=v2)
         max_retries: scheduler retries of a role
-        mounts: mounts for container schedulers (type=bind,src=...,dst=...)
+        mounts: mounts for container schedulers (type=bind,src=...,dst=... or type=volume,src=PVC,dst=...)
         tee: tee worker streams to console and file (0 none, 1 stdout, 2 stderr, 3 both)
     """
     from ftlaunch.launcher.torchx_components import hsdp_app
@@ -177,13 +180,14 @@ def ddp(
     max_restarts: int = 3,
     min_replicas: int = 1,
     lighthouse: str = "",
-    lighthouse_bind: str = "127.0.0.1:0",
+    lighthouse_bind: str = "",
     job_dir: str = "",
     env: dict[str, str] | None = None,
     max_retries: int = 0,
     tee: int = 3,
 ) -> AppDef:
-    """Fault-tolerant DDP training: ``hsdp`` with single-node replica groups.
+    """Fault-tolerant DDP training: ``hsdp`` with single-node replica groups (the script's model is
+    replicated in every worker; ftlaunch averages across groups and heals restarted ones).
 
     Usage: torchx run -s local_cwd ftlaunch:ddp --replicas 2 --script train.py
 
@@ -202,8 +206,8 @@ def ddp(
         max_restarts: torchelastic restarts of a group's workers before the group fails
         min_replicas: smallest quorum of replica groups
         lighthouse: HOST:PORT of an existing lighthouse (then no lighthouse role is started)
-        lighthouse_bind: where the lighthouse role listens; 0.0.0.0:0 when groups run on other hosts
-        job_dir: directory shared by all roles (default /tmp/ftlaunch-torchx/<app_id>)
+        lighthouse_bind: where the lighthouse role listens (default: 127.0.0.1:0 when all roles share this machine, else 0.0.0.0:0 with a job token)
+        job_dir: directory shared by all roles (default: /tmp/ftlaunch-torchx/<app_id> on one machine, .ftlaunch-torchx/<app_id> in the submission directory on Slurm; required on Kubernetes unless lighthouse is given)
         env: environment variables for every role (e.g. K1=v1,K2=v2)
         max_retries: scheduler retries of a role
         tee: tee worker streams to console and file (0 none, 1 stdout, 2 stderr, 3 both)

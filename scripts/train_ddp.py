@@ -26,6 +26,7 @@ against a lighthouse::
 from __future__ import annotations
 
 import argparse
+import ctypes
 import hashlib
 import logging
 import os
@@ -75,9 +76,11 @@ def make_dataset(size: int) -> torch.utils.data.TensorDataset:
 
 
 def checksum(model: nn.Module) -> str:
+    """A hash of the weights' bytes (torch only: NumPy is not a dependency)."""
     h = hashlib.sha256()
     for p in model.parameters():
-        h.update(p.detach().contiguous().numpy().tobytes())
+        t = p.detach().contiguous().cpu()
+        h.update(ctypes.string_at(t.data_ptr(), t.numel() * t.element_size()))
     return h.hexdigest()[:16]
 
 
@@ -118,9 +121,8 @@ def long_form(args: argparse.Namespace, model: nn.Module, inner: torch.optim.Opt
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    group = env.get_int(env.REPLICA_GROUP_ID, 0) or 0
-    rank = env.get_int(env.RANK, 0) or 0
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s [rg{group}/r{rank}] %(message)s")
+    # No [rgG/rR] tag here: the Manager's lines carry it, and launchers prefix every line with it.
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     log = logging.getLogger("train_ddp")
 
     model = make_model(args.width)

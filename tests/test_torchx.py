@@ -22,38 +22,54 @@ def _app(name: str, args: list[str]):
     return materialize_appdef(get_component(name).fn, args)
 
 
-def _command(role) -> str:
-    assert role.entrypoint == "bash" and role.args[0] == "-c"
-    return role.args[1]
+def _group_args(role) -> tuple[list[str], list[str]]:
+    """A group role's (group_role options, torchrun arguments)."""
+    assert role.entrypoint == "python" and role.args[:2] == ["-m", "ftlaunch.launcher.group_role"], role.args
+    split = role.args.index("--")
+    return role.args[2:split], role.args[split + 1:]
+
+
+def _flat(text: str) -> str:
+    """torchx prints an app's args one per line (``'--nnodes',\n  '2'``): as one command line."""
+    return re.sub(r"',\s*'", " ", text)
+
+
+def _opt(args: list[str], name: str) -> str:
+    return args[args.index(name) + 1]
 
 
 def test_hsdp_spec_roles_env_resources_and_no_fixed_ports() -> None:
     app = _app("ftlaunch:hsdp", ["--replicas", "3", "--workers_per_replica", "2", "--nnodes_per_replica", "2",
                                   "--gpu", "2", "--max_restarts", "5", "--script", "train.py", "--", "--lr", "0.1"])
-    assert [r.name for r in app.roles] == ["lighthouse", "rg0", "rg1", "rg2"]
+    assert [r.name for r in app.roles] == ["lighthouse", "rg0", "rg1", "rg2"]  # lighthouse first: ${rank0_env}
     lighthouse, *groups = app.roles
-    assert lighthouse.resource.gpu == 0
-    assert "--bind" in lighthouse.args and lighthouse.args[lighthouse.args.index("--bind") + 1] == "127.0.0.1:0"
-    assert lighthouse.args[lighthouse.args.index("--groups") + 1] == "6"  # 3 groups x 2 nodes report back
+    assert lighthouse.resource.gpu == 0 and lighthouse.num_replicas == 1
+    assert lighthouse.entrypoint == "python" and lighthouse.args[:2] == ["-m", "ftlaunch.launcher.lighthouse_role"]
+    assert _opt(lighthouse.args, "--bind") == "auto" and _opt(lighthouse.args, "--job-dir") == "auto"
+    assert _opt(lighthouse.args, "--groups") == "6"  # 3 groups x 2 nodes report back
+    assert _opt(lighthouse.args, "--rank0-env") == "${rank0_env}" and "--cleanup" in lighthouse.args
     for g, role in enumerate(groups):
-        cmd = _command(role)
+        ours, torchrun = _group_args(role)
         assert role.num_replicas == 2 and role.resource.gpu == 2  # multi-node group, GPUs honoured
         assert role.env["REPLICA_GROUP_ID"] == str(g) and role.env["NUM_REPLICA_GROUPS"] == "3"
-        assert "torchrun --rdzv-backend ftlaunch" in cmd
-        assert f"replica_group_id={g},num_replica_groups=3,lighthouse_file=/tmp/ftlaunch-torchx/${{app_id}}/" in cmd
-        assert f"group_endpoint=file:/tmp/ftlaunch-torchx/${{app_id}}/rg{g}.store" in cmd
-        assert "--nnodes 2 --nproc-per-node 2 --max-restarts 5" in cmd and cmd.count("train.py --lr 0.1;") == 1
-    # Nothing binds a fixed port: every host:port in the spec has port 0.
+        assert (_opt(ours, "--group"), _opt(ours, "--groups"), _opt(ours, "--nnodes")) == (str(g), "3", "2")
+        assert _opt(ours, "--node") == "${replica_id}" and _opt(ours, "--rank0-env") == "${rank0_env}"
+        assert torchrun[:2] == ["--rdzv-backend", "ftlaunch"] and _opt(torchrun, "--rdzv-id") == "${app_id}"
+        assert (_opt(torchrun, "--nnodes"), _opt(torchrun, "--nproc-per-node"), _opt(torchrun, "--max-restarts")) == (
+            "2", "2", "5")
+        assert torchrun[-3:] == ["train.py", "--lr", "0.1"]
+    # Nothing binds a fixed port.
     text = " ".join(" ".join(r.args) for r in app.roles)
-    assert re.findall(r"[\w.]+:(\d+)\b", text) and set(re.findall(r"[\w.]+:(\d+)\b", text)) == {"0"}
+    assert not re.findall(r"[\w.]+:(\d+)\b", text)
 
 
 def test_ddp_with_external_lighthouse_has_no_lighthouse_role() -> None:
     app = _app("ftlaunch:ddp", ["--replicas", "2", "--lighthouse", "lh.example:29510", "-m", "pkg.train"])
     assert [r.name for r in app.roles] == ["rg0", "rg1"]
-    cmd = _command(app.roles[0])
-    assert "--rdzv-endpoint lh.example:29510" in cmd and "lighthouse_file" not in cmd
-    assert "--nnodes 1" in cmd and "-m pkg.train" in cmd
+    ours, torchrun = _group_args(app.roles[0])
+    assert _opt(ours, "--lighthouse") == "lh.example:29510" and _opt(torchrun, "--nnodes") == "1"
+    assert torchrun[-2:] == ["-m", "pkg.train"]
+    assert app.roles[0].env["FTLAUNCH_LIGHTHOUSE"] == "http://lh.example:29510"
 
 
 def test_component_errors() -> None:
@@ -74,19 +90,19 @@ def test_builtins_are_not_hidden() -> None:
 @pytest.mark.parametrize(
     "scheduler, extra",
     [
-        ("slurm", ["--lighthouse_bind", "0.0.0.0:0", "--job_dir", "/shared/ftjob", "--nnodes_per_replica", "2"]),
+        ("slurm", ["--nnodes_per_replica", "2"]),
         ("local_docker", ["--lighthouse", "ftlaunch-lighthouse.example:29510"]),
     ],
 )
-def test_dryrun_for_cluster_schedulers(scheduler: str, extra: list[str], tmp_path) -> None:
+def test_dryrun_from_the_command_line(scheduler: str, extra: list[str], tmp_path) -> None:
     # Outside the repository (its .torchxconfig must not apply), no workspace image build.
     res = run([*TORCHX, "run", "-s", scheduler, "--workspace", "", "--dryrun", "ftlaunch:hsdp", "--replicas", "2",
                "--script", "train.py", *extra], timeout=100, cwd=str(tmp_path))
     assert res.returncode == 0, res.stderr
-    text = res.stdout + res.stderr
-    assert "--rdzv-backend ftlaunch" in text and "replica_group_id=1" in text
+    text = _flat(res.stdout + res.stderr)
+    assert "ftlaunch.launcher.group_role" in text and "--rdzv-backend ftlaunch" in text and "--group 1" in text
     if scheduler == "slurm":
-        assert "ftlaunch.launcher.lighthouse_role" in text and "0.0.0.0:0" in text
+        assert "ftlaunch.launcher.lighthouse_role" in text and "SLURM_JOB_NODELIST_HET_GROUP_0" in text
     else:
         assert "ftlaunch.launcher.lighthouse_role" not in text
 
@@ -95,7 +111,7 @@ def test_dryrun_for_cluster_schedulers(scheduler: str, extra: list[str], tmp_pat
 def test_torchxconfig_default_job() -> None:
     res = run([*TORCHX, "run", "--dryrun"], timeout=100, cwd=REPO)
     assert res.returncode == 0, res.stderr
-    text = res.stdout + res.stderr
+    text = _flat(res.stdout + res.stderr)
     assert "components/ft.py:train_ddp" in text or "train_ddp" in text
     assert "scripts/train_ddp.py --steps 50" in text and "--rdzv-backend ftlaunch" in text
 
@@ -115,6 +131,9 @@ def test_local_cwd_run_with_a_group_restart(tmp_path) -> None:
     )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "SUCCEEDED" in res.stdout + res.stderr
+    # torchrun's "master_addr is only used for static rdzv_backend" came once per group with the empty
+    # --rdzv-endpoint the spec used to pass.
+    assert "master_addr is only used" not in res.stdout + res.stderr
     recs = records(out)
     assert sorted((r["rank"], r["restart"]) for r in recs if r["group"] == 0) == [(0, 0), (1, 0)]
     assert sorted((r["rank"], r["restart"]) for r in recs if r["group"] == 1) == [(0, 0), (0, 1), (1, 0), (1, 1)]

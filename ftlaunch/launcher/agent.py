@@ -1,7 +1,8 @@
 """One replica group's torchelastic agent, run as its own process by the supervisor.
 
 ``python -m ftlaunch.launcher.agent CONFIG.json`` runs ``LocalElasticAgent`` through torchelastic's
-public launcher API (`elastic_launch`) with the ``ftlaunch`` rendezvous backend, so the group restarts
+public launcher API (`elastic_launch`) with the ``ftlaunch`` rendezvous backend and a ``LaunchConfig``
+made by torchrun's own ``config_from_args`` (`torchrun_flags.launch_config`), so the group restarts
 its own workers (up to ``max_restarts``) exactly as under ``torchrun``. Besides, it
 
 * watches its workers and writes one JSON line per event to the supervisor's event pipe: the worker
@@ -180,12 +181,6 @@ class WorkerWatcher(threading.Thread):
         self._events.emit("worker_exit", **data)
 
 
-def _std(value: str) -> Any:
-    from torch.distributed.elastic.multiprocessing import Std
-
-    return Std.from_str(value)
-
-
 def _last_attempt_log(log_dir: str | None, local_rank: int, name: str) -> str:
     """``<log_dir>/<run>/attempt_<n>/<local_rank>/<name>`` of the latest attempt ("" if none)."""
     if not log_dir:
@@ -225,26 +220,19 @@ def _tail(path: str, lines: int = 5) -> list[str]:
 
 def run_agent(cfg: AgentConfig) -> int:
     """Run the group to completion; returns the agent's exit code (0 = workers succeeded)."""
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
+    from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.launcher.api import elastic_launch
 
-    from ftlaunch.launcher import rendezvous
+    from ftlaunch.launcher import rendezvous, torchrun_flags
 
     rendezvous.register()
     job = env.JobEnv.from_environ()  # written by the supervisor
     opts = cfg.options
-    if "OMP_NUM_THREADS" not in os.environ and opts.nproc_per_node > 1:
-        os.environ["OMP_NUM_THREADS"] = "1"  # as torchrun does
-
     events = EventWriter(cfg.event_fd)
     watcher = WorkerWatcher(events)
     watcher.start()
 
-    ranks = {int(r) for r in opts.local_ranks_filter.split(",") if r.strip()} or None
-    logs_specs = DefaultLogsSpecs(
-        log_dir=cfg.log_dir, redirects=_std(opts.redirects), tee=_std(opts.tee), local_ranks_filter=ranks
-    )
     rdzv_conf = {
         "replica_group_id": str(job.replica_group_id),
         "num_replica_groups": str(job.num_replica_groups),
@@ -252,21 +240,13 @@ def run_agent(cfg: AgentConfig) -> int:
         "start_lighthouse": "false",
         **opts.rdzv_conf,
     }
-    launch_config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=opts.nproc_per_node,
-        logs_specs=logs_specs,
+    launch_config = torchrun_flags.launch_config(
+        opts,
         run_id=cfg.run_id,
-        role=opts.role,
-        rdzv_endpoint=job.lighthouse,
-        rdzv_backend=rendezvous.BACKEND_NAME,
+        log_dir=cfg.log_dir,
+        lighthouse=job.lighthouse,
         rdzv_configs=rdzv_conf,
-        max_restarts=opts.max_restarts,
-        monitor_interval=opts.monitor_interval,
-        start_method=opts.start_method,
         log_line_prefix_template=WORKER_PREFIX_TEMPLATE.format(replica_id=job.replica_id),
-        shutdown_timeout=opts.agent_shutdown_timeout,
     )
     if opts.run_path:
         from torch.distributed.run import run_script_path

@@ -2,7 +2,8 @@
 
     ftlaunch --replicas 2 --nproc-per-node 2 train.py --steps 100
 
-Flags keep torchrun's names and meanings where they apply; the fault-tolerance flags are ours.
+Every torchrun flag is accepted with torchrun's meaning (torch's own parser, see `torchrun_flags`)
+or refused with a reason when it cannot apply to replica groups; the fault-tolerance flags are ours.
 Every bad input is one line on stderr and exit code 2; a failed job exits 1 with its root cause.
 """
 
@@ -18,7 +19,9 @@ import sys
 from typing import NoReturn
 
 from ftlaunch.errors import ConfigurationError
+from ftlaunch.launcher import torchrun_flags
 from ftlaunch.launcher.options import CHAOS_HELP, ChaosSpec, LaunchOptions
+from ftlaunch.launcher.torchrun_flags import add_torchrun_flags
 
 EXAMPLES = """\
 examples:
@@ -80,8 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="seconds the lighthouse waits for stragglers before forming a quorum (default 60)")
     ft.add_argument("--heartbeat-timeout", "--heartbeat_timeout", type=_number, default=5.0,
                     help="seconds after which a silent (hung) group leaves the quorum (default 5)")
-    ft.add_argument("--lighthouse", "--rdzv-endpoint", "--rdzv_endpoint", dest="lighthouse", default=None,
-                    metavar="ADDR", help="use the lighthouse at http://HOST:PORT instead of starting one")
+    ft.add_argument("--lighthouse", dest="lighthouse", default=None, metavar="ADDR",
+                    help="use the lighthouse at http://HOST:PORT instead of starting one (= --rdzv-endpoint)")
     ft.add_argument("--lighthouse-bind", "--lighthouse_bind", default="127.0.0.1:0", metavar="HOST:PORT",
                     help="where the embedded lighthouse listens (default 127.0.0.1:0, a free loopback port)")
     ft.add_argument("--token", default=None,
@@ -97,39 +100,11 @@ def build_parser() -> argparse.ArgumentParser:
     ft.add_argument("--no-summary", dest="summary", action="store_false", default=True,
                     help="do not print the summary table at exit")
 
-    tr = p.add_argument_group("torchrun flags (same names and meanings)")
-    tr.add_argument("--nproc-per-node", "--nproc_per_node", default="1",
-                    help="workers per replica group: an integer, or cpu, gpu, xpu, auto (default 1)")
-    tr.add_argument("--nnodes", default="1",
-                    help="nodes per replica group; ftlaunch runs each group as one node on this machine, so 1")
-    tr.add_argument("--max-restarts", "--max_restarts", type=_nonneg_int, default=3,
-                    help="restarts of a group's workers by its agent before the group fails (default 3; "
-                    "torchrun's default is 0)")
-    tr.add_argument("--monitor-interval", "--monitor_interval", type=_number, default=0.1,
-                    help="seconds between the agents' worker checks (default 0.1)")
-    tr.add_argument("--start-method", "--start_method", default="spawn", choices=["spawn", "fork", "forkserver"])
-    tr.add_argument("--role", default="default", help="user-defined role of the workers")
-    tr.add_argument("-m", "--module", action="store_true", help="run the script as a module, like python -m")
-    tr.add_argument("--no-python", "--no_python", action="store_true",
-                    help="run the script directly instead of with python")
-    tr.add_argument("--run-path", "--run_path", action="store_true",
-                    help="run the script with runpy.run_path in the worker interpreter")
-    tr.add_argument("--log-dir", "--log_dir", default=None,
-                    help="keep worker logs here (default: a temporary directory, removed after success)")
-    tr.add_argument("-r", "--redirects", default="0", help="redirect worker streams to files (torchrun syntax)")
-    tr.add_argument("-t", "--tee", default="3",
-                    help="tee worker streams to files and console (default 3: both, prefixed [rgG/rR])")
-    tr.add_argument("--local-ranks-filter", "--local_ranks_filter", default="",
-                    help="only show these local ranks' output, e.g. 0 or 0,1")
-    tr.add_argument("--shutdown-timeout", "--shutdown_timeout", type=_nonneg_int, default=None,
-                    help="seconds an agent gives workers between SIGTERM and SIGKILL (default: grace-period - 2)")
-    tr.add_argument("--standalone", action="store_true",
-                    help="accepted for torchrun compatibility: every group already has its own local store")
-    tr.add_argument("--rdzv-backend", "--rdzv_backend", default="ftlaunch",
-                    help="must be ftlaunch (each group uses its own rendezvous)")
-    tr.add_argument("--rdzv-id", "--rdzv_id", default="", help="job id (groups use <id>-rg<g>)")
-    tr.add_argument("--rdzv-conf", "--rdzv_conf", default="",
-                    help="extra rendezvous settings key=value,... passed to every group's rendezvous")
+    tr = p.add_argument_group(
+        "torchrun's flags (torch's own definitions: every flag of this torch's torchrun, applied to each "
+        "replica group, or refused with a reason)"
+    )
+    p.set_defaults(_torchrun_actions=add_torchrun_flags(tr))
     p.add_argument("training_script", help="the training script (or module with -m, program with --no-python)")
     p.add_argument("training_script_args", nargs=argparse.REMAINDER, help="arguments of the training script")
     return p
@@ -205,16 +180,21 @@ def _entrypoint(args: argparse.Namespace) -> tuple[str, list[str]]:
     return os.getenv("PYTHON_EXEC", sys.executable), [*prefix, script, *args.training_script_args]
 
 
+def _lighthouse(args: argparse.Namespace) -> str | None:
+    """``--lighthouse`` and torchrun's ``--rdzv-endpoint`` name the same thing."""
+    ours, theirs = args.lighthouse, args.rdzv_endpoint or None
+    if ours and theirs and ours != theirs:
+        _fail(f"--lighthouse {ours} and --rdzv-endpoint {theirs} name different lighthouses; give one")
+    return ours or theirs
+
+
 def options_from_args(argv: list[str] | None = None) -> LaunchOptions:
     """Parse ``argv`` into validated `LaunchOptions` (exits 2 with one line on bad input)."""
     args = build_parser().parse_args(argv)
-    if args.rdzv_backend != "ftlaunch":
-        _fail(f"--rdzv-backend {args.rdzv_backend}: ftlaunch groups always use the ftlaunch rendezvous")
-    if args.nnodes not in ("1", "1:1"):
-        _fail(
-            f"--nnodes {args.nnodes}: ftlaunch runs each replica group as one node on this machine; for "
-            "multi-node groups run one `torchrun --rdzv-backend ftlaunch` per node (see docs/launcher.md)"
-        )
+    try:
+        torchrun_flags.check(args, args._torchrun_actions)
+    except ConfigurationError as e:
+        _fail(str(e))
     entrypoint, script_args = _entrypoint(args)
     try:
         return LaunchOptions(
@@ -226,7 +206,7 @@ def options_from_args(argv: list[str] | None = None) -> LaunchOptions:
             min_replicas=args.min_replicas,
             join_timeout=args.join_timeout,
             heartbeat_timeout=args.heartbeat_timeout,
-            lighthouse=args.lighthouse,
+            lighthouse=_lighthouse(args),
             lighthouse_bind=args.lighthouse_bind,
             token=args.token,
             max_restarts=args.max_restarts,
@@ -238,8 +218,16 @@ def options_from_args(argv: list[str] | None = None) -> LaunchOptions:
             redirects=_std("--redirects", args.redirects),
             tee=_std("--tee", args.tee),
             local_ranks_filter=args.local_ranks_filter,
+            event_log_handler=args.event_log_handler,
+            duplicate_stdout_filters=list(args.duplicate_stdout_filters),
+            duplicate_stderr_filters=list(args.duplicate_stderr_filters),
+            local_addr=args.local_addr,
+            logs_specs=args.logs_specs,
+            numa_binding=args.numa_binding,
+            signals_to_handle=args.signals_to_handle,
+            virtual_local_rank=args.virtual_local_rank,
             rdzv_conf=_rdzv_conf(args.rdzv_conf),
-            run_id=args.rdzv_id,
+            run_id="" if args.rdzv_id == "none" else args.rdzv_id,
             shutdown_timeout=args.shutdown_timeout,
             grace_period=args.grace_period,
             chaos=args.chaos,

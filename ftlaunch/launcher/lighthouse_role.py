@@ -1,10 +1,17 @@
 """The lighthouse role of the torchx components: serve until every replica group has finished.
 
 ``python -m ftlaunch.launcher.lighthouse_role --job-dir DIR --groups N [lighthouse options]`` binds a
-free port, writes ``DIR/lighthouse.addr`` (read by the groups' rendezvous through
-``lighthouse_file=``), and exits once ``DIR`` holds N ``*.exit`` files -- each group role writes one
-when its ``torchrun`` ends -- so the torchx app finishes when the training does. SIGTERM (torchx
-cancel) stops it at once.
+free port, writes ``DIR/lighthouse.addr`` (read by the group roles, `group_role`), and exits once
+``DIR`` holds N ``*.exit`` files -- each group role writes one when its ``torchrun`` ends -- so the
+torchx app finishes when the training does. SIGTERM (torchx cancel) stops it at once.
+
+``--job-dir auto`` and ``--bind auto`` are decided here from the scheduler (`placement`): on one
+machine a loopback port and ``/tmp``; on a cluster all interfaces and, on Slurm, the shared
+submission directory. A lighthouse on all interfaces always has a job token (``FTLAUNCH_TOKEN`` or a
+random one, written to ``DIR/lighthouse.token`` readable by the job's user only).
+
+If a group's node is lost it never writes its exit file; the role then also ends once some group has
+finished and no group has been live for ``--idle-exit`` seconds.
 """
 
 from __future__ import annotations
@@ -13,17 +20,21 @@ import argparse
 import glob
 import logging
 import os
+import secrets
 import shutil
 import signal
 import sys
 import threading
+import time
 from typing import NoReturn
 
 from ftlaunch import env
 from ftlaunch.errors import ConfigurationError
+from ftlaunch.launcher import placement
 from ftlaunch.launcher.lighthouse_host import HostedLighthouse, LighthouseSettings
+from ftlaunch.launcher.placement import ADDRESS_FILE, TOKEN_FILE
 
-ADDRESS_FILE = "lighthouse.addr"
+__all__ = ["ADDRESS_FILE", "build_parser", "finished_groups", "main"]
 
 logger = logging.getLogger("ftlaunch.launcher.lighthouse_role")
 
@@ -35,9 +46,14 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m ftlaunch.launcher.lighthouse_role", description=__doc__.splitlines()[0])
-    p.add_argument("--job-dir", required=True, help="directory shared with the group roles")
+    p.add_argument("--job-dir", required=True, help="directory shared with the group roles, or auto")
     p.add_argument("--groups", type=int, required=True, help="exit files to wait for (group roles x nodes)")
-    p.add_argument("--bind", default="127.0.0.1:0", help="HOST:PORT to listen on (default: a free loopback port)")
+    p.add_argument("--bind", default=placement.AUTO,
+                   help="HOST:PORT to listen on (default auto: 127.0.0.1:0 on one machine, else 0.0.0.0:0)")
+    p.add_argument("--app-id", default="", help="torchx's ${app_id} (names the automatic job directory)")
+    p.add_argument("--rank0-env", default="", help="torchx's ${rank0_env} (tells one machine from a cluster)")
+    p.add_argument("--idle-exit", type=float, default=300.0,
+                   help="after a group finished, exit when no group was live for this long (lost nodes)")
     p.add_argument("--min-replicas", type=int, default=1)
     p.add_argument("--join-timeout", type=float, default=60.0)
     p.add_argument("--heartbeat-timeout", type=float, default=5.0)
@@ -49,17 +65,35 @@ def finished_groups(job_dir: str) -> list[str]:
     return sorted(glob.glob(os.path.join(job_dir, "*.exit")))
 
 
+def _write(path: str, text: str, mode: int = 0o644) -> None:
+    """Atomically: readers never see a partial file."""
+    fd = os.open(path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    with os.fdopen(fd, "w") as f:
+        f.write(text + "\n")
+    os.replace(path + ".tmp", path)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=os.environ.get("LOGLEVEL", "INFO").upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    os.makedirs(args.job_dir, exist_ok=True)
+    where = placement.detect(args.rank0_env)
+    try:
+        job_dir = placement.job_dir(args.job_dir, args.app_id, where, needed=True)
+        bind = placement.lighthouse_bind(args.bind, where)
+        loopback = placement.is_loopback_bind(bind)
+    except (ConfigurationError, ValueError) as e:
+        print(f"lighthouse role: error: {e}", file=sys.stderr)
+        return 2
+    assert job_dir is not None  # noqa: S101 - needed=True: a directory or ConfigurationError
+    os.makedirs(job_dir, exist_ok=True)
+    token = os.environ.get(env.FTLAUNCH_TOKEN) or (None if loopback else secrets.token_hex(16))
     settings = LighthouseSettings(
-        bind=args.bind,
+        bind=bind,
         min_replicas=args.min_replicas,
         join_timeout=args.join_timeout,
         heartbeat_timeout=args.heartbeat_timeout,
-        token=os.environ.get(env.FTLAUNCH_TOKEN) or None,
+        token=token,
     )
     try:
         lighthouse = HostedLighthouse.start(settings)
@@ -69,21 +103,28 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    path = os.path.join(args.job_dir, ADDRESS_FILE)
-    with open(path + ".tmp", "w") as f:
-        f.write(lighthouse.address + "\n")
-    os.replace(path + ".tmp", path)  # readers never see a partial address
-    print(f"ftlaunch lighthouse role listening on {lighthouse.address}", flush=True)
+    if token:
+        _write(os.path.join(job_dir, TOKEN_FILE), token, mode=0o600)  # for the job's user (dashboard, evict)
+    _write(os.path.join(job_dir, ADDRESS_FILE), lighthouse.address)
+    print(f"ftlaunch lighthouse role listening on {lighthouse.address} ({where.scheduler}; job directory "
+          f"{job_dir}{'; admin token in ' + TOKEN_FILE if token else ''})", flush=True)
+    idle_since: float | None = None
     try:
         while not stop.wait(0.2):
-            done = finished_groups(args.job_dir)
+            done = finished_groups(job_dir)
             if len(done) >= args.groups:
                 logger.info("all %d group role(s) finished; lighthouse role exits", len(done))
-                if args.cleanup:
-                    shutil.rmtree(args.job_dir, ignore_errors=True)
+                break
+            now = time.monotonic()
+            idle_since = (idle_since or now) if done and lighthouse.live_groups() == 0 else None
+            if idle_since is not None and now - idle_since > args.idle_exit:
+                logger.warning("%d of %d group role(s) finished and no group was live for %.0fs (lost "
+                               "nodes?); lighthouse role exits", len(done), args.groups, args.idle_exit)
                 break
     finally:
         lighthouse.stop()
+        if args.cleanup:
+            shutil.rmtree(job_dir, ignore_errors=True)
     return 0
 
 

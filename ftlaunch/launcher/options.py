@@ -142,6 +142,15 @@ class LaunchOptions:
     redirects: str = "0"
     tee: str = "3"
     local_ranks_filter: str = ""
+    #: torchrun's flags that ftlaunch passes to every group's agent unchanged (see `torchrun_flags`).
+    event_log_handler: str = "null"
+    duplicate_stdout_filters: list[str] = field(default_factory=list)
+    duplicate_stderr_filters: list[str] = field(default_factory=list)
+    local_addr: str | None = None
+    logs_specs: str | None = None
+    numa_binding: str | None = None
+    signals_to_handle: str = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+    virtual_local_rank: bool = False
     rdzv_conf: dict[str, str] = field(default_factory=dict)
     run_id: str = ""
     shutdown_timeout: int | None = None
@@ -169,6 +178,10 @@ class LaunchOptions:
         for ok, message in checks:
             if not ok:
                 raise ConfigurationError(message)
+        if self.local_ranks_filter and not all(r.strip().isdigit() for r in self.local_ranks_filter.split(",")):
+            raise ConfigurationError(
+                f"--local-ranks-filter {self.local_ranks_filter!r}: expected local ranks like 0 or 0,1"
+            )
         if self.chaos is not None and self.chaos.group is not None and self.chaos.group >= self.replicas:
             raise ConfigurationError(f"--chaos group={self.chaos.group} but there are only {self.replicas} groups")
 

@@ -18,6 +18,22 @@ STEP_LINE = re.compile(r"\bstep=(?P<step>\d+)\s+committed=(?P<committed>True|Fal
 CHECKSUM_LINE = re.compile(r"\bfinal_checksum=(?P<checksum>\S+)")
 
 
+def without_repeated_tag(line: str) -> str:
+    """Drop the worker's own ``[rgG/rR]`` tag from the text after torchelastic's prefix.
+
+    Worker logs often carry the tag themselves (the Manager logs ``[rg1/r0 step 42]`` so lines stay
+    readable under torchx or by hand); behind ``[rg1/r0] `` it only repeats itself, so
+    ``[rg1/r0] ... [rg1/r0] [rg1/r0 step 42] msg`` is shown as ``[rg1/r0] ... [step 42] msg``.
+    A tag of another group or rank is left alone.
+    """
+    m = WORKER_LINE.match(line)
+    if m is None:
+        return line
+    tag = re.escape(f"rg{m.group('group')}/r{m.group('rank')}")
+    rest = re.sub(rf"\[{tag}(?: (step \d+))?\] ?", lambda t: f"[{t.group(1)}] " if t.group(1) else "", line[m.end():])
+    return line[: m.end()] + rest
+
+
 @dataclass(frozen=True)
 class StepReport:
     step: int

@@ -48,9 +48,11 @@ def kill_procs(procs: list[psutil.Process], timeout: float = 5.0) -> list[psutil
 
 
 def terminate_tree(
-    roots: list[psutil.Process], grace: float, extra: list[psutil.Process] | None = None
+    roots: list[psutil.Process], grace: float, extra: list[psutil.Process] | None = None,
+    sig: int = signal.SIGTERM,
 ) -> list[psutil.Process]:
-    """SIGTERM the roots, wait up to ``grace`` for them to exit, then SIGKILL every survivor in their trees.
+    """Send ``sig`` (SIGTERM) to the roots, wait up to ``grace`` for them to exit, then SIGKILL every
+    survivor in their trees.
 
     ``extra`` are processes known to belong to the trees even if already re-parented (e.g. workers).
     Returns processes that could not be killed (should be empty).
@@ -62,7 +64,7 @@ def terminate_tree(
             members[child.pid] = child
     for p in extra or []:
         members[p.pid] = p
-    signal_procs(roots, signal.SIGTERM)
+    signal_procs(roots, sig)
     signal_procs(roots, signal.SIGCONT)
     deadline = time.monotonic() + grace
     while time.monotonic() < deadline:
@@ -129,9 +131,11 @@ def group_processes(gid: int, worker_pids: Iterable[int], agents: set[int]) -> l
     return list(found.values())
 
 
-def stop_job(agents: list[subprocess.Popen], extra: list[psutil.Process], grace: float) -> None:
-    """Stop a whole job: SIGTERM the ``agents``, ``grace`` seconds, then SIGKILL whatever is left of
-    their trees, of ``extra`` and of any process of ours that belongs to a replica group."""
+def stop_job(
+    agents: list[subprocess.Popen], extra: list[psutil.Process], grace: float, sig: int = signal.SIGTERM
+) -> None:
+    """Stop a whole job: ``sig`` (SIGTERM) to the ``agents``, ``grace`` seconds, then SIGKILL whatever is
+    left of their trees, of ``extra`` and of any process of ours that belongs to a replica group."""
     roots = []
     for agent in agents:
         if agent.poll() is None:
@@ -140,7 +144,7 @@ def stop_job(agents: list[subprocess.Popen], extra: list[psutil.Process], grace:
             except psutil.Error:
                 continue
     if roots or extra:
-        left = terminate_tree(roots, grace, extra)
+        left = terminate_tree(roots, grace, extra, sig)
         if left:
             logger.error("could not stop processes: %s", [p.pid for p in left])
     for agent in agents:

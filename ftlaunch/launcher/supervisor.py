@@ -52,8 +52,9 @@ from ftlaunch.launcher.lighthouse_host import (
     RemoteLighthouse,
 )
 from ftlaunch.launcher.options import LaunchOptions
-from ftlaunch.launcher.output import WORKER_LINE, Console, parse_checksum, parse_step
+from ftlaunch.launcher.output import WORKER_LINE, Console, parse_checksum, parse_step, without_repeated_tag
 from ftlaunch.launcher.report import StatusLine, summary_lines
+from ftlaunch.launcher.torchrun_flags import parse_signals
 from ftlaunch.lifetime import become_subreaper
 
 logger = logging.getLogger(__name__)
@@ -291,7 +292,7 @@ class Supervisor:
         line: str = payload
         m = WORKER_LINE.match(line)
         if m is not None:
-            text = line
+            text = without_repeated_tag(line)
             rank: int | None = int(m.group("rank"))
         else:
             # Agent output (or worker output when --tee is off: then the rank is unknown).
@@ -390,10 +391,13 @@ class Supervisor:
     # --- signals and teardown ------------------------------------------------------------------
 
     def _install_signal_handlers(self) -> dict[int, Any]:
+        """torchrun's ``--signals-to-handle`` (default SIGTERM, SIGINT, SIGHUP, SIGQUIT) stop the job;
+        the signal received is the one forwarded to the agents, which forward it to their workers."""
         if threading.current_thread() is not threading.main_thread():
             return {}
         old: dict[int, Any] = {}
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for name in parse_signals(self.opts.signals_to_handle):
+            sig = signal.Signals[name]
             old[sig] = signal.signal(sig, self._on_signal)
         return old
 
@@ -416,4 +420,5 @@ class Supervisor:
         extra = [p for g in self.groups for p in self._group_processes(g)]
         for group in self.groups:
             group.stopped_by_launcher()
-        procs.stop_job([a.proc for a in self._agents.values()], extra, self.opts.grace_period)
+        procs.stop_job([a.proc for a in self._agents.values()], extra, self.opts.grace_period,
+                       self._stop_signal or signal.SIGTERM)

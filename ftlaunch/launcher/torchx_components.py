@@ -3,20 +3,20 @@
 torchx addresses ``ftlaunch:hsdp`` by the function *defined* in ``ftlaunch/__init__.py`` (it lints
 that file's source), so the thin, documented definitions live there and call `hsdp_app` here.
 
-The app has one ``lighthouse`` role and one role per replica group (``rg0``, ``rg1``, ...), each a
-plain ``torchrun --rdzv-backend ftlaunch`` with ``--nnodes nnodes_per_replica`` -- so torchelastic
-restarts a group's workers on its own, and a group never waits for another. No port is fixed: the
-lighthouse role binds a free port and publishes it in a file in the job directory, which the
-groups' rendezvous read (``lighthouse_file=``); multi-node groups meet in a file store there too.
-That job directory must be shared by all roles: automatic on ``local_cwd``/``local_docker``; on a
-cluster pass a shared ``job_dir``, or ``lighthouse=HOST:PORT`` of a lighthouse you run (then there
-is no lighthouse role).
+The app has one ``lighthouse`` role (first) and one role per replica group (``rg0``, ``rg1``, ...),
+each ``torchrun --rdzv-backend ftlaunch --nnodes nnodes_per_replica`` run by
+`ftlaunch.launcher.group_role` -- so torchelastic restarts a group's workers on its own, a group
+never waits for another, and a group's end never ends the others. No port is fixed: the lighthouse
+role binds a free port and publishes its address in the job directory; multi-node groups meet in a
+file store there too. What depends on the scheduler (the job directory, loopback or all interfaces,
+the lighthouse's host) is decided by each role at start-up from torchx's macros
+(`ftlaunch.launcher.placement`), because a component is built before the scheduler is known.
+With ``lighthouse=HOST:PORT`` of a lighthouse you run there is no lighthouse role.
 """
 
 from __future__ import annotations
 
 import inspect
-import shlex
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -58,14 +58,6 @@ def _job_environ(group: int, replicas: int, lighthouse: str) -> dict[str, str]:
     return {env.REPLICA_GROUP_ID: str(group), env.NUM_REPLICA_GROUPS: str(replicas)}
 
 
-class _Raw(str):
-    """A shell word that must not be quoted (it holds a variable expansion)."""
-
-
-def _join(words: list[str]) -> str:
-    return " ".join(w if isinstance(w, _Raw) else shlex.quote(w) for w in words)
-
-
 def hsdp_app(
     *script_args: str,
     script: str | None,
@@ -102,7 +94,7 @@ def hsdp_app(
 
     from ftlaunch import env as ftenv
     from ftlaunch.errors import ConfigurationError
-    from ftlaunch.launcher.lighthouse_role import ADDRESS_FILE
+    from ftlaunch.launcher.placement import AUTO
 
     if (script is None) == (m is None):
         raise ConfigurationError("exactly one of --script and -m must be given")
@@ -117,29 +109,28 @@ def hsdp_app(
 
     image = image or torchx.IMAGE
     own_job_dir = not job_dir
-    job_dir = job_dir or f"/tmp/ftlaunch-torchx/{macros.app_id}"
+    job_dir = job_dir or AUTO
     base_env = {"LOGLEVEL": "WARNING", **(env or {})}
     resource = specs.resource(cpu=cpu, gpu=gpu, memMB=memMB, h=h)
     parsed_mounts = specs.parse_mounts(mounts) if mounts else []
+    # Both kinds of role decide at start-up what depends on the scheduler (`placement`), from
+    # torchx's macros: the app id and where the first role -- the lighthouse -- runs.
+    where = ["--app-id", macros.app_id, "--rank0-env", macros.rank0_env, "--job-dir", job_dir]
     roles = []
 
-    if lighthouse:
-        endpoint, lighthouse_conf = lighthouse, ""
-    else:
-        endpoint, lighthouse_conf = "", f",lighthouse_file={job_dir}/{ADDRESS_FILE}"
-        roles.append(
+    if not lighthouse:
+        roles.append(  # first: torchx's ${rank0_env} then names the lighthouse role's host
             specs.Role(
                 name="lighthouse",
                 image=image,
                 entrypoint="python",
                 args=[
-                    "-m", "ftlaunch.launcher.lighthouse_role",
-                    "--job-dir", job_dir,
+                    "-m", "ftlaunch.launcher.lighthouse_role", *where,
                     "--groups", str(replicas * nnodes_per_replica),
                     "--min-replicas", str(min_replicas),
                     "--join-timeout", str(join_timeout),
                     "--heartbeat-timeout", str(heartbeat_timeout),
-                    "--bind", lighthouse_bind,
+                    "--bind", lighthouse_bind or AUTO,
                     *(["--cleanup"] if own_job_dir else []),
                 ],
                 env=dict(base_env),
@@ -150,16 +141,9 @@ def hsdp_app(
         )
 
     for group in range(replicas):
-        rid = ftenv.replica_id(group)
-        conf = f"replica_group_id={group},num_replica_groups={replicas}{lighthouse_conf}"
-        if nnodes_per_replica > 1:
-            conf += f",group_endpoint=file:{job_dir}/{rid}.store"
         torchrun = [
-            "torchrun",
             "--rdzv-backend", "ftlaunch",
-            "--rdzv-endpoint", endpoint,
-            "--rdzv-id", f"{macros.app_id}",
-            "--rdzv-conf", conf,
+            "--rdzv-id", macros.app_id,
             "--nnodes", str(nnodes_per_replica),
             "--nproc-per-node", str(workers_per_replica),
             "--max-restarts", str(max_restarts),
@@ -167,17 +151,20 @@ def hsdp_app(
         ]
         torchrun += [script] if script is not None else ["-m", m or ""]
         torchrun += list(script_args)
-        exit_file = f"{job_dir}/{rid}.{macros.replica_id}.exit"
-        command = (
-            f"mkdir -p {shlex.quote(job_dir)}; {_join(torchrun)}; rc=$?; "
-            f"echo $rc > {shlex.quote(exit_file)}; exit $rc"
-        )
         roles.append(
             specs.Role(
-                name=rid,
+                name=ftenv.replica_id(group),
                 image=image,
-                entrypoint="bash",
-                args=["-c", command],
+                entrypoint="python",
+                args=[
+                    "-m", "ftlaunch.launcher.group_role", *where,
+                    "--group", str(group),
+                    "--groups", str(replicas),
+                    "--nnodes", str(nnodes_per_replica),
+                    "--node", macros.replica_id,
+                    *(["--lighthouse", lighthouse] if lighthouse else []),
+                    "--", *torchrun,
+                ],
                 num_replicas=nnodes_per_replica,
                 env={**base_env, **_job_environ(group, replicas, lighthouse)},
                 resource=resource,

@@ -13,7 +13,12 @@ behaves the same under each, and names the three commands when it finds none of 
 
 from __future__ import annotations
 
+import atexit
+import logging
 import os
+import sys
+import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -131,7 +136,11 @@ class FaultTolerance:
         return s
 
     def shutdown(self) -> None:
-        """Leave the quorum and release the process groups (idempotent)."""
+        """Leave the quorum and release the process groups (idempotent).
+
+        Called for you when the ``with`` block ends, and when the interpreter exits normally: a
+        script that never calls it still leaves cleanly (`_shutdown_at_exit`).
+        """
         if self._closed:
             return
         self._closed = True
@@ -178,6 +187,41 @@ class FaultTolerance:
             )
         self._gangs = fault_tolerant_gangs(self.manager, group_root, tp_size=tp_size, release=self.shutdown)
         return self._gangs
+
+
+_open_lock = threading.Lock()
+#: `FaultTolerance` objects of this process, shut down at exit if the script did not (weak: a
+#: discarded one is not kept alive by this list).
+_open: list[weakref.ref[FaultTolerance]] = []
+
+
+def _track(ft: FaultTolerance) -> None:
+    with _open_lock:
+        if not _open:
+            # Registered after torch's own exit handlers, so it runs before them (atexit is LIFO).
+            atexit.register(_shutdown_at_exit)
+        _open[:] = [r for r in _open if r() is not None]
+        _open.append(weakref.ref(ft))
+
+
+def _shutdown_at_exit() -> None:
+    """The interpreter is exiting: leave the quorum for every `FaultTolerance` still open.
+
+    Without this, a script that ends without ``ft.shutdown()`` (README's two-line form) just closes
+    its lighthouse connection, which the lighthouse must read as a crash ("connection closed without
+    leave"). After an *uncaught exception* nothing is sent on purpose: then the closed connection is
+    the truth -- the group failed -- and the lighthouse drops it at once.
+    """
+    if getattr(sys, "last_value", None) is not None:  # set by the interpreter for an uncaught exception
+        return
+    with _open_lock:
+        pending = [ft for ft in (r() for r in _open) if ft is not None]
+        _open.clear()
+    for ft in pending:
+        try:
+            ft.shutdown()
+        except Exception as e:  # noqa: BLE001 - at exit there is nobody left to raise to
+            logging.getLogger(__name__).debug("shutdown at exit failed: %s", e)
 
 
 def init(
@@ -272,7 +316,7 @@ def init(
         job.replica_group_id, job.num_replica_groups, group.rank, group.world_size, chosen_backend,
         chosen_transport, dev,
     )  # fmt: skip
-    return FaultTolerance(
+    ft = FaultTolerance(
         manager=manager,
         pg=pg,
         replica_group_id=job.replica_group_id,
@@ -286,6 +330,8 @@ def init(
         intra_group=intra,
         _owns_intra_group=owns_intra,
     )
+    _track(ft)
+    return ft
 
 
 def _model_state_fns(
