@@ -66,8 +66,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mixed-precision", choices=["none", "bf16"], default="none",
                    help="bf16: FSDP2 computes in bfloat16 and reduces gradients in float32")
     p.add_argument("--activation-checkpointing", action="store_true", help="recompute each block in backward")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="cuda: one GPU per worker (LOCAL_RANK), NCCL inside and across groups")
     p.add_argument("--backend", choices=["baby-gloo", "gloo", "baby-nccl", "nccl"], default=None,
-                   help="cross-group process group (default: ftlaunch.init's choice, Baby Gloo on CPU)")
+                   help="cross-group process group (default: ftlaunch.init's choice: Baby Gloo on CPU, Baby NCCL on GPU)")
     p.add_argument("--timeout", type=float, default=None,
                    help="the one timeout knob in seconds (default: FTLAUNCH_TIMEOUT, else 60)")
     p.add_argument("--step-sleep", type=float, default=0.0, help="extra seconds per step (demos, chaos)")
@@ -149,6 +151,15 @@ def full_checksum(model: nn.Module) -> str:
     return h.hexdigest()[:16]
 
 
+def device_of(args: argparse.Namespace) -> torch.device:
+    """This worker's device: its own GPU (``LOCAL_RANK``) with ``--device cuda``."""
+    if args.device == "cuda":
+        index = env.get_int(env.LOCAL_RANK, 0) or 0
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+    return torch.device("cpu")
+
+
 def mp_policy(args: argparse.Namespace):  # noqa: ANN201 - FSDP's MixedPrecisionPolicy
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -160,7 +171,7 @@ def mp_policy(args: argparse.Namespace):  # noqa: ANN201 - FSDP's MixedPrecision
 # ------------------------------------------------------------------------------------------ the two forms
 def short_form(args: argparse.Namespace, model: nn.Module, dataset: torch.utils.data.Dataset) -> tuple:
     """ftlaunch's form: init, shard, optimizer, wrap."""
-    ft = ftlaunch.init(timeout=args.timeout, backend=args.backend)
+    ft = ftlaunch.init(timeout=args.timeout, backend=args.backend, device=device_of(args))
     model = ft.shard(model, mp_policy=mp_policy(args))
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     model, optimizer = ft.wrap(model, optimizer)
@@ -171,14 +182,26 @@ def long_form(args: argparse.Namespace, model: nn.Module, dataset: torch.utils.d
     """torchft-style plumbing: every piece spelled out (what ``ftlaunch.init``/``shard``/``wrap`` do)."""
     from torch.distributed.fsdp import fully_shard
 
-    from ftlaunch import DistributedSampler, Manager, Optimizer, ProcessGroupBabyGloo, ProcessGroupGloo
+    from ftlaunch import (
+        DistributedSampler,
+        Manager,
+        Optimizer,
+        ProcessGroupBabyGloo,
+        ProcessGroupBabyNCCL,
+        ProcessGroupGloo,
+        ProcessGroupNCCL,
+    )
     from ftlaunch.checkpointing import PGTransport
     from ftlaunch.process_group import ft_init_device_mesh
 
     timeout = timedelta(seconds=args.timeout or 60.0)
-    dist.init_process_group("gloo", timeout=timeout)  # the replica group's own (torchelastic's env)
-    pg = ProcessGroupGloo(timeout=timeout) if args.backend == "gloo" else ProcessGroupBabyGloo(timeout=timeout)
-    transport: PGTransport = PGTransport(pg, timeout=timeout, device=torch.device("cpu"))
+    device = device_of(args)
+    gpu = device.type == "cuda"
+    dist.init_process_group("nccl" if gpu else "gloo", timeout=timeout)  # the replica group's own (torchelastic's env)
+    kinds = {"gloo": ProcessGroupGloo, "baby-gloo": ProcessGroupBabyGloo, "nccl": ProcessGroupNCCL,
+             "baby-nccl": ProcessGroupBabyNCCL}
+    pg = kinds[args.backend or ("baby-nccl" if gpu else "baby-gloo")](timeout=timeout)
+    transport: PGTransport = PGTransport(pg, timeout=timeout, device=device)
     inner: list[torch.optim.Optimizer] = []
 
     def load_state(sd: dict) -> None:
@@ -190,7 +213,7 @@ def long_form(args: argparse.Namespace, model: nn.Module, dataset: torch.utils.d
 
     manager = Manager(pg=pg, load_state_dict=load_state, state_dict=save_state, min_replica_size=1,
                       timeout=timeout, quorum_timeout=2 * timeout, checkpoint_transport=transport)
-    mesh = ft_init_device_mesh(device_type="cpu", mesh_shape=(env.get_int(env.NUM_REPLICA_GROUPS, 1) or 1,
+    mesh = ft_init_device_mesh(device_type=device.type, mesh_shape=(env.get_int(env.NUM_REPLICA_GROUPS, 1) or 1,
                                                               dist.get_world_size()),
                                mesh_dim_names=("dp_replicate", "dp_shard"), replicate_dim=0, manager=manager)
     transport.device_mesh = mesh  # received shards are rebuilt on it
@@ -249,7 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     log = logging.getLogger("train_hsdp")
     torch.set_num_threads(1)  # workers share the machine's cores
 
-    model = make_model(args)
+    device = device_of(args)
+    model = make_model(args).to(device)
     dataset = make_dataset(args.seq_len)
     ft = None
     try:
@@ -267,6 +291,7 @@ def main(argv: list[str] | None = None) -> int:
                 if time.monotonic() > deadline:
                     log.error("gave up after %.0f s at step %d", args.max_seconds, manager.current_step())
                     return 3
+                x, y = x.to(device), y.to(device)
                 t0 = time.perf_counter()
                 optimizer.zero_grad()  # starts the step's quorum
                 loss = loss_of(model, x, y)

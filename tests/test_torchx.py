@@ -57,10 +57,18 @@ def test_ddp_with_external_lighthouse_has_no_lighthouse_role() -> None:
 
 
 def test_component_errors() -> None:
-    with pytest.raises(ValueError, match="exactly one of --script and -m"):
-        _app("ftlaunch:hsdp", ["--replicas", "2"])
+    with pytest.raises(ValueError, match="give --script or -m, not both"):
+        _app("ftlaunch:hsdp", ["--replicas", "2", "--script", "x.py", "-m", "pkg.train"])
     with pytest.raises(ValueError, match="--min_replicas 3 > --replicas 2"):
         _app("ftlaunch:hsdp", ["--replicas", "2", "--min_replicas", "3", "--script", "x.py"])
+
+
+def test_hsdp_runs_train_hsdp_by_default_with_the_workers_per_replica_given() -> None:
+    app = _app("ftlaunch:hsdp", ["--replicas", "2", "--workers_per_replica", "4", "--", "--steps", "5"])
+    for role in app.roles[1:]:
+        cmd = _command(role)
+        assert "--nproc-per-node 4 " in cmd and "scripts/train_hsdp.py --steps 5;" in cmd
+    assert "train_hsdp.py" not in _command(_app("ftlaunch:hsdp", ["-m", "pkg.train"]).roles[1])
 
 
 @pytest.mark.timeout(120)
@@ -81,10 +89,12 @@ def test_builtins_are_not_hidden() -> None:
 def test_dryrun_for_cluster_schedulers(scheduler: str, extra: list[str], tmp_path) -> None:
     # Outside the repository (its .torchxconfig must not apply), no workspace image build.
     res = run([*TORCHX, "run", "-s", scheduler, "--workspace", "", "--dryrun", "ftlaunch:hsdp", "--replicas", "2",
-               "--script", "train.py", *extra], timeout=100, cwd=str(tmp_path))
+               "--workers_per_replica", "3", "--script", "train.py", *extra], timeout=100, cwd=str(tmp_path))
     assert res.returncode == 0, res.stderr
     text = res.stdout + res.stderr
     assert "--rdzv-backend ftlaunch" in text and "replica_group_id=1" in text
+    # One role per replica group, each running workers_per_replica workers.
+    assert "'name': 'rg0'" in text and "'name': 'rg1'" in text and text.count("--nproc-per-node 3") >= 2
     if scheduler == "slurm":
         assert "ftlaunch.launcher.lighthouse_role" in text and "0.0.0.0:0" in text
     else:

@@ -107,6 +107,8 @@ def mesh_of(model: nn.Module) -> DeviceMesh:
     """The device mesh of the model's sharded parameters; ConfigurationError if there are several
     (live recovery rebuilds received shards on one mesh)."""
     meshes = {id(p.device_mesh): p.device_mesh for p in model.parameters() if isinstance(p, DTensor)}
+    if not meshes:
+        raise ConfigurationError("nothing in the model is sharded: call fully_shard (or ft.shard) first")
     if len(meshes) != 1:
         raise ConfigurationError(
             f"the model's parameters live on {len(meshes)} device meshes; fault-tolerant HSDP needs exactly one"
@@ -149,8 +151,6 @@ def average_across_groups(manager: Manager, model: nn.Module) -> int:
         )
     hook = _CrossGroupAverage(manager)
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    if not units:
-        raise ConfigurationError("nothing in the model is sharded: call fully_shard (or ft.shard) first")
     for m in units:
         m.set_all_reduce_hook(hook)
     return len(units)
