@@ -40,6 +40,7 @@ _LAZY = {
     "create_store_client": "ftlaunch.process_group",
     "extend_device_mesh": "ftlaunch.process_group",
     "ft_init_device_mesh": "ftlaunch.worker.hsdp",
+    "ShardedState": "ftlaunch.worker.hsdp",
     "CheckpointTransport": "ftlaunch.checkpointing",
     "HTTPTransport": "ftlaunch.checkpointing",
     "PGTransport": "ftlaunch.checkpointing",

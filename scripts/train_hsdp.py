@@ -190,6 +190,7 @@ def long_form(args: argparse.Namespace, model: nn.Module, dataset: torch.utils.d
         ProcessGroupBabyNCCL,
         ProcessGroupGloo,
         ProcessGroupNCCL,
+        ShardedState,
     )
     from ftlaunch.checkpointing import PGTransport
     from ftlaunch.process_group import ft_init_device_mesh
@@ -202,16 +203,8 @@ def long_form(args: argparse.Namespace, model: nn.Module, dataset: torch.utils.d
              "baby-nccl": ProcessGroupBabyNCCL}
     pg = kinds[args.backend or ("baby-nccl" if gpu else "baby-gloo")](timeout=timeout)
     transport: PGTransport = PGTransport(pg, timeout=timeout, device=device)
-    inner: list[torch.optim.Optimizer] = []
-
-    def load_state(sd: dict) -> None:
-        model.load_state_dict(sd["model"])
-        inner[0].load_state_dict(sd["optim"])
-
-    def save_state() -> dict:
-        return {"model": model.state_dict(), "optim": inner[0].state_dict()}
-
-    manager = Manager(pg=pg, load_state_dict=load_state, state_dict=save_state, min_replica_size=1,
+    # The model's and optimizer's state is registered once they are sharded (below).
+    manager = Manager(pg=pg, load_state_dict=None, state_dict=None, min_replica_size=1,
                       timeout=timeout, quorum_timeout=2 * timeout, checkpoint_transport=transport)
     mesh = ft_init_device_mesh(device_type=device.type, mesh_shape=(env.get_int(env.NUM_REPLICA_GROUPS, 1) or 1,
                                                               dist.get_world_size()),
@@ -220,10 +213,14 @@ def long_form(args: argparse.Namespace, model: nn.Module, dataset: torch.utils.d
     for block in model.layers:
         fully_shard(block, mesh=mesh, mp_policy=mp_policy(args))
     fully_shard(model, mesh=mesh, mp_policy=mp_policy(args))
-    inner.append(torch.optim.AdamW(model.parameters(), lr=args.lr))
+    inner = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    # Not model.state_dict(): the Manager reads the state on its quorum thread during the forward
+    # pass, and FSDP2's state-dict hook would reshard parameters in use (see ShardedState).
+    state = ShardedState(model, inner)
+    manager.register_state_dict_fn("default", state.load_state_dict, state.state_dict)
     sampler = DistributedSampler(dataset)
     manager.register_state_dict_fn("sampler", sampler.load_state_dict, sampler.state_dict)
-    return None, manager, model, Optimizer(manager, inner[0]), sampler
+    return None, manager, model, Optimizer(manager, inner), sampler
 
 
 # ------------------------------------------------------------------------------------------ reference

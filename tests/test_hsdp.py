@@ -144,3 +144,43 @@ def test_a_group_laid_out_unlike_its_sources_refuses_after_reconfiguring(make: C
     assert len(g.pg.configure_calls) == 1  # the others' rendezvous did not wait for us
     with pytest.raises(ConfigurationError):
         g.m.should_commit()
+
+
+def test_gradient_accumulation_averages_across_groups_once(mesh: DeviceMesh, make: Callable[..., Group]) -> None:
+    """Micro-batches without gradient sync skip the reduce-scatter and so the cross-group average;
+    the last one averages the accumulated gradient once."""
+    g = make(ScriptedLighthouse(quorum(2, peer("rg1", 3), peer("rg2", 1))))
+    behind_peers(g)
+    net = hsdp.shard(Net(), mesh)
+    hsdp.average_across_groups(g.m, net)
+    g.m.start_quorum()
+    net.set_requires_gradient_sync(False)
+    net(X).sum().backward()
+    assert g.pg.ops == []
+    net.set_requires_gradient_sync(True)
+    net(X).sum().backward()
+    assert [op.name for op in g.pg.ops] == ["allreduce"] * 3
+    for p, want in zip(net.parameters(), local_grads(), strict=True):
+        torch.testing.assert_close(p.grad.full_tensor(), 2 * want * 3 / 2)
+    assert g.m.should_commit()
+
+
+def test_the_sharded_state_is_read_without_resharding_what_the_forward_pass_uses(mesh: DeviceMesh) -> None:
+    """The Manager snapshots the state on its quorum thread during the forward pass: the snapshot
+    must not touch FSDP's parameters (``model.state_dict()`` reshards them: the hazard)."""
+    net = hsdp.shard(Net(), mesh, reshard_after_forward=False)
+    opt = torch.optim.AdamW(net.parameters(), lr=0.1)
+    net(X).sum().backward()
+    opt.step()
+    state = hsdp.ShardedState(net, opt)
+    net(X)  # the forward pass leaves every unit unsharded (reshard_after_forward=False)
+    gathered = net.embed.weight
+    assert not isinstance(gathered, DTensor)
+    snap = state.state_dict()
+    assert net.embed.weight is gathered  # untouched
+    assert set(snap["model"]) == set(Net().state_dict()) and isinstance(snap["model"]["embed.weight"], DTensor)
+    assert torch.equal(snap["model"]["embed.weight"].full_tensor(), gathered)
+    assert snap["optim"]["state"][0]["step"] == 1
+    net.state_dict()
+    assert net.embed.weight is not gathered  # what state_dict() does, and the snapshot must not
+    state.load_state_dict(snap)  # on the training thread, after the vote

@@ -158,6 +158,11 @@ class FaultTolerance:
             from ftlaunch.worker import hsdp
 
             if self.intra_group is None:
+                if self.world_size > 1:
+                    raise ConfigurationError(
+                        "sharding over a replica group of several workers needs its process group: "
+                        "do not pass intra_group=False to ftlaunch.init()"
+                    )
                 self.intra_group, self._owns_intra_group = _solo_group(self.device, self.timeouts)
             self._device_mesh = hsdp.group_mesh(self.intra_group, self.device.type)
         return self._device_mesh
@@ -340,7 +345,13 @@ def _model_state_fns(
     model: nn.Module | None, optimizer: torch.optim.Optimizer | None
 ) -> tuple[Callable[[Any], None], Callable[[], Any]]:
     """Live-recovery state from the model and optimizer the user passed (the unwrapped objects, so
-    keys do not depend on a later DDP wrap)."""
+    keys do not depend on a later DDP wrap). An FSDP2 model's state is read without
+    ``model.state_dict()`` (see `hsdp.ShardedState`: the Manager reads it during the forward pass)."""
+    from ftlaunch.worker import hsdp
+
+    if model is not None and hsdp.is_sharded(model):
+        sharded = hsdp.ShardedState(model, optimizer)
+        return sharded.load_state_dict, sharded.state_dict
 
     def save() -> dict[str, Any]:
         sd: dict[str, Any] = {}

@@ -49,6 +49,7 @@ from ftlaunch.worker.manager import Manager
 __all__ = [
     "SHARD_DIM",
     "Layout",
+    "ShardedState",
     "average_across_groups",
     "check_optimizer",
     "ft_init_device_mesh",
@@ -170,6 +171,41 @@ def check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
                     "the optimizer updates a parameter that is not one of the sharded model's: create the "
                     "optimizer after sharding (fully_shard replaces the parameters), over model.parameters()"
                 )
+
+
+class ShardedState:
+    """The live-recovery state of an FSDP2 model and its optimizer: ``{"model": ..., "optim": ...}``.
+
+    Use it instead of ``model.state_dict()`` in the functions you give the Manager. The Manager
+    snapshots the state on its quorum thread while the forward pass runs, and FSDP2's state-dict
+    pre-hook reshards parameters (frees the gathered ones) that the forward pass may be using at
+    that moment. This reads the sharded parameters FSDP keeps -- the DTensors the optimizer updates,
+    captured here on the calling thread -- and touches nothing; loading goes through
+    ``model.load_state_dict`` and runs on the training thread (after the commit vote).
+    Build it after sharding, before training.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        keys = list(model.state_dict().keys())  # its pre-hook makes sure the sharded parameters are registered
+        params = dict(model.named_parameters(remove_duplicate=False))
+        self._params = {k: params[k] for k in keys if k in params}
+        self._buffer_keys = [k for k in keys if k not in params]
+
+    def state_dict(self) -> dict[str, Any]:
+        buffers = dict(self.model.named_buffers(remove_duplicate=False))
+        state: dict[str, Any] = {"model": {
+            **{k: p.detach() for k, p in self._params.items()}, **{k: buffers[k].detach() for k in self._buffer_keys}
+        }}  # fmt: skip
+        if self.optimizer is not None:
+            state["optim"] = self.optimizer.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        if self.optimizer is not None:
+            self.optimizer.load_state_dict(state["optim"])
 
 
 @dataclass(frozen=True)
