@@ -150,13 +150,16 @@ def kill_to_commit(steps: int, kill_at: int, step_sleep: float) -> tuple[float, 
                             env=dict(os.environ, OMP_NUM_THREADS="1"))
     step_line = re.compile(r"^\[rg1/r0\] step=\d+ committed=True")
     t_kill = rejoin = None
+    healing = False  # the restarted incarnation's heal: lines of the killed one may still arrive before it
     told = "n/a"
     assert proc.stdout is not None
     for line in proc.stdout:
         now = time.monotonic()
         if t_kill is None and "chaos: SIGKILL" in line:
             t_kill = now
-        elif t_kill is not None and rejoin is None and step_line.match(line):
+        elif t_kill is not None and line.startswith("[rg1/r0]") and "healing from rg0" in line:
+            healing = True
+        elif healing and rejoin is None and step_line.match(line):
             rejoin = now - t_kill
         m = re.search(r"group committed again ([\d.]+)s later", line)
         if m:
@@ -176,6 +179,7 @@ def main() -> int:
     ap.add_argument("--backend", choices=["baby-gloo", "gloo"], default="baby-gloo",
                     help="ftlaunch's cross-group process group (default: ftlaunch.init's, Baby Gloo)")
     ap.add_argument("--no-kill", action="store_true", help="skip the kill -> commit measurement")
+    ap.add_argument("--kill-only", action="store_true", help="only the kill -> commit measurement")
     ap.add_argument("--worker", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -184,7 +188,19 @@ def main() -> int:
         return 0
 
     print(f"load before: {os.getloadavg()[0]:.2f} (1-min average; {os.cpu_count()} CPUs)", flush=True)
-    ratios, phases = [], {"plain": [], "ftlaunch": []}
+    if not args.kill_only:
+        step_times(args)
+    if not args.no_kill:
+        rejoin, told = kill_to_commit(steps=150, kill_at=30, step_sleep=0.05)
+        print(f"kill -> restarted group's first committed step {rejoin:6.2f} s through ftlaunch (its summary: "
+              f"{told}); includes the agent's restart, Python/torch start-up, FSDP sharding and the heal")
+        print(f"load after: {os.getloadavg()[0]:.2f}", flush=True)
+    return 0
+
+
+def step_times(args: argparse.Namespace) -> None:
+    ratios: list[float] = []
+    phases: dict[str, list[list[float]]] = {"plain": [], "ftlaunch": []}
     for i in range(args.runs):
         res = step_ratio(args.rounds, args.backend)
         ratios.append(statistics.median(f[0] / p[0] for f, p in zip(res["ftlaunch"], res["plain"], strict=True)))
@@ -201,11 +217,6 @@ def main() -> int:
         cols = [statistics.median(ph[j] for ph in phases[k]) * 1e3 for k in phases]
         print(f"  {name:<30}" + "".join(f"{c:12.2f}" for c in cols))
     print(f"load after: {os.getloadavg()[0]:.2f}", flush=True)
-    if not args.no_kill:
-        rejoin, told = kill_to_commit(steps=150, kill_at=30, step_sleep=0.05)
-        print(f"kill -> restarted group's first committed step {rejoin:6.2f} s through ftlaunch (its summary: "
-              f"{told}); includes the agent's restart, Python/torch start-up, FSDP sharding and the heal")
-    return 0
 
 
 if __name__ == "__main__":
