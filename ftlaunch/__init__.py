@@ -39,6 +39,8 @@ _LAZY = {
     "ManagedProcessGroup": "ftlaunch.worker.managed_pg",
     "create_store_client": "ftlaunch.process_group",
     "extend_device_mesh": "ftlaunch.process_group",
+    "ft_init_device_mesh": "ftlaunch.worker.hsdp",
+    "ShardedState": "ftlaunch.worker.hsdp",
     "CheckpointTransport": "ftlaunch.checkpointing",
     "HTTPTransport": "ftlaunch.checkpointing",
     "PGTransport": "ftlaunch.checkpointing",
@@ -119,6 +121,7 @@ def hsdp(
     """Fault-tolerant training over replica groups: a lighthouse role plus one torchrun role per group.
 
     Usage: torchx run -s local_cwd ftlaunch:hsdp --replicas 2 --workers_per_replica 2 --script train.py
+    (without --script or -m: scripts/train_hsdp.py, fault-tolerant HSDP of a small GPT)
 
     Each replica group is its own ``torchrun --rdzv-backend ftlaunch`` (``nnodes_per_replica`` nodes of
     ``workers_per_replica`` workers), restarted by torchelastic on failure without stopping the others.
@@ -130,7 +133,7 @@ def hsdp(
 
     Args:
         script_args: arguments of the training script or module
-        script: training script to run in every worker
+        script: training script to run in every worker (default: scripts/train_hsdp.py)
         m: python module to run instead of a script (python -m)
         replicas: number of replica groups
         workers_per_replica: workers per node of a replica group (torchrun --nproc-per-node)

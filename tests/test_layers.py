@@ -49,6 +49,7 @@ ALLOWED: dict[str, set[str]] = {
 #: it lives in worker/, and process_group's ``__getattr__`` resolves the old path on first use.
 COMPAT_ALIASES: set[tuple[str, str]] = {
     ("ftlaunch.process_group", "ftlaunch.worker.managed_pg"),
+    ("ftlaunch.process_group", "ftlaunch.worker.hsdp"),  # ft_init_device_mesh
 }
 
 

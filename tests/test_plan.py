@@ -79,3 +79,45 @@ def test_plans_are_mutually_consistent(steps: dict[str, int], init_sync: bool) -
     n_sources = sum(1 for p in plans.values() if not p.heal)
     assert all(p.num_sources == n_sources >= 1 for p in plans.values())
     assert len({p.store_address for p in plans.values()}) == 1
+
+
+# ------------------------------------------------------------------------------ layouts
+
+
+def laid_out(steps: dict[str, int], layouts: dict[str, str | None]) -> Quorum:
+    """A quorum whose members publish a layout digest (None: they publish none)."""
+    members = tuple(
+        QuorumMember(replica_id=rid, store_address=f"h{rid}:1", step=s,
+                     data={} if layouts[rid] is None else {"layout": {"digest": layouts[rid], "text": f"mesh of {rid}"}})
+        for rid, s in sorted(steps.items())
+    )  # fmt: skip
+    return Quorum(quorum_id=1, participants=members, created=0.0)
+
+
+def test_same_layouts_no_conflict() -> None:
+    q = laid_out({"rg0": 3, "rg1": 3, "rg2": 1}, {"rg0": "a", "rg1": "a", "rg2": "a"})
+    assert all(plan_step(q, r).layout_conflict is None for r in ("rg0", "rg1", "rg2"))
+
+
+def test_a_healer_laid_out_differently_refuses_alone() -> None:
+    q = laid_out({"rg0": 3, "rg1": 3, "rg2": 1}, {"rg0": "a", "rg1": "a", "rg2": "b"})
+    assert plan_step(q, "rg0").layout_conflict is None and plan_step(q, "rg1").layout_conflict is None
+    msg = plan_step(q, "rg2").layout_conflict
+    assert msg is not None and "rg2 lays out its state differently from rg0" in msg
+    assert "here mesh of rg2; there mesh of rg0" in msg and "Refusing to take part" in msg
+
+
+def test_at_step_zero_the_primary_is_the_reference() -> None:
+    q = laid_out({"rg0": 0, "rg1": 0}, {"rg0": "a", "rg1": "b"})
+    assert plan_step(q, "rg0").layout_conflict is None  # rg1 heals from rg0 (init_sync): it refuses
+    assert plan_step(q, "rg1").layout_conflict is not None
+
+
+def test_sources_that_differ_all_refuse() -> None:
+    q = laid_out({"rg0": 3, "rg1": 3}, {"rg0": "a", "rg1": "b"})
+    assert plan_step(q, "rg0").layout_conflict is not None and plan_step(q, "rg1").layout_conflict is not None
+
+
+def test_groups_without_a_layout_are_not_compared() -> None:
+    q = laid_out({"rg0": 3, "rg1": 3, "rg2": 3}, {"rg0": None, "rg1": "a", "rg2": "a"})
+    assert all(plan_step(q, r).layout_conflict is None for r in ("rg0", "rg1", "rg2"))

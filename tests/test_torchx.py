@@ -73,10 +73,20 @@ def test_ddp_with_external_lighthouse_has_no_lighthouse_role() -> None:
 
 
 def test_component_errors() -> None:
-    with pytest.raises(ValueError, match="exactly one of --script and -m"):
-        _app("ftlaunch:hsdp", ["--replicas", "2"])
+    with pytest.raises(ValueError, match="give --script or -m, not both"):
+        _app("ftlaunch:hsdp", ["--replicas", "2", "--script", "x.py", "-m", "pkg.train"])
     with pytest.raises(ValueError, match="--min_replicas 3 > --replicas 2"):
         _app("ftlaunch:hsdp", ["--replicas", "2", "--min_replicas", "3", "--script", "x.py"])
+
+
+def test_hsdp_runs_train_hsdp_by_default_with_the_workers_per_replica_given() -> None:
+    app = _app("ftlaunch:hsdp", ["--replicas", "2", "--workers_per_replica", "4", "--", "--steps", "5"])
+    for role in app.roles[1:]:
+        _, torchrun = _group_args(role)
+        assert _opt(torchrun, "--nproc-per-node") == "4"
+        assert torchrun[-3].endswith("scripts/train_hsdp.py") and torchrun[-2:] == ["--steps", "5"]
+    _, torchrun = _group_args(_app("ftlaunch:hsdp", ["-m", "pkg.train"]).roles[1])
+    assert not any("train_hsdp.py" in a for a in torchrun)
 
 
 @pytest.mark.timeout(120)
@@ -97,10 +107,13 @@ def test_builtins_are_not_hidden() -> None:
 def test_dryrun_from_the_command_line(scheduler: str, extra: list[str], tmp_path) -> None:
     # Outside the repository (its .torchxconfig must not apply), no workspace image build.
     res = run([*TORCHX, "run", "-s", scheduler, "--workspace", "", "--dryrun", "ftlaunch:hsdp", "--replicas", "2",
-               "--script", "train.py", *extra], timeout=100, cwd=str(tmp_path))
+               "--workers_per_replica", "3", "--script", "train.py", *extra], timeout=100, cwd=str(tmp_path))
     assert res.returncode == 0, res.stderr
     text = _flat(res.stdout + res.stderr)
     assert "ftlaunch.launcher.group_role" in text and "--rdzv-backend ftlaunch" in text and "--group 1" in text
+    # One role per replica group, each running workers_per_replica workers.
+    raw = res.stdout + res.stderr
+    assert "'name': 'rg0'" in raw and "'name': 'rg1'" in raw and text.count("--nproc-per-node 3") >= 2
     if scheduler == "slurm":
         assert "ftlaunch.launcher.lighthouse_role" in text and "SLURM_JOB_NODELIST_HET_GROUP_0" in text
     else:

@@ -11,6 +11,12 @@ Protocol, per receiver (tags are fixed, so messages cannot be confused):
   3. each non-empty tensor's bytes as ``uint8``            (tag ``TAG_BASE + 2 + index``)
 The receiver validates the header before posting any tensor receive, receives in place into the
 tensors of ``state_dict()`` where dtype and shape match, then verifies every tensor's checksum.
+
+Sharded state (DTensors, e.g. FSDP2 parameters and optimizer state): each rank sends its local
+shards only, with their sharding as plain JSON beside the state (`ftlaunch.checkpointing.dtensors`):
+the encoded value is ``{"state": <state, local shards in place of DTensors>, "dtensors": [specs]}``.
+The receiver rebuilds each DTensor on ``device_mesh`` (or on the mesh of its own DTensor at the
+same path in ``state_dict()``) and refuses a shard whose sharding differs from its own.
 """
 
 from __future__ import annotations
@@ -23,7 +29,9 @@ from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
+from ftlaunch.checkpointing import dtensors
 from ftlaunch.checkpointing.serialization.buffers import byte_view, tensor_bytes
 from ftlaunch.checkpointing.serialization.encode import encode
 from ftlaunch.checkpointing.serialization.header import FRAME_PREFIX_LEN, MAX_FRAME_BYTES, parse_header
@@ -46,6 +54,9 @@ class PGTransport(CheckpointTransport[T]):
     ``device``: where tensors travel (``cpu`` for Gloo, the local GPU for NCCL). ``state_dict``,
     when given, returns this group's current state; received tensors whose dtype and shape match
     are written into it in place (on failure their contents are unspecified — the heal is retried).
+    ``device_mesh``: the mesh received DTensors are rebuilt on (settable later, as
+    ``transport.device_mesh``, once the model is sharded); without it, the mesh of the DTensor at
+    the same path in ``state_dict()``.
     """
 
     def __init__(
@@ -54,6 +65,7 @@ class PGTransport(CheckpointTransport[T]):
         timeout: timedelta,
         device: torch.device,
         state_dict: Callable[[], T] | None = None,
+        device_mesh: DeviceMesh | None = None,
     ) -> None:
         if timeout.total_seconds() <= 0:
             raise ValueError(f"timeout must be positive, got {timeout}")
@@ -61,6 +73,7 @@ class PGTransport(CheckpointTransport[T]):
         self._timeout = timeout
         self._device = torch.device(device)
         self._state_dict = state_dict
+        self.device_mesh = device_mesh
 
     def metadata(self) -> str:
         return "<pg>"  # the process group itself is the address
@@ -88,7 +101,9 @@ class PGTransport(CheckpointTransport[T]):
         """Push ``state_dict`` to every rank in ``dst_ranks``; returns when all sends completed."""
         t0 = time.perf_counter()
         deadline = time.monotonic() + timeout.total_seconds()
-        enc = encode(state_dict, step, device=self._device)
+        local_state, specs = dtensors.split(state_dict)
+        payload = {"state": local_state, "dtensors": dtensors.specs_to_json(specs)}
+        enc = encode(payload, step, device=self._device)
         frame = torch.frombuffer(bytearray(enc.frame), dtype=torch.uint8).to(self._device)
         length = torch.tensor([frame.numel()], dtype=torch.int64, device=self._device)
         pending = []
@@ -124,7 +139,8 @@ class PGTransport(CheckpointTransport[T]):
         frame = torch.empty(n, dtype=torch.uint8, device=self._device)
         self._wait(self._post(self._pg.recv, frame, src_rank, TAG_BASE + 1, what), deadline, what)
         header = parse_header(byte_view(frame.cpu()).tobytes(), expected_step=step)
-        template = self._state_dict() if self._state_dict is not None else None
+        mine = self._state_dict() if self._state_dict is not None else None
+        template = {"state": dtensors.locals_of(mine)} if mine is not None else None
         slots = plan_slots(header, self._device, template)
         pending = []
         for s in slots:
@@ -136,7 +152,11 @@ class PGTransport(CheckpointTransport[T]):
                 )
         for what, work in pending:
             self._wait(work, deadline, what)
-        result = finish(header, slots)
+        payload = finish(header, slots)
+        if not isinstance(payload, dict) or set(payload) != {"state", "dtensors"}:
+            raise invalid(f"payload from rank {src_rank} is not a PGTransport state")
+        specs = dtensors.specs_from_json(payload["dtensors"])
+        result: T = dtensors.join(payload["state"], specs, self.device_mesh, mine)
         logger.info(
             "checkpoint transport (pg): received step %d (%d tensors, %d bytes) from rank %d in %.3fs",
             step, len(slots), header.body_nbytes, src_rank, time.perf_counter() - t0,

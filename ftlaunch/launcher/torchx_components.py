@@ -25,6 +25,10 @@ if TYPE_CHECKING:
 
 _ANNOTATION_NAMES = {"str": str, "int": int, "float": float, "bool": bool, "dict": dict, "list": list}
 
+#: What ``ftlaunch:hsdp`` runs when neither ``--script`` nor ``-m`` is given (relative to the role's
+#: working directory: the checkout for ``local_cwd``, the image's for containers).
+DEFAULT_SCRIPT = "scripts/train_hsdp.py"
+
 
 def with_runtime_annotations(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Give ``fn`` a signature with real types: torchx builds its argparse from the annotations.
@@ -96,8 +100,10 @@ def hsdp_app(
     from ftlaunch.errors import ConfigurationError
     from ftlaunch.launcher.placement import AUTO
 
-    if (script is None) == (m is None):
-        raise ConfigurationError("exactly one of --script and -m must be given")
+    if script is not None and m is not None:
+        raise ConfigurationError("give --script or -m, not both")
+    if script is None and m is None:
+        script = DEFAULT_SCRIPT
     for value, what in ((replicas, "replicas"), (workers_per_replica, "workers_per_replica"),
                         (nnodes_per_replica, "nnodes_per_replica"), (min_replicas, "min_replicas")):
         if value < 1:

@@ -49,4 +49,10 @@ def __getattr__(name: str) -> object:
         from ftlaunch.worker.managed_pg import ManagedProcessGroup
 
         return ManagedProcessGroup
+    # torchft's path too (`from torchft.process_group import ft_init_device_mesh`): it builds a
+    # ManagedProcessGroup, so it lives in ftlaunch.worker.hsdp.
+    if name == "ft_init_device_mesh":
+        from ftlaunch.worker.hsdp import ft_init_device_mesh
+
+        return ft_init_device_mesh
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

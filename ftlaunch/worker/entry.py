@@ -4,6 +4,13 @@ ready fault-tolerant setup, so a training script needs two lines instead of twen
     ft = ftlaunch.init(model, optimizer)            # Manager, process groups, state, timeouts
     model, optimizer = ft.wrap(model, optimizer)    # DDP across groups + commit-gated optimizer
 
+and, to shard the model inside each replica group (fault-tolerant HSDP), four::
+
+    ft = ftlaunch.init()
+    model = ft.shard(model)                         # FSDP2 over the group's workers
+    optimizer = torch.optim.AdamW(model.parameters())
+    model, optimizer = ft.wrap(model, optimizer)    # averaged across groups, commit-gated, healable
+
 All three launch paths (``ftlaunch --replicas N``, ``torchrun --rdzv-backend ftlaunch`` and
 ``torchx run ftlaunch:hsdp``) publish the same environment: ``REPLICA_GROUP_ID``,
 ``NUM_REPLICA_GROUPS``, ``FTLAUNCH_LIGHTHOUSE`` (+ token) and torchelastic's ``RANK``/``WORLD_SIZE``/
@@ -27,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from ftlaunch import env
 from ftlaunch.checkpointing.transport import CheckpointTransport
@@ -110,9 +118,23 @@ class FaultTolerance:
     intra_group: dist.ProcessGroup | None = None
     _owns_intra_group: bool = field(default=False, repr=False)
     _closed: bool = field(default=False, repr=False)
+    #: The live-recovery transport the Manager uses (HSDP tells it the device mesh).
+    checkpoint_transport: CheckpointTransport[Any] | None = None
+    #: What ``init`` registered for live recovery: the (model, optimizer) it was given, or ``"user"``
+    #: (state functions passed in), or None (nothing: ``wrap`` of a sharded model registers them).
+    _state_of: tuple[nn.Module | None, torch.optim.Optimizer | None] | str | None = field(default=None, repr=False)
+    _device_mesh: DeviceMesh | None = field(default=None, repr=False)
 
     def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
-        """DDP across replica groups (averaged inside the group first) and a commit-gated optimizer."""
+        """DDP across replica groups (averaged inside the group first) and a commit-gated optimizer.
+
+        A model sharded by FSDP2 (``ft.shard`` or ``fully_shard``) gets fault-tolerant HSDP
+        instead: see `_wrap_sharded`.
+        """
+        from ftlaunch.worker import hsdp
+
+        if hsdp.is_sharded(model):
+            return self._wrap_sharded(model, optimizer)
         from ftlaunch.worker.data_parallel import DistributedDataParallel
         from ftlaunch.worker.optim import Optimizer
 
@@ -134,6 +156,70 @@ class FaultTolerance:
         )
         s.register(self.manager, key)
         return s
+
+    # ---- fault-tolerant HSDP: FSDP2 inside the group, averaged across groups (worker/hsdp.py) ----
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        """The replica group's 1-D device mesh (dimension ``dp_shard``) over its own process group;
+        a group of one worker gets a private one-rank group."""
+        if self._device_mesh is None:
+            from ftlaunch.worker import hsdp
+
+            if self.intra_group is None:
+                if self.world_size > 1:
+                    raise ConfigurationError(
+                        "sharding over a replica group of several workers needs its process group: "
+                        "do not pass intra_group=False to ftlaunch.init()"
+                    )
+                self.intra_group, self._owns_intra_group = _solo_group(self.device, self.timeouts)
+            self._device_mesh = hsdp.group_mesh(self.intra_group, self.device.type)
+        return self._device_mesh
+
+    def shard(self, model: nn.Module, *, units: Any = None, **fully_shard_kwargs: Any) -> nn.Module:
+        """Shard ``model`` with FSDP2 over the replica group's workers (`device_mesh`): each unit
+        (default: the elements of the model's outermost ``nn.ModuleList``s, a transformer's blocks)
+        then the root. ``fully_shard_kwargs`` (``mp_policy``, ``reshard_after_forward``, ...) go to
+        every call. Create the optimizer afterwards, then ``ft.wrap(model, optimizer)``."""
+        from ftlaunch.worker import hsdp
+
+        return hsdp.shard(model, self.device_mesh, units, **fully_shard_kwargs)
+
+    def _wrap_sharded(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer
+    ) -> tuple[nn.Module, torch.optim.Optimizer]:
+        """Fault-tolerant HSDP around an FSDP2 model: its gradient shards averaged across replica
+        groups through the Manager (an FSDP all-reduce hook, unless the mesh already replicates
+        over ftlaunch's dimension), a commit-gated optimizer, model and optimizer shards healed
+        rank by rank over the pg transport, and the sharding checked against the other groups'."""
+        from ftlaunch.checkpointing import PGTransport
+        from ftlaunch.worker import hsdp
+        from ftlaunch.worker.optim import Optimizer
+        from ftlaunch.worker.recovery import DEFAULT_STATE_KEY
+
+        hsdp.check_optimizer(model, optimizer)
+        mesh = hsdp.mesh_of(model)
+        if not hsdp.replicates_across_groups(mesh):
+            hsdp.average_across_groups(self.manager, model)
+        if not isinstance(self.checkpoint_transport, PGTransport):
+            raise ConfigurationError(
+                f"sharded state heals over the pg transport (rank r from rank r); transport={self.transport!r} "
+                "cannot carry DTensors: use ftlaunch.init(transport='pg') (the default)"
+            )
+        self.checkpoint_transport.device_mesh = mesh
+        if self._state_of is None:
+            self.manager.register_state_dict_fn(DEFAULT_STATE_KEY, *_model_state_fns(model, optimizer))
+            self._state_of = (model, optimizer)
+        elif self._state_of != "user" and (
+            not isinstance(self._state_of, tuple) or self._state_of[0] is not model or self._state_of[1] is not optimizer
+        ):
+            raise ConfigurationError(
+                "ftlaunch.init() was given another model/optimizer than ft.wrap(): for HSDP call ftlaunch.init() "
+                "without them (the optimizer must be created after sharding); ft.wrap registers them for healing"
+            )
+        layout = hsdp.layout_of(model)
+        self.manager.require_same_layout(layout.digest, layout.text)
+        self.manager.log.info("fault-tolerant HSDP: %s", layout.text)
+        return model, Optimizer(self.manager, optimizer)
 
     def shutdown(self) -> None:
         """Leave the quorum and release the process groups (idempotent).
@@ -280,8 +366,10 @@ def init(
 
     if (load_state_dict is None) != (state_dict is None):
         raise ValueError("pass both load_state_dict and state_dict, or neither")
+    state_of: tuple[nn.Module | None, torch.optim.Optimizer | None] | str | None = "user" if load_state_dict else None
     if load_state_dict is None and (model is not None or optimizer is not None):
         load_state_dict, state_dict = _model_state_fns(model, optimizer)
+        state_of = (model, optimizer)
 
     want_intra = group.world_size > 1 if intra_group is None else intra_group
     intra, owns_intra = _intra_group(want_intra, group, dev, timeouts)
@@ -329,6 +417,8 @@ def init(
         timeouts=timeouts,
         intra_group=intra,
         _owns_intra_group=owns_intra,
+        checkpoint_transport=ckpt,
+        _state_of=state_of,
     )
     _track(ft)
     return ft
@@ -338,7 +428,13 @@ def _model_state_fns(
     model: nn.Module | None, optimizer: torch.optim.Optimizer | None
 ) -> tuple[Callable[[Any], None], Callable[[], Any]]:
     """Live-recovery state from the model and optimizer the user passed (the unwrapped objects, so
-    keys do not depend on a later DDP wrap)."""
+    keys do not depend on a later DDP wrap). An FSDP2 model's state is read without
+    ``model.state_dict()`` (see `hsdp.ShardedState`: the Manager reads it during the forward pass)."""
+    from ftlaunch.worker import hsdp
+
+    if model is not None and hsdp.is_sharded(model):
+        sharded = hsdp.ShardedState(model, optimizer)
+        return sharded.load_state_dict, sharded.state_dict
 
     def save() -> dict[str, Any]:
         sd: dict[str, Any] = {}
@@ -375,6 +471,19 @@ def _intra_group(
         "nccl" if device.type == "cuda" else "gloo", timeout=timeouts.as_timedelta("collective")
     )
     return dist.group.WORLD, True
+
+
+def _solo_group(device: torch.device, timeouts: Timeouts) -> tuple[dist.ProcessGroup, bool]:
+    """A one-rank default process group for a replica group of one worker (FSDP needs a mesh)."""
+    owns = not dist.is_initialized()
+    if owns:
+        dist.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1,
+            timeout=timeouts.as_timedelta("collective"),
+        )  # fmt: skip
+    world = dist.group.WORLD
+    assert world is not None  # initialized above
+    return world, owns
 
 
 def _make_transport(

@@ -50,7 +50,7 @@ from ftlaunch.timeouts import Timeouts, to_seconds
 from ftlaunch.worker import defaults, recovery
 from ftlaunch.worker.commit import CrossGroupVote, wait_all
 from ftlaunch.worker.group_store import GroupStore
-from ftlaunch.worker.plan import StepPlan, plan_step
+from ftlaunch.worker.plan import LAYOUT_KEY, StepPlan, plan_step
 from ftlaunch.worker.recovery import DEFAULT_STATE_KEY, StateRegistry
 
 logger = logging.getLogger(__name__)
@@ -181,6 +181,7 @@ class Manager:
         self._pending_state: dict[str, Any] | None = None  # a healer's received state, loaded at commit
         self._sent_checkpoint = False
         self._vote_across_groups = CrossGroupVote()
+        self._layout: dict[str, str] | None = None  # published with every quorum request
         self._shutdown = False
 
         # Only the leader talks to the lighthouse. Built before anything connects: a missing address
@@ -223,6 +224,16 @@ class Manager:
         """Add state that travels with live recovery (e.g. a data loader position)."""
         self._state.register(key, load_state_dict, state_dict)
 
+    def require_same_layout(self, digest: str, text: str = "") -> None:
+        """Publish how this group lays out its state (e.g. how it shards the model: ``digest``
+        identifies it, ``text`` describes it for error messages) and refuse to take part in a step
+        whose up-to-date groups publish another layout: gradient shards would be averaged with the
+        wrong peers' shards and healed state would land in the wrong places. The refusal is a
+        `ConfigurationError` raised into the training loop. Call it before the first step, with
+        the same value on every rank of the group.
+        """
+        self._layout = {"digest": digest, "text": text}
+
     # ============================================================================ 1. the quorum
     def start_quorum(
         self, allow_heal: bool = True, shrink_only: bool = False, timeout: timedelta | float | None = None
@@ -246,12 +257,13 @@ class Manager:
             self.wait_quorum()
 
     def wait_quorum(self) -> None:
-        """Block until this step's quorum is known; fatal lighthouse errors are raised here."""
+        """Block until this step's quorum is known; fatal lighthouse errors and a layout that
+        differs from the up-to-date groups' (`require_same_layout`) are raised here."""
         if self._quorum_future is None:
             raise FtlaunchError("wait_quorum() before start_quorum()")
         try:
             self._quorum_future.result()
-        except LighthouseError:
+        except (LighthouseError, ConfigurationError):
             raise
         except Exception as e:  # noqa: BLE001 - reconfigure/heal failures: survive, skip the step
             self.report_error(e)
@@ -263,6 +275,10 @@ class Manager:
         plan = plan_step(quorum, self.replica_id, init_sync=self._init_sync)
         if plan.quorum_id != self._quorum_id:
             self._reconfigure(plan)
+        if plan.layout_conflict is not None:
+            # Raised after the reconfigure, so that the other groups' rendezvous does not wait for
+            # us; our peers' collectives then fail when this process stops, and they go on without it.
+            raise ConfigurationError(plan.layout_conflict)
         self._plan = plan
         if not allow_heal:
             return
@@ -289,7 +305,7 @@ class Manager:
             world_size=self._group_world_size,
             shrink_only=shrink_only,
             commit_failures=self._commit_failures,
-            data={"ckpt": self._transport_metadata},
+            data={"ckpt": self._transport_metadata, **({LAYOUT_KEY: self._layout} if self._layout else {})},
         )
         attempts = self._quorum_retries + 1
         for attempt in range(1, attempts + 1):

@@ -4,13 +4,21 @@ Every group computes its own plan from the same `Quorum`, so all groups agree wi
 messages: who is in the cross-group process group and at which rank, which groups are up to date
 (the *sources*), which must heal, and who sends to whom. Healing assignments are round-robin over
 the sources so a burst of rejoining groups spreads its load over every healthy group.
+
+Groups that publish a *layout* (how they shard their state, `LAYOUT_KEY` in their quorum data) are
+checked against the sources' layouts: a group laid out differently would average gradient shards
+with the wrong peers' shards and heal into the wrong places, so it must not take part.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-from ftlaunch.lighthouse.quorum import Quorum
+from ftlaunch.lighthouse.quorum import Quorum, QuorumMember
+
+#: Key of a group's layout in its quorum data: ``{"digest": str, "text": str}``.
+LAYOUT_KEY = "layout"
 
 
 @dataclass(frozen=True)
@@ -32,6 +40,8 @@ class StepPlan:
     recover_dst_ranks: tuple[int, ...]
     #: store address ("host:port") that hosts the cross-group rendezvous for this quorum.
     store_address: str
+    #: Why this group must not take part (its layout differs from a source's), or None.
+    layout_conflict: str | None = None
 
     @property
     def heal(self) -> bool:
@@ -71,4 +81,29 @@ def plan_step(quorum: Quorum, replica_id: str, *, init_sync: bool = True) -> Ste
         recover_src_id=members[recover_src].replica_id if recover_src is not None else None,
         recover_dst_ranks=dsts,
         store_address=store_address,
+        layout_conflict=_layout_conflict(members[me], [members[i] for i in sources]),
+    )
+
+
+def _layout(m: QuorumMember) -> dict[str, Any] | None:
+    lay = m.data.get(LAYOUT_KEY)
+    return lay if isinstance(lay, dict) and isinstance(lay.get("digest"), str) else None
+
+
+def _layout_conflict(me: QuorumMember, sources: list[QuorumMember]) -> str | None:
+    """A message when a source lays out its state differently from ``me`` (groups that publish no
+    layout are not compared). A healing group that differs refuses alone; sources that differ
+    from each other all refuse: there is no telling which one is right."""
+    mine = _layout(me)
+    if mine is None:
+        return None
+    differ = [(s, lay) for s in sources if (lay := _layout(s)) is not None and lay["digest"] != mine["digest"]]
+    if not differ:
+        return None
+    other, theirs = differ[0]
+    return (
+        f"replica group {me.replica_id} lays out its state differently from {other.replica_id}: "
+        f"here {mine.get('text') or mine['digest']}; there {theirs.get('text') or theirs['digest']}. "
+        "Refusing to take part: gradient shards and healed state would land in the wrong places. "
+        "Every replica group must shard the same way (same workers per group, same sharding)."
     )
