@@ -228,9 +228,66 @@ def check_collectives(rank: int, world: int) -> int:
     pg.barrier().wait()
     dist.barrier(group=pg)
     checks += 1
+    # reduce, gather, scatter (rooted): native through dist.*, and the base class's composites
+    checks += _check_rooted(pg, ref, r, W)
     # DDP with our group as its process group: gradients equal torch's
     checks += _check_ddp(pg, ref, r)
     return checks
+
+
+def _check_rooted(pg: Any, ref: Any, r: int, W: int) -> int:
+    """reduce/gather/scatter on ``pg`` equal torch's at the root; the composites too."""
+    from torch._C._distributed_c10d import GatherOptions, ReduceOptions, ScatterOptions
+
+    from ftlaunch.process_group import ProcessGroup
+
+    checks = 0
+    for root in (0, W - 1):
+        a, b = _inp((4,), r, 50 + root), _inp((4,), r, 50 + root)
+        dist.reduce(a, group=pg, group_dst=root, op=dist.ReduceOp.MAX)
+        dist.reduce(b, group=ref, group_dst=root, op=dist.ReduceOp.MAX)
+        if r == root:
+            _same(a, b, f"reduce to {root}")
+        x = _inp((2, 2), r, 60 + root)
+        ga = [torch.zeros(2, 2) for _ in range(W)] if r == root else None
+        gb = [torch.zeros(2, 2) for _ in range(W)] if r == root else None
+        dist.gather(x, ga, group=pg, group_dst=root)
+        dist.gather(x, gb, group=ref, group_dst=root)
+        if r == root:
+            _same(ga, gb, f"gather to {root}")
+        parts = [_inp((3,), root, 70 + k) for k in range(W)] if r == root else None
+        sa, sb = torch.zeros(3), torch.zeros(3)
+        dist.scatter(sa, parts, group=pg, group_src=root)
+        dist.scatter(sb, parts, group=ref, group_src=root)
+        _same(sa, sb, f"scatter from {root}")
+        checks += 3
+    # The composites over allreduce / allgather / broadcast (what a group without native rooted
+    # ops runs), called directly on this group.
+    root = W - 1
+    a, b = _inp((5,), r, 80), _inp((5,), r, 80)
+    opts = ReduceOptions()
+    opts.rootRank, opts.reduceOp = root, dist.ReduceOp.SUM
+    ProcessGroup._do_reduce(pg, [a], opts).wait()
+    dist.reduce(b, group=ref, group_dst=root)
+    if r == root:
+        _same(a, b, "composite reduce")
+    x = _inp((3,), r, 81)
+    ga = [[torch.zeros(3) for _ in range(W)]] if r == root else []
+    gb = [torch.zeros(3) for _ in range(W)] if r == root else None
+    gopts = GatherOptions()
+    gopts.rootRank = root
+    ProcessGroup._do_gather(pg, ga, [x], gopts).wait()
+    dist.gather(x, gb, group=ref, group_dst=root)
+    if r == root:
+        _same(ga[0], gb, "composite gather")
+    parts = [_inp((2,), root, 82 + k) for k in range(W)]
+    sa, sb = torch.zeros(2), torch.zeros(2)
+    sopts = ScatterOptions()
+    sopts.rootRank = root
+    ProcessGroup._do_scatter(pg, [sa], [parts] if r == root else [], sopts).wait()
+    dist.scatter(sb, parts if r == root else None, group=ref, group_src=root)
+    _same(sa, sb, "composite scatter")
+    return checks + 3
 
 
 def _check_ddp(pg: Any, ref: Any, rank: int) -> int:

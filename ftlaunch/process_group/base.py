@@ -22,6 +22,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import uuid
 from datetime import timedelta
 from typing import Any
 
@@ -34,7 +35,10 @@ from torch._C._distributed_c10d import (
     AllToAllOptions,
     BarrierOptions,
     BroadcastOptions,
+    GatherOptions,
+    ReduceOptions,
     ReduceScatterOptions,
+    ScatterOptions,
 )
 from torch.distributed import distributed_c10d as c10d
 
@@ -43,6 +47,7 @@ from ftlaunch.errors import CommunicationError
 from ftlaunch.process_group import _registry
 from ftlaunch.process_group._overloads import plain, tensor_list, with_reduce
 from ftlaunch.process_group._store import first_line
+from ftlaunch.process_group.reconfigure import Handle, HandleStore, ReconfigureWork, encode_handle, rendezvous_of
 
 # DoneWork and completed_future live in `work`; they are also importable from here, where code
 # outside this package has always found them.
@@ -75,6 +80,14 @@ class ProcessGroup(dist.ProcessGroup):
         self._auto_named = False
         self._error_lock = threading.Lock()
         self._closed = False  # shut down (until the next configure)
+        # torchft's reconfigure API (`reconfigure`): who we are in handles, the store we host for
+        # them, and the labels `set_rank_info` gives us.
+        self._reconfigure_id = uuid.uuid4().hex
+        self._handle_store = HandleStore()
+        self._global_rank: int | None = None
+        self._replica_id: str | None = None
+        #: Every member's global rank after the last `reconfigure`, when all of them set one.
+        self.global_ranks: list[int] | None = None
 
     # ---- identity ---------------------------------------------------------------------------
     def rank(self) -> int:
@@ -119,14 +132,70 @@ class ProcessGroup(dist.ProcessGroup):
         return f"{type(self).__name__}(rank={self.rank()}, size={self.size()}, store={self._store_addr!r})"
 
     # ---- lifecycle --------------------------------------------------------------------------
-    def configure(self, store_addr: str, rank: int, world_size: int) -> None:
+    def configure(self, store_addr: str, *args: Any, **kwargs: Any) -> None:
         """Rebuild this group on a new store prefix with a new rank and world size.
 
+        ``configure(store_addr, rank, world_size)`` is torchft's documented form;
+        ``configure(store_addr, replica_id, rank, world_size)`` (``replica_id`` also by keyword)
+        the form torchft used in 2025 - the replica id only labels the group in logs.
         `store_addr` is "host:port/prefix" and must be unique per call (e.g. contain the quorum
         id). Blocks until the group is usable; raises `CommunicationError` on failure (the group
         is then errored until the next successful `configure`).
         """
+        rank, world_size, replica_id = _configure_args(args, kwargs)
+        if replica_id is not None:
+            self._replica_id = replica_id
+        self._configure(store_addr, rank, world_size)
+
+    def _configure(self, store_addr: str, rank: int, world_size: int) -> None:
+        """What `configure` does; every group implements it."""
         raise NotImplementedError(f"{type(self).__name__} does not implement configure")
+
+    # ---- torchft's current reconfigure API (see `reconfigure`) --------------------------------
+    @property
+    def supports_reconfigure(self) -> bool:
+        """True: this group implements ``get_reconfigure_handle`` and ``reconfigure`` (as torch >= 2.14's)."""
+        return True
+
+    def set_rank_info(
+        self, replica_id: str, group_rank: int, group_world_size: int, global_rank: int | None = None
+    ) -> None:
+        """Labels for logs and handles (torchft's API): the replica group this process belongs
+        to, its rank inside it, and its global rank, which `get_reconfigure_handle` carries so
+        that every member learns all of them (``global_ranks`` after a `reconfigure`)."""
+        self._replica_id = replica_id
+        self._global_rank = global_rank
+
+    def get_reconfigure_handle(self) -> str:
+        """This member's handle for `reconfigure`: the group's identity and a rendezvous store it
+        hosts (started on the first call). The identity stays the same for the group's life."""
+        handle = Handle(self._reconfigure_id, self._handle_store.address(), self._global_rank)
+        return encode_handle(handle)
+
+    def reconfigure(self, opts: Any) -> dist.Work:
+        """Rebuild this group for the members whose handles ``opts.handles`` lists (torchft's API).
+
+        Same semantics as `configure`: this member's rank is the index of its own handle, the
+        world size the number of handles, and all of them meet on the first handle's store under
+        ``ftlaunch/reconfigure/<opts.uuid>`` (so ``uuid`` must be new for every reconfigure, as a
+        `configure` prefix must). Misuse (no handles, our handle missing) raises ValueError here;
+        the returned Work's ``wait()`` raises what the configure raised, and gives up after
+        ``opts.timeout`` (see `reconfigure.ReconfigureWork`).
+        """
+        rdv = rendezvous_of(opts, self._reconfigure_id)
+        timeout = getattr(opts, "timeout", None)
+
+        def run() -> None:
+            self.configure(rdv.store_addr, rdv.rank, rdv.world_size)
+            self.global_ranks = rdv.global_ranks
+
+        def timed_out(message: str) -> Exception:
+            error = self._record_error("reconfigure", message)
+            threading.Thread(target=self.abort, name="ftlaunch-reconfigure-abort", daemon=True).start()
+            return error
+
+        return ReconfigureWork(f"reconfigure to rank {rdv.rank}/{rdv.world_size}", run,
+                               timeout if timeout else None, timed_out)
 
     def errored(self) -> Exception | None:
         """The first communication error since the last `configure`, or None."""
@@ -137,6 +206,7 @@ class ProcessGroup(dist.ProcessGroup):
 
     def shutdown(self) -> None:
         """Release every resource (threads, sockets, child processes). Idempotent."""
+        self._handle_store.close()
 
     def set_timeout(self, timeout: timedelta | float) -> None:
         """Timeout of future operations (and of the next `configure`)."""
@@ -366,6 +436,41 @@ class ProcessGroup(dist.ProcessGroup):
     def barrier(self, opts: Any = None) -> dist.Work:
         return self._do_barrier(plain(opts, BarrierOptions))
 
+    def reduce(self, tensors: Any, opts: Any = None, op: Any = None) -> dist.Work:  # type: ignore[override]
+        """``reduce([t], opts)`` (``dist.reduce``) or ``reduce(t, root, op=SUM)``."""
+        if isinstance(opts, int):
+            root, opts = opts, with_reduce(op, ReduceOptions)
+            opts.rootRank = root
+        return self._do_reduce(tensor_list(tensors, "tensors"), with_reduce(opts, ReduceOptions))
+
+    def gather(self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> dist.Work:  # type: ignore[override]
+        """``gather([[t] * world] at the root else [], [t], opts)`` (``dist.gather``), or
+        ``gather([t] * world, t, root)``."""
+        if isinstance(opts, int):
+            root, opts = opts, GatherOptions()
+            opts.rootRank = root
+        if isinstance(input_tensors, torch.Tensor):
+            outputs = [tensor_list(output_tensors, "output_tensors")] if output_tensors else []
+            inputs = [input_tensors]
+        else:
+            inputs = tensor_list(input_tensors, "input_tensors")
+            outputs = [tensor_list(o, "output_tensors[i]") for o in output_tensors]
+        return self._do_gather(outputs, inputs, plain(opts, GatherOptions))
+
+    def scatter(self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> dist.Work:  # type: ignore[override]
+        """``scatter([t], [[t] * world] at the root else [], opts)`` (``dist.scatter``), or
+        ``scatter(t, [t] * world, root)``."""
+        if isinstance(opts, int):
+            root, opts = opts, ScatterOptions()
+            opts.rootRank = root
+        if isinstance(output_tensors, torch.Tensor):
+            outputs = [output_tensors]
+            inputs = [tensor_list(input_tensors, "input_tensors")] if input_tensors else []
+        else:
+            outputs = tensor_list(output_tensors, "output_tensors")
+            inputs = [tensor_list(i, "input_tensors[i]") for i in input_tensors]
+        return self._do_scatter(outputs, inputs, plain(opts, ScatterOptions))
+
     # ---- hooks: native ops (subclasses) -----------------------------------------------------
     def _do_allreduce(self, tensors: list[torch.Tensor], opts: AllreduceOptions) -> dist.Work:
         raise self._unsupported("allreduce")
@@ -486,3 +591,95 @@ class ProcessGroup(dist.ProcessGroup):
     def _do_barrier(self, opts: BarrierOptions) -> dist.Work:
         token = torch.zeros(1)
         return ComposedWork([self._do_allreduce([token], AllreduceOptions())], [token])
+
+    # Rooted collectives. Composites over allreduce / allgather / broadcast, so every group has
+    # them; the backends that have them natively (gloo, NCCL) override these.
+    def _check_root(self, op: str, root: int) -> None:
+        if not 0 <= root < self.size():
+            raise ValueError(f"{op}: root rank {root} out of range for world size {self.size()}")
+
+    def _do_reduce(self, tensors: list[torch.Tensor], opts: ReduceOptions) -> dist.Work:
+        # An allreduce leaves the result on every rank; torch leaves non-root buffers unspecified.
+        self._check_root("reduce", opts.rootRank)
+        single = AllreduceOptions()
+        single.reduceOp = opts.reduceOp
+        return ComposedWork([self._do_allreduce(tensors, single)], tensors)
+
+    def _do_gather(
+        self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: GatherOptions
+    ) -> dist.Work:
+        # An allgather into scratch buffers everywhere; the root keeps its copy.
+        world, root = self.size(), opts.rootRank
+        self._check_root("gather", root)
+        if len(inputs) != 1:
+            raise ValueError(f"gather: expected one input tensor, got {len(inputs)}")
+        mine = self.rank() == root
+        if mine and (len(outputs) != 1 or len(outputs[0]) != world):
+            raise ValueError(f"gather: the root needs one output list of {world} tensors")
+        if not mine and any(outputs):
+            raise ValueError("gather: only the root passes output tensors")
+        scratch = [torch.empty_like(inputs[0]) for _ in range(world)]
+        work = self._do_allgather([scratch], inputs, AllgatherOptions())
+
+        def _copy_out() -> None:
+            if mine:
+                for out, got in zip(outputs[0], scratch, strict=True):
+                    out.copy_(got)
+
+        return ComposedWork([work], outputs, _copy_out)
+
+    def _do_scatter(
+        self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: ScatterOptions
+    ) -> dist.Work:
+        # One broadcast per destination rank from the root; each rank keeps its own slice.
+        world, root, rank = self.size(), opts.rootRank, self.rank()
+        self._check_root("scatter", root)
+        if len(outputs) != 1:
+            raise ValueError(f"scatter: expected one output tensor, got {len(outputs)}")
+        out = outputs[0]
+        if rank == root:
+            if len(inputs) != 1 or len(inputs[0]) != world:
+                raise ValueError(f"scatter: the root needs one input list of {world} tensors")
+            slices = [t if k != rank else t.clone() for k, t in enumerate(inputs[0])]
+        else:
+            if any(inputs):
+                raise ValueError("scatter: only the root passes input tensors")
+            slices = [out if k == rank else torch.empty_like(out) for k in range(world)]
+        works = []
+        for t in slices:
+            b = BroadcastOptions()
+            b.rootRank = root
+            works.append(self._do_broadcast([t], b))
+
+        def _copy_out() -> None:
+            if rank == root:
+                out.copy_(slices[rank])
+
+        return ComposedWork(works, outputs, _copy_out)
+
+
+def _configure_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, int, str | None]:
+    """``(rank, world_size, replica_id)`` from either form of `ProcessGroup.configure`'s arguments."""
+    unknown = set(kwargs) - {"rank", "world_size", "replica_id"}
+    if unknown:
+        raise TypeError(f"configure() got unexpected keyword arguments {sorted(unknown)}")
+    replica_id = kwargs.get("replica_id")
+    rest = list(args)
+    if rest and isinstance(rest[0], str):  # torchft 2025: (store_addr, replica_id, rank, world_size)
+        if replica_id is not None:
+            raise TypeError("configure() got replica_id both positionally and by keyword")
+        replica_id = rest.pop(0)
+    names = ["rank", "world_size"]
+    if len(rest) > len(names):
+        raise TypeError(f"configure() takes (store_addr, [replica_id,] rank, world_size), got {len(args) + 1} arguments")
+    values: dict[str, Any] = dict(zip(names, rest, strict=False))
+    for name in names[len(rest):]:
+        if name not in kwargs:
+            raise TypeError(f"configure() missing argument {name!r}")
+        values[name] = kwargs[name]
+    for name in names[: len(rest)]:
+        if name in kwargs:
+            raise TypeError(f"configure() got {name!r} both positionally and by keyword")
+    if replica_id is not None and not isinstance(replica_id, str):
+        raise TypeError(f"replica_id must be a str, got {type(replica_id).__name__}")
+    return values["rank"], values["world_size"], replica_id
