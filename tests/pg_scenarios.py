@@ -471,3 +471,29 @@ def _fsdp2_hsdp_grads(mesh: Any, rank: int) -> tuple[list[float], list[float]]:
     grad = model.weight.grad
     grad = grad.full_tensor() if hasattr(grad, "full_tensor") else grad
     return grad.flatten().tolist(), local.weight.grad.flatten().tolist()
+
+
+# ------------------------------------------------------------------------------------------------
+# torchft's current reconfigure API
+# ------------------------------------------------------------------------------------------------
+
+
+def reconfigure_via_store(store_addr: str, rank: int, world: int, global_rank: int) -> dict[str, Any]:
+    """torchft's ``reconfigure_with_store`` on this worker's group, then an all-reduce of rank + 1."""
+    from ftlaunch.process_group import reconfigure_with_store
+
+    pg = STATE["pg"]
+    pg.set_rank_info("rg", 0, 1, global_rank)
+    reconfigure_with_store(pg, store_addr, rank, world, timedelta(seconds=30))
+    t = torch.tensor([float(pg.rank() + 1)])
+    dist.all_reduce(t, group=pg)
+    return {"rank": pg.rank(), "size": pg.size(), "sum": t.item(), "global_ranks": pg.global_ranks,
+            "child": getattr(pg, "child_pid", None), "errored": pg.errored() is not None}
+
+
+def abort_pg() -> None:
+    STATE["pg"].abort()
+
+
+def shutdown_pg() -> None:
+    STATE["pg"].shutdown()

@@ -190,7 +190,8 @@ class ProcessGroup(dist.ProcessGroup):
             self.global_ranks = rdv.global_ranks
 
         def timed_out(message: str) -> Exception:
-            error = self._record_error("reconfigure", message)
+            # Not on this thread: the configure may hold the group's lock until its own timeout.
+            error = self._record_error("reconfigure", message, on_backend_thread=True)
             threading.Thread(target=self.abort, name="ftlaunch-reconfigure-abort", daemon=True).start()
             return error
 
