@@ -16,6 +16,7 @@ tensors of ``state_dict()`` where dtype and shape match, then verifies every ten
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -73,7 +74,22 @@ class PGTransport(CheckpointTransport[T]):
         except _PG_ERRORS as e:
             raise CheckpointTransportError(f"{what} failed: {e}") from e
 
+    def _deadline(self, timeout: timedelta | None) -> float:
+        """The call's deadline (monotonic): None -> the transport's timeout; ``timedelta(0)`` -> none
+        of its own (as in torchft: each wait is bounded by the process group's op timeout only)."""
+        if timeout is None:
+            timeout = self._timeout
+        if not timeout:
+            return math.inf
+        return time.monotonic() + timeout.total_seconds()
+
     def _wait(self, work: Any, deadline: float, what: str) -> None:
+        if deadline == math.inf:
+            try:
+                work.wait()
+            except _PG_ERRORS as e:
+                raise CheckpointTransportError(f"failed {what}: {e}") from e
+            return
         left = deadline - time.monotonic()
         if left <= 0:
             raise CheckpointTransportError(f"timed out {what}")
@@ -84,10 +100,12 @@ class PGTransport(CheckpointTransport[T]):
             late = time.monotonic() >= deadline
             raise CheckpointTransportError(f"{'timed out' if late else 'failed'} {what}: {e}") from e
 
-    def send_checkpoint(self, dst_ranks: list[int], step: int, state_dict: T, timeout: timedelta) -> None:
+    def send_checkpoint(
+        self, dst_ranks: list[int], step: int, state_dict: T, timeout: timedelta | None = None
+    ) -> None:
         """Push ``state_dict`` to every rank in ``dst_ranks``; returns when all sends completed."""
         t0 = time.perf_counter()
-        deadline = time.monotonic() + timeout.total_seconds()
+        deadline = self._deadline(timeout)
         enc = encode(state_dict, step, device=self._device)
         frame = torch.frombuffer(bytearray(enc.frame), dtype=torch.uint8).to(self._device)
         length = torch.tensor([frame.numel()], dtype=torch.int64, device=self._device)
@@ -112,9 +130,9 @@ class PGTransport(CheckpointTransport[T]):
     def disallow_checkpoint(self) -> None:
         """Nothing to do: `send_checkpoint` returns only after the state has been sent."""
 
-    def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> T:
+    def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta | None = None) -> T:
         t0 = time.perf_counter()
-        deadline = time.monotonic() + timeout.total_seconds()
+        deadline = self._deadline(timeout)
         what = f"receiving the header of step {step} from rank {src_rank}"
         length = torch.zeros(1, dtype=torch.int64, device=self._device)
         self._wait(self._post(self._pg.recv, length, src_rank, TAG_BASE, what), deadline, what)
