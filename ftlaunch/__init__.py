@@ -44,6 +44,12 @@ _LAZY = {
     "PGTransport": "ftlaunch.checkpointing",
     "LighthouseServer": "ftlaunch.lighthouse.server",
     "LighthouseClient": "ftlaunch.lighthouse.client",
+    # torchft's current API (issue 16)
+    "WorldSizeMode": "ftlaunch.worker.plan",
+    "PureDistributedDataParallel": "ftlaunch.worker.data_parallel",
+    "ReconfigureOptions": "ftlaunch.process_group",
+    "reconfigure_with_store": "ftlaunch.process_group",
+    "ParameterServer": "ftlaunch.process_group.parameter_server",
 }
 
 

@@ -2,15 +2,32 @@
 
 Every group computes its own plan from the same `Quorum`, so all groups agree without further
 messages: who is in the cross-group process group and at which rank, which groups are up to date
-(the *sources*), which must heal, and who sends to whom. Healing assignments are round-robin over
-the sources so a burst of rejoining groups spreads its load over every healthy group.
+(the *sources*), which must heal, who sends to whom, and whose gradients count (the
+*participants*: every source, or with `WorldSizeMode.FIXED_WITH_SPARES` the first
+``min_replica_size`` of them). Healing assignments are round-robin over the sources so a burst of
+rejoining groups spreads its load over every healthy group.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 
 from ftlaunch.lighthouse.quorum import Quorum
+
+
+class WorldSizeMode(Enum):
+    """How many groups' gradients a step averages when more than ``min_replica_size`` are up to date
+    (torchft's semantics).
+
+    ``DYNAMIC``: all of them; the divisor follows the quorum. ``FIXED_WITH_SPARES``: exactly
+    ``min_replica_size`` (the lowest-ranked up-to-date groups); the others are *spares*: they take
+    part in every collective and step with the average, contributing zero gradients, so a job's
+    effective batch size stays fixed while spares stand by to replace a failed group at once.
+    """
+
+    DYNAMIC = 0
+    FIXED_WITH_SPARES = 1
 
 
 @dataclass(frozen=True)
@@ -32,13 +49,30 @@ class StepPlan:
     recover_dst_ranks: tuple[int, ...]
     #: store address ("host:port") that hosts the cross-group rendezvous for this quorum.
     store_address: str
+    #: Groups whose gradients count, the divisor of the average: ``num_sources``, or at most
+    #: ``min_replica_size`` with `WorldSizeMode.FIXED_WITH_SPARES`.
+    num_participants: int = 0
+    #: This group's rank among them; None when it heals or is a spare (it contributes zeros).
+    participant_rank: int | None = None
 
     @property
     def heal(self) -> bool:
         return self.recover_src_rank is not None
 
+    @property
+    def participates(self) -> bool:
+        """Whether this group's gradients count this step."""
+        return self.participant_rank is not None
 
-def plan_step(quorum: Quorum, replica_id: str, *, init_sync: bool = True) -> StepPlan:
+
+def plan_step(
+    quorum: Quorum,
+    replica_id: str,
+    *,
+    init_sync: bool = True,
+    world_size_mode: WorldSizeMode = WorldSizeMode.DYNAMIC,
+    min_replica_size: int = 1,
+) -> StepPlan:
     """Compute this group's plan for the step from the quorum (pure, deterministic)."""
     members = list(quorum.participants)
     ids = [m.replica_id for m in members]
@@ -60,6 +94,9 @@ def plan_step(quorum: Quorum, replica_id: str, *, init_sync: bool = True) -> Ste
     # The rendezvous store of the lowest-ranked source: sources are the groups most likely to be
     # healthy, and every group picks the same one.
     store_address = members[sources[0]].store_address
+    participants = sources
+    if world_size_mode is WorldSizeMode.FIXED_WITH_SPARES:
+        participants = sources[:min_replica_size]
     return StepPlan(
         quorum_id=quorum.quorum_id,
         replica_rank=me,
@@ -71,4 +108,6 @@ def plan_step(quorum: Quorum, replica_id: str, *, init_sync: bool = True) -> Ste
         recover_src_id=members[recover_src].replica_id if recover_src is not None else None,
         recover_dst_ranks=dsts,
         store_address=store_address,
+        num_participants=len(participants),
+        participant_rank=participants.index(me) if me in participants else None,
     )
