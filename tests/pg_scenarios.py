@@ -497,3 +497,69 @@ def abort_pg() -> None:
 
 def shutdown_pg() -> None:
     STATE["pg"].shutdown()
+
+
+# ------------------------------------------------------------------------------------------------
+# parameter server (torchft's): the server lives in the test process, clients in workers
+# ------------------------------------------------------------------------------------------------
+
+
+from ftlaunch.process_group import ProcessGroup  # noqa: E402
+from ftlaunch.process_group.parameter_server import ParameterServer  # noqa: E402
+
+
+class AddServer(ParameterServer):
+    """Holds one number; each exchange adds the client's contribution and returns the new total.
+
+    A session is a loop of: client broadcasts its value (root 1), server adds it and broadcasts
+    the total (root 0); a negative value ends the session. As torchft's test, but many rounds,
+    several concurrent clients, and a total shared between sessions."""
+
+    def __init__(self) -> None:
+        super().__init__(port=0)
+        self.total = 0.0
+        self.total_lock = threading.Lock()
+        self.ended: list[str] = []
+
+    session_timeout = 20.0
+
+    @classmethod
+    def new_process_group(cls) -> ProcessGroup:
+        return ProcessGroupGloo(timeout=timedelta(seconds=cls.session_timeout))
+
+    def forward(self, session_id: str, pg: ProcessGroup) -> None:
+        data = torch.zeros(1)
+        while True:
+            pg.broadcast_one(data, root=1).wait()
+            if data.item() < 0:
+                break
+            with self.total_lock:
+                self.total += data.item()
+                data.fill_(self.total)
+            pg.broadcast_one(data, root=0).wait()
+        self.ended.append(session_id)
+
+
+def ps_client(address: str, rounds: int, value: float) -> list[float]:
+    """One session of ``rounds`` exchanges; the totals the server returned."""
+    pg = AddServer.new_session(address)
+    assert (pg.rank(), pg.size()) == (1, 2)
+    seen = []
+    for _ in range(rounds):
+        data = torch.tensor([value])
+        pg.broadcast_one(data, root=1).wait()
+        pg.broadcast_one(data, root=0).wait()
+        seen.append(data.item())
+    pg.broadcast_one(torch.tensor([-1.0]), root=1).wait()
+    pg.shutdown()
+    return seen
+
+
+def ps_client_then_hang(address: str) -> float:
+    """One exchange, then the session stays open (the test kills this worker)."""
+    pg = AddServer.new_session(address)
+    data = torch.tensor([1000.0])
+    pg.broadcast_one(data, root=1).wait()
+    pg.broadcast_one(data, root=0).wait()
+    STATE["ps_pg"] = pg
+    return data.item()

@@ -14,7 +14,8 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-from test_manager_protocol import Group, ScriptedLighthouse, in_step, make, quorum  # noqa: F401 - fixture
+from test_manager_protocol import Group, ScriptedLighthouse, in_step, quorum
+from test_manager_protocol import make as make_fixture  # noqa: F401 - registers the `make` fixture here
 from test_manager_protocol import peer as member
 
 from ftlaunch.errors import CommunicationError

@@ -47,7 +47,13 @@ from ftlaunch.errors import CommunicationError
 from ftlaunch.process_group import _registry
 from ftlaunch.process_group._overloads import plain, tensor_list, with_reduce
 from ftlaunch.process_group._store import first_line
-from ftlaunch.process_group.reconfigure import Handle, HandleStore, ReconfigureWork, encode_handle, rendezvous_of
+from ftlaunch.process_group.reconfigure import (
+    Handle,
+    HandleStore,
+    ReconfigureWork,
+    encode_handle,
+    rendezvous_of,
+)
 
 # DoneWork and completed_future live in `work`; they are also importable from here, where code
 # outside this package has always found them.

@@ -207,7 +207,7 @@ class ReconfigureWork(dist.Work):
                 run()
             except BaseException as e:  # noqa: BLE001 - handed to whoever waits
                 self._error = e
-                self._future.set_exception(e)
+                self._future.set_exception(e)  # type: ignore[arg-type]  # torch's stub: Optional[T]
             else:
                 self._future.set_result(None)
             finally:

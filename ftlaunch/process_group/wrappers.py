@@ -61,7 +61,7 @@ class ProcessGroupWrapper(ProcessGroup):
         """``ProcessGroupWrapper(pg)`` (documented torchft) and ``ProcessGroupWrapper(timeout, pg=pg)``
         (torchft today, timeout first) both work: a duration in first place is the timeout."""
         if isinstance(pg, (timedelta, int, float)) and not isinstance(pg, bool):
-            pg, timeout = None, pg
+            timeout, pg = pg, None
         super().__init__(0, 1)
         self._pg: Any = pg
         self._timeout = as_timedelta(timeout)
