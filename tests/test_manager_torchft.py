@@ -12,10 +12,10 @@ from collections.abc import Callable
 from datetime import timedelta
 
 import pytest
+import test_manager_protocol
 import torch
 import torch.distributed as dist
 from test_manager_protocol import Group, ScriptedLighthouse, in_step, quorum
-from test_manager_protocol import make as make_fixture  # noqa: F401 - registers the `make` fixture here
 from test_manager_protocol import peer as member
 
 from ftlaunch.errors import CommunicationError
@@ -24,6 +24,9 @@ from ftlaunch.worker.managed_work import ManagedWork
 from ftlaunch.worker.manager import WorldSizeMode
 
 pytestmark = pytest.mark.timeout(60)
+
+#: tests/test_manager_protocol.py's fixture: a Manager on fakes, shut down after the test.
+make = test_manager_protocol.make
 
 
 # ------------------------------------------------------------------------------ world_size_mode
