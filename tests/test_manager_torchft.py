@@ -73,6 +73,16 @@ def test_fixed_with_spares_still_needs_min_replica_size_up_to_date_groups(make: 
     assert g.step()[0] is False and g.m.num_participants() == 2
 
 
+def test_init_sync_step_zero_commits_with_min_replica_size_groups(make: Callable[..., Group]) -> None:
+    """At step 0 with init_sync only the primary's gradients count, but every group at step 0 is
+    up to date for min_replica_size (torchft's rule): the step commits (it used to never commit)."""
+    g = make(ScriptedLighthouse(in_step(1, "rg1")), min_replica_size=2)  # init_sync: rg0 is the primary
+    committed, out = g.step()
+    assert committed and g.m.num_participants() == 1 and g.m.current_step() == 1
+    assert out.tolist() == [12.0] * 4  # only the primary's 6 counts (divisor 1), the fake sums 2 peers
+    assert g.step()[0] and g.m.num_participants() == 2
+
+
 def test_constructor_checks_world_size_mode_and_port(make: Callable[..., Group]) -> None:
     with pytest.raises(TypeError, match="world_size_mode"):
         make(ScriptedLighthouse(in_step(1)), world_size_mode="fixed")

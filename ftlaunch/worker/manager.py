@@ -448,7 +448,9 @@ class Manager:
         if plan is not None and plan.heal and self._pending_state is None and self._errored is None:
             self.report_error(CommunicationError("healing was planned but no state was received"))
 
-        ok = self._errored is None and plan is not None and plan.num_participants >= self._min_replica_size
+        # Enough groups up to date (torchft's rule: those at the quorum's max step; at step 0 with
+        # init_sync that is every group, though only the primary's gradients count).
+        ok = self._errored is None and plan is not None and plan.num_up_to_date >= self._min_replica_size
         if plan is not None and plan.replica_world_size > 1:
             ok = self._vote_of_all_groups(ok, deadline)
         if self._group_world_size > 1:

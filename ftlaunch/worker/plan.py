@@ -54,6 +54,9 @@ class StepPlan:
     num_participants: int = 0
     #: This group's rank among them; None when it heals or is a spare (it contributes zeros).
     participant_rank: int | None = None
+    #: Groups at ``max_step`` when the quorum formed (with init_sync at step 0: all of them, though
+    #: only the primary is a source): what ``min_replica_size`` is checked against, as in torchft.
+    num_up_to_date: int = 0
 
     @property
     def heal(self) -> bool:
@@ -110,4 +113,5 @@ def plan_step(
         store_address=store_address,
         num_participants=len(participants),
         participant_rank=participants.index(me) if me in participants else None,
+        num_up_to_date=sum(1 for m in members if m.step == max_step),
     )
