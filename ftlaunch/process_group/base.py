@@ -44,8 +44,8 @@ from torch.distributed import distributed_c10d as c10d
 
 from ftlaunch.addresses import parse_store_addr
 from ftlaunch.errors import CommunicationError
-from ftlaunch.process_group import _registry
-from ftlaunch.process_group._overloads import plain, tensor_list, with_reduce
+from ftlaunch.process_group import _composites, _registry
+from ftlaunch.process_group._overloads import configure_args, plain, tensor_list, with_reduce
 from ftlaunch.process_group._store import first_line
 from ftlaunch.process_group.reconfigure import (
     Handle,
@@ -57,7 +57,7 @@ from ftlaunch.process_group.reconfigure import (
 
 # DoneWork and completed_future live in `work`; they are also importable from here, where code
 # outside this package has always found them.
-from ftlaunch.process_group.work import ComposedWork, DoneWork, completed_future
+from ftlaunch.process_group.work import DoneWork, completed_future
 
 logger = logging.getLogger(__name__)
 
@@ -148,7 +148,7 @@ class ProcessGroup(dist.ProcessGroup):
         id). Blocks until the group is usable; raises `CommunicationError` on failure (the group
         is then errored until the next successful `configure`).
         """
-        rank, world_size, replica_id = _configure_args(args, kwargs)
+        rank, world_size, replica_id = configure_args(args, kwargs)
         if replica_id is not None:
             self._replica_id = replica_id
         self._configure(store_addr, rank, world_size)
@@ -190,8 +190,13 @@ class ProcessGroup(dist.ProcessGroup):
         """
         rdv = rendezvous_of(opts, self._reconfigure_id)
         timeout = getattr(opts, "timeout", None)
+        # The configure runs on a thread of its own: give it the caller's CUDA device (NCCL groups
+        # bind to the current device).
+        device = torch.cuda.current_device() if torch.cuda.is_available() else None
 
         def run() -> None:
+            if device is not None:
+                torch.cuda.set_device(device)
             self.configure(rdv.store_addr, rdv.rank, rdv.world_size)
             self.global_ranks = rdv.global_ranks
 
@@ -511,182 +516,50 @@ class ProcessGroup(dist.ProcessGroup):
     def _do_recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> dist.Work:
         raise self._unsupported("recv")
 
-    # ---- hooks with composite defaults ------------------------------------------------------
-    def _do_allreduce_coalesced(
-        self, tensors: list[torch.Tensor], opts: AllreduceCoalescedOptions
-    ) -> dist.Work:
-        works = []
-        for t in tensors:
-            single = AllreduceOptions()
-            single.reduceOp = opts.reduceOp
-            works.append(self._do_allreduce([t], single))
-        return ComposedWork(works, tensors)
+    # ---- hooks with composite defaults (see `_composites`) -----------------------------------
+    def _do_allreduce_coalesced(self, tensors: list[torch.Tensor], opts: AllreduceCoalescedOptions) -> dist.Work:
+        return _composites.allreduce_coalesced(self, tensors, opts)
 
-    def _do_all_gather_single(
-        self, output: torch.Tensor, input: torch.Tensor, opts: AllgatherOptions
-    ) -> dist.Work:
-        world = self.size()
-        if output.numel() != input.numel() * world:
-            raise ValueError(
-                f"all_gather_single: output has {output.numel()} elements, expected "
-                f"{input.numel()} x world size {world}"
-            )
-        chunks = list(output.view(world, *input.shape).unbind(0))
-        work = self._do_allgather([chunks], [input], opts)
-        return ComposedWork([work], [output])
+    def _do_all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: AllgatherOptions) -> dist.Work:
+        return _composites.all_gather_single(self, output, input, opts)
 
     def _do_all_gather_single_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: AllgatherOptions
     ) -> dist.Work:
-        if len(outputs) != len(inputs):
-            raise ValueError("all_gather_single_coalesced: outputs and inputs differ in length")
-        works = [self._do_all_gather_single(o, i, opts) for o, i in zip(outputs, inputs, strict=True)]
-        return ComposedWork(works, outputs)
+        return _composites.all_gather_single_coalesced(self, outputs, inputs, opts)
 
     def _do_reduce_scatter(
         self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: ReduceScatterOptions
     ) -> dist.Work:
-        # Composite: allreduce the concatenated inputs, keep our slice.
-        world, rank = self.size(), self.rank()
-        if len(outputs) != len(inputs):
-            raise ValueError("reduce_scatter: outputs and inputs differ in length")
-        works, pairs = [], []
-        for out, ins in zip(outputs, inputs, strict=True):
-            if len(ins) != world:
-                raise ValueError(f"reduce_scatter: expected {world} inputs per output, got {len(ins)}")
-            flat = torch.cat([t.reshape(-1) for t in ins])
-            single = AllreduceOptions()
-            single.reduceOp = opts.reduceOp
-            works.append(self._do_allreduce([flat], single))
-            pairs.append((out, flat, [t.numel() for t in ins]))
-
-        def _copy_out() -> None:
-            for out, flat, sizes in pairs:
-                start = sum(sizes[:rank])
-                out.copy_(flat[start : start + sizes[rank]].view_as(out))
-
-        return ComposedWork(works, outputs, _copy_out)
+        return _composites.reduce_scatter(self, outputs, inputs, opts)
 
     def _do_reduce_scatter_single(
         self, output: torch.Tensor, input: torch.Tensor, opts: ReduceScatterOptions
     ) -> dist.Work:
-        world, rank = self.size(), self.rank()
-        if input.numel() != output.numel() * world:
-            raise ValueError(
-                f"reduce_scatter_single: input has {input.numel()} elements, expected "
-                f"{output.numel()} x world size {world}"
-            )
-        flat = input.reshape(-1).clone()
-        single = AllreduceOptions()
-        single.reduceOp = opts.reduceOp
-        work = self._do_allreduce([flat], single)
-        n = output.numel()
-
-        def _copy_out() -> None:
-            output.copy_(flat[rank * n : (rank + 1) * n].view_as(output))
-
-        return ComposedWork([work], [output], _copy_out)
+        return _composites.reduce_scatter_single(self, output, input, opts)
 
     def _do_reduce_scatter_single_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: ReduceScatterOptions
     ) -> dist.Work:
-        if len(outputs) != len(inputs):
-            raise ValueError("reduce_scatter_single_coalesced: outputs and inputs differ in length")
-        works = [self._do_reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs, strict=True)]
-        return ComposedWork(works, outputs)
+        return _composites.reduce_scatter_single_coalesced(self, outputs, inputs, opts)
 
     def _do_barrier(self, opts: BarrierOptions) -> dist.Work:
-        token = torch.zeros(1)
-        return ComposedWork([self._do_allreduce([token], AllreduceOptions())], [token])
+        return _composites.barrier(self, opts)
 
-    # Rooted collectives. Composites over allreduce / allgather / broadcast, so every group has
-    # them; the backends that have them natively (gloo, NCCL) override these.
-    def _check_root(self, op: str, root: int) -> None:
-        if not 0 <= root < self.size():
-            raise ValueError(f"{op}: root rank {root} out of range for world size {self.size()}")
-
+    # Rooted ops: composites here; the backends that have them natively (gloo, NCCL, Baby) override.
     def _do_reduce(self, tensors: list[torch.Tensor], opts: ReduceOptions) -> dist.Work:
-        # An allreduce leaves the result on every rank; torch leaves non-root buffers unspecified.
-        self._check_root("reduce", opts.rootRank)
-        single = AllreduceOptions()
-        single.reduceOp = opts.reduceOp
-        return ComposedWork([self._do_allreduce(tensors, single)], tensors)
+        return _composites.reduce(self, tensors, opts)
 
     def _do_gather(
         self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: GatherOptions
     ) -> dist.Work:
-        # An allgather into scratch buffers everywhere; the root keeps its copy.
-        world, root = self.size(), opts.rootRank
-        self._check_root("gather", root)
-        if len(inputs) != 1:
-            raise ValueError(f"gather: expected one input tensor, got {len(inputs)}")
-        mine = self.rank() == root
-        if mine and (len(outputs) != 1 or len(outputs[0]) != world):
-            raise ValueError(f"gather: the root needs one output list of {world} tensors")
-        if not mine and any(outputs):
-            raise ValueError("gather: only the root passes output tensors")
-        scratch = [torch.empty_like(inputs[0]) for _ in range(world)]
-        work = self._do_allgather([scratch], inputs, AllgatherOptions())
-
-        def _copy_out() -> None:
-            if mine:
-                for out, got in zip(outputs[0], scratch, strict=True):
-                    out.copy_(got)
-
-        return ComposedWork([work], outputs, _copy_out)
+        return _composites.gather(self, outputs, inputs, opts)
 
     def _do_scatter(
         self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: ScatterOptions
     ) -> dist.Work:
-        # One broadcast per destination rank from the root; each rank keeps its own slice.
-        world, root, rank = self.size(), opts.rootRank, self.rank()
-        self._check_root("scatter", root)
-        if len(outputs) != 1:
-            raise ValueError(f"scatter: expected one output tensor, got {len(outputs)}")
-        out = outputs[0]
-        if rank == root:
-            if len(inputs) != 1 or len(inputs[0]) != world:
-                raise ValueError(f"scatter: the root needs one input list of {world} tensors")
-            slices = [t if k != rank else t.clone() for k, t in enumerate(inputs[0])]
-        else:
-            if any(inputs):
-                raise ValueError("scatter: only the root passes input tensors")
-            slices = [out if k == rank else torch.empty_like(out) for k in range(world)]
-        works = []
-        for t in slices:
-            b = BroadcastOptions()
-            b.rootRank = root
-            works.append(self._do_broadcast([t], b))
+        return _composites.scatter(self, outputs, inputs, opts)
 
-        def _copy_out() -> None:
-            if rank == root:
-                out.copy_(slices[rank])
-
-        return ComposedWork(works, outputs, _copy_out)
-
-
-def _configure_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, int, str | None]:
-    """``(rank, world_size, replica_id)`` from either form of `ProcessGroup.configure`'s arguments."""
-    unknown = set(kwargs) - {"rank", "world_size", "replica_id"}
-    if unknown:
-        raise TypeError(f"configure() got unexpected keyword arguments {sorted(unknown)}")
-    replica_id = kwargs.get("replica_id")
-    rest = list(args)
-    if rest and isinstance(rest[0], str):  # torchft 2025: (store_addr, replica_id, rank, world_size)
-        if replica_id is not None:
-            raise TypeError("configure() got replica_id both positionally and by keyword")
-        replica_id = rest.pop(0)
-    names = ["rank", "world_size"]
-    if len(rest) > len(names):
-        raise TypeError(f"configure() takes (store_addr, [replica_id,] rank, world_size), got {len(args) + 1} arguments")
-    values: dict[str, Any] = dict(zip(names, rest, strict=False))
-    for name in names[len(rest):]:
-        if name not in kwargs:
-            raise TypeError(f"configure() missing argument {name!r}")
-        values[name] = kwargs[name]
-    for name in names[: len(rest)]:
-        if name in kwargs:
-            raise TypeError(f"configure() got {name!r} both positionally and by keyword")
-    if replica_id is not None and not isinstance(replica_id, str):
-        raise TypeError(f"replica_id must be a str, got {type(replica_id).__name__}")
-    return values["rank"], values["world_size"], replica_id
+    def _check_root(self, op: str, root: int) -> None:
+        if not 0 <= root < self.size():
+            raise ValueError(f"{op}: root rank {root} out of range for world size {self.size()}")
