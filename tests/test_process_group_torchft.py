@@ -174,6 +174,28 @@ def test_handles_identify_groups_and_fix_the_rendezvous() -> None:
             pg.shutdown()
 
 
+def test_every_group_kind_reconfigures_like_it_configures() -> None:
+    """The fake and the wrappers get the reconfigure API from the base class too."""
+    fake = FakeProcessGroup(0, 1)
+    swallow = ErrorSwallowingProcessGroupWrapper(FakeProcessGroup(0, 1))
+    other = ProcessGroupDummy(0, 1)
+    try:
+        for pg in (fake, swallow):
+            handles = [other.get_reconfigure_handle(), pg.get_reconfigure_handle()]
+            assert pg.reconfigure(options(5, handles)).wait()
+            assert (pg.rank(), pg.size()) == (1, 2)
+        store = json.loads(other.get_reconfigure_handle())["store"]
+        assert fake.configure_calls == [(f"{store}/ftlaunch/reconfigure/5", 1, 2)]
+        fake.fail_next("configure")
+        work = fake.reconfigure(options(6, [fake.get_reconfigure_handle()]))
+        with pytest.raises(CommunicationError, match="configure failed"):
+            work.wait()
+        assert isinstance(fake.errored(), CommunicationError)
+    finally:
+        for pg in (fake, swallow, other):
+            pg.shutdown()
+
+
 def test_reconfigure_with_store_fails_fast_when_a_peer_never_comes(store: dist.TCPStore) -> None:
     pg = ProcessGroupDummy(0, 1)
     t0 = time.monotonic()
