@@ -54,6 +54,12 @@ _LAZY = {
     "ProcessGroupGang": "ftlaunch.gang",
     "ReduceOperation": "ftlaunch.gang",
     "GangError": "ftlaunch.errors",
+    # torchft's current API (issue 16)
+    "WorldSizeMode": "ftlaunch.worker.plan",
+    "PureDistributedDataParallel": "ftlaunch.worker.data_parallel",
+    "ReconfigureOptions": "ftlaunch.process_group",
+    "reconfigure_with_store": "ftlaunch.process_group",
+    "ParameterServer": "ftlaunch.process_group.parameter_server",
 }
 
 

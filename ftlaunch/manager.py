@@ -4,6 +4,6 @@ Kept so that a torchft script ports by changing ``torchft`` to ``ftlaunch``
 (``from ftlaunch.manager import Manager``). Nothing inside ftlaunch imports this module.
 """
 
-from ftlaunch.worker.manager import Manager
+from ftlaunch.worker.manager import Manager, WorldSizeMode
 
-__all__ = ["Manager"]
+__all__ = ["Manager", "WorldSizeMode"]

@@ -228,9 +228,66 @@ def check_collectives(rank: int, world: int) -> int:
     pg.barrier().wait()
     dist.barrier(group=pg)
     checks += 1
+    # reduce, gather, scatter (rooted): native through dist.*, and the base class's composites
+    checks += _check_rooted(pg, ref, r, W)
     # DDP with our group as its process group: gradients equal torch's
     checks += _check_ddp(pg, ref, r)
     return checks
+
+
+def _check_rooted(pg: Any, ref: Any, r: int, W: int) -> int:
+    """reduce/gather/scatter on ``pg`` equal torch's at the root; the composites too."""
+    from torch._C._distributed_c10d import GatherOptions, ReduceOptions, ScatterOptions
+
+    from ftlaunch.process_group import ProcessGroup
+
+    checks = 0
+    for root in (0, W - 1):
+        a, b = _inp((4,), r, 50 + root), _inp((4,), r, 50 + root)
+        dist.reduce(a, group=pg, group_dst=root, op=dist.ReduceOp.MAX)
+        dist.reduce(b, group=ref, group_dst=root, op=dist.ReduceOp.MAX)
+        if r == root:
+            _same(a, b, f"reduce to {root}")
+        x = _inp((2, 2), r, 60 + root)
+        ga = [torch.zeros(2, 2) for _ in range(W)] if r == root else None
+        gb = [torch.zeros(2, 2) for _ in range(W)] if r == root else None
+        dist.gather(x, ga, group=pg, group_dst=root)
+        dist.gather(x, gb, group=ref, group_dst=root)
+        if r == root:
+            _same(ga, gb, f"gather to {root}")
+        parts = [_inp((3,), root, 70 + k) for k in range(W)] if r == root else None
+        sa, sb = torch.zeros(3), torch.zeros(3)
+        dist.scatter(sa, parts, group=pg, group_src=root)
+        dist.scatter(sb, parts, group=ref, group_src=root)
+        _same(sa, sb, f"scatter from {root}")
+        checks += 3
+    # The composites over allreduce / allgather / broadcast (what a group without native rooted
+    # ops runs), called directly on this group.
+    root = W - 1
+    a, b = _inp((5,), r, 80), _inp((5,), r, 80)
+    opts = ReduceOptions()
+    opts.rootRank, opts.reduceOp = root, dist.ReduceOp.SUM
+    ProcessGroup._do_reduce(pg, [a], opts).wait()
+    dist.reduce(b, group=ref, group_dst=root)
+    if r == root:
+        _same(a, b, "composite reduce")
+    x = _inp((3,), r, 81)
+    ga = [[torch.zeros(3) for _ in range(W)]] if r == root else []
+    gb = [torch.zeros(3) for _ in range(W)] if r == root else None
+    gopts = GatherOptions()
+    gopts.rootRank = root
+    ProcessGroup._do_gather(pg, ga, [x], gopts).wait()
+    dist.gather(x, gb, group=ref, group_dst=root)
+    if r == root:
+        _same(ga[0], gb, "composite gather")
+    parts = [_inp((2,), root, 82 + k) for k in range(W)]
+    sa, sb = torch.zeros(2), torch.zeros(2)
+    sopts = ScatterOptions()
+    sopts.rootRank = root
+    ProcessGroup._do_scatter(pg, [sa], [parts] if r == root else [], sopts).wait()
+    dist.scatter(sb, parts if r == root else None, group=ref, group_src=root)
+    _same(sa, sb, "composite scatter")
+    return checks + 3
 
 
 def _check_ddp(pg: Any, ref: Any, rank: int) -> int:
@@ -414,3 +471,95 @@ def _fsdp2_hsdp_grads(mesh: Any, rank: int) -> tuple[list[float], list[float]]:
     grad = model.weight.grad
     grad = grad.full_tensor() if hasattr(grad, "full_tensor") else grad
     return grad.flatten().tolist(), local.weight.grad.flatten().tolist()
+
+
+# ------------------------------------------------------------------------------------------------
+# torchft's current reconfigure API
+# ------------------------------------------------------------------------------------------------
+
+
+def reconfigure_via_store(store_addr: str, rank: int, world: int, global_rank: int) -> dict[str, Any]:
+    """torchft's ``reconfigure_with_store`` on this worker's group, then an all-reduce of rank + 1."""
+    from ftlaunch.process_group import reconfigure_with_store
+
+    pg = STATE["pg"]
+    pg.set_rank_info("rg", 0, 1, global_rank)
+    reconfigure_with_store(pg, store_addr, rank, world, timedelta(seconds=30))
+    t = torch.tensor([float(pg.rank() + 1)])
+    dist.all_reduce(t, group=pg)
+    return {"rank": pg.rank(), "size": pg.size(), "sum": t.item(), "global_ranks": pg.global_ranks,
+            "child": getattr(pg, "child_pid", None), "errored": pg.errored() is not None}
+
+
+def abort_pg() -> None:
+    STATE["pg"].abort()
+
+
+def shutdown_pg() -> None:
+    STATE["pg"].shutdown()
+
+
+# ------------------------------------------------------------------------------------------------
+# parameter server (torchft's): the server lives in the test process, clients in workers
+# ------------------------------------------------------------------------------------------------
+
+
+from ftlaunch.process_group import ProcessGroup  # noqa: E402
+from ftlaunch.process_group.parameter_server import ParameterServer  # noqa: E402
+
+
+class AddServer(ParameterServer):
+    """Holds one number; each exchange adds the client's contribution and returns the new total.
+
+    A session is a loop of: client broadcasts its value (root 1), server adds it and broadcasts
+    the total (root 0); a negative value ends the session. As torchft's test, but many rounds,
+    several concurrent clients, and a total shared between sessions."""
+
+    def __init__(self) -> None:
+        super().__init__(port=0)
+        self.total = 0.0
+        self.total_lock = threading.Lock()
+        self.ended: list[str] = []
+
+    session_timeout = 20.0
+
+    @classmethod
+    def new_process_group(cls) -> ProcessGroup:
+        return ProcessGroupGloo(timeout=timedelta(seconds=cls.session_timeout))
+
+    def forward(self, session_id: str, pg: ProcessGroup) -> None:
+        data = torch.zeros(1)
+        while True:
+            pg.broadcast_one(data, root=1).wait()
+            if data.item() < 0:
+                break
+            with self.total_lock:
+                self.total += data.item()
+                data.fill_(self.total)
+            pg.broadcast_one(data, root=0).wait()
+        self.ended.append(session_id)
+
+
+def ps_client(address: str, rounds: int, value: float) -> list[float]:
+    """One session of ``rounds`` exchanges; the totals the server returned."""
+    pg = AddServer.new_session(address)
+    assert (pg.rank(), pg.size()) == (1, 2)
+    seen = []
+    for _ in range(rounds):
+        data = torch.tensor([value])
+        pg.broadcast_one(data, root=1).wait()
+        pg.broadcast_one(data, root=0).wait()
+        seen.append(data.item())
+    pg.broadcast_one(torch.tensor([-1.0]), root=1).wait()
+    pg.shutdown()
+    return seen
+
+
+def ps_client_then_hang(address: str) -> float:
+    """One exchange, then the session stays open (the test kills this worker)."""
+    pg = AddServer.new_session(address)
+    data = torch.tensor([1000.0])
+    pg.broadcast_one(data, root=1).wait()
+    pg.broadcast_one(data, root=0).wait()
+    STATE["ps_pg"] = pg
+    return data.item()

@@ -614,7 +614,27 @@ def test_default_connections_follow_the_usable_cpus() -> None:
     finally:
         transport.shutdown()
     with pytest.raises(ValueError, match="num_chunks"):
-        HTTPTransport(TIMEOUT, num_chunks=0)
+        HTTPTransport(TIMEOUT, num_chunks=-1)
+
+
+@pytest.mark.timeout(120)
+def test_torchft_forms_no_chunking_and_the_default_timeout() -> None:
+    """torchft's ``HTTPTransport(timeout, num_chunks=0)`` (0 = no chunking) and calls that leave
+    ``timeout`` out (the transport's own); ``timedelta(0)`` also means the transport's own."""
+    sender: HTTPTransport = HTTPTransport(TIMEOUT, 0)
+    receiver: HTTPTransport = HTTPTransport(timedelta(seconds=1), num_chunks=0)
+    try:
+        assert receiver._num_chunks == 1
+        sender.send_checkpoint([1], 3, make_state(4, 300_000))
+        assert_state_equal(receiver.recv_checkpoint(0, sender.metadata(), 3), make_state(4, 300_000))
+        assert_state_equal(receiver.recv_checkpoint(0, sender.metadata(), 3, timedelta(0)), make_state(4, 300_000))
+        t0 = time.monotonic()
+        with pytest.raises(CheckpointTransportError, match="until the timeout"):
+            receiver.recv_checkpoint(0, sender.metadata(), 4)  # not served: bounded by the 1 s default
+        assert 0.8 < time.monotonic() - t0 < 15
+    finally:
+        sender.shutdown()
+        receiver.shutdown()
 
 
 @pytest.mark.parametrize("bind", ["127.0.0.1:0", "::1", "[::1]:0"])

@@ -74,6 +74,11 @@ def _main_scenario(rank: int, pg: dist.ProcessGroup, ready: Any) -> dict[str, st
         tensor_bytes(tensors[big])[1000] ^= 0x01
         _raw_send(pg, 1, enc.frame, tensors)
         barrier()
+        # torchft's forms: no timeout (the transport's own), and timedelta(0) (no deadline of the call's own)
+        out["send default timeout"] = _outcome(lambda: transport.send_checkpoint([1], 6, make_state(6, 10)))
+        barrier()
+        out["send no deadline"] = _outcome(lambda: transport.send_checkpoint([2], 6, make_state(6, 10), timedelta(0)))
+        barrier()
         quick = timedelta(seconds=3)  # the receiver refuses this one: our sends may be left unmatched
         out["wrong step"] = _outcome(lambda: transport.send_checkpoint([1], 7, {"w": torch.ones(3)}, quick))
     elif rank == 1:
@@ -90,6 +95,11 @@ def _main_scenario(rank: int, pg: dist.ProcessGroup, ready: Any) -> dict[str, st
         barrier()
         out["corrupt body"] = _outcome(lambda: transport.recv_checkpoint(0, "<pg>", 5, TIMEOUT))
         barrier()
+        out["recv no deadline"] = _outcome(
+            lambda: assert_state_equal(transport.recv_checkpoint(0, "<pg>", 6, timedelta(0)), make_state(6, 10))
+        )
+        barrier()
+        barrier()
         out["wrong step"] = _outcome(lambda: transport.recv_checkpoint(0, "<pg>", 8, TIMEOUT))
     else:
         mine = make_state(77, BIG)
@@ -103,8 +113,12 @@ def _main_scenario(rank: int, pg: dist.ProcessGroup, ready: Any) -> dict[str, st
                 assert t is mine["model"][k] and t.data_ptr() == ptrs[k], f"{k} not received in place"
 
         out["recv in place"] = _outcome(recv_in_place)
-        for _ in range(4):
+        for _ in range(5):
             barrier()
+        out["recv default timeout"] = _outcome(
+            lambda: assert_state_equal(PGTransport(pg, TIMEOUT, CPU).recv_checkpoint(0, "<pg>", 6), make_state(6, 10))
+        )
+        barrier()
     return out
 
 
@@ -195,6 +209,8 @@ def test_send_receive_and_hostile_payloads() -> None:
     assert res[0]["send"] == "ok"
     assert res[1]["recv"] == "ok"
     assert res[2]["recv in place"] == "ok"
+    assert res[0]["send default timeout"] == res[0]["send no deadline"] == "ok"
+    assert res[1]["recv no deadline"] == res[2]["recv default timeout"] == "ok"
     assert "header checksum mismatch" in res[1]["corrupt header"]
     assert "bad magic" in res[1]["pickle"]
     assert f"float32[{BIG}]): payload corrupted" in res[1]["corrupt body"], res[1]["corrupt body"]
@@ -222,6 +238,7 @@ def test_stopped_sender_times_out() -> None:
 
 @pytest.mark.timeout(150)
 def test_killed_sender_fails_the_receive() -> None:
-    res = _silent_world("kill", recv_timeout=60)
+    # timedelta(0): no deadline of the call's own (torchft) - the lost connection still fails it.
+    res = _silent_world("kill", recv_timeout=0)
     assert res["recv"].startswith("CheckpointTransportError"), res
     assert float(res["elapsed"]) < 45, res  # the lost connection is noticed, no need to wait 60 s

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from ftlaunch.worker.data_parallel import DistributedDataParallel, _comm_hook
+from ftlaunch.worker.managed_work import ManagedWork
 
 _REAL_HOOK = _comm_hook
 
@@ -16,10 +17,10 @@ _REAL_HOOK = _comm_hook
 class _RecordingManager:
     """Stands in for the Manager when alone: returns each bucket unchanged."""
 
-    def allreduce(self, tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    def allreduce(self, tensor: torch.Tensor) -> ManagedWork:
         fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
         fut.set_result(tensor)
-        return fut
+        return ManagedWork(fut, lambda: False, self.report_error)
 
     def report_error(self, e: Exception) -> None:
         raise AssertionError(f"unexpected error {e}")
@@ -34,7 +35,7 @@ def _layout_per_iteration(iterations: int) -> list[list[int]]:
     seen: list[list[int]] = []
     passthrough = mgr.allreduce
 
-    def record(tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    def record(tensor: torch.Tensor) -> ManagedWork:
         seen[-1].append(tensor.numel())
         return passthrough(tensor)
 
@@ -154,3 +155,33 @@ def test_a_step_whose_cross_group_pg_failed_is_not_committed(monkeypatch: pytest
         finally:
             for m in managers:
                 m.shutdown()
+
+
+def test_pure_ddp_allreduces_each_gradient_through_the_manager() -> None:
+    from ftlaunch import PureDistributedDataParallel
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 2))
+    frozen = model[0].bias
+    frozen.requires_grad_(False)
+    local = nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 2))
+    local.load_state_dict(model.state_dict())
+    mgr = _RecordingManager()
+    seen: list[tuple[int, ...]] = []
+    passthrough = mgr.allreduce
+
+    def record(tensor: torch.Tensor) -> ManagedWork:
+        seen.append(tuple(tensor.shape))
+        return passthrough(tensor.mul_(0.5))  # the "average" the test can see
+
+    mgr.allreduce = record  # type: ignore[method-assign]
+    pure = PureDistributedDataParallel(mgr, model)  # type: ignore[arg-type]
+    x = torch.randn(3, 4)
+    pure(x).sum().backward()
+    local(x).sum().backward()
+    # one allreduce per trainable parameter, in backward order (last layer first)
+    assert seen == [(2,), (2, 5), (5, 4)]
+    for (name, p), q in zip(model.named_parameters(), local.parameters(), strict=True):
+        if p.requires_grad:
+            assert torch.allclose(p.grad, q.grad * 0.5), name
+    assert frozen.grad is None

@@ -159,7 +159,7 @@ class Group:
     def step(self, grad: float = 6.0, error: Exception | None = None) -> tuple[bool, torch.Tensor]:
         """One training step: quorum, one gradient allreduce, commit."""
         self.m.start_quorum()
-        out = self.m.allreduce(torch.full((4,), grad)).wait()
+        out = self.m.allreduce(torch.full((4,), grad)).get_future().wait()
         if error is not None:
             self.m.report_error(error)
         return self.m.should_commit(), out
@@ -315,7 +315,7 @@ def test_the_average_divides_by_the_number_of_up_to_date_groups(make: Callable[.
 def test_a_sum_is_not_divided(make: Callable[..., Group]) -> None:
     g = make(ScriptedLighthouse(in_step(2, "rg1", "rg2")), init_sync=False)
     g.m.start_quorum()
-    out = g.m.allreduce(torch.full((2,), 6.0), reduce_op="sum").wait()
+    out = g.m.allreduce(torch.full((2,), 6.0), reduce_op="sum").get_future().wait()
     assert g.pg.ops[0].inputs[0].tolist() == [6.0, 6.0] and out.tolist() == [18.0, 18.0]
     with pytest.raises(ValueError, match="reduce_op"):
         g.m.allreduce(torch.ones(1), reduce_op="median")
@@ -381,7 +381,7 @@ def test_a_hung_collective_costs_the_commit_timeout_and_aborts_the_group(make: C
     g = make(ScriptedLighthouse(in_step(1, "rg1"), in_step(2, "rg1")), init_sync=False)
     g.m.start_quorum()
     g.pg.hang_next("allreduce")
-    fut = g.m.allreduce(torch.full((4,), 6.0))
+    fut = g.m.allreduce(torch.full((4,), 6.0)).get_future()
     t0 = time.monotonic()
     assert g.m.should_commit(timeout=0.3) is False
     assert 0.25 < time.monotonic() - t0 < 3

@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ftlaunch.lighthouse.quorum import Quorum, QuorumMember
-from ftlaunch.worker.plan import plan_step
+from ftlaunch.worker.plan import WorldSizeMode, plan_step
 
 
 def quorum(steps: dict[str, int], qid: int = 7) -> Quorum:
@@ -47,6 +47,30 @@ def test_init_sync_at_step_zero_everyone_copies_the_primary() -> None:
 def test_without_init_sync_step_zero_needs_no_heal() -> None:
     q = quorum({"rg0": 0, "rg1": 0})
     assert not plan_step(q, "rg1", init_sync=False).heal
+
+
+def test_dynamic_world_size_counts_every_source() -> None:
+    q = quorum({"rg0": 5, "rg1": 2, "rg2": 5, "rg3": 5})
+    plans = {r: plan_step(q, r, min_replica_size=2) for r in ("rg0", "rg1", "rg2", "rg3")}
+    assert {r: p.participant_rank for r, p in plans.items()} == {"rg0": 0, "rg1": None, "rg2": 1, "rg3": 2}
+    assert all(p.num_participants == p.num_sources == 3 for p in plans.values())
+
+
+def test_fixed_with_spares_counts_the_first_min_replica_size_sources() -> None:
+    """torchft's FIXED_WITH_SPARES: participants are capped at min_replica_size; the other sources
+    are spares (not healers: they are up to date and heal nobody differently)."""
+    q = quorum({"rg0": 5, "rg1": 2, "rg2": 5, "rg3": 5})
+    plans = {r: plan_step(q, r, world_size_mode=WorldSizeMode.FIXED_WITH_SPARES, min_replica_size=2)
+             for r in ("rg0", "rg1", "rg2", "rg3")}
+    assert {r: p.participant_rank for r, p in plans.items()} == {"rg0": 0, "rg1": None, "rg2": 1, "rg3": None}
+    assert all(p.num_participants == 2 and p.num_sources == 3 for p in plans.values())
+    spare = plans["rg3"]
+    assert not spare.heal and not spare.participates and spare.source_rank == 2
+    assert plans["rg1"].heal and plans["rg1"].recover_src_id == "rg0"  # healing is unchanged
+    # Fewer sources than min_replica_size: all of them count (the commit then refuses the step).
+    small = plan_step(quorum({"rg0": 5, "rg1": 2}), "rg0", world_size_mode=WorldSizeMode.FIXED_WITH_SPARES,
+                      min_replica_size=3)
+    assert small.num_participants == 1 and small.participant_rank == 0
 
 
 def test_round_robin_spreads_healers_over_sources() -> None:

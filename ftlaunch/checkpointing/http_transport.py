@@ -77,7 +77,7 @@ class HTTPTransport(CheckpointTransport[T]):
     """Serves this group's state over HTTP and fetches peers' states with parallel range requests.
 
     ``num_chunks``: parallel connections per receive (default `default_num_chunks`: the usable
-    CPUs, at most 4). ``bind`` is ``host`` or ``host:port`` (loopback by default; use
+    CPUs, at most 4; 0 means no chunking - one connection - as in torchft). ``bind`` is ``host`` or ``host:port`` (loopback by default; use
     ``0.0.0.0``/``::`` to serve other hosts — the state is readable by anyone who can reach the
     port). ``state_dict``, when given, returns this group's current state: received tensors of
     matching dtype and shape are written into it in place (on failure their contents are
@@ -95,8 +95,9 @@ class HTTPTransport(CheckpointTransport[T]):
     ) -> None:
         if num_chunks is None:
             num_chunks = default_num_chunks()
-        if num_chunks < 1:
-            raise ValueError(f"num_chunks must be >= 1, got {num_chunks}")
+        if num_chunks < 0:
+            raise ValueError(f"num_chunks must be >= 0 (0: no chunking), got {num_chunks}")
+        num_chunks = max(num_chunks, 1)  # torchft's 0 = the whole body over one connection
         if timeout.total_seconds() <= 0:
             raise ValueError(f"timeout must be positive, got {timeout}")
         self._timeout = timeout
@@ -121,7 +122,9 @@ class HTTPTransport(CheckpointTransport[T]):
     def metadata(self) -> str:
         return self._url
 
-    def send_checkpoint(self, dst_ranks: list[int], step: int, state_dict: T, timeout: timedelta) -> None:
+    def send_checkpoint(
+        self, dst_ranks: list[int], step: int, state_dict: T, timeout: timedelta | None = None
+    ) -> None:
         """Start serving ``state_dict`` (replacing any previous one); returns at once.
 
         Contiguous CPU tensors are served in place (not copied); other tensors are copied to CPU
@@ -141,10 +144,16 @@ class HTTPTransport(CheckpointTransport[T]):
     def disallow_checkpoint(self) -> None:
         self._server.publish(None, wait=self._timeout.total_seconds())
 
-    def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> T:
+    def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta | None = None) -> T:
+        """Fetch the state of ``step`` from ``metadata`` (a URL) within ``timeout``.
+
+        None or ``timedelta(0)`` means the transport's own timeout: an HTTP fetch has no lower
+        layer that bounds it (unlike a process group's op timeout), so it is never unbounded.
+        """
         t0 = time.perf_counter()
         template = self._state_dict() if self._state_dict is not None else None
-        result = Fetch(metadata, step, timeout.total_seconds(), self._num_chunks, template).run()
+        seconds = (timeout or self._timeout).total_seconds()
+        result = Fetch(metadata, step, seconds, self._num_chunks, template).run()
         logger.info(
             "checkpoint transport: received step %d from rank %d (%s) in %.3fs",
             step, src_rank, metadata, time.perf_counter() - t0,

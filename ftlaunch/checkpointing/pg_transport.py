@@ -22,6 +22,7 @@ same path in ``state_dict()``) and refuses a shard whose sharding differs from i
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -86,7 +87,22 @@ class PGTransport(CheckpointTransport[T]):
         except _PG_ERRORS as e:
             raise CheckpointTransportError(f"{what} failed: {e}") from e
 
+    def _deadline(self, timeout: timedelta | None) -> float:
+        """The call's deadline (monotonic): None -> the transport's timeout; ``timedelta(0)`` -> none
+        of its own (as in torchft: each wait is bounded by the process group's op timeout only)."""
+        if timeout is None:
+            timeout = self._timeout
+        if not timeout:
+            return math.inf
+        return time.monotonic() + timeout.total_seconds()
+
     def _wait(self, work: Any, deadline: float, what: str) -> None:
+        if deadline == math.inf:
+            try:
+                work.wait()
+            except _PG_ERRORS as e:
+                raise CheckpointTransportError(f"failed {what}: {e}") from e
+            return
         left = deadline - time.monotonic()
         if left <= 0:
             raise CheckpointTransportError(f"timed out {what}")
@@ -97,10 +113,12 @@ class PGTransport(CheckpointTransport[T]):
             late = time.monotonic() >= deadline
             raise CheckpointTransportError(f"{'timed out' if late else 'failed'} {what}: {e}") from e
 
-    def send_checkpoint(self, dst_ranks: list[int], step: int, state_dict: T, timeout: timedelta) -> None:
+    def send_checkpoint(
+        self, dst_ranks: list[int], step: int, state_dict: T, timeout: timedelta | None = None
+    ) -> None:
         """Push ``state_dict`` to every rank in ``dst_ranks``; returns when all sends completed."""
         t0 = time.perf_counter()
-        deadline = time.monotonic() + timeout.total_seconds()
+        deadline = self._deadline(timeout)
         local_state, specs = dtensors.split(state_dict)
         payload = {"state": local_state, "dtensors": dtensors.specs_to_json(specs)}
         enc = encode(payload, step, device=self._device)
@@ -127,9 +145,9 @@ class PGTransport(CheckpointTransport[T]):
     def disallow_checkpoint(self) -> None:
         """Nothing to do: `send_checkpoint` returns only after the state has been sent."""
 
-    def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> T:
+    def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta | None = None) -> T:
         t0 = time.perf_counter()
-        deadline = time.monotonic() + timeout.total_seconds()
+        deadline = self._deadline(timeout)
         what = f"receiving the header of step {step} from rank {src_rank}"
         length = torch.zeros(1, dtype=torch.int64, device=self._device)
         self._wait(self._post(self._pg.recv, length, src_rank, TAG_BASE, what), deadline, what)

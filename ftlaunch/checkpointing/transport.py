@@ -25,10 +25,13 @@ class CheckpointTransport(ABC, Generic[T]):
         """What a receiver needs to fetch from us (e.g. a URL); published through the quorum."""
 
     @abstractmethod
-    def send_checkpoint(self, dst_ranks: list[int], step: int, state_dict: T, timeout: timedelta) -> None:
+    def send_checkpoint(
+        self, dst_ranks: list[int], step: int, state_dict: T, timeout: timedelta | None = None
+    ) -> None:
         """Make ``state_dict`` of ``step`` available to (or push it to) ``dst_ranks``.
 
-        The caller must not mutate ``state_dict`` until `disallow_checkpoint` returns.
+        The caller must not mutate ``state_dict`` until `disallow_checkpoint` returns. ``timeout``
+        None means the transport's own timeout (as in torchft).
         """
 
     @abstractmethod
@@ -36,8 +39,11 @@ class CheckpointTransport(ABC, Generic[T]):
         """Stop serving the last state: it is about to change. Receivers still reading get an error."""
 
     @abstractmethod
-    def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> T:
-        """Fetch the state of ``step`` from the peer described by ``metadata`` / ``src_rank``."""
+    def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta | None = None) -> T:
+        """Fetch the state of ``step`` from the peer described by ``metadata`` / ``src_rank``.
+
+        ``timeout`` None means the transport's own timeout (as in torchft).
+        """
 
     def shutdown(self, wait: bool = True) -> None:  # noqa: B027  (optional hook, default no-op)
         """Release sockets and threads; with ``wait``, block until they are gone."""

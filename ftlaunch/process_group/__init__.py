@@ -12,6 +12,8 @@ They know nothing of the Manager or the lighthouse. The layout:
   never hangs; `_baby_handle` is the parent's end, `_baby_child` the child, `_shm` the shared
   tensors between them.
 * `_store` - store addresses and clients; `device_mesh` - plugging a group into a DeviceMesh.
+* `reconfigure` - torchft's current set-up API (handles, `ReconfigureOptions`,
+  `reconfigure_with_store`), which every group implements on top of its ``configure``.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from ftlaunch.process_group.base import ProcessGroup
 from ftlaunch.process_group.device_mesh import extend_device_mesh
 from ftlaunch.process_group.dummy import ProcessGroupDummy
 from ftlaunch.process_group.error_swallowing import ErrorSwallowingProcessGroupWrapper
+from ftlaunch.process_group.reconfigure import ReconfigureOptions, reconfigure_with_store
 from ftlaunch.process_group.wrappers import ProcessGroupGloo, ProcessGroupNCCL, ProcessGroupWrapper
 
 __all__ = [
@@ -35,9 +38,11 @@ __all__ = [
     "ProcessGroupGloo",
     "ProcessGroupNCCL",
     "ProcessGroupWrapper",
+    "ReconfigureOptions",
     "create_store_client",
     "extend_device_mesh",
     "parse_store_addr",
+    "reconfigure_with_store",
 ]
 
 

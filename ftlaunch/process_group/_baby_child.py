@@ -179,6 +179,12 @@ class _Server:
                 work = pg.recv(a[0], a[1], a[2])
             elif op == "barrier":
                 work = pg.barrier()
+            elif op == "reduce":
+                work = pg.reduce(a[0], a[1], dist.ReduceOp(dist.ReduceOp.RedOpType(a[2])))
+            elif op == "gather":
+                work = pg.gather(a[0], a[1], a[2])
+            elif op == "scatter":
+                work = pg.scatter(a[0], a[1], a[2])
             else:
                 raise NotImplementedError(f"unknown op {op!r}")
             if event is None and op in ("send", "recv"):

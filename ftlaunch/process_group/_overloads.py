@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["plain", "reduce_op", "tensor_list", "with_reduce"]
+__all__ = ["configure_args", "plain", "reduce_op", "tensor_list", "with_reduce"]
 
 
 def reduce_op(op: Any) -> dist.ReduceOp:
@@ -52,3 +52,30 @@ def plain(opts: Any, cls: type) -> Any:
     if not isinstance(opts, cls):
         raise TypeError(f"expected {cls.__name__}, got {type(opts).__name__}")
     return opts
+
+
+def configure_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, int, str | None]:
+    """``(rank, world_size, replica_id)`` from either form of `ProcessGroup.configure`'s arguments."""
+    unknown = set(kwargs) - {"rank", "world_size", "replica_id"}
+    if unknown:
+        raise TypeError(f"configure() got unexpected keyword arguments {sorted(unknown)}")
+    replica_id = kwargs.get("replica_id")
+    rest = list(args)
+    if rest and isinstance(rest[0], str):  # torchft 2025: (store_addr, replica_id, rank, world_size)
+        if replica_id is not None:
+            raise TypeError("configure() got replica_id both positionally and by keyword")
+        replica_id = rest.pop(0)
+    names = ["rank", "world_size"]
+    if len(rest) > len(names):
+        raise TypeError(f"configure() takes (store_addr, [replica_id,] rank, world_size), got {len(args) + 1} arguments")
+    values: dict[str, Any] = dict(zip(names, rest, strict=False))
+    for name in names[len(rest):]:
+        if name not in kwargs:
+            raise TypeError(f"configure() missing argument {name!r}")
+        values[name] = kwargs[name]
+    for name in names[: len(rest)]:
+        if name in kwargs:
+            raise TypeError(f"configure() got {name!r} both positionally and by keyword")
+    if replica_id is not None and not isinstance(replica_id, str):
+        raise TypeError(f"replica_id must be a str, got {type(replica_id).__name__}")
+    return values["rank"], values["world_size"], replica_id

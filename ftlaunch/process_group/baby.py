@@ -38,7 +38,10 @@ from torch._C._distributed_c10d import (
     AllToAllOptions,
     BarrierOptions,
     BroadcastOptions,
+    GatherOptions,
+    ReduceOptions,
     ReduceScatterOptions,
+    ScatterOptions,
 )
 
 from ftlaunch.errors import CommunicationError
@@ -140,6 +143,11 @@ class ProcessGroupBaby(ProcessGroup):
 
     _backend = ""
     _work_cls: type[_BabyWork] = _BabyWork
+    #: torchft's name for the Work class this group's ops return.
+    WORK_CLASS: type[dist.Work] = _BabyWork
+    #: Start the child when the group is created (it imports torch while the caller works on);
+    #: False: at the first configure (NCCL: constructible where CUDA is missing until used).
+    _spawn_early = True
 
     def __init__(self, timeout: float | timedelta = 60.0) -> None:
         super().__init__(0, 1)
@@ -155,7 +163,7 @@ class ProcessGroupBaby(ProcessGroup):
         self._finalizer = weakref.finalize(self, _kill_all, self._children)
         # Start the interpreter now (non-blocking): it imports torch while the caller does other
         # work, so the first configure rarely waits for it.
-        self._child: Child | None = self._spawn()
+        self._child: Child | None = self._spawn() if self._spawn_early else None
         self._spare: Child | None = None  # a replacement started early, after a child was lost
 
     def getBackendName(self) -> str:  # noqa: N802
@@ -173,6 +181,9 @@ class ProcessGroupBaby(ProcessGroup):
         return super()._describe() + pid
 
     # ---- lifecycle --------------------------------------------------------------------------
+    def _check_usable(self) -> None:
+        """Raise when this machine cannot run the backend (checked at configure, not construction)."""
+
     def _spawn(self) -> Child:
         me = weakref.ref(self)
 
@@ -196,7 +207,8 @@ class ProcessGroupBaby(ProcessGroup):
         if child in self._children:
             self._children.remove(child)
 
-    def configure(self, store_addr: str, rank: int, world_size: int) -> None:
+    def _configure(self, store_addr: str, rank: int, world_size: int) -> None:
+        self._check_usable()
         with self._lock:
             self._begin_configure(store_addr, rank, world_size)
             self._configured = False
@@ -249,6 +261,7 @@ class ProcessGroupBaby(ProcessGroup):
 
     def shutdown(self) -> None:
         """Stop the child (gracefully, then SIGKILL) and release its socket and reader thread."""
+        super().shutdown()
         with self._lock:
             with self._spare_lock:
                 self._closed = True
@@ -366,6 +379,24 @@ class ProcessGroupBaby(ProcessGroup):
     def _do_barrier(self, opts: BarrierOptions) -> dist.Work:
         return self._submit("barrier", (), (), [])
 
+    def _do_reduce(self, tensors: list[torch.Tensor], opts: ReduceOptions) -> dist.Work:
+        self._check_root("reduce", opts.rootRank)
+        return self._submit(
+            "reduce", (tensors, opts.rootRank, _op_code(opts.reduceOp)), (True, False, False), tensors
+        )
+
+    def _do_gather(
+        self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: GatherOptions
+    ) -> dist.Work:
+        self._check_root("gather", opts.rootRank)
+        return self._submit("gather", (outputs, inputs, opts.rootRank), (True, False, False), outputs)
+
+    def _do_scatter(
+        self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: ScatterOptions
+    ) -> dist.Work:
+        self._check_root("scatter", opts.rootRank)
+        return self._submit("scatter", (outputs, inputs, opts.rootRank), (True, False, False), outputs)
+
 
 # torch's stub declares the RedOpType members on ReduceOp (the same objects at runtime) and leaves
 # the enum itself empty.
@@ -406,11 +437,17 @@ class ProcessGroupBabyNCCL(ProcessGroupBaby):
 
     _backend = "nccl"
     _work_cls = _BabyWorkNCCL
+    WORK_CLASS = _BabyWorkNCCL
+    # As torchft's: constructible without CUDA (a script may build its groups before it picks a
+    # device, or on a CPU-only login node); the child starts, and CUDA is needed, at configure.
+    _spawn_early = False
 
     def __init__(self, timeout: float | timedelta = 60.0) -> None:
-        if not torch.cuda.is_available():
-            raise NotImplementedError("ProcessGroupBabyNCCL needs CUDA, which is not available")
         # CUDA tensors and events cross to the child through torch's pickling reducers (CUDA
         # IPC handles), registered by torch.multiprocessing.
         torch.multiprocessing.reductions.init_reductions()
         super().__init__(timeout)
+
+    def _check_usable(self) -> None:
+        if not torch.cuda.is_available():
+            raise NotImplementedError("ProcessGroupBabyNCCL needs CUDA, which is not available")

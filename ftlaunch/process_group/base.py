@@ -22,6 +22,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import uuid
 from datetime import timedelta
 from typing import Any
 
@@ -34,19 +35,29 @@ from torch._C._distributed_c10d import (
     AllToAllOptions,
     BarrierOptions,
     BroadcastOptions,
+    GatherOptions,
+    ReduceOptions,
     ReduceScatterOptions,
+    ScatterOptions,
 )
 from torch.distributed import distributed_c10d as c10d
 
 from ftlaunch.addresses import parse_store_addr
 from ftlaunch.errors import CommunicationError
-from ftlaunch.process_group import _registry
-from ftlaunch.process_group._overloads import plain, tensor_list, with_reduce
+from ftlaunch.process_group import _composites, _registry
+from ftlaunch.process_group._overloads import configure_args, plain, tensor_list, with_reduce
 from ftlaunch.process_group._store import first_line
+from ftlaunch.process_group.reconfigure import (
+    Handle,
+    HandleStore,
+    ReconfigureWork,
+    encode_handle,
+    rendezvous_of,
+)
 
 # DoneWork and completed_future live in `work`; they are also importable from here, where code
 # outside this package has always found them.
-from ftlaunch.process_group.work import ComposedWork, DoneWork, completed_future
+from ftlaunch.process_group.work import DoneWork, completed_future
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +86,14 @@ class ProcessGroup(dist.ProcessGroup):
         self._auto_named = False
         self._error_lock = threading.Lock()
         self._closed = False  # shut down (until the next configure)
+        # torchft's reconfigure API (`reconfigure`): who we are in handles, the store we host for
+        # them, and the labels `set_rank_info` gives us.
+        self._reconfigure_id = uuid.uuid4().hex
+        self._handle_store = HandleStore()
+        self._global_rank: int | None = None
+        self._replica_id: str | None = None
+        #: Every member's global rank after the last `reconfigure`, when all of them set one.
+        self.global_ranks: list[int] | None = None
 
     # ---- identity ---------------------------------------------------------------------------
     def rank(self) -> int:
@@ -119,14 +138,76 @@ class ProcessGroup(dist.ProcessGroup):
         return f"{type(self).__name__}(rank={self.rank()}, size={self.size()}, store={self._store_addr!r})"
 
     # ---- lifecycle --------------------------------------------------------------------------
-    def configure(self, store_addr: str, rank: int, world_size: int) -> None:
+    def configure(self, store_addr: str, *args: Any, **kwargs: Any) -> None:
         """Rebuild this group on a new store prefix with a new rank and world size.
 
+        ``configure(store_addr, rank, world_size)`` is torchft's documented form;
+        ``configure(store_addr, replica_id, rank, world_size)`` (``replica_id`` also by keyword)
+        the form torchft used in 2025 - the replica id only labels the group in logs.
         `store_addr` is "host:port/prefix" and must be unique per call (e.g. contain the quorum
         id). Blocks until the group is usable; raises `CommunicationError` on failure (the group
         is then errored until the next successful `configure`).
         """
+        rank, world_size, replica_id = configure_args(args, kwargs)
+        if replica_id is not None:
+            self._replica_id = replica_id
+        self._configure(store_addr, rank, world_size)
+
+    def _configure(self, store_addr: str, rank: int, world_size: int) -> None:
+        """What `configure` does; every group implements it."""
         raise NotImplementedError(f"{type(self).__name__} does not implement configure")
+
+    # ---- torchft's current reconfigure API (see `reconfigure`) --------------------------------
+    @property
+    def supports_reconfigure(self) -> bool:
+        """True: this group implements ``get_reconfigure_handle`` and ``reconfigure`` (as torch >= 2.14's)."""
+        return True
+
+    def set_rank_info(
+        self, replica_id: str, group_rank: int, group_world_size: int, global_rank: int | None = None
+    ) -> None:
+        """Labels for logs and handles (torchft's API): the replica group this process belongs
+        to, its rank inside it, and its global rank, which `get_reconfigure_handle` carries so
+        that every member learns all of them (``global_ranks`` after a `reconfigure`)."""
+        self._replica_id = replica_id
+        self._global_rank = global_rank
+
+    def get_reconfigure_handle(self) -> str:
+        """This member's handle for `reconfigure`: the group's identity and a rendezvous store it
+        hosts (started on the first call). The identity stays the same for the group's life."""
+        handle = Handle(self._reconfigure_id, self._handle_store.address(), self._global_rank)
+        return encode_handle(handle)
+
+    def reconfigure(self, opts: Any) -> dist.Work:
+        """Rebuild this group for the members whose handles ``opts.handles`` lists (torchft's API).
+
+        Same semantics as `configure`: this member's rank is the index of its own handle, the
+        world size the number of handles, and all of them meet on the first handle's store under
+        ``ftlaunch/reconfigure/<opts.uuid>`` (so ``uuid`` must be new for every reconfigure, as a
+        `configure` prefix must). Misuse (no handles, our handle missing) raises ValueError here;
+        the returned Work's ``wait()`` raises what the configure raised, and gives up after
+        ``opts.timeout`` (see `reconfigure.ReconfigureWork`).
+        """
+        rdv = rendezvous_of(opts, self._reconfigure_id)
+        timeout = getattr(opts, "timeout", None)
+        # The configure runs on a thread of its own: give it the caller's CUDA device (NCCL groups
+        # bind to the current device).
+        device = torch.cuda.current_device() if torch.cuda.is_available() else None
+
+        def run() -> None:
+            if device is not None:
+                torch.cuda.set_device(device)
+            self.configure(rdv.store_addr, rdv.rank, rdv.world_size)
+            self.global_ranks = rdv.global_ranks
+
+        def timed_out(message: str) -> Exception:
+            # Not on this thread: the configure may hold the group's lock until its own timeout.
+            error = self._record_error("reconfigure", message, on_backend_thread=True)
+            threading.Thread(target=self.abort, name="ftlaunch-reconfigure-abort", daemon=True).start()
+            return error
+
+        return ReconfigureWork(f"reconfigure to rank {rdv.rank}/{rdv.world_size}", run,
+                               timeout if timeout else None, timed_out)
 
     def errored(self) -> Exception | None:
         """The first communication error since the last `configure`, or None."""
@@ -137,6 +218,7 @@ class ProcessGroup(dist.ProcessGroup):
 
     def shutdown(self) -> None:
         """Release every resource (threads, sockets, child processes). Idempotent."""
+        self._handle_store.close()
 
     def set_timeout(self, timeout: timedelta | float) -> None:
         """Timeout of future operations (and of the next `configure`)."""
@@ -366,6 +448,41 @@ class ProcessGroup(dist.ProcessGroup):
     def barrier(self, opts: Any = None) -> dist.Work:
         return self._do_barrier(plain(opts, BarrierOptions))
 
+    def reduce(self, tensors: Any, opts: Any = None, op: Any = None) -> dist.Work:  # type: ignore[override]
+        """``reduce([t], opts)`` (``dist.reduce``) or ``reduce(t, root, op=SUM)``."""
+        if isinstance(opts, int):
+            root, opts = opts, with_reduce(op, ReduceOptions)
+            opts.rootRank = root
+        return self._do_reduce(tensor_list(tensors, "tensors"), with_reduce(opts, ReduceOptions))
+
+    def gather(self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> dist.Work:  # type: ignore[override]
+        """``gather([[t] * world] at the root else [], [t], opts)`` (``dist.gather``), or
+        ``gather([t] * world, t, root)``."""
+        if isinstance(opts, int):
+            root, opts = opts, GatherOptions()
+            opts.rootRank = root
+        if isinstance(input_tensors, torch.Tensor):
+            outputs = [tensor_list(output_tensors, "output_tensors")] if output_tensors else []
+            inputs = [input_tensors]
+        else:
+            inputs = tensor_list(input_tensors, "input_tensors")
+            outputs = [tensor_list(o, "output_tensors[i]") for o in output_tensors]
+        return self._do_gather(outputs, inputs, plain(opts, GatherOptions))
+
+    def scatter(self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> dist.Work:  # type: ignore[override]
+        """``scatter([t], [[t] * world] at the root else [], opts)`` (``dist.scatter``), or
+        ``scatter(t, [t] * world, root)``."""
+        if isinstance(opts, int):
+            root, opts = opts, ScatterOptions()
+            opts.rootRank = root
+        if isinstance(output_tensors, torch.Tensor):
+            outputs = [output_tensors]
+            inputs = [tensor_list(input_tensors, "input_tensors")] if input_tensors else []
+        else:
+            outputs = tensor_list(output_tensors, "output_tensors")
+            inputs = [tensor_list(i, "input_tensors[i]") for i in input_tensors]
+        return self._do_scatter(outputs, inputs, plain(opts, ScatterOptions))
+
     # ---- hooks: native ops (subclasses) -----------------------------------------------------
     def _do_allreduce(self, tensors: list[torch.Tensor], opts: AllreduceOptions) -> dist.Work:
         raise self._unsupported("allreduce")
@@ -399,90 +516,50 @@ class ProcessGroup(dist.ProcessGroup):
     def _do_recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> dist.Work:
         raise self._unsupported("recv")
 
-    # ---- hooks with composite defaults ------------------------------------------------------
-    def _do_allreduce_coalesced(
-        self, tensors: list[torch.Tensor], opts: AllreduceCoalescedOptions
-    ) -> dist.Work:
-        works = []
-        for t in tensors:
-            single = AllreduceOptions()
-            single.reduceOp = opts.reduceOp
-            works.append(self._do_allreduce([t], single))
-        return ComposedWork(works, tensors)
+    # ---- hooks with composite defaults (see `_composites`) -----------------------------------
+    def _do_allreduce_coalesced(self, tensors: list[torch.Tensor], opts: AllreduceCoalescedOptions) -> dist.Work:
+        return _composites.allreduce_coalesced(self, tensors, opts)
 
-    def _do_all_gather_single(
-        self, output: torch.Tensor, input: torch.Tensor, opts: AllgatherOptions
-    ) -> dist.Work:
-        world = self.size()
-        if output.numel() != input.numel() * world:
-            raise ValueError(
-                f"all_gather_single: output has {output.numel()} elements, expected "
-                f"{input.numel()} x world size {world}"
-            )
-        chunks = list(output.view(world, *input.shape).unbind(0))
-        work = self._do_allgather([chunks], [input], opts)
-        return ComposedWork([work], [output])
+    def _do_all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: AllgatherOptions) -> dist.Work:
+        return _composites.all_gather_single(self, output, input, opts)
 
     def _do_all_gather_single_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: AllgatherOptions
     ) -> dist.Work:
-        if len(outputs) != len(inputs):
-            raise ValueError("all_gather_single_coalesced: outputs and inputs differ in length")
-        works = [self._do_all_gather_single(o, i, opts) for o, i in zip(outputs, inputs, strict=True)]
-        return ComposedWork(works, outputs)
+        return _composites.all_gather_single_coalesced(self, outputs, inputs, opts)
 
     def _do_reduce_scatter(
         self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: ReduceScatterOptions
     ) -> dist.Work:
-        # Composite: allreduce the concatenated inputs, keep our slice.
-        world, rank = self.size(), self.rank()
-        if len(outputs) != len(inputs):
-            raise ValueError("reduce_scatter: outputs and inputs differ in length")
-        works, pairs = [], []
-        for out, ins in zip(outputs, inputs, strict=True):
-            if len(ins) != world:
-                raise ValueError(f"reduce_scatter: expected {world} inputs per output, got {len(ins)}")
-            flat = torch.cat([t.reshape(-1) for t in ins])
-            single = AllreduceOptions()
-            single.reduceOp = opts.reduceOp
-            works.append(self._do_allreduce([flat], single))
-            pairs.append((out, flat, [t.numel() for t in ins]))
-
-        def _copy_out() -> None:
-            for out, flat, sizes in pairs:
-                start = sum(sizes[:rank])
-                out.copy_(flat[start : start + sizes[rank]].view_as(out))
-
-        return ComposedWork(works, outputs, _copy_out)
+        return _composites.reduce_scatter(self, outputs, inputs, opts)
 
     def _do_reduce_scatter_single(
         self, output: torch.Tensor, input: torch.Tensor, opts: ReduceScatterOptions
     ) -> dist.Work:
-        world, rank = self.size(), self.rank()
-        if input.numel() != output.numel() * world:
-            raise ValueError(
-                f"reduce_scatter_single: input has {input.numel()} elements, expected "
-                f"{output.numel()} x world size {world}"
-            )
-        flat = input.reshape(-1).clone()
-        single = AllreduceOptions()
-        single.reduceOp = opts.reduceOp
-        work = self._do_allreduce([flat], single)
-        n = output.numel()
-
-        def _copy_out() -> None:
-            output.copy_(flat[rank * n : (rank + 1) * n].view_as(output))
-
-        return ComposedWork([work], [output], _copy_out)
+        return _composites.reduce_scatter_single(self, output, input, opts)
 
     def _do_reduce_scatter_single_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: ReduceScatterOptions
     ) -> dist.Work:
-        if len(outputs) != len(inputs):
-            raise ValueError("reduce_scatter_single_coalesced: outputs and inputs differ in length")
-        works = [self._do_reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs, strict=True)]
-        return ComposedWork(works, outputs)
+        return _composites.reduce_scatter_single_coalesced(self, outputs, inputs, opts)
 
     def _do_barrier(self, opts: BarrierOptions) -> dist.Work:
-        token = torch.zeros(1)
-        return ComposedWork([self._do_allreduce([token], AllreduceOptions())], [token])
+        return _composites.barrier(self, opts)
+
+    # Rooted ops: composites here; the backends that have them natively (gloo, NCCL, Baby) override.
+    def _do_reduce(self, tensors: list[torch.Tensor], opts: ReduceOptions) -> dist.Work:
+        return _composites.reduce(self, tensors, opts)
+
+    def _do_gather(
+        self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: GatherOptions
+    ) -> dist.Work:
+        return _composites.gather(self, outputs, inputs, opts)
+
+    def _do_scatter(
+        self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: ScatterOptions
+    ) -> dist.Work:
+        return _composites.scatter(self, outputs, inputs, opts)
+
+    def _check_root(self, op: str, root: int) -> None:
+        if not 0 <= root < self.size():
+            raise ValueError(f"{op}: root rank {root} out of range for world size {self.size()}")

@@ -39,9 +39,9 @@ class ErrorSwallowingProcessGroupWrapper(ProcessGroupWrapper):
         super().__init__(pg=pg)
         self._swallowed: Exception | None = None
 
-    def configure(self, store_addr: str, rank: int, world_size: int) -> None:
+    def _configure(self, store_addr: str, rank: int, world_size: int) -> None:
         self._swallowed = None
-        super().configure(store_addr, rank, world_size)
+        super()._configure(store_addr, rank, world_size)
 
     def error(self) -> Exception | None:
         """The error reported since the last configure, if any."""

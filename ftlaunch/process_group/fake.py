@@ -20,7 +20,10 @@ Failures behave as in the real groups:
 
 Every call is recorded (`configure_calls`, `ops` with a copy of the inputs) for assertions.
 Point-to-point ``send``/``recv`` are not simulated: which tensor an identical peer sends to whom
-is not defined by this one's calls, so they raise NotImplementedError.
+is not defined by this one's calls, so they raise NotImplementedError; so does ``scatter`` on a
+rank other than the root (it would receive the root's list, which this rank does not pass).
+``reduce``, ``gather`` and the root's ``scatter`` are the base class's composites over
+allreduce, allgather and broadcast, recorded as those ops.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from torch._C._distributed_c10d import (
     BarrierOptions,
     BroadcastOptions,
     ReduceScatterOptions,
+    ScatterOptions,
 )
 
 from ftlaunch.addresses import parse_store_addr
@@ -187,7 +191,7 @@ class FakeProcessGroup(ProcessGroup):
             work._resolve(self._comm_error(work._op, reason))
 
     # ---- lifecycle ----------------------------------------------------------------------------------
-    def configure(self, store_addr: str, rank: int, world_size: int) -> None:
+    def _configure(self, store_addr: str, rank: int, world_size: int) -> None:
         parse_store_addr(store_addr)  # malformed addresses are misuse, as in the real groups
         self.configure_calls.append((store_addr, rank, world_size))
         self._fail_pending("aborted (the group was reconfigured)")
@@ -204,6 +208,7 @@ class FakeProcessGroup(ProcessGroup):
         self._fail_pending("aborted (the group failed, was aborted or was reconfigured)")
 
     def shutdown(self) -> None:
+        super().shutdown()
         self._closed = True
         self._fail_pending("aborted (the group was shut down)")
 
@@ -335,3 +340,12 @@ class FakeProcessGroup(ProcessGroup):
 
     def _do_barrier(self, opts: BarrierOptions) -> dist.Work:
         return self._issue("barrier", [], [], lambda: None)
+
+    def _do_scatter(
+        self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: ScatterOptions
+    ) -> dist.Work:
+        if self.rank() != opts.rootRank:
+            raise NotImplementedError(
+                "FakeProcessGroup does not simulate scatter on a non-root rank (the root's data is unknown here)"
+            )
+        return super()._do_scatter(outputs, inputs, opts)

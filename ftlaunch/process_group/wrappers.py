@@ -28,7 +28,10 @@ from torch._C._distributed_c10d import (
     AllToAllOptions,
     BarrierOptions,
     BroadcastOptions,
+    GatherOptions,
+    ReduceOptions,
     ReduceScatterOptions,
+    ScatterOptions,
 )
 
 from ftlaunch.addresses import parse_store_addr
@@ -50,7 +53,15 @@ class ProcessGroupWrapper(ProcessGroup):
     (Gloo, NCCL) implement `_create_pg` and get a fresh backend on every `configure`.
     """
 
-    def __init__(self, pg: dist.ProcessGroup | None = None, timeout: timedelta | float = timedelta(seconds=60)) -> None:
+    def __init__(
+        self,
+        pg: dist.ProcessGroup | timedelta | float | None = None,
+        timeout: timedelta | float = timedelta(seconds=60),
+    ) -> None:
+        """``ProcessGroupWrapper(pg)`` (documented torchft) and ``ProcessGroupWrapper(timeout, pg=pg)``
+        (torchft today, timeout first) both work: a duration in first place is the timeout."""
+        if isinstance(pg, (timedelta, int, float)) and not isinstance(pg, bool):
+            timeout, pg = pg, None
         super().__init__(0, 1)
         self._pg: Any = pg
         self._timeout = as_timedelta(timeout)
@@ -60,6 +71,9 @@ class ProcessGroupWrapper(ProcessGroup):
         self._live_works: weakref.WeakSet[FtWork] = weakref.WeakSet()
         self._works_lock = threading.Lock()  # WeakSet is not safe against concurrent add/iterate
         self._abort_pending: int | None = None  # generation to abort, set on a backend thread
+        # A Gloo/NCCL group given an ftlaunch group to wrap forwards to it instead of building
+        # backends of its own (torchft's ``ProcessGroupNCCL(pg=...)``).
+        self._forwarding = isinstance(pg, ProcessGroup)
 
     @property
     def parent(self) -> Any:
@@ -71,7 +85,7 @@ class ProcessGroupWrapper(ProcessGroup):
         raise NotImplementedError
 
     def _owns_backend(self) -> bool:
-        return type(self)._create_pg is not ProcessGroupWrapper._create_pg
+        return type(self)._create_pg is not ProcessGroupWrapper._create_pg and not self._forwarding
 
     # ---- identity ---------------------------------------------------------------------------
     def rank(self) -> int:
@@ -102,7 +116,7 @@ class ProcessGroupWrapper(ProcessGroup):
         return super()._describe()
 
     # ---- lifecycle --------------------------------------------------------------------------
-    def configure(self, store_addr: str, rank: int, world_size: int) -> None:
+    def _configure(self, store_addr: str, rank: int, world_size: int) -> None:
         with self._lock:
             self._begin_configure(store_addr, rank, world_size)
             self._abort_pending = None  # that generation's backend is released below
@@ -200,6 +214,7 @@ class ProcessGroupWrapper(ProcessGroup):
                 self._pg.abort()
 
     def shutdown(self) -> None:
+        super().shutdown()
         with self._lock:
             self._closed = True
             if self._owns_backend():
@@ -313,12 +328,32 @@ class ProcessGroupWrapper(ProcessGroup):
     def _do_barrier(self, opts: BarrierOptions) -> dist.Work:
         return self._forward("barrier", "barrier", opts)
 
+    def _do_reduce(self, tensors: list[torch.Tensor], opts: ReduceOptions) -> dist.Work:
+        self._check_root("reduce", opts.rootRank)
+        return self._forward("reduce", "reduce", tensors, opts)
+
+    def _do_gather(
+        self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: GatherOptions
+    ) -> dist.Work:
+        self._check_root("gather", opts.rootRank)
+        return self._forward("gather", "gather", outputs, inputs, opts)
+
+    def _do_scatter(
+        self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: ScatterOptions
+    ) -> dist.Work:
+        self._check_root("scatter", opts.rootRank)
+        return self._forward("scatter", "scatter", outputs, inputs, opts)
+
 
 class ProcessGroupGloo(ProcessGroupWrapper):
-    """Reconfigurable Gloo: a new ``torch.distributed.ProcessGroupGloo`` per configure."""
+    """Reconfigurable Gloo: a new ``torch.distributed.ProcessGroupGloo`` per configure.
 
-    def __init__(self, timeout: timedelta | float = timedelta(seconds=60)) -> None:
-        super().__init__(timeout=timeout)
+    ``pg``: an ftlaunch group to forward to instead (torchft's wrapper form); then `configure`
+    reconfigures that group.
+    """
+
+    def __init__(self, timeout: timedelta | float = timedelta(seconds=60), pg: ProcessGroup | None = None) -> None:
+        super().__init__(pg, timeout=timeout)
 
     def getBackendName(self) -> str:  # noqa: N802
         return "ftlaunch-gloo"
@@ -331,11 +366,12 @@ class ProcessGroupNCCL(ProcessGroupWrapper):
     """Reconfigurable NCCL: a new ``ProcessGroupNCCL`` per configure; the old one is aborted.
 
     NCCL's own error handling can still block inside CUDA; prefer `ProcessGroupBabyNCCL`
-    when a hung peer must never stall this process.
+    when a hung peer must never stall this process. ``ProcessGroupNCCL(pg=group)`` (torchft's
+    documented form) forwards to an ftlaunch ``group`` instead, and `configure` reconfigures it.
     """
 
-    def __init__(self, timeout: timedelta | float = timedelta(seconds=60)) -> None:
-        super().__init__(timeout=timeout)
+    def __init__(self, timeout: timedelta | float = timedelta(seconds=60), pg: ProcessGroup | None = None) -> None:
+        super().__init__(pg, timeout=timeout)
 
     def getBackendName(self) -> str:  # noqa: N802
         return "ftlaunch-nccl"

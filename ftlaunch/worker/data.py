@@ -130,6 +130,15 @@ def _resolve_pair(
     return idx, cnt
 
 
+def _alias(value: int | None, alias: int | None, name: str, alias_name: str) -> int | None:
+    """One of two names for the same argument (ours and torchft's); both only if they agree."""
+    if alias is None:
+        return value
+    if value is not None and value != alias:
+        raise TypeError(f"{name}={value!r} and {alias_name}={alias!r} name the same argument")
+    return alias
+
+
 class DistributedSampler(Sampler[int]):
     """Shards a map-style dataset over replica groups x ranks, with a position that survives heals.
 
@@ -147,6 +156,9 @@ class DistributedSampler(Sampler[int]):
         shuffle: permute the dataset each epoch (seeded by ``seed + epoch``, same on every shard).
         seed: base seed; must be the same on every worker of every group.
         drop_last: drop the tail so the dataset divides evenly over the shards, instead of padding.
+        replica_rank, group_rank: torchft's names for ``replica_group_id`` and ``rank`` (keyword
+            only; positionally the order is torchft's already: ``(dataset, replica_rank,
+            num_replica_groups, group_rank, num_replicas)``).
 
     Sharding mirrors ``torch.utils.data.distributed.DistributedSampler`` with
     ``num_replicas=num_shards`` and ``rank=shard_index``, where
@@ -170,7 +182,12 @@ class DistributedSampler(Sampler[int]):
         shuffle: bool = True,
         seed: int = 0,
         drop_last: bool = False,
+        *,
+        replica_rank: int | None = None,
+        group_rank: int | None = None,
     ) -> None:
+        replica_group_id = _alias(replica_group_id, replica_rank, "replica_group_id", "replica_rank")
+        rank = _alias(rank, group_rank, "rank", "group_rank")
         try:
             dataset_len = len(dataset)
         except TypeError:
@@ -230,6 +247,16 @@ class DistributedSampler(Sampler[int]):
         self._owner: object | None = None
 
     # ------------------------------------------------------------------------------ properties
+    @property
+    def global_rank(self) -> int:
+        """torchft's name for `shard_index`: ``group_rank + num_replicas * replica_rank``."""
+        return self.shard_index
+
+    @property
+    def global_world_size(self) -> int:
+        """torchft's name for `num_shards`: ``num_replicas * num_replica_groups``."""
+        return self.num_shards
+
     @property
     def epoch(self) -> int:
         """The current epoch (after a heal: the epoch loaded from the peer)."""

@@ -67,7 +67,7 @@ def _comm_hook(state: _HookState, bucket: dist.GradBucket) -> torch.futures.Futu
             buf.div_(dist.get_world_size(state.intra_group))
         except Exception as e:  # noqa: BLE001
             state.manager.report_error(e)
-    return state.manager.allreduce(buf)
+    return state.manager.allreduce(buf).get_future()
 
 
 class DistributedDataParallel(parallel.DistributedDataParallel):
@@ -109,3 +109,29 @@ class DistributedDataParallel(parallel.DistributedDataParallel):
             # orders its buckets for backward.
             return params, sparse
         return params[::-1], sparse[::-1]
+
+
+class PureDistributedDataParallel(nn.Module):
+    """``PureDistributedDataParallel(manager, module)``: torchft's pure-Python DDP.
+
+    One `Manager.allreduce` per parameter, issued from a post-accumulate-grad hook as soon as
+    that gradient is ready; no reducer, no buckets. Simpler to reason about than torch's DDP
+    (nothing is rebuilt, every group issues the same allreduces in backward order) but one
+    collective per parameter: prefer `DistributedDataParallel` for real models. The gradients are
+    averaged in place; the optimizer wrapper's ``should_commit`` waits for all of them.
+    """
+
+    def __init__(self, manager: Manager, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+        def _allreduce_grad(p: torch.Tensor) -> None:
+            if p.grad is not None:
+                manager.allreduce(p.grad)
+
+        for p in module.parameters():
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(_allreduce_grad)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)

@@ -62,7 +62,7 @@ class ManagedProcessGroup(ProcessGroupWrapper):
         if isinstance(tensors, torch.Tensor):
             tensors = [tensors]
         op = _op_of(opts)
-        return _FuturesWork([self._manager.allreduce(t, reduce_op=op) for t in tensors])
+        return _FuturesWork([self._manager.allreduce(t, reduce_op=op).get_future() for t in tensors])
 
     def size(self) -> int:
         return self._manager.num_participants()

@@ -25,11 +25,12 @@ import os
 import socket
 import threading
 import time
+import warnings
 from collections.abc import Callable, MutableMapping
 from concurrent.futures import Future as CFuture
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -50,10 +51,15 @@ from ftlaunch.timeouts import Timeouts, to_seconds
 from ftlaunch.worker import defaults, recovery
 from ftlaunch.worker.commit import CrossGroupVote, wait_all
 from ftlaunch.worker.group_store import GroupStore
-from ftlaunch.worker.plan import LAYOUT_KEY, StepPlan, plan_step
+from ftlaunch.worker.managed_work import ManagedWork, with_default
+from ftlaunch.worker.plan import LAYOUT_KEY, StepPlan, WorldSizeMode, plan_step
 from ftlaunch.worker.recovery import DEFAULT_STATE_KEY, StateRegistry
 
 logger = logging.getLogger(__name__)
+
+__all__ = ["Manager", "ManagedWork", "WorldSizeMode"]
+
+T = TypeVar("T")
 
 #: What ``allreduce`` accepts as its operation: "avg"/"sum" or a torch ReduceOp.
 ReduceOpLike = str | dist.ReduceOp | dist.ReduceOp.RedOpType
@@ -103,10 +109,12 @@ class Manager:
         connect_timeout: timedelta | float | None = None,
         rank: int | None = None,
         world_size: int | None = None,
+        world_size_mode: WorldSizeMode = WorldSizeMode.DYNAMIC,
         store_addr: str | None = None,
         store_port: int | None = None,
         lighthouse_addr: str | None = None,
         replica_id: str | None = None,
+        port: int | None = None,
         hostname: str | None = None,
         heartbeat_interval: timedelta | float = timedelta(milliseconds=100),
         checkpoint_transport: CheckpointTransport[Any] | None = None,
@@ -129,6 +137,11 @@ class Manager:
         connect, heal and commit timeouts derive from it unless given, and the set is validated
         (``ftlaunch.timeouts``). ``timeouts=`` passes an already derived set instead.
 
+        ``world_size_mode``: `WorldSizeMode.DYNAMIC` averages over every up-to-date group;
+        ``FIXED_WITH_SPARES`` over exactly ``min_replica_size`` of them (the others contribute
+        zeros), as in torchft. ``port`` is accepted for torchft scripts and unused: torchft runs a
+        per-group manager server on it; here the group leader talks to the lighthouse directly.
+
         Injection: ``quorum_client`` replaces the `LighthouseClient` the group leader (rank 0) would
         build (the Manager owns it: ``shutdown`` leaves and closes it); ``group_store`` replaces the
         connection to the replica group's store (``store_addr``/``store_port`` then only name it
@@ -138,6 +151,10 @@ class Manager:
             raise ValueError(f"min_replica_size must be >= 1, got {min_replica_size}")
         if max_retries is not None and max_retries < 0:
             raise ValueError(f"max_retries must be >= 0 or None, got {max_retries}")
+        if not isinstance(world_size_mode, WorldSizeMode):
+            raise TypeError(f"world_size_mode must be a WorldSizeMode, got {world_size_mode!r}")
+        if port is not None and not 0 <= port <= 65535:
+            raise ValueError(f"port must be in 0..65535, got {port}")
         if timeouts is None:
             timeouts = Timeouts.derive(
                 timeout, quorum=quorum_timeout, connect=connect_timeout, heal=heal_timeout, commit=commit_timeout
@@ -147,6 +164,7 @@ class Manager:
         self.timeouts = timeouts
         self._pg = pg
         self._min_replica_size = min_replica_size
+        self._world_size_mode = world_size_mode
         self._use_async_quorum = use_async_quorum
         self._init_sync = init_sync
         self._max_retries = max_retries
@@ -217,6 +235,8 @@ class Manager:
             self._group_world_size, self._group.address, type(self._transport).__name__,
         )  # fmt: skip
         timeouts.log(self.log)
+        if port is not None:
+            self.log.info("port=%d is not used: ftlaunch has no per-group manager server", port)
 
     def register_state_dict_fn(
         self, key: str, load_state_dict: Callable[[Any], None], state_dict: Callable[[], Any]
@@ -233,6 +253,22 @@ class Manager:
         the same value on every rank of the group.
         """
         self._layout = {"digest": digest, "text": text}
+
+    def set_state_dict_fns(self, load_state_dict: Callable[[Any], None], state_dict: Callable[[], Any]) -> None:
+        """torchft's older name: `register_state_dict_fn` under the key ``"set_state_dict_fns"``."""
+        warnings.warn("set_state_dict_fns is deprecated: use register_state_dict_fn", DeprecationWarning,
+                      stacklevel=2)
+        self.register_state_dict_fn("set_state_dict_fns", load_state_dict, state_dict)
+
+    def disallow_state_dict_read(self) -> None:
+        """Keep the state from being read for a heal while the caller changes it outside a step
+        (waits for a read in progress). Healing this step's peers then waits, up to the heal
+        timeout, for `allow_state_dict_read`."""
+        self._state.gate.disallow()
+
+    def allow_state_dict_read(self) -> None:
+        """Let heals read the state again (see `disallow_state_dict_read`)."""
+        self._state.gate.allow()
 
     # ============================================================================ 1. the quorum
     def start_quorum(
@@ -272,7 +308,8 @@ class Manager:
         """The quorum thread: quorum -> this group's plan -> reconfigure if it changed -> heal."""
         # Only the leader asks the lighthouse; the group store relays its answer to the other ranks.
         quorum = self._group.relay_quorum(seq, lambda: self._ask_lighthouse(shrink_only, quorum_timeout))
-        plan = plan_step(quorum, self.replica_id, init_sync=self._init_sync)
+        plan = plan_step(quorum, self.replica_id, init_sync=self._init_sync,
+                         world_size_mode=self._world_size_mode, min_replica_size=self._min_replica_size)
         if plan.quorum_id != self._quorum_id:
             self._reconfigure(plan)
         if plan.layout_conflict is not None:
@@ -331,26 +368,27 @@ class Manager:
         self._pg.configure(store_addr, plan.replica_rank, plan.replica_world_size)
 
     # ============================================================================ 2. allreduce
-    def allreduce(
-        self, tensor: torch.Tensor, reduce_op: ReduceOpLike = "avg"
-    ) -> torch.futures.Future[torch.Tensor]:
-        """Fault-tolerant allreduce over the replica groups; averages over up-to-date groups.
+    def allreduce(self, tensor: torch.Tensor, reduce_op: ReduceOpLike = "avg") -> ManagedWork:
+        """Fault-tolerant allreduce over the replica groups; averages over the participating groups.
 
-        Never raises a communication error: a failure is recorded (``errored()``), the returned
-        future completes with the tensor as is, and ``should_commit()`` will refuse the step.
+        Returns a Work (torchft's): ``get_future()`` completes with the tensor, ``wait()`` returns
+        whether the step is still good. Never raises a communication error: a failure is recorded
+        (``errored()``), the future completes with the tensor as is, and ``should_commit()`` will
+        refuse the step.
         """
         avg = _is_avg(reduce_op)
         self.wait_quorum()
         plan = self._plan
         if plan is None or self._pg.errored() is not None:
             # No usable process group this step (quorum or reconfigure failed): nothing to talk to.
-            return completed_future(tensor)
+            return self._work(completed_future(tensor))
         # Even after a local error we still take part: every group must issue the same sequence of
         # collectives, or peers hang (or gloo aborts on a size mismatch). The commit vote discards the step.
-        divisor = plan.num_sources if avg else 1
+        divisor = plan.num_participants if avg else 1
         post_divide = False
-        if plan.heal or self._errored is not None:
-            # A healing group's gradients come from stale weights: contribute zeros, receive the average.
+        if not plan.participates or self._errored is not None:
+            # A healing group's gradients come from stale weights (a spare's do not count):
+            # contribute zeros, receive the average.
             tensor.zero_()
         elif divisor > 1:
             if tensor.is_floating_point() or tensor.is_complex():
@@ -362,13 +400,13 @@ class Manager:
             else:
                 post_divide = True  # other dtypes: divided after the sum, as before
         if plan.replica_world_size == 1:
-            return completed_future(tensor)  # alone (and so the only source): the average is the tensor
+            return self._work(completed_future(tensor))  # alone (and so the only source): the average is the tensor
         op = dist.ReduceOp.SUM if avg or reduce_op == "sum" else reduce_op
         try:
             fut = self._pg.allreduce([tensor], op).get_future()
         except Exception as e:  # noqa: BLE001
             self.report_error(e)
-            return completed_future(tensor)
+            return self._work(completed_future(tensor))
 
         def finish(f: torch.futures.Future[Any]) -> torch.Tensor:
             try:
@@ -381,7 +419,19 @@ class Manager:
 
         out = fut.then(finish)
         self._pending.append(out)
-        return out
+        return self._work(out)
+
+    def _work(self, future: torch.futures.Future[torch.Tensor]) -> ManagedWork:
+        return ManagedWork(future, lambda: self._errored is not None, self.report_error)
+
+    def wrap_future(
+        self, fut: torch.futures.Future[T], default: T, timeout: timedelta | float | None = None
+    ) -> torch.futures.Future[T]:
+        """A future that never fails (torchft's API): ``fut``'s value, or ``default`` when ``fut``
+        fails or does not complete within ``timeout`` (default: the collective timeout). The
+        failure is reported (``errored()``), so this step will not commit."""
+        seconds = self.timeouts.collective if timeout is None else to_seconds(timeout)
+        return with_default(fut, default, seconds, self.report_error)
 
     def report_error(self, e: Exception) -> None:
         """Record a failure of this step: it will not be committed (by any group)."""
@@ -414,7 +464,9 @@ class Manager:
         if plan is not None and plan.heal and self._pending_state is None and self._errored is None:
             self.report_error(CommunicationError("healing was planned but no state was received"))
 
-        ok = self._errored is None and plan is not None and plan.num_sources >= self._min_replica_size
+        # Enough groups up to date (torchft's rule: those at the quorum's max step; at step 0 with
+        # init_sync that is every group, though only the primary's gradients count).
+        ok = self._errored is None and plan is not None and plan.num_up_to_date >= self._min_replica_size
         if plan is not None and plan.replica_world_size > 1:
             ok = self._vote_of_all_groups(ok, deadline)
         if self._group_world_size > 1:
@@ -432,7 +484,7 @@ class Manager:
                 # whose heal failed stayed behind, and the group's ranks drifted apart.
                 self._load_healed_state()
             self._step += 1
-            self._batches_committed += plan.num_sources
+            self._batches_committed += plan.num_participants
             self._commit_failures = 0
             return True
         self._commit_failures += 1
@@ -486,14 +538,15 @@ class Manager:
         return self._batches_committed
 
     def num_participants(self) -> int:
-        """Up-to-date groups in this step's quorum (the divisor of the average)."""
+        """Groups whose gradients count this step (the divisor of the average): the up-to-date
+        groups, at most ``min_replica_size`` of them with `WorldSizeMode.FIXED_WITH_SPARES`."""
         self.wait_quorum()
-        return self._plan.num_sources if self._plan is not None else 0
+        return self._plan.num_participants if self._plan is not None else 0
 
     def participating_rank(self) -> int | None:
-        """This group's rank among the up-to-date groups, None while it heals."""
+        """This group's rank among the participants, None while it heals or stands by as a spare."""
         self.wait_quorum()
-        return self._plan.source_rank if self._plan is not None else None
+        return self._plan.participant_rank if self._plan is not None else None
 
     def is_participating(self) -> bool:
         return self.participating_rank() is not None

@@ -2,8 +2,10 @@
 
 Every group computes its own plan from the same `Quorum`, so all groups agree without further
 messages: who is in the cross-group process group and at which rank, which groups are up to date
-(the *sources*), which must heal, and who sends to whom. Healing assignments are round-robin over
-the sources so a burst of rejoining groups spreads its load over every healthy group.
+(the *sources*), which must heal, who sends to whom, and whose gradients count (the
+*participants*: every source, or with `WorldSizeMode.FIXED_WITH_SPARES` the first
+``min_replica_size`` of them). Healing assignments are round-robin over the sources so a burst of
+rejoining groups spreads its load over every healthy group.
 
 Groups that publish a *layout* (how they shard their state, `LAYOUT_KEY` in their quorum data) are
 checked against the sources' layouts: a group laid out differently would average gradient shards
@@ -13,12 +15,27 @@ with the wrong peers' shards and heal into the wrong places, so it must not take
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 from ftlaunch.lighthouse.quorum import Quorum, QuorumMember
 
 #: Key of a group's layout in its quorum data: ``{"digest": str, "text": str}``.
 LAYOUT_KEY = "layout"
+
+
+class WorldSizeMode(Enum):
+    """How many groups' gradients a step averages when more than ``min_replica_size`` are up to date
+    (torchft's semantics).
+
+    ``DYNAMIC``: all of them; the divisor follows the quorum. ``FIXED_WITH_SPARES``: exactly
+    ``min_replica_size`` (the lowest-ranked up-to-date groups); the others are *spares*: they take
+    part in every collective and step with the average, contributing zero gradients, so a job's
+    effective batch size stays fixed while spares stand by to replace a failed group at once.
+    """
+
+    DYNAMIC = 0
+    FIXED_WITH_SPARES = 1
 
 
 @dataclass(frozen=True)
@@ -42,13 +59,33 @@ class StepPlan:
     store_address: str
     #: Why this group must not take part (its layout differs from a source's), or None.
     layout_conflict: str | None = None
+    #: Groups whose gradients count, the divisor of the average: ``num_sources``, or at most
+    #: ``min_replica_size`` with `WorldSizeMode.FIXED_WITH_SPARES`.
+    num_participants: int = 0
+    #: This group's rank among them; None when it heals or is a spare (it contributes zeros).
+    participant_rank: int | None = None
+    #: Groups at ``max_step`` when the quorum formed (with init_sync at step 0: all of them, though
+    #: only the primary is a source): what ``min_replica_size`` is checked against, as in torchft.
+    num_up_to_date: int = 0
 
     @property
     def heal(self) -> bool:
         return self.recover_src_rank is not None
 
+    @property
+    def participates(self) -> bool:
+        """Whether this group's gradients count this step."""
+        return self.participant_rank is not None
 
-def plan_step(quorum: Quorum, replica_id: str, *, init_sync: bool = True) -> StepPlan:
+
+def plan_step(
+    quorum: Quorum,
+    replica_id: str,
+    *,
+    init_sync: bool = True,
+    world_size_mode: WorldSizeMode = WorldSizeMode.DYNAMIC,
+    min_replica_size: int = 1,
+) -> StepPlan:
     """Compute this group's plan for the step from the quorum (pure, deterministic)."""
     members = list(quorum.participants)
     ids = [m.replica_id for m in members]
@@ -70,6 +107,9 @@ def plan_step(quorum: Quorum, replica_id: str, *, init_sync: bool = True) -> Ste
     # The rendezvous store of the lowest-ranked source: sources are the groups most likely to be
     # healthy, and every group picks the same one.
     store_address = members[sources[0]].store_address
+    participants = sources
+    if world_size_mode is WorldSizeMode.FIXED_WITH_SPARES:
+        participants = sources[:min_replica_size]
     return StepPlan(
         quorum_id=quorum.quorum_id,
         replica_rank=me,
@@ -82,6 +122,9 @@ def plan_step(quorum: Quorum, replica_id: str, *, init_sync: bool = True) -> Ste
         recover_dst_ranks=dsts,
         store_address=store_address,
         layout_conflict=_layout_conflict(members[me], [members[i] for i in sources]),
+        num_participants=len(participants),
+        participant_rank=participants.index(me) if me in participants else None,
+        num_up_to_date=sum(1 for m in members if m.step == max_step),
     )
 
 

@@ -9,7 +9,9 @@ that registered other keys then fails the step's vote instead of raising after a
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -27,12 +29,61 @@ LoadFn = Callable[[Any], None]
 SaveFn = Callable[[], Any]
 
 
+class ReadGate:
+    """Lets the training loop keep the state from being read while it changes it (torchft's
+    ``allow_state_dict_read`` / ``disallow_state_dict_read``).
+
+    A source group snapshots its state on the quorum thread while the training thread runs; code
+    that mutates the state outside the optimizer step (an outer optimizer, a manual weight average)
+    closes the gate first. `disallow` waits for a snapshot in progress to finish; a snapshot that
+    finds the gate closed waits for `allow`, up to its timeout (then the heal fails, the step does
+    not commit, and the next quorum retries).
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._readers = 0
+        self._allowed = True
+
+    @property
+    def allowed(self) -> bool:
+        return self._allowed
+
+    def disallow(self) -> None:
+        with self._cond:
+            self._allowed = False
+            self._cond.wait_for(lambda: self._readers == 0)
+
+    def allow(self) -> None:
+        with self._cond:
+            self._allowed = True
+            self._cond.notify_all()
+
+    @contextmanager
+    def reading(self, timeout: float) -> Iterator[None]:
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._allowed, timeout):
+                raise CommunicationError(
+                    f"the state could not be read for a heal: reads stayed disallowed for {timeout:g} s "
+                    "(disallow_state_dict_read without allow_state_dict_read?)"
+                )
+            self._readers += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._readers -= 1
+                self._cond.notify_all()
+
+
 class StateRegistry:
     """The Manager's own state plus whatever the user registered, under unique keys."""
 
     def __init__(self, load_own: LoadFn, save_own: SaveFn) -> None:
         self._own = (load_own, save_own)
         self._user: dict[str, tuple[LoadFn, SaveFn]] = {}
+        #: Closed by the training loop while it changes the state outside a step (see `ReadGate`).
+        self.gate = ReadGate()
 
     def register(self, key: str, load_state_dict: LoadFn, state_dict: SaveFn) -> None:
         """Add state under ``key``; ValueError if the key is taken (or is the Manager's own)."""
@@ -71,9 +122,9 @@ def offer(
     The caller must call ``transport.disallow_checkpoint()`` before the state changes again.
     Raises what the transport raises (`CheckpointTransportError`).
     """
-    transport.send_checkpoint(
-        dst_ranks=list(plan.recover_dst_ranks), step=step, state_dict=registry.snapshot(), timeout=timeout
-    )
+    with registry.gate.reading(timeout.total_seconds()):
+        state = registry.snapshot()
+    transport.send_checkpoint(dst_ranks=list(plan.recover_dst_ranks), step=step, state_dict=state, timeout=timeout)
 
 
 def fetch(
