@@ -37,6 +37,8 @@ _LAZY = {
     "ProcessGroupDummy": "ftlaunch.process_group",
     "ErrorSwallowingProcessGroupWrapper": "ftlaunch.process_group",
     "ManagedProcessGroup": "ftlaunch.worker.managed_pg",
+    "LocalSGD": "ftlaunch.worker.local_sgd",
+    "DiLoCo": "ftlaunch.worker.local_sgd",
     "create_store_client": "ftlaunch.process_group",
     "extend_device_mesh": "ftlaunch.process_group",
     "CheckpointTransport": "ftlaunch.checkpointing",
