@@ -87,19 +87,19 @@ def reference_diloco(model: nn.Module, fragments: list[list[nn.Parameter]], inne
         local_step += 1
         k = syncs % len(fragments)
         if local_step == interval - delay:
-            pseudo = [g - p.detach() for g, p in zip(global_[k], fragments[k])]
+            pseudo = [g - p.detach() for g, p in zip(global_[k], fragments[k], strict=True)]
         if local_step == interval:
             with torch.no_grad():
                 local = [p.detach().clone() for p in fragments[k]]
-                for p, g in zip(fragments[k], global_[k]):
+                for p, g in zip(fragments[k], global_[k], strict=True):
                     p.copy_(g)
                 for p in model.parameters():
                     p.grad = None
-                for p, d in zip(fragments[k], pseudo):
+                for p, d in zip(fragments[k], pseudo, strict=True):
                     p.grad = d
                 outer.step()
                 global_[k] = [p.detach().clone() for p in fragments[k]]
-                for p, mine in zip(fragments[k], local):
+                for p, mine in zip(fragments[k], local, strict=True):
                     p.lerp_(mine, alpha)
             syncs += 1
             local_step = 0
@@ -166,7 +166,7 @@ def test_the_outer_step_touches_only_the_synced_fragment(
     # Momentum state exists only for what the outer optimizer stepped: fragment 0.
     assert {id(p) for p in outer.state} == {id(p) for p in frags[0].parameters()}
     # and the inner gradients are back where the user left them
-    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads_before))
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads_before, strict=True))
 
 
 # ------------------------------------------------------------------------------ the schedule
@@ -223,7 +223,7 @@ def test_a_failed_sync_drops_the_fragments_local_progress_and_retries_it(
         inner_step(model, inner, next(data))
         pg.fail_next("allreduce")  # the agreement of the first sync fails (a peer died)
         inner_step(model, inner, next(data))
-        assert d.syncs == 0 and not m.errored() is None
+        assert d.syncs == 0 and m.errored() is not None
         # Fragment 0 is back at its global parameters; fragment 1 keeps its inner progress.
         assert torch.equal(flat(frags[0].parameters()), start[0])
         assert not torch.equal(flat(frags[1].parameters()), start[1])
@@ -252,7 +252,7 @@ def test_local_sgd_averages_every_sync_every_steps_and_keeps_local_weights_when_
         pg.fail_next("allreduce")
         inner_step(model, opt, next(data))
         before = flat(model.parameters())
-        assert not m.errored() is None and algo.local_step == 0
+        assert m.errored() is not None and algo.local_step == 0
         for _ in range(3):
             inner_step(model, opt, next(data))
         assert m.errored() is None and m.current_step() == 2
@@ -301,7 +301,7 @@ def test_a_joining_group_heals_the_global_parameters_outer_state_and_schedule_af
     # It starts its inner loop from the healed global parameters, with the source's outer state.
     assert torch.equal(flat(model.parameters()), flat(src.global_parameters().values()))
     assert torch.equal(flat(d.global_parameters().values()), flat(src.global_parameters().values()))
-    for p_src, p in zip(src_model.parameters(), model.parameters()):
+    for p_src, p in zip(src_model.parameters(), model.parameters(), strict=True):
         assert torch.equal(src_outer.state[p_src]["momentum_buffer"], outer.state[p]["momentum_buffer"])
 
 

@@ -166,9 +166,9 @@ def _allreduce(pg: ProcessGroup | dist.ProcessGroup, tensor: torch.Tensor, bits:
     recv = torch.empty_like(send)
     pg.all_to_all_single(recv, send, [], []).wait()  # row i: rank i's chunk `rank`
     mine = decode(recv, bits, block_size).sum(dim=0)  # float32, in rank order
-    gathered = torch.empty_like(send)
+    gathered = torch.empty(send.numel(), dtype=torch.uint8, device=send.device)
     pg.all_gather_single(gathered, encode(mine, 1, bits, block_size).reshape(-1)).wait()
-    total = decode(gathered, bits, block_size).reshape(-1)[:n]
+    total = decode(gathered.view(world, -1), bits, block_size).reshape(-1)[:n]
     tensor.copy_(total.reshape(tensor.shape))
 
 
