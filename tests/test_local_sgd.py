@@ -21,7 +21,7 @@ from torch import nn
 from ftlaunch import env
 from ftlaunch.errors import QuorumTimeoutError
 from ftlaunch.process_group.fake import FakeProcessGroup
-from ftlaunch.worker.local_sgd import STATE_KEY, DiLoCo, LocalSGD, split_fragments
+from ftlaunch.worker.local_sgd import LINEAGE_END, STATE_KEY, DiLoCo, LocalSGD, split_fragments
 from ftlaunch.worker.manager import Manager
 from ftlaunch.worker.recovery import MANAGER_STATE_KEY
 from ftlaunch.worker.sync_point import Buckets
@@ -193,7 +193,7 @@ def test_each_sync_point_is_one_quorum_one_agreement_the_fragment_buckets_and_on
         assert pg.ops == [] and len(lighthouse.asked) == 1  # inner steps never talk
         inner_step(model, inner, next(data))  # step 3 = 4 - delay: the sync of fragment 0 starts
         assert len(lighthouse.asked) == 2
-        assert pg.ops[0].reduce_op == MAX and pg.ops[0].inputs[0].tolist() == [1, 0]  # SYNC, 0 syncs
+        assert pg.ops[0].reduce_op == MAX and pg.ops[0].inputs[0].tolist()[:2] == [1, 0]  # SYNC, 0 syncs
         nbuckets = len(pg.ops) - 1
         assert nbuckets > 1 and all(op.reduce_op == SUM for op in pg.ops[1:])  # small buckets: several
         assert sum(op.inputs[0].numel() for op in pg.ops[1:]) == sum(p.numel() for p in d._fragments[0].params)
@@ -204,7 +204,7 @@ def test_each_sync_point_is_one_quorum_one_agreement_the_fragment_buckets_and_on
         for _ in range(4):
             inner_step(model, inner, next(data))
         # fragment 1 (the agreement carries the sync count: 1)
-        assert pg.ops[0].inputs[0].tolist() == [1, 1]
+        assert pg.ops[0].inputs[0].tolist()[:2] == [1, 1]
         assert sum(op.inputs[0].numel() for op in pg.ops[1:-1]) == sum(p.numel() for p in d._fragments[1].params)
         assert d.syncs == 2 and m.current_step() == 3 and len(lighthouse.asked) == 3
 
@@ -230,7 +230,7 @@ def test_a_failed_sync_drops_the_fragments_local_progress_and_retries_it(
         pg.ops.clear()
         inner_step(model, inner, next(data))
         inner_step(model, inner, next(data))
-        assert pg.ops[0].inputs[0].tolist() == [1, 0]  # fragment 0 again, on the new quorum
+        assert pg.ops[0].inputs[0].tolist()[:2] == [1, 0]  # fragment 0 again, on the new quorum
         assert d.syncs == 1 and m.errored() is None
     assert [c[0].rsplit("/", 1)[0][-2:] for c in pg.configure_calls] == ["q1", "q2"]
 
@@ -296,13 +296,54 @@ def test_a_joining_group_heals_the_global_parameters_outer_state_and_schedule_af
     d = DiLoCo(m, split_fragments(model, 2), inner, outer, sync_every=4)
     with d:
         pass
-    assert pg.ops[0].reduce_op == MAX and pg.ops[0].inputs[0].tolist() == [0, 0]  # a healer contributes zeros
+    assert pg.ops[0].reduce_op == MAX and pg.ops[0].inputs[0].tolist() == [0, 0, 0, 0]  # a healer contributes zeros
     assert d.syncs == 2 and m.current_step() == 6
     # It starts its inner loop from the healed global parameters, with the source's outer state.
     assert torch.equal(flat(model.parameters()), flat(src.global_parameters().values()))
     assert torch.equal(flat(d.global_parameters().values()), flat(src.global_parameters().values()))
     for p_src, p in zip(src_model.parameters(), model.parameters(), strict=True):
         assert torch.equal(src_outer.state[p_src]["momentum_buffer"], outer.state[p]["momentum_buffer"])
+
+
+def test_split_histories_are_never_committed_and_the_older_lineage_heals_at_the_next_sync(
+    manager: Callable[..., tuple[Manager, FakeProcessGroup]],
+) -> None:
+    """Two sets of groups that each formed their first quorum alone meet at the same step with
+    different global parameters: the agreement sees two lineages, nobody commits, and the groups
+    of the older one fall back to step 0 so that the next quorum heals them."""
+    lighthouse = ScriptedLighthouse(in_step(1, "rg0", us="rg1"))
+    m, pg = manager(lighthouse, replica_id="rg1", init_sync=False)
+    model = mlp()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    d = DiLoCo(m, model, inner, torch.optim.SGD(model.parameters(), lr=0.7), sync_every=2)
+    real_allreduce = m.allreduce
+    newer_peer = [True]
+
+    def allreduce(t: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        out = real_allreduce(t, *args, **kwargs)
+        if t.dtype == torch.int64 and newer_peer[0]:  # a peer of another lineage, newer than ours
+            out.wait()
+            t[2] = LINEAGE_END - 1
+        return out
+
+    with d:
+        assert m.current_step() == 1
+        m.allreduce = allreduce  # type: ignore[method-assign]
+        pg.ops.clear()
+        for batch in batches(2):
+            inner_step(model, inner, batch)
+        assert [op.reduce_op for op in pg.ops] == [MAX, MIN]  # no pseudo-gradients exchanged
+        assert d.syncs == 0 and m.current_step() == 0  # behind now: the next quorum heals us
+        newer_peer[0] = False
+        served = copy.deepcopy(d.state_dict())
+        served["lineage"], served["syncs"] = 12345, 7
+        m._transport.inbox[("mem://rg0", 1)] = {  # type: ignore[attr-defined]
+            MANAGER_STATE_KEY: {"step": 1, "batches_committed": 1}, STATE_KEY: served,
+        }  # fmt: skip
+        lighthouse.answers = [quorum(9, peer("rg0", 1), us="rg1")]
+        for batch in batches(2):
+            inner_step(model, inner, batch)
+        assert d.state_dict()["lineage"] == 12345 and m.current_step() == 2
 
 
 def test_a_join_that_does_not_commit_is_asked_again(manager: Callable[..., tuple[Manager, FakeProcessGroup]]) -> None:

@@ -34,6 +34,7 @@ docs/diloco.md.
 from __future__ import annotations
 
 import logging
+import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Self
@@ -43,6 +44,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from ftlaunch.errors import FtlaunchError
 from ftlaunch.worker.manager import Manager
 from ftlaunch.worker.sync_point import DEFAULT_BUCKET_CAP_MB, Buckets, local_view, take_quorum, wait
 
@@ -52,6 +54,9 @@ logger = logging.getLogger(__name__)
 JOIN, SYNC = 0, 1
 #: Key of DiLoCo's state in the state that travels with live recovery.
 STATE_KEY = "diloco"
+#: Lineage ids are in [1, LINEAGE_END): a MAX all-reduce of (id, LINEAGE_END - id) gives the largest
+#: and the smallest id of the up-to-date groups (healers contribute zeros, which count for neither).
+LINEAGE_END = 1 << 62
 
 
 def _log(manager: Manager) -> logging.Logger | logging.LoggerAdapter:
@@ -246,6 +251,8 @@ class _Sync:
     fragment: _Fragment | None = None
     grads: Buckets | None = None
     works: list[Any] = field(default_factory=list)
+    #: This group's global parameters descend from other ones than the job's (see `DiLoCo._start`).
+    lost_lineage: bool = False
 
 
 class DiLoCo(_Hooked):
@@ -312,6 +319,7 @@ class DiLoCo(_Hooked):
         self._device = self._fragments[0].params[0].device
         self._local_step = 0
         self._syncs = 0
+        self._lineage = secrets.randbelow(LINEAGE_END - 1) + 1
         self._pending: _Sync | None = None
         self._healed = False
         for f in self._fragments:
@@ -329,6 +337,11 @@ class DiLoCo(_Hooked):
         """Inner steps since the last sync point."""
         return self._local_step
 
+    @property
+    def sync_interval(self) -> int:
+        """Inner steps between two sync points: ``sync_every / len(fragments)``."""
+        return self._interval
+
     def global_parameters(self) -> dict[str, torch.Tensor]:
         """The global (outer) parameters by fragment-qualified name; identical in every group."""
         return {f"{i}.{n}": b for i, f in enumerate(self._fragments) for n, b in f.state_dict().items()}
@@ -337,6 +350,7 @@ class DiLoCo(_Hooked):
         """What a healing group receives (and what a checkpoint of the algorithm holds)."""
         return {
             "syncs": self._syncs,
+            "lineage": self._lineage,
             "fragments": [f.state_dict() for f in self._fragments],
             "outer_optimizers": [o.state_dict() for o in self._outers],
         }
@@ -359,6 +373,7 @@ class DiLoCo(_Hooked):
         for o, sd in zip(self._outers, outers, strict=True):
             o.load_state_dict(sd)
         self._syncs = int(state_dict["syncs"])
+        self._lineage = int(state_dict["lineage"])
         self._healed = True
 
     # ---------------------------------------------------------------- the schedule
@@ -383,24 +398,35 @@ class DiLoCo(_Hooked):
     def _start(self, kind: int) -> _Sync:
         """Quorum, agreement on the fragment, and the pseudo-gradient all-reduce (not waited for)."""
         take_quorum(self._manager, _log(self._manager))
-        kind, syncs = self._agree(kind)
+        kind, syncs, newest, oldest = self._agree(kind)
         if kind == JOIN:  # everyone is just starting: nothing to exchange, only the heal
+            self._lineage = newest  # one history from here on (healers also receive it)
             return _Sync(JOIN)
+        if newest != oldest:
+            # Up-to-date groups whose global parameters have different histories: two sets of groups
+            # started apart (each formed its first quorum without the other) and reached the same
+            # step. Nobody commits; the groups of the older lineage fall back to step 0, so the next
+            # quorum heals them from the others.
+            lost = self._manager.is_participating() and self._lineage != newest
+            self._manager.report_error(FtlaunchError("up-to-date groups have different global parameters"))
+            return _Sync(SYNC, lost_lineage=lost)
         fragment = self._fragments[syncs % len(self._fragments)]
         grads = fragment.pseudo_gradients(self._bucket_cap_mb)
         works = [self._manager.allreduce(b, should_quantize=self._should_quantize) for b in grads.buffers]
         return _Sync(SYNC, fragment, grads, works)
 
-    def _agree(self, kind: int) -> tuple[int, int]:
-        """(kind, sync count) of the up-to-date groups: a MAX all-reduce in which healers count zero.
+    def _agree(self, kind: int) -> tuple[int, int, int, int]:
+        """Kind, sync count, newest and oldest lineage of the up-to-date groups: one MAX all-reduce,
+        in which healers count zero.
 
         Waiting for it also means that every healer has its copy of our state (a healer fetches
         before it contributes): the inner steps that overlap the sync may change the model.
         """
-        control = torch.tensor([kind, self._syncs], dtype=torch.int64, device=self._device)
+        mine = [kind, self._syncs, self._lineage, LINEAGE_END - self._lineage]
+        control = torch.tensor(mine, dtype=torch.int64, device=self._device)
         wait(self._manager.allreduce(control, reduce_op=dist.ReduceOp.MAX))
-        agreed_kind, syncs = (int(v) for v in control.tolist())
-        return agreed_kind, syncs
+        agreed_kind, syncs, newest, inverse_oldest = (int(v) for v in control.tolist())
+        return agreed_kind, syncs, newest, LINEAGE_END - inverse_oldest
 
     def _finish(self, sync: _Sync) -> bool:
         """Wait for the all-reduce, vote, and apply the outer step if every group committed."""
@@ -422,7 +448,14 @@ class DiLoCo(_Hooked):
                 if local is not None:
                     sync.fragment.merge(local, self._alpha)
                 self._syncs += 1
-        if sync.fragment is None:
+        if sync.lost_lineage:
+            _log(self._manager).warning(
+                "this group's global parameters descend from other ones than the job's: it heals at the next sync"
+            )
+            self._manager.load_state_dict({"step": 0, "batches_committed": self._manager.batches_committed()})
+        if sync.kind == SYNC and sync.fragment is None:
+            what = "sync (split histories found)"
+        elif sync.fragment is None:
             what = "join"
         else:
             what = f"sync of fragment {self._fragments.index(sync.fragment)}"
