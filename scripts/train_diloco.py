@@ -43,7 +43,7 @@ from ftlaunch import env
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--algorithm", choices=["diloco", "local_sgd", "ddp"], default="diloco")
-    p.add_argument("--steps", type=int, default=400, help="inner steps of the job (default 400)")
+    p.add_argument("--steps", type=int, default=2000, help="inner steps of the job (default 2000)")
     p.add_argument("--sync-every", type=int, default=None,
                    help="inner steps per sync of a fragment (default: FTLAUNCH_SYNC_EVERY, else 20)")
     p.add_argument("--fragments", type=int, default=None, help="Streaming DiLoCo fragments (default 1)")
