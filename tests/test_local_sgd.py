@@ -423,3 +423,30 @@ def test_buckets_pack_by_dtype_and_cap_and_views_alias_the_buffers() -> None:
     b.views[1].fill_(7.0)
     assert b.buffers[0][10:22].eq(7.0).all() and b.views[1].data_ptr() == b.buffers[0][10:].data_ptr()
     assert [buf.numel() for buf in Buckets(ts, cap_mb=None).buffers] == [10, 12, 5, 100]
+
+
+# ------------------------------------------------------------------------------ the two-line form
+
+
+def test_ft_diloco_takes_what_is_not_passed_from_the_environment(
+    manager: Callable[..., tuple[Manager, FakeProcessGroup]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ftlaunch.worker.entry import FaultTolerance
+
+    m, pg = manager(ScriptedLighthouse(in_step(1)))
+    ft = FaultTolerance(manager=m, pg=pg, replica_group_id=0, num_replica_groups=1, rank=0, world_size=1,
+                        device=torch.device("cpu"), backend="gloo", transport="pg", timeouts=m.timeouts)  # fmt: skip
+    for var, value in ((env.FTLAUNCH_SYNC_EVERY, "12"), (env.FTLAUNCH_FRAGMENTS, "3"),
+                       (env.FTLAUNCH_FRAGMENT_SYNC_DELAY, "1"), (env.FTLAUNCH_FRAGMENT_UPDATE_ALPHA, "0.25"),
+                       (env.FTLAUNCH_QUANTIZE, "4")):  # fmt: skip
+        monkeypatch.setenv(var, value)
+    model = mlp()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    d = ft.diloco(model, inner, torch.optim.SGD(model.parameters(), lr=0.7))
+    assert (d.sync_interval, len(d._fragments), d._prepare_at, d._alpha, d._should_quantize) == (4, 3, 3, 0.25, 4)
+    assert m.current_step() == 1  # entered: it has joined
+    d2 = ft.local_sgd(model, torch.optim.SGD(model.parameters(), lr=0.1), sync_every=5)  # an argument wins
+    assert d2._sync_every == 5 and m.current_step() == 2
+    monkeypatch.setenv(env.FTLAUNCH_FRAGMENT_UPDATE_ALPHA, "half")
+    with pytest.raises(ValueError, match="FTLAUNCH_FRAGMENT_UPDATE_ALPHA='half' is not a number"):
+        ft.diloco(model, inner, torch.optim.SGD(model.parameters(), lr=0.7))
