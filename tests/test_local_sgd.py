@@ -21,7 +21,8 @@ from torch import nn
 from ftlaunch import env
 from ftlaunch.errors import QuorumTimeoutError
 from ftlaunch.process_group.fake import FakeProcessGroup
-from ftlaunch.worker.local_sgd import LINEAGE_END, STATE_KEY, DiLoCo, LocalSGD, split_fragments
+from ftlaunch.worker.fragments import split_fragments
+from ftlaunch.worker.local_sgd import LINEAGE_END, STATE_KEY, DiLoCo, LocalSGD
 from ftlaunch.worker.manager import Manager
 from ftlaunch.worker.recovery import MANAGER_STATE_KEY
 from ftlaunch.worker.sync_point import Buckets

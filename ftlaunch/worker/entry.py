@@ -163,7 +163,7 @@ class FaultTolerance:
         """DiLoCo across the replica groups; Streaming DiLoCo with ``fragments`` > 1.
 
         ``fragments``: a number (``model``'s parameters split into that many contiguous fragments,
-        `split_fragments`) or the fragment modules themselves. What is not passed comes from the
+        `ftlaunch.worker.fragments.split_fragments`) or the fragment modules themselves. What is not passed comes from the
         environment (``FTLAUNCH_SYNC_EVERY``, ``FTLAUNCH_FRAGMENTS``, ``FTLAUNCH_FRAGMENT_SYNC_DELAY``,
         ``FTLAUNCH_FRAGMENT_UPDATE_ALPHA``, ``FTLAUNCH_QUANTIZE``: what ``torchx run ftlaunch:diloco``
         sets), else the defaults: 100 steps, 1 fragment, no overlap, alpha 0, full precision.
@@ -173,7 +173,8 @@ class FaultTolerance:
         the job's global parameters) and ``inner_optimizer.step()`` drives it.
         """
         from ftlaunch.errors import ConfigurationError
-        from ftlaunch.worker.local_sgd import DiLoCo, split_fragments
+        from ftlaunch.worker.fragments import split_fragments
+        from ftlaunch.worker.local_sgd import DiLoCo
 
         every = sync_every if sync_every is not None else env.get_int(env.FTLAUNCH_SYNC_EVERY, 100) or 100
         if fragments is None:
