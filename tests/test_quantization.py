@@ -123,7 +123,7 @@ def _reduce(rank: int, bits: q.Bits, n: int) -> tuple[list[float], list[float]]:
     return x.tolist(), out.tolist()
 
 
-@pytest.mark.parametrize("kind", ["gloo", "baby"])
+@pytest.mark.parametrize("kind", ["baby", pytest.param("gloo", marks=pytest.mark.slow)])
 def test_allreduce_on_real_gloo_is_bit_identical_everywhere_and_within_the_bound(kind: str) -> None:
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
     try:
