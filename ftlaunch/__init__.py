@@ -37,6 +37,8 @@ _LAZY = {
     "ProcessGroupDummy": "ftlaunch.process_group",
     "ErrorSwallowingProcessGroupWrapper": "ftlaunch.process_group",
     "ManagedProcessGroup": "ftlaunch.worker.managed_pg",
+    "LocalSGD": "ftlaunch.worker.local_sgd",
+    "DiLoCo": "ftlaunch.worker.local_sgd",
     "create_store_client": "ftlaunch.process_group",
     "extend_device_mesh": "ftlaunch.process_group",
     "ft_init_device_mesh": "ftlaunch.worker.hsdp",
@@ -86,6 +88,7 @@ __all__ = [
     "QuorumTimeoutError",
     *_LAZY,
     "ddp",
+    "diloco",
     "hsdp",
 ]
 
@@ -229,11 +232,83 @@ def ddp(
     )
 
 
+def diloco(
+    *script_args: str,
+    script: str | None = None,
+    m: str | None = None,
+    replicas: int = 3,
+    workers_per_replica: int = 1,
+    sync_every: int = 100,
+    fragments: int = 1,
+    fragment_sync_delay: int = 0,
+    fragment_update_alpha: float = 0.0,
+    quantize: int = 0,
+    image: str | None = None,
+    name: str = "ftlaunch-diloco",
+    cpu: int = 2,
+    gpu: int = 0,
+    memMB: int = 2048,  # noqa: N803 - torchx's spelling
+    h: str | None = None,
+    max_restarts: int = 3,
+    min_replicas: int = 1,
+    lighthouse: str = "",
+    lighthouse_bind: str = "127.0.0.1:0",
+    job_dir: str = "",
+    env: dict[str, str] | None = None,
+    max_retries: int = 0,
+    tee: int = 3,
+) -> AppDef:
+    """Fault-tolerant DiLoCo / Streaming DiLoCo: ``ddp``'s roles, with the algorithm's settings.
+
+    Usage: torchx run -s local_cwd ftlaunch:diloco --replicas 3 --sync_every 50 --script train_diloco.py
+
+    The settings reach the script as environment variables that ``ft.diloco()`` (and
+    ``ft.local_sgd()``) read for what the script does not pass itself.
+
+    Args:
+        script_args: arguments of the training script or module
+        script: training script to run in every worker
+        m: python module to run instead of a script (python -m)
+        replicas: number of replica groups
+        workers_per_replica: workers per replica group (torchrun --nproc-per-node)
+        sync_every: inner steps between two syncs of a fragment (FTLAUNCH_SYNC_EVERY)
+        fragments: model fragments synced in turn, Streaming DiLoCo when > 1 (FTLAUNCH_FRAGMENTS)
+        fragment_sync_delay: inner steps a fragment's all-reduce overlaps (FTLAUNCH_FRAGMENT_SYNC_DELAY)
+        fragment_update_alpha: mixing of local and global parameters (FTLAUNCH_FRAGMENT_UPDATE_ALPHA)
+        quantize: pseudo-gradient bits, 0 (full precision), 8 or 4 (FTLAUNCH_QUANTIZE)
+        image: image (e.g. docker) or, for local_cwd, the working directory
+        name: job name
+        cpu: cpus per replica group
+        gpu: gpus per replica group
+        memMB: memory in MB per replica group
+        h: a registered named resource (takes precedence over cpu, gpu, memMB)
+        max_restarts: torchelastic restarts of a group's workers before the group fails
+        min_replicas: smallest quorum of replica groups
+        lighthouse: HOST:PORT of an existing lighthouse (then no lighthouse role is started)
+        lighthouse_bind: where the lighthouse role listens; 0.0.0.0:0 when groups run on other hosts
+        job_dir: directory shared by all roles (default /tmp/ftlaunch-torchx/<app_id>)
+        env: environment variables for every role (e.g. K1=v1,K2=v2)
+        max_retries: scheduler retries of a role
+        tee: tee worker streams to console and file (0 none, 1 stdout, 2 stderr, 3 both)
+    """
+    from ftlaunch.launcher.torchx_components import diloco_environ
+
+    algorithm_env = diloco_environ(sync_every, fragments, fragment_sync_delay, fragment_update_alpha, quantize)
+    return hsdp(
+        *script_args, script=script, m=m, replicas=replicas, workers_per_replica=workers_per_replica,
+        nnodes_per_replica=1, image=image, name=name, cpu=cpu, gpu=gpu, memMB=memMB, h=h,
+        max_restarts=max_restarts, min_replicas=min_replicas, lighthouse=lighthouse,
+        lighthouse_bind=lighthouse_bind, job_dir=job_dir, env={**algorithm_env, **(env or {})},
+        max_retries=max_retries, tee=tee,
+    )
+
+
 def _torchx_signatures() -> None:
     from ftlaunch.launcher.torchx_components import with_runtime_annotations
 
     with_runtime_annotations(hsdp)
     with_runtime_annotations(ddp)
+    with_runtime_annotations(diloco)
 
 
 _torchx_signatures()

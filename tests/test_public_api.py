@@ -55,13 +55,16 @@ def test_torchft_module_paths_resolve_to_the_worker_package() -> None:
     assert ftlaunch.data.DistributedSampler is ftlaunch.DistributedSampler
     assert ftlaunch.process_group.ManagedProcessGroup is ftlaunch.ManagedProcessGroup
     assert ftlaunch.Manager.__module__ == "ftlaunch.worker.manager"
+    import ftlaunch.local_sgd
+
+    assert ftlaunch.local_sgd.DiLoCo is ftlaunch.DiLoCo and ftlaunch.local_sgd.LocalSGD is ftlaunch.LocalSGD
 
 
 def test_nothing_in_the_package_imports_the_torchft_shims() -> None:
     import ast
     from pathlib import Path
 
-    shims = {"ftlaunch.manager", "ftlaunch.optim", "ftlaunch.data", "ftlaunch.parameter_server"}
+    shims = {"ftlaunch.manager", "ftlaunch.optim", "ftlaunch.data", "ftlaunch.parameter_server", "ftlaunch.local_sgd"}
     root = Path(ftlaunch.__file__).parent
     offenders = []
     for path in root.rglob("*.py"):

@@ -1,4 +1,4 @@
-"""Bodies of the torchx components ``ftlaunch:hsdp`` and ``ftlaunch:ddp``.
+"""Bodies of the torchx components ``ftlaunch:hsdp``, ``ftlaunch:ddp`` and ``ftlaunch:diloco``.
 
 torchx addresses ``ftlaunch:hsdp`` by the function *defined* in ``ftlaunch/__init__.py`` (it lints
 that file's source), so the thin, documented definitions live there and call `hsdp_app` here.
@@ -179,3 +179,30 @@ def hsdp_app(
             )
         )
     return specs.AppDef(name=name, roles=roles)
+
+
+def diloco_environ(
+    sync_every: int, fragments: int, fragment_sync_delay: int, fragment_update_alpha: float, quantize: int
+) -> dict[str, str]:
+    """``ftlaunch:diloco``'s settings as the variables ``ft.diloco()`` reads, checked here so that a
+    wrong value fails at ``torchx run`` instead of in every worker."""
+    from ftlaunch import env as ftenv
+    from ftlaunch.errors import ConfigurationError
+
+    if fragments < 1 or sync_every < fragments or sync_every % fragments:
+        raise ConfigurationError(f"--sync_every {sync_every} must be a multiple of --fragments {fragments} (>= 1)")
+    if not 0 <= fragment_sync_delay < sync_every // fragments:
+        raise ConfigurationError(
+            f"--fragment_sync_delay {fragment_sync_delay} must be >= 0 and < sync_every / fragments"
+        )
+    if not 0.0 <= fragment_update_alpha <= 1.0:
+        raise ConfigurationError(f"--fragment_update_alpha {fragment_update_alpha} must be in [0, 1]")
+    if quantize not in (0, 4, 8):
+        raise ConfigurationError(f"--quantize {quantize} must be 0, 4 or 8")
+    return {
+        ftenv.FTLAUNCH_SYNC_EVERY: str(sync_every),
+        ftenv.FTLAUNCH_FRAGMENTS: str(fragments),
+        ftenv.FTLAUNCH_FRAGMENT_SYNC_DELAY: str(fragment_sync_delay),
+        ftenv.FTLAUNCH_FRAGMENT_UPDATE_ALPHA: repr(float(fragment_update_alpha)),
+        ftenv.FTLAUNCH_QUANTIZE: str(quantize),
+    }

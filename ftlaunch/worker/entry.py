@@ -46,6 +46,7 @@ from ftlaunch.worker.manager import Manager, release_process_group
 
 if TYPE_CHECKING:
     from ftlaunch.gang import Gang, Gangs
+    from ftlaunch.worker.local_sgd import DiLoCo, LocalSGD
 
 #: Cross-group process-group backends ``init`` can build (argument ``backend=`` or ``FTLAUNCH_BACKEND``).
 BACKENDS = ("baby-gloo", "baby-nccl", "gloo", "nccl")
@@ -220,6 +221,104 @@ class FaultTolerance:
         self.manager.require_same_layout(layout.digest, layout.text)
         self.manager.log.info("fault-tolerant HSDP: %s", layout.text)
         return model, Optimizer(self.manager, optimizer)
+
+    # ---- periodic synchronisation: LocalSGD, DiLoCo, Streaming DiLoCo (docs/diloco.md) ----------
+    def local_sgd(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, sync_every: int | None = None, **kwargs: Any
+    ) -> LocalSGD:
+        """Average ``model``'s parameters over the replica groups every ``sync_every`` steps of
+        ``optimizer`` (default ``FTLAUNCH_SYNC_EVERY``, else 100).
+
+        Returns the `ftlaunch.LocalSGD`, already entered: it has joined the job (this group now has
+        its peers' parameters) and ``optimizer.step()`` drives it. Keyword arguments go to it.
+        """
+        from ftlaunch.worker.local_sgd import LocalSGD
+
+        self._share_within_group(model, optimizer)
+        every = sync_every if sync_every is not None else env.get_int(env.FTLAUNCH_SYNC_EVERY, 100) or 100
+        algorithm = LocalSGD(self.manager, model, optimizer, every, **kwargs)
+        return algorithm.__enter__()
+
+    def diloco(
+        self,
+        model: nn.Module,
+        inner_optimizer: torch.optim.Optimizer,
+        outer_optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer],
+        sync_every: int | None = None,
+        *,
+        fragments: int | list[nn.Module] | None = None,
+        fragment_sync_delay: int | None = None,
+        fragment_update_alpha: float | None = None,
+        should_quantize: bool | int | None = None,
+        **kwargs: Any,
+    ) -> DiLoCo:
+        """DiLoCo across the replica groups; Streaming DiLoCo with ``fragments`` > 1.
+
+        ``fragments``: a number (``model``'s parameters split into that many contiguous fragments,
+        `ftlaunch.worker.fragments.split_fragments`) or the fragment modules themselves. What is not passed comes from the
+        environment (``FTLAUNCH_SYNC_EVERY``, ``FTLAUNCH_FRAGMENTS``, ``FTLAUNCH_FRAGMENT_SYNC_DELAY``,
+        ``FTLAUNCH_FRAGMENT_UPDATE_ALPHA``, ``FTLAUNCH_QUANTIZE``: what ``torchx run ftlaunch:diloco``
+        sets), else the defaults: 100 steps, 1 fragment, no overlap, alpha 0, full precision.
+        Other keyword arguments go to `ftlaunch.DiLoCo`.
+
+        Returns the `ftlaunch.DiLoCo`, already entered: it has joined the job (this group now holds
+        the job's global parameters) and ``inner_optimizer.step()`` drives it.
+        """
+        from ftlaunch.errors import ConfigurationError
+        from ftlaunch.worker.fragments import split_fragments
+        from ftlaunch.worker.local_sgd import DiLoCo
+
+        every = sync_every if sync_every is not None else env.get_int(env.FTLAUNCH_SYNC_EVERY, 100) or 100
+        if fragments is None:
+            fragments = env.get_int(env.FTLAUNCH_FRAGMENTS, 1) or 1
+        delay = fragment_sync_delay
+        if delay is None:
+            delay = env.get_int(env.FTLAUNCH_FRAGMENT_SYNC_DELAY, 0) or 0
+        alpha = fragment_update_alpha
+        if alpha is None:
+            raw = os.environ.get(env.FTLAUNCH_FRAGMENT_UPDATE_ALPHA) or "0"
+            try:
+                alpha = float(raw)
+            except ValueError:
+                raise ConfigurationError(f"{env.FTLAUNCH_FRAGMENT_UPDATE_ALPHA}={raw!r} is not a number") from None
+        quantize = should_quantize
+        if quantize is None:
+            quantize = env.get_int(env.FTLAUNCH_QUANTIZE, 0) or False
+        modules = split_fragments(model, fragments) if isinstance(fragments, int) else fragments
+        self._share_within_group(model, inner_optimizer)
+        algorithm = DiLoCo(
+            self.manager, modules, inner_optimizer, outer_optimizer, every, fragment_sync_delay=delay,
+            fragment_update_alpha=alpha, should_quantize=quantize, **kwargs,
+        )  # fmt: skip
+        return algorithm.__enter__()
+
+    def _share_within_group(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """With several workers per group (and a replicated model): start them from rank 0's
+        parameters and average their gradients before each inner step, so they stay identical.
+        A sharded model (DTensor parameters: FSDP, HSDP) averages its own gradients."""
+        if self.intra_group is None or self.world_size == 1:
+            return
+        params = list(model.parameters())
+        if any(hasattr(p, "device_mesh") for p in params):
+            return
+        group = self.intra_group
+        with torch.no_grad():
+            for t in [*params, *model.buffers()]:
+                dist.broadcast(t, src=dist.get_global_rank(group, 0), group=group)
+
+        def average(*_: Any) -> None:
+            grads = [p.grad for p in params if p.grad is not None]
+            if not grads:
+                return
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, group=group)
+            flat.div_(self.world_size)
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
+
+        optimizer.register_step_pre_hook(average)
 
     def shutdown(self) -> None:
         """Leave the quorum and release the process groups (idempotent).

@@ -19,12 +19,23 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from ftlaunch.addresses import format_host_port
-from ftlaunch.errors import CommunicationError, ConfigurationError, EvictedError, LighthouseError
+from ftlaunch.errors import (
+    CommunicationError,
+    ConfigurationError,
+    EvictedError,
+    LighthouseError,
+    QuorumTimeoutError,
+)
 from ftlaunch.lighthouse.quorum import Quorum
 from ftlaunch.timeouts import Timeouts
 
 #: Keys of steps older than this many quorum rounds are deleted (a slow rank may still read the last one).
 _KEEP_ROUNDS = 2
+#: Leader errors the other ranks re-raise as their own type (any other: `LighthouseError`).
+_RELAYED_ERRORS: dict[str, type[LighthouseError]] = {
+    "EvictedError": EvictedError,
+    "QuorumTimeoutError": QuorumTimeoutError,
+}
 
 
 def _connect(
@@ -165,7 +176,9 @@ class GroupStore:
         if self._rank != 0:
             payload = json.loads(self._store.get(f"quorum/{seq}"))
             if "error" in payload:
-                cls = EvictedError if payload.get("type") == "EvictedError" else LighthouseError
+                # The leader's error type, where the other ranks act on it: evicted (stop), or
+                # no quorum in time (peers still busy: a periodic sync asks again).
+                cls = _RELAYED_ERRORS.get(payload.get("type", ""), LighthouseError)
                 raise cls(f"the group leader could not get a quorum: {payload['error']}")
             return Quorum.from_json(payload)
         try:

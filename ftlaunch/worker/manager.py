@@ -48,7 +48,7 @@ from ftlaunch.lighthouse.quorum import Quorum, QuorumMember
 from ftlaunch.process_group.base import ProcessGroup
 from ftlaunch.process_group.work import completed_future
 from ftlaunch.timeouts import Timeouts, to_seconds
-from ftlaunch.worker import defaults, recovery
+from ftlaunch.worker import defaults, quantization, recovery
 from ftlaunch.worker.commit import CrossGroupVote, wait_all
 from ftlaunch.worker.group_store import GroupStore
 from ftlaunch.worker.managed_work import ManagedWork, with_default
@@ -368,15 +368,22 @@ class Manager:
         self._pg.configure(store_addr, plan.replica_rank, plan.replica_world_size)
 
     # ============================================================================ 2. allreduce
-    def allreduce(self, tensor: torch.Tensor, reduce_op: ReduceOpLike = "avg") -> ManagedWork:
+    def allreduce(
+        self, tensor: torch.Tensor, reduce_op: ReduceOpLike = "avg", should_quantize: bool | int = False
+    ) -> ManagedWork:
         """Fault-tolerant allreduce over the replica groups; averages over the participating groups.
 
         Returns a Work (torchft's): ``get_future()`` completes with the tensor, ``wait()`` returns
         whether the step is still good. Never raises a communication error: a failure is recorded
         (``errored()``), the future completes with the tensor as is, and ``should_commit()`` will
-        refuse the step.
+        refuse the step. ``should_quantize`` (True or 8, or 4: the bit width) sends low-bit codes
+        instead of the values (`ftlaunch.worker.quantization`; avg/sum of floating point tensors
+        only, else ValueError).
         """
         avg = _is_avg(reduce_op)
+        if should_quantize:
+            quantization.check_quantizable(tensor, reduce_op)
+            bits = quantization.bits_of(should_quantize)
         self.wait_quorum()
         plan = self._plan
         if plan is None or self._pg.errored() is not None:
@@ -403,7 +410,10 @@ class Manager:
             return self._work(completed_future(tensor))  # alone (and so the only source): the average is the tensor
         op = dist.ReduceOp.SUM if avg or reduce_op == "sum" else reduce_op
         try:
-            fut = self._pg.allreduce([tensor], op).get_future()
+            if should_quantize:
+                fut = quantization.allreduce_quantized(self._pg, tensor, bits)
+            else:
+                fut = self._pg.allreduce([tensor], op).get_future()
         except Exception as e:  # noqa: BLE001
             self.report_error(e)
             return self._work(completed_future(tensor))

@@ -1,0 +1,9 @@
+"""torchft's module path; the implementation lives in ftlaunch.worker.local_sgd.
+
+Kept so that a torchft script ports by changing ``torchft`` to ``ftlaunch``
+(``from ftlaunch.local_sgd import DiLoCo, LocalSGD``). Nothing inside ftlaunch imports this module.
+"""
+
+from ftlaunch.worker.local_sgd import DiLoCo, LocalSGD
+
+__all__ = ["DiLoCo", "LocalSGD"]
