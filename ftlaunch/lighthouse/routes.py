@@ -250,7 +250,10 @@ class Routes:
         last = self._last_answer
         if last is not None and last[0] is quorum:
             return last[1]
-        response = _json(200, {"quorum": quorum.to_json()})
+        # Compact separators: every member gets the whole quorum, so with N groups a round writes
+        # N answers of O(N) bytes; the spaces alone were ~10% of them.
+        body = json.dumps({"quorum": quorum.to_json(), "version": API_VERSION}, separators=(",", ":"))
+        response = Response(200, body.encode())
         self._last_answer = (quorum, response)
         return response
 
