@@ -115,6 +115,19 @@ def test_status_dashboard_and_versioned_aliases(server):
     assert code == 200
 
 
+def test_status_reads_back_typed(server):
+    """GET /status parses back (LighthouseClient.snapshot) into what the server holds."""
+    client = LighthouseClient(server.address)
+    client.quorum(QuorumMember("a", step=2), timeout=10)
+    remote, local = client.snapshot(), server.snapshot()
+    assert remote.quorum == local.quorum and remote.quorum_id == local.quorum_id is not None
+    assert [(g.replica_id, g.health.value, g.step) for g in remote.groups] == [("a", "live", 2)]
+    assert remote.history[0].event == "quorum" and remote.history[0].participants == ("a",)
+    assert remote.options == local.options and remote.address == server.address
+    assert remote.to_json().keys() == server.status().keys()
+    client.close()
+
+
 def test_address_binds_loopback_with_free_port(server):
     host, port = parse_host_port(server.address)
     assert host == "127.0.0.1" and port > 0
