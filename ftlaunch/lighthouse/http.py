@@ -210,3 +210,22 @@ def head_end(buf: bytearray, start: int) -> int:
     if crlf < 0:
         return -1 if lf < 0 else lf + 2
     return crlf + 3 if lf < 0 or crlf < lf else lf + 2
+
+
+def body_length(head: Head, max_body: int) -> int:
+    """How many body bytes follow ``head``; raises `HttpError` (closing) for a body that cannot be
+    read: chunked (411), a bad ``Content-Length`` (400), over ``max_body`` (413, left unread)."""
+    if head.headers.get("transfer-encoding"):
+        raise HttpError(411, "chunked request bodies are not supported: send Content-Length", close=True)
+    text = head.headers.get("content-length")
+    if text is None:
+        return 0
+    try:
+        length = int(text)
+        if length < 0:
+            raise ValueError
+    except ValueError:
+        raise HttpError(400, f"bad Content-Length {text!r}", close=True) from None
+    if length > max_body:
+        raise HttpError(413, f"request body of {length} bytes exceeds the limit of {max_body}", close=True)
+    return length

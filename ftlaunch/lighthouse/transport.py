@@ -39,6 +39,7 @@ from ftlaunch.lighthouse.http import (
     LongPoll,
     Request,
     Response,
+    body_length,
     head_end,
     phrase,
 )
@@ -200,7 +201,7 @@ class _Connection(asyncio.BufferedProtocol):
                 head = self._server.parser.parse(raw)
                 self._last_raw, self._last_head = raw, head
             self._head = head
-            self._body_len = self._content_length(head)
+            self._body_len = body_length(head, self._server.max_body)
         head = self._head
         n = self._body_len
         if len(buf) < n:
@@ -213,23 +214,6 @@ class _Connection(asyncio.BufferedProtocol):
         del buf[:n]
         self._head, self._continue_sent, self._reading_since = None, False, None
         return Request(head, body, self.peer, self.bind)
-
-    def _content_length(self, head: Head) -> int:
-        if head.headers.get("transfer-encoding"):
-            raise HttpError(411, "chunked request bodies are not supported: send Content-Length", close=True)
-        text = head.headers.get("content-length")
-        if text is None:
-            return 0
-        try:
-            length = int(text)
-            if length < 0:
-                raise ValueError
-        except ValueError:
-            raise HttpError(400, f"bad Content-Length {text!r}", close=True) from None
-        limit = self._server.max_body
-        if length > limit:
-            raise HttpError(413, f"request body of {length} bytes exceeds the limit of {limit}", close=True)
-        return length
 
     def _dispatch(self, request: Request) -> None:
         handler = self._server.handler
