@@ -13,11 +13,9 @@ handler hears `http.Handler.identity_lost` at once. That is how a dead process i
 milliseconds, also while its request is parked. A connection the server closes itself (idle
 timeout, an error answer, shutdown) tells nobody.
 
-Limits: a head over `MAX_HEAD_BYTES` (414 for an endless request line, else 431), a body over
-``max_body`` (413, unread, then closed), a request not received whole within ``read_timeout`` of
-its first byte (408, closed), an idle keep-alive connection (closed quietly after
-``idle_timeout``), a parked client sending more than `MAX_PIPELINED_BYTES` (dropped), a client that
-does not read its answers (no further request is read from it until it does).
+Limits (docs/lighthouse.md): `MAX_HEAD_BYTES` (414/431), ``max_body`` (413), ``read_timeout`` (408),
+``idle_timeout``, `MAX_PIPELINED_BYTES` while parked; a client that does not read its answers is not
+read from until it does.
 """
 
 from __future__ import annotations
@@ -118,6 +116,7 @@ class _Connection(asyncio.BufferedProtocol):
                 self.close()
             return
         self._serve()
+        self._server.flush()  # a quorum this request completed is answered now, not after the batch
 
     def eof_received(self) -> bool:
         self._eof = True
@@ -442,7 +441,7 @@ class HttpServer:
     async def _close(self) -> None:
         for handle in self._periodic:
             handle.cancel()
-        self._flush()  # the answers due now (e.g. the 503s of a shutdown)
+        self.flush()  # the answers due now (e.g. the 503s of a shutdown)
         if self._server is not None:
             self._server.close()  # stops accepting; closes the listening socket
         for conn in list(self.connections):
@@ -457,7 +456,8 @@ class HttpServer:
     # -- long-poll answers (any thread)
 
     def answer_soon(self, conn: _Connection, poll: LongPoll) -> None:
-        """Have the loop write ``poll``'s answer on ``conn`` (after the events it is handling now)."""
+        """Have the loop write ``poll``'s answer on ``conn``: at the end of the request being served, or
+        (resolved elsewhere: a timer, another thread) in the loop's next round."""
         self._answers.append((conn, poll))
         if self._flush_scheduled:
             return
@@ -465,13 +465,14 @@ class HttpServer:
         loop = self._running_loop()
         try:
             if threading.get_ident() == self._loop_ident:
-                loop.call_soon(self._flush)
+                loop.call_soon(self.flush)
             else:
-                loop.call_soon_threadsafe(self._flush)
+                loop.call_soon_threadsafe(self.flush)
         except RuntimeError:  # the loop is closed: nobody is left to answer
             pass
 
-    def _flush(self) -> None:
+    def flush(self) -> None:
+        """Write the answers that are ready (event-loop thread)."""
         self._flush_scheduled = False  # before draining: a poll ready meanwhile schedules another flush
         answers = self._answers
         while answers:
