@@ -11,15 +11,11 @@ import pytest
 
 from ftlaunch.errors import ConfigurationError, LighthouseError
 from ftlaunch.launcher.agent import AgentConfig
-from ftlaunch.launcher.lighthouse_host import (
-    HostedLighthouse,
-    LighthouseSettings,
-    RemoteLighthouse,
-    live_groups,
-    quorum_id_of,
-)
+from ftlaunch.launcher.lighthouse_host import HostedLighthouse, LighthouseSettings, RemoteLighthouse
 from ftlaunch.launcher.options import ChaosSpec, LaunchOptions
 from ftlaunch.lighthouse.client import LighthouseClient
+from ftlaunch.lighthouse.quorum import Health, Quorum
+from ftlaunch.lighthouse.status import GroupStatus, LighthouseStatus
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -76,11 +72,15 @@ def test_linger_keeps_serving_while_a_group_is_live() -> None:
 
 
 def test_status_reading() -> None:
-    assert quorum_id_of({"quorum": {"quorum_id": 3}}) == 3
-    assert quorum_id_of({"quorum": None, "last_quorum": {"quorum_id": 2}}) == 2
-    assert quorum_id_of({}) is None and quorum_id_of("junk") is None  # type: ignore[arg-type]
-    status = {"groups": [{"health": "live"}, {"health": "silent"}, "junk", {"health": "live"}]}
-    assert live_groups(status) == 2 and live_groups({}) == 0
+    """The launcher reads the typed status (the dict readers quorum_id_of/live_groups it replaced)."""
+    assert LighthouseStatus(quorum=Quorum(3, (), 0.0)).quorum_id == 3
+    assert LighthouseStatus().quorum_id is None
+    groups = tuple(GroupStatus(f"rg{i}", health) for i, health in enumerate([Health.LIVE, Health.SILENT, Health.LIVE]))
+    assert LighthouseStatus(groups=groups).live_count == 2 and LighthouseStatus().live_count == 0
+    with pytest.raises(ValueError):
+        LighthouseStatus.from_json("junk")
+    with pytest.raises(ValueError, match="health"):
+        LighthouseStatus.from_json({**LighthouseStatus().to_json(), "groups": [{"replica_id": "rg0", "health": "asleep"}]})
 
 
 def test_agent_config_carries_the_options_but_no_secret() -> None:

@@ -11,6 +11,8 @@ from ftlaunch.launcher.group import Group
 from ftlaunch.launcher.lighthouse_host import JobLighthouse
 from ftlaunch.launcher.output import Console
 from ftlaunch.launcher.report import StatusLine, status_text, summary_lines
+from ftlaunch.lighthouse.quorum import Quorum
+from ftlaunch.lighthouse.status import LighthouseStatus
 
 
 def groups_after_a_kill() -> list[Group]:
@@ -72,10 +74,10 @@ class FakeLighthouse(JobLighthouse):
     def address(self) -> str:
         return "http://127.0.0.1:1"
 
-    def status(self) -> dict[str, Any]:
+    def snapshot(self) -> LighthouseStatus:
         if self.doc is None:
             raise OSError("gone")
-        return self.doc
+        return LighthouseStatus(quorum=Quorum(self.doc["quorum"]["quorum_id"], (), 0.0))
 
     def report_failure(self, replica_id: str, reason: str) -> None:
         raise AssertionError("not used")

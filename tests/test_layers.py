@@ -130,3 +130,50 @@ def test_the_check_sees_violations(tmp_path: Path) -> None:
     assert {layer_of(t) for t in found} == {"worker", "launcher", "lighthouse"}
     assert "ftlaunch.lighthouse.client" in found
     assert layer_of("ftlaunch.worker.manager") == "worker" and layer_of("ftlaunch.manager") == "api"
+
+
+#: Inside the lighthouse, bottom up: a module imports only lighthouse modules of a lower rank, so the
+#: decision and the bookkeeping never see HTTP, and the transport never sees a quorum.
+LIGHTHOUSE_RANKS: dict[str, int] = {
+    "protocol": 0,  # wire constants
+    "quorum": 0,  # the pure decision
+    "status": 1,  # the typed status document
+    "membership": 2,  # bookkeeping: groups, quorum requests, domain errors
+    "http": 2,  # request/response types, http.server's head parsing
+    "dashboard": 2,  # HTML from a status
+    "client": 2,
+    "transport": 3,  # asyncio connections, long polls, identities
+    "routes": 3,  # endpoints: JSON, token, domain errors -> status codes
+    "server": 4,  # composes them
+    "cli": 5,
+    "__main__": 6,
+    "__init__": 6,  # the package's re-exports
+}
+
+#: Lighthouse modules that do no I/O: they may not import sockets, event loops or HTTP.
+LIGHTHOUSE_NO_IO = {"protocol", "quorum", "status", "membership", "dashboard"}
+_IO_MODULES = {"socket", "selectors", "select", "asyncio", "http", "urllib", "ssl"}
+
+
+def test_lighthouse_inner_layers() -> None:
+    folder = PACKAGE / "lighthouse"
+    assert {p.stem for p in folder.glob("*.py")} == set(LIGHTHOUSE_RANKS), "place every lighthouse module in LIGHTHOUSE_RANKS"
+    violations = []
+    for path in sorted(folder.glob("*.py")):
+        mine = path.stem
+        module = module_name(path)
+        for target in sorted(imports_of(path, module)):
+            if not target.startswith("ftlaunch.lighthouse."):
+                continue
+            theirs = target.split(".")[2]
+            if LIGHTHOUSE_RANKS[theirs] >= LIGHTHOUSE_RANKS[mine]:
+                violations.append(f"lighthouse/{mine} (rank {LIGHTHOUSE_RANKS[mine]}) imports {theirs} (rank {LIGHTHOUSE_RANKS[theirs]})")
+        if mine in LIGHTHOUSE_NO_IO:
+            tree = ast.parse(path.read_text())
+            for node in ast.walk(tree):
+                names = (
+                    [a.name for a in node.names] if isinstance(node, ast.Import)
+                    else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+                )
+                violations += [f"lighthouse/{mine} imports {n}" for n in names if n.split(".")[0] in _IO_MODULES]
+    assert not violations, "imports against the lighthouse's inner layers:\n" + "\n".join(violations)

@@ -6,9 +6,9 @@ rendezvous handler on the endpoint host (``torchrun --rdzv-backend ftlaunch``) a
 ``ftlaunch --lighthouse ADDR`` uses a lighthouse that runs elsewhere through `RemoteLighthouse`, which
 has the same surface (`JobLighthouse`), so the supervisor does not care which one it has.
 
-Everything the launcher reads from a lighthouse status is read here (`quorum_id_of`, `live_groups`):
-the status document has exactly one reader on the launcher side. Progress read from the lighthouse
-instead of the workers' stdout (steps, spares) belongs here too.
+The launcher reads the lighthouse's status only here, typed (`JobLighthouse.snapshot`, a
+`ftlaunch.lighthouse.status.LighthouseStatus`; `quorum_id`, `live_groups`). Progress read from the
+lighthouse instead of the workers' stdout (steps, spares) belongs here too.
 
 A hosted lighthouse lives in this process: it is a single point of failure for the job (see
 docs/launcher.md). Restarting one the launcher hosts, on the same address, belongs to
@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ftlaunch.errors import LighthouseError
+from ftlaunch.lighthouse.status import LighthouseStatus
 
 if TYPE_CHECKING:
     from ftlaunch.lighthouse.client import LighthouseClient
@@ -57,8 +58,8 @@ class JobLighthouse(abc.ABC):
         """``http://host:port`` the groups connect to."""
 
     @abc.abstractmethod
-    def status(self) -> dict[str, Any]:
-        """The lighthouse's status document. Raises `LighthouseError` or `OSError` if it cannot be read."""
+    def snapshot(self) -> LighthouseStatus:
+        """The lighthouse's status. Raises `LighthouseError` or `OSError` if it cannot be read."""
 
     @abc.abstractmethod
     def report_failure(self, replica_id: str, reason: str) -> None:
@@ -68,21 +69,25 @@ class JobLighthouse(abc.ABC):
     def close(self) -> None:
         """Release it (a hosted lighthouse stops serving). Never raises."""
 
+    def status(self) -> dict[str, Any]:
+        """The same as JSON: the ``GET /status`` document (docs/lighthouse.md)."""
+        return self.snapshot().to_json()
+
     # --- what the launcher reads from the status (informational: never raises) ------------------
 
-    def quorum_id(self) -> Any:
+    def quorum_id(self) -> int | None:
         """The current quorum id, or None (no quorum yet, or the lighthouse cannot be read)."""
-        return quorum_id_of(self._status_or_empty())
+        return self._snapshot_or_empty().quorum_id
 
     def live_groups(self) -> int:
         """How many replica groups the lighthouse reports as live (0 if it cannot be read)."""
-        return live_groups(self._status_or_empty())
+        return self._snapshot_or_empty().live_count
 
-    def _status_or_empty(self) -> dict[str, Any]:
+    def _snapshot_or_empty(self) -> LighthouseStatus:
         try:
-            return self.status()
+            return self.snapshot()
         except Exception:  # noqa: BLE001 - status is informational; a broken one reads as empty
-            return {}
+            return LighthouseStatus()
 
 
 class HostedLighthouse(JobLighthouse):
@@ -114,8 +119,8 @@ class HostedLighthouse(JobLighthouse):
     def address(self) -> str:
         return self._address
 
-    def status(self) -> dict[str, Any]:
-        return self._running().status()
+    def snapshot(self) -> LighthouseStatus:
+        return self._running().snapshot()
 
     def report_failure(self, replica_id: str, reason: str) -> None:
         self._running().report_failure(replica_id, reason)
@@ -180,8 +185,8 @@ class RemoteLighthouse(JobLighthouse):
     def address(self) -> str:
         return self._client.address
 
-    def status(self) -> dict[str, Any]:
-        return self._client.status()
+    def snapshot(self) -> LighthouseStatus:
+        return self._client.snapshot()
 
     def report_failure(self, replica_id: str, reason: str) -> None:
         self._client.report_failure(replica_id, reason)
@@ -189,24 +194,3 @@ class RemoteLighthouse(JobLighthouse):
     def close(self) -> None:
         with contextlib.suppress(Exception):
             self._client.close()
-
-
-# --- reading the status document (the launcher's only reader) ------------------------------------
-
-
-def quorum_id_of(status: dict[str, Any]) -> Any:
-    """The current quorum id from a lighthouse status document, or None."""
-    if not isinstance(status, dict):
-        return None
-    if "quorum_id" in status:
-        return status["quorum_id"]
-    quorum = status.get("quorum") or status.get("last_quorum")
-    if isinstance(quorum, dict):
-        return quorum.get("quorum_id")
-    return None
-
-
-def live_groups(status: dict[str, Any]) -> int:
-    """How many replica groups a lighthouse status reports as live (connected and heard from)."""
-    groups = (status.get("groups") or []) if isinstance(status, dict) else []
-    return sum(1 for g in groups if isinstance(g, dict) and g.get("health") == "live")

@@ -9,7 +9,6 @@ at exit.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 from ftlaunch import env
 from ftlaunch.launcher.chaos import Injection
@@ -30,7 +29,7 @@ def max_step(groups: Sequence[Group]) -> int | None:
     return max((g.last_step for g in groups if g.last_step is not None), default=None)
 
 
-def status_text(groups: Sequence[Group], quorum_id: Any, elapsed: float) -> str:
+def status_text(groups: Sequence[Group], quorum_id: int | None, elapsed: float) -> str:
     """The one-line status: quorum, step, groups up, failures, restarts, time."""
     up = sum(1 for g in groups if g.state == RUNNING)
     step = max_step(groups)
@@ -51,7 +50,7 @@ class StatusLine:
         self._started = started
         self._last_draw = 0.0
         #: The last quorum id the lighthouse reported (kept when a read fails).
-        self.quorum_id: Any = None
+        self.quorum_id: int | None = None
 
     def tick(self, now: float, groups: Sequence[Group]) -> None:
         if not self._console.status_enabled or now - self._last_draw < STATUS_INTERVAL_S:
@@ -60,7 +59,7 @@ class StatusLine:
         self.quorum_id = self._lighthouse.quorum_id() or self.quorum_id
         self._console.status(status_text(groups, self.quorum_id, now - self._started))
 
-    def last_quorum_id(self) -> Any:
+    def last_quorum_id(self) -> int | None:
         """The quorum id now, or the last one seen (for the summary)."""
         return self._lighthouse.quorum_id() or self.quorum_id
 
@@ -69,7 +68,7 @@ def summary_lines(
     code: int,
     elapsed: float,
     groups: Sequence[Group],
-    quorum_id: Any,
+    quorum_id: int | None,
     injections: Sequence[Injection] | None,
     started: float,
     log_dir: str,

@@ -27,6 +27,7 @@ from ftlaunch.addresses import http_url, parse_host_port
 from ftlaunch.errors import EvictedError, LighthouseError, LighthouseUnavailableError, QuorumTimeoutError
 from ftlaunch.lighthouse.protocol import API_VERSION, PATH_PREFIX, REPLICA_HEADER
 from ftlaunch.lighthouse.quorum import Quorum, QuorumMember
+from ftlaunch.lighthouse.status import LighthouseStatus
 
 log = logging.getLogger(__name__)
 
@@ -369,7 +370,15 @@ class LighthouseClient:
                 h._channel.close()
 
     def status(self) -> dict:
+        """The ``GET /status`` document as JSON (see `snapshot` for it typed)."""
         return self._call("/status", None, "status")
+
+    def snapshot(self) -> LighthouseStatus:
+        """The lighthouse's status, typed. Raises `LighthouseError` if it cannot be read or is not one."""
+        try:
+            return LighthouseStatus.from_json(self.status())
+        except (TypeError, ValueError) as e:
+            raise LighthouseError(f"lighthouse {self.address} sent a malformed status: {e}") from None
 
     def report_failure(self, replica_id: str, reason: str = "") -> None:
         self._call(

@@ -1,0 +1,450 @@
+"""Who belongs to the job, and when a quorum forms: the lighthouse's bookkeeping, without HTTP.
+
+`Membership` keeps the replica groups (liveness, step, history), the quorum requests waiting for a
+quorum, and the evictions not yet told. After every event (a request, a heartbeat, a lost
+connection, a failure report, an eviction, a leave, a tick) it asks the pure
+`ftlaunch.lighthouse.quorum.decide_quorum` whether a quorum forms, and if it does, resolves the
+waiting requests' `QuorumTicket`s. How an answer reaches a group is not its business: a ticket is
+resolved once, with a `Quorum` or a `MembershipError`, and calls back whoever waits on it.
+
+It knows no status codes and no sockets: refusals are the small domain errors below, which
+``routes.py`` maps to HTTP. Every method is thread-safe (one lock): the transport calls it from its
+event loop, a supervisor from its own threads (`report_failure`, `snapshot`). The clocks are
+injectable, so unit tests drive it in one process without sleeping (tests/test_lighthouse_membership.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ftlaunch.errors import LighthouseError
+from ftlaunch.lighthouse.quorum import (
+    Connection,
+    GroupState,
+    Health,
+    LighthouseState,
+    Quorum,
+    QuorumIdAllocator,
+    QuorumMember,
+    QuorumOptions,
+    decide_quorum,
+    group_health,
+    may_form,
+)
+from ftlaunch.lighthouse.status import GroupStatus, HistoryEvent, LighthouseStatus, StatusOptions
+
+log = logging.getLogger(__name__)
+
+#: Events kept for the dashboard / status.
+HISTORY_LEN = 200
+
+# The highest quorum id any lighthouse in this process handed out: one started in the same
+# millisecond as its predecessor (tests do that) still starts above it.
+_last_issued_id = 0
+_ids_lock = threading.Lock()
+
+
+class MembershipError(LighthouseError):
+    """A request the membership refuses (or a wait it ends); ``routes.py`` maps each kind to HTTP."""
+
+
+class ShuttingDown(MembershipError):
+    """The lighthouse is stopping: it accepts nothing more."""
+
+
+class Evicted(MembershipError):
+    """The group was evicted; told once, after which the group may join afresh."""
+
+
+class Superseded(MembershipError):
+    """A newer quorum request of the same group replaced this one."""
+
+
+class Left(MembershipError):
+    """The group left while its quorum request waited."""
+
+
+class QuorumTimeout(MembershipError):
+    """No quorum containing the group formed in time; the message says what the decision waited for."""
+
+
+class Abandoned(MembershipError):
+    """The requester went away (its connection closed): there is nobody to answer."""
+
+
+class QuorumTicket:
+    """One parked quorum request: resolved exactly once, with a quorum or a `MembershipError`.
+
+    Callbacks run in the thread that resolves it (or at once, in the caller's, if it already is),
+    so they must be short and thread-safe; the transport's only schedules the answer.
+    """
+
+    __slots__ = ("member", "quorum", "error", "_done", "_callbacks", "_lock")
+
+    def __init__(self, member: QuorumMember) -> None:
+        self.member = member
+        self.quorum: Quorum | None = None
+        self.error: MembershipError | None = None
+        self._done = False
+        self._callbacks: list[Callable[[QuorumTicket], None]] = []
+        self._lock = threading.Lock()
+
+    @property
+    def done(self) -> bool:
+        return self._done
+
+    def add_done_callback(self, callback: Callable[[QuorumTicket], None]) -> None:
+        with self._lock:
+            if not self._done:
+                self._callbacks.append(callback)
+                return
+        callback(self)
+
+    def _resolve(self, quorum: Quorum | None = None, error: MembershipError | None = None) -> bool:
+        with self._lock:
+            if self._done:  # the first answer wins
+                return False
+            self.quorum, self.error, self._done = quorum, error, True
+            callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            callback(self)
+        return True
+
+
+@dataclass
+class _GroupInfo:
+    """Per-group facts for the status that the decision does not need."""
+
+    first_seen: float  # wall clock
+    step: int = 0
+    address: str = ""
+    reason: str = ""  # why it is disconnected / failed / silent
+    heartbeats: int = 0
+    silent_noted: bool = False
+
+
+def _new_ids(wall_clock: Callable[[], float]) -> QuorumIdAllocator:
+    with _ids_lock:
+        return QuorumIdAllocator(int(wall_clock() * 1000), floor=_last_issued_id)
+
+
+class Membership:
+    """The replica groups of one lighthouse and their quorum requests (see the module docstring)."""
+
+    def __init__(
+        self,
+        options: QuorumOptions,
+        *,
+        ids: QuorumIdAllocator | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._options = options
+        self._clock = clock
+        self._wall = wall_clock
+        self._ids = ids if ids is not None else _new_ids(wall_clock)
+        self._lock = threading.Lock()
+        self._groups: dict[str, GroupState] = {}
+        self._info: dict[str, _GroupInfo] = {}
+        self._requests: dict[str, QuorumMember] = {}
+        self._tickets: dict[str, QuorumTicket] = {}
+        self._round_start: float | None = None
+        self._quorum: Quorum | None = None
+        self._prev_ids: frozenset[str] = frozenset()
+        self._prev_broken = False
+        self._evicted: dict[str, str] = {}  # replica id -> reason, until the group is told
+        self._history: deque[HistoryEvent] = deque(maxlen=HISTORY_LEN)
+        self._closed = False
+
+    @property
+    def options(self) -> QuorumOptions:
+        return self._options
+
+    # ------------------------------------------------------------------ what groups do
+
+    def request_quorum(self, member: QuorumMember) -> QuorumTicket:
+        """Park ``member``'s request until a quorum containing it forms (maybe at once).
+
+        Counts as a heartbeat. A request of the same group still waiting is answered `Superseded`.
+        Raises `ShuttingDown` or `Evicted` (once) instead of parking.
+        """
+        rid = member.replica_id
+        with self._lock:
+            now = self._clock()
+            self._admit(rid, now)
+            info = self._info[rid]
+            info.step, info.address = member.step, member.address
+            old = self._tickets.get(rid)
+            if old is not None:
+                old._resolve(error=Superseded(f"superseded by a newer quorum request of replica {rid}"))
+            ticket = QuorumTicket(member)
+            self._tickets[rid] = ticket
+            self._requests[rid] = member
+            if self._round_start is None:
+                self._round_start = now
+            self._decide(now)
+        return ticket
+
+    def heartbeat(self, replica_id: str) -> None:
+        """A sign of life (revives a silent, disconnected or failed group). Raises `ShuttingDown`,
+        or `Evicted` once."""
+        with self._lock:
+            now = self._clock()
+            revived = self._admit(replica_id, now)
+            self._info[replica_id].heartbeats += 1
+            if revived and replica_id in self._requests:
+                self._decide(now)
+
+    def leave(self, replica_id: str) -> bool:
+        """Graceful exit: forget the group without a failure; its waiting request ends `Left`.
+        Returns False if the group was not known."""
+        with self._lock:
+            self._evicted.pop(replica_id, None)
+            known = self._groups.pop(replica_id, None) is not None
+            self._info.pop(replica_id, None)
+            self._drop_request(replica_id, error=Left(f"replica {replica_id} left"))
+            if known:
+                self._record("left", replica_id)
+                self._mark_prev_broken(replica_id)
+                log.info("lighthouse: replica %s left", replica_id)
+                self._decide(self._clock())
+            return known
+
+    # ------------------------------------------------------------------ what others say about groups
+
+    def connection_lost(self, replica_id: str) -> None:
+        """The group's last bound connection was closed by its peer without a leave: it died."""
+        with self._lock:
+            if not self._closed:
+                self._mark_down(replica_id, Connection.DISCONNECTED, "connection closed without leave")
+
+    def report_failure(self, replica_id: str, reason: str) -> bool:
+        """Mark a group failed at once. Returns False (and records it) if the group is unknown."""
+        with self._lock:
+            if replica_id not in self._groups:
+                self._record("failure_report", replica_id, f"unknown replica: {reason}")
+                log.warning("lighthouse: failure reported for unknown replica %s: %s", replica_id, reason)
+                return False
+            self._mark_down(replica_id, Connection.FAILED, reason)
+            return True
+
+    def evict(self, replica_id: str, reason: str) -> bool:
+        """Drop a group; its waiting request, or else its next request, learns it (`Evicted`, once).
+        Returns False if the group is unknown."""
+        with self._lock:
+            if replica_id not in self._groups:
+                return False
+            del self._groups[replica_id]
+            self._info.pop(replica_id, None)
+            error = Evicted(f"replica {replica_id} was evicted: {reason}")
+            if not self._drop_request(replica_id, error=error):  # the parked request is its one notice
+                self._evicted[replica_id] = reason
+            self._record("evicted", replica_id, reason)
+            self._mark_prev_broken(replica_id)
+            log.warning("lighthouse: replica %s evicted: %s", replica_id, reason)
+            self._decide(self._clock())
+            return True
+
+    # ------------------------------------------------------------------ what time and the transport do
+
+    def expire(self, ticket: QuorumTicket, timeout: float) -> None:
+        """The request's own timeout passed: withdraw it and answer `QuorumTimeout` saying why."""
+        rid = ticket.member.replica_id
+        with self._lock:
+            if ticket.done:
+                return
+            reason = self._waiting_reason(self._clock())
+            self._drop_request(rid, ticket, QuorumTimeout(f"no quorum containing {rid} within {timeout:g}s: {reason}"))
+
+    def abandon(self, ticket: QuorumTicket) -> None:
+        """Nobody waits for the answer any more (the connection closed): withdraw the request."""
+        with self._lock:
+            self._drop_request(ticket.member.replica_id, ticket, Abandoned("the requester went away"))
+
+    def tick(self) -> None:
+        """What only the passage of time changes: heartbeat expiry and the join timeout."""
+        hb = self._options.heartbeat_timeout
+        with self._lock:
+            now = self._clock()
+            for rid, g in self._groups.items():
+                info = self._info[rid]
+                if g.connection is Connection.CONNECTED and now - g.last_seen > hb and not info.silent_noted:
+                    info.silent_noted = True
+                    info.reason = f"no heartbeat for {hb:g}s"
+                    self._record("silent", rid, info.reason)
+                    self._mark_prev_broken(rid)
+                    log.warning("lighthouse: replica %s silent: %s", rid, info.reason)
+            self._decide(now)
+
+    def close(self) -> None:
+        """Refuse everything from now on (`ShuttingDown`), answering every waiting request so."""
+        with self._lock:
+            self._closed = True
+            for rid in list(self._tickets):
+                self._drop_request(rid, error=ShuttingDown("lighthouse shutting down"))
+
+    # ------------------------------------------------------------------ status
+
+    def snapshot(
+        self,
+        *,
+        address: str = "",
+        quorum_tick: float = 0.0,
+        admin: bool = False,
+        connections: Callable[[str], int] = lambda replica_id: 0,
+    ) -> LighthouseStatus:
+        """The status now; ``connections`` counts a group's bound connections (the transport's)."""
+        opts = self._options
+        hb = opts.heartbeat_timeout
+        with self._lock:
+            now, wall = self._clock(), self._wall()
+            members = set(self._quorum.replica_ids) if self._quorum else set()
+            groups = tuple(
+                GroupStatus(
+                    replica_id=rid,
+                    health=group_health(g, now, opts),
+                    step=info.step,
+                    address=info.address,
+                    last_seen_age=round(now - g.last_seen, 4),
+                    heartbeat_timeout=hb,
+                    connections=connections(rid),
+                    requesting=rid in self._requests,
+                    in_quorum=rid in members,
+                    heartbeats=info.heartbeats,
+                    reason=info.reason,
+                    first_seen=info.first_seen,
+                )
+                for rid, g, info in ((rid, self._groups[rid], self._info[rid]) for rid in sorted(self._groups))
+            )
+            return LighthouseStatus(
+                address=address,
+                time=wall,
+                options=StatusOptions(opts.min_replicas, opts.join_timeout, hb, quorum_tick, admin),
+                quorum=self._quorum,
+                next_quorum_id=self._ids.peek(),
+                groups=groups,
+                pending=tuple(sorted(self._requests)),
+                decision=self._waiting_reason(now),
+                evicted=tuple(sorted(self._evicted)),
+                history=tuple(reversed(self._history)),
+            )
+
+    # ------------------------------------------------------------------ under the lock
+
+    def _record(self, event: str, replica_id: str | None, detail: str = "", quorum: Quorum | None = None) -> None:
+        self._history.append(
+            HistoryEvent(
+                time=self._wall(), event=event, replica_id=replica_id, detail=detail,
+                quorum_id=quorum.quorum_id if quorum is not None else None,
+                participants=quorum.replica_ids if quorum is not None else None,
+            )
+        )
+
+    def _mark_prev_broken(self, replica_id: str) -> None:
+        if replica_id in self._prev_ids:
+            self._prev_broken = True
+
+    def _admit(self, rid: str, now: float) -> bool:
+        """Common start of a group's request: refuse while closed, tell an eviction once, count a sign
+        of life. Returns True if the group was not live before."""
+        if self._closed:
+            raise ShuttingDown("lighthouse shutting down")
+        reason = self._evicted.pop(rid, None)
+        if reason is not None:
+            raise Evicted(f"replica {rid} was evicted: {reason}")
+        g = self._groups.get(rid)
+        if g is None:
+            self._info[rid] = _GroupInfo(first_seen=self._wall())
+            self._record("joined", rid)
+            log.info("lighthouse: replica %s joined", rid)
+            self._mark_prev_broken(rid)
+            revived = True
+        else:
+            health = group_health(g, now, self._options)
+            revived = health is not Health.LIVE
+            if revived:
+                self._record("revived", rid, f"was {health.value}")
+                log.info("lighthouse: replica %s is back (was %s)", rid, health.value)
+                self._mark_prev_broken(rid)
+                info = self._info[rid]
+                info.reason, info.silent_noted = "", False
+        self._groups[rid] = GroupState(rid, now, Connection.CONNECTED)
+        return revived
+
+    def _state(self) -> LighthouseState:
+        # A view, not a copy: only used under the lock, and the decision functions do not mutate.
+        return LighthouseState(
+            groups=self._groups,
+            requests=self._requests,
+            round_start=self._round_start,
+            prev_quorum=self._quorum,
+            prev_quorum_broken=self._prev_broken,
+            next_quorum_id=self._ids.peek(),
+        )
+
+    def _waiting_reason(self, now: float) -> str:
+        if not self._requests:
+            return "no pending quorum requests"
+        return decide_quorum(self._state(), now, self._options).reason
+
+    def _decide(self, now: float) -> None:
+        """Recompute the decision after an event; form the quorum and resolve its members if due."""
+        if not self._requests:
+            return
+        state = self._state()
+        if not may_form(state, now, self._options):  # O(1) on most arrivals; see may_form
+            return
+        decision = decide_quorum(state, now, self._options)
+        if not decision.formed:
+            return
+        if decision.new_id:
+            global _last_issued_id
+            with _ids_lock:
+                self._ids.take()
+                _last_issued_id = max(_last_issued_id, decision.quorum_id or 0)
+        quorum = decision.to_quorum(created=self._wall())
+        changed = self._quorum is None or quorum.quorum_id != self._quorum.quorum_id
+        self._quorum = quorum
+        self._prev_ids = frozenset(quorum.replica_ids)
+        self._prev_broken = False
+        for member in quorum.participants:
+            rid = member.replica_id
+            del self._requests[rid]
+            self._tickets.pop(rid)._resolve(quorum=quorum)
+            self._info[rid].step = member.step
+        self._round_start = now if self._requests else None
+        if changed:
+            self._record("quorum", None, decision.reason, quorum)
+            log.info(
+                "lighthouse: quorum %d formed with %s (%s)", quorum.quorum_id, ", ".join(quorum.replica_ids), decision.reason
+            )
+        elif log.isEnabledFor(logging.DEBUG):
+            log.debug("lighthouse: quorum %d re-formed (%s)", quorum.quorum_id, decision.reason)
+
+    def _drop_request(self, rid: str, ticket: QuorumTicket | None = None, error: MembershipError | None = None) -> bool:
+        """Withdraw ``rid``'s waiting request (only if it is ``ticket``, when given) and answer it
+        ``error``. Returns True if there was one."""
+        current = self._tickets.get(rid)
+        if current is None or (ticket is not None and current is not ticket):
+            return False
+        del self._tickets[rid], self._requests[rid]
+        if not self._requests:
+            self._round_start = None
+        current._resolve(error=error)
+        return True
+
+    def _mark_down(self, rid: str, connection: Connection, reason: str) -> None:
+        g = self._groups.get(rid)
+        if g is None or g.connection is connection:
+            return
+        self._groups[rid] = GroupState(rid, g.last_seen, connection)
+        self._info[rid].reason = reason
+        self._record(connection.value, rid, reason)
+        self._mark_prev_broken(rid)
+        log.warning("lighthouse: replica %s %s: %s", rid, connection.value, reason)
+        self._decide(self._clock())

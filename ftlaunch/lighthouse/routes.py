@@ -1,0 +1,288 @@
+"""The lighthouse's endpoints (docs/lighthouse.md): JSON bodies checked, membership asked, its refusals
+turned into status codes.
+
+`Routes` is the `http.Handler` the transport serves. Each endpoint validates its JSON body (unknown,
+missing and mistyped fields are 400 with the field named), checks the admin token where needed
+(401/403), calls `Membership`, and maps the membership's domain errors to HTTP through
+`ERROR_STATUS`. ``POST /quorum`` returns a `http.LongPoll` over the membership's `QuorumTicket`:
+the transport parks the connection until the ticket is resolved or the request's timeout passes.
+Every error answer is logged here, once.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+from collections.abc import Callable
+from typing import Any
+from urllib.parse import urlsplit
+
+from ftlaunch.lighthouse import dashboard
+from ftlaunch.lighthouse.http import Head, HttpError, LongPoll, Request, Response
+from ftlaunch.lighthouse.membership import (
+    Abandoned,
+    Evicted,
+    Left,
+    Membership,
+    MembershipError,
+    QuorumTicket,
+    QuorumTimeout,
+    ShuttingDown,
+    Superseded,
+)
+from ftlaunch.lighthouse.protocol import (
+    API_VERSION,
+    DEFAULT_QUORUM_TIMEOUT,
+    MAX_QUORUM_TIMEOUT,
+    MAX_REPLICA_ID_LEN,
+    PATH_PREFIX,
+    REPLICA_HEADER,
+)
+from ftlaunch.lighthouse.quorum import Quorum, QuorumMember
+from ftlaunch.lighthouse.status import LighthouseStatus
+
+log = logging.getLogger(__name__)
+
+#: How each refusal of the membership reads in HTTP.
+ERROR_STATUS: dict[type[MembershipError], int] = {
+    QuorumTimeout: 408,
+    Superseded: 409,
+    Left: 409,
+    Evicted: 410,
+    ShuttingDown: 503,
+}
+
+#: Distinct request paths whose route is remembered.
+_PATH_CACHE_SIZE = 256
+
+#: Error codes that are part of normal operation (logged at INFO, the others at WARNING).
+_ROUTINE = frozenset({408, 409, 410, 503})
+
+_Fields = dict[str, tuple[type, ...]]
+
+
+def _json(status: int, payload: dict[str, Any], headers: dict[str, str] | None = None, *, close: bool = False) -> Response:
+    payload["version"] = API_VERSION
+    return Response(status, json.dumps(payload).encode(), "application/json", headers, close=close)
+
+
+#: The answer to every good heartbeat and admin call: encoded once.
+_OK = _json(200, {"ok": True})
+
+
+def _expect(obj: dict[str, Any], required: _Fields, optional: _Fields) -> None:
+    unknown = sorted(set(obj) - set(required) - set(optional))
+    if unknown:
+        raise HttpError(400, f"unknown field(s): {', '.join(map(repr, unknown))}")
+    for name, types in (*required.items(), *optional.items()):
+        if name not in obj:
+            if name in required:
+                raise HttpError(400, f"missing field {name!r}")
+            continue
+        value = obj[name]
+        if (isinstance(value, bool) and bool not in types) or not isinstance(value, types):
+            raise HttpError(400, f"field {name!r} must be {types[0].__name__}, got {type(value).__name__}")
+
+
+def _route_path(path: str) -> str:
+    """The endpoint a request path names: query dropped, ``/v1`` prefix and trailing ``/`` removed."""
+    path = urlsplit(path).path
+    if path == PATH_PREFIX or path.startswith(PATH_PREFIX + "/"):
+        path = path[len(PATH_PREFIX) :] or "/"
+    return path.rstrip("/") if len(path) > 1 else path
+
+
+def _check_replica_id(rid: str) -> None:
+    if not rid or len(rid) > MAX_REPLICA_ID_LEN or not rid.isprintable():
+        raise HttpError(400, f"replica_id must be 1..{MAX_REPLICA_ID_LEN} printable characters")
+
+
+class Routes:
+    """The endpoints over one `Membership`; ``snapshot`` gives the status that ``/`` and ``/status`` show."""
+
+    def __init__(self, membership: Membership, *, token: str | None, snapshot: Callable[[], LighthouseStatus]) -> None:
+        self._membership = membership
+        self._token = token
+        self._snapshot = snapshot
+        self._table: dict[str, dict[str, Callable[[Request], Response | LongPoll]]] = {
+            "/": {"GET": self._dashboard},
+            "/status": {"GET": self._status},
+            "/quorum": {"POST": self._quorum},
+            "/heartbeat": {"POST": self._heartbeat},
+            "/leave": {"POST": self._leave},
+            "/admin/report_failure": {"POST": self._report_failure},
+            "/admin/evict": {"POST": self._evict},
+        }
+        self._last_answer: tuple[Quorum, Response] | None = None
+        self._paths: dict[str, str] = {}  # request path -> route path (a client sends the same ones)
+
+    # -- http.Handler
+
+    def handle(self, request: Request) -> Response | LongPoll:
+        path = self._paths.get(request.path)
+        if path is None:
+            path = _route_path(request.path)
+            if len(self._paths) < _PATH_CACHE_SIZE:
+                self._paths[request.path] = path
+        methods = self._table.get(path)
+        if methods is None:
+            raise HttpError(404, f"no such endpoint: {path}")
+        endpoint = methods.get(request.method)
+        if endpoint is None:
+            allow = ", ".join(methods)
+            raise HttpError(405, f"{request.method} not allowed on {path} (use {allow})", headers={"Allow": allow})
+        try:
+            return endpoint(request)
+        except MembershipError as e:
+            raise HttpError(ERROR_STATUS[type(e)], str(e)) from None
+
+    def error(self, error: HttpError, head: Head | None, peer: str) -> Response:
+        log.log(
+            logging.INFO if error.status in _ROUTINE else logging.WARNING,
+            "lighthouse: %d for %s %s from %s: %s",
+            error.status, head.method if head else "-", head.path if head else "-", peer, error.message,
+        )
+        return _json(error.status, {"error": error.message}, error.headers, close=error.close)
+
+    def identity_lost(self, identity: str) -> None:
+        self._membership.connection_lost(identity)
+
+    # -- endpoints
+
+    def _dashboard(self, request: Request) -> Response:
+        return Response(200, dashboard.render(self._snapshot()).encode(), "text/html; charset=utf-8")
+
+    def _status(self, request: Request) -> Response:
+        return Response(200, json.dumps(self._snapshot().to_json()).encode())
+
+    def _quorum(self, request: Request) -> LongPoll:
+        obj = self._read_json(request)
+        _expect(obj, {"member": (dict,)}, {"timeout": (float, int)})
+        try:
+            member = QuorumMember.from_json(obj["member"])
+        except (TypeError, ValueError) as e:
+            raise HttpError(400, f"bad member: {e}") from None
+        rid = self._replica_id(request, member.replica_id)
+        timeout = float(obj.get("timeout", DEFAULT_QUORUM_TIMEOUT))
+        if not (0 < timeout <= MAX_QUORUM_TIMEOUT):
+            raise HttpError(400, f"timeout must be in (0, {MAX_QUORUM_TIMEOUT:g}] seconds, got {timeout:g}")
+        ticket = self._membership.request_quorum(member)
+        self._bind(request, rid)
+        return _QuorumPoll(self, ticket, timeout, request)
+
+    def _heartbeat(self, request: Request) -> Response:
+        obj = self._read_json(request)
+        _expect(obj, {"replica_id": (str,)}, {})
+        rid = self._replica_id(request, obj["replica_id"])
+        self._membership.heartbeat(rid)
+        self._bind(request, rid)
+        return _OK
+
+    def _leave(self, request: Request) -> Response:
+        obj = self._read_json(request)
+        _expect(obj, {"replica_id": (str,)}, {})
+        return _json(200, {"left": self._membership.leave(self._replica_id(request, obj["replica_id"]))})
+
+    def _report_failure(self, request: Request) -> Response:
+        rid, reason = self._admin_body(request)
+        if not self._membership.report_failure(rid, reason or f"reported failed by admin {request.peer}"):
+            raise HttpError(404, f"unknown replica {rid!r}")
+        return _OK
+
+    def _evict(self, request: Request) -> Response:
+        rid, reason = self._admin_body(request)
+        if not self._membership.evict(rid, reason or f"evicted by admin {request.peer}"):
+            raise HttpError(404, f"unknown replica {rid!r}")
+        return _OK
+
+    # -- request checks
+
+    @staticmethod
+    def _read_json(request: Request) -> dict[str, Any]:
+        if request.header("Content-Length") is None:
+            raise HttpError(411, "Content-Length required")
+        try:
+            obj = json.loads(request.body)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise HttpError(400, f"malformed JSON: {e}") from None
+        if not isinstance(obj, dict):
+            raise HttpError(400, f"request body must be a JSON object, got {type(obj).__name__}")
+        return obj
+
+    @staticmethod
+    def _replica_id(request: Request, rid: str) -> str:
+        _check_replica_id(rid)
+        header = request.header(REPLICA_HEADER)
+        if header is not None and header != rid:
+            raise HttpError(400, f"header {REPLICA_HEADER}={header!r} does not match replica_id {rid!r}")
+        return rid
+
+    @staticmethod
+    def _bind(request: Request, rid: str) -> None:
+        """A request carrying the replica header ties its connection's life to the group's."""
+        if request.header(REPLICA_HEADER) is not None:
+            request.bind(rid)
+
+    def _admin_body(self, request: Request) -> tuple[str, str]:
+        self._check_token(request.header("Authorization"))
+        obj = self._read_json(request)
+        _expect(obj, {"replica_id": (str,)}, {"reason": (str,)})
+        rid = obj["replica_id"]
+        _check_replica_id(rid)
+        return rid, obj.get("reason", "")
+
+    def _check_token(self, header: str | None) -> None:
+        if self._token is None:
+            raise HttpError(403, "admin endpoints are disabled: the lighthouse was started without a token")
+        if not header:
+            raise HttpError(
+                401, "admin endpoint needs 'Authorization: Bearer <token>'", headers={"WWW-Authenticate": "Bearer"}
+            )
+        scheme, _, given = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), self._token.encode()):
+            raise HttpError(403, "wrong token")
+
+    # -- quorum answers
+
+    def quorum_response(self, quorum: Quorum) -> Response:
+        """The 200 answer for ``quorum``: encoded once, the same bytes for every member."""
+        last = self._last_answer
+        if last is not None and last[0] is quorum:
+            return last[1]
+        # Compact separators: every member gets the whole quorum, so with N groups a round writes
+        # N answers of O(N) bytes; the spaces alone were ~10% of them.
+        body = json.dumps({"quorum": quorum.to_json(), "version": API_VERSION}, separators=(",", ":"))
+        response = Response(200, body.encode())
+        self._last_answer = (quorum, response)
+        return response
+
+
+class _QuorumPoll:
+    """A parked ``POST /quorum`` as the transport sees it (`http.LongPoll`)."""
+
+    __slots__ = ("_routes", "_ticket", "timeout", "_request")
+
+    def __init__(self, routes: Routes, ticket: QuorumTicket, timeout: float, request: Request) -> None:
+        self._routes = routes
+        self._ticket = ticket
+        self.timeout = timeout
+        self._request = request
+
+    def on_ready(self, callback: Callable[[], None]) -> None:
+        self._ticket.add_done_callback(lambda _ticket: callback())
+
+    def expire(self) -> None:
+        self._routes._membership.expire(self._ticket, self.timeout)
+
+    def cancel(self) -> None:
+        self._routes._membership.abandon(self._ticket)
+
+    def answer(self) -> Response | None:
+        ticket = self._ticket
+        if ticket.quorum is not None:
+            return self._routes.quorum_response(ticket.quorum)
+        if ticket.error is None or isinstance(ticket.error, Abandoned):
+            return None
+        error = HttpError(ERROR_STATUS[type(ticket.error)], str(ticket.error))
+        return self._routes.error(error, self._request.head, self._request.peer)

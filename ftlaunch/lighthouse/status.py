@@ -1,0 +1,247 @@
+"""The lighthouse's status as typed, frozen values: what ``GET /status`` serves, the dashboard renders,
+and the launcher reads.
+
+One document, three readers: `LighthouseServer.snapshot` builds a `LighthouseStatus` from its
+membership, ``GET /status`` sends `LighthouseStatus.to_json`, `LighthouseClient.snapshot` parses it
+back with `LighthouseStatus.from_json`, and the dashboard and the launcher (``launcher/
+lighthouse_host.py``) read attributes instead of dict keys. A new field is added here once (with a
+default, so an older lighthouse's document still parses; unknown keys are ignored, so an older
+reader still reads a newer lighthouse).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ftlaunch.lighthouse.protocol import API_VERSION
+from ftlaunch.lighthouse.quorum import Health, Quorum
+
+
+def _get(d: Mapping[str, Any], name: str, types: type | tuple[type, ...], default: Any = ...) -> Any:
+    """``d[name]`` checked against ``types`` (a bool is not a number); ``default`` when absent."""
+    if name not in d:
+        if default is ...:
+            raise ValueError(f"status field {name!r} is missing")
+        return default
+    value = d[name]
+    wanted = types if isinstance(types, tuple) else (types,)
+    if (isinstance(value, bool) and bool not in wanted) or not isinstance(value, wanted):
+        raise ValueError(f"status field {name!r} must be {wanted[0].__name__}, got {type(value).__name__}")
+    return value
+
+
+def _object(value: Any, what: str) -> Mapping[str, Any]:
+    if not isinstance(value, dict):
+        raise ValueError(f"{what} must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+@dataclass(frozen=True)
+class StatusOptions:
+    """How the lighthouse was started (``admin``: whether the admin endpoints take a token)."""
+
+    min_replicas: int = 1
+    join_timeout: float = 60.0
+    heartbeat_timeout: float = 5.0
+    quorum_tick: float = 0.1
+    admin: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "min_replicas": self.min_replicas,
+            "join_timeout": self.join_timeout,
+            "heartbeat_timeout": self.heartbeat_timeout,
+            "quorum_tick": self.quorum_tick,
+            "admin": self.admin,
+        }
+
+    @classmethod
+    def from_json(cls, d: Any) -> StatusOptions:
+        d = _object(d, "options")
+        return cls(
+            min_replicas=_get(d, "min_replicas", int),
+            join_timeout=float(_get(d, "join_timeout", (float, int))),
+            heartbeat_timeout=float(_get(d, "heartbeat_timeout", (float, int))),
+            quorum_tick=float(_get(d, "quorum_tick", (float, int))),
+            admin=_get(d, "admin", bool),
+        )
+
+
+@dataclass(frozen=True)
+class GroupStatus:
+    """One replica group as the lighthouse sees it (see docs/lighthouse.md, *Liveness*)."""
+
+    replica_id: str
+    health: Health = Health.LIVE
+    #: The step of its last quorum request.
+    step: int = 0
+    address: str = ""
+    #: Seconds since its last heartbeat or quorum request.
+    last_seen_age: float = 0.0
+    heartbeat_timeout: float = 5.0
+    #: Open connections bound to it (``X-Ftlaunch-Replica``).
+    connections: int = 0
+    #: It has a quorum request waiting.
+    requesting: bool = False
+    in_quorum: bool = False
+    heartbeats: int = 0
+    #: Why it is not live (empty while it is).
+    reason: str = ""
+    #: Unix time it was first heard of.
+    first_seen: float = 0.0
+
+    @property
+    def live(self) -> bool:
+        return self.health is Health.LIVE
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "replica_id": self.replica_id,
+            "health": self.health.value,
+            "step": self.step,
+            "address": self.address,
+            "last_seen_age": self.last_seen_age,
+            "heartbeat_timeout": self.heartbeat_timeout,
+            "connections": self.connections,
+            "requesting": self.requesting,
+            "in_quorum": self.in_quorum,
+            "heartbeats": self.heartbeats,
+            "reason": self.reason,
+            "first_seen": self.first_seen,
+        }
+
+    @classmethod
+    def from_json(cls, d: Any) -> GroupStatus:
+        d = _object(d, "group")
+        try:
+            health = Health(_get(d, "health", str))
+        except ValueError:
+            raise ValueError(f"unknown group health {d['health']!r}") from None
+        return cls(
+            replica_id=_get(d, "replica_id", str),
+            health=health,
+            step=_get(d, "step", int),
+            address=_get(d, "address", str),
+            last_seen_age=float(_get(d, "last_seen_age", (float, int))),
+            heartbeat_timeout=float(_get(d, "heartbeat_timeout", (float, int))),
+            connections=_get(d, "connections", int),
+            requesting=_get(d, "requesting", bool),
+            in_quorum=_get(d, "in_quorum", bool),
+            heartbeats=_get(d, "heartbeats", int),
+            reason=_get(d, "reason", str),
+            first_seen=float(_get(d, "first_seen", (float, int))),
+        )
+
+
+@dataclass(frozen=True)
+class HistoryEvent:
+    """One entry of the history: ``joined``, ``quorum``, ``silent``, ``disconnected``, ``failed``,
+    ``revived``, ``left``, ``evicted`` or ``failure_report`` (docs/lighthouse.md)."""
+
+    time: float
+    event: str
+    replica_id: str | None = None
+    detail: str = ""
+    #: Only on ``quorum`` events: the new quorum's id and members.
+    quorum_id: int | None = None
+    participants: tuple[str, ...] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"time": self.time, "event": self.event, "replica_id": self.replica_id, "detail": self.detail}
+        if self.quorum_id is not None:
+            out["quorum_id"] = self.quorum_id
+        if self.participants is not None:
+            out["participants"] = list(self.participants)
+        return out
+
+    @classmethod
+    def from_json(cls, d: Any) -> HistoryEvent:
+        d = _object(d, "history event")
+        participants = _get(d, "participants", list, None)
+        if participants is not None and not all(isinstance(p, str) for p in participants):
+            raise ValueError("status field 'participants' must list replica ids")
+        return cls(
+            time=float(_get(d, "time", (float, int))),
+            event=_get(d, "event", str),
+            replica_id=_get(d, "replica_id", (str, type(None)), None),
+            detail=_get(d, "detail", str, ""),
+            quorum_id=_get(d, "quorum_id", int, None),
+            participants=tuple(participants) if participants is not None else None,
+        )
+
+
+@dataclass(frozen=True)
+class LighthouseStatus:
+    """Everything the lighthouse knows, at one instant (``GET /status``)."""
+
+    address: str = ""
+    #: Unix time of the snapshot.
+    time: float = 0.0
+    options: StatusOptions = StatusOptions()
+    #: The current (last formed) quorum.
+    quorum: Quorum | None = None
+    #: The id a quorum would get if the next one needs a new id.
+    next_quorum_id: int = 0
+    #: Every known group, sorted by replica id.
+    groups: tuple[GroupStatus, ...] = ()
+    #: Replica ids with a quorum request waiting, sorted.
+    pending: tuple[str, ...] = ()
+    #: Why the pending requests (if any) still wait.
+    decision: str = ""
+    #: Evicted groups not yet told (their next request gets 410).
+    evicted: tuple[str, ...] = ()
+    #: Newest first.
+    history: tuple[HistoryEvent, ...] = ()
+
+    @property
+    def quorum_id(self) -> int | None:
+        """The current quorum's id, or None before the first quorum."""
+        return self.quorum.quorum_id if self.quorum is not None else None
+
+    @property
+    def live_count(self) -> int:
+        """How many groups are live (connected and heard from within the heartbeat timeout)."""
+        return sum(1 for g in self.groups if g.live)
+
+    def group(self, replica_id: str) -> GroupStatus | None:
+        return next((g for g in self.groups if g.replica_id == replica_id), None)
+
+    def to_json(self) -> dict[str, Any]:
+        """The ``GET /status`` document (docs/lighthouse.md), ``version`` included."""
+        return {
+            "version": API_VERSION,
+            "address": self.address,
+            "time": self.time,
+            "options": self.options.to_json(),
+            "quorum": self.quorum.to_json() if self.quorum is not None else None,
+            "next_quorum_id": self.next_quorum_id,
+            "groups": [g.to_json() for g in self.groups],
+            "pending": list(self.pending),
+            "decision": self.decision,
+            "evicted": list(self.evicted),
+            "history": [h.to_json() for h in self.history],
+        }
+
+    @classmethod
+    def from_json(cls, d: Any) -> LighthouseStatus:
+        """Parse a status document; raises ValueError when it is not one (wrong types, missing fields)."""
+        d = _object(d, "lighthouse status")
+        quorum = d.get("quorum")
+        lists = {name: _get(d, name, list) for name in ("groups", "pending", "evicted", "history")}
+        for name in ("pending", "evicted"):
+            if not all(isinstance(rid, str) for rid in lists[name]):
+                raise ValueError(f"status field {name!r} must list replica ids")
+        return cls(
+            address=_get(d, "address", str),
+            time=float(_get(d, "time", (float, int))),
+            options=StatusOptions.from_json(d.get("options")),
+            quorum=Quorum.from_json(quorum) if quorum is not None else None,
+            next_quorum_id=_get(d, "next_quorum_id", int),
+            groups=tuple(GroupStatus.from_json(g) for g in lists["groups"]),
+            pending=tuple(lists["pending"]),
+            decision=_get(d, "decision", str),
+            evicted=tuple(lists["evicted"]),
+            history=tuple(HistoryEvent.from_json(h) for h in lists["history"]),
+        )

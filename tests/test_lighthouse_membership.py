@@ -1,0 +1,251 @@
+"""The lighthouse's bookkeeping (ftlaunch.lighthouse.membership) in one process: no sockets, no
+sleeps, a hand-driven clock. What tests/test_lighthouse_server.py checks over HTTP, here as rules."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from ftlaunch.lighthouse.membership import (
+    Abandoned,
+    Evicted,
+    Left,
+    Membership,
+    QuorumTicket,
+    QuorumTimeout,
+    ShuttingDown,
+    Superseded,
+)
+from ftlaunch.lighthouse.quorum import Health, QuorumIdAllocator, QuorumMember, QuorumOptions
+from ftlaunch.lighthouse.status import LighthouseStatus
+
+
+class Clock:
+    def __init__(self, start: float = 1000.0) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make(min_replicas: int = 1, join_timeout: float = 60.0, heartbeat_timeout: float = 5.0) -> tuple[Membership, Clock]:
+    clock = Clock()
+    options = QuorumOptions(min_replicas=min_replicas, join_timeout=join_timeout, heartbeat_timeout=heartbeat_timeout)
+    return Membership(options, ids=QuorumIdAllocator(1_700_000_000_000), clock=clock, wall_clock=clock), clock
+
+
+def ask(m: Membership, *rids: str, **fields: object) -> dict[str, QuorumTicket]:
+    return {rid: m.request_quorum(QuorumMember(rid, **fields)) for rid in rids}  # type: ignore[arg-type]
+
+
+def members(ticket: QuorumTicket) -> tuple[str, ...]:
+    assert ticket.done and ticket.quorum is not None, ticket.error
+    return ticket.quorum.replica_ids
+
+
+def events(m: Membership, rid: str | None = None) -> list[str]:
+    """History, oldest first (of one group when ``rid`` is given)."""
+    return [h.event for h in reversed(m.snapshot().history) if rid is None or h.replica_id == rid]
+
+
+def test_a_lone_group_gets_its_quorum_at_once() -> None:
+    m, _ = make()
+    t = m.request_quorum(QuorumMember("a", step=3))
+    assert members(t) == ("a",) and t.quorum is not None and t.quorum.member("a").step == 3  # type: ignore[union-attr]
+    assert m.snapshot().pending == () and events(m) == ["joined", "quorum"]
+
+
+def test_fast_quorum_keeps_the_id_and_changes_it_when_it_must() -> None:
+    m, _ = make()
+    for rid in "ab":
+        m.heartbeat(rid)
+    first = ask(m, "a", "b")
+    assert not first["a"].done or members(first["a"]) == ("a", "b")
+    q1 = first["b"].quorum
+    assert q1 is not None and members(first["a"]) == ("a", "b")
+    same = ask(m, "a", "b")
+    assert same["a"].quorum is same["b"].quorum and same["a"].quorum.quorum_id == q1.quorum_id  # type: ignore[union-attr]
+    failed = {"a": m.request_quorum(QuorumMember("a", commit_failures=1)), "b": m.request_quorum(QuorumMember("b"))}
+    q2 = failed["a"].quorum
+    assert q2 is not None and q2.quorum_id > q1.quorum_id
+    m.heartbeat("c")  # a newcomer does not hold up a fast quorum of the previous members
+    fast = ask(m, "a", "b")
+    assert members(fast["a"]) == ("a", "b") and fast["a"].quorum.quorum_id == q2.quorum_id  # type: ignore[union-attr]
+    c = m.request_quorum(QuorumMember("c"))
+    assert not c.done and "split brain" in m.snapshot().decision  # 1 of 3 live groups
+    again = ask(m, "a", "b")
+    assert members(c) == ("a", "b", "c") and c.quorum.quorum_id > q2.quorum_id  # type: ignore[union-attr]
+    assert again["a"].quorum is c.quorum
+
+
+def test_a_newer_request_supersedes_the_waiting_one() -> None:
+    m, _ = make(min_replicas=2)
+    old = m.request_quorum(QuorumMember("a"))
+    new = m.request_quorum(QuorumMember("a", step=1))
+    assert isinstance(old.error, Superseded) and "superseded" in str(old.error)
+    b = m.request_quorum(QuorumMember("b"))
+    assert members(b) == ("a", "b") and members(new) == ("a", "b")
+
+
+def test_leave_ends_the_wait_and_forgets_the_group() -> None:
+    m, _ = make(min_replicas=2)
+    t = m.request_quorum(QuorumMember("a"))
+    assert m.leave("a") is True
+    assert isinstance(t.error, Left)
+    assert m.snapshot().group("a") is None and m.snapshot().pending == ()
+    assert "left" in events(m, "a") and "disconnected" not in events(m, "a")
+    assert m.leave("a") is False
+    m.connection_lost("a")  # its heartbeat connection closing after the leave is no death
+    assert m.snapshot().group("a") is None
+
+
+def test_evict_tells_once_then_a_fresh_join() -> None:
+    m, _ = make(min_replicas=2)
+    m.heartbeat("a")
+    assert m.evict("a", "bad node") is True
+    assert m.snapshot().evicted == ("a",)
+    with pytest.raises(Evicted, match="bad node"):
+        m.heartbeat("a")
+    m.heartbeat("a")  # one-shot
+    assert m.snapshot().group("a") is not None and m.snapshot().evicted == ()
+    parked = m.request_quorum(QuorumMember("a"))
+    assert m.evict("a", "drain")
+    assert isinstance(parked.error, Evicted)  # the parked request was its one notice
+    m.heartbeat("a")
+    assert m.evict("nobody", "x") is False
+
+
+def test_failure_report_and_lost_connection_wake_the_waiters() -> None:
+    m, _ = make()
+    for rid in "abcd":
+        m.heartbeat(rid)
+    waiting = ask(m, "a", "b", "c")  # d is live and has not asked: wait for the straggler
+    assert not waiting["a"].done and "straggler" in m.snapshot().decision
+    assert m.report_failure("d", "agent saw exit code -9") is True
+    assert members(waiting["a"]) == ("a", "b", "c")
+    d = m.snapshot().group("d")
+    assert d is not None and d.health is Health.FAILED and "exit code -9" in d.reason
+    waiting = ask(m, "a", "b")
+    assert not waiting["a"].done
+    m.connection_lost("c")  # its process died: its bound connection closed
+    assert members(waiting["b"]) == ("a", "b")
+    assert m.snapshot().group("c").health is Health.DISCONNECTED  # type: ignore[union-attr]
+    assert m.report_failure("nobody", "x") is False and events(m)[-1] == "failure_report"
+
+
+def test_a_revived_member_forces_a_new_id() -> None:
+    m, _ = make()
+    m.heartbeat("b")
+    q1 = ask(m, "a", "b")["b"].quorum
+    m.report_failure("b", "blip")
+    m.heartbeat("b")  # back: may be a new incarnation under the same name
+    assert events(m, "b")[-2:] == ["failed", "revived"]
+    q2 = ask(m, "a", "b")["b"].quorum
+    assert q1 is not None and q2 is not None and q2.replica_ids == q1.replica_ids and q2.quorum_id > q1.quorum_id
+
+
+def test_time_alone_silences_a_group_and_ends_the_join_wait() -> None:
+    m, clock = make(join_timeout=10.0, heartbeat_timeout=5.0)
+    for rid in "abc":
+        m.heartbeat(rid)
+    waiting = ask(m, "a", "b")
+    clock.now += 4.0
+    m.heartbeat("a")
+    m.heartbeat("b")
+    m.tick()
+    assert not waiting["a"].done
+    clock.now += 2.0  # c: 6 s without a heartbeat
+    m.tick()
+    assert members(waiting["a"]) == ("a", "b")
+    assert m.snapshot().group("c").health is Health.SILENT  # type: ignore[union-attr]
+    m.tick()
+    assert events(m, "c").count("silent") == 1  # recorded once
+
+    m2, clock2 = make(join_timeout=10.0, heartbeat_timeout=60.0)
+    for rid in "abc":
+        m2.heartbeat(rid)
+    waiting = ask(m2, "a", "b")
+    clock2.now += 9.9
+    m2.tick()
+    assert not waiting["a"].done
+    clock2.now += 0.2
+    m2.tick()
+    assert members(waiting["a"]) == ("a", "b")
+    assert "join timeout" in m2.snapshot().history[0].detail
+
+
+def test_expire_says_why_and_withdraws() -> None:
+    m, _ = make(min_replicas=2)
+    t = m.request_quorum(QuorumMember("a"))
+    m.expire(t, 0.5)
+    assert isinstance(t.error, QuorumTimeout) and "within 0.5s" in str(t.error) and "min_replicas" in str(t.error)
+    assert m.snapshot().pending == ()
+    m.expire(t, 0.5)  # a second expiry changes nothing
+    assert isinstance(t.error, QuorumTimeout)
+
+    m, _ = make(join_timeout=0.0)
+    for rid in "abcd":
+        m.heartbeat(rid)
+    t = ask(m, "a", "b")["a"]
+    m.expire(t, 1.0)
+    assert "split brain" in str(t.error)
+
+
+def test_abandon_withdraws_only_the_same_request() -> None:
+    m, _ = make(min_replicas=2)
+    first = m.request_quorum(QuorumMember("a"))
+    second = m.request_quorum(QuorumMember("a"))
+    m.abandon(first)  # already superseded: the newer request stays
+    assert m.snapshot().pending == ("a",)
+    m.abandon(second)
+    assert isinstance(second.error, Abandoned) and m.snapshot().pending == ()
+
+
+def test_close_answers_waiters_and_refuses_everything() -> None:
+    m, _ = make(min_replicas=2)
+    t = m.request_quorum(QuorumMember("a"))
+    m.close()
+    assert isinstance(t.error, ShuttingDown)
+    with pytest.raises(ShuttingDown):
+        m.heartbeat("a")
+    with pytest.raises(ShuttingDown):
+        m.request_quorum(QuorumMember("b"))
+    m.connection_lost("a")
+    assert m.snapshot().group("a").health is Health.LIVE  # type: ignore[union-attr]
+
+
+def test_ticket_callbacks_run_once_from_any_thread() -> None:
+    m, _ = make(min_replicas=2)
+    t = m.request_quorum(QuorumMember("a"))
+    seen: list[tuple[str, bool]] = []
+    t.add_done_callback(lambda ticket: seen.append((threading.current_thread().name, ticket.done)))
+    other = threading.Thread(target=lambda: m.request_quorum(QuorumMember("b")), name="other")
+    other.start()
+    other.join(10)
+    assert seen == [("other", True)]
+    t.add_done_callback(lambda ticket: seen.append(("late", ticket.done)))  # already done: called at once
+    assert seen[-1] == ("late", True)
+    assert not t._resolve(error=ShuttingDown("x")) and t.quorum is not None  # the first answer wins
+
+
+def test_snapshot_is_the_status_document() -> None:
+    m, clock = make()
+    m.heartbeat("b")
+    clock.now += 1.0
+    ask(m, "a", "b", step=2)
+    m.request_quorum(QuorumMember("a", step=3, address="host:1"))
+    snap = m.snapshot(address="http://x:1", quorum_tick=0.1, admin=True, connections=lambda rid: 2 if rid == "a" else 0)
+    a = snap.group("a")
+    assert a is not None and a.requesting and a.in_quorum and a.step == 3 and a.address == "host:1"
+    assert a.connections == 2 and snap.pending == ("a",) and snap.options.admin and snap.address == "http://x:1"
+    assert snap.history[0].event == "quorum" and snap.history[0].participants == ("a", "b")
+    doc = snap.to_json()
+    assert doc["version"] == 1 and doc["groups"][0]["health"] == "live" and doc["quorum"]["quorum_id"] == snap.quorum_id
+    assert LighthouseStatus.from_json(doc) == snap
+
+
+def test_ids_increase_across_memberships_of_one_process() -> None:
+    options = QuorumOptions()
+    ids = [Membership(options).request_quorum(QuorumMember("a")).quorum.quorum_id for _ in range(3)]  # type: ignore[union-attr]
+    assert ids == sorted(set(ids))
