@@ -208,3 +208,58 @@ def test_gang_errors_from_inside_the_group_still_raise(make_group: Callable[...,
         ProductGang(rdp, Broken(CPU, rank=0, size=2)).all_reduce(torch.ones(1), R.SUM)
     assert g.m.errored() is None and rdp.should_commit()
     assert dist.is_available()
+
+
+class _Wire:
+    """Two ends of a broadcast in one process: the source's tensors are copied to the receiver's."""
+
+    def __init__(self, payload: list[torch.Tensor] | None = None) -> None:
+        self.sent: list[torch.Tensor] = [] if payload is None else payload
+
+    def source(self, t: torch.Tensor, src: int) -> bool:
+        self.sent.append(t.clone())
+        return True
+
+    def receiver(self, t: torch.Tensor, src: int) -> bool:
+        t.copy_(self.sent.pop(0))
+        return True
+
+
+class _NotAWeight:
+    pass
+
+
+class _Exploit:
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (print, ("code from the network ran",))
+
+
+def test_objects_crossing_replica_groups_are_decoded_without_running_code(capsys: pytest.CaptureFixture[str]) -> None:
+    from ftlaunch.gang.base import broadcast_pickled
+
+    wire = _Wire()
+    sent: list[object] = [{"step": 3, "loss": 0.25, "name": "rg0"}, torch.arange(3), [1, (2, 3)]]
+    broadcast_pickled(wire.source, list(sent), 0, True, CPU, safe=True)
+    got: list[object] = [None, None, None]
+    broadcast_pickled(wire.receiver, got, 0, False, CPU, safe=True)
+    assert got[0] == sent[0] and torch.equal(got[1], sent[1]) and got[2] == sent[2]  # type: ignore[arg-type]
+
+    # A source refuses what the receivers would refuse, and they all raise the same TypeError.
+    with pytest.raises(TypeError, match="cross replica groups"):
+        broadcast_pickled(_Wire().source, [_NotAWeight()], 0, True, CPU, safe=True)
+
+    # A hostile peer sending a pickle that calls a function: refused, nothing runs.
+    import io
+    import pickle
+
+    data = pickle.dumps([_Exploit()])
+    wire = _Wire([torch.tensor([len(data)]), torch.frombuffer(bytearray(data), dtype=torch.uint8)])
+    with pytest.raises(GangError, match="refused"):
+        broadcast_pickled(wire.receiver, [None], 0, False, CPU, safe=True)
+    buf = io.BytesIO()
+    torch.save([_Exploit()], buf)
+    data = buf.getvalue()
+    wire = _Wire([torch.tensor([len(data)]), torch.frombuffer(bytearray(data), dtype=torch.uint8)])
+    with pytest.raises(GangError, match="refused"):
+        broadcast_pickled(wire.receiver, [None], 0, False, CPU, safe=True)
+    assert "code from the network ran" not in capsys.readouterr().out

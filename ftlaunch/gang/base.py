@@ -12,6 +12,7 @@ implementation cannot do what was asked, `InvalidOperationError` for a closed ga
 
 from __future__ import annotations
 
+import io
 import pickle
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -197,9 +198,17 @@ def broadcast_pickled(
     source_rank: int,
     is_source: bool,
     device: torch.device,
+    *,
+    safe: bool = False,
 ) -> None:
     """`Gang.broadcast_objects` over a tensor ``broadcast(tensor, source_rank)``: the length of the
     pickle, then its bytes.
+
+    ``safe``: decode with torch's weights-only unpickler, which builds only tensors, numbers,
+    strings and containers of them and never runs code named by the sender. A gang whose peers
+    are other replica groups (another failure domain, possibly another incarnation of a job) uses
+    it; inside a replica group, as in ``torch.distributed.broadcast_object_list``, any picklable
+    object travels.
 
     A source whose objects cannot be pickled still sends a length (-1), so every process raises
     the same ``TypeError`` instead of its peers waiting in the second broadcast until a timeout.
@@ -210,7 +219,7 @@ def broadcast_pickled(
     why = ""
     if is_source:
         try:
-            payload = pickle.dumps(list(objects))
+            payload = _dumps(list(objects), safe)
         except Exception as e:  # noqa: BLE001 - pickle raises many types; all are the same misuse here
             why = f": {type(e).__name__}: {e}"
     length = torch.tensor([len(payload) if payload is not None else -1], dtype=torch.int64, device=device)
@@ -225,12 +234,36 @@ def broadcast_pickled(
         buf = torch.empty(n, dtype=torch.uint8, device=device)
     if broadcast(buf, source_rank) is False or is_source:
         return
-    received = pickle.loads(buf.cpu().numpy().tobytes())  # noqa: S301 - the gang's own peers
+    received = _loads(buf.cpu().numpy().tobytes(), safe)
     if len(received) != len(objects):
         raise ValueError(
             f"broadcast_objects: rank {source_rank} sent {len(received)} objects, this process passed {len(objects)}"
         )
     objects[:] = received
+
+
+def _dumps(objects: list[object], safe: bool) -> bytes:
+    if not safe:
+        return pickle.dumps(objects)
+    out = io.BytesIO()
+    torch.save(objects, out)
+    try:  # refuse at the source what the receivers' weights-only loader would refuse
+        torch.load(io.BytesIO(out.getvalue()), weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise TypeError(f"only tensors, numbers, strings and containers of them cross replica groups ({e})") from None
+    return out.getvalue()
+
+
+def _loads(data: bytes, safe: bool) -> list[object]:
+    if not safe:
+        return pickle.loads(data)  # noqa: S301 - the gang's own peers inside one replica group
+    try:
+        received = torch.load(io.BytesIO(data), weights_only=True)
+    except Exception as e:  # noqa: BLE001 - a refused or corrupt payload, whatever the loader raises
+        raise GangError(f"broadcast_objects: refused the objects received: {type(e).__name__}: {e}") from None
+    if not isinstance(received, list):
+        raise GangError(f"broadcast_objects: received a {type(received).__name__}, not a list")
+    return received
 
 
 # ---- helpers on the interface ---------------------------------------------------------------------

@@ -217,7 +217,7 @@ class ManagedGang(Gang):
         def send(t: torch.Tensor, src: int) -> bool:
             return self._run(pg, lambda g: g.broadcast_one(t, src))
 
-        broadcast_pickled(send, objects, source_rank, pg.rank() == source_rank, self._device)
+        broadcast_pickled(send, objects, source_rank, pg.rank() == source_rank, self._device, safe=True)
 
     def create_gang(self, ranks: Sequence[int]) -> Gang | None:
         check_ranks(ranks, self.size)
