@@ -32,6 +32,9 @@ NUM_REPLICA_GROUPS = "NUM_REPLICA_GROUPS"
 FTLAUNCH_LIGHTHOUSE = "FTLAUNCH_LIGHTHOUSE"
 #: torchft's name for the lighthouse address; accepted as a fallback.
 TORCHFT_LIGHTHOUSE = "TORCHFT_LIGHTHOUSE"
+#: Hot spares of the job (``ftlaunch --spares K``): when > 0, every group claims a replica-group slot
+#: from the lighthouse before it builds its Manager; groups ``NUM_REPLICA_GROUPS``.. start as spares.
+FTLAUNCH_SPARES = "FTLAUNCH_SPARES"
 #: Job token: required by the lighthouse's admin endpoints (evict, report failure).
 FTLAUNCH_TOKEN = "FTLAUNCH_TOKEN"
 #: Address the lighthouse binds when the launcher/rendezvous starts one (default loopback).
@@ -63,6 +66,7 @@ ALL_FTLAUNCH_VARS = (
     FTLAUNCH_LIGHTHOUSE,
     TORCHFT_LIGHTHOUSE,
     FTLAUNCH_TOKEN,
+    FTLAUNCH_SPARES,
     FTLAUNCH_LIGHTHOUSE_BIND,
     FTLAUNCH_BACKEND,
     FTLAUNCH_TRANSPORT,
@@ -131,22 +135,33 @@ class JobEnv:
     lighthouse: str
     #: The job token the lighthouse requires (None: a lighthouse without one).
     token: str | None = None
+    #: Hot spares of the job: groups ``num_replica_groups .. num_replica_groups + spares - 1`` start
+    #: as spares, and with spares every group claims its slot (`ftlaunch.worker.spare`).
+    spares: int = 0
 
     def __post_init__(self) -> None:
         from ftlaunch.errors import ConfigurationError
 
         if self.num_replica_groups < 1:
             raise ConfigurationError(f"{NUM_REPLICA_GROUPS}={self.num_replica_groups} must be >= 1")
-        if not 0 <= self.replica_group_id < self.num_replica_groups:
+        if self.spares < 0:
+            raise ConfigurationError(f"{FTLAUNCH_SPARES}={self.spares} must be >= 0")
+        if not 0 <= self.replica_group_id < self.num_replica_groups + self.spares:
+            spares = f", {FTLAUNCH_SPARES}={self.spares}" if self.spares else ""
             raise ConfigurationError(
-                f"replica group id {self.replica_group_id} is outside 0..{self.num_replica_groups - 1} "
-                f"({NUM_REPLICA_GROUPS}={self.num_replica_groups})"
+                f"replica group id {self.replica_group_id} is outside 0..{self.num_replica_groups + self.spares - 1} "
+                f"({NUM_REPLICA_GROUPS}={self.num_replica_groups}{spares})"
             )
         object.__setattr__(self, "lighthouse", normalize_lighthouse(self.lighthouse, FTLAUNCH_LIGHTHOUSE))
 
     @property
     def replica_id(self) -> str:
         return replica_id(self.replica_group_id)
+
+    @property
+    def starts_as_spare(self) -> bool:
+        """This group was started as a hot spare (its id is past the job's replica groups)."""
+        return self.replica_group_id >= self.num_replica_groups
 
     @classmethod
     def from_environ(
@@ -174,7 +189,8 @@ class JobEnv:
         if num is None:
             raise ConfigurationError(f"{NUM_REPLICA_GROUPS} is not set. {HOW_TO_LAUNCH}")
         assert group is not None and addr is not None  # narrowed by the checks above
-        return cls(group, num, addr, token if token is not None else (env.get(FTLAUNCH_TOKEN) or None))
+        spares = get_int(FTLAUNCH_SPARES, 0, env) or 0
+        return cls(group, num, addr, token if token is not None else (env.get(FTLAUNCH_TOKEN) or None), spares)
 
     def to_environ(self) -> dict[str, str]:
         """The variables a launcher sets in every worker of this replica group."""
@@ -185,6 +201,8 @@ class JobEnv:
         }
         if self.token:
             out[FTLAUNCH_TOKEN] = self.token
+        if self.spares:
+            out[FTLAUNCH_SPARES] = str(self.spares)
         return out
 
 

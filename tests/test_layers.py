@@ -137,7 +137,9 @@ def test_the_check_sees_violations(tmp_path: Path) -> None:
 LIGHTHOUSE_RANKS: dict[str, int] = {
     "protocol": 0,  # wire constants
     "quorum": 0,  # the pure decision
+    "slots": 0,  # the pure rule: which spare takes which replica-group slot
     "status": 1,  # the typed status document
+    "spares": 1,  # the slot table of a job with hot spares (no HTTP)
     "membership": 2,  # bookkeeping: groups, quorum requests, domain errors
     "http": 2,  # request/response types, http.server's head parsing
     "dashboard": 2,  # HTML from a status
@@ -151,7 +153,7 @@ LIGHTHOUSE_RANKS: dict[str, int] = {
 }
 
 #: Lighthouse modules that do no I/O: they may not import sockets, event loops or HTTP.
-LIGHTHOUSE_NO_IO = {"protocol", "quorum", "status", "membership", "dashboard"}
+LIGHTHOUSE_NO_IO = {"protocol", "quorum", "slots", "status", "spares", "membership", "dashboard"}
 _IO_MODULES = {"socket", "selectors", "select", "asyncio", "http", "urllib", "ssl"}
 
 

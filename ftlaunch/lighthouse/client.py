@@ -27,6 +27,7 @@ from ftlaunch.addresses import http_url, parse_host_port
 from ftlaunch.errors import EvictedError, LighthouseError, LighthouseUnavailableError, QuorumTimeoutError
 from ftlaunch.lighthouse.protocol import API_VERSION, PATH_PREFIX, REPLICA_HEADER
 from ftlaunch.lighthouse.quorum import Quorum, QuorumMember
+from ftlaunch.lighthouse.spares import ClaimGrant
 from ftlaunch.lighthouse.status import LighthouseStatus
 
 log = logging.getLogger(__name__)
@@ -388,6 +389,31 @@ class LighthouseClient:
 
     def evict(self, replica_id: str, reason: str = "") -> None:
         self._call("/admin/evict", {"replica_id": replica_id, "reason": reason}, f"evict of {replica_id}", admin=True)
+
+    def claim(
+        self, claimant: str, *, slots: int, preferred: int | None, poll: float = 30.0
+    ) -> ClaimGrant | None:
+        """Wait (as a hot spare, maybe for hours) until the lighthouse gives ``claimant`` one of the
+        job's ``slots`` replica-group slots; None when every slot's training finished first.
+
+        Long polls of ``poll`` seconds, repeated: the parked request is what keeps the spare
+        registered (its connection closing withdraws it). Raises `LighthouseError` on a refusal,
+        `LighthouseUnavailableError` when the lighthouse cannot be reached.
+        """
+        if poll <= 0:
+            raise ValueError(f"poll must be > 0, got {poll}")
+        payload = {"claimant": claimant, "slots": slots, "preferred": preferred, "timeout": poll}
+        while True:
+            obj = self._call(
+                "/claim", payload, f"claim of {claimant}",
+                read_timeout=poll + min(self._connect_timeout, LONG_POLL_GRACE),
+            )  # fmt: skip
+            slot, rid = obj.get("slot"), obj.get("replica_id")
+            if isinstance(slot, int) and isinstance(rid, str):
+                replaced = obj.get("replaced")
+                return ClaimGrant(slot, rid, replaced if isinstance(replaced, str) else None)
+            if obj.get("done") is True:
+                return None
 
     def start_heartbeat(self, replica_id: str, interval: float) -> HeartbeatHandle:
         """Beat every ``interval`` seconds from a daemon thread with its own persistent connection."""

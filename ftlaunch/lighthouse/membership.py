@@ -36,7 +36,17 @@ from ftlaunch.lighthouse.quorum import (
     group_health,
     may_form,
 )
-from ftlaunch.lighthouse.status import GroupStatus, HistoryEvent, LighthouseStatus, StatusOptions
+from ftlaunch.lighthouse.slots import Holder
+from ftlaunch.lighthouse.spares import ClaimTicket, SpareSlots
+from ftlaunch.lighthouse.status import (
+    GroupStatus,
+    HistoryEvent,
+    LighthouseStatus,
+    SlotStatus,
+    SparesStatus,
+    SpareStatus,
+    StatusOptions,
+)
 
 log = logging.getLogger(__name__)
 
@@ -160,6 +170,8 @@ class Membership:
         self._evicted: dict[str, str] = {}  # replica id -> reason, until the group is told
         self._history: deque[HistoryEvent] = deque(maxlen=HISTORY_LEN)
         self._closed = False
+        #: The slot table of a job with hot spares, created by the first claim (see `claim`).
+        self._spares: SpareSlots | None = None
 
     @property
     def options(self) -> QuorumOptions:
@@ -208,6 +220,8 @@ class Membership:
             known = self._groups.pop(replica_id, None) is not None
             self._info.pop(replica_id, None)
             self._drop_request(replica_id, error=Left(f"replica {replica_id} left"))
+            if self._spares is not None:
+                self._spares.left(replica_id)
             if known:
                 self._record("left", replica_id)
                 self._mark_prev_broken(replica_id)
@@ -279,12 +293,16 @@ class Membership:
                     self._record("silent", rid, info.reason)
                     self._mark_prev_broken(rid)
                     log.warning("lighthouse: replica %s silent: %s", rid, info.reason)
+            if self._spares is not None:
+                self._spares.forget_idle(now, hb)
             self._decide(now)
 
     def close(self) -> None:
         """Refuse everything from now on (`ShuttingDown`), answering every waiting request so."""
         with self._lock:
             self._closed = True
+            if self._spares is not None:
+                self._spares.close(ShuttingDown("lighthouse shutting down"))
             for rid in list(self._tickets):
                 self._drop_request(rid, error=ShuttingDown("lighthouse shutting down"))
 
@@ -332,6 +350,7 @@ class Membership:
                 decision=self._waiting_reason(now),
                 evicted=tuple(sorted(self._evicted)),
                 history=tuple(reversed(self._history)),
+                spares=self._spares_status(now),
             )
 
     # ------------------------------------------------------------------ under the lock
@@ -357,6 +376,9 @@ class Membership:
         reason = self._evicted.pop(rid, None)
         if reason is not None:
             raise Evicted(f"replica {rid} was evicted: {reason}")
+        fenced = self._spares.fenced(rid) if self._spares is not None else None
+        if fenced is not None:  # refused every time: the name is never valid again
+            raise Evicted(f"replica {rid} was replaced: {fenced}")
         g = self._groups.get(rid)
         if g is None:
             self._info[rid] = _GroupInfo(first_seen=self._wall())
@@ -394,6 +416,8 @@ class Membership:
 
     def _decide(self, now: float) -> None:
         """Recompute the decision after an event; form the quorum and resolve its members if due."""
+        if self._spares is not None:
+            self._reconcile_spares(now)
         if not self._requests:
             return
         state = self._state()
@@ -448,3 +472,66 @@ class Membership:
         self._mark_prev_broken(rid)
         log.warning("lighthouse: replica %s %s: %s", rid, connection.value, reason)
         self._decide(self._clock())
+
+    # ------------------------------------------------------------------ hot spares (lighthouse/spares.py)
+
+    def claim(self, claimant: str, *, slots: int, preferred: int | None) -> ClaimTicket:
+        """Park ``claimant``'s claim for one of the job's ``slots`` replica-group slots (maybe
+        answered at once). The first claim creates the slot table. Raises `ShuttingDown`, or
+        `ClaimError` when ``slots`` differs from the table's."""
+        with self._lock:
+            if self._closed:
+                raise ShuttingDown("lighthouse shutting down")
+            now = self._clock()
+            if self._spares is None:
+                opts = self._options
+                self._spares = SpareSlots(
+                    slots, started=now, arrival_grace=opts.heartbeat_timeout, unclaimed_grace=opts.join_timeout
+                )
+            ticket = self._spares.claim(claimant, preferred, slots, now)
+            self._decide(now)
+        return ticket
+
+    def end_claim(self, ticket: ClaimTicket, *, timed_out: bool) -> None:
+        """A claim's poll ended unanswered: its timeout passed (``timed_out``; the spare asks
+        again) or its connection closed (the spare is gone, unless another rank still waits)."""
+        with self._lock:
+            if self._spares is not None and not ticket.done:
+                self._spares.withdraw(ticket, timed_out=timed_out)
+
+    def _holder(self, rid: str, now: float) -> Holder:
+        g = self._groups.get(rid)
+        if g is None:
+            return Holder.NONE
+        return Holder.LIVE if group_health(g, now, self._options) is Health.LIVE else Holder.DOWN
+
+    def _spares_status(self, now: float) -> SparesStatus | None:
+        spares = self._spares
+        if spares is None:
+            return None
+        slots = tuple(
+            SlotStatus(index, rid, holder, state.value, round(now - at, 3) if at is not None else None)
+            for index, rid, holder, state, at in spares.slots(lambda rid: self._holder(rid, now))
+        )
+        waiting = tuple(
+            SpareStatus(name, preferred, round(now - since, 3), polls) for name, preferred, since, polls in spares.waiting()
+        )
+        return SparesStatus(slots, waiting, spares.promotions, tuple(spares.fenced_names))
+
+    def _reconcile_spares(self, now: float) -> None:
+        """Give claimable slots to waiting claimants; fence and forget the replaced holders."""
+        assert self._spares is not None
+        for change in self._spares.reconcile(now, lambda rid: self._holder(rid, now)):
+            old = change.old
+            if old is not None:
+                self._groups.pop(old, None)
+                self._info.pop(old, None)
+                self._drop_request(old, error=Evicted(f"replica {old} was replaced by {change.new}"))
+                self._mark_prev_broken(old)
+                self._record("replaced", old, f"slot {change.slot} given to {change.claimant} as {change.new}")
+            self._record("claimed", change.new, f"slot {change.slot} by {change.claimant}")
+            log.info(
+                "lighthouse: slot %d given to %s as %s%s", change.slot, change.claimant, change.new,
+                f" (replacing {old})" if old else "",
+            )  # fmt: skip
+

@@ -40,6 +40,7 @@ from ftlaunch.lighthouse.protocol import (
     REPLICA_HEADER,
 )
 from ftlaunch.lighthouse.quorum import Quorum, QuorumMember
+from ftlaunch.lighthouse.spares import ClaimError, ClaimTicket
 from ftlaunch.lighthouse.status import LighthouseStatus
 
 log = logging.getLogger(__name__)
@@ -113,6 +114,7 @@ class Routes:
             "/leave": {"POST": self._leave},
             "/admin/report_failure": {"POST": self._report_failure},
             "/admin/evict": {"POST": self._evict},
+            "/claim": {"POST": self._claim},
         }
         self._last_answer: tuple[Quorum, Response] | None = None
         self._paths: dict[str, str] = {}  # request path -> route path (a client sends the same ones)
@@ -189,6 +191,9 @@ class Routes:
         if not self._membership.report_failure(rid, reason or f"reported failed by admin {request.peer}"):
             raise HttpError(404, f"unknown replica {rid!r}")
         return _OK
+
+    def _claim(self, request: Request) -> LongPoll:
+        return _claim(self, request)
 
     def _evict(self, request: Request) -> Response:
         rid, reason = self._admin_body(request)
@@ -286,3 +291,57 @@ class _QuorumPoll:
             return None
         error = HttpError(ERROR_STATUS[type(ticket.error)], str(ticket.error))
         return self._routes.error(error, self._request.head, self._request.peer)
+
+
+# ---- hot spares: ``POST /claim`` (docs/lighthouse.md, *Hot spares*) ---------------------------------
+
+#: Longest a claim is parked before it is answered "ask again" (spares wait for hours: they re-poll).
+MAX_CLAIM_TIMEOUT = 300.0
+
+
+def _claim(routes: Routes, request: Request) -> LongPoll:
+    obj = routes._read_json(request)
+    _expect(obj, {"claimant": (str,), "slots": (int,)}, {"preferred": (int, type(None)), "timeout": (float, int)})
+    claimant = obj["claimant"]
+    _check_replica_id(claimant)
+    timeout = float(obj.get("timeout", 30.0))
+    if not (0 < timeout <= MAX_CLAIM_TIMEOUT):
+        raise HttpError(400, f"timeout must be in (0, {MAX_CLAIM_TIMEOUT:g}] seconds, got {timeout:g}")
+    if obj["slots"] < 1:
+        raise HttpError(400, f"slots must be >= 1, got {obj['slots']}")
+    try:
+        ticket = routes._membership.claim(claimant, slots=obj["slots"], preferred=obj.get("preferred"))
+    except ClaimError as e:
+        raise HttpError(409, str(e)) from None
+    return _ClaimPoll(routes, ticket, timeout, request)
+
+
+class _ClaimPoll:
+    """A parked ``POST /claim`` (`http.LongPoll`): a grant, ``done`` or, at its timeout, "ask again"."""
+
+    __slots__ = ("_routes", "_ticket", "timeout", "_request")
+
+    def __init__(self, routes: Routes, ticket: ClaimTicket, timeout: float, request: Request) -> None:
+        self._routes = routes
+        self._ticket = ticket
+        self.timeout = timeout
+        self._request = request
+
+    def on_ready(self, callback: Callable[[], None]) -> None:
+        self._ticket.add_done_callback(lambda _ticket: callback())
+
+    def expire(self) -> None:
+        self._routes._membership.end_claim(self._ticket, timed_out=True)
+
+    def cancel(self) -> None:
+        self._routes._membership.end_claim(self._ticket, timed_out=False)
+
+    def answer(self) -> Response | None:
+        ticket = self._ticket
+        if ticket.grant is not None:
+            grant = ticket.grant
+            return _json(200, {"slot": grant.slot, "replica_id": grant.replica_id, "replaced": grant.replaced})
+        if isinstance(ticket.error, MembershipError):
+            error = HttpError(ERROR_STATUS[type(ticket.error)], str(ticket.error))
+            return self._routes.error(error, self._request.head, self._request.peer)
+        return _json(200, {"slot": None, "done": ticket.done_job})

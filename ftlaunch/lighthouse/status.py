@@ -172,6 +172,102 @@ class HistoryEvent:
         )
 
 
+# ---- hot spares (``--spares K``): the slot table (lighthouse/spares.py) ----------------------------
+
+
+@dataclass(frozen=True)
+class SlotStatus:
+    """One replica-group slot: who holds it under which lighthouse name, and in what state
+    (``none``: never held, ``arriving``: given, not heard from yet, ``live``, ``down``, ``left``)."""
+
+    slot: int
+    replica_id: str | None = None
+    #: The claimant (a group's claim name, e.g. ``rg2.0``: group 2's first incarnation).
+    holder: str | None = None
+    state: str = "none"
+    #: Seconds since it was given to its holder.
+    held_for: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"slot": self.slot, "replica_id": self.replica_id, "holder": self.holder, "state": self.state,
+                "held_for": self.held_for}  # fmt: skip
+
+    @classmethod
+    def from_json(cls, d: Any) -> SlotStatus:
+        d = _object(d, "slot")
+        held_for = _get(d, "held_for", (float, int, type(None)), None)
+        return cls(
+            slot=_get(d, "slot", int),
+            replica_id=_get(d, "replica_id", (str, type(None)), None),
+            holder=_get(d, "holder", (str, type(None)), None),
+            state=_get(d, "state", str, "none"),
+            held_for=float(held_for) if held_for is not None else None,
+        )
+
+
+@dataclass(frozen=True)
+class SpareStatus:
+    """A group waiting as a spare (a claim parked, or about to be repeated)."""
+
+    claimant: str
+    #: The slot it was started for (None: started as a spare).
+    preferred: int | None = None
+    waiting_for: float = 0.0
+    #: Claims parked (one per rank of the group; 0 between two polls).
+    polls: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"claimant": self.claimant, "preferred": self.preferred, "waiting_for": self.waiting_for,
+                "polls": self.polls}  # fmt: skip
+
+    @classmethod
+    def from_json(cls, d: Any) -> SpareStatus:
+        d = _object(d, "spare")
+        return cls(
+            claimant=_get(d, "claimant", str),
+            preferred=_get(d, "preferred", (int, type(None)), None),
+            waiting_for=float(_get(d, "waiting_for", (float, int), 0.0)),
+            polls=_get(d, "polls", int, 0),
+        )
+
+
+@dataclass(frozen=True)
+class SparesStatus:
+    """The slot table of a job with spares (absent from the status of a job without)."""
+
+    slots: tuple[SlotStatus, ...] = ()
+    #: The spares waiting, longest first.
+    waiting: tuple[SpareStatus, ...] = ()
+    #: Slots handed to a spare after their holder failed.
+    promotions: int = 0
+    #: Lighthouse names refused because a newer holder has their slot.
+    fenced: tuple[str, ...] = ()
+
+    def holder_of(self, replica_id: str) -> SlotStatus | None:
+        return next((s for s in self.slots if s.replica_id == replica_id), None)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "slots": [s.to_json() for s in self.slots],
+            "waiting": [w.to_json() for w in self.waiting],
+            "promotions": self.promotions,
+            "fenced": list(self.fenced),
+        }
+
+    @classmethod
+    def from_json(cls, d: Any) -> SparesStatus:
+        d = _object(d, "spares")
+        fenced = _get(d, "fenced", list, [])
+        if not all(isinstance(f, str) for f in fenced):
+            raise ValueError("status field 'fenced' must list replica ids")
+        return cls(
+            slots=tuple(SlotStatus.from_json(s) for s in _get(d, "slots", list, [])),
+            waiting=tuple(SpareStatus.from_json(w) for w in _get(d, "waiting", list, [])),
+            promotions=_get(d, "promotions", int, 0),
+            fenced=tuple(fenced),
+        )
+
+
 @dataclass(frozen=True)
 class LighthouseStatus:
     """Everything the lighthouse knows, at one instant (``GET /status``)."""
@@ -194,6 +290,8 @@ class LighthouseStatus:
     evicted: tuple[str, ...] = ()
     #: Newest first.
     history: tuple[HistoryEvent, ...] = ()
+    #: The slot table, only for a job started with spares (see `SparesStatus`).
+    spares: SparesStatus | None = None
 
     @property
     def quorum_id(self) -> int | None:
@@ -222,6 +320,7 @@ class LighthouseStatus:
             "decision": self.decision,
             "evicted": list(self.evicted),
             "history": [h.to_json() for h in self.history],
+            **({"spares": self.spares.to_json()} if self.spares is not None else {}),
         }
 
     @classmethod
@@ -244,4 +343,5 @@ class LighthouseStatus:
             decision=_get(d, "decision", str),
             evicted=tuple(lists["evicted"]),
             history=tuple(HistoryEvent.from_json(h) for h in lists["history"]),
+            spares=SparesStatus.from_json(d["spares"]) if d.get("spares") is not None else None,
         )

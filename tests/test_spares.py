@@ -1,0 +1,214 @@
+"""Hot spares in one process: the pure slot rule (ftlaunch.lighthouse.slots) and the slot table inside
+the membership (claims, promotion on a failure, fencing, a spare killed while idle, the job's end),
+with a hand-driven clock. The real processes: tests/test_spares_mp.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from ftlaunch.lighthouse.membership import Evicted, Membership
+from ftlaunch.lighthouse.quorum import QuorumIdAllocator, QuorumMember, QuorumOptions
+from ftlaunch.lighthouse.slots import Claimant, Holder, SlotView, assign, claimable, replica_id_for
+from ftlaunch.lighthouse.spares import ClaimError, ClaimTicket
+from ftlaunch.lighthouse.status import LighthouseStatus
+
+# ---- the pure rule ------------------------------------------------------------------------------
+
+
+def _assign(slots: list[SlotView], claimants: list[Claimant], now: float = 10.0) -> dict[str, int]:
+    return assign(slots, claimants, now=now, started=0.0, arrival_grace=5.0, unclaimed_grace=60.0)
+
+
+def test_names_of_a_slots_holders() -> None:
+    assert [replica_id_for(1, g) for g in range(3)] == ["rg1", "rg1.1", "rg1.2"]
+
+
+def test_a_group_gets_the_slot_it_was_started_for_and_a_spare_waits() -> None:
+    slots = [SlotView(0), SlotView(1)]
+    out = _assign(slots, [Claimant("rg2.0", None, 1.0), Claimant("rg1.0", 1, 2.0), Claimant("rg0.0", 0, 3.0)])
+    assert out == {"rg0.0": 0, "rg1.0": 1}  # the spare (no preference) came first and still waits
+
+
+def test_a_spare_takes_a_failed_slot_longest_waiting_first() -> None:
+    slots = [SlotView(0, "rg0.0", Holder.LIVE), SlotView(1, "rg1.0", Holder.DOWN)]
+    out = _assign(slots, [Claimant("rg3.0", None, 2.0), Claimant("rg2.0", None, 1.0)])
+    assert out == {"rg2.0": 1}
+
+
+def test_the_restarted_group_finds_its_slot_taken_and_waits() -> None:
+    slots = [SlotView(0, "rg0.0", Holder.LIVE), SlotView(1, "rg2.0", Holder.LIVE)]
+    assert _assign(slots, [Claimant("rg1.1", 1, 5.0)]) == {}
+
+
+def test_without_a_spare_the_restarted_group_reclaims_its_slot() -> None:
+    slots = [SlotView(0, "rg0.0", Holder.LIVE), SlotView(1, "rg1.0", Holder.DOWN)]
+    assert _assign(slots, [Claimant("rg1.1", 1, 5.0)]) == {"rg1.1": 1}
+
+
+def test_a_holder_claiming_again_keeps_its_slot_and_live_slots_are_never_taken() -> None:
+    slots = [SlotView(0, "rg0.0", Holder.LIVE), SlotView(1, "rg1.0", Holder.LIVE)]
+    assert _assign(slots, [Claimant("rg1.0", 1, 1.0), Claimant("rg2.0", None, 0.5)]) == {"rg1.0": 1}
+
+
+def test_a_never_held_slot_waits_for_its_group_until_the_grace() -> None:
+    slots = [SlotView(0, "rg0.0", Holder.LIVE), SlotView(1)]
+    spare = [Claimant("rg2.0", None, 1.0)]
+    assert _assign(slots, spare, now=30.0) == {}
+    assert _assign(slots, spare, now=61.0) == {"rg2.0": 1}
+
+
+def test_an_assigned_holder_that_never_arrives_loses_the_slot_after_the_grace() -> None:
+    arriving = SlotView(1, "rg2.0", Holder.ARRIVING, assigned_at=10.0)
+    assert not claimable(arriving, 14.0, 5.0) and claimable(arriving, 15.5, 5.0)
+    assert not claimable(SlotView(1, "rg1.0", Holder.LEFT), 100.0, 5.0)
+
+
+# ---- the slot table in the membership -----------------------------------------------------------
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make(heartbeat_timeout: float = 5.0) -> tuple[Membership, Clock]:
+    clock = Clock()
+    options = QuorumOptions(min_replicas=1, join_timeout=60.0, heartbeat_timeout=heartbeat_timeout)
+    return Membership(options, ids=QuorumIdAllocator(1_700_000_000_000), clock=clock, wall_clock=clock), clock
+
+
+def granted(ticket: ClaimTicket) -> tuple[int, str]:
+    assert ticket.done and ticket.grant is not None, (ticket.done, ticket.error)
+    return ticket.grant.slot, ticket.grant.replica_id
+
+
+def start_job(m: Membership) -> ClaimTicket:
+    """Two active groups claim and join, one spare waits."""
+    assert granted(m.claim("rg0.0", slots=2, preferred=0)) == (0, "rg0")
+    assert granted(m.claim("rg1.0", slots=2, preferred=1)) == (1, "rg1")
+    spare = m.claim("rg2.0", slots=2, preferred=2)  # started as a spare: index past the slots
+    assert not spare.done
+    for rid in ("rg0", "rg1"):
+        m.heartbeat(rid)
+    return spare
+
+
+def test_promotion_on_a_lost_connection_fences_the_old_name() -> None:
+    m, _ = make()
+    spare = start_job(m)
+    t = m.request_quorum(QuorumMember("rg0"))
+    m.request_quorum(QuorumMember("rg1"))
+    assert t.done
+    m.connection_lost("rg1")
+    assert granted(spare) == (1, "rg1.1") and spare.grant is not None and spare.grant.replaced == "rg1"
+    status = m.snapshot()
+    assert status.spares is not None and status.spares.promotions == 1 and status.spares.fenced == ("rg1",)
+    assert status.group("rg1") is None  # forgotten, not shown as a dead group
+    assert [e.event for e in status.history][:2] == ["claimed", "replaced"]
+    with pytest.raises(Evicted, match="replaced"):
+        m.heartbeat("rg1")  # the old holder wakes up: refused, every time
+    with pytest.raises(Evicted):
+        m.request_quorum(QuorumMember("rg1"))
+    # The promoted spare joins the next quorum with the survivor.
+    a, b = m.request_quorum(QuorumMember("rg1.1")), m.request_quorum(QuorumMember("rg0", step=5))
+    assert a.done and b.done and b.quorum is not None and b.quorum.replica_ids == ("rg0", "rg1.1")
+    # The failed group, restarted, waits as a spare.
+    back = m.claim("rg1.1x", slots=2, preferred=1)
+    assert not back.done
+    assert [w.claimant for w in m.snapshot().spares.waiting] == ["rg1.1x"]  # type: ignore[union-attr]
+
+
+def test_a_hang_promotes_after_the_heartbeat_timeout() -> None:
+    m, clock = make(heartbeat_timeout=2.0)
+    spare = start_job(m)
+    clock.now += 1.5
+    m.heartbeat("rg0")
+    m.tick()
+    assert not spare.done
+    clock.now += 1.0  # rg1 silent for 2.5 s
+    m.tick()
+    assert granted(spare) == (1, "rg1.1")
+
+
+def test_two_failures_one_spare_the_second_slot_waits_for_its_own_group() -> None:
+    m, _ = make()
+    spare = start_job(m)
+    m.report_failure("rg0", "killed")
+    m.report_failure("rg1", "killed")
+    assert granted(spare) == (0, "rg0.1")
+    back = m.claim("rg1.1", slots=2, preferred=1)  # rg1 restarted by its agent: no spare left
+    assert granted(back) == (1, "rg1.1")
+    assert m.snapshot().spares.promotions == 1  # type: ignore[union-attr]
+
+
+def test_a_spare_killed_while_idle_disappears_and_nothing_else_moves() -> None:
+    m, _ = make()
+    spare = start_job(m)
+    q = m.snapshot().quorum_id
+    m.end_claim(spare, timed_out=False)  # its connection closed
+    status = m.snapshot()
+    assert status.spares is not None and status.spares.waiting == () and status.quorum_id == q
+    assert [s.state for s in status.spares.slots] == ["live", "live"]
+    # Its restart registers again.
+    again = m.claim("rg2.1", slots=2, preferred=2)
+    assert not again.done and len(m.snapshot().spares.waiting) == 1  # type: ignore[union-attr]
+
+
+def test_a_promoted_spare_that_never_arrives_is_replaced_after_the_grace() -> None:
+    m, clock = make(heartbeat_timeout=2.0)
+    spare = start_job(m)
+    other = m.claim("rg3.0", slots=2, preferred=3)
+    m.connection_lost("rg1")
+    assert granted(spare) == (1, "rg1.1") and not other.done
+    clock.now += 1.0
+    m.heartbeat("rg0")
+    m.tick()
+    assert not other.done
+    clock.now += 1.5
+    m.heartbeat("rg0")
+    m.tick()
+    assert granted(other) == (1, "rg1.2")
+    with pytest.raises(Evicted):
+        m.heartbeat("rg1.1")
+
+
+def test_a_promoted_spare_that_dies_at_once_hands_the_slot_on() -> None:
+    m, _ = make()
+    spare = start_job(m)
+    other = m.claim("rg3.0", slots=2, preferred=None)
+    m.connection_lost("rg1")
+    assert granted(spare) == (1, "rg1.1")
+    m.heartbeat("rg1.1")
+    m.connection_lost("rg1.1")  # died in its first step
+    assert granted(other) == (1, "rg1.2")
+
+
+def test_spares_go_home_when_every_slot_is_done_and_status_round_trips() -> None:
+    m, _ = make()
+    spare = start_job(m)
+    status = m.snapshot()
+    assert LighthouseStatus.from_json(status.to_json()) == status
+    m.leave("rg0")
+    assert not spare.done
+    m.leave("rg1")
+    assert spare.done and spare.grant is None and spare.done_job
+
+
+def test_a_claim_for_another_job_size_is_refused() -> None:
+    m, _ = make()
+    m.claim("rg0.0", slots=2, preferred=0)
+    with pytest.raises(ClaimError):
+        m.claim("rg1.0", slots=3, preferred=1)
+
+
+def test_every_rank_of_a_group_gets_the_same_slot() -> None:
+    m, _ = make()
+    start_job(m)
+    r1 = m.claim("rg2.0", slots=2, preferred=2)  # rank 1 of the spare group
+    m.connection_lost("rg0")
+    assert granted(r1) == (0, "rg0.1")
+    late = m.claim("rg2.0", slots=2, preferred=2)  # a rank that asks after the grant
+    assert granted(late) == (0, "rg0.1")
