@@ -25,42 +25,42 @@ def test_names_of_a_slots_holders() -> None:
 
 def test_a_group_gets_the_slot_it_was_started_for_and_a_spare_waits() -> None:
     slots = [SlotView(0), SlotView(1)]
-    out = _assign(slots, [Claimant("rg2.0", None, 1.0), Claimant("rg1.0", 1, 2.0), Claimant("rg0.0", 0, 3.0)])
-    assert out == {"rg0.0": 0, "rg1.0": 1}  # the spare (no preference) came first and still waits
+    out = _assign(slots, [Claimant("g2.0", None, 1.0), Claimant("g1.0", 1, 2.0), Claimant("g0.0", 0, 3.0)])
+    assert out == {"g0.0": 0, "g1.0": 1}  # the spare (no preference) came first and still waits
 
 
 def test_a_spare_takes_a_failed_slot_longest_waiting_first() -> None:
-    slots = [SlotView(0, "rg0.0", Holder.LIVE), SlotView(1, "rg1.0", Holder.DOWN)]
-    out = _assign(slots, [Claimant("rg3.0", None, 2.0), Claimant("rg2.0", None, 1.0)])
-    assert out == {"rg2.0": 1}
+    slots = [SlotView(0, "g0.0", Holder.LIVE), SlotView(1, "g1.0", Holder.DOWN)]
+    out = _assign(slots, [Claimant("g3.0", None, 2.0), Claimant("g2.0", None, 1.0)])
+    assert out == {"g2.0": 1}
 
 
 def test_the_restarted_group_finds_its_slot_taken_and_waits() -> None:
-    slots = [SlotView(0, "rg0.0", Holder.LIVE), SlotView(1, "rg2.0", Holder.LIVE)]
-    assert _assign(slots, [Claimant("rg1.1", 1, 5.0)]) == {}
+    slots = [SlotView(0, "g0.0", Holder.LIVE), SlotView(1, "g2.0", Holder.LIVE)]
+    assert _assign(slots, [Claimant("g1.1", 1, 5.0)]) == {}
 
 
 def test_without_a_spare_the_restarted_group_reclaims_its_slot() -> None:
-    slots = [SlotView(0, "rg0.0", Holder.LIVE), SlotView(1, "rg1.0", Holder.DOWN)]
-    assert _assign(slots, [Claimant("rg1.1", 1, 5.0)]) == {"rg1.1": 1}
+    slots = [SlotView(0, "g0.0", Holder.LIVE), SlotView(1, "g1.0", Holder.DOWN)]
+    assert _assign(slots, [Claimant("g1.1", 1, 5.0)]) == {"g1.1": 1}
 
 
 def test_a_holder_claiming_again_keeps_its_slot_and_live_slots_are_never_taken() -> None:
-    slots = [SlotView(0, "rg0.0", Holder.LIVE), SlotView(1, "rg1.0", Holder.LIVE)]
-    assert _assign(slots, [Claimant("rg1.0", 1, 1.0), Claimant("rg2.0", None, 0.5)]) == {"rg1.0": 1}
+    slots = [SlotView(0, "g0.0", Holder.LIVE), SlotView(1, "g1.0", Holder.LIVE)]
+    assert _assign(slots, [Claimant("g1.0", 1, 1.0), Claimant("g2.0", None, 0.5)]) == {"g1.0": 1}
 
 
 def test_a_never_held_slot_waits_for_its_group_until_the_grace() -> None:
-    slots = [SlotView(0, "rg0.0", Holder.LIVE), SlotView(1)]
-    spare = [Claimant("rg2.0", None, 1.0)]
+    slots = [SlotView(0, "g0.0", Holder.LIVE), SlotView(1)]
+    spare = [Claimant("g2.0", None, 1.0)]
     assert _assign(slots, spare, now=30.0) == {}
-    assert _assign(slots, spare, now=61.0) == {"rg2.0": 1}
+    assert _assign(slots, spare, now=61.0) == {"g2.0": 1}
 
 
 def test_an_assigned_holder_that_never_arrives_loses_the_slot_after_the_grace() -> None:
-    arriving = SlotView(1, "rg2.0", Holder.ARRIVING, assigned_at=10.0)
+    arriving = SlotView(1, "g2.0", Holder.ARRIVING, assigned_at=10.0)
     assert not claimable(arriving, 14.0, 5.0) and claimable(arriving, 15.5, 5.0)
-    assert not claimable(SlotView(1, "rg1.0", Holder.LEFT), 100.0, 5.0)
+    assert not claimable(SlotView(1, "g1.0", Holder.LEFT), 100.0, 5.0)
 
 
 # ---- the slot table in the membership -----------------------------------------------------------
@@ -87,9 +87,9 @@ def granted(ticket: ClaimTicket) -> tuple[int, str]:
 
 def start_job(m: Membership) -> ClaimTicket:
     """Two active groups claim and join, one spare waits."""
-    assert granted(m.claim("rg0.0", slots=2, preferred=0)) == (0, "rg0")
-    assert granted(m.claim("rg1.0", slots=2, preferred=1)) == (1, "rg1")
-    spare = m.claim("rg2.0", slots=2, preferred=2)  # started as a spare: index past the slots
+    assert granted(m.claim("g0.0", slots=2, preferred=0)) == (0, "rg0")
+    assert granted(m.claim("g1.0", slots=2, preferred=1)) == (1, "rg1")
+    spare = m.claim("g2.0", slots=2, preferred=2)  # started as a spare: index past the slots
     assert not spare.done
     for rid in ("rg0", "rg1"):
         m.heartbeat(rid)
@@ -116,9 +116,9 @@ def test_promotion_on_a_lost_connection_fences_the_old_name() -> None:
     a, b = m.request_quorum(QuorumMember("rg1.1")), m.request_quorum(QuorumMember("rg0", step=5))
     assert a.done and b.done and b.quorum is not None and b.quorum.replica_ids == ("rg0", "rg1.1")
     # The failed group, restarted, waits as a spare.
-    back = m.claim("rg1.1x", slots=2, preferred=1)
+    back = m.claim("g1.1", slots=2, preferred=1)
     assert not back.done
-    assert [w.claimant for w in m.snapshot().spares.waiting] == ["rg1.1x"]  # type: ignore[union-attr]
+    assert [w.claimant for w in m.snapshot().spares.waiting] == ["g1.1"]  # type: ignore[union-attr]
 
 
 def test_a_hang_promotes_after_the_heartbeat_timeout() -> None:
@@ -139,7 +139,7 @@ def test_two_failures_one_spare_the_second_slot_waits_for_its_own_group() -> Non
     m.report_failure("rg0", "killed")
     m.report_failure("rg1", "killed")
     assert granted(spare) == (0, "rg0.1")
-    back = m.claim("rg1.1", slots=2, preferred=1)  # rg1 restarted by its agent: no spare left
+    back = m.claim("g1.1", slots=2, preferred=1)  # rg1 restarted by its agent: no spare left
     assert granted(back) == (1, "rg1.1")
     assert m.snapshot().spares.promotions == 1  # type: ignore[union-attr]
 
@@ -153,14 +153,14 @@ def test_a_spare_killed_while_idle_disappears_and_nothing_else_moves() -> None:
     assert status.spares is not None and status.spares.waiting == () and status.quorum_id == q
     assert [s.state for s in status.spares.slots] == ["live", "live"]
     # Its restart registers again.
-    again = m.claim("rg2.1", slots=2, preferred=2)
+    again = m.claim("g2.1", slots=2, preferred=2)
     assert not again.done and len(m.snapshot().spares.waiting) == 1  # type: ignore[union-attr]
 
 
 def test_a_promoted_spare_that_never_arrives_is_replaced_after_the_grace() -> None:
     m, clock = make(heartbeat_timeout=2.0)
     spare = start_job(m)
-    other = m.claim("rg3.0", slots=2, preferred=3)
+    other = m.claim("g3.0", slots=2, preferred=3)
     m.connection_lost("rg1")
     assert granted(spare) == (1, "rg1.1") and not other.done
     clock.now += 1.0
@@ -178,7 +178,7 @@ def test_a_promoted_spare_that_never_arrives_is_replaced_after_the_grace() -> No
 def test_a_promoted_spare_that_dies_at_once_hands_the_slot_on() -> None:
     m, _ = make()
     spare = start_job(m)
-    other = m.claim("rg3.0", slots=2, preferred=None)
+    other = m.claim("g3.0", slots=2, preferred=None)
     m.connection_lost("rg1")
     assert granted(spare) == (1, "rg1.1")
     m.heartbeat("rg1.1")
@@ -199,16 +199,16 @@ def test_spares_go_home_when_every_slot_is_done_and_status_round_trips() -> None
 
 def test_a_claim_for_another_job_size_is_refused() -> None:
     m, _ = make()
-    m.claim("rg0.0", slots=2, preferred=0)
+    m.claim("g0.0", slots=2, preferred=0)
     with pytest.raises(ClaimError):
-        m.claim("rg1.0", slots=3, preferred=1)
+        m.claim("g1.0", slots=3, preferred=1)
 
 
 def test_every_rank_of_a_group_gets_the_same_slot() -> None:
     m, _ = make()
     start_job(m)
-    r1 = m.claim("rg2.0", slots=2, preferred=2)  # rank 1 of the spare group
+    r1 = m.claim("g2.0", slots=2, preferred=2)  # rank 1 of the spare group
     m.connection_lost("rg0")
     assert granted(r1) == (0, "rg0.1")
-    late = m.claim("rg2.0", slots=2, preferred=2)  # a rank that asks after the grant
+    late = m.claim("g2.0", slots=2, preferred=2)  # a rank that asks after the grant
     assert granted(late) == (0, "rg0.1")

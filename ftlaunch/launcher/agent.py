@@ -236,6 +236,7 @@ def run_agent(cfg: AgentConfig) -> int:
     rdzv_conf = {
         "replica_group_id": str(job.replica_group_id),
         "num_replica_groups": str(job.num_replica_groups),
+        "spares": str(job.spares),
         # The supervisor owns the lighthouse; an agent must never start a second one.
         "start_lighthouse": "false",
         **opts.rdzv_conf,

@@ -77,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ft = p.add_argument_group("fault tolerance")
     ft.add_argument("--replicas", type=_nonneg_int, default=2, help="number of replica groups (default 2)")
+    ft.add_argument("--spares", type=_nonneg_int, default=0,
+                    help="hot spares: extra groups that start, build their process groups and wait; one replaces "
+                         "a failed group at the next quorum, with its replica-group id (default 0)")
     ft.add_argument("--min-replicas", "--min_replicas", type=_nonneg_int, default=1,
                     help="groups needed for a step to commit; the job stops when fewer can run (default 1)")
     ft.add_argument("--join-timeout", "--join_timeout", type=_number, default=60.0,
@@ -202,6 +205,7 @@ def options_from_args(argv: list[str] | None = None) -> LaunchOptions:
             args=script_args,
             run_path=args.run_path,
             replicas=args.replicas,
+            spares=args.spares,
             nproc_per_node=_nproc(args.nproc_per_node),
             min_replicas=args.min_replicas,
             join_timeout=args.join_timeout,

@@ -126,6 +126,8 @@ class LaunchOptions:
     args: list[str] = field(default_factory=list)
     run_path: bool = False
     replicas: int = 2
+    #: Hot spares: extra groups that start, build their process groups and wait to replace a failed one.
+    spares: int = 0
     nproc_per_node: int = 1
     min_replicas: int = 1
     join_timeout: float = 60.0
@@ -162,6 +164,7 @@ class LaunchOptions:
     def __post_init__(self) -> None:
         checks = [
             (self.replicas >= 1, f"--replicas must be >= 1 (got {self.replicas})"),
+            (self.spares >= 0, f"--spares must be >= 0 (got {self.spares})"),
             (self.nproc_per_node >= 1, f"--nproc-per-node must be >= 1 (got {self.nproc_per_node})"),
             (
                 1 <= self.min_replicas <= self.replicas,
@@ -182,8 +185,10 @@ class LaunchOptions:
             raise ConfigurationError(
                 f"--local-ranks-filter {self.local_ranks_filter!r}: expected local ranks like 0 or 0,1"
             )
-        if self.chaos is not None and self.chaos.group is not None and self.chaos.group >= self.replicas:
-            raise ConfigurationError(f"--chaos group={self.chaos.group} but there are only {self.replicas} groups")
+        if self.chaos is not None and self.chaos.group is not None and self.chaos.group >= self.replicas + self.spares:
+            raise ConfigurationError(
+                f"--chaos group={self.chaos.group} but there are only {self.replicas + self.spares} groups"
+            )
 
     @property
     def agent_shutdown_timeout(self) -> int:

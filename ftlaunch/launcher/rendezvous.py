@@ -71,6 +71,7 @@ _STORE_TIMEOUT_S = 300
 _OUR_KEYS = {
     "replica_group_id": "id of this replica group, 0..num_replica_groups-1 (or env REPLICA_GROUP_ID)",
     "num_replica_groups": "number of replica groups in the job (or env NUM_REPLICA_GROUPS)",
+    "spares": "hot spares of the job (or env FTLAUNCH_SPARES); groups num_replica_groups.. start as spares",
     "group_endpoint": "HOST:PORT (or file:/shared/path) where the nodes of a multi-node group meet",
     "lighthouse_file": "read the lighthouse address from this file (written by a lighthouse role)",
     "lighthouse_timeout": "seconds to wait for a lighthouse to answer (default 60)",
@@ -105,6 +106,7 @@ class FtRendezvousConfig:
 
     replica_group_id: int
     num_replica_groups: int
+    spares: int = 0
     group_endpoint: str = ""
     lighthouse_file: str = ""
     lighthouse_timeout: float = 60.0
@@ -173,12 +175,17 @@ class FtRendezvousConfig:
 
         group = required("replica_group_id", env.REPLICA_GROUP_ID)
         num = required("num_replica_groups", env.NUM_REPLICA_GROUPS)
+        spares = as_int("spares", env.FTLAUNCH_SPARES, default=0)
+        assert spares is not None  # noqa: S101 - has a default
         if num < 1:
             raise ConfigurationError(f"ftlaunch rendezvous: num_replica_groups={num} must be >= 1")
-        if not 0 <= group < num:
+        if spares < 0:
+            raise ConfigurationError(f"ftlaunch rendezvous: spares={spares} must be >= 0")
+        if not 0 <= group < num + spares:
+            with_spares = f", spares={spares}" if spares else ""
             raise ConfigurationError(
-                f"ftlaunch rendezvous: replica_group_id={group} must be in 0..{num - 1} "
-                f"(num_replica_groups={num})"
+                f"ftlaunch rendezvous: replica_group_id={group} must be in 0..{num + spares - 1} "
+                f"(num_replica_groups={num}{with_spares})"
             )
         min_replicas = as_int("lighthouse_min_replicas", default=1)
         assert min_replicas is not None  # noqa: S101 - has a default
@@ -187,6 +194,7 @@ class FtRendezvousConfig:
         return cls(
             replica_group_id=group,
             num_replica_groups=num,
+            spares=spares,
             group_endpoint=as_str("group_endpoint"),
             lighthouse_file=as_str("lighthouse_file"),
             lighthouse_timeout=as_seconds("lighthouse_timeout", 60.0),
@@ -383,7 +391,7 @@ class FtlaunchRendezvousHandler(RendezvousHandler):
 
     def _publish_env(self, addr: str) -> None:
         cfg = self.config
-        job = env.JobEnv(cfg.replica_group_id, cfg.num_replica_groups, addr, cfg.token)
+        job = env.JobEnv(cfg.replica_group_id, cfg.num_replica_groups, addr, cfg.token, cfg.spares)
         os.environ.update(job.to_environ())
 
 

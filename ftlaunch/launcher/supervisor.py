@@ -54,6 +54,7 @@ from ftlaunch.launcher.lighthouse_host import (
 from ftlaunch.launcher.options import LaunchOptions
 from ftlaunch.launcher.output import WORKER_LINE, Console, parse_checksum, parse_step, without_repeated_tag
 from ftlaunch.launcher.report import StatusLine, summary_lines
+from ftlaunch.launcher.spares import holder_name
 from ftlaunch.launcher.torchrun_flags import parse_signals
 from ftlaunch.lifetime import become_subreaper
 
@@ -96,7 +97,8 @@ class Supervisor:
     def __init__(self, opts: LaunchOptions, console: Console | None = None) -> None:
         self.opts = opts
         self.console = console or Console(status=opts.status_line)
-        self.groups = [Group(g) for g in range(opts.replicas)]
+        # Groups 0..N-1 start for the N replica-group slots, N..N+K-1 as hot spares (worker/spare.py).
+        self.groups = [Group(g) for g in range(opts.replicas + opts.spares)]
         self._agents: dict[int, _Agent] = {}
         self._events: queue.Queue[tuple[str, int, int, Any]] = queue.Queue()
         self._stop_signal: int | None = None
@@ -125,8 +127,9 @@ class Supervisor:
                     shutil.rmtree(self._log_dir, ignore_errors=True)
                 raise
             self._status = StatusLine(self.console, lighthouse, self._started)
+            spares = f" + {self.opts.spares} hot spare(s)" if self.opts.spares else ""
             self.console.err(
-                f"[ftlaunch] {self.opts.replicas} replica group(s) x {self.opts.nproc_per_node} worker(s), "
+                f"[ftlaunch] {self.opts.replicas} replica group(s){spares} x {self.opts.nproc_per_node} worker(s), "
                 f"lighthouse {lighthouse.address}, logs {self._log_dir}"
             )
             for group in self.groups:
@@ -178,12 +181,14 @@ class Supervisor:
 
     def _report_failure(self, group: Group, reason: str) -> None:
         """Tell the lighthouse off the main thread; it notices a lost connection anyway."""
-        lighthouse, rid = self._lighthouse, group.replica_id
+        lighthouse, rid, spares = self._lighthouse, group.replica_id, self.opts.spares > 0
 
         def report() -> None:
             try:
                 if lighthouse is not None:
-                    lighthouse.report_failure(rid, reason)
+                    name = holder_name(lighthouse, group.gid) if spares else rid
+                    if name is not None:  # with spares: None while the group waits as a spare
+                        lighthouse.report_failure(name, reason)
             except Exception as e:  # noqa: BLE001 - the lighthouse still notices the lost connection
                 logger.debug("report_failure(%s) failed: %s", rid, e)
 
@@ -208,7 +213,7 @@ class Supervisor:
         config_file = os.path.join(group_dir, f"agent{inc}.json")
         with open(config_file, "w") as f:
             f.write(cfg.to_json())
-        job = env.JobEnv(group.gid, self.opts.replicas, self._lighthouse.address, self._token)
+        job = env.JobEnv(group.gid, self.opts.replicas, self._lighthouse.address, self._token, self.opts.spares)
         child_env = {**os.environ, **job.to_environ(), "PYTHONUNBUFFERED": "1"}
         try:
             proc = subprocess.Popen(

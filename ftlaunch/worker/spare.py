@@ -9,8 +9,8 @@ weights). Only then is the Manager built, under the lighthouse name the claim re
 or ``rg1.1`` for the slot's next holder: the old name is fenced, so a holder that wakes from a hang
 is refused and restarts as a spare).
 
-Every rank of the group claims under one name (``<group>.<restart>``: the same for all its ranks,
-new for every restart of the group), so all ranks get the same slot without talking to each other.
+Every rank of the group claims under one name (``g<group>.<restart>``, e.g. ``g2.0``: the same for
+all its ranks, new for every restart of the group), so all ranks get the same slot without talking to each other.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ class JobFinished(Exception):
 
 def claimant_name(job: env.JobEnv, group: env.GroupEnv) -> str:
     """One name for all ranks of this incarnation of the group (its restarts get new ones)."""
-    return f"{job.replica_id}.{group.restart_count}"
+    return f"g{job.replica_group_id}.{group.restart_count}"
 
 
 def claim_slot(job: env.JobEnv, group: env.GroupEnv, connect_timeout: float) -> Slot:

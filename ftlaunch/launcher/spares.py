@@ -1,0 +1,28 @@
+"""What the launcher needs to know about hot spares (``ftlaunch --spares K``).
+
+With spares, the supervisor's groups are *agents* 0..N+K-1 and the lighthouse decides which of them
+holds which replica-group slot (``lighthouse/spares.py``): after a promotion, agent 2's workers may
+train as ``rg1.1`` while agent 1's restarted workers wait as a spare. The lighthouse names each
+holder by its claim (``g<agent>.<restart>``, see `ftlaunch.worker.spare.claimant_name`), so the
+agent's current lighthouse name is read back from the status here.
+"""
+
+from __future__ import annotations
+
+from ftlaunch.launcher.lighthouse_host import JobLighthouse
+
+
+def holder_name(lighthouse: JobLighthouse, gid: int) -> str | None:
+    """The lighthouse name agent ``gid``'s workers train under now; None while they wait as a
+    spare (or when the status cannot be read: the lighthouse notices a death on its own anyway)."""
+    try:
+        spares = lighthouse.snapshot().spares
+    except Exception:  # noqa: BLE001 - informational: the closed connection tells the lighthouse too
+        return None
+    if spares is None:
+        return None
+    prefix = f"g{gid}."
+    held = [s for s in spares.slots if s.holder is not None and s.holder.startswith(prefix) and s.replica_id]
+    if not held:
+        return None
+    return min(held, key=lambda s: s.held_for if s.held_for is not None else 0.0).replica_id  # the newest
