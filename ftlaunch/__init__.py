@@ -109,6 +109,7 @@ def hsdp(
     replicas: int = 2,
     workers_per_replica: int = 1,
     nnodes_per_replica: int = 1,
+    spares: int = 0,
     image: str | None = None,
     name: str = "ftlaunch",
     cpu: int = 2,
@@ -147,6 +148,7 @@ def hsdp(
         replicas: number of replica groups
         workers_per_replica: workers per node of a replica group (torchrun --nproc-per-node)
         nnodes_per_replica: nodes per replica group (multi-node groups meet in a file store in job_dir)
+        spares: hot spares, extra group roles that wait and replace a failed group at the next quorum
         image: image (e.g. docker) or, for local_cwd, the working directory
         name: job name
         cpu: cpus per replica-group node
@@ -173,7 +175,7 @@ def hsdp(
         max_restarts=max_restarts, min_replicas=min_replicas, join_timeout=join_timeout,
         heartbeat_timeout=heartbeat_timeout, lighthouse=lighthouse, lighthouse_bind=lighthouse_bind,
         job_dir=job_dir, env=env,
-        max_retries=max_retries, mounts=mounts, tee=tee,
+        max_retries=max_retries, mounts=mounts, tee=tee, spares=spares,
     )
 
 
@@ -183,6 +185,7 @@ def ddp(
     m: str | None = None,
     replicas: int = 2,
     workers_per_replica: int = 1,
+    spares: int = 0,
     image: str | None = None,
     name: str = "ftlaunch",
     cpu: int = 2,
@@ -209,6 +212,7 @@ def ddp(
         m: python module to run instead of a script (python -m)
         replicas: number of replica groups
         workers_per_replica: workers per replica group (torchrun --nproc-per-node)
+        spares: hot spares, extra group roles that wait and replace a failed group at the next quorum
         image: image (e.g. docker) or, for local_cwd, the working directory
         name: job name
         cpu: cpus per replica group
@@ -228,7 +232,7 @@ def ddp(
         *script_args, script=script, m=m, replicas=replicas, workers_per_replica=workers_per_replica,
         nnodes_per_replica=1, image=image, name=name, cpu=cpu, gpu=gpu, memMB=memMB, h=h,
         max_restarts=max_restarts, min_replicas=min_replicas, lighthouse=lighthouse,
-        lighthouse_bind=lighthouse_bind, job_dir=job_dir, env=env, max_retries=max_retries, tee=tee,
+        lighthouse_bind=lighthouse_bind, job_dir=job_dir, env=env, max_retries=max_retries, tee=tee, spares=spares,
     )
 
 
@@ -238,6 +242,7 @@ def diloco(
     m: str | None = None,
     replicas: int = 3,
     workers_per_replica: int = 1,
+    spares: int = 0,
     sync_every: int = 100,
     fragments: int = 1,
     fragment_sync_delay: int = 0,
@@ -271,6 +276,7 @@ def diloco(
         m: python module to run instead of a script (python -m)
         replicas: number of replica groups
         workers_per_replica: workers per replica group (torchrun --nproc-per-node)
+        spares: hot spares, extra group roles that wait and replace a failed group at the next quorum
         sync_every: inner steps between two syncs of a fragment (FTLAUNCH_SYNC_EVERY)
         fragments: model fragments synced in turn, Streaming DiLoCo when > 1 (FTLAUNCH_FRAGMENTS)
         fragment_sync_delay: inner steps a fragment's all-reduce overlaps (FTLAUNCH_FRAGMENT_SYNC_DELAY)
@@ -299,7 +305,7 @@ def diloco(
         nnodes_per_replica=1, image=image, name=name, cpu=cpu, gpu=gpu, memMB=memMB, h=h,
         max_restarts=max_restarts, min_replicas=min_replicas, lighthouse=lighthouse,
         lighthouse_bind=lighthouse_bind, job_dir=job_dir, env={**algorithm_env, **(env or {})},
-        max_retries=max_retries, tee=tee,
+        max_retries=max_retries, tee=tee, spares=spares,
     )
 
 

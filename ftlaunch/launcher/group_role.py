@@ -53,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m ftlaunch.launcher.group_role", description=__doc__.splitlines()[0])
     p.add_argument("--group", type=int, required=True, help="this replica group's id")
     p.add_argument("--groups", type=int, required=True, help="number of replica groups")
+    p.add_argument("--spares", type=int, default=0, help="hot spares of the job (group ids --groups.. are spares)")
     p.add_argument("--nnodes", type=int, default=1, help="nodes of each replica group (torchrun --nnodes)")
     p.add_argument("--node", default="0", help="this node's index in the group (torchx's ${replica_id})")
     p.add_argument("--app-id", default="", help="torchx's ${app_id}")
@@ -99,6 +100,8 @@ def torchrun_argv(args: argparse.Namespace, endpoint: str, job_dir: str | None) 
     # The lighthouse is the lighthouse role's (or yours): a group must never start one of its own, even
     # when the endpoint is this machine and the lighthouse is gone.
     conf = f"replica_group_id={args.group},num_replica_groups={args.groups},start_lighthouse=false"
+    if args.spares:
+        conf += f",spares={args.spares}"
     if args.nnodes > 1:
         if job_dir is None:  # placement.job_dir(needed=True) has refused already
             raise ConfigurationError("a multi-node replica group needs a job directory")
@@ -197,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     if code != 0:
         logger.warning("%s node %s: torchrun exited %d; this task waits for the other groups to finish "
                        "(its end must not end theirs)", rid, args.node, code)
-    why = hold(job_dir, args.groups * args.nnodes, endpoint, args.hold_timeout, stop)
+    why = hold(job_dir, (args.groups + args.spares) * args.nnodes, endpoint, args.hold_timeout, stop)
     logger.info("%s node %s: torchrun exited %d; job over (%s)", rid, args.node, code, why)
     return code
 

@@ -47,7 +47,7 @@ def with_runtime_annotations(fn: Callable[..., Any]) -> Callable[..., Any]:
     return fn
 
 
-def _job_environ(group: int, replicas: int, lighthouse: str) -> dict[str, str]:
+def _job_environ(group: int, replicas: int, lighthouse: str, spares: int = 0) -> dict[str, str]:
     """The job environment of group role ``group``.
 
     With a lighthouse of the user's it is the whole launcher->worker contract (`env.JobEnv`). With a
@@ -58,8 +58,11 @@ def _job_environ(group: int, replicas: int, lighthouse: str) -> dict[str, str]:
     from ftlaunch import env
 
     if lighthouse:
-        return env.JobEnv(group, replicas, lighthouse).to_environ()
-    return {env.REPLICA_GROUP_ID: str(group), env.NUM_REPLICA_GROUPS: str(replicas)}
+        return env.JobEnv(group, replicas, lighthouse, spares=spares).to_environ()
+    out = {env.REPLICA_GROUP_ID: str(group), env.NUM_REPLICA_GROUPS: str(replicas)}
+    if spares:
+        out[env.FTLAUNCH_SPARES] = str(spares)
+    return out
 
 
 def hsdp_app(
@@ -86,6 +89,7 @@ def hsdp_app(
     max_retries: int,
     mounts: list[str] | None,
     tee: int,
+    spares: int = 0,
 ) -> AppDef:
     """Build the AppDef; see ``ftlaunch.hsdp`` for the meaning and the defaults of every argument.
 
@@ -108,6 +112,8 @@ def hsdp_app(
                         (nnodes_per_replica, "nnodes_per_replica"), (min_replicas, "min_replicas")):
         if value < 1:
             raise ConfigurationError(f"--{what} must be >= 1 (got {value})")
+    if spares < 0:
+        raise ConfigurationError(f"--spares must be >= 0 (got {spares})")
     if min_replicas > replicas:
         raise ConfigurationError(f"--min_replicas {min_replicas} > --replicas {replicas}")
     if max_restarts < 0:
@@ -132,7 +138,7 @@ def hsdp_app(
                 entrypoint="python",
                 args=[
                     "-m", "ftlaunch.launcher.lighthouse_role", *where,
-                    "--groups", str(replicas * nnodes_per_replica),
+                    "--groups", str((replicas + spares) * nnodes_per_replica),
                     "--min-replicas", str(min_replicas),
                     "--join-timeout", str(join_timeout),
                     "--heartbeat-timeout", str(heartbeat_timeout),
@@ -146,7 +152,7 @@ def hsdp_app(
             )
         )
 
-    for group in range(replicas):
+    for group in range(replicas + spares):  # groups replicas.. start as hot spares
         torchrun = [
             "--rdzv-backend", "ftlaunch",
             "--rdzv-id", macros.app_id,
@@ -166,13 +172,14 @@ def hsdp_app(
                     "-m", "ftlaunch.launcher.group_role", *where,
                     "--group", str(group),
                     "--groups", str(replicas),
+                    *(["--spares", str(spares)] if spares else []),
                     "--nnodes", str(nnodes_per_replica),
                     "--node", macros.replica_id,
                     *(["--lighthouse", lighthouse] if lighthouse else []),
                     "--", *torchrun,
                 ],
                 num_replicas=nnodes_per_replica,
-                env={**base_env, **_job_environ(group, replicas, lighthouse)},
+                env={**base_env, **_job_environ(group, replicas, lighthouse, spares)},
                 resource=resource,
                 mounts=parsed_mounts,
                 max_retries=max_retries,
