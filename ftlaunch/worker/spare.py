@@ -63,10 +63,10 @@ def claim_slot(job: env.JobEnv, group: env.GroupEnv, connect_timeout: float) -> 
     waited = time.monotonic() - start
     if grant is None:
         raise JobFinished(f"the job finished while {name} waited as a spare ({waited:.1f}s)")
-    if grant.replaced is not None:
+    if grant.replaced is not None:  # a spare promoted, or a restarted group back in its free slot
         log.warning(
-            "[%s] promoted after %.1fs: replica group %d (as %s, replacing %s)",
-            name, waited, grant.slot, grant.replica_id, grant.replaced,
+            "[%s] took over replica group %d after %.2fs waiting (as %s, replacing %s)",
+            name, grant.slot, waited, grant.replica_id, grant.replaced,
         )  # fmt: skip
     return Slot(grant.slot, grant.replica_id, grant.replaced, waited)
 
