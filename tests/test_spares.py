@@ -212,3 +212,37 @@ def test_every_rank_of_a_group_gets_the_same_slot() -> None:
     assert granted(r1) == (0, "rg0.1")
     late = m.claim("g2.0", slots=2, preferred=2)  # a rank that asks after the grant
     assert granted(late) == (0, "rg0.1")
+
+
+def test_the_dashboard_shows_slots_and_waiting_spares() -> None:
+    from ftlaunch.lighthouse import dashboard
+
+    m, _ = make()
+    spare = start_job(m)
+    page = dashboard.render(m.snapshot())
+    assert "Slots and hot spares (1 waiting, 0 promoted)" in page and "g2.0" in page
+    m.connection_lost("rg1")
+    assert spare.done
+    page = dashboard.render(m.snapshot())
+    assert "(0 waiting, 1 promoted)" in page and "rg1.1" in page and "Replaced (refused if heard again)" in page
+
+
+def test_a_spare_between_two_polls_keeps_its_place_and_one_that_stops_asking_is_forgotten() -> None:
+    m, clock = make(heartbeat_timeout=2.0)
+    first = start_job(m)
+    second = m.claim("g3.0", slots=2, preferred=None)
+    clock.now += 30.0
+    m.heartbeat("rg0")
+    m.heartbeat("rg1")
+    m.end_claim(first, timed_out=True)  # its poll timed out: "ask again"
+    m.tick()
+    again = m.claim("g2.0", slots=2, preferred=2)
+    assert [w.claimant for w in m.snapshot().spares.waiting] == ["g2.0", "g3.0"]  # type: ignore[union-attr]
+    m.connection_lost("rg1")
+    assert granted(again) == (1, "rg1.1") and not second.done
+    m.end_claim(second, timed_out=True)
+    clock.now += 2.5  # g3.0 never asked again
+    m.heartbeat("rg0")
+    m.heartbeat("rg1.1")
+    m.tick()
+    assert m.snapshot().spares.waiting == ()  # type: ignore[union-attr]

@@ -222,7 +222,7 @@ def test_two_failures_one_spare_the_second_group_restarts_and_rejoins(jobs) -> N
 def test_a_spare_killed_while_idle_is_replaced_and_nothing_else_moves(jobs) -> None:
     from ftlaunch.lighthouse.client import LighthouseClient
 
-    job = jobs(["--replicas", "2", "--spares", "1", *train(120)])
+    job = jobs(["--replicas", "2", "--spares", "1", *train(400)])
     address = job.wait_for(r"lighthouse (http://\S+),", 60)[1]
     job.wait_for(r"^\[rg0/r0\] step=5 committed=True", 200)
     with LighthouseClient(address, token=TOKEN) as client:

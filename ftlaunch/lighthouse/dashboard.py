@@ -11,7 +11,7 @@ import html
 import time
 from typing import Any
 
-from ftlaunch.lighthouse.status import LighthouseStatus
+from ftlaunch.lighthouse.status import LighthouseStatus, SparesStatus
 
 REFRESH_SECONDS = 2
 
@@ -97,6 +97,9 @@ def render(status: LighthouseStatus) -> str:
     if status.evicted:
         out.append(f"<p>Evicted, not yet told: <span class='mono'>{_e(', '.join(status.evicted))}</span></p>")
 
+    if status.spares is not None:
+        out += _spares_html(status.spares)
+
     out.append("<h2>History (quorum changes and failures, newest first)</h2>")
     if status.history:
         out.append("<table><tr><th>time</th><th>event</th><th>replica</th><th>detail</th></tr>")
@@ -113,3 +116,24 @@ def render(status: LighthouseStatus) -> str:
         out.append("<p class='muted'>nothing happened yet</p>")
     out.append("</body></html>")
     return "\n".join(out)
+
+
+def _spares_html(spares: SparesStatus) -> list[str]:
+    """The slot table of a job with hot spares: who holds each replica-group slot, who waits."""
+    out = [f"<h2>Slots and hot spares ({len(spares.waiting)} waiting, {spares.promotions} promoted)</h2>",
+           "<table><tr><th>slot</th><th>held as</th><th>holder</th><th>state</th><th>held for</th></tr>"]
+    for s in spares.slots:
+        held = f"{s.held_for:.1f}s" if s.held_for is not None else ""
+        out.append(
+            f"<tr><td>{_e(s.slot)}</td><td class='mono'>{_e(s.replica_id or '')}</td>"
+            f"<td class='mono'>{_e(s.holder or '')}</td><td>{_e(s.state)}</td><td>{_e(held)}</td></tr>"
+        )
+    out.append("</table>")
+    if spares.waiting:
+        waiting = ", ".join(f"{w.claimant} ({w.waiting_for:.1f}s)" for w in spares.waiting)
+        out.append(f"<p>Spares waiting: <span class='mono'>{_e(waiting)}</span></p>")
+    else:
+        out.append("<p class='muted'>no spare waiting: the next failure restarts and rejoins</p>")
+    if spares.fenced:
+        out.append(f"<p>Replaced (refused if heard again): <span class='mono'>{_e(', '.join(spares.fenced))}</span></p>")
+    return out

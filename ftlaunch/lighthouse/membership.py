@@ -497,7 +497,7 @@ class Membership:
         again) or its connection closed (the spare is gone, unless another rank still waits)."""
         with self._lock:
             if self._spares is not None and not ticket.done:
-                self._spares.withdraw(ticket, timed_out=timed_out)
+                self._spares.withdraw(ticket, self._clock(), timed_out=timed_out)
 
     def _holder(self, rid: str, now: float) -> Holder:
         g = self._groups.get(rid)

@@ -86,6 +86,8 @@ class _Waiting:
     preferred: int | None
     since: float
     tickets: list[ClaimTicket] = field(default_factory=list)
+    #: When its last parked claim timed out (it is about to ask again).
+    last_poll: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -129,11 +131,13 @@ class SpareSlots:
         waiting.tickets.append(ticket)
         return ticket
 
-    def withdraw(self, ticket: ClaimTicket, *, timed_out: bool) -> None:
-        """A ticket's poll ended unanswered (timeout: answered "ask again"; closed: nobody to tell)."""
+    def withdraw(self, ticket: ClaimTicket, now: float, *, timed_out: bool) -> None:
+        """A ticket's poll ended unanswered (timeout: answered "ask again", the claimant keeps its
+        place in the queue; closed: nobody to tell, the claimant is gone if no other rank waits)."""
         waiting = self._waiting.get(ticket.claimant)
         if waiting is not None and ticket in waiting.tickets:
             waiting.tickets.remove(ticket)
+            waiting.last_poll = now
             if not waiting.tickets and not timed_out:
                 del self._waiting[ticket.claimant]
         ticket._resolve()
@@ -141,7 +145,7 @@ class SpareSlots:
     def forget_idle(self, now: float, idle: float) -> None:
         """Drop claimants with no poll parked for ``idle`` seconds (they stopped asking)."""
         for name, waiting in list(self._waiting.items()):
-            if not waiting.tickets and now - waiting.since > idle:
+            if not waiting.tickets and now - waiting.last_poll > idle:
                 del self._waiting[name]
 
     # ---- what the membership asks and tells
