@@ -246,3 +246,20 @@ def test_a_spare_between_two_polls_keeps_its_place_and_one_that_stops_asking_is_
     m.heartbeat("rg1.1")
     m.tick()
     assert m.snapshot().spares.waiting == ()  # type: ignore[union-attr]
+
+
+def test_the_launcher_counts_a_failure_recovered_when_the_spare_that_took_its_slot_commits() -> None:
+    from ftlaunch.launcher.group import Group
+    from ftlaunch.launcher.spares import Takeovers
+
+    takeovers, failed = Takeovers(2), Group(1)
+    failed.agent_started()
+    failed.workers_started(0, {0: 100}, now=1.0)
+    assert failed.worker_exited(100, 0, 0, True, "killed by SIGKILL", now=10.0) is not None
+    takeovers.line(2, "[rg2/r0] 2026-01-01 WARNING [g2.0] took over replica group 1 after 3.00s waiting (as rg1.1, replacing rg1)")
+    assert takeovers.holder == {0: 0, 1: 2}
+    assert takeovers.committed(0) is None
+    replaced = takeovers.committed(2)
+    assert replaced == 1 and failed.slot_taken_over(10.25) == pytest.approx(0.25)
+    assert failed.rejoin_times == [pytest.approx(0.25)] and failed.failure_at is None
+    assert takeovers.committed(2) is None  # counted once

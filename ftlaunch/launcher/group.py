@@ -203,6 +203,16 @@ class Group:
         self.failure_at = None
         return elapsed
 
+    def slot_taken_over(self, now: float) -> float | None:
+        """A hot spare took this group's slot and committed a step: the failure is recovered (the
+        group itself, restarted, waits as a spare). Returns the time to recover, if it was down."""
+        if self.failure_at is None:
+            return None
+        elapsed = now - self.failure_at
+        self.rejoin_times.append(elapsed)
+        self.failure_at = None
+        return elapsed
+
     def hung(self, now: float) -> None:
         """Its workers were SIGSTOPped: down from now until they commit again after `resumed`."""
         self.paused = True

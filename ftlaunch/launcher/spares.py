@@ -9,6 +9,8 @@ agent's current lighthouse name is read back from the status here.
 
 from __future__ import annotations
 
+import re
+
 from ftlaunch.launcher.lighthouse_host import JobLighthouse
 
 
@@ -26,3 +28,30 @@ def holder_name(lighthouse: JobLighthouse, gid: int) -> str | None:
     if not held:
         return None
     return min(held, key=lambda s: s.held_for if s.held_for is not None else 0.0).replica_id  # the newest
+
+
+#: A worker's log line when its group takes a slot (`ftlaunch.worker.spare.claim_slot`).
+TOOK_OVER = re.compile(r"\[g\d+\.\d+\] took over replica group (?P<slot>\d+) ")
+
+
+class Takeovers:
+    """Which launcher group trains in which slot, from the workers' "took over" lines, so that the
+    failure of a group counts as recovered when the spare that took its slot commits a step."""
+
+    def __init__(self, replicas: int) -> None:
+        self.holder = {slot: slot for slot in range(replicas)}
+        self._replaced: dict[int, int] = {}  # new holder -> the group it replaced, until it commits
+
+    def line(self, gid: int, line: str) -> None:
+        m = TOOK_OVER.search(line)
+        if m is None:
+            return
+        slot = int(m.group("slot"))
+        previous = self.holder.get(slot)
+        self.holder[slot] = gid
+        if previous is not None and previous != gid:
+            self._replaced[gid] = previous
+
+    def committed(self, gid: int) -> int | None:
+        """Group ``gid`` committed a step: the group whose slot it took, the first time."""
+        return self._replaced.pop(gid, None)

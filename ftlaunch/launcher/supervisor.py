@@ -54,7 +54,7 @@ from ftlaunch.launcher.lighthouse_host import (
 from ftlaunch.launcher.options import LaunchOptions
 from ftlaunch.launcher.output import WORKER_LINE, Console, parse_checksum, parse_step, without_repeated_tag
 from ftlaunch.launcher.report import StatusLine, summary_lines
-from ftlaunch.launcher.spares import holder_name
+from ftlaunch.launcher.spares import Takeovers, holder_name
 from ftlaunch.launcher.torchrun_flags import parse_signals
 from ftlaunch.lifetime import become_subreaper
 
@@ -112,6 +112,7 @@ class Supervisor:
         self._started = time.monotonic()
         self._training_started: float | None = None
         self._chaos = Chaos(opts.chaos, self.groups, self.console, self._started) if opts.chaos else None
+        self._takeovers = Takeovers(opts.replicas) if opts.spares else None
         self._status: StatusLine | None = None
         self._exit_root_cause: str | None = None
 
@@ -318,7 +319,13 @@ class Supervisor:
                 self._training_started = now
             if group.step_line(step.step, step.committed, now) is not None and self._chaos is not None:
                 self._chaos.rejoined(group.gid, now)
+            replaced = self._takeovers.committed(group.gid) if self._takeovers and step.committed else None
+            if replaced is not None:  # a spare took the failed group's slot and committed: recovered
+                if self.groups[replaced].slot_taken_over(now) is not None and self._chaos is not None:
+                    self._chaos.rejoined(replaced, now)
             return
+        if self._takeovers is not None:
+            self._takeovers.line(group.gid, line)
         checksum = parse_checksum(line)
         if checksum is not None:
             group.checksum = checksum
