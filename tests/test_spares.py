@@ -263,3 +263,48 @@ def test_the_launcher_counts_a_failure_recovered_when_the_spare_that_took_its_sl
     assert replaced == 1 and failed.slot_taken_over(10.25) == pytest.approx(0.25)
     assert failed.rejoin_times == [pytest.approx(0.25)] and failed.failure_at is None
     assert takeovers.committed(2) is None  # counted once
+
+
+# ---- the launch paths publish the spares ----------------------------------------------------------
+
+
+def test_every_launch_path_knows_the_spares() -> None:
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+    from ftlaunch import env
+    from ftlaunch.errors import ConfigurationError
+    from ftlaunch.launcher.cli import options_from_args
+    from ftlaunch.launcher.rendezvous import FtRendezvousConfig
+
+    assert options_from_args(["--replicas", "2", "--spares", "1", "x.py"]).spares == 1
+    job = env.JobEnv(2, 2, "http://127.0.0.1:1", spares=1)
+    assert job.starts_as_spare and job.to_environ()[env.FTLAUNCH_SPARES] == "1"
+    assert env.JobEnv.from_environ(job.to_environ()) == job
+    with pytest.raises(ConfigurationError, match="outside 0..1"):
+        env.JobEnv(2, 2, "http://127.0.0.1:1")
+
+    def conf(**kw: str) -> FtRendezvousConfig:
+        params = RendezvousParameters(backend="ftlaunch", endpoint="127.0.0.1:1", run_id="t", min_nodes=1, max_nodes=1, **kw)
+        return FtRendezvousConfig.from_params(params, environ={})
+
+    assert conf(replica_group_id="2", num_replica_groups="2", spares="1").spares == 1
+    with pytest.raises(ConfigurationError, match="must be in 0..1"):
+        conf(replica_group_id="2", num_replica_groups="2")
+
+
+def test_the_torchx_components_add_spare_group_roles() -> None:
+    pytest.importorskip("torchx")
+    import ftlaunch
+
+    app = ftlaunch.ddp(script="train.py", replicas=2, spares=1)
+    assert [r.name for r in app.roles] == ["lighthouse", "rg0", "rg1", "rg2"]
+    spare = app.roles[3]
+    assert spare.args[spare.args.index("--group") + 1] == "2" and spare.args[spare.args.index("--spares") + 1] == "1"
+    assert spare.env["FTLAUNCH_SPARES"] == "1"
+    lighthouse = app.roles[0].args
+    assert lighthouse[lighthouse.index("--groups") + 1] == "3"  # exit files of every group role
+
+    from ftlaunch.launcher.group_role import build_parser, torchrun_argv
+
+    args = build_parser().parse_args(spare.args[2:spare.args.index("--")] + ["--"])
+    assert "spares=1" in torchrun_argv(args, "127.0.0.1:1", None)[3]

@@ -130,18 +130,26 @@ def checksums(text: str) -> dict[int, str]:
     return {int(m[1]): m[2] for m in (CHECKSUM.match(line) for line in text.splitlines()) if m}
 
 
-def check_data(text: str, replicas: int, slot_of_agent: dict[int, int]) -> None:
-    """Every committed step of a training agent read its slot's shard at exactly the position of
-    every other agent at that step. A group's first step after it healed read its batch before the
-    position arrived (its gradient is zeroed), so that step's batch is not checked."""
+def check_data(text: str, replicas: int) -> None:
+    """Every committed step of a training group read the shard of the slot it held then (agents
+    0..N-1 start in their own; a "took over" line moves one) at exactly the position of every other
+    group at that step. A group's first step after it healed read its batch before the position
+    arrived (its gradient is zeroed), so that step's batch is not checked."""
     shards = {
         s: DistributedSampler(range(DATASET), replica_group_id=s, num_replica_groups=replicas, rank=0, num_replicas=1)
         for s in range(replicas)
     }
+    slot_of = {a: a for a in range(replicas)}
     position: dict[int, tuple[int, int]] = {}
     last: dict[int, int] = {}
     checked = 0
     for line in text.splitlines():
+        took = TOOK_OVER.match(line)
+        if took is not None:
+            agent, slot = int(took[1]), int(took[3])
+            slot_of = {a: s for a, s in slot_of.items() if s != slot}
+            slot_of[agent] = slot
+            continue
         m = STEP.match(line)
         if m is None:
             continue
@@ -149,8 +157,9 @@ def check_data(text: str, replicas: int, slot_of_agent: dict[int, int]) -> None:
         healed_now = step > last.get(agent, 0) + 1
         last[agent] = step
         assert position.setdefault(step, (epoch, pos)) == (epoch, pos), (line, position[step])
-        if agent in slot_of_agent and not healed_now and step > 1:
-            assert shards[slot_of_agent[agent]].shard_indices(epoch)[pos - BATCH] == first, line
+        if not healed_now and step > 1:
+            assert agent in slot_of, line
+            assert shards[slot_of[agent]].shard_indices(epoch)[pos - BATCH] == first, (line, slot_of)
             checked += 1
     assert checked >= 10, f"only {checked} steps checked"
 
@@ -183,7 +192,7 @@ def test_a_spare_replaces_a_killed_group_bit_identical(jobs) -> None:
     slots = final_slots(text, 2)
     assert slots == {0: 0, 2: 1}
     assert_bit_identical(text, slots)
-    check_data(text, 2, slots)
+    check_data(text, 2)
 
 
 @pytest.mark.slow
@@ -196,7 +205,7 @@ def test_a_spare_replaces_a_hung_group_which_is_fenced_when_it_wakes(jobs) -> No
     assert re.search(r"^\[rg1/r0\] .*HTTP 410: replica rg1 was replaced", text, re.M), text[-4000:]
     slots = final_slots(text, 2)
     assert_bit_identical(text, slots)
-    check_data(text, 2, slots)
+    check_data(text, 2)
 
 
 @pytest.mark.slow
@@ -214,7 +223,7 @@ def test_two_failures_one_spare_the_second_group_restarts_and_rejoins(jobs) -> N
     slots = final_slots(text, 3)
     assert sorted(slots.values()) == [0, 1, 2]
     assert_bit_identical(text, slots)
-    check_data(text, 3, slots)
+    check_data(text, 3)
 
 
 @pytest.mark.slow
@@ -261,7 +270,7 @@ def test_a_promoted_spare_that_dies_in_its_first_step_hands_the_slot_on(jobs) ->
     slots = final_slots(text, 2)
     assert slots[0] == 0 and 1 in slots.values()
     assert_bit_identical(text, slots)
-    check_data(text, 2, slots)
+    check_data(text, 2)
 
 
 if __name__ == "__main__":
