@@ -276,7 +276,7 @@ def test_every_launch_path_knows_the_spares() -> None:
     from ftlaunch.launcher.cli import options_from_args
     from ftlaunch.launcher.rendezvous import FtRendezvousConfig
 
-    assert options_from_args(["--replicas", "2", "--spares", "1", "x.py"]).spares == 1
+    assert options_from_args(["--replicas", "2", "--spares", "1", "scripts/train_ddp.py"]).spares == 1
     job = env.JobEnv(2, 2, "http://127.0.0.1:1", spares=1)
     assert job.starts_as_spare and job.to_environ()[env.FTLAUNCH_SPARES] == "1"
     assert env.JobEnv.from_environ(job.to_environ()) == job
