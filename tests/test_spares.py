@@ -58,8 +58,10 @@ def test_a_never_held_slot_waits_for_its_group_until_the_grace() -> None:
 
 
 def test_an_assigned_holder_that_never_arrives_loses_the_slot_after_the_grace() -> None:
-    arriving = SlotView(1, "g2.0", Holder.ARRIVING, assigned_at=10.0)
-    assert not claimable(arriving, 14.0, 5.0) and claimable(arriving, 15.5, 5.0)
+    arriving = SlotView(1, "g2.0", Holder.ARRIVING, assigned_at=10.0, generation=1)  # a promoted spare
+    assert not claimable(arriving, 14.0, 5.0, 60.0) and claimable(arriving, 15.5, 5.0, 60.0)
+    first = SlotView(1, "g1.0", Holder.ARRIVING, assigned_at=10.0)  # the slot's first holder, starting up
+    assert not claimable(first, 15.5, 5.0, 60.0) and claimable(first, 70.5, 5.0, 60.0)
     assert not claimable(SlotView(1, "g1.0", Holder.LEFT), 100.0, 5.0)
 
 

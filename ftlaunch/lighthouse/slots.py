@@ -12,7 +12,9 @@ Rules (in the order `assign` applies them):
 1. A claimant that already holds a slot keeps it (every rank of a group claims under one name, and
    a claim may be repeated).
 2. A slot is *claimable* when its holder is down (disconnected, failed, silent), or when its holder
-   was given it but never showed up within the grace (``arrival_grace``), or when nobody ever held it.
+   was given it but never showed up within the grace (``arrival_grace`` for a spare, which is hot;
+   ``unclaimed_grace`` for a slot's first holder, which may still be waiting for its own ranks at
+   start-up), or when nobody ever held it.
    A slot whose holder left gracefully is *done*: the training of that shard finished.
 3. A slot nobody ever held goes to the claimant that prefers it (the group started for it); to
    anybody else only after ``unclaimed_grace`` from the first claim (its own group never came).
@@ -58,6 +60,8 @@ class SlotView:
     state: Holder = Holder.NONE
     #: When it was last given to a claimant (monotonic seconds), for the arrival grace.
     assigned_at: float | None = None
+    #: How many holders it had before the current one (0: the current holder is its first).
+    generation: int = 0
 
 
 @dataclass(frozen=True)
@@ -75,12 +79,13 @@ def replica_id_for(slot: int, generation: int) -> str:
     return f"rg{slot}" if generation == 0 else f"rg{slot}.{generation}"
 
 
-def claimable(slot: SlotView, now: float, arrival_grace: float) -> bool:
+def claimable(slot: SlotView, now: float, arrival_grace: float, first_arrival_grace: float | None = None) -> bool:
     """Whether a new claimant may take ``slot`` now (rule 2; a never-held slot: see `assign`)."""
     if slot.state is Holder.DOWN or slot.state is Holder.NONE:
         return True
     if slot.state is Holder.ARRIVING:
-        return slot.assigned_at is not None and now - slot.assigned_at > arrival_grace
+        grace = first_arrival_grace if slot.generation == 0 and first_arrival_grace is not None else arrival_grace
+        return slot.assigned_at is not None and now - slot.assigned_at > grace
     return False
 
 
@@ -113,7 +118,7 @@ def assign(
             waiting.append(c)
     waiting.sort(key=lambda c: (c.since, c.name))
     for slot in sorted(slots, key=lambda s: s.index):
-        if not waiting or not claimable(slot, now, arrival_grace):
+        if not waiting or not claimable(slot, now, arrival_grace, unclaimed_grace):
             continue
         chosen = next((c for c in waiting if c.preferred == slot.index), None)
         if chosen is None:

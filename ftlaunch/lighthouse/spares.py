@@ -208,11 +208,11 @@ class SpareSlots:
         if slot.replica_id is None:
             return SlotView(slot.index)
         if slot.replica_id in self._left:
-            return SlotView(slot.index, slot.holder, Holder.LEFT, slot.assigned_at)
+            return SlotView(slot.index, slot.holder, Holder.LEFT, slot.assigned_at, slot.generation)
         state = health(slot.replica_id)
         if state is Holder.NONE:
             state = Holder.ARRIVING  # given, not heard from yet under its new name
-        return SlotView(slot.index, slot.holder, state, slot.assigned_at)
+        return SlotView(slot.index, slot.holder, state, slot.assigned_at, slot.generation)
 
     # ---- status (built into `status.SparesStatus` by the membership)
 
