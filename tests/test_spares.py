@@ -310,3 +310,19 @@ def test_the_torchx_components_add_spare_group_roles() -> None:
 
     args = build_parser().parse_args(spare.args[2:spare.args.index("--")] + ["--"])
     assert "spares=1" in torchrun_argv(args, "127.0.0.1:1", None)[3]
+
+
+def test_a_group_restarted_after_the_end_is_told_done_not_given_a_slot_to_train_alone() -> None:
+    from ftlaunch.lighthouse.slots import all_done
+
+    assert all_done([SlotView(0, "g0.0", Holder.LEFT), SlotView(1, "g1.0", Holder.DOWN)])
+    assert not all_done([SlotView(0, "g0.0", Holder.LEFT), SlotView(1, "g1.0", Holder.LIVE)])
+    assert not all_done([SlotView(0, "g0.0", Holder.DOWN), SlotView(1, "g1.0", Holder.DOWN)])  # a crash, not the end
+    m, _ = make()
+    start_job(m)
+    m.connection_lost("rg1")  # the spare takes slot 1 ...
+    m.heartbeat("rg1.1")
+    m.leave("rg0")
+    m.leave("rg1.1")  # ... and the training ends before rg1's restart is back
+    late = m.claim("g1.1", slots=2, preferred=1)
+    assert late.done and late.grant is None and late.done_job

@@ -211,7 +211,7 @@ def test_a_spare_replaces_a_hung_group_which_is_fenced_when_it_wakes(jobs) -> No
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_two_failures_one_spare_the_second_group_restarts_and_rejoins(jobs) -> None:
-    job = jobs(["--replicas", "3", "--spares", "1", *train(150)])
+    job = jobs(["--replicas", "3", "--spares", "1", *train(400)])  # long enough for the restarts
     job.wait_for(r"^\[rg0/r0\] step=10 committed=True", 200)
     for agent in (1, 2):
         job.signal_workers(agent, signal.SIGKILL)

@@ -15,7 +15,9 @@ Rules (in the order `assign` applies them):
    was given it but never showed up within the grace (``arrival_grace`` for a spare, which is hot;
    ``unclaimed_grace`` for a slot's first holder, which may still be waiting for its own ranks at
    start-up), or when nobody ever held it.
-   A slot whose holder left gracefully is *done*: the training of that shard finished.
+   A slot whose holder left gracefully is *done*: the training of that shard finished. Once a slot
+   is done and no holder is live (or arriving), the job has finished: the claims are answered
+   ``done``, so a group restarted after the end does not train a slot from scratch alone.
 3. A slot nobody ever held goes to the claimant that prefers it (the group started for it); to
    anybody else only after ``unclaimed_grace`` from the first claim (its own group never came).
 4. Claimable slots are filled lowest index first; each goes to the claimant preferring it if one
@@ -90,8 +92,10 @@ def claimable(slot: SlotView, now: float, arrival_grace: float, first_arrival_gr
 
 
 def all_done(slots: Sequence[SlotView]) -> bool:
-    """Every slot's training finished: spares may go home."""
-    return bool(slots) and all(s.state is Holder.LEFT for s in slots)
+    """The training finished (a holder left and nobody trains any more): spares may go home."""
+    return any(s.state is Holder.LEFT for s in slots) and not any(
+        s.state is Holder.LIVE or s.state is Holder.ARRIVING for s in slots
+    )
 
 
 def assign(
