@@ -265,7 +265,7 @@ def test_a_spare_killed_while_idle_is_replaced_and_nothing_else_moves(jobs) -> N
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_a_promoted_spare_that_dies_in_its_first_step_hands_the_slot_on(jobs) -> None:
-    job = jobs(["--replicas", "2", "--spares", "1", "--chaos", "steps=8,group=1", *train(150)])
+    job = jobs(["--replicas", "2", "--spares", "1", "--chaos", "steps=8,group=1", *train(400)])
     job.wait_for(r"^\[rg2/r0\] .*took over replica group 1", 200)
     job.signal_workers(2, signal.SIGKILL)  # before (or during) its first step
     text = job.finish(380)
