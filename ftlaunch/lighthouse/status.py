@@ -138,7 +138,8 @@ class GroupStatus:
 @dataclass(frozen=True)
 class HistoryEvent:
     """One entry of the history: ``joined``, ``quorum``, ``silent``, ``disconnected``, ``failed``,
-    ``revived``, ``left``, ``evicted`` or ``failure_report`` (docs/lighthouse.md)."""
+    ``revived``, ``left``, ``evicted`` or ``failure_report``; with hot spares also ``claimed`` and
+    ``replaced`` (docs/lighthouse.md)."""
 
     time: float
     event: str
