@@ -326,3 +326,35 @@ def test_a_group_restarted_after_the_end_is_told_done_not_given_a_slot_to_train_
     m.leave("rg1.1")  # ... and the training ends before rg1's restart is back
     late = m.claim("g1.1", slots=2, preferred=1)
     assert late.done and late.grant is None and late.done_job
+
+
+def test_a_script_failing_through_finally_does_not_leave_so_its_slot_goes_to_a_spare() -> None:
+    """A graceful leave means "this shard is done" with spares: ft.shutdown() in a ``finally:``
+    while an exception propagates closes the connections instead (a failure, as for a crash)."""
+    from unittest import mock
+
+    import torch
+
+    from ftlaunch.timeouts import Timeouts
+    from ftlaunch.worker.fault_tolerance import FaultTolerance
+
+    def make_ft() -> tuple[FaultTolerance, mock.Mock]:
+        manager = mock.Mock()
+        ft = FaultTolerance(manager=manager, pg=mock.Mock(), replica_group_id=0, num_replica_groups=1, rank=0,
+                            world_size=1, device=torch.device("cpu"), backend="gloo", transport="pg",
+                            timeouts=Timeouts.derive(10))  # fmt: skip
+        return ft, manager
+
+    ft, manager = make_ft()
+    with pytest.raises(RuntimeError):
+        try:
+            raise RuntimeError("the training failed")
+        finally:
+            ft.shutdown()
+    assert manager.shutdown.call_args_list[0] == mock.call(leave=False)
+    ft, manager = make_ft()
+    with pytest.raises(SystemExit), ft:
+        raise SystemExit(0)  # a clean exit: leave
+    ft2, manager2 = make_ft()
+    ft2.shutdown()
+    assert manager.shutdown.call_args_list == [mock.call()] and manager2.shutdown.call_args_list == [mock.call()]

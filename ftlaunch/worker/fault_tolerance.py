@@ -9,6 +9,7 @@ while ``entry.py`` reads the environment, waits for a slot when the job has hot 
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -261,6 +262,8 @@ class FaultTolerance:
         if self._closed:
             return
         self._closed = True
+        if _failing():  # called while an exception propagates (``finally:``): a failure, not an end
+            self.manager.shutdown(leave=False)
         if self._gangs is not None:
             self._gangs.close()  # the Manager, the group's sub-gangs and its default group
         self.manager.shutdown()
@@ -346,3 +349,12 @@ def _solo_group(device: torch.device, timeouts: Timeouts) -> tuple[dist.ProcessG
     world = dist.group.WORLD
     assert world is not None  # initialized above
     return world, owns
+
+
+def _failing() -> bool:
+    """An exception is propagating through the caller (a ``finally:`` or ``with`` block): the
+    training failed. ``SystemExit(0)`` and ``SystemExit(None)`` are clean exits."""
+    exc = sys.exc_info()[1]
+    if exc is None:
+        return False
+    return not (isinstance(exc, SystemExit) and exc.code in (0, None))

@@ -570,16 +570,21 @@ class Manager:
         return self._group_rank
 
     # ============================================================================ teardown
-    def shutdown(self, wait: bool = True) -> None:
-        """Leave the lighthouse gracefully and release threads, servers and the process group."""
+    def shutdown(self, wait: bool = True, *, leave: bool = True) -> None:
+        """Leave the lighthouse gracefully and release threads, servers and the process group.
+
+        ``leave=False`` (the training failed): just close the connections, so the lighthouse counts
+        a failure, as for a crash -- with hot spares a graceful leave would mean "this shard is done".
+        """
         if self._shutdown:
             return
         self._shutdown = True
         if self._client is not None:
-            try:
-                self._client.leave(self.replica_id)  # also stops the heartbeat
-            except LighthouseError as e:
-                self.log.debug("leave failed (lighthouse gone?): %s", e)
+            if leave:
+                try:
+                    self._client.leave(self.replica_id)  # also stops the heartbeat
+                except LighthouseError as e:
+                    self.log.debug("leave failed (lighthouse gone?): %s", e)
             self._client.close()
         self._executor.shutdown(wait=wait, cancel_futures=True)
         self._transport.shutdown(wait=wait)
