@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ftlaunch.lighthouse.progress import GroupProgress
 from ftlaunch.lighthouse.protocol import API_VERSION
 from ftlaunch.lighthouse.quorum import Health, Quorum
 
@@ -47,6 +48,8 @@ class StatusOptions:
     heartbeat_timeout: float = 5.0
     quorum_tick: float = 0.1
     admin: bool = False
+    #: Groups the first quorum waits for (up to the join timeout); 0: not announced.
+    expected_replicas: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -55,6 +58,7 @@ class StatusOptions:
             "heartbeat_timeout": self.heartbeat_timeout,
             "quorum_tick": self.quorum_tick,
             "admin": self.admin,
+            "expected_replicas": self.expected_replicas,
         }
 
     @classmethod
@@ -66,6 +70,7 @@ class StatusOptions:
             heartbeat_timeout=float(_get(d, "heartbeat_timeout", (float, int))),
             quorum_tick=float(_get(d, "quorum_tick", (float, int))),
             admin=_get(d, "admin", bool),
+            expected_replicas=_get(d, "expected_replicas", int, 0),
         )
 
 
@@ -194,6 +199,16 @@ class LighthouseStatus:
     evicted: tuple[str, ...] = ()
     #: Newest first.
     history: tuple[HistoryEvent, ...] = ()
+    # -- training progress the group leaders report (lighthouse/progress.py)
+    #: Every group that reported, those that left or died included, sorted by replica id.
+    progress: tuple[GroupProgress, ...] = ()
+    #: Quorums formed with a new id since the lighthouse started.
+    quorum_changes: int = 0
+    #: The job's committed steps per second (recent window).
+    step_rate: float = 0.0
+
+    def group_progress(self, replica_id: str) -> GroupProgress | None:
+        return next((p for p in self.progress if p.replica_id == replica_id), None)
 
     @property
     def quorum_id(self) -> int | None:
@@ -222,6 +237,9 @@ class LighthouseStatus:
             "decision": self.decision,
             "evicted": list(self.evicted),
             "history": [h.to_json() for h in self.history],
+            "progress": [p.to_json() for p in self.progress],
+            "quorum_changes": self.quorum_changes,
+            "step_rate": self.step_rate,
         }
 
     @classmethod
@@ -244,4 +262,7 @@ class LighthouseStatus:
             decision=_get(d, "decision", str),
             evicted=tuple(lists["evicted"]),
             history=tuple(HistoryEvent.from_json(h) for h in lists["history"]),
+            progress=tuple(GroupProgress.from_json(p) for p in _get(d, "progress", list, [])),
+            quorum_changes=_get(d, "quorum_changes", int, 0),
+            step_rate=float(_get(d, "step_rate", (float, int), 0.0)),
         )
