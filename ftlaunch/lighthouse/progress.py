@@ -139,8 +139,8 @@ class GroupProgress:
     checksum: str = ""
     checksum_step: int | None = None
     finished: bool = False
-    #: Sessions that committed steps starting behind the job (below the furthest step any group had
-    #: reported) without healing: they trained without the others' state.
+    #: Sessions that committed steps starting behind a group that had already finished, without
+    #: healing: they trained without the others' state (e.g. restarted after their peers finished).
     unsynced_sessions: int = 0
 
     @property
@@ -285,8 +285,7 @@ class ProgressBook:
         if new_commits and not cur.judged:
             cur.judged = True
             started_at = report.step - report.commits
-            behind = self.furthest_step(exclude=replica_id)
-            if report.heals == 0 and started_at < behind:
+            if report.heals == 0 and started_at < self.furthest_finished_step(exclude=replica_id):
                 t.unsynced += 1
         cur.commits, cur.heals, cur.heal_seconds = report.commits, report.heals, float(report.heal_seconds)
         t.step, t.last = report.step, report
@@ -306,8 +305,9 @@ class ProgressBook:
         """The lighthouse saw the group go down (counted once per incident by the caller)."""
         self._totals(replica_id).failures += 1
 
-    def furthest_step(self, exclude: str | None = None) -> int:
-        return max((t.step for rid, t in self._groups.items() if rid != exclude), default=0)
+    def furthest_finished_step(self, exclude: str | None = None) -> int:
+        """The furthest step at which another group finished (a clean exit), 0 if none did."""
+        return max((t.step for rid, t in self._groups.items() if rid != exclude and t.finished), default=0)
 
     def job_step_rate(self, wall: float) -> float:
         """Committed group-steps per second of the whole job, divided by the groups that committed
