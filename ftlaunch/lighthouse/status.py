@@ -52,14 +52,16 @@ class StatusOptions:
     expected_replicas: int = 0
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "min_replicas": self.min_replicas,
             "join_timeout": self.join_timeout,
             "heartbeat_timeout": self.heartbeat_timeout,
             "quorum_tick": self.quorum_tick,
             "admin": self.admin,
-            "expected_replicas": self.expected_replicas,
         }
+        if self.expected_replicas:  # only when announced: the document stays as it was otherwise
+            out["expected_replicas"] = self.expected_replicas
+        return out
 
     @classmethod
     def from_json(cls, d: Any) -> StatusOptions:
