@@ -4,8 +4,8 @@ Prints ``step=N committed=True`` lines like scripts/train_ddp.py, records its en
 on command (exit code, exception, or hanging) at a given step of a given restart. Like a Manager's
 group leader, rank 0 reports its progress to the lighthouse (the launcher's summary reads it there,
 not from these lines): every step, and at a clean exit a final report with ``--checksum``. A
-restarted incarnation reports that it healed (as a real group would, from a peer), unless
-``--no-heal``.
+restarted incarnation reports that it healed (as a real group would, from a peer; it does not
+train, so it has nothing to get wrong), unless ``--no-heal``.
 """
 
 from __future__ import annotations
@@ -71,7 +71,9 @@ def main() -> int:
 
         reporter = LighthouseClient(os.environ["FTLAUNCH_LIGHTHOUSE"], connect_timeout=10)
         session = f"worker-{os.getpid()}"
-        heals = 1 if restart > 0 and not args.no_heal else 0
+        # A restart (torchelastic's, or a respawned agent's: the lighthouse knows the group already).
+        again = restart > 0 or reporter.snapshot().group_progress(f"rg{group}") is not None
+        heals = 1 if again and not args.no_heal else 0
 
         def report(step: int, **final: object) -> None:
             # Manager semantics: ``step`` is the group's step after the commit (steps done).
