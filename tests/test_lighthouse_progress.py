@@ -187,3 +187,11 @@ def test_progress_and_metrics_over_http() -> None:
         names = {f.name for f in text_string_to_metric_families(text)}
         assert {"ftlaunch_group_committed_steps", "ftlaunch_quorum_changes", "ftlaunch_step_rate"} <= names
         assert 'ftlaunch_group_committed_steps_total{replica_id="rg0"} 4.0' in text
+
+
+def test_a_kill_not_yet_told_dies_with_the_process_it_was_meant_for() -> None:
+    m, _ = make()
+    m.heartbeat("a")
+    m.kill("a", "x")
+    m.connection_lost("a")  # it died anyway before its next heartbeat
+    assert m.heartbeat("a") is None  # its restarted process is not killed

@@ -219,6 +219,7 @@ class Membership:
         with self._lock:
             if not self._closed:
                 self._report_progress(replica_id, progress)
+            self._kills.pop(replica_id, None)
             self._evicted.pop(replica_id, None)
             known = self._groups.pop(replica_id, None) is not None
             self._info.pop(replica_id, None)
@@ -256,8 +257,8 @@ class Membership:
                 return False
             del self._groups[replica_id]
             info = self._info.pop(replica_id, None)
-            if info is not None and not info.down_counted:
-                self._progress.failed(replica_id)
+            if info is not None:
+                self._count_down(replica_id, info)
             error = Evicted(f"replica {replica_id} was evicted: {reason}")
             if not self._drop_request(replica_id, error=error):  # the parked request is its one notice
                 self._evicted[replica_id] = reason
@@ -383,7 +384,8 @@ class Membership:
 
     def _count_down(self, rid: str, info: _GroupInfo) -> None:
         """One failure per incident: a group reported failed whose connection then closes went
-        down once."""
+        down once. A kill not yet told is void: it was meant for the process that went down."""
+        self._kills.pop(rid, None)
         if not info.down_counted:
             info.down_counted = True
             self._progress.failed(rid)
