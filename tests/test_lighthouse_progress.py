@@ -195,3 +195,37 @@ def test_a_kill_not_yet_told_dies_with_the_process_it_was_meant_for() -> None:
     m.kill("a", "x")
     m.connection_lost("a")  # it died anyway before its next heartbeat
     assert m.heartbeat("a") is None  # its restarted process is not killed
+
+
+def test_admin_kill_kills_the_group_leaders_process() -> None:
+    """What the dashboard's Kill button does to a real process: its heartbeat thread hears the
+    kill and the process dies by SIGKILL; the lighthouse sees the group's connection close."""
+    import subprocess
+    import sys
+    import time
+
+    code = (
+        "import sys, time\n"
+        "from ftlaunch.lighthouse.client import LighthouseClient\n"
+        "c = LighthouseClient(sys.argv[1], connect_timeout=5)\n"
+        "c.start_heartbeat('rg0', 0.05)\n"
+        "print('up', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    with LighthouseServer("127.0.0.1:0", token="t") as server:
+        proc = subprocess.Popen([sys.executable, "-c", code, server.address], stdout=subprocess.PIPE, text=True)
+        try:
+            assert proc.stdout is not None and proc.stdout.readline().strip() == "up"
+            deadline = time.monotonic() + 20
+            while server.snapshot().group("rg0") is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            with LighthouseClient(server.address, connect_timeout=5, token="t") as admin:
+                admin.kill("rg0", "from the test")
+            assert proc.wait(timeout=20) == -9
+            while server.snapshot().group("rg0").health.value == "live" and time.monotonic() < deadline:  # type: ignore[union-attr]
+                time.sleep(0.05)
+            assert server.snapshot().group("rg0").health.value == "disconnected"  # type: ignore[union-attr]
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
