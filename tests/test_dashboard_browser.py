@@ -1,7 +1,8 @@
 """The lighthouse dashboard in a real browser: Debian's ``chromium``, headless, against a live
-lighthouse with two groups. Asserts on the DOM after the page's scripts ran (``--dump-dom``) and saves
+lighthouse with two groups. Asserts on the DOM after the page's scripts ran (``--dump-dom``), saves
 a screenshot under the test's tmp dir (``FTLAUNCH_DASHBOARD_SCREENSHOT=PATH`` also copies it there:
-docs/dashboard.png is made so).
+docs/dashboard.png is made so), and types a token and clicks Evict through Chromium's DevTools
+protocol (a wrong token is refused, the right one evicts).
 
 Chromium is installed with ``apt-get install -y chromium`` when missing and apt-get is usable (root);
 otherwise the test is skipped with the reason.
@@ -161,3 +162,97 @@ def test_admin_buttons_endpoints_need_the_token(live_lighthouse) -> None:
     finally:
         anonymous.close()
         admin.close()
+
+
+class _DevTools:
+    """Chromium driven over its DevTools protocol on a pipe (``--remote-debugging-pipe``: commands
+    on fd 3, answers on fd 4, NUL-terminated JSON), so the test can type and click like a user."""
+
+    def __init__(self, chromium: str) -> None:
+        import json
+
+        self._json = json
+        to_chrome_r, self._to_chrome = os.pipe()
+        self._from_chrome, from_chrome_w = os.pipe()
+        self._profile = tempfile.mkdtemp(prefix="ftlaunch_chromium_")
+
+        # The shell puts our pipe ends on chromium's fds 3 (commands in) and 4 (answers out).
+        args = [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
+                f"--user-data-dir={self._profile}", "--remote-debugging-pipe", "about:blank"]
+        self.proc = subprocess.Popen(
+            # bash: dash's redirections take single-digit fds only.
+            [shutil.which("bash") or "/bin/bash", "-c", f'exec "$@" 3<&{to_chrome_r} 4>&{from_chrome_w}', "sh", *args],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            pass_fds=(to_chrome_r, from_chrome_w),
+        )
+        os.close(to_chrome_r)
+        os.close(from_chrome_w)
+        self._buf = b""
+        self._next_id = 0
+
+    def call(self, method: str, params: dict | None = None, session: str | None = None, timeout: float = 30) -> dict:
+        import select
+
+        self._next_id += 1
+        msg: dict = {"id": self._next_id, "method": method, "params": params or {}}
+        if session:
+            msg["sessionId"] = session
+        os.write(self._to_chrome, self._json.dumps(msg).encode() + b"\0")
+        deadline = time.monotonic() + timeout
+        while True:
+            while b"\0" in self._buf:
+                raw, self._buf = self._buf.split(b"\0", 1)
+                answer = self._json.loads(raw)
+                if answer.get("id") == self._next_id:
+                    if "error" in answer:
+                        raise AssertionError(f"{method}: {answer['error']}")
+                    return answer["result"]
+            left = deadline - time.monotonic()
+            assert left > 0, f"no answer to {method} within {timeout}s"
+            ready, _, _ = select.select([self._from_chrome], [], [], left)
+            if ready:
+                chunk = os.read(self._from_chrome, 1 << 16)
+                assert chunk, "chromium closed its DevTools pipe"
+                self._buf += chunk
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+        os.close(self._to_chrome)
+        os.close(self._from_chrome)
+        shutil.rmtree(self._profile, ignore_errors=True)
+
+
+def test_evict_button_sends_the_token_the_user_types(chromium, live_lighthouse) -> None:
+    server = live_lighthouse
+    tools = _DevTools(chromium)
+    try:
+        target = tools.call("Target.createTarget", {"url": server.address + "/"})["targetId"]
+        session = tools.call("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
+
+        def evaluate(expr: str) -> object:
+            res = tools.call("Runtime.evaluate", {"expression": expr, "awaitPromise": True, "returnByValue": True},
+                             session)
+            return res["result"].get("value")
+
+        deadline = time.monotonic() + 30
+        while evaluate("document.readyState === 'complete' && !!document.getElementById('token')") is not True:
+            assert time.monotonic() < deadline, "the dashboard did not load"
+            time.sleep(0.1)
+        click = """new Promise(done => {
+            window.confirm = () => true;
+            const out = document.getElementById('admin-result');
+            out.textContent = '';
+            document.getElementById('token').value = %s;
+            document.querySelector('button[data-action="evict"][data-replica="rg0"]').click();
+            const t0 = Date.now();
+            (function poll() { out.textContent || Date.now() - t0 > 10000 ? done(out.textContent) : setTimeout(poll, 50); })();
+        })"""
+        assert "HTTP 403" in str(evaluate(click % "'not-the-token'"))  # the lighthouse checks what was typed
+        assert server.snapshot().group("rg0") is not None
+        assert evaluate(click % repr(TOKEN)) == "evict rg0: done"
+        assert server.snapshot().group("rg0") is None
+        assert any(h.event == "evicted" and h.replica_id == "rg0" for h in server.snapshot().history)
+        assert TOKEN not in str(evaluate("document.documentElement.outerHTML.replace(document.getElementById('token').value, '')"))
+    finally:
+        tools.close()
