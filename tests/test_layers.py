@@ -137,10 +137,12 @@ def test_the_check_sees_violations(tmp_path: Path) -> None:
 LIGHTHOUSE_RANKS: dict[str, int] = {
     "protocol": 0,  # wire constants
     "quorum": 0,  # the pure decision
+    "progress": 0,  # training progress the group leaders report, and its totals (pure)
     "status": 1,  # the typed status document
     "membership": 2,  # bookkeeping: groups, quorum requests, domain errors
     "http": 2,  # request/response types, http.server's head parsing
     "dashboard": 2,  # HTML from a status
+    "metrics": 2,  # Prometheus text from a status (prometheus_client)
     "client": 2,
     "transport": 3,  # asyncio connections, long polls, identities
     "routes": 3,  # endpoints: JSON, token, domain errors -> status codes
@@ -151,7 +153,7 @@ LIGHTHOUSE_RANKS: dict[str, int] = {
 }
 
 #: Lighthouse modules that do no I/O: they may not import sockets, event loops or HTTP.
-LIGHTHOUSE_NO_IO = {"protocol", "quorum", "status", "membership", "dashboard"}
+LIGHTHOUSE_NO_IO = {"protocol", "quorum", "progress", "status", "membership", "dashboard"}
 _IO_MODULES = {"socket", "selectors", "select", "asyncio", "http", "urllib", "ssl"}
 
 

@@ -55,6 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--idle-exit", type=float, default=300.0,
                    help="after a group finished, exit when no group was live for this long (lost nodes)")
     p.add_argument("--min-replicas", type=int, default=1)
+    p.add_argument("--expected-replicas", type=int, default=0,
+                   help="replica groups of the job: the first quorum waits for them (up to --join-timeout)")
     p.add_argument("--join-timeout", type=float, default=60.0)
     p.add_argument("--heartbeat-timeout", type=float, default=5.0)
     p.add_argument("--cleanup", action="store_true", help="remove --job-dir when every group has finished")
@@ -91,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = LighthouseSettings(
         bind=bind,
         min_replicas=args.min_replicas,
+        expected_replicas=args.expected_replicas,
         join_timeout=args.join_timeout,
         heartbeat_timeout=args.heartbeat_timeout,
         token=token,

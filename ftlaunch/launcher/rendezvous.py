@@ -205,6 +205,7 @@ class FtRendezvousConfig:
         return LighthouseSettings(
             bind=self.lighthouse_bind,
             min_replicas=self.lighthouse_min_replicas,
+            expected_replicas=self.num_replica_groups,
             join_timeout=self.lighthouse_join_timeout,
             heartbeat_timeout=self.lighthouse_heartbeat_timeout,
             token=self.token,

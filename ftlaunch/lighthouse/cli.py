@@ -51,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog=PROG, description="ftlaunch quorum server (lighthouse). Protocol: docs/lighthouse.md.")
     p.add_argument("--bind", default="127.0.0.1:0", help="HOST:PORT to listen on; port 0 picks a free port (default %(default)s)")
     p.add_argument("--min-replicas", type=_positive_int, default=1, help="smallest quorum (default %(default)s)")
+    p.add_argument("--expected-replicas", type=int, default=0,
+                   help="replica groups of the job: the first quorum waits for them, up to --join-timeout "
+                   "(default %(default)s: form with whoever asks)")
     p.add_argument("--join-timeout", type=_seconds, default=60.0, help="seconds to wait for stragglers (default %(default)s)")
     p.add_argument("--quorum-tick", type=_seconds, default=0.1, help="timer period in seconds for time-based rules (default %(default)s)")
     p.add_argument("--heartbeat-timeout", type=_seconds, default=5.0, help="seconds of silence before a group is out (default %(default)s)")
@@ -72,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         server = LighthouseServer(
             args.bind,
             min_replicas=args.min_replicas,
+            expected_replicas=args.expected_replicas,
             join_timeout=args.join_timeout,
             quorum_tick=args.quorum_tick,
             heartbeat_timeout=args.heartbeat_timeout,

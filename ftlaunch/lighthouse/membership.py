@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ftlaunch.errors import LighthouseError
+from ftlaunch.lighthouse.progress import GroupProgress, ProgressBook, ProgressReport
 from ftlaunch.lighthouse.quorum import (
     Connection,
     GroupState,
@@ -126,6 +127,8 @@ class _GroupInfo:
     reason: str = ""  # why it is disconnected / failed / silent
     heartbeats: int = 0
     silent_noted: bool = False
+    #: Its going down was counted in the progress book (once per incident, until it is back).
+    down_counted: bool = False
 
 
 def _new_ids(wall_clock: Callable[[], float]) -> QuorumIdAllocator:
@@ -160,6 +163,10 @@ class Membership:
         self._evicted: dict[str, str] = {}  # replica id -> reason, until the group is told
         self._history: deque[HistoryEvent] = deque(maxlen=HISTORY_LEN)
         self._closed = False
+        # Training progress the group leaders report (lighthouse/progress.py); outlives the groups.
+        self._progress = ProgressBook()
+        self._quorum_changes = 0
+        self._kills: dict[str, str] = {}  # replica id -> reason, until its next heartbeat
 
     @property
     def options(self) -> QuorumOptions:
@@ -167,16 +174,18 @@ class Membership:
 
     # ------------------------------------------------------------------ what groups do
 
-    def request_quorum(self, member: QuorumMember) -> QuorumTicket:
+    def request_quorum(self, member: QuorumMember, progress: ProgressReport | None = None) -> QuorumTicket:
         """Park ``member``'s request until a quorum containing it forms (maybe at once).
 
-        Counts as a heartbeat. A request of the same group still waiting is answered `Superseded`.
-        Raises `ShuttingDown` or `Evicted` (once) instead of parking.
+        Counts as a heartbeat (and ``progress``, when given, as the group's progress report). A
+        request of the same group still waiting is answered `Superseded`. Raises `ShuttingDown` or
+        `Evicted` (once) instead of parking.
         """
         rid = member.replica_id
         with self._lock:
             now = self._clock()
             self._admit(rid, now)
+            self._report_progress(rid, progress)
             info = self._info[rid]
             info.step, info.address = member.step, member.address
             old = self._tickets.get(rid)
@@ -190,20 +199,27 @@ class Membership:
             self._decide(now)
         return ticket
 
-    def heartbeat(self, replica_id: str) -> None:
-        """A sign of life (revives a silent, disconnected or failed group). Raises `ShuttingDown`,
-        or `Evicted` once."""
+    def heartbeat(self, replica_id: str, progress: ProgressReport | None = None) -> str | None:
+        """A sign of life (revives a silent, disconnected or failed group), maybe with a progress
+        report. Returns the reason of a pending `kill` (once), else None. Raises `ShuttingDown`, or
+        `Evicted` once."""
         with self._lock:
             now = self._clock()
             revived = self._admit(replica_id, now)
             self._info[replica_id].heartbeats += 1
+            self._report_progress(replica_id, progress)
             if revived and replica_id in self._requests:
                 self._decide(now)
+            return self._kills.pop(replica_id, None)
 
-    def leave(self, replica_id: str) -> bool:
+    def leave(self, replica_id: str, progress: ProgressReport | None = None) -> bool:
         """Graceful exit: forget the group without a failure; its waiting request ends `Left`.
-        Returns False if the group was not known."""
+        ``progress`` is its final report (kept: progress outlives the group). Returns False if the
+        group was not known."""
         with self._lock:
+            if not self._closed:
+                self._report_progress(replica_id, progress)
+            self._kills.pop(replica_id, None)
             self._evicted.pop(replica_id, None)
             known = self._groups.pop(replica_id, None) is not None
             self._info.pop(replica_id, None)
@@ -240,7 +256,9 @@ class Membership:
             if replica_id not in self._groups:
                 return False
             del self._groups[replica_id]
-            self._info.pop(replica_id, None)
+            info = self._info.pop(replica_id, None)
+            if info is not None:
+                self._count_down(replica_id, info)
             error = Evicted(f"replica {replica_id} was evicted: {reason}")
             if not self._drop_request(replica_id, error=error):  # the parked request is its one notice
                 self._evicted[replica_id] = reason
@@ -276,6 +294,7 @@ class Membership:
                 if g.connection is Connection.CONNECTED and now - g.last_seen > hb and not info.silent_noted:
                     info.silent_noted = True
                     info.reason = f"no heartbeat for {hb:g}s"
+                    self._count_down(rid, info)
                     self._record("silent", rid, info.reason)
                     self._mark_prev_broken(rid)
                     log.warning("lighthouse: replica %s silent: %s", rid, info.reason)
@@ -324,7 +343,10 @@ class Membership:
             return LighthouseStatus(
                 address=address,
                 time=wall,
-                options=StatusOptions(opts.min_replicas, opts.join_timeout, hb, quorum_tick, admin),
+                options=StatusOptions(
+                    opts.min_replicas, opts.join_timeout, hb, quorum_tick, admin,
+                    expected_replicas=opts.expected_replicas,
+                ),
                 quorum=self._quorum,
                 next_quorum_id=self._ids.peek(),
                 groups=groups,
@@ -332,7 +354,41 @@ class Membership:
                 decision=self._waiting_reason(now),
                 evicted=tuple(sorted(self._evicted)),
                 history=tuple(reversed(self._history)),
+                progress=self._progress.snapshot(wall),
+                quorum_changes=self._quorum_changes,
+                step_rate=round(self._progress.job_step_rate(wall), 4),
             )
+
+    # ------------------------------------------------------------------ progress (lighthouse/progress.py)
+
+    def progress(self) -> tuple[GroupProgress, ...]:
+        """Every group's training progress, groups that left or died included (cheaper than
+        `snapshot`: the launcher reads it every tick)."""
+        with self._lock:
+            return self._progress.snapshot(self._wall())
+
+    def kill(self, replica_id: str, reason: str) -> bool:
+        """Tell the group's leader, in the answer to its next heartbeat, to kill its own process
+        (the dashboard's Kill button: a crash on demand). False if the group is unknown."""
+        with self._lock:
+            if replica_id not in self._groups:
+                return False
+            self._kills[replica_id] = reason
+            self._record("kill_requested", replica_id, reason)
+            log.warning("lighthouse: replica %s asked to kill itself: %s", replica_id, reason)
+            return True
+
+    def _report_progress(self, rid: str, progress: ProgressReport | None) -> None:
+        if progress is not None:
+            self._progress.report(rid, progress, self._wall())
+
+    def _count_down(self, rid: str, info: _GroupInfo) -> None:
+        """One failure per incident: a group reported failed whose connection then closes went
+        down once. A kill not yet told is void: it was meant for the process that went down."""
+        self._kills.pop(rid, None)
+        if not info.down_counted:
+            info.down_counted = True
+            self._progress.failed(rid)
 
     # ------------------------------------------------------------------ under the lock
 
@@ -372,7 +428,7 @@ class Membership:
                 log.info("lighthouse: replica %s is back (was %s)", rid, health.value)
                 self._mark_prev_broken(rid)
                 info = self._info[rid]
-                info.reason, info.silent_noted = "", False
+                info.reason, info.silent_noted, info.down_counted = "", False, False
         self._groups[rid] = GroupState(rid, now, Connection.CONNECTED)
         return revived
 
@@ -419,6 +475,7 @@ class Membership:
             self._info[rid].step = member.step
         self._round_start = now if self._requests else None
         if changed:
+            self._quorum_changes += 1
             self._record("quorum", None, decision.reason, quorum)
             log.info(
                 "lighthouse: quorum %d formed with %s (%s)", quorum.quorum_id, ", ".join(quorum.replica_ids), decision.reason
@@ -444,6 +501,7 @@ class Membership:
             return
         self._groups[rid] = GroupState(rid, g.last_seen, connection)
         self._info[rid].reason = reason
+        self._count_down(rid, self._info[rid])
         self._record(connection.value, rid, reason)
         self._mark_prev_broken(rid)
         log.warning("lighthouse: replica %s %s: %s", rid, connection.value, reason)

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
 
-from ftlaunch.lighthouse import dashboard
+from ftlaunch.lighthouse import dashboard, metrics
 from ftlaunch.lighthouse.http import Head, HttpError, LongPoll, Request, Response
 from ftlaunch.lighthouse.membership import (
     Abandoned,
@@ -31,6 +31,7 @@ from ftlaunch.lighthouse.membership import (
     ShuttingDown,
     Superseded,
 )
+from ftlaunch.lighthouse.progress import ProgressReport
 from ftlaunch.lighthouse.protocol import (
     API_VERSION,
     DEFAULT_QUORUM_TIMEOUT,
@@ -113,6 +114,7 @@ class Routes:
             "/leave": {"POST": self._leave},
             "/admin/report_failure": {"POST": self._report_failure},
             "/admin/evict": {"POST": self._evict},
+            **self._progress_routes(),
         }
         self._last_answer: tuple[Quorum, Response] | None = None
         self._paths: dict[str, str] = {}  # request path -> route path (a client sends the same ones)
@@ -158,7 +160,7 @@ class Routes:
 
     def _quorum(self, request: Request) -> LongPoll:
         obj = self._read_json(request)
-        _expect(obj, {"member": (dict,)}, {"timeout": (float, int)})
+        _expect(obj, {"member": (dict,)}, {"timeout": (float, int), "progress": (dict,)})
         try:
             member = QuorumMember.from_json(obj["member"])
         except (TypeError, ValueError) as e:
@@ -167,22 +169,23 @@ class Routes:
         timeout = float(obj.get("timeout", DEFAULT_QUORUM_TIMEOUT))
         if not (0 < timeout <= MAX_QUORUM_TIMEOUT):
             raise HttpError(400, f"timeout must be in (0, {MAX_QUORUM_TIMEOUT:g}] seconds, got {timeout:g}")
-        ticket = self._membership.request_quorum(member)
+        ticket = self._membership.request_quorum(member, _progress(obj))
         self._bind(request, rid)
         return _QuorumPoll(self, ticket, timeout, request)
 
     def _heartbeat(self, request: Request) -> Response:
         obj = self._read_json(request)
-        _expect(obj, {"replica_id": (str,)}, {})
+        _expect(obj, {"replica_id": (str,)}, {"progress": (dict,)})
         rid = self._replica_id(request, obj["replica_id"])
-        self._membership.heartbeat(rid)
+        kill = self._membership.heartbeat(rid, _progress(obj))
         self._bind(request, rid)
-        return _OK
+        return _OK if kill is None else _json(200, {"ok": True, "kill": kill})
 
     def _leave(self, request: Request) -> Response:
         obj = self._read_json(request)
-        _expect(obj, {"replica_id": (str,)}, {})
-        return _json(200, {"left": self._membership.leave(self._replica_id(request, obj["replica_id"]))})
+        _expect(obj, {"replica_id": (str,)}, {"progress": (dict,)})
+        rid = self._replica_id(request, obj["replica_id"])
+        return _json(200, {"left": self._membership.leave(rid, _progress(obj))})
 
     def _report_failure(self, request: Request) -> Response:
         rid, reason = self._admin_body(request)
@@ -193,6 +196,24 @@ class Routes:
     def _evict(self, request: Request) -> Response:
         rid, reason = self._admin_body(request)
         if not self._membership.evict(rid, reason or f"evicted by admin {request.peer}"):
+            raise HttpError(404, f"unknown replica {rid!r}")
+        return _OK
+
+    # -- progress and metrics (lighthouse/progress.py, lighthouse/metrics.py)
+
+    def _progress_routes(self) -> dict[str, dict[str, Callable[[Request], Response | LongPoll]]]:
+        self._metrics = metrics.MetricsExporter(self._snapshot)
+        return {"/metrics": {"GET": self._serve_metrics}, "/admin/kill": {"POST": self._kill}}
+
+    def _serve_metrics(self, request: Request) -> Response:
+        body, content_type = self._metrics.render()
+        return Response(200, body, content_type)
+
+    def _kill(self, request: Request) -> Response:
+        """Ask the group's leader to kill its own process (its agent restarts the group), as a crash
+        would: the answer to its next heartbeat says so."""
+        rid, reason = self._admin_body(request)
+        if not self._membership.kill(rid, reason or f"killed by admin {request.peer}"):
             raise HttpError(404, f"unknown replica {rid!r}")
         return _OK
 
@@ -256,6 +277,17 @@ class Routes:
         response = Response(200, body.encode())
         self._last_answer = (quorum, response)
         return response
+
+
+def _progress(obj: dict[str, Any]) -> ProgressReport | None:
+    """The request's ``progress`` field, checked (400 with the field named when it is not one)."""
+    raw = obj.get("progress")
+    if raw is None:
+        return None
+    try:
+        return ProgressReport.from_json(raw)
+    except (TypeError, ValueError) as e:
+        raise HttpError(400, f"bad progress: {e}") from None
 
 
 class _QuorumPoll:

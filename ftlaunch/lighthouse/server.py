@@ -25,6 +25,7 @@ from typing import Any
 from ftlaunch.addresses import http_url, parse_host_port
 from ftlaunch.errors import ConfigurationError
 from ftlaunch.lighthouse.membership import Membership
+from ftlaunch.lighthouse.progress import GroupProgress
 from ftlaunch.lighthouse.protocol import MAX_BODY_BYTES
 from ftlaunch.lighthouse.quorum import QuorumOptions
 from ftlaunch.lighthouse.routes import Routes
@@ -51,10 +52,14 @@ class LighthouseServer:
         quorum_tick: float = 0.1,
         heartbeat_timeout: float = 5.0,
         token: str | None = None,
+        expected_replicas: int = 0,
     ) -> None:
+        """``expected_replicas``: the groups the launcher starts; the first quorum waits for them
+        (up to ``join_timeout``) instead of forming with whoever asks first (0: nobody announced)."""
         try:
             self._options = QuorumOptions(
-                min_replicas=min_replicas, join_timeout=join_timeout, heartbeat_timeout=heartbeat_timeout
+                min_replicas=min_replicas, join_timeout=join_timeout, heartbeat_timeout=heartbeat_timeout,
+                expected_replicas=expected_replicas,
             )
         except (TypeError, ValueError) as e:
             raise ConfigurationError(f"lighthouse: {e}") from None
@@ -166,6 +171,10 @@ class LighthouseServer:
             admin=self._token is not None,
             connections=self._http.bound_count,
         )
+
+    def progress(self) -> tuple[GroupProgress, ...]:
+        """Every group's training progress (what the launcher's status line and summary read)."""
+        return self._membership.progress()
 
     def status(self) -> dict[str, Any]:
         """The ``GET /status`` document (see docs/lighthouse.md)."""
