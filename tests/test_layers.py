@@ -28,7 +28,10 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "worker": ("ftlaunch.worker",),
     "launcher": ("ftlaunch.launcher",),
     # The public face: the package itself and torchft's module paths (one-line re-exports).
-    "api": ("ftlaunch", "ftlaunch.manager", "ftlaunch.optim", "ftlaunch.data", "ftlaunch.parameter_server", "ftlaunch.local_sgd"),
+    "api": (
+        "ftlaunch", "ftlaunch.manager", "ftlaunch.optim", "ftlaunch.data", "ftlaunch.parameter_server", "ftlaunch.local_sgd",
+        "ftlaunch.coordination",
+    ),
 }
 
 #: layer -> the layers it may import (besides itself).

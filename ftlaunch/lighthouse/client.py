@@ -77,14 +77,13 @@ class _Channel:
         *,
         bind_replica: str | None = None,
         read_timeout: float,
-        admin: bool = False,
         stop: threading.Event | None = None,
     ) -> tuple[int, dict]:
         body = json.dumps(payload).encode() if payload is not None else None
         headers = {"Content-Type": "application/json"} if body is not None else {}
         if bind_replica is not None:
             headers[REPLICA_HEADER] = bind_replica
-        if admin and self._token:
+        if self._token:  # every request but a read needs it (docs/security.md); sent on all, it costs nothing
             headers["Authorization"] = f"Bearer {self._token}"
         url = http_url(self._host, self._port)
         deadline: float | None = None  # set at the first failure: retries get connect_timeout from there
@@ -383,11 +382,11 @@ class LighthouseClient:
     def report_failure(self, replica_id: str, reason: str = "") -> None:
         self._call(
             "/admin/report_failure", {"replica_id": replica_id, "reason": reason},
-            f"report_failure of {replica_id}", admin=True,
+            f"report_failure of {replica_id}",
         )
 
     def evict(self, replica_id: str, reason: str = "") -> None:
-        self._call("/admin/evict", {"replica_id": replica_id, "reason": reason}, f"evict of {replica_id}", admin=True)
+        self._call("/admin/evict", {"replica_id": replica_id, "reason": reason}, f"evict of {replica_id}")
 
     def start_heartbeat(self, replica_id: str, interval: float) -> HeartbeatHandle:
         """Beat every ``interval`` seconds from a daemon thread with its own persistent connection."""

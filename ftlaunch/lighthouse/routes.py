@@ -1,9 +1,9 @@
 """The lighthouse's endpoints (docs/lighthouse.md): JSON bodies checked, membership asked, its refusals
 turned into status codes.
 
-`Routes` is the `http.Handler` the transport serves. Each endpoint validates its JSON body (unknown,
-missing and mistyped fields are 400 with the field named), checks the admin token where needed
-(401/403), calls `Membership`, and maps the membership's domain errors to HTTP through
+`Routes` is the `http.Handler` the transport serves. Every request but a read passes one check,
+`Routes.authorize` (the job token, 401/403), before its endpoint runs. Each endpoint validates its
+JSON body (unknown, missing and mistyped fields are 400 with the field named), calls `Membership`, and maps the membership's domain errors to HTTP through
 `ERROR_STATUS`. ``POST /quorum`` returns a `http.LongPoll` over the membership's `QuorumTicket`:
 the transport parks the connection until the ticket is resolved or the request's timeout passes.
 Every error answer is logged here, once.
@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
 
+from ftlaunch.env import FTLAUNCH_TOKEN
 from ftlaunch.lighthouse import dashboard
 from ftlaunch.lighthouse.http import Head, HttpError, LongPoll, Request, Response
 from ftlaunch.lighthouse.membership import (
@@ -55,6 +56,11 @@ ERROR_STATUS: dict[type[MembershipError], int] = {
 
 #: Distinct request paths whose route is remembered.
 _PATH_CACHE_SIZE = 256
+
+#: Methods anyone who reaches the port may use (reads); every other request needs the job token.
+_OPEN_METHODS = frozenset({"GET", "HEAD"})
+#: Endpoints below this path are operators' (evict, report failure): disabled without a token.
+_ADMIN_PREFIX = "/admin/"
 
 #: Error codes that are part of normal operation (logged at INFO, the others at WARNING).
 _ROUTINE = frozenset({408, 409, 410, 503})
@@ -132,6 +138,7 @@ class Routes:
         if endpoint is None:
             allow = ", ".join(methods)
             raise HttpError(405, f"{request.method} not allowed on {path} (use {allow})", headers={"Allow": allow})
+        self.authorize(path, request)
         try:
             return endpoint(request)
         except MembershipError as e:
@@ -225,19 +232,34 @@ class Routes:
             request.bind(rid)
 
     def _admin_body(self, request: Request) -> tuple[str, str]:
-        self._check_token(request.header("Authorization"))
         obj = self._read_json(request)
         _expect(obj, {"replica_id": (str,)}, {"reason": (str,)})
         rid = obj["replica_id"]
         _check_replica_id(rid)
         return rid, obj.get("reason", "")
 
-    def _check_token(self, header: str | None) -> None:
+    def authorize(self, path: str, request: Request) -> None:
+        """The one access check, made before any endpoint reads its body (docs/security.md).
+
+        Reads (``GET``/``HEAD``: the dashboard, ``/status``, metrics) are open to whoever reaches
+        the port. Every other request -- a group's quorum, heartbeat and leave, an admin call, any
+        endpoint added later -- must carry the job token (``Authorization: Bearer <token>``),
+        compared in constant time; without it the answer is 401, with a wrong one 403, and nothing
+        changes. A lighthouse without a token (only allowed on loopback) lets every process of the
+        machine act as a group; its admin endpoints stay disabled (403).
+        """
+        if request.method in _OPEN_METHODS:
+            return
+        admin = path.startswith(_ADMIN_PREFIX)
         if self._token is None:
-            raise HttpError(403, "admin endpoints are disabled: the lighthouse was started without a token")
+            if admin:
+                raise HttpError(403, "admin endpoints are disabled: the lighthouse was started without a token")
+            return
+        header = request.header("Authorization")
         if not header:
             raise HttpError(
-                401, "admin endpoint needs 'Authorization: Bearer <token>'", headers={"WWW-Authenticate": "Bearer"}
+                401, f"{path} needs 'Authorization: Bearer <token>' (the job token, ${FTLAUNCH_TOKEN})",
+                headers={"WWW-Authenticate": "Bearer"},
             )
         scheme, _, given = header.partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), self._token.encode()):

@@ -46,8 +46,12 @@ def main() -> int:
         if args.probe_lighthouse:
             from ftlaunch.lighthouse.client import LighthouseClient
 
-            with LighthouseClient(os.environ["FTLAUNCH_LIGHTHOUSE"], connect_timeout=10) as client:
+            token = os.environ.get("FTLAUNCH_TOKEN")
+            with LighthouseClient(os.environ["FTLAUNCH_LIGHTHOUSE"], connect_timeout=10, token=token) as client:
                 record["lighthouse_status_address"] = client.status()["address"]
+                # A request that needs the job token and changes nothing: the launch path handed it over.
+                client.leave("probe-of-no-group")
+                record["lighthouse_token_accepted"] = True
         path = os.path.join(args.out, f"rg{group}_r{rank}_restart{restart}_pid{os.getpid()}.json")
         with open(path + ".tmp", "w") as f:
             json.dump(record, f)
@@ -57,7 +61,8 @@ def main() -> int:
     if args.heartbeat and rank == 0:
         from ftlaunch.lighthouse.client import LighthouseClient
 
-        beat = LighthouseClient(os.environ["FTLAUNCH_LIGHTHOUSE"]).start_heartbeat(f"rg{group}", 0.2)
+        client = LighthouseClient(os.environ["FTLAUNCH_LIGHTHOUSE"], token=os.environ.get("FTLAUNCH_TOKEN"))
+        beat = client.start_heartbeat(f"rg{group}", 0.2)
 
     fail_here = group == args.fail_group and rank == args.fail_rank and (
         args.fail_restarts == "all" or str(restart) in args.fail_restarts.split(",")
