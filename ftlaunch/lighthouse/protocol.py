@@ -16,6 +16,9 @@ REPLICA_HEADER = "X-Ftlaunch-Replica"
 
 #: Largest accepted request body; larger ones get 413 without being read.
 MAX_BODY_BYTES = 1 << 20
+#: Deepest nesting of arrays/objects accepted in a request body (a member's ``data`` included): far
+#: above what a group publishes, far below where encoding the quorum would hit Python's recursion limit.
+MAX_JSON_DEPTH = 64
 #: Longest accepted replica id.
 MAX_REPLICA_ID_LEN = 256
 #: ``timeout`` of a quorum request that names none (seconds).

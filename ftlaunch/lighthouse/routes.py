@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 
 from ftlaunch.env import FTLAUNCH_TOKEN
 from ftlaunch.lighthouse import dashboard
-from ftlaunch.lighthouse.http import Head, HttpError, LongPoll, Request, Response
+from ftlaunch.lighthouse.http import Head, HttpError, LongPoll, Request, Response, WarningLimiter
 from ftlaunch.lighthouse.membership import (
     Abandoned,
     Evicted,
@@ -35,6 +35,7 @@ from ftlaunch.lighthouse.membership import (
 from ftlaunch.lighthouse.protocol import (
     API_VERSION,
     DEFAULT_QUORUM_TIMEOUT,
+    MAX_JSON_DEPTH,
     MAX_QUORUM_TIMEOUT,
     MAX_REPLICA_ID_LEN,
     PATH_PREFIX,
@@ -99,6 +100,30 @@ def _route_path(path: str) -> str:
     return path.rstrip("/") if len(path) > 1 else path
 
 
+def _too_deep(obj: object, limit: int) -> bool:
+    """Whether ``obj`` nests arrays/objects more than ``limit`` levels (iterative: no recursion).
+
+    Why: a body nested ~1000 deep parses, but the quorum holding it cannot be encoded again, which
+    used to leave the request unanswered and ``/status`` failing until the next quorum.
+    """
+    stack: list[tuple[object, int]] = [(obj, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > limit:
+            return True
+        if isinstance(value, dict):
+            stack.extend((v, depth + 1) for v in value.values() if isinstance(v, (dict, list)))
+        elif isinstance(value, list):
+            stack.extend((v, depth + 1) for v in value if isinstance(v, (dict, list)))
+    return False
+
+
+def _printable(text: str, limit: int = 200) -> str:
+    """A client-chosen string as it may appear in the log: one line, bounded."""
+    text = text if text.isprintable() else text.encode("unicode_escape", "replace").decode("ascii", "replace")
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def _check_replica_id(rid: str) -> None:
     if not rid or len(rid) > MAX_REPLICA_ID_LEN or not rid.isprintable():
         raise HttpError(400, f"replica_id must be 1..{MAX_REPLICA_ID_LEN} printable characters")
@@ -121,6 +146,7 @@ class Routes:
             "/admin/evict": {"POST": self._evict},
         }
         self._last_answer: tuple[Quorum, Response] | None = None
+        self._warnings = WarningLimiter()
         self._paths: dict[str, str] = {}  # request path -> route path (a client sends the same ones)
 
     # -- http.Handler
@@ -145,11 +171,15 @@ class Routes:
             raise HttpError(ERROR_STATUS[type(e)], str(e)) from None
 
     def error(self, error: HttpError, head: Head | None, peer: str) -> Response:
-        log.log(
-            logging.INFO if error.status in _ROUTINE else logging.WARNING,
-            "lighthouse: %d for %s %s from %s: %s",
-            error.status, head.method if head else "-", head.path if head else "-", peer, error.message,
-        )
+        level = logging.INFO if error.status in _ROUTINE else logging.WARNING
+        if level == logging.INFO or self._warnings.allow(peer):  # a bad client's warnings are rate-limited
+            dropped = self._warnings.take_suppressed(peer) if level == logging.WARNING else 0
+            log.log(
+                level, "lighthouse: %d for %s %s from %s: %s%s",
+                error.status, head.method if head else "-", _printable(head.path) if head else "-", peer,
+                _printable(error.message),
+                f" ({dropped} similar warnings from this host suppressed)" if dropped else "",
+            )
         return _json(error.status, {"error": error.message}, error.headers, close=error.close)
 
     def identity_lost(self, identity: str) -> None:
@@ -213,8 +243,12 @@ class Routes:
             obj = json.loads(request.body)
         except (ValueError, UnicodeDecodeError) as e:
             raise HttpError(400, f"malformed JSON: {e}") from None
+        except RecursionError:  # nested past the interpreter's limit: refused like any deep body
+            raise HttpError(400, f"JSON nested deeper than {MAX_JSON_DEPTH} levels") from None
         if not isinstance(obj, dict):
             raise HttpError(400, f"request body must be a JSON object, got {type(obj).__name__}")
+        if _too_deep(obj, MAX_JSON_DEPTH):
+            raise HttpError(400, f"JSON nested deeper than {MAX_JSON_DEPTH} levels")
         return obj
 
     @staticmethod
