@@ -143,6 +143,7 @@ LIGHTHOUSE_RANKS: dict[str, int] = {
     "status": 1,  # the typed status document
     "membership": 2,  # bookkeeping: groups, quorum requests, domain errors
     "http": 2,  # request/response types, http.server's head parsing
+    "limits": 2,  # connection cap, warnings per client: bounds a client cannot push
     "dashboard": 2,  # HTML from a status
     "client": 2,
     "transport": 3,  # asyncio connections, long polls, identities

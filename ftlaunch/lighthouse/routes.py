@@ -20,7 +20,8 @@ from urllib.parse import urlsplit
 
 from ftlaunch.env import FTLAUNCH_TOKEN
 from ftlaunch.lighthouse import dashboard
-from ftlaunch.lighthouse.http import Head, HttpError, LongPoll, Request, Response, WarningLimiter
+from ftlaunch.lighthouse.http import Head, HttpError, LongPoll, Request, Response
+from ftlaunch.lighthouse.limits import WarningLimiter
 from ftlaunch.lighthouse.membership import (
     Abandoned,
     Evicted,

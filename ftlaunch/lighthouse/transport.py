@@ -13,9 +13,11 @@ handler hears `http.Handler.identity_lost` at once. That is how a dead process i
 milliseconds, also while its request is parked. A connection the server closes itself (idle
 timeout, an error answer, shutdown) tells nobody.
 
-Limits (docs/lighthouse.md): `MAX_HEAD_BYTES` (414/431), ``max_body`` (413), ``read_timeout`` (408),
-``idle_timeout``, `MAX_PIPELINED_BYTES` while parked; a client that does not read its answers is not
-read from until it does.
+Limits (docs/lighthouse.md, docs/security.md): `MAX_HEAD_BYTES` (414/431), ``max_body`` (413),
+``read_timeout`` (408; also the time a new connection has to send its first request),
+``idle_timeout``, `MAX_PIPELINED_BYTES` while parked, ``max_connections`` (below the process's
+file-descriptor limit; past it the longest-idle connection is closed); a client that does not read
+its answers is not read from until it does.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from ftlaunch.lighthouse.http import (
     head_end,
     phrase,
 )
+from ftlaunch.lighthouse.limits import CAP_WARNING_INTERVAL, default_max_connections
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +57,6 @@ RECV_SIZE = 65536
 LISTEN_BACKLOG = 256
 #: How long `HttpServer.close` lets answers already due (the 503s of parked requests) drain.
 SHUTDOWN_FLUSH_TIMEOUT = 1.0
-
-
 class _Connection(asyncio.BufferedProtocol):
     """One client connection: requests parsed and answered in order, one at a time.
 
@@ -88,6 +89,20 @@ class _Connection(asyncio.BufferedProtocol):
         self._last_active = 0.0
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = math.inf
+        self._served = False  # a whole request arrived on it (until then it has read_timeout to send one)
+
+    @property
+    def idle(self) -> bool:
+        """Nothing parked, nothing half-received: closing it loses nothing (the client reconnects)."""
+        return not self._closing and self._poll is None and self._head is None and not self._buf
+
+    @property
+    def bound(self) -> bool:
+        return self._identity is not None
+
+    @property
+    def last_active(self) -> float:
+        return self._last_active
 
     # -- asyncio.Protocol
 
@@ -101,6 +116,10 @@ class _Connection(asyncio.BufferedProtocol):
             return
         self._server.connections.add(self)
         self._last_active = self._loop.time()
+        if len(self._server.connections) > self._server.max_connections:
+            self._server.shed(self)
+            if self._closing:
+                return
         self._arm()
 
     def get_buffer(self, sizehint: int) -> memoryview:
@@ -212,6 +231,7 @@ class _Connection(asyncio.BufferedProtocol):
         body = bytes(buf[:n])
         del buf[:n]
         self._head, self._continue_sent, self._reading_since = None, False, None
+        self._served = True
         return Request(head, body, self.peer, self.bind)
 
     def _dispatch(self, request: Request) -> None:
@@ -294,6 +314,8 @@ class _Connection(asyncio.BufferedProtocol):
             return self._parked_at + self._poll.timeout
         if self._reading_since is not None:
             return self._reading_since + self._server.read_timeout
+        if not self._served:  # connected and silent: a client sends its request at once
+            return self._last_active + min(self._server.idle_timeout, self._server.read_timeout)
         return self._last_active + self._server.idle_timeout
 
     def _arm(self) -> None:
@@ -343,9 +365,19 @@ class HttpServer:
     """
 
     def __init__(
-        self, sock: socket.socket, handler: Handler, *, idle_timeout: float, read_timeout: float, max_body: int
+        self,
+        sock: socket.socket,
+        handler: Handler,
+        *,
+        idle_timeout: float,
+        read_timeout: float,
+        max_body: int,
+        max_connections: int | None = None,
     ) -> None:
         self.handler = handler
+        #: Open connections allowed; past it the oldest idle one is closed (see `shed`).
+        self.max_connections = max_connections if max_connections is not None else default_max_connections(LISTEN_BACKLOG)
+        self._cap_warned_at = -math.inf
         self.idle_timeout = idle_timeout
         self.read_timeout = read_timeout
         self.max_body = max_body
@@ -452,6 +484,22 @@ class HttpServer:
         for conn in list(self.connections):
             conn.abort()
         await asyncio.sleep(0)  # let connection_lost run
+
+    def shed(self, newcomer: _Connection) -> None:
+        """Over `max_connections`: close the idle connection unused longest -- one bound to no group
+        first (a group's heartbeat connection only if nothing else is idle; the group reconnects at
+        its next beat, and a close by the server is not a death) -- else refuse ``newcomer``. Parked
+        and half-received requests are never closed: a flood of sockets cannot push a group out."""
+        idle = [c for c in self.connections if c is not newcomer and c.idle]
+        victim = min(idle, key=lambda c: (c.bound, c.last_active), default=None)
+        now = time.monotonic()
+        if now - self._cap_warned_at >= CAP_WARNING_INTERVAL:
+            self._cap_warned_at = now
+            log.warning(
+                "lighthouse: %d connections open (cap %d): closing the longest-idle ones as new ones arrive",
+                len(self.connections), self.max_connections,
+            )
+        (victim or newcomer).abort()
 
     # -- long-poll answers (any thread)
 
