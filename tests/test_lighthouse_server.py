@@ -21,7 +21,7 @@ from ftlaunch.errors import (
     QuorumTimeoutError,
 )
 from ftlaunch.lighthouse import LighthouseClient, LighthouseServer, QuorumMember
-from ftlaunch.lighthouse.protocol import MAX_BODY_BYTES
+from ftlaunch.lighthouse.protocol import INCARNATION_HEADER, MAX_BODY_BYTES
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -272,15 +272,17 @@ def test_shrink_only_keeps_new_groups_out(make_server):
 def test_superseded_request_gets_409(make_server):
     s = make_server(min_replicas=2)
     results: dict = {}
+    client = LighthouseClient(s.address)
 
-    def first() -> None:
-        status, payload, _ = request(s, "POST", "/quorum", {"member": {"replica_id": "a"}, "timeout": 20})
+    def first() -> None:  # the same process (incarnation) asks again, e.g. after a lost answer
+        status, payload, _ = request(
+            s, "POST", "/quorum", {"member": {"replica_id": "a"}, "timeout": 20}, {INCARNATION_HEADER: client.incarnation}
+        )
         results["first"] = (status, payload)
 
     t1 = threading.Thread(target=first)
     t1.start()
     wait_for(lambda: "a" in s.status()["pending"], what="first request pending")
-    client = LighthouseClient(s.address)
     t2 = threading.Thread(target=lambda: results.update(second=client.quorum(QuorumMember("a", step=1), 20)))
     t2.start()
     t1.join(30)  # the first one is answered as soon as the second arrives
@@ -289,6 +291,33 @@ def test_superseded_request_gets_409(make_server):
     t2.join(30)
     assert qb.replica_ids == ("a", "b") and results["second"] == qb and qb.member("a").step == 1
     client.close()
+
+
+def test_a_replica_id_is_held_by_one_incarnation(make_server):
+    """Issue 17: a second process using a live group's id cannot push its parked request out (409 for
+    the newcomer, not the holder), beat for it or make it leave; once the holder is gone, it may."""
+    s = make_server(min_replicas=2)
+    holder, other = LighthouseClient(s.address), LighthouseClient(s.address)
+    results: dict = {}
+    t = threading.Thread(target=lambda: results.update(q=holder.quorum(QuorumMember("a", step=1), 20)))
+    t.start()
+    try:
+        wait_for(lambda: "a" in s.status()["pending"], what="holder's request parked")
+        for call in (lambda: other.quorum(QuorumMember("a", step=1), 5), lambda: other.heartbeat("a"),
+                     lambda: other.leave("a")):
+            with pytest.raises(LighthouseError, match="409.*held by another live process"):
+                call()
+        assert "a" in s.status()["pending"] and group(s, "a")["health"] == "live"
+        qb = holder.quorum(QuorumMember("b"), 20)  # the holder's request was never disturbed
+        t.join(30)
+        assert results["q"] == qb and qb.replica_ids == ("a", "b")
+        s.report_failure("a", "its process died")  # the holder is gone: a new incarnation takes over
+        other.heartbeat("a")
+        assert group(s, "a")["health"] == "live"
+    finally:
+        holder.close()
+        other.close()
+        t.join(30)
 
 
 def test_quorum_ids_increase_across_restart(make_server):

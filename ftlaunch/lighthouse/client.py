@@ -17,6 +17,7 @@ from __future__ import annotations
 import http.client
 import json
 import logging
+import secrets
 import socket
 import threading
 import time
@@ -25,7 +26,7 @@ from typing import Any, Protocol
 
 from ftlaunch.addresses import http_url, parse_host_port
 from ftlaunch.errors import EvictedError, LighthouseError, LighthouseUnavailableError, QuorumTimeoutError
-from ftlaunch.lighthouse.protocol import API_VERSION, PATH_PREFIX, REPLICA_HEADER
+from ftlaunch.lighthouse.protocol import API_VERSION, INCARNATION_HEADER, PATH_PREFIX, REPLICA_HEADER
 from ftlaunch.lighthouse.quorum import Quorum, QuorumMember
 from ftlaunch.lighthouse.status import LighthouseStatus
 
@@ -40,10 +41,11 @@ _BACKOFF_MAX = 1.0
 class _Channel:
     """One persistent HTTP connection with retry-on-connection-error. Used by one thread at a time."""
 
-    def __init__(self, host: str, port: int, connect_timeout: float, token: str | None) -> None:
+    def __init__(self, host: str, port: int, connect_timeout: float, token: str | None, incarnation: str) -> None:
         self._host, self._port = host, port
         self._connect_timeout = connect_timeout
         self._token = token
+        self._incarnation = incarnation
         self._http: http.client.HTTPConnection | None = None
         self._lock = threading.Lock()  # guards _http against a concurrent abort()
 
@@ -81,6 +83,7 @@ class _Channel:
     ) -> tuple[int, dict]:
         body = json.dumps(payload).encode() if payload is not None else None
         headers = {"Content-Type": "application/json"} if body is not None else {}
+        headers[INCARNATION_HEADER] = self._incarnation
         if bind_replica is not None:
             headers[REPLICA_HEADER] = bind_replica
         if self._token:  # every request but a read needs it (docs/security.md); sent on all, it costs nothing
@@ -261,6 +264,8 @@ class LighthouseClient:
         self.address = http_url(self._host, self._port)
         self._connect_timeout = float(connect_timeout)
         self._token = token or None
+        #: This client's incarnation: a replica id is held by one at a time (docs/security.md).
+        self.incarnation = secrets.token_hex(8)
         self._local = threading.local()
         self._lock = threading.Lock()
         self._channels: weakref.WeakSet[_Channel] = weakref.WeakSet()
@@ -279,7 +284,7 @@ class LighthouseClient:
     # -- connections
 
     def _new_channel(self) -> _Channel:
-        channel = _Channel(self._host, self._port, self._connect_timeout, self._token)
+        channel = _Channel(self._host, self._port, self._connect_timeout, self._token, self.incarnation)
         with self._lock:
             self._channels.add(channel)
         return channel

@@ -23,8 +23,11 @@ from ftlaunch.lighthouse import dashboard
 from ftlaunch.lighthouse.http import Head, HttpError, LongPoll, Request, Response
 from ftlaunch.lighthouse.limits import WarningLimiter
 from ftlaunch.lighthouse.membership import (
+    ANONYMOUS,
     Abandoned,
     Evicted,
+    HeldElsewhere,
+    ImplausibleStep,
     Left,
     Membership,
     MembershipError,
@@ -32,10 +35,13 @@ from ftlaunch.lighthouse.membership import (
     QuorumTimeout,
     ShuttingDown,
     Superseded,
+    TooManyGroups,
 )
 from ftlaunch.lighthouse.protocol import (
     API_VERSION,
     DEFAULT_QUORUM_TIMEOUT,
+    INCARNATION_HEADER,
+    MAX_INCARNATION_LEN,
     MAX_JSON_DEPTH,
     MAX_QUORUM_TIMEOUT,
     MAX_REPLICA_ID_LEN,
@@ -53,6 +59,9 @@ ERROR_STATUS: dict[type[MembershipError], int] = {
     Superseded: 409,
     Left: 409,
     Evicted: 410,
+    HeldElsewhere: 409,
+    ImplausibleStep: 422,
+    TooManyGroups: 429,
     ShuttingDown: 503,
 }
 
@@ -123,6 +132,16 @@ def _printable(text: str, limit: int = 200) -> str:
     """A client-chosen string as it may appear in the log: one line, bounded."""
     text = text if text.isprintable() else text.encode("unicode_escape", "replace").decode("ascii", "replace")
     return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _incarnation(request: Request) -> str:
+    """Which process of a group sent ``request`` (`INCARNATION_HEADER`; none: the anonymous one)."""
+    value = request.header(INCARNATION_HEADER)
+    if value is None:
+        return ANONYMOUS
+    if len(value) > MAX_INCARNATION_LEN or not value.isprintable():
+        raise HttpError(400, f"{INCARNATION_HEADER} must be at most {MAX_INCARNATION_LEN} printable characters")
+    return value
 
 
 def _check_replica_id(rid: str) -> None:
@@ -205,7 +224,7 @@ class Routes:
         timeout = float(obj.get("timeout", DEFAULT_QUORUM_TIMEOUT))
         if not (0 < timeout <= MAX_QUORUM_TIMEOUT):
             raise HttpError(400, f"timeout must be in (0, {MAX_QUORUM_TIMEOUT:g}] seconds, got {timeout:g}")
-        ticket = self._membership.request_quorum(member)
+        ticket = self._membership.request_quorum(member, _incarnation(request))
         self._bind(request, rid)
         return _QuorumPoll(self, ticket, timeout, request)
 
@@ -213,14 +232,15 @@ class Routes:
         obj = self._read_json(request)
         _expect(obj, {"replica_id": (str,)}, {})
         rid = self._replica_id(request, obj["replica_id"])
-        self._membership.heartbeat(rid)
+        self._membership.heartbeat(rid, _incarnation(request))
         self._bind(request, rid)
         return _OK
 
     def _leave(self, request: Request) -> Response:
         obj = self._read_json(request)
         _expect(obj, {"replica_id": (str,)}, {})
-        return _json(200, {"left": self._membership.leave(self._replica_id(request, obj["replica_id"]))})
+        rid = self._replica_id(request, obj["replica_id"])
+        return _json(200, {"left": self._membership.leave(rid, _incarnation(request))})
 
     def _report_failure(self, request: Request) -> Response:
         rid, reason = self._admin_body(request)
