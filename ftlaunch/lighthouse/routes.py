@@ -268,7 +268,8 @@ class Routes:
             raise HttpError(400, f"JSON nested deeper than {MAX_JSON_DEPTH} levels") from None
         if not isinstance(obj, dict):
             raise HttpError(400, f"request body must be a JSON object, got {type(obj).__name__}")
-        if _too_deep(obj, MAX_JSON_DEPTH):
+        body = request.body  # fewer brackets than the limit cannot nest deeper: skip the walk (the usual case)
+        if body.count(b"[") + body.count(b"{") > MAX_JSON_DEPTH and _too_deep(obj, MAX_JSON_DEPTH):
             raise HttpError(400, f"JSON nested deeper than {MAX_JSON_DEPTH} levels")
         return obj
 
