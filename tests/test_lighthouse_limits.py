@@ -38,7 +38,10 @@ def _raw(server: LighthouseServer, data: bytes, *, expect: int, timeout: float =
         got = b""
         deadline = time.monotonic() + timeout
         while got.count(b"HTTP/1.1 ") < expect and time.monotonic() < deadline:
-            chunk = sock.recv(1 << 16)
+            try:
+                chunk = sock.recv(1 << 16)
+            except ConnectionResetError:  # closed by the server with requests left unread
+                break
             if not chunk:
                 break
             got += chunk
@@ -92,10 +95,11 @@ def test_moderate_nesting_is_accepted(server: LighthouseServer) -> None:
 
 def test_a_fuzzing_client_writes_a_bounded_log(server: LighthouseServer, caplog: pytest.LogCaptureFixture) -> None:
     """One warning per bad request used to write tens of MB of log during a fuzz run."""
-    n = 2000
+    per_connection, connections = 10, 200
     with caplog.at_level(logging.INFO, logger="ftlaunch.lighthouse"):
-        answers = _raw(server, _post("/heartbeat", b"{not json") * n, expect=n)
-    assert answers.count(b"HTTP/1.1 400 ") == n  # every request still answered
+        for _ in range(connections):
+            answers = _raw(server, _post("/heartbeat", b"{not json") * per_connection, expect=per_connection)
+            assert answers.count(b"HTTP/1.1 400 ") == per_connection  # every request still answered
     warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert 1 <= len(warnings) <= 10, len(warnings)
     assert sum(len(r.getMessage()) for r in caplog.records) < 20_000
@@ -167,3 +171,71 @@ def test_a_silent_connection_is_closed_after_the_read_timeout(server: Lighthouse
     with socket.create_connection((host, port), timeout=30) as s:
         assert s.recv(100) == b""  # closed by the server, long before idle_timeout
     assert server.idle_timeout >= 120
+
+
+# ---------------------------------------------------------------------------------- the event loop
+
+
+def test_a_connection_of_bad_requests_is_closed(server: LighthouseServer) -> None:
+    """Thousands of pipelined bad requests on one connection: answered up to a bound, then closed,
+    instead of keeping the event loop busy for everyone (and head searches stay short)."""
+    from ftlaunch.lighthouse.transport import MAX_ERRORS_PER_CONNECTION
+
+    start = time.monotonic()
+    answers = _raw(server, _post("/heartbeat", b"{}") * 5000, expect=5000, timeout=60)
+    assert time.monotonic() - start < 60  # the server ended it, no wait for the read timeout
+    assert 0 < answers.count(b"HTTP/1.1 400 ") <= MAX_ERRORS_PER_CONNECTION
+    client = LighthouseClient(server.address)
+    try:
+        client.heartbeat("a")  # still serving
+    finally:
+        client.close()
+
+
+def test_hostile_clients_do_not_stall_a_real_group(server: LighthouseServer) -> None:
+    """While a slowloris, a client that never reads its answers, a flood of 1 MiB junk bodies and deep
+    JSON hit the lighthouse, a real group keeps getting its quorums (each request bounded by the
+    client's read timeout)."""
+    import threading
+
+    host, port = parse_host_port(server.address)
+    stop = threading.Event()
+    socks: list[socket.socket] = []
+
+    def hostile(payload: bytes, read: bool) -> None:
+        while not stop.is_set():
+            try:
+                s = socket.create_connection((host, port), timeout=5)
+            except OSError:
+                continue
+            socks.append(s)
+            try:
+                s.sendall(payload)
+                if read:
+                    s.recv(1 << 16)
+            except OSError:
+                pass
+            finally:
+                s.close()
+
+    junk = _post("/heartbeat", b"[" + b"0," * (500_000 - 2) + b"0]")  # ~1 MiB, valid JSON, not an object
+    loris = b"POST /quorum HTTP/1.1\r\nContent-Length: 100\r\n\r\n{"  # never finished
+    threads = [
+        threading.Thread(target=hostile, args=(junk * 3, True), daemon=True),
+        threading.Thread(target=hostile, args=(_post("/quorum", _nested_member(200_000)), True), daemon=True),
+        threading.Thread(target=hostile, args=(_post("/heartbeat", b"{}") * 2000, False), daemon=True),
+        threading.Thread(target=hostile, args=(loris, False), daemon=True),
+    ]
+    for t in threads:
+        t.start()
+    client = LighthouseClient(server.address, connect_timeout=10)
+    try:
+        for step in range(20):
+            assert client.quorum(QuorumMember("real", step=step), timeout=10).replica_ids == ("real",)
+            client.heartbeat("real")
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(30)
+        client.close()
+    assert [g["replica_id"] for g in server.status()["groups"]] == ["real"]

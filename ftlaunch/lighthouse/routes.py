@@ -3,10 +3,11 @@ turned into status codes.
 
 `Routes` is the `http.Handler` the transport serves. Every request but a read passes one check,
 `Routes.authorize` (the job token, 401/403), before its endpoint runs. Each endpoint validates its
-JSON body (unknown, missing and mistyped fields are 400 with the field named), calls `Membership`, and maps the membership's domain errors to HTTP through
+JSON body (unknown, missing and mistyped fields are 400 with the field named; nesting past
+`MAX_JSON_DEPTH` too), calls `Membership`, and maps the membership's domain errors to HTTP through
 `ERROR_STATUS`. ``POST /quorum`` returns a `http.LongPoll` over the membership's `QuorumTicket`:
 the transport parks the connection until the ticket is resolved or the request's timeout passes.
-Every error answer is logged here, once.
+Every error answer is logged here, once (warnings rate-limited per client host).
 """
 
 from __future__ import annotations
@@ -218,7 +219,10 @@ class Routes:
         _expect(obj, {"member": (dict,)}, {"timeout": (float, int)})
         try:
             member = QuorumMember.from_json(obj["member"])
-        except (TypeError, ValueError) as e:
+            # Encoded once before it can be installed in a quorum: a member every answer and /status
+            # could not encode (the depth limit already rules that out) is refused here, not later.
+            json.dumps(member.to_json(), separators=(",", ":"))
+        except (TypeError, ValueError, RecursionError) as e:
             raise HttpError(400, f"bad member: {e}") from None
         rid = self._replica_id(request, member.replica_id)
         timeout = float(obj.get("timeout", DEFAULT_QUORUM_TIMEOUT))

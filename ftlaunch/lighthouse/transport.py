@@ -55,6 +55,11 @@ MAX_PIPELINED_BYTES = 2 << 20
 RECV_SIZE = 65536
 #: Pending connections the kernel queues before the loop accepts them.
 LISTEN_BACKLOG = 256
+#: Requests answered from one connection before the others get their turn (the rest in a later round).
+REQUESTS_PER_TURN = 32
+#: Error answers one connection gets before the server closes it (a real client makes none but the
+#: protocol's own 408/409/410; a fuzzer pipelining thousands must not keep the loop busy).
+MAX_ERRORS_PER_CONNECTION = 16
 #: How long `HttpServer.close` lets answers already due (the 503s of parked requests) drain.
 SHUTDOWN_FLUSH_TIMEOUT = 1.0
 class _Connection(asyncio.BufferedProtocol):
@@ -90,6 +95,8 @@ class _Connection(asyncio.BufferedProtocol):
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = math.inf
         self._served = False  # a whole request arrived on it (until then it has read_timeout to send one)
+        self._errors = 0  # error answers so far (see MAX_ERRORS_PER_CONNECTION)
+        self._resume: asyncio.Handle | None = None  # the next turn of a connection with requests left
 
     @property
     def idle(self) -> bool:
@@ -140,7 +147,7 @@ class _Connection(asyncio.BufferedProtocol):
     def eof_received(self) -> bool:
         self._eof = True
         if self._poll is None and not self._closing:
-            self._serve()  # what arrived before the EOF is still answered
+            self._serve(limit=None)  # what arrived before the EOF is still answered
             if self._head is not None and not self._closing:
                 self._refuse(HttpError(400, "truncated request body", close=True))
         # Closed after the answers written above; a parked request's peer died: withdrawn by
@@ -150,6 +157,9 @@ class _Connection(asyncio.BufferedProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._closing = True
+        if self._resume is not None:
+            self._resume.cancel()
+            self._resume = None
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
@@ -176,14 +186,24 @@ class _Connection(asyncio.BufferedProtocol):
 
     # -- requests
 
-    def _serve(self) -> None:
-        """Answer the requests buffered, in order, until one is partial or parks."""
+    def _serve(self, limit: int | None = REQUESTS_PER_TURN) -> None:
+        """Answer the requests buffered, in order, until one is partial or parks -- at most ``limit``
+        now; with more left, the rest in a later round of the loop, after the other connections."""
         try:
+            served = 0
             while not (self._closing or self._poll is not None or self._write_paused):
+                transport = self._transport
+                if transport is not None and transport.is_closing():  # the peer is gone: answer nobody
+                    return
+                if limit is not None and served >= limit:
+                    if self._resume is None:
+                        self._resume = self._loop.call_soon(self._next_turn)
+                    return
                 request = self._next_request()
                 if request is None:
                     return
                 self._dispatch(request)
+                served += 1
         except HttpError as e:
             self._refuse(e)
         except Exception:
@@ -199,7 +219,7 @@ class _Connection(asyncio.BufferedProtocol):
                 return None
             if buf.startswith((b"\r\n", b"\n")):
                 raise HttpError(0, "empty request line")
-            end = head_end(buf, self._scan)
+            end = head_end(buf, self._scan, MAX_HEAD_BYTES + 4)
             if end < 0:
                 if len(buf) > MAX_HEAD_BYTES:
                     if buf.find(b"\n", 0, MAX_HEAD_BYTES) < 0:
@@ -234,6 +254,12 @@ class _Connection(asyncio.BufferedProtocol):
         self._served = True
         return Request(head, body, self.peer, self.bind)
 
+    def _next_turn(self) -> None:
+        self._resume = None
+        if not self._closing:
+            self._serve()
+            self._server.flush()
+
     def _dispatch(self, request: Request) -> None:
         handler = self._server.handler
         try:
@@ -242,6 +268,10 @@ class _Connection(asyncio.BufferedProtocol):
             if e.status == 0:
                 self.close()
                 return
+            self._errors += 1
+            if self._errors >= MAX_ERRORS_PER_CONNECTION and not e.close:
+                e = HttpError(e.status, f"{e.message} (and closing: {self._errors} bad requests on this connection)",
+                              close=True, headers=e.headers)
             result = handler.error(e, request.head, self.peer)
         if isinstance(result, Response):
             self._respond(result, close=request.head.close, head_only=request.method == "HEAD")
