@@ -38,6 +38,7 @@ def _works(address: str) -> None:
     client = LighthouseClient(address, token=TOKEN, connect_timeout=5)
     try:
         assert client.quorum(QuorumMember("a", step=1), timeout=10).replica_ids == ("a",)
+        client.leave("a")  # a graceful exit frees the id for the next client (incarnation)
     finally:
         client.close()
 

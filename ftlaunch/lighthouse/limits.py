@@ -20,8 +20,8 @@ CAP_WARNING_INTERVAL = 60.0
 def default_max_connections(accept_batch: int) -> int:
     """Open connections allowed: below this process's file-descriptor limit by an eighth of it (at
     least 64: the supervisor that hosts a lighthouse has pipes, logs, stores) and by ``accept_batch``
-    (asyncio accepts up to the listen backlog at once, before the cap is looked at), so a flood of
-    idle sockets can never make ``accept`` fail for a real group."""
+    (connections asyncio may have accepted before the cap is looked at), so a flood of idle sockets
+    can never make ``accept`` fail for a real group."""
     try:
         import resource
 

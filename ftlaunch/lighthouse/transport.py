@@ -55,6 +55,10 @@ MAX_PIPELINED_BYTES = 2 << 20
 RECV_SIZE = 65536
 #: Pending connections the kernel queues before the loop accepts them.
 LISTEN_BACKLOG = 256
+#: Connections asyncio accepts in one go (its ``backlog`` argument); a few batches can be accepted
+#: before any of them is counted against the cap, so the cap leaves room for `ACCEPTS_IN_FLIGHT`.
+ACCEPT_BATCH = 32
+ACCEPTS_IN_FLIGHT = 4 * ACCEPT_BATCH
 #: Requests answered from one connection before the others get their turn (the rest in a later round).
 REQUESTS_PER_TURN = 32
 #: Error answers one connection gets before the server closes it (a real client makes none but the
@@ -406,7 +410,7 @@ class HttpServer:
     ) -> None:
         self.handler = handler
         #: Open connections allowed; past it the oldest idle one is closed (see `shed`).
-        self.max_connections = max_connections if max_connections is not None else default_max_connections(LISTEN_BACKLOG)
+        self.max_connections = max_connections if max_connections is not None else default_max_connections(ACCEPTS_IN_FLIGHT)
         self._cap_warned_at = -math.inf
         self.idle_timeout = idle_timeout
         self.read_timeout = read_timeout
@@ -447,8 +451,9 @@ class HttpServer:
         self._loop_ident = threading.get_ident()
         try:
             self._server = loop.run_until_complete(
-                loop.create_server(lambda: _Connection(self, loop), sock=self._sock, backlog=LISTEN_BACKLOG)
+                loop.create_server(lambda: _Connection(self, loop), sock=self._sock, backlog=ACCEPT_BATCH)
             )
+            self._sock.listen(LISTEN_BACKLOG)  # asyncio re-listened with the batch size: the kernel queues more
         except Exception:
             log.exception("lighthouse: cannot serve")
             loop.close()
