@@ -52,6 +52,7 @@ def test_environment_prefixes_and_summary(tmp_path) -> None:
         tokens.add(e["FTLAUNCH_TOKEN"])
         ports.setdefault(r["group"], set()).add(e["MASTER_PORT"])
         assert r["lighthouse_status_address"] == e["FTLAUNCH_LIGHTHOUSE"]  # the embedded lighthouse answered
+        assert r["lighthouse_token_accepted"] is True  # the job token reached the worker and works
     assert len(lighthouses) == 1 and re.fullmatch(r"http://127\.0\.0\.1:\d+", lighthouses.pop())
     assert len(tokens) == 1 and len(tokens.pop()) >= 16
     assert len(ports[0]) == len(ports[1]) == 1 and ports[0] != ports[1]  # each group its own store

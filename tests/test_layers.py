@@ -28,7 +28,10 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "worker": ("ftlaunch.worker",),
     "launcher": ("ftlaunch.launcher",),
     # The public face: the package itself and torchft's module paths (one-line re-exports).
-    "api": ("ftlaunch", "ftlaunch.manager", "ftlaunch.optim", "ftlaunch.data", "ftlaunch.parameter_server", "ftlaunch.local_sgd"),
+    "api": (
+        "ftlaunch", "ftlaunch.manager", "ftlaunch.optim", "ftlaunch.data", "ftlaunch.parameter_server", "ftlaunch.local_sgd",
+        "ftlaunch.coordination",
+    ),
 }
 
 #: layer -> the layers it may import (besides itself).
@@ -141,6 +144,7 @@ LIGHTHOUSE_RANKS: dict[str, int] = {
     "status": 1,  # the typed status document
     "membership": 2,  # bookkeeping: groups, quorum requests, domain errors
     "http": 2,  # request/response types, http.server's head parsing
+    "limits": 2,  # connection cap, warnings per client: bounds a client cannot push
     "dashboard": 2,  # HTML from a status
     "metrics": 2,  # Prometheus text from a status (prometheus_client)
     "client": 2,

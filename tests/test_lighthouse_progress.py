@@ -207,7 +207,7 @@ def test_admin_kill_kills_the_group_leaders_process() -> None:
     code = (
         "import sys, time\n"
         "from ftlaunch.lighthouse.client import LighthouseClient\n"
-        "c = LighthouseClient(sys.argv[1], connect_timeout=5)\n"
+        "c = LighthouseClient(sys.argv[1], connect_timeout=5, token='t')\n"
         "c.start_heartbeat('rg0', 0.05)\n"
         "print('up', flush=True)\n"
         "time.sleep(60)\n"

@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         _write(os.path.join(job_dir, TOKEN_FILE), token, mode=0o600)  # for the job's user (dashboard, evict)
     _write(os.path.join(job_dir, ADDRESS_FILE), lighthouse.address)
     print(f"ftlaunch lighthouse role listening on {lighthouse.address} ({where.scheduler}; job directory "
-          f"{job_dir}{'; admin token in ' + TOKEN_FILE if token else ''})", flush=True)
+          f"{job_dir}{'; job token in ' + TOKEN_FILE if token else ''})", flush=True)
     idle_since: float | None = None
     try:
         while not stop.wait(0.2):

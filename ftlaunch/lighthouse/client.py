@@ -18,6 +18,7 @@ import http.client
 import json
 import logging
 import os
+import secrets
 import signal
 import socket
 import threading
@@ -28,7 +29,7 @@ from typing import Any, Protocol
 from ftlaunch.addresses import http_url, parse_host_port
 from ftlaunch.errors import EvictedError, LighthouseError, LighthouseUnavailableError, QuorumTimeoutError
 from ftlaunch.lighthouse.progress import ProgressReport
-from ftlaunch.lighthouse.protocol import API_VERSION, PATH_PREFIX, REPLICA_HEADER
+from ftlaunch.lighthouse.protocol import API_VERSION, INCARNATION_HEADER, PATH_PREFIX, REPLICA_HEADER
 from ftlaunch.lighthouse.quorum import Quorum, QuorumMember
 from ftlaunch.lighthouse.status import LighthouseStatus
 
@@ -43,10 +44,11 @@ _BACKOFF_MAX = 1.0
 class _Channel:
     """One persistent HTTP connection with retry-on-connection-error. Used by one thread at a time."""
 
-    def __init__(self, host: str, port: int, connect_timeout: float, token: str | None) -> None:
+    def __init__(self, host: str, port: int, connect_timeout: float, token: str | None, incarnation: str) -> None:
         self._host, self._port = host, port
         self._connect_timeout = connect_timeout
         self._token = token
+        self._incarnation = incarnation
         self._http: http.client.HTTPConnection | None = None
         self._lock = threading.Lock()  # guards _http against a concurrent abort()
 
@@ -80,14 +82,14 @@ class _Channel:
         *,
         bind_replica: str | None = None,
         read_timeout: float,
-        admin: bool = False,
         stop: threading.Event | None = None,
     ) -> tuple[int, dict]:
         body = json.dumps(payload).encode() if payload is not None else None
         headers = {"Content-Type": "application/json"} if body is not None else {}
+        headers[INCARNATION_HEADER] = self._incarnation
         if bind_replica is not None:
             headers[REPLICA_HEADER] = bind_replica
-        if admin and self._token:
+        if self._token:  # every request but a read needs it (docs/security.md); sent on all, it costs nothing
             headers["Authorization"] = f"Bearer {self._token}"
         url = http_url(self._host, self._port)
         deadline: float | None = None  # set at the first failure: retries get connect_timeout from there
@@ -276,6 +278,8 @@ class LighthouseClient:
         self.address = http_url(self._host, self._port)
         self._connect_timeout = float(connect_timeout)
         self._token = token or None
+        #: This client's incarnation: a replica id is held by one at a time (docs/security.md).
+        self.incarnation = secrets.token_hex(8)
         self._local = threading.local()
         self._lock = threading.Lock()
         self._channels: weakref.WeakSet[_Channel] = weakref.WeakSet()
@@ -296,7 +300,7 @@ class LighthouseClient:
     # -- connections
 
     def _new_channel(self) -> _Channel:
-        channel = _Channel(self._host, self._port, self._connect_timeout, self._token)
+        channel = _Channel(self._host, self._port, self._connect_timeout, self._token, self.incarnation)
         with self._lock:
             self._channels.add(channel)
         return channel
@@ -436,15 +440,15 @@ class LighthouseClient:
     def report_failure(self, replica_id: str, reason: str = "") -> None:
         self._call(
             "/admin/report_failure", {"replica_id": replica_id, "reason": reason},
-            f"report_failure of {replica_id}", admin=True,
+            f"report_failure of {replica_id}",
         )
 
     def kill(self, replica_id: str, reason: str = "") -> None:
         """Ask the group's leader to kill its process at its next heartbeat (admin)."""
-        self._call("/admin/kill", {"replica_id": replica_id, "reason": reason}, f"kill of {replica_id}", admin=True)
+        self._call("/admin/kill", {"replica_id": replica_id, "reason": reason}, f"kill of {replica_id}")
 
     def evict(self, replica_id: str, reason: str = "") -> None:
-        self._call("/admin/evict", {"replica_id": replica_id, "reason": reason}, f"evict of {replica_id}", admin=True)
+        self._call("/admin/evict", {"replica_id": replica_id, "reason": reason}, f"evict of {replica_id}")
 
     def start_heartbeat(self, replica_id: str, interval: float) -> HeartbeatHandle:
         """Beat every ``interval`` seconds from a daemon thread with its own persistent connection."""

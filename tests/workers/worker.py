@@ -52,24 +52,31 @@ def main() -> int:
         if args.probe_lighthouse:
             from ftlaunch.lighthouse.client import LighthouseClient
 
-            with LighthouseClient(os.environ["FTLAUNCH_LIGHTHOUSE"], connect_timeout=10) as client:
+            token = os.environ.get("FTLAUNCH_TOKEN")
+            with LighthouseClient(os.environ["FTLAUNCH_LIGHTHOUSE"], connect_timeout=10, token=token) as client:
                 record["lighthouse_status_address"] = client.status()["address"]
+                # A request that needs the job token and changes nothing: the launch path handed it over.
+                client.leave("probe-of-no-group")
+                record["lighthouse_token_accepted"] = True
         path = os.path.join(args.out, f"rg{group}_r{rank}_restart{restart}_pid{os.getpid()}.json")
         with open(path + ".tmp", "w") as f:
             json.dump(record, f)
         os.replace(path + ".tmp", path)
 
-    beat = None
+    beat = shared = None
     if args.heartbeat and rank == 0:
         from ftlaunch.lighthouse.client import LighthouseClient
 
-        beat = LighthouseClient(os.environ["FTLAUNCH_LIGHTHOUSE"]).start_heartbeat(f"rg{group}", 0.2)
+        # One client per process: the lighthouse holds a replica id for one incarnation (client) at a time.
+        shared = LighthouseClient(os.environ["FTLAUNCH_LIGHTHOUSE"], token=os.environ.get("FTLAUNCH_TOKEN"))
+        beat = shared.start_heartbeat(f"rg{group}", 0.2)
     reporter = None
     if rank == 0 and not args.no_progress and os.environ.get("FTLAUNCH_LIGHTHOUSE"):
         from ftlaunch.lighthouse.client import LighthouseClient
         from ftlaunch.lighthouse.progress import ProgressReport
 
-        reporter = LighthouseClient(os.environ["FTLAUNCH_LIGHTHOUSE"], connect_timeout=10)
+        reporter = shared if shared is not None else LighthouseClient(
+            os.environ["FTLAUNCH_LIGHTHOUSE"], connect_timeout=10, token=os.environ.get("FTLAUNCH_TOKEN"))
         session = f"worker-{os.getpid()}"
         # A restart (torchelastic's, or a respawned agent's: the lighthouse knows the group already).
         again = restart > 0 or reporter.snapshot().group_progress(f"rg{group}") is not None
