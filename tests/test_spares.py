@@ -115,7 +115,7 @@ def test_promotion_on_a_lost_connection_fences_the_old_name() -> None:
     with pytest.raises(Evicted):
         m.request_quorum(QuorumMember("rg1"))
     # The promoted spare joins the next quorum with the survivor.
-    a, b = m.request_quorum(QuorumMember("rg1.1")), m.request_quorum(QuorumMember("rg0", step=5))
+    a, b = m.request_quorum(QuorumMember("rg1.1")), m.request_quorum(QuorumMember("rg0"))
     assert a.done and b.done and b.quorum is not None and b.quorum.replica_ids == ("rg0", "rg1.1")
     # The failed group, restarted, waits as a spare.
     back = m.claim("g1.1", slots=2, preferred=1)
@@ -253,14 +253,17 @@ def test_a_spare_between_two_polls_keeps_its_place_and_one_that_stops_asking_is_
 def test_the_launcher_counts_a_failure_recovered_when_the_spare_that_took_its_slot_commits() -> None:
     from ftlaunch.launcher.group import Group
     from ftlaunch.launcher.spares import Takeovers
+    from ftlaunch.lighthouse.status import SlotStatus, SparesStatus
 
     takeovers, failed = Takeovers(2), Group(1)
     failed.agent_started()
     failed.workers_started(0, {0: 100}, now=1.0)
     assert failed.worker_exited(100, 0, 0, True, "killed by SIGKILL", now=10.0) is not None
-    takeovers.line(2, "[rg2/r0] 2026-01-01 WARNING [g2.0] took over replica group 1 after 3.00s waiting (as rg1.1, replacing rg1)")
-    assert takeovers.holder == {0: 0, 1: 2}
-    assert takeovers.committed(0) is None
+    before = SparesStatus(slots=(SlotStatus(0, "rg0", "g0.0", "live"), SlotStatus(1, "rg1", "g1.0", "live")))
+    assert takeovers.names(before) == {"rg0": 0, "rg1": 1} and takeovers.committed(1) is None
+    after = SparesStatus(slots=(SlotStatus(0, "rg0", "g0.0", "live"), SlotStatus(1, "rg1.1", "g2.0", "live")))
+    assert takeovers.names(after) == {"rg0": 0, "rg1.1": 2}  # progress of rg1.1 is group 2's
+    assert takeovers.holder == {0: 0, 1: 2} and takeovers.committed(0) is None
     replaced = takeovers.committed(2)
     assert replaced == 1 and failed.slot_taken_over(10.25) == pytest.approx(0.25)
     assert failed.rejoin_times == [pytest.approx(0.25)] and failed.failure_at is None

@@ -9,9 +9,8 @@ agent's current lighthouse name is read back from the status here.
 
 from __future__ import annotations
 
-import re
-
 from ftlaunch.launcher.lighthouse_host import JobLighthouse
+from ftlaunch.lighthouse.status import SparesStatus
 
 
 def holder_name(lighthouse: JobLighthouse, gid: int) -> str | None:
@@ -30,28 +29,38 @@ def holder_name(lighthouse: JobLighthouse, gid: int) -> str | None:
     return min(held, key=lambda s: s.held_for if s.held_for is not None else 0.0).replica_id  # the newest
 
 
-#: A worker's log line when its group takes a slot (`ftlaunch.worker.spare.claim_slot`).
-TOOK_OVER = re.compile(r"\[g\d+\.\d+\] took over replica group (?P<slot>\d+) ")
-
-
 class Takeovers:
-    """Which launcher group trains in which slot, from the workers' "took over" lines, so that the
+    """Which launcher group trains in which slot, read from the lighthouse's slot table: progress
+    reported under a slot's lighthouse name (``rg1.1``) belongs to the group holding it now, and the
     failure of a group counts as recovered when the spare that took its slot commits a step."""
 
     def __init__(self, replicas: int) -> None:
         self.holder = {slot: slot for slot in range(replicas)}
         self._replaced: dict[int, int] = {}  # new holder -> the group it replaced, until it commits
 
-    def line(self, gid: int, line: str) -> None:
-        m = TOOK_OVER.search(line)
-        if m is None:
-            return
-        slot = int(m.group("slot"))
-        previous = self.holder.get(slot)
-        self.holder[slot] = gid
-        if previous is not None and previous != gid:
-            self._replaced[gid] = previous
+    def names(self, spares: SparesStatus | None) -> dict[str, int]:
+        """Lighthouse name -> launcher group of every slot's current holder (and note takeovers)."""
+        out: dict[str, int] = {}
+        for s in spares.slots if spares is not None else ():
+            gid = _group_of(s.holder)
+            if gid is None or s.replica_id is None:
+                continue
+            out[s.replica_id] = gid
+            previous = self.holder.get(s.slot)
+            if previous != gid:
+                self.holder[s.slot] = gid
+                if previous is not None:
+                    self._replaced[gid] = previous
+        return out
 
     def committed(self, gid: int) -> int | None:
         """Group ``gid`` committed a step: the group whose slot it took, the first time."""
         return self._replaced.pop(gid, None)
+
+
+def _group_of(claimant: str | None) -> int | None:
+    """``g2.0`` -> 2 (`ftlaunch.worker.spare.claimant_name`)."""
+    if not claimant or not claimant.startswith("g"):
+        return None
+    head = claimant[1:].split(".", 1)[0]
+    return int(head) if head.isdigit() else None

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 
 from ftlaunch import env
-from ftlaunch.errors import ConfigurationError
+from ftlaunch.errors import ConfigurationError, install_brief_configuration_errors
 from ftlaunch.lighthouse.client import LighthouseClient, QuorumClient
 
 
@@ -27,16 +27,19 @@ def replica_id() -> str:
 
 def group_env() -> env.GroupEnv:
     """Rank, size, store and restart count of this worker's replica group, as torchelastic set them."""
+    install_brief_configuration_errors()  # a bad value reads as one line, not a traceback
     return env.GroupEnv.from_environ()
 
 
 def lighthouse_client(addr: str | None, token: str | None, connect_timeout: float) -> QuorumClient:
     """A client of the lighthouse at ``addr`` (else ``FTLAUNCH_LIGHTHOUSE``), with the job token
     ``token`` (else ``FTLAUNCH_TOKEN``)."""
+    what = "lighthouse_addr" if addr else env.FTLAUNCH_LIGHTHOUSE
     addr = addr or env.lighthouse_address()
     if not addr:
         raise ConfigurationError(
             f"no lighthouse address: pass lighthouse_addr= or set {env.FTLAUNCH_LIGHTHOUSE} "
             "(the `ftlaunch` launcher sets it for you)"
         )
+    addr = env.normalize_lighthouse(addr, what)
     return LighthouseClient(addr, connect_timeout=connect_timeout, token=token or os.environ.get(env.FTLAUNCH_TOKEN))

@@ -40,7 +40,7 @@ from torch import nn
 
 from ftlaunch import env
 from ftlaunch.checkpointing.transport import CheckpointTransport
-from ftlaunch.errors import ConfigurationError
+from ftlaunch.errors import ConfigurationError, install_brief_configuration_errors
 from ftlaunch.process_group.base import ProcessGroup
 from ftlaunch.timeouts import Timeouts
 from ftlaunch.worker import spare
@@ -168,6 +168,7 @@ def init(
       group has more than one worker.
     - Other keyword arguments go to :class:`ftlaunch.Manager` (e.g. ``max_retries``, ``init_sync``).
     """
+    install_brief_configuration_errors()  # a bad environment value reads as one line, not a traceback
     # The launcher->worker contract, read once: every value below is passed on explicitly.
     job = env.JobEnv.from_environ(
         replica_group_id=replica_group_id,

@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import sys
 import threading
 import time
 import warnings
@@ -53,6 +54,7 @@ from ftlaunch.worker.commit import CrossGroupVote, wait_all
 from ftlaunch.worker.group_store import GroupStore
 from ftlaunch.worker.managed_work import ManagedWork, with_default
 from ftlaunch.worker.plan import LAYOUT_KEY, StepPlan, WorldSizeMode, plan_step
+from ftlaunch.worker.progress import ProgressTracker
 from ftlaunch.worker.recovery import DEFAULT_STATE_KEY, StateRegistry
 
 logger = logging.getLogger(__name__)
@@ -228,6 +230,13 @@ class Manager:
         self._transport_metadata: list[str] | None = None  # every rank's, read once by the leader
 
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"ftlaunch-quorum-{self.replica_id}")
+        # The leader reports progress to the lighthouse (worker/progress.py): the launcher's summary
+        # and /metrics read it there, whatever the script prints.
+        self._progress: ProgressTracker | None = None
+        set_progress = getattr(self._client, "set_progress", None)
+        if set_progress is not None:
+            rid = self.replica_id
+            self._progress = ProgressTracker(lambda report: set_progress(rid, report))
         if self._client is not None:
             self._client.start_heartbeat(self.replica_id, to_seconds(heartbeat_interval))
         self.log.info(
@@ -285,6 +294,8 @@ class Manager:
         self._pending_state = None
         self._plan = None
         quorum_timeout = self.timeouts.quorum if timeout is None else to_seconds(timeout)
+        if self._progress is not None:
+            self._progress.step_started()
         self._quorum_seq += 1
         self._quorum_future = self._executor.submit(
             self._run_quorum, self._quorum_seq, allow_heal, shrink_only, quorum_timeout
@@ -318,17 +329,22 @@ class Manager:
             raise ConfigurationError(plan.layout_conflict)
         self._plan = plan
         if not allow_heal:
+            if self._progress is not None:
+                self._progress.quorum_done()
             return
         heal_timeout = self.timeouts.as_timedelta("heal")
         if plan.recover_dst_ranks:  # a source: serve our state to the healers assigned to us
             self.log.info("sending state to replica ranks %s", list(plan.recover_dst_ranks))
             recovery.offer(self._transport, plan, self._step, self._state, heal_timeout)
             self._sent_checkpoint = True  # served until the vote
+        fetch_started = time.perf_counter()
         if plan.heal:  # behind: fetch the state now, load it only once every group agreed to commit
             self.log.info("healing from %s at step %d", plan.recover_src_id, plan.max_step)
             self._pending_state = recovery.fetch(
                 self._transport, plan, quorum, self._group_rank, self._state, heal_timeout
             )
+        if self._progress is not None:
+            self._progress.quorum_done(time.perf_counter() - fetch_started if plan.heal else 0.0)
 
     def _ask_lighthouse(self, shrink_only: bool, quorum_timeout: float) -> Quorum:
         assert self._client is not None  # the leader has one
@@ -461,6 +477,8 @@ class Manager:
             raise FtlaunchError("should_commit() before start_quorum()")
         budget = self.timeouts.commit if timeout is None else to_seconds(timeout)
         deadline = time.monotonic() + budget
+        if self._progress is not None:
+            self._progress.commit_started()
         self.wait_quorum()
         if not wait_all(self._pending, deadline):
             # A collective of this step hangs (a peer stopped, not died). Give up on the step and
@@ -496,6 +514,8 @@ class Manager:
             self._step += 1
             self._batches_committed += plan.num_participants
             self._commit_failures = 0
+            if self._progress is not None:
+                self._progress.committed(self._step, healed=plan.heal)
             return True
         self._commit_failures += 1
         self.log.info("step not committed (consecutive failures: %d)", self._commit_failures)
@@ -579,6 +599,11 @@ class Manager:
         if self._shutdown:
             return
         self._shutdown = True
+        if self._progress is not None:
+            # The final report rides on the leave. Only a clean exit (no exception on its way out
+            # through a `finally`) reports the state's checksum and "finished".
+            clean = sys.exc_info()[0] is None
+            self._progress.finish(self._step, self._state.snapshot if clean else None)
         if self._client is not None:
             if leave:
                 try:
