@@ -48,6 +48,9 @@ FTLAUNCH_HEAL_TIMEOUT = "FTLAUNCH_HEAL_TIMEOUT"
 FTLAUNCH_COMMIT_TIMEOUT = "FTLAUNCH_COMMIT_TIMEOUT"
 FTLAUNCH_QUORUM_TIMEOUT = "FTLAUNCH_QUORUM_TIMEOUT"
 FTLAUNCH_CONNECT_TIMEOUT = "FTLAUNCH_CONNECT_TIMEOUT"
+#: How long a group leader waits for an unreachable lighthouse to come back before it gives up
+#: (a duration, default 300 s; 0: give up after the connect timeout). ``ftlaunch.lighthouse.reconnect``.
+FTLAUNCH_LIGHTHOUSE_OUTAGE = "FTLAUNCH_LIGHTHOUSE_OUTAGE"
 #: Defaults of ``ft.diloco()`` / ``ft.local_sgd()`` for what the script does not pass (set by the
 #: torchx component ``ftlaunch:diloco``): inner steps per sync, fragments, overlap steps (tau),
 #: mixing alpha, and pseudo-gradient bits (0: full precision, 8 or 4).
@@ -72,6 +75,7 @@ ALL_FTLAUNCH_VARS = (
     FTLAUNCH_COMMIT_TIMEOUT,
     FTLAUNCH_QUORUM_TIMEOUT,
     FTLAUNCH_CONNECT_TIMEOUT,
+    FTLAUNCH_LIGHTHOUSE_OUTAGE,
     FTLAUNCH_SYNC_EVERY,
     FTLAUNCH_FRAGMENTS,
     FTLAUNCH_FRAGMENT_SYNC_DELAY,

@@ -142,6 +142,7 @@ LIGHTHOUSE_RANKS: dict[str, int] = {
     "http": 2,  # request/response types, http.server's head parsing
     "dashboard": 2,  # HTML from a status
     "client": 2,
+    "reconnect": 3,  # the leader's client riding out a lighthouse outage
     "transport": 3,  # asyncio connections, long polls, identities
     "routes": 3,  # endpoints: JSON, token, domain errors -> status codes
     "server": 4,  # composes them

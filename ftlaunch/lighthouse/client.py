@@ -21,6 +21,7 @@ import socket
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from ftlaunch.addresses import http_url, parse_host_port
@@ -40,8 +41,11 @@ _BACKOFF_MAX = 1.0
 class _Channel:
     """One persistent HTTP connection with retry-on-connection-error. Used by one thread at a time."""
 
-    def __init__(self, host: str, port: int, connect_timeout: float, token: str | None) -> None:
+    def __init__(
+        self, host: str, port: int, connect_timeout: float, token: str | None, on_failure: Callable[[], None] | None = None
+    ) -> None:
         self._host, self._port = host, port
+        self._on_failure = on_failure  # told of every failed connection (see reconnect.py)
         self._connect_timeout = connect_timeout
         self._token = token
         self._http: http.client.HTTPConnection | None = None
@@ -105,6 +109,8 @@ class _Channel:
                         self._http = conn
             except OSError as e:  # refused, unreachable, connect timeout
                 last_error = e
+                if self._on_failure is not None:
+                    self._on_failure()
                 conn = None
                 if deadline is None:
                     deadline = attempt_start + self._connect_timeout
@@ -126,6 +132,8 @@ class _Channel:
                 except (OSError, http.client.HTTPException) as e:
                     self.close()
                     last_error = e
+                    if self._on_failure is not None:
+                        self._on_failure()
                     if reused and not stale_retry_used:
                         # The server may have closed an idle keep-alive connection: retry at once.
                         stale_retry_used = True
@@ -267,6 +275,14 @@ class LighthouseClient:
         self._channels: weakref.WeakSet[_Channel] = weakref.WeakSet()
         self._heartbeats: list[HeartbeatHandle] = []
         self._evicted: set[str] = set()
+        #: Connections that failed (refused, reset, closed mid-request) on any of this client's
+        #: channels, heartbeats included: `reconnect.OutageTolerantClient` reads it to learn that
+        #: the lighthouse may have restarted (and forgotten the job) since the last quorum.
+        self.connection_failures = 0
+
+    def _note_connection_failure(self) -> None:
+        with self._lock:
+            self.connection_failures += 1
 
     def __repr__(self) -> str:
         return f"LighthouseClient({self.address!r})"
@@ -280,7 +296,7 @@ class LighthouseClient:
     # -- connections
 
     def _new_channel(self) -> _Channel:
-        channel = _Channel(self._host, self._port, self._connect_timeout, self._token)
+        channel = _Channel(self._host, self._port, self._connect_timeout, self._token, self._note_connection_failure)
         with self._lock:
             self._channels.add(channel)
         return channel

@@ -15,6 +15,7 @@ injectable, so unit tests drive it in one process without sleeping (tests/test_l
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -23,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ftlaunch.errors import LighthouseError
+from ftlaunch.lighthouse.protocol import MAX_REPLICA_ID_LEN, MAX_RESUME_MEMBERS, RESUME_KEY
 from ftlaunch.lighthouse.quorum import (
     Connection,
     GroupState,
@@ -155,6 +157,8 @@ class Membership:
         self._tickets: dict[str, QuorumTicket] = {}
         self._round_start: float | None = None
         self._quorum: Quorum | None = None
+        #: The newest quorum groups reported from a previous lighthouse, until this one forms its own.
+        self._adopted: Quorum | None = None
         self._prev_ids: frozenset[str] = frozenset()
         self._prev_broken = False
         self._evicted: dict[str, str] = {}  # replica id -> reason, until the group is told
@@ -177,6 +181,7 @@ class Membership:
         with self._lock:
             now = self._clock()
             self._admit(rid, now)
+            member = self._take_resume_report(member, now)
             info = self._info[rid]
             info.step, info.address = member.step, member.address
             old = self._tickets.get(rid)
@@ -376,14 +381,52 @@ class Membership:
         self._groups[rid] = GroupState(rid, now, Connection.CONNECTED)
         return revived
 
+    def _take_resume_report(self, member: QuorumMember, now: float) -> QuorumMember:
+        """Strip ``member``'s resume report (protocol.RESUME_KEY) and, while this lighthouse has formed
+        no quorum yet, adopt the newest one as the previous quorum (see `adopt_resume_report`)."""
+        if RESUME_KEY not in member.data:
+            return member
+        report = member.data[RESUME_KEY]
+        member = dataclasses.replace(member, data={k: v for k, v in member.data.items() if k != RESUME_KEY})
+        if self._quorum is None:
+            self.adopt_resume_report(member.replica_id, report, now)
+        return member
+
+    def adopt_resume_report(self, reporter: str, report: object, now: float) -> bool:
+        """A lighthouse that restarted knows nothing of the job; its groups do. Adopt the newest
+        reported quorum (``{"quorum_id": int, "members": [str]}``) as the previous quorum: the next
+        quorum forms at once when all its members asked (the fast path), always under a new id above
+        the reported one, and the members not heard of yet count as live for ``heartbeat_timeout``
+        from now, so the quorum waits for them that long instead of forming from whoever came back
+        first. Call under the lock. Returns whether the report was adopted."""
+        parsed = _parse_resume_report(report)
+        if parsed is None:
+            log.warning("lighthouse: ignoring a malformed resume report from %s", reporter)
+            return False
+        quorum_id, members = parsed
+        if self._adopted is not None and quorum_id <= self._adopted.quorum_id:
+            return False
+        self._adopted = Quorum(quorum_id, tuple(QuorumMember(rid) for rid in members), created=self._wall())
+        self._ids.ensure_above(quorum_id)
+        for rid in members:
+            if rid not in self._groups:
+                self._groups[rid] = GroupState(rid, now, Connection.CONNECTED)
+                self._info[rid] = _GroupInfo(first_seen=self._wall(), reason=f"expected: member of quorum {quorum_id}")
+        detail = f"adopted quorum {quorum_id} of {len(members)} group(s) from a previous lighthouse"
+        self._record("resumed", reporter, detail)
+        log.info("lighthouse: %s reported by %s", detail, reporter)
+        return True
+
     def _state(self) -> LighthouseState:
         # A view, not a copy: only used under the lock, and the decision functions do not mutate.
+        adopted = self._quorum is None and self._adopted is not None
         return LighthouseState(
             groups=self._groups,
             requests=self._requests,
             round_start=self._round_start,
-            prev_quorum=self._quorum,
-            prev_quorum_broken=self._prev_broken,
+            prev_quorum=self._adopted if adopted else self._quorum,
+            # Whether an adopted quorum's members are the same incarnations is unknown: new id.
+            prev_quorum_broken=self._prev_broken or adopted,
             next_quorum_id=self._ids.peek(),
         )
 
@@ -448,3 +491,17 @@ class Membership:
         self._mark_prev_broken(rid)
         log.warning("lighthouse: replica %s %s: %s", rid, connection.value, reason)
         self._decide(self._clock())
+
+
+def _parse_resume_report(report: object) -> tuple[int, tuple[str, ...]] | None:
+    """(quorum id, sorted unique member ids) from a resume report, or None if it is malformed."""
+    if not isinstance(report, dict):
+        return None
+    quorum_id, members = report.get("quorum_id"), report.get("members")
+    if isinstance(quorum_id, bool) or not isinstance(quorum_id, int) or quorum_id < 0 or quorum_id >= 1 << 63:
+        return None
+    if not isinstance(members, list) or not members or len(members) > MAX_RESUME_MEMBERS:
+        return None
+    if not all(isinstance(m, str) and 0 < len(m) <= MAX_REPLICA_ID_LEN for m in members):
+        return None
+    return quorum_id, tuple(sorted(set(members)))

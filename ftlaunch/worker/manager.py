@@ -204,9 +204,11 @@ class Manager:
 
         # Only the leader talks to the lighthouse. Built before anything connects: a missing address
         # is a configuration error, raised before a store or a transport is left behind.
+        # It waits out a lighthouse outage (lighthouse/reconnect.py); the other ranks wait as long.
         self._client: QuorumClient | None = None
+        outage = defaults.lighthouse_outage()
         if self._group_rank == 0:
-            self._client = quorum_client or defaults.lighthouse_client(lighthouse_addr, token, timeouts.connect)
+            self._client = quorum_client or defaults.lighthouse_client(lighthouse_addr, token, timeouts.connect, outage)
         self._group = GroupStore.open(
             group_store,
             store_addr if store_addr is not None else group_env.master_addr,
@@ -217,6 +219,7 @@ class Manager:
             world_size=self._group_world_size,
             hostname=hostname,
             timeouts=timeouts,
+            leader_outage=outage,
         )
 
         if checkpoint_transport is None:
