@@ -163,8 +163,19 @@ def test_the_client_waits_out_an_outage_and_then_reports_its_last_quorum() -> No
     assert RESUME_KEY not in inner.requests[-1].data, "one report per outage"
 
 
+def test_before_the_first_quorum_an_unreachable_lighthouse_fails_at_once() -> None:
+    """A wrong address must not look like an outage: nothing to ride out yet."""
+    inner = ScriptedClient(down=1)
+    with pytest.raises(LighthouseUnavailableError):
+        OutageTolerantClient(inner, outage_timeout=600).quorum(QuorumMember("rg0"), timeout=5.0)
+    assert len(inner.requests) == 1
+
+
 def test_the_client_gives_up_after_the_outage_timeout() -> None:
-    client = OutageTolerantClient(ScriptedClient(down=10**6), outage_timeout=0.3)
+    inner = ScriptedClient(down=0)
+    client = OutageTolerantClient(inner, outage_timeout=0.3)
+    client.quorum(QuorumMember("rg0"), timeout=5.0)
+    inner.down = 10**6
     start = time.monotonic()
     with pytest.raises(LighthouseUnavailableError, match="outage timeout"):
         client.quorum(QuorumMember("rg0"), timeout=5.0)
@@ -172,19 +183,21 @@ def test_the_client_gives_up_after_the_outage_timeout() -> None:
 
 
 def test_outage_timeout_zero_raises_at_once_and_other_errors_are_not_retried() -> None:
-    inner = ScriptedClient(down=1)
-    with pytest.raises(LighthouseUnavailableError):
-        OutageTolerantClient(inner, outage_timeout=0).quorum(QuorumMember("rg0"), timeout=5.0)
-    assert len(inner.requests) == 1
-    inner = ScriptedClient(down=1, error=QuorumTimeoutError("408"))
-    with pytest.raises(QuorumTimeoutError):
-        OutageTolerantClient(inner, outage_timeout=30).quorum(QuorumMember("rg0"), timeout=5.0)
-    assert len(inner.requests) == 1
+    for outage, error, exc in ((0, None, LighthouseUnavailableError), (30, QuorumTimeoutError("408"), QuorumTimeoutError)):
+        inner = ScriptedClient(down=0, error=error)
+        client = OutageTolerantClient(inner, outage_timeout=outage)
+        client.quorum(QuorumMember("rg0"), timeout=5.0)
+        inner.down = 1
+        with pytest.raises(exc):
+            client.quorum(QuorumMember("rg0"), timeout=5.0)
+        assert len(inner.requests) == 2
 
 
 def test_close_ends_a_wait_in_progress() -> None:
-    inner = ScriptedClient(down=10**6)
+    inner = ScriptedClient(down=0)
     client = OutageTolerantClient(inner, outage_timeout=600.0)
+    client.quorum(QuorumMember("rg0"), timeout=5.0)
+    inner.down = 10**6
     threading.Timer(0.3, client.close).start()
     start = time.monotonic()
     with pytest.raises(LighthouseUnavailableError):
@@ -233,6 +246,9 @@ def test_three_leaders_ride_out_a_lighthouse_restart_longer_than_the_connect_tim
             for t in threads:
                 t.join(90)
 
+        deadline = time.monotonic() + 30
+        while server.snapshot().live_count < 3 and time.monotonic() < deadline:  # every heartbeat arrived
+            time.sleep(0.05)
         ask_all(1)
         first = results["rg0"].quorum_id
         assert {results[r].quorum_id for r in rids} == {first}

@@ -7,7 +7,10 @@ training loop at the same moment, and the job would be lost to a lighthouse rest
 
 `OutageTolerantClient` wraps the leader's quorum client and keeps asking, with backoff, for up to
 ``outage_timeout`` seconds from the first failure (default `DEFAULT_OUTAGE_TIMEOUT`, env
-``FTLAUNCH_LIGHTHOUSE_OUTAGE``). Nothing is committed meanwhile: a step needs its quorum before its
+``FTLAUNCH_LIGHTHOUSE_OUTAGE``). Only once the group got a quorum: a lighthouse that was never
+reached (a wrong address, one not started yet) still fails after the connect timeout, so a
+misconfiguration is reported at once (and a group restarted during an outage is restarted again
+by its agent). Nothing is committed meanwhile: a step needs its quorum before its
 collectives, so a group waits at the start of the step (a step whose quorum had already formed
 finishes and commits normally; its collectives do not involve the lighthouse).
 
@@ -108,14 +111,14 @@ class OutageTolerantClient:
                 now = time.monotonic()
                 if started is None:
                     started = now
-                    if self.outage_timeout > 0:
+                    if self.outage_timeout > 0 and self._last is not None:
                         log.warning(
                             "lighthouse client: %s; %s waits up to %gs for the lighthouse to come back "
                             "(nothing is committed meanwhile)", e, member.replica_id, self.outage_timeout,
                         )  # fmt: skip
                 waited = now - started
-                if self._closed.is_set() or waited >= self.outage_timeout:
-                    if self.outage_timeout > 0 and not self._closed.is_set():
+                if self._last is None or self._closed.is_set() or waited >= self.outage_timeout:
+                    if self._last is not None and self.outage_timeout > 0 and not self._closed.is_set():
                         raise LighthouseUnavailableError(
                             f"lighthouse unreachable for {waited:.0f}s (outage timeout {self.outage_timeout:g}s, "
                             f"{env.FTLAUNCH_LIGHTHOUSE_OUTAGE}): {e}"
