@@ -7,7 +7,7 @@ training loop at the same moment, and the job would be lost to a lighthouse rest
 
 `OutageTolerantClient` wraps the leader's quorum client and keeps asking, with backoff, for up to
 ``outage_timeout`` seconds from the first failure (default `DEFAULT_OUTAGE_TIMEOUT`, env
-``FTLAUNCH_LIGHTHOUSE_OUTAGE``). Only once the group got a quorum: a lighthouse that was never
+``FTLAUNCH_LIGHTHOUSE_OUTAGE``). Only once the lighthouse answered this group: one that was never
 reached (a wrong address, one not started yet) still fails after the connect timeout, so a
 misconfiguration is reported at once (and a group restarted during an outage is restarted again
 by its agent). Nothing is committed meanwhile: a step needs its quorum before its
@@ -90,6 +90,10 @@ class OutageTolerantClient:
     def inner(self) -> QuorumClient:
         return self._client
 
+    def _reached(self) -> bool:
+        """Whether the lighthouse ever answered this group (a quorum, or any request of the real client)."""
+        return self._last is not None or (isinstance(self._client, LighthouseClient) and self._client.answered)
+
     def _connection_failures(self) -> int:
         # Only the real client counts failed connections (heartbeats included); a fake has none.
         return self._client.connection_failures if isinstance(self._client, LighthouseClient) else 0
@@ -111,14 +115,14 @@ class OutageTolerantClient:
                 now = time.monotonic()
                 if started is None:
                     started = now
-                    if self.outage_timeout > 0 and self._last is not None:
+                    if self.outage_timeout > 0 and self._reached():
                         log.warning(
                             "lighthouse client: %s; %s waits up to %gs for the lighthouse to come back "
                             "(nothing is committed meanwhile)", e, member.replica_id, self.outage_timeout,
                         )  # fmt: skip
                 waited = now - started
-                if self._last is None or self._closed.is_set() or waited >= self.outage_timeout:
-                    if self._last is not None and self.outage_timeout > 0 and not self._closed.is_set():
+                if not self._reached() or self._closed.is_set() or waited >= self.outage_timeout:
+                    if self._reached() and self.outage_timeout > 0 and not self._closed.is_set():
                         raise LighthouseUnavailableError(
                             f"lighthouse unreachable for {waited:.0f}s (outage timeout {self.outage_timeout:g}s, "
                             f"{env.FTLAUNCH_LIGHTHOUSE_OUTAGE}): {e}"
