@@ -47,16 +47,6 @@ def _answers(client: LighthouseClient) -> bool:
         return False
 
 
-def max_step(port: int) -> int:
-    client = LighthouseClient(f"127.0.0.1:{port}", connect_timeout=1.0)
-    try:
-        return max((g.step for g in client.snapshot().groups), default=0)
-    except Exception:  # noqa: BLE001 - not up yet
-        return 0
-    finally:
-        client.close()
-
-
 def min_step(port: int, groups: int) -> int:
     """The lowest step of ``groups`` groups known to the lighthouse (0 until all are known)."""
     client = LighthouseClient(f"127.0.0.1:{port}", connect_timeout=1.0)
@@ -86,7 +76,7 @@ def test_training_survives_a_lighthouse_restart_longer_than_the_connect_timeout(
                  TRAIN, "--steps", str(STEPS), "--step-sleep", "0.1"])
     new_lighthouse: subprocess.Popen | None = None
     try:
-        wait_for(lambda: max_step(port) >= 20, 150, "20 steps before the lighthouse dies", interval=0.5)
+        wait_for(lambda: min_step(port, 3) >= 20, 150, "20 steps before the lighthouse dies", interval=0.5)
         lighthouse.send_signal(sig)
         lighthouse.communicate(timeout=30)
         time.sleep(12.0)  # > the workers' 10 s connect timeout
@@ -104,7 +94,10 @@ def test_training_survives_a_lighthouse_restart_longer_than_the_connect_timeout(
     sums = dict(re.findall(r"rg(\d+)[/\]][^\n]*?final_checksum=(\w+)", res.stdout))
     assert set(sums) == {"0", "1", "2"} and len(set(sums.values())) == 1, sums
     for group, steps in committed_steps(res.stdout).items():
-        assert steps == list(range(1, STEPS + 1)), f"rg{group} committed {steps}"
+        # A group that joined late healed over the first steps; from step 20 on (before the kill)
+        # every step is committed exactly once.
+        assert all(a < b for a, b in zip(steps, steps[1:], strict=False)), f"rg{group} committed a step twice: {steps}"
+        assert [s for s in steps if s >= 20] == list(range(20, STEPS + 1)), f"rg{group} lost a step: {steps}"
     assert "waits up to 300s for the lighthouse to come back" in out
     assert "LighthouseUnavailableError" not in out
 

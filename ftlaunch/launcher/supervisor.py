@@ -109,7 +109,11 @@ class Supervisor:
         self._reporter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ftlaunch-report")
         self._started = time.monotonic()
         self._training_started: float | None = None
-        self._chaos = Chaos(opts.chaos, self.groups, self.console, self._started) if opts.chaos else None
+        self._chaos = (
+            Chaos(opts.chaos, self.groups, self.console, self._started, crash_lighthouse=self._crash_lighthouse)
+            if opts.chaos else None
+        )
+        self._lighthouse_back_at = 0.0  # a crashed hosted lighthouse is restarted from then on
         self._status: StatusLine | None = None
         self._exit_root_cause: str | None = None
 
@@ -146,6 +150,10 @@ class Supervisor:
             for line in summary_lines(code, time.monotonic() - self._started, self.groups, quorum_id,
                                       injections, self._started, self._log_dir):
                 self.console.out(line)
+            crash = self._chaos.lighthouse_crash if self._chaos is not None else None
+            if crash is not None:
+                back = f"restarted {crash.down_for:.1f}s later" if crash.down_for is not None else "never restarted"
+                self.console.out(f"[ftlaunch] chaos: lighthouse crashed at t={crash.at - self._started:.1f}s: {back}")
         if code != EXIT_OK and self._exit_root_cause:
             self.console.err(f"ftlaunch: error: {self._exit_root_cause}")
         if code == EXIT_OK and self._own_log_dir:
@@ -175,6 +183,38 @@ class Supervisor:
             return HostedLighthouse.start(settings)
         except (OSError, ValueError) as e:  # ConfigurationError: the address is taken or invalid
             raise LaunchError(f"cannot start the lighthouse on {opts.lighthouse_bind}: {e}") from None
+
+    def _watch_lighthouse(self, now: float) -> None:
+        """Restart a hosted lighthouse that stopped serving, on the same address. The groups wait
+        for it (FTLAUNCH_LIGHTHOUSE_OUTAGE) and resume with one quorum of all of them
+        (docs/lighthouse.md, *When the lighthouse dies*)."""
+        lighthouse = self._lighthouse
+        if not isinstance(lighthouse, HostedLighthouse) or not lighthouse.needs_restart:
+            return
+        if now < self._lighthouse_back_at:
+            return
+        try:
+            lighthouse.restart()
+        except (OSError, ValueError) as e:  # ConfigurationError: the port is taken; try again later
+            self.console.err(f"[ftlaunch] cannot restart the lighthouse on {lighthouse.address}: {e}; retrying")
+            self._lighthouse_back_at = now + 1.0
+            return
+        self.console.err(
+            f"[ftlaunch] lighthouse {lighthouse.address} stopped serving; restarted on the same address "
+            f"(restart {lighthouse.restarts})"
+        )
+        if self._chaos is not None:
+            self._chaos.lighthouse_restarted(now)
+
+    def _crash_lighthouse(self, down_for: float) -> bool:
+        """``--chaos lighthouse=``: crash the hosted lighthouse; `_watch_lighthouse` restarts it
+        ``down_for`` seconds later."""
+        lighthouse = self._lighthouse
+        if not isinstance(lighthouse, HostedLighthouse):
+            return False
+        lighthouse.crash()
+        self._lighthouse_back_at = time.monotonic() + down_for
+        return True
 
     def _report_failure(self, group: Group, reason: str) -> None:
         """Tell the lighthouse off the main thread; it notices a lost connection anyway."""
@@ -273,6 +313,7 @@ class Supervisor:
             procs.reap_zombies({a.proc.pid for a in self._agents.values()})
             if self._chaos is not None:
                 self._chaos.tick(now, self._training_started, {g: a.proc.pid for g, a in self._agents.items()})
+            self._watch_lighthouse(now)
             code = self._finished()
             if code is not None:
                 return code

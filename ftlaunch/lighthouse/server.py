@@ -115,6 +115,11 @@ class LighthouseServer:
         self._http.close()
         log.info("lighthouse: %s stopped", self._address)
 
+    @property
+    def serving(self) -> bool:
+        """Started, not shut down, and its event-loop thread alive (the launcher restarts one that is not)."""
+        return self._started and not self._stopped and self._http.running
+
     def __enter__(self) -> LighthouseServer:
         return self if self._started else self.start()
 
