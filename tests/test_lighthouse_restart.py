@@ -171,6 +171,12 @@ def test_before_the_first_quorum_an_unreachable_lighthouse_fails_at_once() -> No
     assert len(inner.requests) == 1
 
 
+def test_a_restarted_worker_waits_for_the_lighthouse_from_its_first_request() -> None:
+    inner = ScriptedClient(down=2)
+    q = OutageTolerantClient(inner, outage_timeout=30, known_reachable=True).quorum(QuorumMember("rg0"), 5.0)
+    assert q.quorum_id == 101 and len(inner.requests) == 3
+
+
 def test_the_client_gives_up_after_the_outage_timeout() -> None:
     inner = ScriptedClient(down=0)
     client = OutageTolerantClient(inner, outage_timeout=0.3)

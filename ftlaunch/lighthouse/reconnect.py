@@ -9,8 +9,9 @@ training loop at the same moment, and the job would be lost to a lighthouse rest
 ``outage_timeout`` seconds from the first failure (default `DEFAULT_OUTAGE_TIMEOUT`, env
 ``FTLAUNCH_LIGHTHOUSE_OUTAGE``). Only once the lighthouse answered this group: one that was never
 reached (a wrong address, one not started yet) still fails after the connect timeout, so a
-misconfiguration is reported at once (and a group restarted during an outage is restarted again
-by its agent). Nothing is committed meanwhile: a step needs its quorum before its
+misconfiguration is reported at once; except in a worker that torchelastic restarted
+(``known_reachable``: the job reached its lighthouse before), which waits from the start, so a group
+restarted during an outage joins the others when the lighthouse is back. Nothing is committed meanwhile: a step needs its quorum before its
 collectives, so a group waits at the start of the step (a step whose quorum had already formed
 finishes and commits normally; its collectives do not involve the lighthouse).
 
@@ -78,8 +79,12 @@ class OutageTolerantClient:
     raises `LighthouseUnavailableError`.
     """
 
-    def __init__(self, client: QuorumClient, outage_timeout: float = DEFAULT_OUTAGE_TIMEOUT) -> None:
+    def __init__(
+        self, client: QuorumClient, outage_timeout: float = DEFAULT_OUTAGE_TIMEOUT, *, known_reachable: bool = False
+    ) -> None:
         self._client = client
+        #: The job reached this lighthouse before (e.g. this worker is a restart): wait from the start.
+        self._known_reachable = known_reachable
         self.outage_timeout = outage_timeout_from_env(outage_timeout)
         self._closed = threading.Event()
         self._last: Quorum | None = None  # the last quorum this group got
@@ -92,7 +97,9 @@ class OutageTolerantClient:
 
     def _reached(self) -> bool:
         """Whether the lighthouse ever answered this group (a quorum, or any request of the real client)."""
-        return self._last is not None or (isinstance(self._client, LighthouseClient) and self._client.answered)
+        if self._known_reachable or self._last is not None:
+            return True
+        return isinstance(self._client, LighthouseClient) and self._client.answered
 
     def _connection_failures(self) -> int:
         # Only the real client counts failed connections (heartbeats included); a fake has none.

@@ -50,4 +50,9 @@ def lighthouse_client(
             "(the `ftlaunch` launcher sets it for you)"
         )
     client = LighthouseClient(addr, connect_timeout=connect_timeout, token=token or os.environ.get(env.FTLAUNCH_TOKEN))
-    return OutageTolerantClient(client, lighthouse_outage() if outage_timeout is None else outage_timeout)
+    # A worker torchelastic restarted belongs to a job that reached its lighthouse: an unreachable
+    # one is an outage to wait out even before its first answer.
+    restarted = (env.get_int(env.TORCHELASTIC_RESTART_COUNT, 0) or 0) > 0
+    return OutageTolerantClient(
+        client, lighthouse_outage() if outage_timeout is None else outage_timeout, known_reachable=restarted
+    )

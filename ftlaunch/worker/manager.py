@@ -35,6 +35,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from ftlaunch import env
 from ftlaunch.checkpointing.transport import CheckpointTransport
 from ftlaunch.errors import (
     CommunicationError,
@@ -54,6 +55,7 @@ from ftlaunch.worker.group_store import GroupStore
 from ftlaunch.worker.managed_work import ManagedWork, with_default
 from ftlaunch.worker.plan import LAYOUT_KEY, StepPlan, WorldSizeMode, plan_step
 from ftlaunch.worker.recovery import DEFAULT_STATE_KEY, StateRegistry
+from ftlaunch.worker.watchdog import ProgressWatchdog, progress_timeout
 
 logger = logging.getLogger(__name__)
 
@@ -233,6 +235,8 @@ class Manager:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"ftlaunch-quorum-{self.replica_id}")
         if self._client is not None:
             self._client.start_heartbeat(self.replica_id, to_seconds(heartbeat_interval))
+        # A training thread that stops stepping while its heartbeats go on leaves (worker/watchdog.py).
+        self._watchdog = self._start_watchdog(to_seconds(heartbeat_interval))
         self.log.info(
             "manager up: group world_size=%d store=%s transport=%s",
             self._group_world_size, self._group.address, type(self._transport).__name__,
@@ -240,6 +244,27 @@ class Manager:
         timeouts.log(self.log)
         if port is not None:
             self.log.info("port=%d is not used: ftlaunch has no per-group manager server", port)
+
+    def _start_watchdog(self, heartbeat_interval: float) -> ProgressWatchdog | None:
+        client = self._client
+        limit = progress_timeout(self.timeouts.collective)
+        if client is None or limit <= 0:
+            return None
+
+        def stalled(age: float) -> None:
+            self.log.warning(
+                "no step progress for %.0fs (progress timeout %gs, %s): leaving the lighthouse so that the "
+                "other groups go on; this group rejoins and heals when it steps again",
+                age, limit, env.FTLAUNCH_PROGRESS_TIMEOUT,
+            )  # fmt: skip
+            client.leave(self.replica_id)
+
+        def resumed() -> None:
+            self.log.warning("stepping again: rejoining the lighthouse")
+            client.start_heartbeat(self.replica_id, heartbeat_interval)
+
+        in_flight = lambda: self._quorum_future is not None and not self._quorum_future.done()  # noqa: E731
+        return ProgressWatchdog(limit, on_stall=stalled, on_resume=resumed, waiting=in_flight)
 
     def register_state_dict_fn(
         self, key: str, load_state_dict: Callable[[Any], None], state_dict: Callable[[], Any]
@@ -280,6 +305,8 @@ class Manager:
         """Begin a step: ask for its quorum (in the background when ``use_async_quorum``)."""
         if self._shutdown:
             raise FtlaunchError("manager is shut down")
+        if self._watchdog is not None:
+            self._watchdog.touch()
         if self._quorum_future is not None and not self._quorum_future.done():
             # The previous step never waited for its quorum (no allreduce, no commit): finish it.
             self._quorum_future.exception()
@@ -462,6 +489,8 @@ class Manager:
         """True when every rank of every participating group finished this step cleanly."""
         if self._quorum_future is None:
             raise FtlaunchError("should_commit() before start_quorum()")
+        if self._watchdog is not None:
+            self._watchdog.touch()
         budget = self.timeouts.commit if timeout is None else to_seconds(timeout)
         deadline = time.monotonic() + budget
         self.wait_quorum()
@@ -578,6 +607,8 @@ class Manager:
         if self._shutdown:
             return
         self._shutdown = True
+        if self._watchdog is not None:
+            self._watchdog.close()
         if self._client is not None:
             try:
                 self._client.leave(self.replica_id)  # also stops the heartbeat

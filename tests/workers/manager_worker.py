@@ -50,6 +50,9 @@ def main() -> int:
     ap.add_argument("--quorum-timeout", type=float, default=30.0)
     ap.add_argument("--connect-timeout", type=float, default=10.0)
     ap.add_argument("--max-seconds", type=float, default=120.0)
+    ap.add_argument("--hang-at-step", type=int, default=-1,
+                    help="the training thread hangs after backward at this step (heartbeats go on)")
+    ap.add_argument("--hang-seconds", type=float, default=0.0)
     ap.add_argument("--sync", choices=["ddp", "managed-pg"], default="ddp",
                     help="gradient sync: ftlaunch DDP, or dist.all_reduce over a ManagedProcessGroup")
     args = ap.parse_args()
@@ -111,6 +114,10 @@ def main() -> int:
             if args.sync == "managed-pg":
                 for p in model.parameters():
                     dist.all_reduce(p.grad, op=dist.ReduceOp.AVG, group=mpg)
+            if step == args.hang_at_step and args.hang_seconds > 0:
+                out.write(json.dumps({"hang": True, "t": time.time(), "step": step}) + "\n")
+                time.sleep(args.hang_seconds)  # stuck like a hung intra-group collective
+                args.hang_seconds = 0
             if args.always_error or (step == args.error_at_step and not errored_once):
                 errored_once = True
                 manager.report_error(RuntimeError(f"injected failure at step {step}"))
