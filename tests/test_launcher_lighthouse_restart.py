@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import os
 import signal
+import time
 
 import pytest
 from test_launcher_chaos import Kills, training
@@ -23,7 +24,7 @@ from ftlaunch.lighthouse.quorum import QuorumMember
 
 
 def test_a_hosted_lighthouse_restarts_on_the_same_address_with_fresh_bookkeeping() -> None:
-    lh = HostedLighthouse.start(LighthouseSettings(bind="127.0.0.1:0", token="t0k"))
+    lh = HostedLighthouse.start(LighthouseSettings(bind="127.0.0.1:0", token="t0k", heartbeat_timeout=2.0))
     client = LighthouseClient(lh.address, connect_timeout=1.0, token="t0k")
     try:
         assert lh.serving and not lh.needs_restart
@@ -35,7 +36,10 @@ def test_a_hosted_lighthouse_restarts_on_the_same_address_with_fresh_bookkeeping
         assert lh.serving and not lh.needs_restart and lh.address == address and lh.restarts == 1
         # the same address answers, knows nothing of rg0 yet, and hands out a higher id
         assert lh.snapshot().groups == ()
-        assert client.quorum(QuorumMember("rg0"), timeout=5.0).quorum_id > first
+        client.start_heartbeat("rg0", 0.1)
+        t0 = time.monotonic()
+        assert client.quorum(QuorumMember("rg0"), timeout=10.0).quorum_id > first
+        assert time.monotonic() - t0 >= 1.5, "a restarted lighthouse waits for reports (startup grace)"
         client.report_failure("rg0", "admin calls take the same token after a restart")
     finally:
         client.close()

@@ -106,6 +106,30 @@ def test_the_newest_report_wins_and_reports_are_ignored_once_this_lighthouse_for
     assert "rg7" not in {g.replica_id for g in m.snapshot().groups}
 
 
+def test_a_restarted_lighthouse_forms_no_quorum_of_fresh_groups_during_its_grace() -> None:
+    """A group restarted from scratch must not start a lineage of its own before the groups that
+    hold the job's state are back (they were waiting out the outage with backoff)."""
+    clock = Clock()
+    m = Membership(QuorumOptions(heartbeat_timeout=5.0), ids=QuorumIdAllocator(1_700_000_000_000), clock=clock,
+                   wall_clock=clock, startup_grace=5.0)
+    fresh_group = m.request_quorum(QuorumMember("rg2", step=0))
+    m.tick()
+    assert not fresh_group.done and "resume reports" in m.snapshot().decision
+    holder = m.request_quorum(QuorumMember("rg0", step=244, data=report(7, "rg0", "rg1", "rg2")))
+    m.tick()
+    assert not holder.done  # rg1 was reported: wait for it (at most a heartbeat timeout)
+    back = m.request_quorum(QuorumMember("rg1", step=244))
+    for t in (fresh_group, holder, back):
+        assert t.done and t.quorum is not None and t.quorum.replica_ids == ("rg0", "rg1", "rg2")
+    # without any report, the grace ends and the usual rules apply
+    m2 = Membership(QuorumOptions(), clock=clock, wall_clock=clock, startup_grace=5.0)
+    t = m2.request_quorum(QuorumMember("rg0"))
+    clock.now += 5.1
+    m2.heartbeat("rg0")
+    m2.tick()
+    assert t.done
+
+
 @pytest.mark.parametrize(
     "bad",
     [None, 3, {"quorum_id": "1", "members": ["a"]}, {"quorum_id": 1, "members": []},

@@ -106,13 +106,13 @@ class HostedLighthouse(JobLighthouse):
         self.restarts = 0
 
     @classmethod
-    def start(cls, settings: LighthouseSettings) -> HostedLighthouse:
-        """Bind ``settings.bind`` and serve.
+    def start(cls, settings: LighthouseSettings, *, restarted: bool = False) -> HostedLighthouse:
+        """Bind ``settings.bind`` and serve (``restarted``: for a job already running, see `restart`).
 
         Raises `ConfigurationError` when the address cannot be bound (e.g. the port is in use) or an
         option is invalid.
         """
-        return cls(_new_server(settings, settings.bind).start(), settings)
+        return cls(_new_server(settings, settings.bind, restarted=restarted).start(), settings)
 
     @property
     def address(self) -> str:
@@ -155,7 +155,7 @@ class HostedLighthouse(JobLighthouse):
         deadline = time.monotonic() + _REBIND_S
         while True:
             try:
-                self._server = _new_server(self._settings, bind).start()
+                self._server = _new_server(self._settings, bind, restarted=True).start()
                 break
             except ConfigurationError:
                 if time.monotonic() > deadline:
@@ -196,7 +196,7 @@ class HostedLighthouse(JobLighthouse):
         return self._server
 
 
-def _new_server(settings: LighthouseSettings, bind: str) -> LighthouseServer:
+def _new_server(settings: LighthouseSettings, bind: str, *, restarted: bool = False) -> LighthouseServer:
     from ftlaunch.lighthouse.server import LighthouseServer
 
     return LighthouseServer(
@@ -205,6 +205,9 @@ def _new_server(settings: LighthouseSettings, bind: str) -> LighthouseServer:
         join_timeout=settings.join_timeout,
         heartbeat_timeout=settings.heartbeat_timeout,
         token=settings.token,
+        # A restarted lighthouse waits (at most a heartbeat timeout) for the groups that hold the
+        # job's state to report, before a freshly started group could form a quorum of its own.
+        startup_grace=settings.heartbeat_timeout if restarted else 0.0,
     )
 
 

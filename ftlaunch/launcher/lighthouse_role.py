@@ -122,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(job_dir, exist_ok=True)
     previous_token = _read(os.path.join(job_dir, TOKEN_FILE))
     token = os.environ.get(env.FTLAUNCH_TOKEN) or previous_token or (None if loopback else secrets.token_hex(16))
+    restarted = _read(os.path.join(job_dir, ADDRESS_FILE)) is not None  # a previous incarnation served
     bind = _same_port_as_before(bind, job_dir)
     settings = LighthouseSettings(
         bind=bind,
@@ -131,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         token=token,
     )
     try:
-        lighthouse = HostedLighthouse.start(settings)
+        lighthouse = HostedLighthouse.start(settings, restarted=restarted)
     except ConfigurationError as e:
         print(f"lighthouse role: error: {e}", file=sys.stderr)
         return 2

@@ -54,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--join-timeout", type=_seconds, default=60.0, help="seconds to wait for stragglers (default %(default)s)")
     p.add_argument("--quorum-tick", type=_seconds, default=0.1, help="timer period in seconds for time-based rules (default %(default)s)")
     p.add_argument("--heartbeat-timeout", type=_seconds, default=5.0, help="seconds of silence before a group is out (default %(default)s)")
+    p.add_argument("--startup-grace", type=_seconds, default=0.0,
+                   help="when restarting the lighthouse of a running job: form no first quorum for this many "
+                        "seconds unless the groups report their last one (use the heartbeat timeout; default 0)")
     p.add_argument(
         "--token",
         default=os.environ.get(env.FTLAUNCH_TOKEN) or None,
@@ -76,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
             quorum_tick=args.quorum_tick,
             heartbeat_timeout=args.heartbeat_timeout,
             token=args.token,
+            startup_grace=args.startup_grace,
         )
     except ConfigurationError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)

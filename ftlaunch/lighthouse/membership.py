@@ -145,6 +145,7 @@ class Membership:
         ids: QuorumIdAllocator | None = None,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
+        startup_grace: float = 0.0,
     ) -> None:
         self._options = options
         self._clock = clock
@@ -164,6 +165,10 @@ class Membership:
         self._evicted: dict[str, str] = {}  # replica id -> reason, until the group is told
         self._history: deque[HistoryEvent] = deque(maxlen=HISTORY_LEN)
         self._closed = False
+        #: A restarted lighthouse forms its first quorum from the groups' resume reports; until this
+        #: time (and without a report) it forms none, so that groups that held the job's state are
+        #: back before a fresh group could start a quorum of its own from step 0.
+        self._grace_until = clock() + startup_grace
 
     @property
     def options(self) -> QuorumOptions:
@@ -433,12 +438,16 @@ class Membership:
     def _waiting_reason(self, now: float) -> str:
         if not self._requests:
             return "no pending quorum requests"
+        if self._quorum is None and self._adopted is None and now < self._grace_until:
+            return f"restarted: waiting {self._grace_until - now:.1f}s more for the groups' resume reports"
         return decide_quorum(self._state(), now, self._options).reason
 
     def _decide(self, now: float) -> None:
         """Recompute the decision after an event; form the quorum and resolve its members if due."""
         if not self._requests:
             return
+        if self._quorum is None and self._adopted is None and now < self._grace_until:
+            return  # a restarted lighthouse waits for resume reports (see __init__)
         state = self._state()
         if not may_form(state, now, self._options):  # O(1) on most arrivals; see may_form
             return

@@ -51,6 +51,7 @@ class LighthouseServer:
         quorum_tick: float = 0.1,
         heartbeat_timeout: float = 5.0,
         token: str | None = None,
+        startup_grace: float = 0.0,
     ) -> None:
         try:
             self._options = QuorumOptions(
@@ -75,7 +76,9 @@ class LighthouseServer:
         self._address = http_url(bound_host, bound_port)
         self._tick = float(quorum_tick)
         self._token = token or None
-        self._membership = Membership(self._options)
+        # startup_grace > 0 for a lighthouse started again for a running job (docs/lighthouse.md,
+        # "When the lighthouse dies"): no first quorum before it unless the groups' reports arrive.
+        self._membership = Membership(self._options, startup_grace=startup_grace)
         self._http = HttpServer(
             sock,
             Routes(self._membership, token=self._token, snapshot=self.snapshot),
