@@ -74,6 +74,9 @@ class ProgressWatchdog:
         self._last: float | None = None  # armed at the first touch
         self._stalled = False
         self._lock = threading.Lock()
+        # Held while a callback runs: a resume that races a stall waits for the stall's callback
+        # (leave) to finish, so the group never ends up left with its heartbeat restarted first.
+        self._callbacks = threading.Lock()
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
         if limit > 0:
@@ -90,18 +93,20 @@ class ProgressWatchdog:
             self._last = self._clock()
             resumed, self._stalled = self._stalled, False
         if resumed:
-            self._call(self._on_resume)
+            with self._callbacks:
+                self._call(self._on_resume)
 
     def check(self) -> bool:
         """One look (the thread calls it; tests call it directly). True if it stalled just now."""
-        with self._lock:
-            if self._stalled or self._last is None or self.limit <= 0:
-                return False
-            age = self._clock() - self._last
-            if age <= self.limit or self._waiting():
-                return False
-            self._stalled = True
-        self._call(self._on_stall, age)
+        with self._callbacks:
+            with self._lock:
+                if self._stalled or self._last is None or self.limit <= 0:
+                    return False
+                age = self._clock() - self._last
+                if age <= self.limit or self._waiting():
+                    return False
+                self._stalled = True
+            self._call(self._on_stall, age)
         return True
 
     def _run(self) -> None:
