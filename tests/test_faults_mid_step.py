@@ -174,7 +174,7 @@ def test_one_rank_of_a_two_rank_group_sigstopped(
     steps = 150
     args = ["--steps", str(steps), "--step-sleep", "0.2", "--timeout", "4", "--quorum-timeout", "8",
             "--connect-timeout", "2", "--max-seconds", "250"]
-    g0 = Group(0, 1, lighthouse.address, tmp_path, args)
+    g0 = Group(0, 2, lighthouse.address, tmp_path, args)  # ranks pair up across groups: same size
     g1 = Group(1, 2, lighthouse.address, tmp_path, args)
     groups.extend([g0, g1])
     g0.start()
@@ -189,12 +189,15 @@ def test_one_rank_of_a_two_rank_group_sigstopped(
     g1.restart()
     for g in (g0, g1):
         assert g.wait(250) == [0] * g.nworkers, g.log_tail()
-    assert g0.final()["checksum"] == g1.final()["checksum"] == g1.final(1)["checksum"]  # type: ignore[index]
+    sums = {g.final(r)["checksum"] for g in (g0, g1) for r in range(2)}  # type: ignore[index]
+    assert len(sums) == 1, sums
 
 
 def test_a_sigkilled_supervisor_leaves_no_process_behind(tmp_path: Path) -> None:
-    """Agents die with the supervisor (PR_SET_PDEATHSIG), workers with their agents, Baby children
-    with their workers; also a SIGSTOPped worker."""
+    """Agents die with the supervisor (PR_SET_PDEATHSIG -> SIGTERM), workers with their agents, Baby
+    children with their workers; also a SIGSTOPped worker. An agent stops its workers the way
+    torchelastic does (SIGTERM, then SIGKILL after 30 s): a SIGSTOPped worker cannot handle the
+    SIGTERM, so the last processes may take that long to go."""
     proc = start([*FTLAUNCH, "--replicas", "2", "--nproc-per-node", "2", "--no-status",
                   "--chaos", "steps=15,group=1,signal=STOP,stop_for=100", "--log-dir", str(tmp_path / "logs"),
                   "scripts/train_ddp.py", "--steps", "100000", "--step-sleep", "0.05"])
@@ -214,7 +217,7 @@ def test_a_sigkilled_supervisor_leaves_no_process_behind(tmp_path: Path) -> None
         pids = [p.pid for p in tree()]
         proc.send_signal(signal.SIGKILL)
         finish(proc, 30)
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 45
         while [p for p in pids if alive(p)] and time.monotonic() < deadline:
             time.sleep(0.2)
         left = [p for p in pids if alive(p)]
