@@ -554,9 +554,16 @@ class Manager:
     def _vote_of_group_ranks(self, ok: bool, deadline: float) -> bool:
         try:
             return self._group.vote(self._quorum_seq, ok, deadline)
-        except CommunicationError as e:  # a peer rank died: its agent restarts the group
+        except CommunicationError as e:
+            # A rank of this group did not vote: dead (its agent restarts the group anyway) or
+            # stopped/hung, which no agent notices -- and the leader, still healthy, would bring the
+            # group into every quorum, failing every step of every group. End this worker: the
+            # agent then restarts the whole group, stopped rank included.
             self.report_error(e)
-            return False
+            raise CommunicationError(
+                f"a rank of replica group {self.replica_id} did not vote within the commit timeout "
+                f"(dead or hung): {e}; this worker ends so that its agent restarts the group"
+            ) from e
 
     def _load_healed_state(self) -> None:
         state, self._pending_state = self._pending_state, None
