@@ -105,11 +105,14 @@ def run_ftlaunch(args: argparse.Namespace, chaos: str | None, label: str) -> Run
                             errors="replace")
     lock = threading.Lock()
     tail: list[str] = []
+    keep = open(f"{args.keep_output}.{label}", "w") if args.keep_output else None  # noqa: SIM115
 
     def read(stream) -> None:  # noqa: ANN001 - a text pipe
         for line in stream:
             now = time.monotonic()
             with lock:
+                if keep is not None:
+                    keep.write(f"{now - start:9.3f} {line}")
                 run.log_bytes += len(line.encode())
                 tail.append(line)
                 del tail[:-200]
@@ -125,6 +128,8 @@ def run_ftlaunch(args: argparse.Namespace, chaos: str | None, label: str) -> Run
         run.code = proc.wait()
     for r in readers:
         r.join(30)
+    if keep is not None:
+        keep.close()
     run.wall = time.monotonic() - start
     run.tail = "".join(tail[-60:])
     run.orphans = orphans(marker, grace=10.0)
@@ -270,6 +275,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-baseline", action="store_true", help="skip the fault-free run (no goodput)")
     p.add_argument("--json", default=None, help="also write the report here")
     p.add_argument("--verbose", action="store_true", help="echo the launcher's own lines")
+    p.add_argument("--keep-output", default=None, metavar="PREFIX",
+                   help="write each run's whole output, time-stamped, to PREFIX.baseline / PREFIX.chaos")
     args = p.parse_args(argv)
     if args.lighthouse_at is not None and args.lighthouse_at < 0:
         args.lighthouse_at = None
