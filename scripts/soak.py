@@ -18,7 +18,9 @@ and prints a report (``--json`` writes it too):
 * goodput: fault-free training time / chaos training time for the same steps (training time = first
   step line to the last group's final line; start-up is not counted);
 * longest survivor stall: the longest time no group committed a step;
-* divergence: groups whose final weights checksum differs from the others';
+* divergence: groups that finished with a final weights checksum other than the majority's;
+  groups the launcher stopped because the training finished while they were down (nobody left
+  to heal them) are listed apart;
 * orphans: processes of the job alive 10 s after ``ftlaunch`` returned (found by a marker variable
   every process of the job inherits);
 * log bytes: what ``ftlaunch`` printed plus its ``--log-dir``.
@@ -70,6 +72,7 @@ class Run:
     finals: dict[int, tuple[str, int]] = field(default_factory=dict)  # group -> (checksum, step)
     injections: dict[str, int] = field(default_factory=dict)  # "SIGKILL workers" -> count
     lighthouse_restarts: int = 0
+    stopped_groups: list[int] = field(default_factory=list)  # down when the training finished
     error_exits: list[str] = field(default_factory=list)
     tracebacks: int = 0
     log_bytes: int = 0
@@ -160,6 +163,9 @@ def parse_line(run: Run, line: str, now: float, verbose: bool) -> None:
         return
     if "[ftlaunch] chaos: lighthouse crashed" in line and "restarted" not in line:
         run.injections["lighthouse crash"] = run.injections.get("lighthouse crash", 0) + 1
+    m = re.search(r"\[ftlaunch\] replica group (\d+): the training finished while it was recovering", line)
+    if m is not None:
+        run.stopped_groups.append(int(m.group(1)))
     if "stopped serving; restarted on the same address" in line:
         run.lighthouse_restarts += 1
     m = _EXITED.search(line)
@@ -194,8 +200,8 @@ def report(args: argparse.Namespace, chaos_run: Run, baseline: Run | None) -> di
     sums = {c for c, _ in chaos_run.finals.values()}
     majority = max(sums, key=lambda s: sum(1 for c, _ in chaos_run.finals.values() if c == s)) if sums else None
     divergent = sum(1 for c, _ in chaos_run.finals.values() if c != majority)
-    missing = args.groups - len(chaos_run.finals)
-    crashes = len(chaos_run.error_exits) + (0 if chaos_run.code == 0 else 1)
+    missing = args.groups - len(chaos_run.finals) - len(chaos_run.stopped_groups)  # unexplained
+    crashes = len(chaos_run.error_exits) + (0 if chaos_run.code == 0 else 1) + max(missing, 0)
     goodput = None
     if baseline is not None and baseline.training_time and chaos_run.training_time:
         goodput = baseline.training_time / chaos_run.training_time
@@ -213,7 +219,8 @@ def report(args: argparse.Namespace, chaos_run: Run, baseline: Run | None) -> di
         "crashes": crashes,
         "error_exits": chaos_run.error_exits,
         "tracebacks_in_output": chaos_run.tracebacks,
-        "divergent_groups": divergent + missing,
+        "divergent_groups": divergent,
+        "groups_stopped_after_the_end": chaos_run.stopped_groups,
         "final_checksums": {f"rg{g}": c for g, (c, _) in sorted(chaos_run.finals.items())},
         "training_time_s": chaos_run.training_time,
         "baseline_training_time_s": baseline.training_time if baseline else None,
@@ -250,7 +257,7 @@ def print_report(r: dict) -> None:
     print("soak report (scripts/soak.py, through the ftlaunch command)")
     for key in ("groups", "steps_target", "chaos", "exit_code", "committed_steps", "committed_group_steps",
                 "injections_total", "injections", "lighthouse_restarts", "crashes", "tracebacks_in_output",
-                "divergent_groups", "final_checksums", "training_time_s", "baseline_training_time_s", "goodput",
+                "divergent_groups", "groups_stopped_after_the_end", "final_checksums", "training_time_s", "baseline_training_time_s", "goodput",
                 "longest_survivor_stall_s", "baseline_longest_stall_s", "orphans", "log_bytes",
                 "baseline_log_bytes", "wall_s"):
         print(f"  {key:28s} {fmt(r[key])}")

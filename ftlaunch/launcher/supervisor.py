@@ -44,7 +44,7 @@ from ftlaunch.errors import FtlaunchError, LighthouseError
 from ftlaunch.launcher import procs
 from ftlaunch.launcher.agent import AgentConfig
 from ftlaunch.launcher.chaos import Chaos
-from ftlaunch.launcher.group import FAILED, Group
+from ftlaunch.launcher.group import FAILED, STARTING, SUCCEEDED, Group
 from ftlaunch.launcher.lighthouse_host import (
     HostedLighthouse,
     JobLighthouse,
@@ -310,6 +310,7 @@ class Supervisor:
             now = time.monotonic()
             for group in self.groups:
                 self._check_agent(group, now)
+            self._stop_stragglers()
             procs.reap_zombies({a.proc.pid for a in self._agents.values()})
             if self._chaos is not None:
                 self._chaos.tick(now, self._training_started, {g: a.proc.pid for g, a in self._agents.items()})
@@ -392,6 +393,29 @@ class Supervisor:
             self.console.err(outcome.message)
         if outcome.respawn:
             self._spawn(group)
+
+    def _stop_stragglers(self) -> None:
+        """Once a group finished, stop the groups that are down and not back yet: nobody is left to
+        heal them, so restarted they would train from scratch, alone, and end with other weights
+        than the job's (the soak found exactly that). Groups stepping with the others finish normally."""
+        if not any(g.state == SUCCEEDED or g.finishing for g in self.groups):
+            return
+        for group in self.groups:
+            if group.terminal or group.finishing or (group.failure_at is None and group.state != STARTING):
+                continue
+            agent = self._agents.get(group.gid)
+            victims = self._group_processes(group)
+            if agent is not None and agent.proc.poll() is None:
+                victims.append(psutil.Process(agent.proc.pid))
+            procs.kill_procs(victims, timeout=5.0)
+            group.stopped_by_launcher()
+            group.worker_pids = {}
+            if self._chaos is not None:
+                self._chaos.forget(group.gid)
+            self.console.err(
+                f"[ftlaunch] replica group {group.gid}: the training finished while it was recovering "
+                "(nobody left to heal it from); stopped"
+            )
 
     def _group_processes(self, group: Group) -> list[psutil.Process]:
         agents = {a.proc.pid for a in self._agents.values()}
