@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import queue
+import re
 import secrets
 import shutil
 import signal
@@ -70,6 +71,10 @@ _TICK_S = 0.05
 _DRAIN_S = 2.0
 
 
+#: A step line of groups training together (``participants=K``, K >= 2).
+_TOGETHER = re.compile(r"\bparticipants=([2-9]|\d{2,})\b")
+
+
 class LaunchError(FtlaunchError):
     """The job could not start (lighthouse, ports, ...): reported as one line, exit code 2."""
 
@@ -114,6 +119,9 @@ class Supervisor:
             if opts.chaos else None
         )
         self._lighthouse_back_at = 0.0  # a crashed hosted lighthouse is restarted from then on
+        #: A step line said ``participants=K`` with K >= 2: the groups train together and heal from
+        #: each other (fault-tolerant training, not independent scripts), see `_stop_stragglers`.
+        self._trained_together = False
         self._status: StatusLine | None = None
         self._exit_root_cause: str | None = None
 
@@ -353,6 +361,8 @@ class Supervisor:
         if step is not None:
             if self._training_started is None:
                 self._training_started = now
+            if not self._trained_together and _TOGETHER.search(line):
+                self._trained_together = True
             if group.step_line(step.step, step.committed, now) is not None and self._chaos is not None:
                 self._chaos.rejoined(group.gid, now)
             return
@@ -397,8 +407,10 @@ class Supervisor:
     def _stop_stragglers(self) -> None:
         """Once a group finished, stop the groups that are down and not back yet: nobody is left to
         heal them, so restarted they would train from scratch, alone, and end with other weights
-        than the job's (the soak found exactly that). Groups stepping with the others finish normally."""
-        if not any(g.state == SUCCEEDED or g.finishing for g in self.groups):
+        than the job's (the soak found exactly that). Groups stepping with the others finish normally.
+        Only for groups that train together (a step line said ``participants=`` 2 or more): scripts
+        whose groups run independently may still finish alone."""
+        if not self._trained_together or not any(g.state == SUCCEEDED or g.finishing for g in self.groups):
             return
         for group in self.groups:
             if group.terminal or group.finishing or (group.failure_at is None and group.state != STARTING):
