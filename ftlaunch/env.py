@@ -51,6 +51,12 @@ FTLAUNCH_HEAL_TIMEOUT = "FTLAUNCH_HEAL_TIMEOUT"
 FTLAUNCH_COMMIT_TIMEOUT = "FTLAUNCH_COMMIT_TIMEOUT"
 FTLAUNCH_QUORUM_TIMEOUT = "FTLAUNCH_QUORUM_TIMEOUT"
 FTLAUNCH_CONNECT_TIMEOUT = "FTLAUNCH_CONNECT_TIMEOUT"
+#: How long a group leader waits for an unreachable lighthouse to come back before it gives up
+#: (a duration, default 300 s; 0: give up after the connect timeout). ``ftlaunch.lighthouse.reconnect``.
+FTLAUNCH_LIGHTHOUSE_OUTAGE = "FTLAUNCH_LIGHTHOUSE_OUTAGE"
+#: A group leader whose training thread made no step call for this long (a duration, default 1.5x the
+#: collective timeout; 0: off) leaves the lighthouse until it steps again. ``ftlaunch.worker.watchdog``.
+FTLAUNCH_PROGRESS_TIMEOUT = "FTLAUNCH_PROGRESS_TIMEOUT"
 #: Defaults of ``ft.diloco()`` / ``ft.local_sgd()`` for what the script does not pass (set by the
 #: torchx component ``ftlaunch:diloco``): inner steps per sync, fragments, overlap steps (tau),
 #: mixing alpha, and pseudo-gradient bits (0: full precision, 8 or 4).
@@ -76,6 +82,8 @@ ALL_FTLAUNCH_VARS = (
     FTLAUNCH_COMMIT_TIMEOUT,
     FTLAUNCH_QUORUM_TIMEOUT,
     FTLAUNCH_CONNECT_TIMEOUT,
+    FTLAUNCH_LIGHTHOUSE_OUTAGE,
+    FTLAUNCH_PROGRESS_TIMEOUT,
     FTLAUNCH_SYNC_EVERY,
     FTLAUNCH_FRAGMENTS,
     FTLAUNCH_FRAGMENT_SYNC_DELAY,

@@ -150,6 +150,7 @@ LIGHTHOUSE_RANKS: dict[str, int] = {
     "dashboard": 2,  # HTML from a status
     "metrics": 2,  # Prometheus text from a status (prometheus_client)
     "client": 2,
+    "reconnect": 3,  # the leader's client riding out a lighthouse outage
     "transport": 3,  # asyncio connections, long polls, identities
     "routes": 3,  # endpoints: JSON, token, domain errors -> status codes
     "server": 4,  # composes them

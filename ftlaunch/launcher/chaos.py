@@ -7,6 +7,11 @@ for the summary. The spec itself is parsed in `ftlaunch.launcher.options` (`Chao
 
 Safety rules: never the last healthy group (nobody could heal the others), never a group that is
 still recovering, and nothing once a group has finished or failed for good (the job is ending).
+
+``signal=MIX`` picks SIGKILL of the workers, SIGSTOP of the workers or SIGKILL of the agent at each
+injection. ``lighthouse=SECONDS`` crashes the lighthouse the launcher hosts once, that long after
+training started, and keeps it down ``lighthouse_down`` seconds; the supervisor then restarts it on
+the same address (`LighthouseCrash`, reported beside the injections).
 """
 
 from __future__ import annotations
@@ -33,6 +38,16 @@ class Injection:
     step: int | None
     #: Seconds from the injection to the victim's next committed step (None: it never committed again).
     rejoined_after: float | None = None
+
+
+@dataclass
+class LighthouseCrash:
+    """The one lighthouse crash of ``--chaos lighthouse=``: when, how long it stayed down."""
+
+    at: float
+    step: int | None
+    #: Seconds until the supervisor restarted it (None: not yet / never).
+    down_for: float | None = None
 
 
 class ChaosSchedule:
@@ -93,9 +108,14 @@ class Chaos:
         console: Console,
         started: float,
         kill: Callable[[int, int], None] = os.kill,
+        crash_lighthouse: Callable[[float], bool] | None = None,
     ) -> None:
         self.spec = spec
         self.injections: list[Injection] = []
+        #: ``lighthouse=``: the crash, once it happened.
+        self.lighthouse_crash: LighthouseCrash | None = None
+        #: Crashes the hosted lighthouse for the given seconds; False if there is none to crash.
+        self._crash_lighthouse = crash_lighthouse
         self._groups = groups
         self._console = console
         self._schedule = ChaosSchedule(spec, started)
@@ -107,10 +127,13 @@ class Chaos:
         """Resume stopped workers that are due, then inject if an injection is due and safe."""
         self._resume_due(now)
         spec = self.spec
-        if spec.count is not None and len(self.injections) >= spec.count:
-            return
         if any(g.finishing or g.state in (SUCCEEDED, FAILED) for g in self._groups):
             return  # the job is ending (or degraded): do not pile on
+        self._maybe_crash_lighthouse(now, training_started)
+        if spec.every is None and not spec.steps:
+            return  # only the lighthouse crash
+        if spec.count is not None and len(self.injections) >= spec.count:
+            return
         step = max((g.last_step for g in self._groups if g.last_step is not None), default=None)
         if not self._schedule.due(now, training_started, step):
             return
@@ -119,6 +142,27 @@ class Chaos:
             return  # not safe right now (a group is still recovering); try again on the next tick
         if self._inject(target, now, step, agent_pids.get(target.gid)):
             self._schedule.injected(now, step)
+
+    def _maybe_crash_lighthouse(self, now: float, training_started: float | None) -> None:
+        spec = self.spec
+        if spec.lighthouse is None or self.lighthouse_crash is not None or training_started is None:
+            return
+        if now < training_started + spec.lighthouse:
+            return
+        step = max((g.last_step for g in self._groups if g.last_step is not None), default=None)
+        self.lighthouse_crash = LighthouseCrash(now, step)
+        if self._crash_lighthouse is None or not self._crash_lighthouse(spec.lighthouse_down):
+            self._console.err("[ftlaunch] chaos: lighthouse= needs the lighthouse the launcher hosts; not injected")
+            return
+        self._console.err(
+            "[ftlaunch] chaos: lighthouse crashed" + (f" at step {step}" if step is not None else "")
+            + f"; the launcher restarts it in {spec.lighthouse_down:g}s"
+        )
+
+    def lighthouse_restarted(self, now: float) -> None:
+        """The supervisor brought the crashed lighthouse back."""
+        if self.lighthouse_crash is not None and self.lighthouse_crash.down_for is None:
+            self.lighthouse_crash.down_for = now - self.lighthouse_crash.at
 
     def rejoined(self, gid: int, now: float) -> None:
         """Group ``gid`` committed again after a failure: its pending injections are over."""
@@ -136,8 +180,11 @@ class Chaos:
             self._resume(gid)
 
     def _inject(self, group: Group, now: float, step: int | None, agent_pid: int | None) -> bool:
-        spec = self.spec
-        if spec.target == "agent":
+        kinds = self.spec.kinds
+        sig, target = kinds[0] if len(kinds) == 1 else self._rng.choice(kinds)
+        if target == "agent" and agent_pid is None:
+            sig, target = "KILL", "workers"
+        if target == "agent":
             if agent_pid is None:
                 return False
             pids = [agent_pid]
@@ -146,18 +193,18 @@ class Chaos:
         sent = []
         for pid in pids:
             try:
-                self._kill(pid, spec.signum)
+                self._kill(pid, signal.Signals[f"SIG{sig}"])
                 sent.append(pid)
             except ProcessLookupError:
                 continue
         if not sent:
             return False
-        if spec.signal == "STOP":
-            self._stopped[group.gid] = (sent, now + spec.stop_for)
+        if sig == "STOP":
+            self._stopped[group.gid] = (sent, now + self.spec.stop_for)
             group.hung(now)  # a hung group: rejoin is measured from here too
-        self.injections.append(Injection(now, group.gid, f"SIG{spec.signal}", spec.target, step))
+        self.injections.append(Injection(now, group.gid, f"SIG{sig}", target, step))
         self._console.err(
-            f"[ftlaunch] chaos: SIG{spec.signal} -> replica group {group.gid} {spec.target} "
+            f"[ftlaunch] chaos: SIG{sig} -> replica group {group.gid} {target} "
             f"(pids {','.join(map(str, sent))})" + (f" at step {step}" if step is not None else "")
         )
         return True

@@ -11,8 +11,9 @@ The launcher reads the lighthouse's status only here, typed (`JobLighthouse.snap
 progress (`progress`: what their leaders report, so it is right for a script that prints nothing).
 
 A hosted lighthouse lives in this process: it is a single point of failure for the job (see
-docs/launcher.md). Restarting one the launcher hosts, on the same address, belongs to
-`HostedLighthouse` as well.
+docs/lighthouse.md, *When the lighthouse dies*). `HostedLighthouse.restart` brings one back on the
+same address (the supervisor calls it when the lighthouse stopped serving, and ``--chaos
+lighthouse=`` to rehearse it); the groups wait for it and resume with a quorum of all of them.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import logging
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 from ftlaunch.errors import LighthouseError
 from ftlaunch.lighthouse.progress import GroupProgress
@@ -36,6 +38,8 @@ logger = logging.getLogger(__name__)
 
 #: How often a lingering lighthouse looks whether groups still use it.
 _LINGER_POLL_S = 0.2
+#: How long a restart retries binding the same port (a socket of the old one may still hold it).
+_REBIND_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -107,32 +111,73 @@ class JobLighthouse(abc.ABC):
 class HostedLighthouse(JobLighthouse):
     """A lighthouse served from this process (background threads) until `stop`."""
 
-    def __init__(self, server: LighthouseServer) -> None:
+    def __init__(self, server: LighthouseServer, settings: LighthouseSettings | None = None) -> None:
         self._server: LighthouseServer | None = server
         self._address = server.address
+        self._settings = settings or LighthouseSettings()
+        self._crashed = False  # `crash` stopped it; `restart` may bring it back
+        #: How many times `restart` brought it back.
+        self.restarts = 0
 
     @classmethod
-    def start(cls, settings: LighthouseSettings) -> HostedLighthouse:
-        """Bind ``settings.bind`` and serve.
+    def start(cls, settings: LighthouseSettings, *, restarted: bool = False) -> HostedLighthouse:
+        """Bind ``settings.bind`` and serve (``restarted``: for a job already running, see `restart`).
 
         Raises `ConfigurationError` when the address cannot be bound (e.g. the port is in use) or an
         option is invalid.
         """
-        from ftlaunch.lighthouse.server import LighthouseServer
-
-        server = LighthouseServer(
-            settings.bind,
-            min_replicas=settings.min_replicas,
-            join_timeout=settings.join_timeout,
-            heartbeat_timeout=settings.heartbeat_timeout,
-            token=settings.token,
-            expected_replicas=settings.expected_replicas,
-        )
-        return cls(server.start())
+        return cls(_new_server(settings, settings.bind, restarted=restarted).start(), settings)
 
     @property
     def address(self) -> str:
         return self._address
+
+    # --- when it dies: the single point of failure and its remedy -------------------------------
+
+    @property
+    def serving(self) -> bool:
+        """Whether it answers: started, not stopped, its event loop alive."""
+        return self._server is not None and self._server.serving
+
+    @property
+    def needs_restart(self) -> bool:
+        """It stopped serving without `stop` (a crash, or `crash`): `restart` it."""
+        return (self._server is not None or self._crashed) and not self.serving
+
+    def crash(self) -> None:
+        """Stop serving at once, as a crash would, but so that `restart` may bring it back (chaos)."""
+        if self._server is None:
+            return
+        server, self._server = self._server, None
+        self._crashed = True
+        with contextlib.suppress(Exception):
+            server.shutdown()
+
+    def restart(self) -> None:
+        """Serve again on the same address with empty bookkeeping; the groups report their last
+        quorum to it (ftlaunch.lighthouse.reconnect) and resume. Retries the bind for a few seconds.
+        Raises `ConfigurationError` if the port cannot be bound again."""
+        from ftlaunch.errors import ConfigurationError
+
+        old, self._server = self._server, None
+        if old is not None:
+            with contextlib.suppress(Exception):
+                old.shutdown()
+        split = urlsplit(self._address)
+        host = _bind_host(self._settings.bind, split.hostname or "127.0.0.1")
+        bind = f"[{host}]:{split.port}" if ":" in host else f"{host}:{split.port}"
+        deadline = time.monotonic() + _REBIND_S
+        while True:
+            try:
+                self._server = _new_server(self._settings, bind, restarted=True).start()
+                break
+            except ConfigurationError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+        self._crashed = False
+        self.restarts += 1
+        logger.warning("lighthouse: restarted on %s (restart %d)", self._address, self.restarts)
 
     def snapshot(self) -> LighthouseStatus:
         return self._running().snapshot()
@@ -149,6 +194,7 @@ class HostedLighthouse(JobLighthouse):
         With ``linger`` > 0, first keep serving while any group is still live, at most ``linger``
         seconds: a lighthouse hosted by one group's agent must not vanish under the others.
         """
+        self._crashed = False
         if self._server is None:
             return
         deadline = time.monotonic() + linger
@@ -165,6 +211,35 @@ class HostedLighthouse(JobLighthouse):
         if self._server is None:
             raise LighthouseError(f"the lighthouse at {self._address} was stopped")
         return self._server
+
+
+def _new_server(settings: LighthouseSettings, bind: str, *, restarted: bool = False) -> LighthouseServer:
+    from ftlaunch.lighthouse.server import LighthouseServer
+
+    return LighthouseServer(
+        bind,
+        min_replicas=settings.min_replicas,
+        join_timeout=settings.join_timeout,
+        heartbeat_timeout=settings.heartbeat_timeout,
+        token=settings.token,
+        # A restarted lighthouse waits (at most a heartbeat timeout) for the groups that hold the
+        # job's state to report, before a freshly started group could form a quorum of its own.
+        startup_grace=settings.heartbeat_timeout if restarted else 0.0,
+        # The first quorum of the job waits for the groups the launcher starts; a restarted
+        # lighthouse instead takes the groups' resume reports (their last quorum).
+        expected_replicas=0 if restarted else settings.expected_replicas,
+    )
+
+
+def _bind_host(bind: str, served_host: str) -> str:
+    """The host to bind again: the configured one (a wildcard stays a wildcard), else the served one."""
+    from ftlaunch.addresses import parse_host_port
+
+    try:
+        host, _ = parse_host_port(bind, default_port=0)
+    except ValueError:
+        return served_host
+    return host or served_host
 
 
 class RemoteLighthouse(JobLighthouse):

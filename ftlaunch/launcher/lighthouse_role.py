@@ -12,6 +12,13 @@ random one, written to ``DIR/lighthouse.token`` readable by the job's user only)
 
 If a group's node is lost it never writes its exit file; the role then also ends once some group has
 finished and no group has been live for ``--idle-exit`` seconds.
+
+The lighthouse is the job's single point of failure (docs/lighthouse.md, *When the lighthouse
+dies*). The role restarts it in-process if it stops serving, and the torchx components give the role
+``max_retries`` with ``RetryPolicy.REPLICA`` so that a scheduler that supports it (Kubernetes/Volcano)
+replaces a dead lighthouse alone. A restarted role finds the previous incarnation's files in the job
+directory and serves on the same port with the same token, so the groups' address and token stay
+valid; they wait for it (``FTLAUNCH_LIGHTHOUSE_OUTAGE``) and resume.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ import time
 from typing import NoReturn
 
 from ftlaunch import env
+from ftlaunch.addresses import parse_host_port
 from ftlaunch.errors import ConfigurationError
 from ftlaunch.launcher import placement
 from ftlaunch.launcher.lighthouse_host import HostedLighthouse, LighthouseSettings
@@ -75,6 +83,31 @@ def _write(path: str, text: str, mode: int = 0o644) -> None:
     os.replace(path + ".tmp", path)
 
 
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
+def _same_port_as_before(bind: str, job_dir: str) -> str:
+    """``bind`` with the port of a previous incarnation of this role (its address file in
+    ``job_dir``) when ``bind`` asks for any free port: the groups keep the address they were given."""
+    previous = _read(os.path.join(job_dir, ADDRESS_FILE))
+    if previous is None:
+        return bind
+    try:
+        host, port = parse_host_port(bind, default_port=0)
+        _, old_port = parse_host_port(previous)
+    except ValueError:
+        return bind
+    if port != 0:
+        return bind
+    logger.info("a previous lighthouse of this job served on port %d: serving there again", old_port)
+    return f"[{host}]:{old_port}" if ":" in host else f"{host}:{old_port}"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=os.environ.get("LOGLEVEL", "INFO").upper(),
@@ -89,7 +122,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     assert job_dir is not None  # noqa: S101 - needed=True: a directory or ConfigurationError
     os.makedirs(job_dir, exist_ok=True)
-    token = os.environ.get(env.FTLAUNCH_TOKEN) or (None if loopback else secrets.token_hex(16))
+    previous_token = _read(os.path.join(job_dir, TOKEN_FILE))
+    token = os.environ.get(env.FTLAUNCH_TOKEN) or previous_token or (None if loopback else secrets.token_hex(16))
+    restarted = _read(os.path.join(job_dir, ADDRESS_FILE)) is not None  # a previous incarnation served
+    bind = _same_port_as_before(bind, job_dir)
     settings = LighthouseSettings(
         bind=bind,
         min_replicas=args.min_replicas,
@@ -99,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         token=token,
     )
     try:
-        lighthouse = HostedLighthouse.start(settings)
+        lighthouse = HostedLighthouse.start(settings, restarted=restarted)
     except ConfigurationError as e:
         print(f"lighthouse role: error: {e}", file=sys.stderr)
         return 2
@@ -118,6 +154,11 @@ def main(argv: list[str] | None = None) -> int:
             if len(done) >= args.groups:
                 logger.info("all %d group role(s) finished; lighthouse role exits", len(done))
                 break
+            if lighthouse.needs_restart:  # its event loop died: serve again on the same address
+                try:
+                    lighthouse.restart()
+                except ConfigurationError as e:
+                    logger.error("cannot restart the lighthouse on %s: %s", lighthouse.address, e)
             now = time.monotonic()
             idle_since = (idle_since or now) if done and lighthouse.live_groups() == 0 else None
             if idle_since is not None and now - idle_since > args.idle_exit:

@@ -12,7 +12,9 @@ from signal import Signals
 
 from ftlaunch.errors import ConfigurationError
 
-CHAOS_SIGNALS = ("KILL", "STOP", "TERM", "INT", "SEGV")
+CHAOS_SIGNALS = ("KILL", "STOP", "TERM", "INT", "SEGV", "MIX")
+#: What ``signal=MIX`` picks from at each injection: (signal, target).
+CHAOS_MIX = (("KILL", "workers"), ("STOP", "workers"), ("KILL", "agent"))
 CHAOS_TARGETS = ("workers", "agent")
 
 CHAOS_HELP = """\
@@ -40,8 +42,16 @@ class ChaosSpec:
     stop_for: float = 5.0
     start: float | None = None
     seed: int | None = None
+    #: Crash the lighthouse the launcher hosts once, this many seconds after training started...
+    lighthouse: float | None = None
+    #: ... and keep it down this long before the launcher restarts it on the same address.
+    lighthouse_down: float = 12.0
 
     def __post_init__(self) -> None:
+        if self.lighthouse is not None and not self.lighthouse_down > 0:
+            raise ConfigurationError(f"--chaos lighthouse_down={self.lighthouse_down} must be > 0")
+        if self.every is None and not self.steps and self.lighthouse is not None:
+            return  # only the lighthouse crash
         if self.every is None and not self.steps:
             raise ConfigurationError("--chaos needs every=SECONDS or steps=A/B/...")
         if self.every is not None and not self.every > 0:
@@ -65,6 +75,11 @@ class ChaosSpec:
     def signum(self) -> Signals:  # not signal.Signals: the `signal` field shadows the module here
         return signal.Signals[f"SIG{self.signal}"]
 
+    @property
+    def kinds(self) -> tuple[tuple[str, str], ...]:
+        """The (signal, target) pairs an injection picks from: one, or `CHAOS_MIX` for ``signal=MIX``."""
+        return CHAOS_MIX if self.signal == "MIX" else ((self.signal, self.target),)
+
     @classmethod
     def parse(cls, text: str) -> ChaosSpec:
         text = text.strip()
@@ -85,8 +100,8 @@ class ChaosSpec:
                 raise ConfigurationError(f"--chaos: {item!r} is not key=value")
             if key in kwargs:
                 raise ConfigurationError(f"--chaos: {key} given twice")
-            if key in ("every", "stop_for", "start"):
-                kwargs[key] = _positive_float(key, value, allow_zero=key == "start")
+            if key in ("every", "stop_for", "start", "lighthouse", "lighthouse_down"):
+                kwargs[key] = _positive_float(key, value, allow_zero=key in ("start", "lighthouse"))
             elif key == "steps":
                 try:
                     kwargs[key] = tuple(sorted(int(s) for s in value.replace(":", "/").split("/") if s))
@@ -103,7 +118,8 @@ class ChaosSpec:
                 kwargs[key] = value.lower()
             else:
                 raise ConfigurationError(
-                    f"--chaos: unknown key {key!r} (every, steps, group, signal, target, count, stop_for, start, seed)"
+                    f"--chaos: unknown key {key!r} (every, steps, group, signal, target, count, stop_for, start, seed, "
+                    "lighthouse, lighthouse_down)"
                 )
         return cls(**kwargs)  # type: ignore[arg-type]
 

@@ -44,7 +44,7 @@ from ftlaunch.errors import FtlaunchError, LighthouseError
 from ftlaunch.launcher import procs
 from ftlaunch.launcher.agent import AgentConfig
 from ftlaunch.launcher.chaos import Chaos
-from ftlaunch.launcher.group import FAILED, Group
+from ftlaunch.launcher.group import FAILED, STARTING, SUCCEEDED, Group
 from ftlaunch.launcher.lighthouse_host import (
     HostedLighthouse,
     JobLighthouse,
@@ -115,7 +115,14 @@ class Supervisor:
         self._reporter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ftlaunch-report")
         self._started = time.monotonic()
         self._training_started: float | None = None
-        self._chaos = Chaos(opts.chaos, self.groups, self.console, self._started) if opts.chaos else None
+        self._chaos = (
+            Chaos(opts.chaos, self.groups, self.console, self._started, crash_lighthouse=self._crash_lighthouse)
+            if opts.chaos else None
+        )
+        self._lighthouse_back_at = 0.0  # a crashed hosted lighthouse is restarted from then on
+        #: The lighthouse formed a quorum of two groups or more: the groups train together and heal
+        #: from each other (fault-tolerant training, not independent scripts), see `_stop_stragglers`.
+        self._trained_together = False
         self._takeovers = Takeovers(opts.replicas) if opts.spares else None
         self._status: StatusLine | None = None
         self._exit_root_cause: str | None = None
@@ -157,6 +164,10 @@ class Supervisor:
             for line in summary_lines(code, time.monotonic() - self._started, self.groups, quorum_id,
                                       injections, self._started, self._log_dir, final_status):
                 self.console.out(line)
+            crash = self._chaos.lighthouse_crash if self._chaos is not None else None
+            if crash is not None:
+                back = f"restarted {crash.down_for:.1f}s later" if crash.down_for is not None else "never restarted"
+                self.console.out(f"[ftlaunch] chaos: lighthouse crashed at t={crash.at - self._started:.1f}s: {back}")
         if code != EXIT_OK and self._exit_root_cause:
             self.console.err(f"ftlaunch: error: {self._exit_root_cause}")
         if code == EXIT_OK and self._own_log_dir:
@@ -187,6 +198,38 @@ class Supervisor:
             return HostedLighthouse.start(settings)
         except (OSError, ValueError) as e:  # ConfigurationError: the address is taken or invalid
             raise LaunchError(f"cannot start the lighthouse on {opts.lighthouse_bind}: {e}") from None
+
+    def _watch_lighthouse(self, now: float) -> None:
+        """Restart a hosted lighthouse that stopped serving, on the same address. The groups wait
+        for it (FTLAUNCH_LIGHTHOUSE_OUTAGE) and resume with one quorum of all of them
+        (docs/lighthouse.md, *When the lighthouse dies*)."""
+        lighthouse = self._lighthouse
+        if not isinstance(lighthouse, HostedLighthouse) or not lighthouse.needs_restart:
+            return
+        if now < self._lighthouse_back_at:
+            return
+        try:
+            lighthouse.restart()
+        except (OSError, ValueError) as e:  # ConfigurationError: the port is taken; try again later
+            self.console.err(f"[ftlaunch] cannot restart the lighthouse on {lighthouse.address}: {e}; retrying")
+            self._lighthouse_back_at = now + 1.0
+            return
+        self.console.err(
+            f"[ftlaunch] lighthouse {lighthouse.address} stopped serving; restarted on the same address "
+            f"(restart {lighthouse.restarts})"
+        )
+        if self._chaos is not None:
+            self._chaos.lighthouse_restarted(now)
+
+    def _crash_lighthouse(self, down_for: float) -> bool:
+        """``--chaos lighthouse=``: crash the hosted lighthouse; `_watch_lighthouse` restarts it
+        ``down_for`` seconds later."""
+        lighthouse = self._lighthouse
+        if not isinstance(lighthouse, HostedLighthouse):
+            return False
+        lighthouse.crash()
+        self._lighthouse_back_at = time.monotonic() + down_for
+        return True
 
     def _report_failure(self, group: Group, reason: str) -> None:
         """Tell the lighthouse off the main thread; it notices a lost connection anyway."""
@@ -284,10 +327,12 @@ class Supervisor:
             now = time.monotonic()
             for group in self.groups:
                 self._check_agent(group, now)
+            self._stop_stragglers()
             procs.reap_zombies({a.proc.pid for a in self._agents.values()})
             self._read_progress(now)
             if self._chaos is not None:
                 self._chaos.tick(now, self._training_started, {g: a.proc.pid for g, a in self._agents.items()})
+            self._watch_lighthouse(now)
             code = self._finished()
             if code is not None:
                 return code
@@ -332,6 +377,12 @@ class Supervisor:
         progress = lighthouse.progress()
         if progress is None:
             return
+        if not self._trained_together:
+            try:
+                quorum = lighthouse.snapshot().quorum
+            except Exception:  # noqa: BLE001 - read again at the next tick
+                quorum = None
+            self._trained_together = quorum is not None and len(quorum.participants) >= 2
         groups = {g.replica_id: g for g in self.groups}
         if self._takeovers is not None:  # hot spares: a slot's name belongs to the group holding it now
             try:
@@ -388,6 +439,31 @@ class Supervisor:
             self.console.err(outcome.message)
         if outcome.respawn:
             self._spawn(group)
+
+    def _stop_stragglers(self) -> None:
+        """Once a group finished, stop the groups that are down and not back yet: nobody is left to
+        heal them, so restarted they would train from scratch, alone, and end with other weights
+        than the job's (the soak found exactly that). Groups stepping with the others finish normally.
+        Only for groups that train together (a step line said ``participants=`` 2 or more): scripts
+        whose groups run independently may still finish alone."""
+        if not self._trained_together or not any(g.state == SUCCEEDED or g.finishing for g in self.groups):
+            return
+        for group in self.groups:
+            if group.terminal or group.finishing or (group.failure_at is None and group.state != STARTING):
+                continue
+            agent = self._agents.get(group.gid)
+            victims = self._group_processes(group)
+            if agent is not None and agent.proc.poll() is None:
+                victims.append(psutil.Process(agent.proc.pid))
+            procs.kill_procs(victims, timeout=5.0)
+            group.stopped_by_launcher()
+            group.worker_pids = {}
+            if self._chaos is not None:
+                self._chaos.forget(group.gid)
+            self.console.err(
+                f"[ftlaunch] replica group {group.gid}: the training finished while it was recovering "
+                "(nobody left to heal it from); stopped"
+            )
 
     def _group_processes(self, group: Group) -> list[psutil.Process]:
         agents = {a.proc.pid for a in self._agents.values()}

@@ -28,6 +28,8 @@ _ANNOTATION_NAMES = {"str": str, "int": int, "float": float, "bool": bool, "dict
 #: What ``ftlaunch:hsdp`` runs when neither ``--script`` nor ``-m`` is given (relative to the role's
 #: working directory: the checkout for ``local_cwd``, the image's for containers).
 DEFAULT_SCRIPT = "scripts/train_hsdp.py"
+#: Retries the lighthouse role gets at least (``max_retries`` applies if larger).
+LIGHTHOUSE_ROLE_RETRIES = 3
 
 
 def with_runtime_annotations(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -149,7 +151,11 @@ def hsdp_app(
                 env=dict(base_env),
                 resource=specs.resource(cpu=1, gpu=0, memMB=512),
                 mounts=parsed_mounts,
-                max_retries=max_retries,
+                # The job's single point of failure: let the scheduler replace it alone where it
+                # can (REPLICA: Kubernetes/Volcano); it comes back on the same port with the same
+                # token (lighthouse_role) and the groups wait for it (FTLAUNCH_LIGHTHOUSE_OUTAGE).
+                max_retries=max(max_retries, LIGHTHOUSE_ROLE_RETRIES),
+                retry_policy=specs.RetryPolicy.REPLICA,
             )
         )
 

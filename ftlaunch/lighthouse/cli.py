@@ -76,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(f"--{name}", dest=dest, type=_seconds, default=default, metavar="SECONDS", help=f"{what} (default %(default)s)")
         p.add_argument(f"--{dest}_ms", dest=dest, type=_milliseconds, default=argparse.SUPPRESS, metavar="MS",
                        help=f"torchft's spelling of --{name}, in milliseconds")
+    p.add_argument("--startup-grace", type=_seconds, default=0.0,
+                   help="when restarting the lighthouse of a running job: form no first quorum for this many "
+                        "seconds unless the groups report their last one (use the heartbeat timeout; default 0)")
     p.add_argument(
         "--token",
         default=os.environ.get(env.FTLAUNCH_TOKEN) or None,
@@ -100,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
             quorum_tick=args.quorum_tick,
             heartbeat_timeout=args.heartbeat_timeout,
             token=args.token,
+            startup_grace=args.startup_grace,
         )
     except ConfigurationError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)

@@ -24,6 +24,7 @@ import socket
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from ftlaunch.addresses import http_url, parse_host_port
@@ -45,8 +46,12 @@ _BACKOFF_MAX = 1.0
 class _Channel:
     """One persistent HTTP connection with retry-on-connection-error. Used by one thread at a time."""
 
-    def __init__(self, host: str, port: int, connect_timeout: float, token: str | None, incarnation: str) -> None:
+    def __init__(
+        self, host: str, port: int, connect_timeout: float, token: str | None, incarnation: str,
+        on_connection: Callable[[bool], None] | None = None,
+    ) -> None:
         self._host, self._port = host, port
+        self._on_connection = on_connection  # told of every answer (True) and failed connection (False)
         self._connect_timeout = connect_timeout
         self._token = token
         self._incarnation = incarnation
@@ -111,6 +116,8 @@ class _Channel:
                         self._http = conn
             except OSError as e:  # refused, unreachable, connect timeout
                 last_error = e
+                if self._on_connection is not None:
+                    self._on_connection(False)
                 conn = None
                 if deadline is None:
                     deadline = attempt_start + self._connect_timeout
@@ -121,6 +128,8 @@ class _Channel:
                     conn.request(method, path, body=body, headers=headers)
                     resp = conn.getresponse()
                     data = resp.read()
+                    if self._on_connection is not None:
+                        self._on_connection(True)
                     if resp.will_close:
                         self.close()
                     return resp.status, _decode(resp.status, data, url)
@@ -132,6 +141,8 @@ class _Channel:
                 except (OSError, http.client.HTTPException) as e:
                     self.close()
                     last_error = e
+                    if self._on_connection is not None:
+                        self._on_connection(False)
                     if reused and not stale_retry_used:
                         # The server may have closed an idle keep-alive connection: retry at once.
                         stale_retry_used = True
@@ -288,6 +299,20 @@ class LighthouseClient:
         self._evicted: set[str] = set()
         # replica id -> (latest progress report, whether it was sent): see set_progress.
         self._progress: dict[str, tuple[ProgressReport, bool]] = {}
+        #: Connections that failed (refused, reset, closed mid-request) on any of this client's
+        #: channels, heartbeats included: `reconnect.OutageTolerantClient` reads it to learn that
+        #: the lighthouse may have restarted (and forgotten the job) since the last quorum.
+        self.connection_failures = 0
+        #: Whether the lighthouse ever answered this client (so an unreachable one is an outage,
+        #: not a wrong address).
+        self.answered = False
+
+    def _note_connection(self, ok: bool) -> None:
+        if ok:
+            self.answered = True
+            return
+        with self._lock:
+            self.connection_failures += 1
 
     def __repr__(self) -> str:
         return f"LighthouseClient({self.address!r})"
@@ -301,7 +326,9 @@ class LighthouseClient:
     # -- connections
 
     def _new_channel(self) -> _Channel:
-        channel = _Channel(self._host, self._port, self._connect_timeout, self._token, self.incarnation)
+        channel = _Channel(
+            self._host, self._port, self._connect_timeout, self._token, self.incarnation, self._note_connection
+        )
         with self._lock:
             self._channels.add(channel)
         return channel

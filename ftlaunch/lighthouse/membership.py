@@ -15,6 +15,7 @@ injectable, so unit tests drive it in one process without sleeping (tests/test_l
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 
 from ftlaunch.errors import LighthouseError
 from ftlaunch.lighthouse.progress import GroupProgress, ProgressBook, ProgressReport
+from ftlaunch.lighthouse.protocol import MAX_REPLICA_ID_LEN, MAX_RESUME_MEMBERS, RESUME_KEY
 from ftlaunch.lighthouse.quorum import (
     Connection,
     GroupState,
@@ -60,6 +62,9 @@ MAX_GROUPS = 4096
 MAX_STEP_ADVANCE = 1
 #: Incarnation of a request that names none (a hand-written client): one incarnation like any other.
 ANONYMOUS = ""
+#: The holder of an id a restarted lighthouse only knows from a resume report: whichever process of
+#: the group comes back first takes it.
+ADOPTED = "<adopted>"
 
 # The highest quorum id any lighthouse in this process handed out: one started in the same
 # millisecond as its predecessor (tests do that) still starts above it.
@@ -182,6 +187,7 @@ class Membership:
         wall_clock: Callable[[], float] = time.time,
         forget_after: float | None = None,
         max_groups: int = MAX_GROUPS,
+        startup_grace: float = 0.0,
     ) -> None:
         self._options = options
         #: Seconds an id that never joined a quorum is kept once it is no longer live (silent,
@@ -198,6 +204,8 @@ class Membership:
         self._tickets: dict[str, QuorumTicket] = {}
         self._round_start: float | None = None
         self._quorum: Quorum | None = None
+        #: The newest quorum groups reported from a previous lighthouse, until this one forms its own.
+        self._adopted: Quorum | None = None
         self._prev_ids: frozenset[str] = frozenset()
         self._prev_broken = False
         self._high_step: int | None = None  # the highest step of any quorum formed (see _check_step)
@@ -210,6 +218,10 @@ class Membership:
         self._progress = ProgressBook()
         self._quorum_changes = 0
         self._kills: dict[str, str] = {}  # replica id -> reason, until its next heartbeat
+        #: A restarted lighthouse forms its first quorum from the groups' resume reports; until this
+        #: time (and without a report) it forms none, so that groups that held the job's state are
+        #: back before a fresh group could start a quorum of its own from step 0.
+        self._grace_until = clock() + startup_grace
 
     @property
     def options(self) -> QuorumOptions:
@@ -232,6 +244,7 @@ class Membership:
             now = self._clock()
             self._check_step(member)
             self._admit(rid, now, incarnation)
+            member = self._take_resume_report(member, now)
             self._report_progress(rid, progress)
             info = self._info[rid]
             info.step, info.address = member.step, member.address
@@ -470,7 +483,7 @@ class Membership:
     def _check_holder(self, rid: str, now: float, incarnation: str) -> None:
         """One incarnation holds an id at a time: while the holder is live, another is refused."""
         g, info = self._groups.get(rid), self._info.get(rid)
-        if g is None or info is None or info.incarnation == incarnation:
+        if g is None or info is None or info.incarnation in (incarnation, ADOPTED):
             return
         if group_health(g, now, self._options) is Health.LIVE:
             raise HeldElsewhere(
@@ -543,20 +556,62 @@ class Membership:
             self._record("forgotten", gone[0] if len(gone) == 1 else None, f"{len(gone)} id(s) that never joined a quorum")
             log.info("lighthouse: forgot %d replica id(s) that never joined a quorum (e.g. %s)", len(gone), gone[0])
 
+    def _take_resume_report(self, member: QuorumMember, now: float) -> QuorumMember:
+        """Strip ``member``'s resume report (protocol.RESUME_KEY) and, while this lighthouse has formed
+        no quorum yet, adopt the newest one as the previous quorum (see `adopt_resume_report`)."""
+        if RESUME_KEY not in member.data:
+            return member
+        report = member.data[RESUME_KEY]
+        member = dataclasses.replace(member, data={k: v for k, v in member.data.items() if k != RESUME_KEY})
+        if self._quorum is None:
+            self.adopt_resume_report(member.replica_id, report, now)
+        return member
+
+    def adopt_resume_report(self, reporter: str, report: object, now: float) -> bool:
+        """A lighthouse that restarted knows nothing of the job; its groups do. Adopt the newest
+        reported quorum (``{"quorum_id": int, "members": [str]}``) as the previous quorum: the next
+        quorum forms at once when all its members asked (the fast path), always under a new id above
+        the reported one, and the members not heard of yet count as live for ``heartbeat_timeout``
+        from now, so the quorum waits for them that long instead of forming from whoever came back
+        first. Call under the lock. Returns whether the report was adopted."""
+        parsed = _parse_resume_report(report)
+        if parsed is None:
+            log.warning("lighthouse: ignoring a malformed resume report from %s", reporter)
+            return False
+        quorum_id, members = parsed
+        if self._adopted is not None and quorum_id <= self._adopted.quorum_id:
+            return False
+        self._adopted = Quorum(quorum_id, tuple(QuorumMember(rid) for rid in members), created=self._wall())
+        self._ids.ensure_above(quorum_id)
+        for rid in members:
+            if rid not in self._groups:
+                self._groups[rid] = GroupState(rid, now, Connection.CONNECTED)
+                self._info[rid] = _GroupInfo(
+                    first_seen=self._wall(), reason=f"expected: member of quorum {quorum_id}", incarnation=ADOPTED
+                )
+        detail = f"adopted quorum {quorum_id} of {len(members)} group(s) from a previous lighthouse"
+        self._record("resumed", reporter, detail)
+        log.info("lighthouse: %s reported by %s", detail, reporter)
+        return True
+
     def _state(self) -> LighthouseState:
         # A view, not a copy: only used under the lock, and the decision functions do not mutate.
+        adopted = self._quorum is None and self._adopted is not None
         return LighthouseState(
             groups=self._groups,
             requests=self._requests,
             round_start=self._round_start,
-            prev_quorum=self._quorum,
-            prev_quorum_broken=self._prev_broken,
+            prev_quorum=self._adopted if adopted else self._quorum,
+            # Whether an adopted quorum's members are the same incarnations is unknown: new id.
+            prev_quorum_broken=self._prev_broken or adopted,
             next_quorum_id=self._ids.peek(),
         )
 
     def _waiting_reason(self, now: float) -> str:
         if not self._requests:
             return "no pending quorum requests"
+        if self._quorum is None and self._adopted is None and now < self._grace_until:
+            return f"restarted: waiting {self._grace_until - now:.1f}s more for the groups' resume reports"
         return decide_quorum(self._state(), now, self._options).reason
 
     def _decide(self, now: float) -> None:
@@ -565,6 +620,8 @@ class Membership:
             self._reconcile_spares(now)
         if not self._requests:
             return
+        if self._quorum is None and self._adopted is None and now < self._grace_until:
+            return  # a restarted lighthouse waits for resume reports (see __init__)
         state = self._state()
         if not may_form(state, now, self._options):  # O(1) on most arrivals; see may_form
             return
@@ -685,3 +742,16 @@ class Membership:
                 f" (replacing {old})" if old else "",
             )  # fmt: skip
 
+
+def _parse_resume_report(report: object) -> tuple[int, tuple[str, ...]] | None:
+    """(quorum id, sorted unique member ids) from a resume report, or None if it is malformed."""
+    if not isinstance(report, dict):
+        return None
+    quorum_id, members = report.get("quorum_id"), report.get("members")
+    if isinstance(quorum_id, bool) or not isinstance(quorum_id, int) or quorum_id < 0 or quorum_id >= 1 << 63:
+        return None
+    if not isinstance(members, list) or not members or len(members) > MAX_RESUME_MEMBERS:
+        return None
+    if not all(isinstance(m, str) and 0 < len(m) <= MAX_REPLICA_ID_LEN for m in members):
+        return None
+    return quorum_id, tuple(sorted(set(members)))

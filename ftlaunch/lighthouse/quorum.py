@@ -388,6 +388,13 @@ class QuorumIdAllocator:
         """The id `take` will return next."""
         return encode_quorum_id(self._epoch, self._counter)
 
+    def ensure_above(self, quorum_id: int) -> None:
+        """Hand out only ids larger than ``quorum_id`` from now on: an id that groups report from a
+        previous lighthouse, whose clock may have been ahead of this one's (another host)."""
+        if quorum_id >= self.peek():
+            epoch, _ = decode_quorum_id(quorum_id)
+            self._epoch, self._counter = epoch + 1, 0
+
     def take(self) -> int:
         quorum_id = self.peek()
         if self._counter == _ID_COUNTER_MAX:

@@ -80,6 +80,7 @@ class LighthouseServer:
         heartbeat_timeout: float = 5.0,
         token: str | None = None,
         expected_replicas: int = 0,
+        startup_grace: float = 0.0,
     ) -> None:
         """``expected_replicas``: the groups the launcher starts; the first quorum waits for them
         (up to ``join_timeout``) instead of forming with whoever asks first (0: nobody announced)."""
@@ -110,7 +111,9 @@ class LighthouseServer:
             bound_host = socket.gethostname()  # a wildcard is not connectable: advertise this host
         self._address = http_url(bound_host, bound_port)
         self._tick = float(quorum_tick)
-        self._membership = Membership(self._options)
+        # startup_grace > 0 for a lighthouse started again for a running job (docs/lighthouse.md,
+        # "When the lighthouse dies"): no first quorum before it unless the groups' reports arrive.
+        self._membership = Membership(self._options, startup_grace=startup_grace)
         self._http = HttpServer(
             sock,
             Routes(self._membership, token=self._token, snapshot=self.snapshot),
@@ -154,6 +157,11 @@ class LighthouseServer:
         self._membership.close()
         self._http.close()
         log.info("lighthouse: %s stopped", self._address)
+
+    @property
+    def serving(self) -> bool:
+        """Started, not shut down, and its event-loop thread alive (the launcher restarts one that is not)."""
+        return self._started and not self._stopped and self._http.running
 
     def __enter__(self) -> LighthouseServer:
         return self if self._started else self.start()

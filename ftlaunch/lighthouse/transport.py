@@ -445,6 +445,11 @@ class HttpServer:
         if self._server is None:
             raise RuntimeError("the event loop did not start serving (see the log)")
 
+    @property
+    def running(self) -> bool:
+        """Whether the event-loop thread is serving (False before `start`, after `close` or a crash)."""
+        return self._thread is not None and self._thread.is_alive() and not self.closing
+
     def _run(self, started: threading.Event) -> None:
         loop = self._running_loop()
         asyncio.set_event_loop(loop)

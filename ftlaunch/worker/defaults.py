@@ -12,6 +12,7 @@ import os
 from ftlaunch import env
 from ftlaunch.errors import ConfigurationError, install_brief_configuration_errors
 from ftlaunch.lighthouse.client import LighthouseClient, QuorumClient
+from ftlaunch.lighthouse.reconnect import OutageTolerantClient, outage_timeout_from_env
 
 
 def replica_id() -> str:
@@ -31,9 +32,18 @@ def group_env() -> env.GroupEnv:
     return env.GroupEnv.from_environ()
 
 
-def lighthouse_client(addr: str | None, token: str | None, connect_timeout: float) -> QuorumClient:
+def lighthouse_outage() -> float:
+    """How long a group leader waits out an unreachable lighthouse (``FTLAUNCH_LIGHTHOUSE_OUTAGE``,
+    default 300 s; see `ftlaunch.lighthouse.reconnect`)."""
+    return outage_timeout_from_env()
+
+
+def lighthouse_client(
+    addr: str | None, token: str | None, connect_timeout: float, outage_timeout: float | None = None
+) -> QuorumClient:
     """A client of the lighthouse at ``addr`` (else ``FTLAUNCH_LIGHTHOUSE``), with the job token
-    ``token`` (else ``FTLAUNCH_TOKEN``)."""
+    ``token`` (else ``FTLAUNCH_TOKEN``), that waits out a lighthouse outage of up to
+    ``outage_timeout`` seconds (else `lighthouse_outage`)."""
     what = "lighthouse_addr" if addr else env.FTLAUNCH_LIGHTHOUSE
     addr = addr or env.lighthouse_address()
     if not addr:
@@ -42,4 +52,10 @@ def lighthouse_client(addr: str | None, token: str | None, connect_timeout: floa
             "(the `ftlaunch` launcher sets it for you)"
         )
     addr = env.normalize_lighthouse(addr, what)
-    return LighthouseClient(addr, connect_timeout=connect_timeout, token=token or os.environ.get(env.FTLAUNCH_TOKEN))
+    client = LighthouseClient(addr, connect_timeout=connect_timeout, token=token or os.environ.get(env.FTLAUNCH_TOKEN))
+    # A worker torchelastic restarted belongs to a job that reached its lighthouse: an unreachable
+    # one is an outage to wait out even before its first answer.
+    restarted = (env.get_int(env.TORCHELASTIC_RESTART_COUNT, 0) or 0) > 0
+    return OutageTolerantClient(
+        client, lighthouse_outage() if outage_timeout is None else outage_timeout, known_reachable=restarted
+    )

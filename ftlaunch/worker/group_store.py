@@ -125,9 +125,12 @@ class GroupStore:
         world_size: int,
         hostname: str | None,
         timeouts: Timeouts,
+        leader_outage: float = 0.0,
     ) -> GroupStore:
         """The given ``store``, or a connection to the one at ``store_addr:store_port`` (a private
-        one for a group of one worker without an address); see `_connect` for what raises."""
+        one for a group of one worker without an address); see `_connect` for what raises.
+        ``leader_outage``: how long the leader waits out an unreachable lighthouse
+        (`ftlaunch.lighthouse.reconnect`); the other ranks wait that much longer for its answer."""
         if store is None:
             store, address = _connect(
                 store_addr,
@@ -139,8 +142,9 @@ class GroupStore:
             )
         else:
             address = _address_of(store, store_addr, store_port)
-        # A non-leader waits here for the leader's quorum call (the quorum and its connect retries).
-        timeout = max(timeouts.quorum + timeouts.connect, timeouts.collective)
+        # A non-leader waits here for the leader's quorum call (the quorum, its connect retries and
+        # a lighthouse outage it waits out).
+        timeout = max(timeouts.quorum + timeouts.connect + leader_outage, timeouts.collective)
         return cls(
             store, address=address, replica_id=replica_id, attempt=attempt, rank=rank, world_size=world_size,
             timeout=timeout,

@@ -36,6 +36,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from ftlaunch import env
 from ftlaunch.checkpointing.transport import CheckpointTransport
 from ftlaunch.errors import (
     CommunicationError,
@@ -56,6 +57,7 @@ from ftlaunch.worker.managed_work import ManagedWork, with_default
 from ftlaunch.worker.plan import LAYOUT_KEY, StepPlan, WorldSizeMode, plan_step
 from ftlaunch.worker.progress import ProgressTracker
 from ftlaunch.worker.recovery import DEFAULT_STATE_KEY, StateRegistry
+from ftlaunch.worker.watchdog import ProgressWatchdog, progress_timeout
 
 logger = logging.getLogger(__name__)
 
@@ -206,9 +208,11 @@ class Manager:
 
         # Only the leader talks to the lighthouse. Built before anything connects: a missing address
         # is a configuration error, raised before a store or a transport is left behind.
+        # It waits out a lighthouse outage (lighthouse/reconnect.py); the other ranks wait as long.
         self._client: QuorumClient | None = None
+        outage = defaults.lighthouse_outage()
         if self._group_rank == 0:
-            self._client = quorum_client or defaults.lighthouse_client(lighthouse_addr, token, timeouts.connect)
+            self._client = quorum_client or defaults.lighthouse_client(lighthouse_addr, token, timeouts.connect, outage)
         self._group = GroupStore.open(
             group_store,
             store_addr if store_addr is not None else group_env.master_addr,
@@ -219,6 +223,7 @@ class Manager:
             world_size=self._group_world_size,
             hostname=hostname,
             timeouts=timeouts,
+            leader_outage=outage,
         )
 
         if checkpoint_transport is None:
@@ -239,6 +244,8 @@ class Manager:
             self._progress = ProgressTracker(lambda report: set_progress(rid, report))
         if self._client is not None:
             self._client.start_heartbeat(self.replica_id, to_seconds(heartbeat_interval))
+        # A training thread that stops stepping while its heartbeats go on leaves (worker/watchdog.py).
+        self._watchdog = self._start_watchdog(to_seconds(heartbeat_interval))
         self.log.info(
             "manager up: group world_size=%d store=%s transport=%s",
             self._group_world_size, self._group.address, type(self._transport).__name__,
@@ -246,6 +253,27 @@ class Manager:
         timeouts.log(self.log)
         if port is not None:
             self.log.info("port=%d is not used: ftlaunch has no per-group manager server", port)
+
+    def _start_watchdog(self, heartbeat_interval: float) -> ProgressWatchdog | None:
+        client = self._client
+        limit = progress_timeout(self.timeouts.collective)
+        if client is None or limit <= 0:
+            return None
+
+        def stalled(age: float) -> None:
+            self.log.warning(
+                "no step progress for %.0fs (progress timeout %gs, %s): leaving the lighthouse so that the "
+                "other groups go on; this group rejoins and heals when it steps again",
+                age, limit, env.FTLAUNCH_PROGRESS_TIMEOUT,
+            )  # fmt: skip
+            client.leave(self.replica_id)
+
+        def resumed() -> None:
+            self.log.warning("stepping again: rejoining the lighthouse")
+            client.start_heartbeat(self.replica_id, heartbeat_interval)
+
+        in_flight = lambda: self._quorum_future is not None and not self._quorum_future.done()  # noqa: E731
+        return ProgressWatchdog(limit, on_stall=stalled, on_resume=resumed, waiting=in_flight)
 
     def register_state_dict_fn(
         self, key: str, load_state_dict: Callable[[Any], None], state_dict: Callable[[], Any]
@@ -286,6 +314,8 @@ class Manager:
         """Begin a step: ask for its quorum (in the background when ``use_async_quorum``)."""
         if self._shutdown:
             raise FtlaunchError("manager is shut down")
+        if self._watchdog is not None:
+            self._watchdog.touch()
         if self._quorum_future is not None and not self._quorum_future.done():
             # The previous step never waited for its quorum (no allreduce, no commit): finish it.
             self._quorum_future.exception()
@@ -475,6 +505,8 @@ class Manager:
         """True when every rank of every participating group finished this step cleanly."""
         if self._quorum_future is None:
             raise FtlaunchError("should_commit() before start_quorum()")
+        if self._watchdog is not None:
+            self._watchdog.touch()
         budget = self.timeouts.commit if timeout is None else to_seconds(timeout)
         deadline = time.monotonic() + budget
         if self._progress is not None:
@@ -542,9 +574,16 @@ class Manager:
     def _vote_of_group_ranks(self, ok: bool, deadline: float) -> bool:
         try:
             return self._group.vote(self._quorum_seq, ok, deadline)
-        except CommunicationError as e:  # a peer rank died: its agent restarts the group
+        except CommunicationError as e:
+            # A rank of this group did not vote: dead (its agent restarts the group anyway) or
+            # stopped/hung, which no agent notices -- and the leader, still healthy, would bring the
+            # group into every quorum, failing every step of every group. End this worker: the
+            # agent then restarts the whole group, stopped rank included.
             self.report_error(e)
-            return False
+            raise CommunicationError(
+                f"a rank of replica group {self.replica_id} did not vote within the commit timeout "
+                f"(dead or hung): {e}; this worker ends so that its agent restarts the group"
+            ) from e
 
     def _load_healed_state(self) -> None:
         state, self._pending_state = self._pending_state, None
@@ -599,6 +638,8 @@ class Manager:
         if self._shutdown:
             return
         self._shutdown = True
+        if self._watchdog is not None:
+            self._watchdog.close()
         if self._progress is not None:
             # The final report rides on the leave. Only a clean exit (no exception on its way out
             # through a `finally`) reports the state's checksum and "finished".

@@ -36,6 +36,24 @@ def checksum(model: nn.Module, opt: torch.optim.Optimizer) -> str:
     return h.hexdigest()[:16]
 
 
+def _slow_healer(out: str, delay: float, timeout: timedelta):  # noqa: ANN202 - an HTTPTransport
+    """HTTP transport whose heals start ``delay`` seconds late and say so in ``out`` (with the source's
+    URL), so that a test can kill the receiver or the source in the middle of a heal."""
+    from ftlaunch.checkpointing import HTTPTransport
+
+    class SlowHealer(HTTPTransport):
+        def recv_checkpoint(self, src_rank, metadata, step, timeout=None):  # noqa: ANN001, ANN202
+            with open(out, "a") as f:
+                f.write(json.dumps({"healing": True, "t": time.time(), "src": metadata, "step": step}) + "\n")
+            time.sleep(delay)
+            return super().recv_checkpoint(src_rank, metadata, step, timeout)
+
+    transport = SlowHealer(timeout=timeout)
+    with open(out, "a") as f:
+        f.write(json.dumps({"transport": transport.metadata()}) + "\n")
+    return transport
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -50,6 +68,11 @@ def main() -> int:
     ap.add_argument("--quorum-timeout", type=float, default=30.0)
     ap.add_argument("--connect-timeout", type=float, default=10.0)
     ap.add_argument("--max-seconds", type=float, default=120.0)
+    ap.add_argument("--hang-at-step", type=int, default=-1,
+                    help="the training thread hangs after backward at this step (heartbeats go on)")
+    ap.add_argument("--hang-seconds", type=float, default=0.0)
+    ap.add_argument("--heal-delay", type=float, default=0.0,
+                    help="a heal (HTTP) waits this long before fetching, and records that it started")
     ap.add_argument("--sync", choices=["ddp", "managed-pg"], default="ddp",
                     help="gradient sync: ftlaunch DDP, or dist.all_reduce over a ManagedProcessGroup")
     args = ap.parse_args()
@@ -75,6 +98,8 @@ def main() -> int:
     inner = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 
     transport = None
+    if args.heal_delay > 0:
+        transport = _slow_healer(args.out, args.heal_delay, timedelta(seconds=args.timeout))
     if args.transport == "pg":
         from ftlaunch.checkpointing import PGTransport
 
@@ -111,6 +136,10 @@ def main() -> int:
             if args.sync == "managed-pg":
                 for p in model.parameters():
                     dist.all_reduce(p.grad, op=dist.ReduceOp.AVG, group=mpg)
+            if step == args.hang_at_step and args.hang_seconds > 0:
+                out.write(json.dumps({"hang": True, "t": time.time(), "step": step}) + "\n")
+                time.sleep(args.hang_seconds)  # stuck like a hung intra-group collective
+                args.hang_seconds = 0
             if args.always_error or (step == args.error_at_step and not errored_once):
                 errored_once = True
                 manager.report_error(RuntimeError(f"injected failure at step {step}"))

@@ -82,6 +82,16 @@ def main() -> int:
         again = restart > 0 or reporter.snapshot().group_progress(f"rg{group}") is not None
         heals = 1 if again and not args.no_heal else 0
 
+        if not again:
+            # Like a Manager's first quorum, which waits for the groups the launcher announced: start
+            # stepping once every group's leader is known, or the first group could finish before a
+            # slow-starting peer reported a step (and the summary would rightly call that peer unsynced).
+            reporter.report_progress(f"rg{group}", ProgressReport(session, step=0, commits=0))
+            groups = int(os.environ.get("NUM_REPLICA_GROUPS", "1"))
+            deadline = time.monotonic() + 60
+            while len(reporter.snapshot().progress) < groups and time.monotonic() < deadline:
+                time.sleep(0.02)
+
         def report(step: int, **final: object) -> None:
             # Manager semantics: ``step`` is the group's step after the commit (steps done).
             reporter.report_progress(f"rg{group}", ProgressReport(session, step=step, commits=step, heals=heals,

@@ -1,0 +1,166 @@
+"""Riding out a lighthouse outage: the group leader waits for the lighthouse to come back.
+
+The lighthouse is a single process (docs/lighthouse.md, *When the lighthouse dies*). When it dies,
+`LighthouseClient` retries each request for ``connect_timeout`` (10 s at most) and then raises
+`LighthouseUnavailableError`; without this module every worker of the job would raise it into its
+training loop at the same moment, and the job would be lost to a lighthouse restart that takes 15 s.
+
+`OutageTolerantClient` wraps the leader's quorum client and keeps asking, with backoff, for up to
+``outage_timeout`` seconds from the first failure (default `DEFAULT_OUTAGE_TIMEOUT`, env
+``FTLAUNCH_LIGHTHOUSE_OUTAGE``). Only once the lighthouse answered this group: one that was never
+reached (a wrong address, one not started yet) still fails after the connect timeout, so a
+misconfiguration is reported at once; except in a worker that torchelastic restarted
+(``known_reachable``: the job reached its lighthouse before), which waits from the start, so a group
+restarted during an outage joins the others when the lighthouse is back. Nothing is committed meanwhile: a step needs its quorum before its
+collectives, so a group waits at the start of the step (a step whose quorum had already formed
+finishes and commits normally; its collectives do not involve the lighthouse).
+
+A lighthouse that comes back knows nothing. So the first quorum request after the leader noticed
+the lighthouse unreachable (a failed quorum call or any failed connection, heartbeats included)
+carries a *resume report*: the id and members of the last quorum this group was part of (member
+``data`` key `RESUME_KEY`). The restarted lighthouse adopts the newest report as its previous
+quorum: it waits (at most its heartbeat timeout) for the reported members it has not heard of yet
+and forms at once when they all asked, instead of forming a quorum of whoever reconnected first;
+its new quorum ids are above every reported one (`Membership.adopt_resume_report`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import threading
+import time
+
+from ftlaunch import env
+from ftlaunch.errors import ConfigurationError, LighthouseUnavailableError
+from ftlaunch.lighthouse.client import LighthouseClient, QuorumClient
+from ftlaunch.lighthouse.progress import ProgressReport
+from ftlaunch.lighthouse.protocol import RESUME_KEY
+from ftlaunch.lighthouse.quorum import Quorum, QuorumMember
+
+log = logging.getLogger(__name__)
+
+#: How long a group leader waits for an unreachable lighthouse before giving up (seconds).
+#: Generous: a scheduler restarting the lighthouse's container can take minutes, and waiting costs
+#: nothing but the wait (the groups keep their weights in memory).
+DEFAULT_OUTAGE_TIMEOUT = 300.0
+#: Pause between two attempts while the lighthouse is down (each attempt itself retries connects
+#: for the client's ``connect_timeout``).
+_PAUSE_START = 0.1
+_PAUSE_MAX = 2.0
+
+
+def outage_timeout_from_env(value: float | None = None) -> float:
+    """``value`` if given, else ``FTLAUNCH_LIGHTHOUSE_OUTAGE`` (a duration: ``300``, ``5m``), else
+    `DEFAULT_OUTAGE_TIMEOUT`. ``0`` turns the waiting off (the first `LighthouseUnavailableError`
+    is raised, as before). Raises `ConfigurationError` for a negative or malformed value."""
+    if value is None:
+        raw = os.environ.get(env.FTLAUNCH_LIGHTHOUSE_OUTAGE, "")
+        if raw.strip() == "":
+            return DEFAULT_OUTAGE_TIMEOUT
+        from ftlaunch.timeouts import parse_duration
+
+        value = parse_duration(raw, env.FTLAUNCH_LIGHTHOUSE_OUTAGE)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ConfigurationError(f"lighthouse outage timeout must be a finite number of seconds >= 0, got {value!r}")
+    return float(value)
+
+
+def resume_report(quorum: Quorum) -> dict:
+    """What a group tells a lighthouse that may have restarted: its last quorum's id and members."""
+    return {"quorum_id": quorum.quorum_id, "members": list(quorum.replica_ids)}
+
+
+class OutageTolerantClient:
+    """A `QuorumClient` whose ``quorum`` waits out a lighthouse outage (see the module docstring).
+
+    Everything else is the wrapped client's. ``close`` also ends a wait in progress, which then
+    raises `LighthouseUnavailableError`.
+    """
+
+    def __init__(
+        self, client: QuorumClient, outage_timeout: float = DEFAULT_OUTAGE_TIMEOUT, *, known_reachable: bool = False
+    ) -> None:
+        self._client = client
+        #: The job reached this lighthouse before (e.g. this worker is a restart): wait from the start.
+        self._known_reachable = known_reachable
+        self.outage_timeout = outage_timeout_from_env(outage_timeout)
+        self._closed = threading.Event()
+        self._last: Quorum | None = None  # the last quorum this group got
+        self._report_due = False  # the lighthouse was unreachable since then
+        self._failures_seen = self._connection_failures()
+
+    @property
+    def inner(self) -> QuorumClient:
+        return self._client
+
+    def _reached(self) -> bool:
+        """Whether the lighthouse ever answered this group (a quorum, or any request of the real client)."""
+        if self._known_reachable or self._last is not None:
+            return True
+        return isinstance(self._client, LighthouseClient) and self._client.answered
+
+    def _connection_failures(self) -> int:
+        # Only the real client counts failed connections (heartbeats included); a fake has none.
+        return self._client.connection_failures if isinstance(self._client, LighthouseClient) else 0
+
+    def quorum(self, member: QuorumMember, timeout: float) -> Quorum:
+        started: float | None = None  # first failure of this outage
+        pause = _PAUSE_START
+        while True:
+            failures = self._connection_failures()
+            if failures != self._failures_seen:
+                self._report_due = True
+            request = member
+            if self._report_due and self._last is not None:
+                request = dataclasses.replace(member, data={**member.data, RESUME_KEY: resume_report(self._last)})
+            try:
+                quorum = self._client.quorum(request, timeout)
+            except LighthouseUnavailableError as e:
+                self._report_due = True
+                now = time.monotonic()
+                if started is None:
+                    started = now
+                    if self.outage_timeout > 0 and self._reached():
+                        log.warning(
+                            "lighthouse client: %s; %s waits up to %gs for the lighthouse to come back "
+                            "(nothing is committed meanwhile)", e, member.replica_id, self.outage_timeout,
+                        )  # fmt: skip
+                waited = now - started
+                if not self._reached() or self._closed.is_set() or waited >= self.outage_timeout:
+                    if self._reached() and self.outage_timeout > 0 and not self._closed.is_set():
+                        raise LighthouseUnavailableError(
+                            f"lighthouse unreachable for {waited:.0f}s (outage timeout {self.outage_timeout:g}s, "
+                            f"{env.FTLAUNCH_LIGHTHOUSE_OUTAGE}): {e}"
+                        ) from None
+                    raise
+                self._closed.wait(min(pause, self.outage_timeout - waited))
+                pause = min(pause * 2, _PAUSE_MAX)
+                continue
+            if started is not None:
+                log.info(
+                    "lighthouse client: lighthouse reachable again after %.1fs; %s got quorum %d",
+                    time.monotonic() - started, member.replica_id, quorum.quorum_id,
+                )  # fmt: skip
+            self._last = quorum
+            self._report_due = False
+            self._failures_seen = failures
+            return quorum
+
+    def start_heartbeat(self, replica_id: str, interval: float) -> object:
+        return self._client.start_heartbeat(replica_id, interval)
+
+    def leave(self, replica_id: str) -> None:
+        self._client.leave(replica_id)
+
+    def set_progress(self, replica_id: str, report: ProgressReport) -> None:
+        """The group leader's progress report (it rides on the wrapped client's next request)."""
+        forward = getattr(self._client, "set_progress", None)
+        if forward is not None:
+            forward(replica_id, report)
+
+    def close(self) -> None:
+        self._closed.set()
+        self._client.close()

@@ -1,0 +1,305 @@
+#!/usr/bin/env python3
+"""Chaos soak through the ``ftlaunch`` command: nothing is lost, nothing diverges, nothing is left.
+
+Runs scripts/train_ddp.py under ``ftlaunch --replicas G`` twice, as a user would:
+
+1. fault-free (the baseline of goodput), then
+2. with ``--chaos every=E,signal=MIX,lighthouse=L,lighthouse_down=D``: every ~E seconds a random
+   SIGKILL of a group's workers, SIGSTOP of them (for ``stop_for``) or SIGKILL of its elastic agent,
+   and once, L seconds into training, a crash of the lighthouse the launcher hosts, which the
+   launcher restarts on the same address D seconds later (longer than the workers' 10 s connect
+   timeout by default: the outage path of ftlaunch.lighthouse.reconnect is exercised).
+
+and prints a report (``--json`` writes it too):
+
+* injections by kind, and the lighthouse restart;
+* committed steps (the steps every group ended at) and crashes (a worker that exited on its own with
+  an error, not killed by the chaos; the job's exit code);
+* goodput: fault-free training time / chaos training time for the same steps (training time = first
+  step line to the last group's final line; start-up is not counted);
+* longest survivor stall: the longest time no group committed a step;
+* divergence: groups that finished with a final weights checksum other than the majority's;
+  groups the launcher stopped because the training finished while they were down (nobody left
+  to heal them) are listed apart;
+* orphans: processes of the job alive 10 s after ``ftlaunch`` returned (found by a marker variable
+  every process of the job inherits);
+* log bytes: what ``ftlaunch`` printed plus its ``--log-dir``.
+
+Targets (issue 17): 0 crashes, 0 divergence, 0 orphans, goodput >= 90 %.
+
+Usage: python scripts/soak.py [--groups 4] [--steps 500] [--every 5] [--lighthouse-at 60]
+       [--lighthouse-down 12] [--step-sleep 0.1] [--seed 1] [--json out.json] [--no-baseline]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+REPO = Path(__file__).resolve().parent.parent
+TRAIN = REPO / "scripts" / "train_ddp.py"
+MARKER = "FTLAUNCH_SOAK_RUN"
+TARGETS = {"crashes": 0, "divergent_groups": 0, "orphans": 0, "goodput_min": 0.90}
+
+_STEP = re.compile(r"\[rg(\d+)/r0\][^\n]*?step=(\d+) committed=(True|False)")
+_FINAL = re.compile(r"\[rg(\d+)/r0\][^\n]*?final_checksum=(\w+) step=(\d+)")
+_INJECT = re.compile(r"\[ftlaunch\] chaos: (SIG\w+) -> replica group (\d+) (\w+)")
+_EXITED = re.compile(r"\[ftlaunch\] replica group (\d+): [^\n]*exited with code (-?\d+)")
+
+
+@dataclass
+class Run:
+    """What one ``ftlaunch`` run did, from its output lines (time-stamped as they arrived)."""
+
+    code: int = -1
+    wall: float = 0.0
+    first_step_at: float | None = None
+    last_final_at: float | None = None
+    commits: list[tuple[float, int, int]] = field(default_factory=list)  # (time, group, step)
+    finals: dict[int, tuple[str, int]] = field(default_factory=dict)  # group -> (checksum, step)
+    injections: dict[str, int] = field(default_factory=dict)  # "SIGKILL workers" -> count
+    lighthouse_restarts: int = 0
+    stopped_groups: list[int] = field(default_factory=list)  # down when the training finished
+    error_exits: list[str] = field(default_factory=list)
+    tracebacks: int = 0
+    log_bytes: int = 0
+    orphans: list[str] = field(default_factory=list)
+    tail: str = ""
+
+    @property
+    def training_time(self) -> float | None:
+        if self.first_step_at is None or self.last_final_at is None:
+            return None
+        return self.last_final_at - self.first_step_at
+
+    def longest_stall(self) -> float:
+        """Longest time, during training, in which no group committed a step."""
+        times = sorted(t for t, _, _ in self.commits)
+        return max((b - a for a, b in zip(times, times[1:], strict=False)), default=0.0)
+
+
+def run_ftlaunch(args: argparse.Namespace, chaos: str | None, label: str) -> Run:
+    run = Run()
+    log_dir = tempfile.mkdtemp(prefix=f"ftlaunch_soak_{label}_")
+    marker = uuid.uuid4().hex
+    cmd = [sys.executable, "-m", "ftlaunch.launcher.cli", "--replicas", str(args.groups),
+           "--max-restarts", "1000", "--max-agent-restarts", "1000", "--log-dir", log_dir, "--no-status"]
+    if chaos:
+        cmd += ["--chaos", chaos]
+    cmd += [str(TRAIN), "--steps", str(args.steps), "--step-sleep", str(args.step_sleep),
+            "--max-seconds", str(args.max_seconds)]
+    env = dict(os.environ, **{MARKER: marker})
+    print(f"soak: {label}: {' '.join(cmd[2:])}", file=sys.stderr, flush=True)
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            errors="replace")
+    lock = threading.Lock()
+    tail: list[str] = []
+    keep = open(f"{args.keep_output}.{label}", "w") if args.keep_output else None  # noqa: SIM115
+
+    def read(stream) -> None:  # noqa: ANN001 - a text pipe
+        for line in stream:
+            now = time.monotonic()
+            with lock:
+                if keep is not None:
+                    keep.write(f"{now - start:9.3f} {line}")
+                run.log_bytes += len(line.encode())
+                tail.append(line)
+                del tail[:-200]
+                parse_line(run, line, now, args.verbose)
+
+    readers = [threading.Thread(target=read, args=(s,), daemon=True) for s in (proc.stdout, proc.stderr)]
+    for r in readers:
+        r.start()
+    try:
+        run.code = proc.wait(timeout=args.max_seconds + 300)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        run.code = proc.wait()
+    for r in readers:
+        r.join(30)
+    if keep is not None:
+        keep.close()
+    run.wall = time.monotonic() - start
+    run.tail = "".join(tail[-60:])
+    run.orphans = orphans(marker, grace=10.0)
+    run.log_bytes += sum(f.stat().st_size for f in Path(log_dir).rglob("*") if f.is_file())
+    shutil.rmtree(log_dir, ignore_errors=True)
+    return run
+
+
+def parse_line(run: Run, line: str, now: float, verbose: bool) -> None:
+    if verbose and line.startswith("[ftlaunch]"):
+        print(line, end="", file=sys.stderr)
+    m = _STEP.search(line)
+    if m is not None:
+        if run.first_step_at is None:
+            run.first_step_at = now
+        if m.group(3) == "True":
+            run.commits.append((now, int(m.group(1)), int(m.group(2))))
+        return
+    m = _FINAL.search(line)
+    if m is not None:
+        run.finals[int(m.group(1))] = (m.group(2), int(m.group(3)))
+        run.last_final_at = now
+        return
+    m = _INJECT.search(line)
+    if m is not None:
+        kind = f"{m.group(1)} {m.group(3)}"
+        run.injections[kind] = run.injections.get(kind, 0) + 1
+        return
+    if "[ftlaunch] chaos: lighthouse crashed" in line and "restarted" not in line:
+        run.injections["lighthouse crash"] = run.injections.get("lighthouse crash", 0) + 1
+    m = re.search(r"\[ftlaunch\] replica group (\d+): the training finished while it was recovering", line)
+    if m is not None:
+        run.stopped_groups.append(int(m.group(1)))
+    if "stopped serving; restarted on the same address" in line:
+        run.lighthouse_restarts += 1
+    m = _EXITED.search(line)
+    if m is not None and int(m.group(2)) != 0:
+        run.error_exits.append(line.strip())
+    if line.startswith("Traceback") or "] Traceback" in line:
+        run.tracebacks += 1
+
+
+def orphans(marker: str, grace: float) -> list[str]:
+    """Processes carrying this run's marker, still alive ``grace`` seconds after it ended."""
+    deadline = time.monotonic() + grace
+    while True:
+        found = []
+        for p in psutil.process_iter(["pid"]):
+            try:
+                if p.environ().get(MARKER) == marker and p.status() != psutil.STATUS_ZOMBIE:
+                    found.append(f"{p.pid}:{' '.join(p.cmdline()[:4])}")
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                continue
+        if not found or time.monotonic() > deadline:
+            for entry in found:  # leave nothing behind ourselves either
+                try:
+                    psutil.Process(int(entry.split(":")[0])).kill()
+                except psutil.Error:
+                    pass
+            return found
+        time.sleep(0.5)
+
+
+def report(args: argparse.Namespace, chaos_run: Run, baseline: Run | None) -> dict:
+    sums = {c for c, _ in chaos_run.finals.values()}
+    majority = max(sums, key=lambda s: sum(1 for c, _ in chaos_run.finals.values() if c == s)) if sums else None
+    divergent = sum(1 for c, _ in chaos_run.finals.values() if c != majority)
+    missing = args.groups - len(chaos_run.finals) - len(chaos_run.stopped_groups)  # unexplained
+    crashes = len(chaos_run.error_exits) + (0 if chaos_run.code == 0 else 1) + max(missing, 0)
+    goodput = None
+    if baseline is not None and baseline.training_time and chaos_run.training_time:
+        goodput = baseline.training_time / chaos_run.training_time
+    steps = sorted({s for _, s in chaos_run.finals.values()})
+    out = {
+        "groups": args.groups,
+        "steps_target": args.steps,
+        "chaos": chaos_spec(args),
+        "exit_code": chaos_run.code,
+        "committed_steps": steps,
+        "committed_group_steps": len(chaos_run.commits),
+        "injections": chaos_run.injections,
+        "injections_total": sum(chaos_run.injections.values()),
+        "lighthouse_restarts": chaos_run.lighthouse_restarts,
+        "crashes": crashes,
+        "error_exits": chaos_run.error_exits,
+        "tracebacks_in_output": chaos_run.tracebacks,
+        "divergent_groups": divergent,
+        "groups_stopped_after_the_end": chaos_run.stopped_groups,
+        "final_checksums": {f"rg{g}": c for g, (c, _) in sorted(chaos_run.finals.items())},
+        "training_time_s": chaos_run.training_time,
+        "baseline_training_time_s": baseline.training_time if baseline else None,
+        "goodput": goodput,
+        "longest_survivor_stall_s": chaos_run.longest_stall(),
+        "baseline_longest_stall_s": baseline.longest_stall() if baseline else None,
+        "orphans": chaos_run.orphans + (baseline.orphans if baseline else []),
+        "log_bytes": chaos_run.log_bytes,
+        "baseline_log_bytes": baseline.log_bytes if baseline else None,
+        "wall_s": chaos_run.wall,
+    }
+    out["targets"] = TARGETS
+    out["met"] = {
+        "crashes": crashes == TARGETS["crashes"],
+        "divergence": out["divergent_groups"] == TARGETS["divergent_groups"],
+        "orphans": len(out["orphans"]) == TARGETS["orphans"],
+        "goodput": goodput is not None and goodput >= TARGETS["goodput_min"],
+        "steps": steps == [args.steps],
+    }
+    return out
+
+
+def chaos_spec(args: argparse.Namespace) -> str:
+    spec = f"every={args.every:g},signal=MIX,stop_for={args.stop_for:g},seed={args.seed}"
+    if args.lighthouse_at is not None:
+        spec += f",lighthouse={args.lighthouse_at:g},lighthouse_down={args.lighthouse_down:g}"
+    return spec
+
+
+def print_report(r: dict) -> None:
+    def fmt(v: object) -> str:
+        return f"{v:.3f}" if isinstance(v, float) else str(v)
+
+    print("soak report (scripts/soak.py, through the ftlaunch command)")
+    for key in ("groups", "steps_target", "chaos", "exit_code", "committed_steps", "committed_group_steps",
+                "injections_total", "injections", "lighthouse_restarts", "crashes", "tracebacks_in_output",
+                "divergent_groups", "groups_stopped_after_the_end", "final_checksums", "training_time_s", "baseline_training_time_s", "goodput",
+                "longest_survivor_stall_s", "baseline_longest_stall_s", "orphans", "log_bytes",
+                "baseline_log_bytes", "wall_s"):
+        print(f"  {key:28s} {fmt(r[key])}")
+    print(f"  {'targets':28s} 0 crashes, 0 divergence, 0 orphans, goodput >= {TARGETS['goodput_min']:.0%}")
+    print(f"  {'met':28s} {r['met']}")
+    for line in r["error_exits"][:10]:
+        print(f"  error exit: {line}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--groups", type=int, default=4)
+    p.add_argument("--steps", type=int, default=500)
+    p.add_argument("--every", type=float, default=5.0, help="seconds between injections")
+    p.add_argument("--stop-for", type=float, default=3.0, help="seconds a SIGSTOPped group stays stopped")
+    p.add_argument("--lighthouse-at", type=float, default=60.0,
+                   help="crash the hosted lighthouse this long into training (negative: never)")
+    p.add_argument("--lighthouse-down", type=float, default=12.0, help="seconds before the launcher restarts it")
+    p.add_argument("--step-sleep", type=float, default=0.1)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--max-seconds", type=float, default=3000.0, help="give up after this long per run")
+    p.add_argument("--no-baseline", action="store_true", help="skip the fault-free run (no goodput)")
+    p.add_argument("--json", default=None, help="also write the report here")
+    p.add_argument("--verbose", action="store_true", help="echo the launcher's own lines")
+    p.add_argument("--keep-output", default=None, metavar="PREFIX",
+                   help="write each run's whole output, time-stamped, to PREFIX.baseline / PREFIX.chaos")
+    args = p.parse_args(argv)
+    if args.lighthouse_at is not None and args.lighthouse_at < 0:
+        args.lighthouse_at = None
+    baseline = None if args.no_baseline else run_ftlaunch(args, None, "baseline")
+    if baseline is not None and baseline.code != 0:
+        print(f"soak: the fault-free run failed (exit {baseline.code}):\n{baseline.tail}", file=sys.stderr)
+        return 1
+    chaos_run = run_ftlaunch(args, chaos_spec(args), "chaos")
+    r = report(args, chaos_run, baseline)
+    print_report(r)
+    if args.json:
+        Path(args.json).write_text(json.dumps({**r, "tail": chaos_run.tail}, indent=2))
+    if chaos_run.code != 0:
+        print(f"soak: the chaos run failed (exit {chaos_run.code}); its last lines:\n{chaos_run.tail}", file=sys.stderr)
+    return 0 if all(r["met"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,152 @@
+"""Training through a lighthouse that dies (issue 17, item 3), with real processes.
+
+A standalone ``ftlaunch-lighthouse`` process serves ``ftlaunch --lighthouse ADDR`` with three groups
+of scripts/train_ddp.py. Mid-run the lighthouse is killed (SIGKILL, or SIGTERM: it answers its parked
+requests 503 and exits), stays down for longer than the workers' connect timeout (10 s: before the
+fix this ended every worker with `LighthouseUnavailableError`) and is restarted on the same port.
+Every group must finish with the same weights, every group's committed steps must be 1..N once each
+(none committed twice, none lost), and the new lighthouse's first quorum must hold all three groups
+(formed from their resume reports, not from whoever reconnected first), under a higher id.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from workers.helpers import FTLAUNCH, finish, free_port, kill_tree, start, wait_for
+
+from ftlaunch.lighthouse.client import LighthouseClient
+from tests.mp_harness import Group
+
+TRAIN = "scripts/train_ddp.py"
+STEPS = 120
+
+
+def start_lighthouse(port: int) -> subprocess.Popen:
+    proc = start([sys.executable, "-m", "ftlaunch.lighthouse", "--bind", f"127.0.0.1:{port}",
+                  "--heartbeat-timeout", "5", "--log-level", "INFO"])
+    client = LighthouseClient(f"127.0.0.1:{port}", connect_timeout=1.0)
+    try:
+        wait_for(lambda: _answers(client), 60, "the lighthouse to answer")
+    finally:
+        client.close()
+    return proc
+
+
+def _answers(client: LighthouseClient) -> bool:
+    try:
+        client.status()
+        return True
+    except Exception:  # noqa: BLE001 - not up yet
+        return False
+
+
+def min_step(port: int, groups: int) -> int:
+    """The lowest step of ``groups`` groups known to the lighthouse (0 until all are known)."""
+    client = LighthouseClient(f"127.0.0.1:{port}", connect_timeout=1.0)
+    try:
+        steps = [g.step for g in client.snapshot().groups]
+        return min(steps) if len(steps) >= groups else 0
+    except Exception:  # noqa: BLE001 - not up yet
+        return 0
+    finally:
+        client.close()
+
+
+def committed_steps(stdout: str) -> dict[int, list[int]]:
+    found: dict[int, list[int]] = {}
+    for m in re.finditer(r"rg(\d+)[/\]][^\n]*?step=(\d+) committed=True", stdout):
+        found.setdefault(int(m.group(1)), []).append(int(m.group(2)))
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["sigkill", "sigterm"])
+def test_training_survives_a_lighthouse_restart_longer_than_the_connect_timeout(sig: int) -> None:
+    port = free_port()
+    lighthouse = start_lighthouse(port)
+    job = start([*FTLAUNCH, "--replicas", "3", "--lighthouse", f"http://127.0.0.1:{port}",
+                 TRAIN, "--steps", str(STEPS), "--step-sleep", "0.1"])
+    new_lighthouse: subprocess.Popen | None = None
+    try:
+        wait_for(lambda: min_step(port, 3) >= 20, 150, "20 steps before the lighthouse dies", interval=0.5)
+        lighthouse.send_signal(sig)
+        lighthouse.communicate(timeout=30)
+        time.sleep(12.0)  # > the workers' 10 s connect timeout
+        assert job.poll() is None, "the job must not end while the lighthouse is down"
+        new_lighthouse = start_lighthouse(port)
+        res = finish(job, 200)
+    finally:
+        kill_tree(job.pid)
+        for p in (lighthouse, new_lighthouse):
+            if p is not None and p.poll() is None:
+                p.terminate()
+                p.communicate(timeout=30)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out[-6000:]
+    sums = dict(re.findall(r"rg(\d+)[/\]][^\n]*?final_checksum=(\w+)", res.stdout))
+    assert set(sums) == {"0", "1", "2"} and len(set(sums.values())) == 1, sums
+    for group, steps in committed_steps(res.stdout).items():
+        # A group that joined late healed over the first steps; from step 20 on (before the kill)
+        # every step is committed exactly once.
+        assert all(a < b for a, b in zip(steps, steps[1:], strict=False)), f"rg{group} committed a step twice: {steps}"
+        assert [s for s in steps if s >= 20] == list(range(20, STEPS + 1)), f"rg{group} lost a step: {steps}"
+    assert "waits up to 300s for the lighthouse to come back" in out
+    assert "LighthouseUnavailableError" not in out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_managers_ride_out_a_sigkilled_lighthouse_and_its_successor_forms_one_quorum_of_all(tmp_path: Path) -> None:
+    """Three one-worker groups (tests/workers/manager_worker.py, connect timeout 2 s); the lighthouse
+    process is SIGKILLed, stays down 8 s (4x the connect timeout) and comes back on the same port.
+    Its first quorum holds all three groups under a higher id; every group commits each step exactly
+    once and all end with the same weights."""
+    port = free_port()
+    lighthouse = start_lighthouse(port)
+    args = ["--steps", "80", "--step-sleep", "0.05", "--timeout", "20", "--quorum-timeout", "40",
+            "--connect-timeout", "2", "--max-seconds", "150"]
+    gs = [Group(i, 1, f"http://127.0.0.1:{port}", tmp_path, args) for i in range(3)]
+    new_lighthouse: subprocess.Popen | None = None
+    try:
+        for g in gs:
+            g.start()
+        wait_for(lambda: min_step(port, 3) >= 10, 90, "steps before the lighthouse dies", interval=0.3)
+        old = LighthouseClient(f"127.0.0.1:{port}", connect_timeout=1.0)
+        old_id = old.snapshot().quorum_id
+        old.close()
+        t_kill = time.time()
+        lighthouse.kill()
+        lighthouse.communicate(timeout=30)
+        time.sleep(8.0)
+        assert all(p.poll() is None for g in gs for p in g.procs), "a worker ended during the outage"
+        new_lighthouse = start_lighthouse(port)
+        client = LighthouseClient(f"127.0.0.1:{port}", connect_timeout=1.0)
+        wait_for(lambda: client.snapshot().quorum is not None, 60, "the new lighthouse's first quorum", interval=0.2)
+        first = next(h for h in reversed(client.snapshot().history) if h.event == "quorum")
+        client.close()
+        for g in gs:
+            assert g.wait(150) == [0], g.log_tail()
+    finally:
+        for g in gs:
+            g.close()
+        for p in (lighthouse, new_lighthouse):
+            if p is not None and p.poll() is None:
+                p.terminate()
+                p.communicate(timeout=30)
+    assert first.participants == ("rg0", "rg1", "rg2"), first
+    assert old_id is not None and first.quorum_id is not None and first.quorum_id > old_id
+    for g in gs:
+        steps = [r["step"] for r in g.steps() if r["committed"]]
+        assert all(a < b for a, b in zip(steps, steps[1:], strict=False)), f"rg{g.gid} committed a step twice: {steps}"
+        since = [r["step"] for r in g.steps() if r["committed"] and r["t"] > t_kill]
+        assert since == list(range(since[0], 80)), f"rg{g.gid} lost a step across the outage: {since}"
+        assert g.final()["step"] == 80  # type: ignore[index]
+    assert len({g.final()["checksum"] for g in gs}) == 1  # type: ignore[index]
