@@ -13,16 +13,16 @@ carries on without the dead group. Only conditions training cannot survive raise
 gone, this group was evicted, or ``max_retries`` consecutive steps failed.
 
 The class reads in that order. The mechanics live beside it: `plan` (what this group does in the
-step, from the quorum), `group_store` (the quorum relay and the commit vote among the group's
-ranks), `commit` (bounded waits, the vote across groups), `recovery` (what travels with a heal,
-and its transfer), `defaults` (the torchft-compatible defaults read from the environment).
+step, from the quorum), `quorum_request` (what the leader asks the lighthouse with, and retries),
+`group_store` (the quorum relay and the commit vote among the group's ranks), `allreduce` (the
+arithmetic of one tensor's average across groups), `commit` (bounded waits, the vote across
+groups), `recovery` (what travels with a heal, and its transfer), `defaults` (the
+torchft-compatible defaults read from the environment).
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import socket
 import threading
 import time
 import warnings
@@ -39,30 +39,28 @@ from ftlaunch.checkpointing.transport import CheckpointTransport
 from ftlaunch.errors import (
     CommunicationError,
     ConfigurationError,
-    EvictedError,
     FtlaunchError,
     LighthouseError,
 )
 from ftlaunch.lighthouse.client import QuorumClient
-from ftlaunch.lighthouse.quorum import Quorum, QuorumMember
+from ftlaunch.lighthouse.quorum import Quorum
 from ftlaunch.process_group.base import ProcessGroup
 from ftlaunch.process_group.work import completed_future
 from ftlaunch.timeouts import Timeouts, to_seconds
-from ftlaunch.worker import defaults, quantization, recovery
-from ftlaunch.worker.commit import CrossGroupVote, wait_all
+from ftlaunch.worker import allreduce as allreduce_math
+from ftlaunch.worker import defaults, quorum_request, recovery
+from ftlaunch.worker.allreduce import ReduceOpLike
+from ftlaunch.worker.commit import CrossGroupVote, vote_of_all_groups, vote_of_group_ranks, wait_all
 from ftlaunch.worker.group_store import GroupStore
 from ftlaunch.worker.managed_work import ManagedWork, with_default
-from ftlaunch.worker.plan import LAYOUT_KEY, StepPlan, WorldSizeMode, plan_step
+from ftlaunch.worker.plan import StepPlan, WorldSizeMode, plan_step
 from ftlaunch.worker.recovery import DEFAULT_STATE_KEY, StateRegistry
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Manager", "ManagedWork", "WorldSizeMode"]
+__all__ = ["Manager", "ManagedWork", "ReduceOpLike", "WorldSizeMode"]
 
 T = TypeVar("T")
-
-#: What ``allreduce`` accepts as its operation: "avg"/"sum" or a torch ReduceOp.
-ReduceOpLike = str | dist.ReduceOp | dist.ReduceOp.RedOpType
 
 
 def release_process_group(pg: ProcessGroup) -> None:
@@ -71,15 +69,6 @@ def release_process_group(pg: ProcessGroup) -> None:
         pg.shutdown()
     except Exception as e:  # noqa: BLE001 - torch raises several types here
         logger.debug("process group shutdown: %s", e)
-
-
-def _is_avg(op: ReduceOpLike) -> bool:
-    """AVG given as a string, a ``ReduceOp`` or a ``ReduceOp.RedOpType`` (which compare equal)."""
-    if isinstance(op, str):
-        if op.lower() not in ("avg", "sum"):
-            raise ValueError(f"reduce_op must be 'avg', 'sum' or a torch ReduceOp, got {op!r}")
-        return op.lower() == "avg"
-    return bool(op == dist.ReduceOp.AVG)
 
 
 class _StepLog(logging.LoggerAdapter):
@@ -147,20 +136,10 @@ class Manager:
         connection to the replica group's store (``store_addr``/``store_port`` then only name it
         for the other groups, and may be omitted for a ``TCPStore``).
         """
-        if min_replica_size < 1:
-            raise ValueError(f"min_replica_size must be >= 1, got {min_replica_size}")
-        if max_retries is not None and max_retries < 0:
-            raise ValueError(f"max_retries must be >= 0 or None, got {max_retries}")
-        if not isinstance(world_size_mode, WorldSizeMode):
-            raise TypeError(f"world_size_mode must be a WorldSizeMode, got {world_size_mode!r}")
-        if port is not None and not 0 <= port <= 65535:
-            raise ValueError(f"port must be in 0..65535, got {port}")
-        if timeouts is None:
-            timeouts = Timeouts.derive(
-                timeout, quorum=quorum_timeout, connect=connect_timeout, heal=heal_timeout, commit=commit_timeout
-            )
-        elif any(t is not None for t in (timeout, quorum_timeout, connect_timeout, heal_timeout, commit_timeout)):
-            raise ValueError("pass either timeouts= or the individual timeouts, not both")
+        defaults.check_arguments(min_replica_size, max_retries, world_size_mode, port)
+        timeouts = defaults.timeouts(
+            timeouts, timeout, quorum=quorum_timeout, connect=connect_timeout, heal=heal_timeout, commit=commit_timeout
+        )
         self.timeouts = timeouts
         self._pg = pg
         self._min_replica_size = min_replica_size
@@ -334,27 +313,12 @@ class Manager:
         assert self._client is not None  # the leader has one
         if self._transport_metadata is None:
             self._transport_metadata = self._group.transport_metadata()
-        member = QuorumMember(
-            replica_id=self.replica_id,
-            address=f"{socket.gethostname()}:{os.getpid()}",
-            store_address=self._group.address,
-            step=self._step,
-            world_size=self._group_world_size,
-            shrink_only=shrink_only,
-            commit_failures=self._commit_failures,
-            data={"ckpt": self._transport_metadata, **({LAYOUT_KEY: self._layout} if self._layout else {})},
-        )
-        attempts = self._quorum_retries + 1
-        for attempt in range(1, attempts + 1):
-            try:
-                return self._client.quorum(member, timeout=quorum_timeout)
-            except EvictedError:
-                raise
-            except LighthouseError as e:
-                if attempt == attempts:
-                    raise
-                self.log.warning("quorum attempt %d/%d failed: %s", attempt, attempts, e)
-        raise AssertionError("unreachable")
+        request = quorum_request.member(
+            self.replica_id, store_address=self._group.address, step=self._step,
+            world_size=self._group_world_size, shrink_only=shrink_only, commit_failures=self._commit_failures,
+            transport_metadata=self._transport_metadata, layout=self._layout,
+        )  # fmt: skip
+        return quorum_request.ask_lighthouse(self._client, request, self._quorum_retries, quorum_timeout, self.log)
 
     def _reconfigure(self, plan: StepPlan) -> None:
         self.log.info(
@@ -380,10 +344,7 @@ class Manager:
         instead of the values (`ftlaunch.worker.quantization`; avg/sum of floating point tensors
         only, else ValueError).
         """
-        avg = _is_avg(reduce_op)
-        if should_quantize:
-            quantization.check_quantizable(tensor, reduce_op)
-            bits = quantization.bits_of(should_quantize)
+        bits = allreduce_math.check_args(tensor, reduce_op, should_quantize)
         self.wait_quorum()
         plan = self._plan
         if plan is None or self._pg.errored() is not None:
@@ -391,45 +352,14 @@ class Manager:
             return self._work(completed_future(tensor))
         # Even after a local error we still take part: every group must issue the same sequence of
         # collectives, or peers hang (or gloo aborts on a size mismatch). The commit vote discards the step.
-        divisor = plan.num_participants if avg else 1
-        post_divide = False
-        if not plan.participates or self._errored is not None:
-            # A healing group's gradients come from stale weights (a spare's do not count):
-            # contribute zeros, receive the average.
-            tensor.zero_()
-        elif divisor > 1:
-            if tensor.is_floating_point() or tensor.is_complex():
-                # Average as sum(x_i / n), dividing here as torch's DDP does, not (sum x_i) / n in
-                # the completion callback: that runs on a backend thread holding the GIL, and an
-                # 8 MB div_ there stalled this thread's next bucket hook by as long. Every group
-                # computes the same expression, so committed results stay bit-identical.
-                tensor.div_(divisor)
-            else:
-                post_divide = True  # other dtypes: divided after the sum, as before
-        if plan.replica_world_size == 1:
-            return self._work(completed_future(tensor))  # alone (and so the only source): the average is the tensor
-        op = dist.ReduceOp.SUM if avg or reduce_op == "sum" else reduce_op
-        try:
-            if should_quantize:
-                fut = quantization.allreduce_quantized(self._pg, tensor, bits)
-            else:
-                fut = self._pg.allreduce([tensor], op).get_future()
-        except Exception as e:  # noqa: BLE001
-            self.report_error(e)
+        zeros = not plan.participates or self._errored is not None
+        fut = allreduce_math.reduce_across_groups(
+            self._pg, plan, tensor, reduce_op, bits, zeros, self.report_error
+        )
+        if fut is None:
             return self._work(completed_future(tensor))
-
-        def finish(f: torch.futures.Future[Any]) -> torch.Tensor:
-            try:
-                f.value()
-                if post_divide:
-                    tensor.div_(divisor)
-            except Exception as e:  # noqa: BLE001 - reported, the step will not commit
-                self.report_error(e)
-            return tensor
-
-        out = fut.then(finish)
-        self._pending.append(out)
-        return self._work(out)
+        self._pending.append(fut)
+        return self._work(fut)
 
     def _work(self, future: torch.futures.Future[torch.Tensor]) -> ManagedWork:
         return ManagedWork(future, lambda: self._errored is not None, self.report_error)
@@ -478,9 +408,9 @@ class Manager:
         # init_sync that is every group, though only the primary's gradients count).
         ok = self._errored is None and plan is not None and plan.num_up_to_date >= self._min_replica_size
         if plan is not None and plan.replica_world_size > 1:
-            ok = self._vote_of_all_groups(ok, deadline)
+            ok = vote_of_all_groups(self._vote_across_groups, self._pg, ok, deadline, self.report_error)
         if self._group_world_size > 1:
-            ok = self._vote_of_group_ranks(ok, deadline)
+            ok = vote_of_group_ranks(self._group, self._quorum_seq, ok, deadline, self.report_error)
         if self._sent_checkpoint:
             # Every healer has voted, so it has its copy: the state may change again.
             self._transport.disallow_checkpoint()
@@ -505,26 +435,6 @@ class Manager:
                 f"{self._max_retries}); last error: {self._errored!r}"
             )
         return False
-
-    def _vote_of_all_groups(self, ok: bool, deadline: float) -> bool:
-        pg_error = self._pg.errored()
-        if pg_error is not None:
-            # The cross-group PG failed before or during this step (allreduce skips a failed
-            # group without a word): gradients were not exchanged, so the step cannot commit.
-            self.report_error(pg_error)
-            return False
-        try:
-            return self._vote_across_groups(self._pg, ok, deadline)
-        except Exception as e:  # noqa: BLE001 - reported, the step will not commit
-            self.report_error(e)
-            return False
-
-    def _vote_of_group_ranks(self, ok: bool, deadline: float) -> bool:
-        try:
-            return self._group.vote(self._quorum_seq, ok, deadline)
-        except CommunicationError as e:  # a peer rank died: its agent restarts the group
-            self.report_error(e)
-            return False
 
     def _load_healed_state(self) -> None:
         state, self._pending_state = self._pending_state, None
