@@ -17,6 +17,7 @@ import signal
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from ftlaunch import phases
 from ftlaunch.launcher.group import FAILED, SUCCEEDED, Group
 from ftlaunch.launcher.options import ChaosSpec
 from ftlaunch.launcher.output import Console
@@ -155,6 +156,7 @@ class Chaos:
         if spec.signal == "STOP":
             self._stopped[group.gid] = (sent, now + spec.stop_for)
             group.hung(now)  # a hung group: rejoin is measured from here too
+        phases.mark("chaos_kill", group=group.gid, signal=spec.signal, pids=sent)
         self.injections.append(Injection(now, group.gid, f"SIG{spec.signal}", spec.target, step))
         self._console.err(
             f"[ftlaunch] chaos: SIG{spec.signal} -> replica group {group.gid} {spec.target} "

@@ -35,6 +35,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from ftlaunch import phases
 from ftlaunch.checkpointing.transport import CheckpointTransport
 from ftlaunch.errors import (
     CommunicationError,
@@ -44,7 +45,7 @@ from ftlaunch.errors import (
 )
 from ftlaunch.lighthouse.client import QuorumClient
 from ftlaunch.lighthouse.quorum import Quorum
-from ftlaunch.process_group.base import ProcessGroup
+from ftlaunch.process_group.base import ProcessGroup, release_process_group
 from ftlaunch.process_group.work import completed_future
 from ftlaunch.timeouts import Timeouts, to_seconds
 from ftlaunch.worker import allreduce as allreduce_math
@@ -58,17 +59,9 @@ from ftlaunch.worker.recovery import DEFAULT_STATE_KEY, StateRegistry
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Manager", "ManagedWork", "ReduceOpLike", "WorldSizeMode"]
+__all__ = ["Manager", "ManagedWork", "ReduceOpLike", "WorldSizeMode", "release_process_group"]
 
 T = TypeVar("T")
-
-
-def release_process_group(pg: ProcessGroup) -> None:
-    """Shut ``pg`` down, best effort: teardown must not mask the reason for it."""
-    try:
-        pg.shutdown()
-    except Exception as e:  # noqa: BLE001 - torch raises several types here
-        logger.debug("process group shutdown: %s", e)
 
 
 class _StepLog(logging.LoggerAdapter):
@@ -203,12 +196,16 @@ class Manager:
 
             checkpoint_transport = HTTPTransport(timeout=timeouts.as_timedelta("heal"))
         self._transport: CheckpointTransport[Any] = checkpoint_transport
-        self._group.publish_transport_metadata(self._transport.metadata())
+        # Published once this rank is ready (`quorum_request.become_ready`): the leader's read of
+        # every rank's metadata is then also the wait for the whole group to be ready.
+        self._ready = False
         self._transport_metadata: list[str] | None = None  # every rank's, read once by the leader
+        self._phases = phases.enabled()  # the opt-in start-up phase log, until the first commit
 
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"ftlaunch-quorum-{self.replica_id}")
-        if self._client is not None:
-            self._client.start_heartbeat(self.replica_id, to_seconds(heartbeat_interval))
+        # The leader's heartbeats start with its first request (`_ask_lighthouse`): a live group
+        # that has not asked holds up its peers' quorums (the lighthouse's split-brain guard).
+        self._heartbeat_interval = to_seconds(heartbeat_interval)
         self.log.info(
             "manager up: group world_size=%d store=%s transport=%s",
             self._group_world_size, self._group.address, type(self._transport).__name__,
@@ -216,6 +213,11 @@ class Manager:
         timeouts.log(self.log)
         if port is not None:
             self.log.info("port=%d is not used: ftlaunch has no per-group manager server", port)
+        self._mark("manager_up")
+
+    def _mark(self, phase: str) -> None:
+        if self._phases:
+            phases.mark(phase, step=self._step)
 
     def register_state_dict_fn(
         self, key: str, load_state_dict: Callable[[Any], None], state_dict: Callable[[], Any]
@@ -285,12 +287,18 @@ class Manager:
 
     def _run_quorum(self, seq: int, allow_heal: bool, shrink_only: bool, quorum_timeout: float) -> None:
         """The quorum thread: quorum -> this group's plan -> reconfigure if it changed -> heal."""
+        if not self._ready:  # ask to be counted only once we can take part at once
+            quorum_request.become_ready(self._pg, self._group, self._transport, self.log)
+            self._ready = True
+            self._mark("ready")
         # Only the leader asks the lighthouse; the group store relays its answer to the other ranks.
         quorum = self._group.relay_quorum(seq, lambda: self._ask_lighthouse(shrink_only, quorum_timeout))
+        self._mark("quorum")
         plan = plan_step(quorum, self.replica_id, init_sync=self._init_sync,
                          world_size_mode=self._world_size_mode, min_replica_size=self._min_replica_size)
         if plan.quorum_id != self._quorum_id:
             self._reconfigure(plan)
+            self._mark("configured")
         if plan.layout_conflict is not None:
             # Raised after the reconfigure, so that the other groups' rendezvous does not wait for
             # us; our peers' collectives then fail when this process stops, and they go on without it.
@@ -298,21 +306,21 @@ class Manager:
         self._plan = plan
         if not allow_heal:
             return
-        heal_timeout = self.timeouts.as_timedelta("heal")
-        if plan.recover_dst_ranks:  # a source: serve our state to the healers assigned to us
-            self.log.info("sending state to replica ranks %s", list(plan.recover_dst_ranks))
-            recovery.offer(self._transport, plan, self._step, self._state, heal_timeout)
-            self._sent_checkpoint = True  # served until the vote
-        if plan.heal:  # behind: fetch the state now, load it only once every group agreed to commit
-            self.log.info("healing from %s at step %d", plan.recover_src_id, plan.max_step)
-            self._pending_state = recovery.fetch(
-                self._transport, plan, quorum, self._group_rank, self._state, heal_timeout
-            )
+        # A source serves its state to the healers assigned to it (until the vote); a healer fetches
+        # it now and loads it only once every group agreed to commit.
+        sent, self._pending_state = recovery.exchange(
+            self._transport, plan, quorum, self._step, self._group_rank, self._state,
+            self.timeouts.as_timedelta("heal"), self.log,
+        )  # fmt: skip
+        self._sent_checkpoint = self._sent_checkpoint or sent
+        if plan.heal:
+            self._mark("healed")
 
     def _ask_lighthouse(self, shrink_only: bool, quorum_timeout: float) -> Quorum:
         assert self._client is not None  # the leader has one
-        if self._transport_metadata is None:
+        if self._transport_metadata is None:  # the first request: once every rank is ready
             self._transport_metadata = self._group.transport_metadata()
+            self._client.start_heartbeat(self.replica_id, self._heartbeat_interval)
         request = quorum_request.member(
             self.replica_id, store_address=self._group.address, step=self._step,
             world_size=self._group_world_size, shrink_only=shrink_only, commit_failures=self._commit_failures,
@@ -426,6 +434,9 @@ class Manager:
             self._step += 1
             self._batches_committed += plan.num_participants
             self._commit_failures = 0
+            if self._phases:
+                self._mark("first_commit")
+                self._phases = False  # nothing more to time: the step path stays free of it
             return True
         self._commit_failures += 1
         self.log.info("step not committed (consecutive failures: %d)", self._commit_failures)
