@@ -34,6 +34,8 @@ __all__ = ["main", "release", "spawn", "start", "take", "wanted"]
 
 #: The module the child runs (a string: importing it would import torch).
 CHILD_MODULE = "ftlaunch.process_group._baby_child"
+#: The interpreter arguments that run it (tests replace them to start a slow child).
+CHILD_ARGV = ["-m", CHILD_MODULE]
 
 _lock = threading.Lock()
 _started: dict[str, tuple[subprocess.Popen[bytes], socket.socket]] = {}
@@ -44,7 +46,7 @@ def spawn(backend: str) -> tuple[subprocess.Popen[bytes], socket.socket]:
     parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     use_pdeathsig = threading.current_thread() is threading.main_thread()  # PDEATHSIG is per thread
     cmd = [
-        sys.executable, "-m", CHILD_MODULE,
+        sys.executable, *CHILD_ARGV,
         "--fd", str(child_sock.fileno()),
         "--parent-pid", str(os.getpid()),
         "--backend", backend,

@@ -219,7 +219,8 @@ class ProcessGroupBaby(ProcessGroup):
         limit = max(self._timeout, _SPAWN_TIMEOUT_MIN) if timeout is None else as_timedelta(timeout).total_seconds()
         with self._lock:
             child = self._child
-            if child is None or not child.healthy:
+            # An idle child's death is noticed at its next op; look now, and replace it early.
+            if child is None or not child.healthy or child.proc.poll() is not None:
                 if child is not None:
                     self._close_child(child, graceful=False)
                 with self._spare_lock:
