@@ -280,7 +280,7 @@ def test_survivor_keeps_committing_while_a_restarted_group_is_slow_to_start(
     from tests.mp_harness import Group
 
     log = tmp_path / "phases.jsonl"
-    args = ["--steps", "120", "--step-sleep", "0.1", "--backend", "baby-gloo", "--transport", "pg"]
+    args = ["--steps", "400", "--step-sleep", "0.1", "--backend", "baby-gloo", "--transport", "pg"]
     with LighthouseServer(min_replicas=1, join_timeout=30.0).start() as lh:
         gs = [Group(i, 1, lh.address, tmp_path, args, env={env.FTLAUNCH_PHASE_LOG: str(log)}) for i in range(2)]
         groups.extend(gs)
