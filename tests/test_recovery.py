@@ -300,3 +300,15 @@ def test_survivor_keeps_committing_while_a_restarted_group_is_slow_to_start(
     restarted = [r for r in gs[1].steps() if r["t"] > t_kill]
     assert restarted and restarted[0]["after"] > 1  # healed, did not start over
     assert gs[0].final()["checksum"] == gs[1].final()["checksum"]  # type: ignore[index]
+
+
+def test_the_launcher_runs_python_workers_through_prestart_and_other_programs_as_given() -> None:
+    from ftlaunch.launcher.agent import _worker_args
+    from ftlaunch.launcher.options import LaunchOptions
+
+    py = sys.executable
+    assert _worker_args(LaunchOptions(py, ["-u", "train.py", "--x"])) == [
+        "-u", "-m", "ftlaunch.prestart", "train.py", "--x"]  # fmt: skip
+    assert _worker_args(LaunchOptions(py, ["-u", "-m", "pkg.train"])) == ["-u", "-m", "ftlaunch.prestart", "-m", "pkg.train"]
+    assert _worker_args(LaunchOptions("run_script_path", ["/abs/train.py"], run_path=True)) == ["/abs/train.py"]
+    assert _worker_args(LaunchOptions("/usr/bin/env", ["-u", "x"])) == ["-u", "x"]  # --no-python: a program
