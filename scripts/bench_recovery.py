@@ -364,7 +364,8 @@ def floor(tmp: Path) -> float:
     supervisor, the other group busy (FTLAUNCH_BACKEND=gloo: nothing else starts)."""
     from ftlaunch import phases
 
-    script, done, log = tmp / "floor.py", tmp / "floor.done", tmp / "floor_phases.jsonl"
+    run = time.monotonic_ns()
+    script, done, log = tmp / "floor.py", tmp / f"floor_{run}.done", tmp / f"floor_phases_{run}.jsonl"
     script.write_text(FLOOR_SCRIPT)
     _ftlaunch(["--replicas", "2", str(script), str(done)], log, {"FTLAUNCH_BACKEND": "gloo"}, timeout=180)
     recs = phases.read(log)
