@@ -9,6 +9,14 @@ batch 32, SGD, one intra-op thread per worker. Prints:
 * restarted group: process start -> first committed step (with healing);
 * live-recovery transfer rate of a 256 MB state dict over HTTP (via scripts/bench_transport.py).
 
+``--launcher`` (issue 11) measures as a user counts -- from the kill, through the ``ftlaunch``
+command with its defaults (Baby Gloo, pg transport, ``--chaos steps=60,group=1``): the survivor's
+longest gap between committed steps over the whole kill + rejoin episode; kill -> the restarted
+group's first committed step with a phase breakdown from ``FTLAUNCH_PHASE_LOG`` (`ftlaunch.phases`)
+and the floor (kill -> a bare ``import torch`` done in the restarted worker, same agent, the other
+group busy); and kill -> first commit with ``--spares 1`` where the CLI has that flag ("n/a" else).
+Each beside torchft's figures and the baselines of issue 11.
+
 Usage: python scripts/bench_recovery.py [--steps 60] [--runs 2] [--overhead-only] [--breakdown]
        python scripts/bench_recovery.py --launcher [--runs 2]   (issue 11: from the kill, through `ftlaunch`)
        python scripts/bench_recovery.py --interleaved 150 [--runs 3]   (step-time ratios, robust to load)
