@@ -71,3 +71,27 @@ class OperationalError(FtlaunchError):
 
     fairseq2 recipes turn a `GangError` they cannot handle into this (``raise_operational_gang_error``).
     """
+
+
+def install_brief_configuration_errors() -> None:
+    """Make an uncaught `ConfigurationError` end the process with one line on stderr, not a traceback.
+
+    Why: a bad environment value (``FTLAUNCH_LIGHTHOUSE=ftp://x``, ``REPLICA_GROUP_ID=abc``) is the
+    operator's mistake, not a bug; under torchrun every worker would print the same 20-line traceback
+    whose last line alone matters. Any other exception keeps the previous hook (a traceback).
+    Idempotent; called by ``ftlaunch.init()`` and the Manager before they read the environment.
+    """
+    import sys
+
+    previous = sys.excepthook
+    if getattr(previous, "_ftlaunch_brief", False):
+        return
+
+    def hook(exc_type: type[BaseException], exc: BaseException, tb: object) -> None:
+        if issubclass(exc_type, ConfigurationError):
+            print(f"ftlaunch: configuration error: {exc}", file=sys.stderr, flush=True)
+            return
+        previous(exc_type, exc, tb)  # type: ignore[arg-type]
+
+    hook._ftlaunch_brief = True  # type: ignore[attr-defined]
+    sys.excepthook = hook

@@ -26,6 +26,7 @@ Launch::
 from __future__ import annotations
 
 import argparse
+import ctypes
 import hashlib
 import logging
 import os
@@ -104,7 +105,8 @@ def eval_loss(model: nn.Module, params: list[torch.Tensor] | None = None) -> flo
 def checksum(tensors: Any) -> str:
     h = hashlib.sha256()
     for t in tensors:
-        h.update(t.detach().contiguous().cpu().numpy().tobytes())
+        t = t.detach().contiguous().cpu()
+        h.update(ctypes.string_at(t.data_ptr(), t.numel() * t.element_size()))
     return h.hexdigest()[:16]
 
 

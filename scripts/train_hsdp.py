@@ -30,6 +30,7 @@ or ``torchx run -s local_cwd ftlaunch:hsdp``, see README).
 from __future__ import annotations
 
 import argparse
+import ctypes
 import hashlib
 import logging
 import math
@@ -147,7 +148,8 @@ def full_checksum(model: nn.Module) -> str:
     h = hashlib.sha256()
     for p in model.parameters():
         full = p.full_tensor() if isinstance(p, DTensor) else p
-        h.update(full.detach().float().cpu().contiguous().numpy().tobytes())
+        full = full.detach().float().cpu().contiguous()
+        h.update(ctypes.string_at(full.data_ptr(), full.numel() * full.element_size()))
     return h.hexdigest()[:16]
 
 

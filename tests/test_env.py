@@ -49,3 +49,40 @@ def test_group_env() -> None:
     assert GroupEnv.from_environ({}) == GroupEnv()
     with pytest.raises(ConfigurationError, match="outside WORLD_SIZE"):
         GroupEnv.from_environ({env.RANK: "2", env.WORLD_SIZE: "2"})
+
+
+_INIT_SCRIPT = "import ftlaunch as ft\nft.init()\n"
+_MANAGER_SCRIPT = (
+    "from ftlaunch.manager import Manager\n"
+    "Manager(pg=None, load_state_dict=None, state_dict=None, min_replica_size=1,\n"
+    "        store_addr='127.0.0.1', store_port=1, rank=0, world_size=1, replica_id='x')\n"
+)
+
+
+@pytest.mark.parametrize(
+    ("script", "environ", "message"),
+    [
+        (_INIT_SCRIPT, {env.REPLICA_GROUP_ID: "0", env.NUM_REPLICA_GROUPS: "1", env.FTLAUNCH_LIGHTHOUSE: "ftp://x"},
+         "FTLAUNCH_LIGHTHOUSE='ftp://x' is not a lighthouse address"),
+        (_INIT_SCRIPT, {env.REPLICA_GROUP_ID: "abc", env.NUM_REPLICA_GROUPS: "1", env.FTLAUNCH_LIGHTHOUSE: "h:1"},
+         "REPLICA_GROUP_ID='abc' is not an integer"),
+        # torchft's path: the Manager builds its own client (a plain ValueError escaped here before).
+        (_MANAGER_SCRIPT, {env.FTLAUNCH_LIGHTHOUSE: "ftp://x"}, "FTLAUNCH_LIGHTHOUSE='ftp://x' is not a lighthouse address"),
+    ],
+    ids=["init-bad-lighthouse", "init-bad-group-id", "manager-bad-lighthouse"],
+)
+def test_bad_environment_ends_a_worker_with_one_line(script: str, environ: dict[str, str], message: str) -> None:
+    """Issue 17: a bad environment value is one line on stderr and exit 1, not a traceback wall."""
+    import os
+    import subprocess
+    import sys
+
+    clean = {k: v for k, v in os.environ.items() if k not in env.ALL_FTLAUNCH_VARS}
+    proc = subprocess.run(
+        [sys.executable, "-c", script], env={**clean, **environ}, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("ftlaunch: configuration error: ") and message in lines[0], lines[0]

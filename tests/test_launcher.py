@@ -52,6 +52,7 @@ def test_environment_prefixes_and_summary(tmp_path) -> None:
         tokens.add(e["FTLAUNCH_TOKEN"])
         ports.setdefault(r["group"], set()).add(e["MASTER_PORT"])
         assert r["lighthouse_status_address"] == e["FTLAUNCH_LIGHTHOUSE"]  # the embedded lighthouse answered
+        assert r["lighthouse_token_accepted"] is True  # the job token reached the worker and works
     assert len(lighthouses) == 1 and re.fullmatch(r"http://127\.0\.0\.1:\d+", lighthouses.pop())
     assert len(tokens) == 1 and len(tokens.pop()) >= 16
     assert len(ports[0]) == len(ports[1]) == 1 and ports[0] != ports[1]  # each group its own store
@@ -59,8 +60,10 @@ def test_environment_prefixes_and_summary(tmp_path) -> None:
     for g in (0, 1):
         for rank in (0, 1):
             assert f"[rg{g}/r{rank}] step=2 committed=True" in res.stdout
-    assert summary_row(res.stdout, 0)[:5] == ["succeeded", "3", "2", "0", "0"]
-    assert summary_row(res.stdout, 1)[:5] == ["succeeded", "3", "2", "0", "0"]
+    # Steps come from the lighthouse (rank 0's reports); "last step" is the group's step after its
+    # last commit (the Manager's current_step()), so 3 after three steps.
+    assert summary_row(res.stdout, 0)[:5] == ["succeeded", "3", "3", "0", "0"]
+    assert summary_row(res.stdout, 1)[:5] == ["succeeded", "3", "3", "0", "0"]
     assert "2/2 groups ended bit-identical (c0ffee)" in res.stdout
 
 
@@ -160,7 +163,7 @@ def test_sigstop_chaos_pauses_a_group_then_it_continues(tmp_path) -> None:
     assert re.search(r"chaos: SIGSTOP -> replica group 0 workers \(pids \d+\) at step \d+", res.stderr)
     m = re.search(r"SIGSTOP rg0 workers at step \d+: group committed again (\d+\.\d)s later", res.stdout)
     assert m and float(m.group(1)) >= 1.0, res.stdout  # it really was paused for stop_for
-    assert summary_row(res.stdout, 0)[:5] == ["succeeded", "40", "39", "0", "0"]
+    assert summary_row(res.stdout, 0)[:5] == ["succeeded", "40", "40", "0", "0"]
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])

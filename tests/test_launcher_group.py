@@ -139,3 +139,44 @@ def test_describe_root_cause() -> None:
     assert describe_root_cause({}) == "workers failed (no details)"
     cause = {"rank": 1, "pid": 7, "exitcode": -9, "signal": "SIGKILL", "stderr_tail": ["a", "OOM"], "error_file": "/e"}
     assert describe_root_cause(cause) == "rank 1 (pid 7) killed by SIGKILL: OOM (error file /e)"
+
+
+# -- progress read from the lighthouse (Group.lighthouse_progress)
+
+def _progress(session: str, committed: int, first: float | None = None, **kw: object):
+    from ftlaunch.lighthouse.progress import GroupProgress
+
+    return GroupProgress("rg0", step=committed, committed=committed, sessions=1, session=session,
+                         session_first_commit=first, **kw)  # type: ignore[arg-type]
+
+
+def test_rejoin_from_the_lighthouse_is_the_new_process_first_commit() -> None:
+    g = running()
+    offset = 1000.0  # wall clock = monotonic + 1000
+    assert g.lighthouse_progress(_progress("s1", 4, first=1001.0), now=5.0, wall_offset=offset) is None
+    assert (g.committed, g.last_step, g.session) == (4, 4, "s1")
+    g.worker_exited(100, 0, 0, True, KILLED, now=10.0)
+    # A report of the dead process that arrives late is not a rejoin.
+    assert g.lighthouse_progress(_progress("s1", 5, first=1001.0), now=10.2, wall_offset=offset) is None
+    g.workers_started(1, {0: 200}, now=12.0)
+    # The new process committed at wall 1013.5 (monotonic 13.5); the supervisor reads it at 14.0.
+    assert g.lighthouse_progress(_progress("s2", 7, first=1013.5), now=14.0, wall_offset=offset) == 13.5
+    assert g.rejoin_times == [3.5] and g.healthy and g.committed == 7
+
+
+def test_a_hang_rejoins_when_the_same_process_commits_again() -> None:
+    g = running()
+    g.lighthouse_progress(_progress("s1", 2, first=1.0), now=1.0, wall_offset=0.0)
+    g.hung(now=2.0)
+    assert g.lighthouse_progress(_progress("s1", 3, first=1.0), now=2.5, wall_offset=0.0) is None  # still stopped
+    g.resumed()
+    assert g.lighthouse_progress(_progress("s1", 4, first=1.0), now=5.0, wall_offset=0.0) == 5.0
+    assert g.rejoin_times == [3.0]
+
+
+def test_checksum_and_unsynced_come_only_from_the_lighthouse() -> None:
+    g = running()
+    g.lighthouse_progress(_progress("s1", 9, checksum="abc", checksum_step=9, finished=False), 1.0, 0.0)
+    assert g.checksum is None  # not a clean exit: nothing claimed
+    g.lighthouse_progress(_progress("s1", 9, checksum="abc", checksum_step=9, finished=True, unsynced_sessions=1), 2.0, 0.0)
+    assert (g.checksum, g.checksum_step, g.unsynced_sessions) == ("abc", 9, 1)

@@ -25,7 +25,7 @@ def test_hosted_and_remote_share_one_surface() -> None:
     try:
         assert hosted.address.startswith("http://127.0.0.1:") and hosted.quorum_id() is None
         remote = RemoteLighthouse.connect(hosted.address, token="t")
-        with LighthouseClient(hosted.address) as group:
+        with LighthouseClient(hosted.address, token="t") as group:  # a group carries the job token
             group.heartbeat("rg0")
             assert hosted.live_groups() == remote.live_groups() == 1
             remote.report_failure("rg0", "seen dead")  # the token-protected admin call

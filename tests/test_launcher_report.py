@@ -99,3 +99,24 @@ def test_status_line_is_throttled_and_keeps_the_last_quorum_id() -> None:
     line.tick(2.0, groups)
     assert out.getvalue().endswith("quorum 5 | step 3 | groups up 2/2 | failures 1 | restarts 1 | 2s")
     assert line.last_quorum_id() == 5
+
+
+def test_equal_checksums_at_different_steps_are_not_bit_identical() -> None:
+    groups = groups_after_a_kill()
+    groups[0].checksum_step, groups[1].checksum_step = 3, 4
+    lines = summary_lines(0, 5.0, groups, None, None, started=0.0, log_dir="/logs")
+    assert not any("bit-identical" in line for line in lines)
+    assert "[ftlaunch] WARNING: groups ended at different steps: rg0 at step 3, rg1 at step 4" in lines
+
+
+def test_summary_prints_the_lighthouse_figures() -> None:
+    from ftlaunch.lighthouse.progress import GroupProgress
+
+    status = LighthouseStatus(quorum_changes=3, progress=(
+        GroupProgress("rg0", heals=0, step_seconds=0.05, quorum_seconds=0.01, commit_seconds=0.002, step_rate=19.5),
+        GroupProgress("rg1", heals=2, heal_seconds=1.25),
+    ))
+    lines = summary_lines(0, 5.0, groups_after_a_kill(), None, None, started=0.0, log_dir="/logs", lighthouse=status)
+    assert any(line.startswith("[ftlaunch] lighthouse: 3 quorum change(s)") for line in lines)
+    assert "[ftlaunch]   rg0    0      0.00s      50.0ms     10.0ms       2.0ms   19.5" in lines
+    assert any(line.split()[1:4] == ["rg1", "2", "1.25s"] for line in lines)

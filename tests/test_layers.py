@@ -30,7 +30,10 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "worker": ("ftlaunch.worker",),
     "launcher": ("ftlaunch.launcher",),
     # The public face: the package itself and torchft's module paths (one-line re-exports).
-    "api": ("ftlaunch", "ftlaunch.manager", "ftlaunch.optim", "ftlaunch.data", "ftlaunch.parameter_server", "ftlaunch.local_sgd"),
+    "api": (
+        "ftlaunch", "ftlaunch.manager", "ftlaunch.optim", "ftlaunch.data", "ftlaunch.parameter_server", "ftlaunch.local_sgd",
+        "ftlaunch.coordination",
+    ),
 }
 
 #: layer -> the layers it may import (besides itself).
@@ -139,10 +142,13 @@ def test_the_check_sees_violations(tmp_path: Path) -> None:
 LIGHTHOUSE_RANKS: dict[str, int] = {
     "protocol": 0,  # wire constants
     "quorum": 0,  # the pure decision
+    "progress": 0,  # training progress the group leaders report, and its totals (pure)
     "status": 1,  # the typed status document
     "membership": 2,  # bookkeeping: groups, quorum requests, domain errors
     "http": 2,  # request/response types, http.server's head parsing
+    "limits": 2,  # connection cap, warnings per client: bounds a client cannot push
     "dashboard": 2,  # HTML from a status
+    "metrics": 2,  # Prometheus text from a status (prometheus_client)
     "client": 2,
     "transport": 3,  # asyncio connections, long polls, identities
     "routes": 3,  # endpoints: JSON, token, domain errors -> status codes
@@ -153,7 +159,7 @@ LIGHTHOUSE_RANKS: dict[str, int] = {
 }
 
 #: Lighthouse modules that do no I/O: they may not import sockets, event loops or HTTP.
-LIGHTHOUSE_NO_IO = {"protocol", "quorum", "status", "membership", "dashboard"}
+LIGHTHOUSE_NO_IO = {"protocol", "quorum", "progress", "status", "membership", "dashboard"}
 _IO_MODULES = {"socket", "selectors", "select", "asyncio", "http", "urllib", "ssl"}
 
 

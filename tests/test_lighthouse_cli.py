@@ -125,3 +125,48 @@ def test_port_in_use_is_a_clean_error():
         assert len(second.stderr.strip().splitlines()) == 1
     finally:
         assert _stop(proc, signal.SIGTERM) == 0
+
+
+def test_torchft_flags_are_aliases_with_their_units():
+    """Issue 15/16: torchft README's command (underscores, milliseconds) starts the same lighthouse."""
+    proc, addr = _start(
+        MODULE_CMD, "--min_replicas", "2", "--quorum_tick_ms", "100", "--join_timeout_ms", "10000",
+        "--heartbeat_timeout_ms", "2500", "--log-level", "error",
+    )
+    try:
+        assert _get(addr + "/v1/status")["options"] == {
+            "min_replicas": 2, "join_timeout": 10.0, "heartbeat_timeout": 2.5, "quorum_tick": 0.1, "admin": False,
+        }
+    finally:
+        assert _stop(proc, signal.SIGTERM) == 0
+
+
+def test_torchft_millisecond_flag_is_validated():
+    proc = subprocess.run([*MODULE_CMD, "--join_timeout_ms", "soon"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "--join_timeout_ms" in proc.stderr and "milliseconds" in proc.stderr
+
+
+def _tokenless_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k != "FTLAUNCH_TOKEN"}
+
+
+def test_reachable_bind_without_token_is_refused_in_one_line():
+    """Issue 17: a lighthouse anyone on the network could join, stop or poison is not started."""
+    proc = subprocess.run(
+        [*MODULE_CMD, "--bind", "0.0.0.0:0"], capture_output=True, text=True, timeout=60, env=_tokenless_env()
+    )
+    assert proc.returncode == 1, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "without a job token" in lines[0] and "--token" in lines[0], proc.stderr
+
+
+def test_loopback_without_token_serves_and_says_so():
+    proc, addr = _start(MODULE_CMD, env=_tokenless_env())
+    try:
+        client = LighthouseClient(addr)
+        client.quorum(QuorumMember("a"), timeout=10)  # a tokenless lighthouse lets groups in
+        client.close()
+    finally:
+        assert _stop(proc, signal.SIGTERM) == 0
+    err = proc.stderr.read() if proc.stderr else ""
+    assert "no job token" in err and "loopback only" in err, err

@@ -249,3 +249,84 @@ def test_ids_increase_across_memberships_of_one_process() -> None:
     options = QuorumOptions()
     ids = [Membership(options).request_quorum(QuorumMember("a")).quorum.quorum_id for _ in range(3)]  # type: ignore[union-attr]
     assert ids == sorted(set(ids))
+
+
+# ------------------------------------------------------------------ hostile or broken groups (issue 17)
+
+
+def test_ids_that_never_joined_a_quorum_are_forgotten_once_gone() -> None:
+    """20,000 heartbeat-only ids used to stay listed (and walked by every tick) forever."""
+    m, clock = make(heartbeat_timeout=5.0)
+    assert m.forget_after == 60.0
+    members(m.request_quorum(QuorumMember("real", step=0)))
+    for i in range(500):
+        m.heartbeat(f"junk{i}")
+    assert len(m.snapshot().groups) == 501
+    clock.now += 30
+    m.tick()  # silent, but not for forget_after yet: still listed
+    assert len(m.snapshot().groups) == 501
+    clock.now += 31
+    m.tick()
+    # the real group is silent too, but it was in a quorum: it stays, with its history
+    assert [g.replica_id for g in m.snapshot().groups] == ["real"]
+    assert "forgotten" in events(m)
+    m.heartbeat("junk0")  # a forgotten id that comes back is simply new again
+    assert {g.replica_id for g in m.snapshot().groups} == {"real", "junk0"}
+
+
+def test_tracked_ids_are_capped() -> None:
+    from ftlaunch.lighthouse.membership import TooManyGroups
+
+    clock = Clock()
+    m = Membership(QuorumOptions(heartbeat_timeout=5.0), clock=clock, wall_clock=clock, max_groups=10)
+    for i in range(10):
+        m.heartbeat(f"g{i}")
+    with pytest.raises(TooManyGroups):
+        m.heartbeat("one-too-many")
+    clock.now += 6  # all silent now: room is made by forgetting those that never joined a quorum
+    m.heartbeat("one-too-many")
+    assert [g.replica_id for g in m.snapshot().groups] == ["one-too-many"]
+
+
+def test_a_second_incarnation_cannot_take_a_live_id() -> None:
+    from ftlaunch.lighthouse.membership import HeldElsewhere
+
+    m, clock = make(min_replicas=2)
+    parked = m.request_quorum(QuorumMember("a", step=1), incarnation="p1")
+    with pytest.raises(HeldElsewhere):
+        m.request_quorum(QuorumMember("a", step=1), incarnation="p2")
+    with pytest.raises(HeldElsewhere):
+        m.heartbeat("a", incarnation="p2")
+    with pytest.raises(HeldElsewhere):
+        m.leave("a", incarnation="p2")
+    assert not parked.done  # the holder's request was not pushed out
+    m.heartbeat("a", incarnation="p1")
+    m.connection_lost("a")  # the holder died: its id is free for the next incarnation
+    m.heartbeat("a", incarnation="p2")
+    with pytest.raises(HeldElsewhere):  # and now p2 holds it
+        m.heartbeat("a", incarnation="p1")
+
+
+def test_a_far_ahead_step_is_refused_not_made_everyones_source() -> None:
+    """A group claiming step 10**9 would be the only source of every healer (a poisoned model, its
+    store as everyone's meeting point). Steps advance one per committed round."""
+    from ftlaunch.lighthouse.membership import ImplausibleStep
+
+    m, _ = make(min_replicas=1)
+    for step in range(3):
+        members(m.request_quorum(QuorumMember("a", step=step)))
+    with pytest.raises(ImplausibleStep, match="step 10+, .*healing source"):
+        m.request_quorum(QuorumMember("evil", step=10**9, address="evil:1"))
+    with pytest.raises(ImplausibleStep):
+        m.request_quorum(QuorumMember("a", step=50))  # a member of the last quorum too
+    assert "evil" not in {g.replica_id for g in m.snapshot().groups}
+    # what honest groups do stays allowed: the next step, a healer behind, a fresh group at 0
+    assert members(m.request_quorum(QuorumMember("a", step=3))) == ("a",)
+    m.request_quorum(QuorumMember("b", step=0))  # a fresh group (it will heal) is not refused
+    assert m.snapshot().pending == ("b",)
+
+
+def test_no_step_rule_before_the_first_quorum() -> None:
+    """A new (or restarted) lighthouse has seen no quorum: groups resuming at step 5000 are accepted."""
+    m, _ = make()
+    assert members(m.request_quorum(QuorumMember("a", step=5000))) == ("a",)

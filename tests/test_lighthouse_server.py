@@ -21,7 +21,7 @@ from ftlaunch.errors import (
     QuorumTimeoutError,
 )
 from ftlaunch.lighthouse import LighthouseClient, LighthouseServer, QuorumMember
-from ftlaunch.lighthouse.protocol import MAX_BODY_BYTES
+from ftlaunch.lighthouse.protocol import INCARNATION_HEADER, MAX_BODY_BYTES
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -46,6 +46,13 @@ def make_server() -> Iterator[Callable[..., LighthouseServer]]:
 
 @pytest.fixture
 def server(make_server) -> LighthouseServer:
+    """A loopback lighthouse without a token (any local process may act as a group)."""
+    return make_server()
+
+
+@pytest.fixture
+def token_server(make_server) -> LighthouseServer:
+    """A lighthouse with the job token: every request but a read must carry it."""
     return make_server(token=TOKEN)
 
 
@@ -265,15 +272,17 @@ def test_shrink_only_keeps_new_groups_out(make_server):
 def test_superseded_request_gets_409(make_server):
     s = make_server(min_replicas=2)
     results: dict = {}
+    client = LighthouseClient(s.address)
 
-    def first() -> None:
-        status, payload, _ = request(s, "POST", "/quorum", {"member": {"replica_id": "a"}, "timeout": 20})
+    def first() -> None:  # the same process (incarnation) asks again, e.g. after a lost answer
+        status, payload, _ = request(
+            s, "POST", "/quorum", {"member": {"replica_id": "a"}, "timeout": 20}, {INCARNATION_HEADER: client.incarnation}
+        )
         results["first"] = (status, payload)
 
     t1 = threading.Thread(target=first)
     t1.start()
     wait_for(lambda: "a" in s.status()["pending"], what="first request pending")
-    client = LighthouseClient(s.address)
     t2 = threading.Thread(target=lambda: results.update(second=client.quorum(QuorumMember("a", step=1), 20)))
     t2.start()
     t1.join(30)  # the first one is answered as soon as the second arrives
@@ -282,6 +291,33 @@ def test_superseded_request_gets_409(make_server):
     t2.join(30)
     assert qb.replica_ids == ("a", "b") and results["second"] == qb and qb.member("a").step == 1
     client.close()
+
+
+def test_a_replica_id_is_held_by_one_incarnation(make_server):
+    """Issue 17: a second process using a live group's id cannot push its parked request out (409 for
+    the newcomer, not the holder), beat for it or make it leave; once the holder is gone, it may."""
+    s = make_server(min_replicas=2)
+    holder, other = LighthouseClient(s.address), LighthouseClient(s.address)
+    results: dict = {}
+    t = threading.Thread(target=lambda: results.update(q=holder.quorum(QuorumMember("a", step=1), 20)))
+    t.start()
+    try:
+        wait_for(lambda: "a" in s.status()["pending"], what="holder's request parked")
+        for call in (lambda: other.quorum(QuorumMember("a", step=1), 5), lambda: other.heartbeat("a"),
+                     lambda: other.leave("a")):
+            with pytest.raises(LighthouseError, match="409.*held by another live process"):
+                call()
+        assert "a" in s.status()["pending"] and group(s, "a")["health"] == "live"
+        qb = holder.quorum(QuorumMember("b"), 20)  # the holder's request was never disturbed
+        t.join(30)
+        assert results["q"] == qb and qb.replica_ids == ("a", "b")
+        s.report_failure("a", "its process died")  # the holder is gone: a new incarnation takes over
+        other.heartbeat("a")
+        assert group(s, "a")["health"] == "live"
+    finally:
+        holder.close()
+        other.close()
+        t.join(30)
 
 
 def test_quorum_ids_increase_across_restart(make_server):
@@ -396,7 +432,8 @@ def test_leave_is_not_a_failure(server):
     client.close()
 
 
-def test_evict_gives_410_once_then_fresh_join(server):
+def test_evict_gives_410_once_then_fresh_join(token_server):
+    server = token_server
     client = LighthouseClient(server.address, token=TOKEN)
     client.heartbeat("a")
     client.evict("a", "bad node")
@@ -441,8 +478,9 @@ def test_shutdown_answers_parked_requests(make_server):
 # ---------------------------------------------------------------------------------- admin auth
 
 
-def test_admin_endpoints_need_the_token(server):
-    request(server, "POST", "/heartbeat", {"replica_id": "a"})
+def test_admin_endpoints_need_the_token(token_server):
+    server = token_server
+    request(server, "POST", "/heartbeat", {"replica_id": "a"}, {"Authorization": f"Bearer {TOKEN}"})
     body = {"replica_id": "a", "reason": "x"}
     code, payload, resp = request(server, "POST", "/admin/evict", body)
     assert code == 401 and payload["version"] == 1 and resp.getheader("WWW-Authenticate") == "Bearer"
@@ -455,6 +493,53 @@ def test_admin_endpoints_need_the_token(server):
     assert code == 200 and group(server, "a")["health"] == "failed"
     code, _, _ = request(server, "POST", "/admin/evict", body, {"Authorization": f"Bearer {TOKEN}"})
     assert code == 200 and group(server, "a") is None
+
+
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/quorum", {"member": {"replica_id": "intruder", "step": 10**9, "address": "evil:1"}, "timeout": 1}),
+        ("/heartbeat", {"replica_id": "intruder"}),
+        ("/v1/heartbeat", {"replica_id": "intruder"}),
+        ("/leave", {"replica_id": "a"}),
+        ("/admin/evict", {"replica_id": "a"}),
+    ],
+)
+@pytest.mark.parametrize(("headers", "code"), [({}, 401), ({"Authorization": "Bearer nope"}, 403)])
+def test_every_group_request_needs_the_token(token_server, path, body, headers, code):
+    """Issue 17: without the job token a client can neither join, beat, leave nor evict: 401/403, and
+    nothing changes (the real group stays, no invented id appears, no quorum forms)."""
+    server = token_server
+    ok, _, _ = request(server, "POST", "/heartbeat", {"replica_id": "a"}, AUTH)
+    assert ok == 200
+    before = server.status()
+    got, payload, _ = request(server, "POST", path, body, headers)
+    assert got == code and "error" in payload
+    after = server.status()
+    assert [g["replica_id"] for g in after["groups"]] == ["a"] and after["quorum"] == before["quorum"]
+    assert after["history"] == before["history"]
+
+
+def test_reads_stay_open_and_the_client_sends_the_token(token_server):
+    """Status and the dashboard are readable without the token; a client built with it does
+    everything a group does (quorum, heartbeat, leave)."""
+    code, status, _ = request(token_server, "GET", "/status")
+    assert code == 200 and status["options"]["admin"] is True
+    assert request(token_server, "GET", "/")[0] == 200
+    with pytest.raises(LighthouseError, match="401"):
+        LighthouseClient(token_server.address).heartbeat("a")
+    client = LighthouseClient(token_server.address, token=TOKEN)
+    try:
+        q = client.quorum(QuorumMember("a", step=3), timeout=10)
+        assert q.replica_ids == ("a",)
+        client.heartbeat("a")
+        client.leave("a")
+        assert group(token_server, "a") is None
+    finally:
+        client.close()
 
 
 def test_admin_refused_without_server_token(make_server):

@@ -435,3 +435,35 @@ def test_property_may_form_is_a_necessary_condition(scenario):
     s, opts = scenario
     if decide_quorum(s, NOW, opts).formed:
         assert may_form(s, NOW, opts)
+
+
+# -- rule 5: the first quorum waits for the groups the launcher announced (issue 15 item 8)
+
+ANNOUNCED = QuorumOptions(min_replicas=1, join_timeout=10.0, heartbeat_timeout=5.0, expected_replicas=2)
+
+
+def test_first_quorum_waits_for_the_announced_groups():
+    # One group started first: alone it is "every live group", but two were announced.
+    d = decide_quorum(state(groups("a"), requests("a")), NOW + 1, ANNOUNCED)
+    assert not d.formed and "announced" in d.reason and d.wake_at == NOW + 5.0  # its heartbeat expiry first
+    assert decide_quorum(state(groups("a"), requests("a")), NOW + 1, OPTS).formed  # unannounced: at once
+    both = decide_quorum(state(groups("a", "b"), requests("a", "b")), NOW + 1, ANNOUNCED)
+    assert both.formed and ids(both) == ["a", "b"]
+
+
+def test_first_quorum_forms_without_the_missing_group_after_the_join_timeout():
+    d = decide_quorum(state(groups("a", last_seen=NOW + 9), requests("a")), NOW + 10, ANNOUNCED)
+    assert d.formed and ids(d) == ["a"]
+
+
+def test_announced_groups_do_not_matter_after_the_first_quorum():
+    # min_replicas keeps its meaning: a survivor of a 2-group job forms alone at once.
+    d = decide_quorum(state(groups("a"), requests("a"), prev=quorum(7, "a", "b"), broken=True), NOW + 1, ANNOUNCED)
+    assert d.formed and ids(d) == ["a"]
+
+
+def test_expected_replicas_is_validated():
+    with pytest.raises(ValueError):
+        QuorumOptions(expected_replicas=-1)
+    with pytest.raises(TypeError):
+        QuorumOptions(expected_replicas=True)

@@ -76,6 +76,27 @@ def test_no_lighthouse_is_a_clear_rendezvous_error() -> None:
 
 
 @pytest.mark.timeout(60)
+def test_hosting_a_reachable_lighthouse_without_token_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 17: the node on the endpoint host does not start a lighthouse anyone could join; it says
+    which setting is missing instead of waiting for a lighthouse that never comes."""
+    monkeypatch.delenv("FTLAUNCH_TOKEN", raising=False)
+    monkeypatch.delenv("FTLAUNCH_LIGHTHOUSE_BIND", raising=False)
+    port = free_port()
+    handler = create_rdzv_handler(
+        _params(
+            {"replica_group_id": "0", "num_replica_groups": "2", "lighthouse_timeout": "5",
+             "lighthouse_bind": f"0.0.0.0:{port}"},
+            endpoint=f"127.0.0.1:{port}",
+        )
+    )
+    try:
+        with pytest.raises(ConfigurationError, match="without a job token.*token=... in --rdzv-conf"):
+            handler.next_rendezvous()
+    finally:
+        handler.shutdown()
+
+
+@pytest.mark.timeout(60)
 def test_entry_point_registers_backend_in_a_fresh_interpreter() -> None:
     # Both import orders: torch first (as torchrun does) and ftlaunch first (as our agent does),
     # which used to be a circular import.
@@ -110,14 +131,15 @@ def test_torchrun_groups_one_of_them_two_nodes(tmp_path) -> None:
     common = ["--rdzv-backend", "ftlaunch", "--rdzv-endpoint", endpoint, "--rdzv-id", "rdzvtest",
               "--nproc-per-node", "1", "--max-restarts", "1", "--monitor-interval", "0.1"]
     worker_args = [WORKER, "--out", out, "--probe-lighthouse", "--check-torch", "--step-time", "0.05"]
-    g0 = start([*TORCHRUN, *common, "--rdzv-conf", "replica_group_id=0,num_replica_groups=2,lighthouse_linger=30",
+    # The job token (token= in --rdzv-conf): the hosted lighthouse requires it, every worker gets it.
+    g0 = start([*TORCHRUN, *common, "--rdzv-conf", "replica_group_id=0,num_replica_groups=2,lighthouse_linger=30,token=tok",
                 *worker_args, "--steps", "3", "--wait-records", "5"])
     g1 = [
         start([*TORCHRUN, *common, "--nnodes", "2",
                "--rdzv-conf", f"replica_group_id=1,num_replica_groups=2,group_endpoint=127.0.0.1:{group_port},"
                # rank 0 outlives rank 1's failure (as it would, blocked in a collective), so its
                # agent sees the new round and restarts too instead of finishing alone
-               "lighthouse_linger=30", *worker_args, "--steps", "40",
+               "lighthouse_linger=30,token=tok", *worker_args, "--steps", "40",
                "--fail-group", "1", "--fail-rank", "1", "--fail-step", "1", "--fail-restarts", "all", "--fail-once"])
         for _ in range(2)
     ]
@@ -142,6 +164,7 @@ def test_torchrun_groups_one_of_them_two_nodes(tmp_path) -> None:
         assert e["TORCHELASTIC_RUN_ID"] == f"rdzvtest-rg{r['group']}"
         assert e["WORLD_SIZE"] == ("1" if r["group"] == 0 else "2")
         assert e["GROUP_RANK"] == e["RANK"]  # one worker per node
+        assert e["FTLAUNCH_TOKEN"] == "tok" and r["lighthouse_token_accepted"] is True
     # Each group has its own store: group 1's two nodes share one, group 0's is different.
     g0_port = next(r["env"]["MASTER_PORT"] for r in recs if r["group"] == 0)
     assert g0_port not in {r["env"]["MASTER_PORT"] for r in g1}

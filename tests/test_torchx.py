@@ -155,5 +155,6 @@ def test_local_cwd_run_with_a_group_restart(tmp_path) -> None:
     for r in recs:
         assert r["is_torchelastic_launched"] is True
         assert r["env"]["NUM_REPLICA_GROUPS"] == "2" and r["env"]["WORLD_SIZE"] == "2"
+        assert r["lighthouse_token_accepted"] is True  # a group request went through
     app_ids = set(re.findall(r"local_cwd://torchx/(\S+)", res.stdout + res.stderr))
     assert app_ids and all(not shutil.os.path.exists(f"/tmp/ftlaunch-torchx/{a}") for a in app_ids)  # cleaned up

@@ -12,6 +12,7 @@ implementation cannot do what was asked, `InvalidOperationError` for a closed ga
 
 from __future__ import annotations
 
+import ctypes
 import io
 import pickle
 from abc import ABC, abstractmethod
@@ -234,12 +235,17 @@ def broadcast_pickled(
         buf = torch.empty(n, dtype=torch.uint8, device=device)
     if broadcast(buf, source_rank) is False or is_source:
         return
-    received = _loads(buf.cpu().numpy().tobytes(), safe)
+    received = _loads(_bytes_of(buf.cpu()), safe)
     if len(received) != len(objects):
         raise ValueError(
             f"broadcast_objects: rank {source_rank} sent {len(received)} objects, this process passed {len(objects)}"
         )
     objects[:] = received
+
+
+def _bytes_of(buf: torch.Tensor) -> bytes:
+    """A contiguous CPU uint8 tensor's bytes, through torch alone (NumPy is not a dependency)."""
+    return ctypes.string_at(buf.data_ptr(), buf.numel())
 
 
 def _dumps(objects: list[object], safe: bool) -> bytes:

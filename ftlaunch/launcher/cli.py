@@ -88,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     ft.add_argument("--lighthouse-bind", "--lighthouse_bind", default="127.0.0.1:0", metavar="HOST:PORT",
                     help="where the embedded lighthouse listens (default 127.0.0.1:0, a free loopback port)")
     ft.add_argument("--token", default=None,
-                    help="job token for the lighthouse admin calls (default: $FTLAUNCH_TOKEN or a random one)")
+                    help="job token every lighthouse request carries (default: $FTLAUNCH_TOKEN or a random one)")
     ft.add_argument("--max-agent-restarts", "--max_agent_restarts", type=_nonneg_int, default=3,
                     help="times the supervisor respawns a group whose agent died (default 3)")
     ft.add_argument("--grace-period", "--grace_period", type=_number, default=15.0,

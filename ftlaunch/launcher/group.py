@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ftlaunch import env
+from ftlaunch.lighthouse.progress import GroupProgress
 
 STARTING = "starting"
 RUNNING = "running"
@@ -70,7 +71,15 @@ class Group:
     failure_at: float | None = None
     #: Failure -> next committed step, per recovery.
     rejoin_times: list[float] = field(default_factory=list)
+    #: The state checksum its leader reported at a clean exit, and the step it was taken at.
     checksum: str | None = None
+    checksum_step: int | None = None
+    #: The process (session) its leader reports from, per the lighthouse, and the one that was
+    #: running when the current failure began (None for a hang: the same process carries on).
+    session: str = ""
+    down_session: str | None = None
+    #: Processes of the group that trained from behind the job without healing (lighthouse).
+    unsynced_sessions: int = 0
     root_cause: str | None = None
     #: One of its workers exited 0: the training is ending.
     finishing: bool = False
@@ -203,10 +212,41 @@ class Group:
         self.failure_at = None
         return elapsed
 
+    def lighthouse_progress(self, p: GroupProgress, now: float, wall_offset: float) -> float | None:
+        """What the lighthouse knows of the group's training (its leader's reports), read at ``now``.
+
+        Returns the (monotonic) time of the commit that ends the current failure, if one does: the
+        first commit of a new process (its time as the lighthouse saw it, ``wall_offset`` = wall
+        clock - monotonic clock), or, after a hang, the first commit once resumed. A late report
+        of the process that died is not a rejoin.
+        """
+        self.last_step = p.step if p.sessions else self.last_step
+        self.checksum = p.checksum if p.finished and p.checksum else None
+        self.checksum_step = p.checksum_step if self.checksum else None
+        self.unsynced_sessions = p.unsynced_sessions
+        new = p.committed > self.committed
+        self.committed = max(self.committed, p.committed)
+        self.session = p.session
+        if not new:
+            return None
+        self.stepped = True
+        if self.failure_at is None or self.paused or self.state == STARTING:
+            return None
+        if self.down_session is not None and p.session == self.down_session:
+            return None  # in-flight reports of the process that died
+        at = now
+        if self.down_session is not None and p.session_first_commit is not None:
+            at = max(self.failure_at, min(now, p.session_first_commit - wall_offset))
+        self.rejoin_times.append(at - self.failure_at)
+        self.failure_at = None
+        self.down_session = None
+        return at
+
     def hung(self, now: float) -> None:
         """Its workers were SIGSTOPped: down from now until they commit again after `resumed`."""
         self.paused = True
         self.failure_at = now
+        self.down_session = None
 
     def resumed(self) -> None:
         self.paused = False
@@ -222,6 +262,7 @@ class Group:
         self.failed_attempts.add(attempt)
         if self.failure_at is None:
             self.failure_at = now
+            self.down_session = self.session
         return reason
 
 

@@ -7,8 +7,8 @@ rendezvous handler on the endpoint host (``torchrun --rdzv-backend ftlaunch``) a
 has the same surface (`JobLighthouse`), so the supervisor does not care which one it has.
 
 The launcher reads the lighthouse's status only here, typed (`JobLighthouse.snapshot`, a
-`ftlaunch.lighthouse.status.LighthouseStatus`; `quorum_id`, `live_groups`). Progress read from the
-lighthouse instead of the workers' stdout (steps, spares) belongs here too.
+`ftlaunch.lighthouse.status.LighthouseStatus`; `quorum_id`, `live_groups`) and the groups' training
+progress (`progress`: what their leaders report, so it is right for a script that prints nothing).
 
 A hosted lighthouse lives in this process: it is a single point of failure for the job (see
 docs/launcher.md). Restarting one the launcher hosts, on the same address, belongs to
@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ftlaunch.errors import LighthouseError
+from ftlaunch.lighthouse.progress import GroupProgress
 from ftlaunch.lighthouse.status import LighthouseStatus
 
 if TYPE_CHECKING:
@@ -45,6 +46,8 @@ class LighthouseSettings:
     min_replicas: int = 1
     join_timeout: float = 60.0
     heartbeat_timeout: float = 5.0
+    #: Replica groups the launcher starts: the first quorum waits for them (0: not announced).
+    expected_replicas: int = 0
     #: Job token required by the admin endpoints (None: they are disabled).
     token: str | None = None
 
@@ -83,6 +86,17 @@ class JobLighthouse(abc.ABC):
         """How many replica groups the lighthouse reports as live (0 if it cannot be read)."""
         return self._snapshot_or_empty().live_count
 
+    def progress(self) -> tuple[GroupProgress, ...] | None:
+        """Every group's training progress as the group leaders reported it (steps committed, heals,
+        timings, final checksums), or None when the lighthouse cannot be read."""
+        try:
+            return self._progress()
+        except Exception:  # noqa: BLE001 - informational: the caller keeps what it read last
+            return None
+
+    def _progress(self) -> tuple[GroupProgress, ...]:
+        return self.snapshot().progress
+
     def _snapshot_or_empty(self) -> LighthouseStatus:
         try:
             return self.snapshot()
@@ -112,6 +126,7 @@ class HostedLighthouse(JobLighthouse):
             join_timeout=settings.join_timeout,
             heartbeat_timeout=settings.heartbeat_timeout,
             token=settings.token,
+            expected_replicas=settings.expected_replicas,
         )
         return cls(server.start())
 
@@ -124,6 +139,9 @@ class HostedLighthouse(JobLighthouse):
 
     def report_failure(self, replica_id: str, reason: str) -> None:
         self._running().report_failure(replica_id, reason)
+
+    def _progress(self) -> tuple[GroupProgress, ...]:
+        return self._running().progress()  # in process, without building the whole status
 
     def stop(self, linger: float = 0.0) -> None:
         """Stop serving; idempotent.

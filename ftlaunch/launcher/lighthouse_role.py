@@ -55,6 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--idle-exit", type=float, default=300.0,
                    help="after a group finished, exit when no group was live for this long (lost nodes)")
     p.add_argument("--min-replicas", type=int, default=1)
+    p.add_argument("--expected-replicas", type=int, default=0,
+                   help="replica groups of the job: the first quorum waits for them (up to --join-timeout)")
     p.add_argument("--join-timeout", type=float, default=60.0)
     p.add_argument("--heartbeat-timeout", type=float, default=5.0)
     p.add_argument("--cleanup", action="store_true", help="remove --job-dir when every group has finished")
@@ -91,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = LighthouseSettings(
         bind=bind,
         min_replicas=args.min_replicas,
+        expected_replicas=args.expected_replicas,
         join_timeout=args.join_timeout,
         heartbeat_timeout=args.heartbeat_timeout,
         token=token,
@@ -107,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         _write(os.path.join(job_dir, TOKEN_FILE), token, mode=0o600)  # for the job's user (dashboard, evict)
     _write(os.path.join(job_dir, ADDRESS_FILE), lighthouse.address)
     print(f"ftlaunch lighthouse role listening on {lighthouse.address} ({where.scheduler}; job directory "
-          f"{job_dir}{'; admin token in ' + TOKEN_FILE if token else ''})", flush=True)
+          f"{job_dir}{'; job token in ' + TOKEN_FILE if token else ''})", flush=True)
     idle_since: float | None = None
     try:
         while not stop.wait(0.2):

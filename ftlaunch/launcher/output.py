@@ -8,14 +8,10 @@ from __future__ import annotations
 
 import re
 import sys
-from dataclasses import dataclass
 from typing import TextIO
 
 #: ``[rg1/r0] `` -- torchelastic's tee prefix, set by the agent (``log_line_prefix_template``).
 WORKER_LINE = re.compile(r"^\[rg(?P<group>\d+)/r(?P<rank>\d+)\] ?")
-#: What the training script prints per step (scripts/train_ddp.py and the Manager's convention).
-STEP_LINE = re.compile(r"\bstep=(?P<step>\d+)\s+committed=(?P<committed>True|False)\b")
-CHECKSUM_LINE = re.compile(r"\bfinal_checksum=(?P<checksum>\S+)")
 
 
 def without_repeated_tag(line: str) -> str:
@@ -32,24 +28,6 @@ def without_repeated_tag(line: str) -> str:
     tag = re.escape(f"rg{m.group('group')}/r{m.group('rank')}")
     rest = re.sub(rf"\[{tag}(?: (step \d+))?\] ?", lambda t: f"[{t.group(1)}] " if t.group(1) else "", line[m.end():])
     return line[: m.end()] + rest
-
-
-@dataclass(frozen=True)
-class StepReport:
-    step: int
-    committed: bool
-
-
-def parse_step(line: str) -> StepReport | None:
-    m = STEP_LINE.search(line)
-    if m is None:
-        return None
-    return StepReport(int(m.group("step")), m.group("committed") == "True")
-
-
-def parse_checksum(line: str) -> str | None:
-    m = CHECKSUM_LINE.search(line)
-    return m.group("checksum") if m else None
 
 
 class Console:

@@ -98,7 +98,7 @@ def job_dir(requested: str, app_id: str, placement: Placement, *, needed: bool) 
 
 def lighthouse_bind(requested: str, placement: Placement) -> str:
     """Where the lighthouse role listens: loopback when every role is on this machine, otherwise all
-    interfaces (then the lighthouse role requires a job token for its admin endpoints)."""
+    interfaces (then the lighthouse role requires a job token on every request)."""
     if requested and requested != AUTO:
         return requested
     return "127.0.0.1:0" if placement.local else "0.0.0.0:0"

@@ -80,7 +80,7 @@ _OUR_KEYS = {
     "lighthouse_join_timeout": "join_timeout (s) of a lighthouse started here (default 60)",
     "lighthouse_heartbeat_timeout": "heartbeat_timeout (s) of a lighthouse started here (default 5)",
     "lighthouse_linger": "seconds a lighthouse started here outlives its group while others use it (default 60)",
-    "token": "job token for the lighthouse admin endpoints (or env FTLAUNCH_TOKEN)",
+    "token": "job token every lighthouse request carries (or env FTLAUNCH_TOKEN); required to host one off loopback",
 }
 _INNER_KEYS = {
     "timeout",
@@ -205,6 +205,7 @@ class FtRendezvousConfig:
         return LighthouseSettings(
             bind=self.lighthouse_bind,
             min_replicas=self.lighthouse_min_replicas,
+            expected_replicas=self.num_replica_groups,
             join_timeout=self.lighthouse_join_timeout,
             heartbeat_timeout=self.lighthouse_heartbeat_timeout,
             token=self.token,
@@ -362,8 +363,15 @@ class FtlaunchRendezvousHandler(RendezvousHandler):
         settings = self.config.lighthouse_settings
         if not settings.bind:
             settings = dataclasses.replace(settings, bind=format_host_port(host, port))
+        from ftlaunch.lighthouse.server import UnauthenticatedBindError
+
         try:
             hosted = HostedLighthouse.start(settings)
+        except UnauthenticatedBindError as e:  # not a lost race: every agent would be refused the same
+            raise ConfigurationError(
+                f"ftlaunch rendezvous: {e}. Give every node the same token: token=... in --rdzv-conf or "
+                f"${env.FTLAUNCH_TOKEN}"
+            ) from None
         except (OSError, ConfigurationError) as e:
             # Typically "address in use": another node on this machine won the race; use theirs.
             logger.info("ftlaunch rendezvous: could not host the lighthouse on %s (%s); connecting", settings.bind, e)

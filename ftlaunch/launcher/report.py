@@ -1,9 +1,11 @@
 """What ``ftlaunch`` tells the user about the job: the live status line and the summary at exit.
 
-Pure formatting over the groups' accounting (`ftlaunch.launcher.group`), the chaos record and the
-lighthouse (read only through `JobLighthouse`: the quorum id today; progress and spares when the
-lighthouse reports them). `StatusLine` throttles the redraws; `summary_lines` is the table printed
-at exit.
+Pure formatting over the groups' accounting (`ftlaunch.launcher.group`: failures and restarts from
+the agents, steps, heals and checksums from what the group leaders reported to the lighthouse), the
+chaos record and the lighthouse's status (quorum id, quorum changes, step rates, per-step timings: the
+figures ``/metrics`` serves). `StatusLine` throttles the redraws; `summary_lines` is the table printed
+at exit. Nothing here comes from the workers' stdout, so it is right for a script that prints nothing
+and never quotes a checksum it did not get from a clean exit.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from ftlaunch.launcher.chaos import Injection
 from ftlaunch.launcher.group import RUNNING, Group
 from ftlaunch.launcher.lighthouse_host import JobLighthouse
 from ftlaunch.launcher.output import Console, format_table
+from ftlaunch.lighthouse.status import LighthouseStatus
 
 #: Seconds between two redraws of the status line (each reads the lighthouse status).
 STATUS_INTERVAL_S = 0.5
@@ -72,9 +75,10 @@ def summary_lines(
     injections: Sequence[Injection] | None,
     started: float,
     log_dir: str,
+    lighthouse: LighthouseStatus | None = None,
 ) -> list[str]:
     """The summary printed at exit with the job's exit ``code`` (0: it finished; ``injections`` None:
-    it ran without ``--chaos``)."""
+    it ran without ``--chaos``; ``lighthouse``: its last status, for the figures ``/metrics`` serves)."""
     lines = [
         "",
         f"[ftlaunch] summary: exit {code} after {elapsed:.1f}s"
@@ -96,13 +100,9 @@ def summary_lines(
             ]
         )
     lines += ["[ftlaunch] " + line for line in format_table(SUMMARY_HEADERS, rows)]
-    sums = {g.checksum for g in groups if g.checksum}
-    if sums:
-        with_sum = sum(1 for g in groups if g.checksum)
-        if len(sums) == 1:
-            lines.append(f"[ftlaunch] {with_sum}/{len(groups)} groups ended bit-identical ({sums.pop()})")
-        else:
-            lines.append(f"[ftlaunch] WARNING: groups ended with different weights: {sorted(sums)}")
+    lines += _checksum_lines(groups)
+    if lighthouse is not None and lighthouse.progress:
+        lines += lighthouse_lines(lighthouse)
     if injections is not None:
         lines.append(f"[ftlaunch] chaos: {len(injections)} injection(s)")
         for inj in injections:
@@ -126,3 +126,38 @@ def summary_lines(
     if code != 0:
         lines.append(f"[ftlaunch] logs kept in {log_dir}")
     return lines
+
+
+def _checksum_lines(groups: Sequence[Group]) -> list[str]:
+    """Only checksums the group leaders reported at a clean exit count; equal checksums taken at
+    different steps are not "bit-identical"."""
+    with_sum = [g for g in groups if g.checksum]
+    if not with_sum:
+        return []
+    sums = {g.checksum for g in with_sum}
+    steps = {g.checksum_step for g in with_sum}
+    if len(sums) == 1 and len(steps) == 1:
+        return [f"[ftlaunch] {len(with_sum)}/{len(groups)} groups ended bit-identical ({sums.pop()})"]
+    if len(steps) > 1:
+        at = ", ".join(f"{g.replica_id} at step {g.checksum_step}" for g in with_sum)
+        return [f"[ftlaunch] WARNING: groups ended at different steps: {at}"]
+    return [f"[ftlaunch] WARNING: groups ended with different weights: {sorted(s for s in sums if s)}"]
+
+
+LIGHTHOUSE_HEADERS = ["group", "heals", "heal time", "step time", "quorum wait", "commit", "steps/s"]
+
+
+def lighthouse_lines(status: LighthouseStatus) -> list[str]:
+    """The lighthouse's figures at exit (the same as ``/metrics``): per job and per group."""
+    lines = [
+        f"[ftlaunch] lighthouse: {status.quorum_changes} quorum change(s); per group, as the group "
+        "leaders reported (times of the last committed step):"
+    ]
+    rows = [
+        [
+            p.replica_id, str(p.heals), f"{p.heal_seconds:.2f}s", f"{p.step_seconds * 1e3:.1f}ms",
+            f"{p.quorum_seconds * 1e3:.1f}ms", f"{p.commit_seconds * 1e3:.1f}ms", f"{p.step_rate:.1f}",
+        ]
+        for p in status.progress
+    ]
+    return lines + ["[ftlaunch]   " + line for line in format_table(LIGHTHOUSE_HEADERS, rows)]

@@ -52,10 +52,11 @@ from ftlaunch.launcher.lighthouse_host import (
     RemoteLighthouse,
 )
 from ftlaunch.launcher.options import LaunchOptions
-from ftlaunch.launcher.output import WORKER_LINE, Console, parse_checksum, parse_step, without_repeated_tag
+from ftlaunch.launcher.output import WORKER_LINE, Console, without_repeated_tag
 from ftlaunch.launcher.report import StatusLine, summary_lines
 from ftlaunch.launcher.torchrun_flags import parse_signals
 from ftlaunch.lifetime import become_subreaper
+from ftlaunch.lighthouse.status import LighthouseStatus
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +69,9 @@ EXIT_USAGE = 2
 _TICK_S = 0.05
 #: How long a finished job waits for the last output lines of its agents.
 _DRAIN_S = 2.0
+#: Seconds between two reads of the groups' progress from a lighthouse in this process / elsewhere.
+_PROGRESS_HOSTED_S = 0.1
+_PROGRESS_REMOTE_S = 0.5
 
 
 class LaunchError(FtlaunchError):
@@ -112,6 +116,7 @@ class Supervisor:
         self._chaos = Chaos(opts.chaos, self.groups, self.console, self._started) if opts.chaos else None
         self._status: StatusLine | None = None
         self._exit_root_cause: str | None = None
+        self._progress_read_at = 0.0
 
     def run(self) -> int:
         """Run the job to the end; returns the process exit code."""
@@ -132,7 +137,9 @@ class Supervisor:
             for group in self.groups:
                 self._spawn(group)
             code = self._loop()
+            self._read_progress(time.monotonic(), force=True)
             quorum_id = self._status.last_quorum_id()
+            final_status = self._final_status()
         finally:
             self._stop_all()
             if self._lighthouse is not None:
@@ -144,7 +151,7 @@ class Supervisor:
         if self.opts.summary:
             injections = self._chaos.injections if self._chaos is not None else None
             for line in summary_lines(code, time.monotonic() - self._started, self.groups, quorum_id,
-                                      injections, self._started, self._log_dir):
+                                      injections, self._started, self._log_dir, final_status):
                 self.console.out(line)
         if code != EXIT_OK and self._exit_root_cause:
             self.console.err(f"ftlaunch: error: {self._exit_root_cause}")
@@ -167,6 +174,7 @@ class Supervisor:
         settings = LighthouseSettings(
             bind=opts.lighthouse_bind,
             min_replicas=opts.min_replicas,
+            expected_replicas=opts.replicas,
             join_timeout=opts.join_timeout,
             heartbeat_timeout=opts.heartbeat_timeout,
             token=self._token,
@@ -271,6 +279,7 @@ class Supervisor:
             for group in self.groups:
                 self._check_agent(group, now)
             procs.reap_zombies({a.proc.pid for a in self._agents.values()})
+            self._read_progress(now)
             if self._chaos is not None:
                 self._chaos.tick(now, self._training_started, {g: a.proc.pid for g, a in self._agents.items()})
             code = self._finished()
@@ -290,33 +299,44 @@ class Supervisor:
                 self._on_event(group, payload)
             return
         line: str = payload
-        m = WORKER_LINE.match(line)
-        if m is not None:
+        if WORKER_LINE.match(line) is not None:
             text = without_repeated_tag(line)
-            rank: int | None = int(m.group("rank"))
         else:
-            # Agent output (or worker output when --tee is off: then the rank is unknown).
+            # Agent output (or worker output when --tee is off).
             text = f"[{group.replica_id}/agent] {line}" if kind == "err" else f"[{group.replica_id}] {line}"
-            rank = None if kind == "err" else -1
-        if rank is not None and rank <= 0:
-            self._on_worker_line(group, line)
         if kind == "err":
             self.console.err(text)
         else:
             self.console.out(text)
 
-    def _on_worker_line(self, group: Group, line: str) -> None:
-        now = time.monotonic()
-        step = parse_step(line)
-        if step is not None:
-            if self._training_started is None:
-                self._training_started = now
-            if group.step_line(step.step, step.committed, now) is not None and self._chaos is not None:
-                self._chaos.rejoined(group.gid, now)
+    def _final_status(self) -> LighthouseStatus | None:
+        try:
+            return self._lighthouse.snapshot() if self._lighthouse is not None else None
+        except Exception:  # noqa: BLE001 - the summary does without the lighthouse's figures
+            return None
+
+    def _read_progress(self, now: float, force: bool = False) -> None:
+        """Progress comes from the lighthouse (what the group leaders report), never from the
+        workers' stdout: it is right for a script that prints nothing."""
+        lighthouse = self._lighthouse
+        interval = _PROGRESS_HOSTED_S if isinstance(lighthouse, HostedLighthouse) else _PROGRESS_REMOTE_S
+        if lighthouse is None or (not force and now - self._progress_read_at < interval):
             return
-        checksum = parse_checksum(line)
-        if checksum is not None:
-            group.checksum = checksum
+        self._progress_read_at = now
+        progress = lighthouse.progress()
+        if progress is None:
+            return
+        groups = {g.replica_id: g for g in self.groups}
+        wall_offset = time.time() - time.monotonic()
+        for p in progress:
+            group = groups.get(p.replica_id)
+            if group is None:
+                continue
+            rejoined_at = group.lighthouse_progress(p, now, wall_offset)
+            if group.committed and self._training_started is None:
+                self._training_started = now
+            if rejoined_at is not None and self._chaos is not None:
+                self._chaos.rejoined(group.gid, rejoined_at)
 
     def _on_event(self, group: Group, ev: dict[str, Any]) -> None:
         now = time.monotonic()
@@ -383,10 +403,25 @@ class Supervisor:
         if any(g.state == FAILED for g in self.groups):
             self._exit_root_cause = self._causes()
             return EXIT_FAILED
+        self._read_progress(time.monotonic(), force=True)
+        unsynced = [g for g in self.groups if g.unsynced_sessions]
+        if unsynced:
+            # E.g. a group restarted after its peers had finished: nobody was left to heal it, so it
+            # trained from its own (initial) state. Its result is not the job's: a failure.
+            for g in unsynced:
+                g.root_cause = (
+                    f"replica group {g.gid} trained without the other groups' state: a process of it "
+                    "committed steps from behind a group that had already finished, without healing "
+                    "(restarted after its peers finished)"
+                )
+            self._exit_root_cause = self._causes(unsynced)
+            return EXIT_FAILED
         return EXIT_OK
 
-    def _causes(self) -> str:
-        return "; ".join(g.root_cause or f"replica group {g.gid} failed" for g in self.groups if g.state == FAILED)
+    def _causes(self, groups: list[Group] | None = None) -> str:
+        if groups is None:
+            groups = [g for g in self.groups if g.state == FAILED]
+        return "; ".join(g.root_cause or f"replica group {g.gid} failed" for g in groups)
 
     # --- signals and teardown ------------------------------------------------------------------
 

@@ -134,6 +134,7 @@ def hsdp_app(
                     "-m", "ftlaunch.launcher.lighthouse_role", *where,
                     "--groups", str(replicas * nnodes_per_replica),
                     "--min-replicas", str(min_replicas),
+                    "--expected-replicas", str(replicas),
                     "--join-timeout", str(join_timeout),
                     "--heartbeat-timeout", str(heartbeat_timeout),
                     "--bind", lighthouse_bind or AUTO,

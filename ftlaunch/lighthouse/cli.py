@@ -37,6 +37,17 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _milliseconds(text: str) -> float:
+    """torchft's ``*_ms`` flags: milliseconds, returned in seconds."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of milliseconds: {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+    return value / 1000.0
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -50,14 +61,26 @@ def _positive_int(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog=PROG, description="ftlaunch quorum server (lighthouse). Protocol: docs/lighthouse.md.")
     p.add_argument("--bind", default="127.0.0.1:0", help="HOST:PORT to listen on; port 0 picks a free port (default %(default)s)")
-    p.add_argument("--min-replicas", type=_positive_int, default=1, help="smallest quorum (default %(default)s)")
-    p.add_argument("--join-timeout", type=_seconds, default=60.0, help="seconds to wait for stragglers (default %(default)s)")
-    p.add_argument("--quorum-tick", type=_seconds, default=0.1, help="timer period in seconds for time-based rules (default %(default)s)")
-    p.add_argument("--heartbeat-timeout", type=_seconds, default=5.0, help="seconds of silence before a group is out (default %(default)s)")
+    # torchft's flag spellings (--min_replicas, *_ms in milliseconds) are aliases: its README's command
+    # works unchanged. Each pair writes the same destination, in seconds.
+    p.add_argument("--min-replicas", "--min_replicas", type=_positive_int, default=1, help="smallest quorum (default %(default)s)")
+    p.add_argument("--expected-replicas", type=int, default=0,
+                   help="replica groups of the job: the first quorum waits for them, up to --join-timeout "
+                   "(default %(default)s: form with whoever asks)")
+    for name, default, what in (
+        ("join-timeout", 60.0, "seconds to wait for stragglers"),
+        ("quorum-tick", 0.1, "timer period in seconds for time-based rules"),
+        ("heartbeat-timeout", 5.0, "seconds of silence before a group is out"),
+    ):
+        dest = name.replace("-", "_")
+        p.add_argument(f"--{name}", dest=dest, type=_seconds, default=default, metavar="SECONDS", help=f"{what} (default %(default)s)")
+        p.add_argument(f"--{dest}_ms", dest=dest, type=_milliseconds, default=argparse.SUPPRESS, metavar="MS",
+                       help=f"torchft's spelling of --{name}, in milliseconds")
     p.add_argument(
         "--token",
         default=os.environ.get(env.FTLAUNCH_TOKEN) or None,
-        help=f"job token required by the admin endpoints (default: ${env.FTLAUNCH_TOKEN}; none disables them)",
+        help=f"job token every group and admin request must carry (default: ${env.FTLAUNCH_TOKEN}); "
+        "without one the lighthouse serves loopback only and its admin endpoints are disabled",
     )
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], type=str.upper)
     return p
@@ -72,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         server = LighthouseServer(
             args.bind,
             min_replicas=args.min_replicas,
+            expected_replicas=args.expected_replicas,
             join_timeout=args.join_timeout,
             quorum_tick=args.quorum_tick,
             heartbeat_timeout=args.heartbeat_timeout,

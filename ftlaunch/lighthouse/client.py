@@ -17,6 +17,9 @@ from __future__ import annotations
 import http.client
 import json
 import logging
+import os
+import secrets
+import signal
 import socket
 import threading
 import time
@@ -25,7 +28,8 @@ from typing import Any, Protocol
 
 from ftlaunch.addresses import http_url, parse_host_port
 from ftlaunch.errors import EvictedError, LighthouseError, LighthouseUnavailableError, QuorumTimeoutError
-from ftlaunch.lighthouse.protocol import API_VERSION, PATH_PREFIX, REPLICA_HEADER
+from ftlaunch.lighthouse.progress import ProgressReport
+from ftlaunch.lighthouse.protocol import API_VERSION, INCARNATION_HEADER, PATH_PREFIX, REPLICA_HEADER
 from ftlaunch.lighthouse.quorum import Quorum, QuorumMember
 from ftlaunch.lighthouse.status import LighthouseStatus
 
@@ -40,10 +44,11 @@ _BACKOFF_MAX = 1.0
 class _Channel:
     """One persistent HTTP connection with retry-on-connection-error. Used by one thread at a time."""
 
-    def __init__(self, host: str, port: int, connect_timeout: float, token: str | None) -> None:
+    def __init__(self, host: str, port: int, connect_timeout: float, token: str | None, incarnation: str) -> None:
         self._host, self._port = host, port
         self._connect_timeout = connect_timeout
         self._token = token
+        self._incarnation = incarnation
         self._http: http.client.HTTPConnection | None = None
         self._lock = threading.Lock()  # guards _http against a concurrent abort()
 
@@ -77,14 +82,14 @@ class _Channel:
         *,
         bind_replica: str | None = None,
         read_timeout: float,
-        admin: bool = False,
         stop: threading.Event | None = None,
     ) -> tuple[int, dict]:
         body = json.dumps(payload).encode() if payload is not None else None
         headers = {"Content-Type": "application/json"} if body is not None else {}
+        headers[INCARNATION_HEADER] = self._incarnation
         if bind_replica is not None:
             headers[REPLICA_HEADER] = bind_replica
-        if admin and self._token:
+        if self._token:  # every request but a read needs it (docs/security.md); sent on all, it costs nothing
             headers["Authorization"] = f"Bearer {self._token}"
         url = http_url(self._host, self._port)
         deadline: float | None = None  # set at the first failure: retries get connect_timeout from there
@@ -195,7 +200,9 @@ class HeartbeatHandle:
         failing = False
         while not self._stop.is_set():
             try:
-                self._client._heartbeat(self._channel, self.replica_id, bind=True, stop=self._stop)
+                answer = self._client._heartbeat(self._channel, self.replica_id, bind=True, stop=self._stop)
+                if answer.get("kill"):
+                    _kill_self(self.replica_id, str(answer["kill"]))
                 if failing:
                     log.info("lighthouse client: heartbeat of %s reaches the lighthouse again", self.replica_id)
                 failing = False
@@ -220,6 +227,15 @@ class HeartbeatHandle:
         if self._thread.is_alive():  # stuck on a hung lighthouse: cut the request short
             self._channel.abort()
             self._thread.join(timeout)
+
+
+def _kill_self(replica_id: str, reason: str) -> None:
+    """The lighthouse's admin asked this group to die (the dashboard's Kill button): die as a crash
+    would, so the group's agent restarts it and its peers go on without it."""
+    log.error("lighthouse client: %s killed on the lighthouse's request: %s", replica_id, reason)
+    for handler in log.handlers + logging.getLogger().handlers:
+        handler.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 class QuorumClient(Protocol):
@@ -262,11 +278,15 @@ class LighthouseClient:
         self.address = http_url(self._host, self._port)
         self._connect_timeout = float(connect_timeout)
         self._token = token or None
+        #: This client's incarnation: a replica id is held by one at a time (docs/security.md).
+        self.incarnation = secrets.token_hex(8)
         self._local = threading.local()
         self._lock = threading.Lock()
         self._channels: weakref.WeakSet[_Channel] = weakref.WeakSet()
         self._heartbeats: list[HeartbeatHandle] = []
         self._evicted: set[str] = set()
+        # replica id -> (latest progress report, whether it was sent): see set_progress.
+        self._progress: dict[str, tuple[ProgressReport, bool]] = {}
 
     def __repr__(self) -> str:
         return f"LighthouseClient({self.address!r})"
@@ -280,7 +300,7 @@ class LighthouseClient:
     # -- connections
 
     def _new_channel(self) -> _Channel:
-        channel = _Channel(self._host, self._port, self._connect_timeout, self._token)
+        channel = _Channel(self._host, self._port, self._connect_timeout, self._token, self.incarnation)
         with self._lock:
             self._channels.add(channel)
         return channel
@@ -321,10 +341,14 @@ class LighthouseClient:
         if timeout <= 0:
             raise ValueError(f"timeout must be > 0, got {timeout}")
         self._check_evicted(member.replica_id)
+        body: dict[str, Any] = {"member": member.to_json(), "timeout": timeout}
+        progress = self._unsent_progress(member.replica_id)
+        if progress is not None:
+            body["progress"] = progress
         try:
             obj = self._call(
                 "/quorum",
-                {"member": member.to_json(), "timeout": timeout},
+                body,
                 f"quorum request of {member.replica_id}",
                 read_timeout=timeout + min(self._connect_timeout, LONG_POLL_GRACE),
             )
@@ -338,19 +362,26 @@ class LighthouseClient:
 
     def _heartbeat(
         self, channel: _Channel, replica_id: str, *, bind: bool = False, stop: threading.Event | None = None
-    ) -> None:
+    ) -> dict:
+        body: dict[str, Any] = {"replica_id": replica_id}
+        progress = self._unsent_progress(replica_id)
+        if progress is not None:
+            body["progress"] = progress
         status, obj = channel.call(
-            "POST", PATH_PREFIX + "/heartbeat", {"replica_id": replica_id},
+            "POST", PATH_PREFIX + "/heartbeat", body,
             bind_replica=replica_id if bind else None, read_timeout=self._connect_timeout, stop=stop,
         )
         _raise_for(status, obj, f"heartbeat of {replica_id}")
+        return obj
 
     def heartbeat(self, replica_id: str) -> None:
         try:
-            self._heartbeat(self._channel(), replica_id)
+            answer = self._heartbeat(self._channel(), replica_id)
         except EvictedError:
             self._note_evicted(replica_id, told=True)
             raise
+        if answer.get("kill"):
+            _kill_self(replica_id, str(answer["kill"]))
 
     def leave(self, replica_id: str) -> None:
         """Graceful exit: the lighthouse stops counting this group (no failure is recorded).
@@ -363,11 +394,37 @@ class LighthouseClient:
             self._heartbeats = [h for h in self._heartbeats if h.replica_id != replica_id]
         for h in beats:
             h.stop()
+        body: dict[str, Any] = {"replica_id": replica_id}
+        with self._lock:
+            final = self._progress.pop(replica_id, None)
+        if final is not None:
+            body["progress"] = final[0].to_json()  # the final report goes with the leave, sent or not
         try:
-            self._call("/leave", {"replica_id": replica_id}, f"leave of {replica_id}")
+            self._call("/leave", body, f"leave of {replica_id}")
         finally:
             for h in beats:
                 h._channel.close()
+
+    # -- progress (lighthouse/progress.py)
+
+    def set_progress(self, replica_id: str, report: ProgressReport) -> None:
+        """Make ``report`` the group's latest progress: it rides on the next quorum request or
+        heartbeat (whichever goes first, once) and on the leave. Never blocks on the network."""
+        with self._lock:
+            self._progress[replica_id] = (report, False)
+
+    def report_progress(self, replica_id: str, report: ProgressReport) -> None:
+        """Send ``report`` now, with a heartbeat (for scripts without a Manager)."""
+        self.set_progress(replica_id, report)
+        self.heartbeat(replica_id)
+
+    def _unsent_progress(self, replica_id: str) -> dict | None:
+        with self._lock:
+            entry = self._progress.get(replica_id)
+            if entry is None or entry[1]:
+                return None
+            self._progress[replica_id] = (entry[0], True)
+        return entry[0].to_json()
 
     def status(self) -> dict:
         """The ``GET /status`` document as JSON (see `snapshot` for it typed)."""
@@ -383,11 +440,15 @@ class LighthouseClient:
     def report_failure(self, replica_id: str, reason: str = "") -> None:
         self._call(
             "/admin/report_failure", {"replica_id": replica_id, "reason": reason},
-            f"report_failure of {replica_id}", admin=True,
+            f"report_failure of {replica_id}",
         )
 
+    def kill(self, replica_id: str, reason: str = "") -> None:
+        """Ask the group's leader to kill its process at its next heartbeat (admin)."""
+        self._call("/admin/kill", {"replica_id": replica_id, "reason": reason}, f"kill of {replica_id}")
+
     def evict(self, replica_id: str, reason: str = "") -> None:
-        self._call("/admin/evict", {"replica_id": replica_id, "reason": reason}, f"evict of {replica_id}", admin=True)
+        self._call("/admin/evict", {"replica_id": replica_id, "reason": reason}, f"evict of {replica_id}")
 
     def start_heartbeat(self, replica_id: str, interval: float) -> HeartbeatHandle:
         """Beat every ``interval`` seconds from a daemon thread with its own persistent connection."""

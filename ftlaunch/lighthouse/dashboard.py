@@ -3,14 +3,23 @@
 Rendering from the same `LighthouseStatus` that ``GET /status`` serves keeps the two views
 consistent and makes the page a pure function we can test. Every value that came from a client
 (replica ids, addresses, reasons, free-form data) goes through `html.escape`.
+
+Times carry their date and zone; quorum ids read as ``#N`` (the quorum change's number within the
+lighthouse's run, `decode_quorum_id`) with the raw id on hover. The Evict/Kill buttons call the admin
+endpoints with a token the user types into the page: the page never contains the token, the request
+carries it (``Authorization: Bearer``), and the lighthouse checks it as for any admin call. The page
+refreshes its content in place (a whole-page reload would clear the typed token); without
+JavaScript it falls back to a meta refresh.
 """
 
 from __future__ import annotations
 
 import html
-import time
+from datetime import datetime
 from typing import Any
 
+from ftlaunch.lighthouse.progress import GroupProgress
+from ftlaunch.lighthouse.quorum import decode_quorum_id
 from ftlaunch.lighthouse.status import LighthouseStatus
 
 REFRESH_SECONDS = 2
@@ -22,7 +31,38 @@ body{font-family:system-ui,sans-serif;margin:1.5em;color:#1f2328}
 table{border-collapse:collapse;margin:.5em 0 1.5em}
 th,td{border:1px solid #d0d7de;padding:.3em .6em;text-align:left;font-size:.9em}
 th{background:#f6f8fa} .mono{font-family:ui-monospace,monospace}
-.muted{color:#656d76}
+.muted{color:#656d76} .num{text-align:right;white-space:nowrap}
+#admin{border:1px solid #d0d7de;padding:.5em .8em;margin:.5em 0 1em;display:inline-block}
+button{font-size:.85em;margin-right:.3em} #admin-result{margin-left:.5em}
+"""
+
+# Posts to the admin endpoints with the token typed into #token (never part of the page), and
+# refreshes #live in place so the typed token survives. Replica ids come from data attributes
+# (escaped by the server) and go out as JSON.
+_SCRIPT = """
+(function(){
+  function act(button){
+    var token=document.getElementById('token').value;
+    var out=document.getElementById('admin-result');
+    if(!token){out.textContent='type the job token first';return;}
+    var rid=button.dataset.replica, action=button.dataset.action;
+    if(!window.confirm(action+' '+rid+'?'))return;
+    fetch('/admin/'+action,{method:'POST',headers:{'Authorization':'Bearer '+token,
+      'Content-Type':'application/json'},body:JSON.stringify({replica_id:rid,reason:action+' from the dashboard'})})
+      .then(function(r){return r.json().then(function(j){
+        out.textContent=r.ok?(action+' '+rid+': done'):(action+' '+rid+': HTTP '+r.status+' '+(j.error||''));});})
+      .catch(function(e){out.textContent=action+' failed: '+e;});
+  }
+  document.addEventListener('click',function(ev){
+    var b=ev.target.closest('button[data-action]'); if(b){ev.preventDefault();act(b);}
+  });
+  setInterval(function(){
+    fetch(window.location.pathname,{cache:'no-store'}).then(function(r){return r.text();}).then(function(t){
+      var doc=new DOMParser().parseFromString(t,'text/html'), live=doc.getElementById('live');
+      if(live){document.getElementById('live').replaceWith(live);}
+    }).catch(function(){});
+  }, REFRESH_MS);
+})();
 """
 
 
@@ -30,33 +70,76 @@ def _e(value: Any) -> str:
     return html.escape(str(value), quote=True)
 
 
-def _when(ts: float | None) -> str:
+def when(ts: float | None) -> str:
+    """``2026-11-26 23:26:12.345 UTC``: the lighthouse's local time, with date and zone."""
     if not ts:
         return ""
-    return time.strftime("%H:%M:%S", time.localtime(ts)) + f".{int((ts % 1) * 1000):03d}"
+    dt = datetime.fromtimestamp(ts).astimezone()
+    return dt.strftime("%Y-%m-%d %H:%M:%S") + f".{dt.microsecond // 1000:03d} " + (dt.strftime("%Z") or dt.strftime("%z"))
+
+
+def quorum_label(quorum_id: int | None) -> str:
+    """A quorum id as people read it: ``#N``, the quorum change's number in the lighthouse's run
+    (the raw id, in a ``title``, stays one hover away)."""
+    if quorum_id is None:
+        return ""
+    _, counter = decode_quorum_id(quorum_id)
+    return f"<span class='qid mono' title='quorum id {_e(quorum_id)}' data-quorum-id='{_e(quorum_id)}'>#{_e(counter)}</span>"
+
+
+def _secs(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f} ms" if seconds < 1 else f"{seconds:.2f} s"
 
 
 def render(status: LighthouseStatus) -> str:
     """The dashboard page for one status snapshot (`LighthouseServer.snapshot`)."""
     opts = status.options
-    quorum = status.quorum
     out: list[str] = [
         "<!doctype html><html><head><meta charset='utf-8'>",
-        f"<meta http-equiv='refresh' content='{REFRESH_SECONDS}'>",
+        f"<noscript><meta http-equiv='refresh' content='{REFRESH_SECONDS}'></noscript>",
         "<title>ftlaunch lighthouse</title>",
         f"<style>{_STYLE}</style></head><body>",
         f"<h1>ftlaunch lighthouse <span class='muted mono'>{_e(status.address)}</span></h1>",
         "<p class='muted'>",
-        f"min_replicas={_e(opts.min_replicas)} &middot; join_timeout={_e(opts.join_timeout)}s &middot; ",
+        f"min_replicas={_e(opts.min_replicas)} &middot; "
+        + (f"expected_replicas={_e(opts.expected_replicas)} &middot; " if opts.expected_replicas else "")
+        + f"join_timeout={_e(opts.join_timeout)}s &middot; ",
         f"heartbeat_timeout={_e(opts.heartbeat_timeout)}s &middot; quorum_tick={_e(opts.quorum_tick)}s &middot; ",
         f"admin endpoints {'enabled' if opts.admin else 'disabled'} &middot; ",
-        "JSON: <a href='/status'>/status</a></p>",
-        "<h2>Current quorum</h2>",
+        "JSON: <a href='/status'>/status</a> &middot; Prometheus: <a href='/metrics'>/metrics</a></p>",
+        _admin_form(opts.admin),
+        "<div id='live'>",
     ]
+    out += _quorum_section(status)
+    out += _groups_section(status)
+    out += _history_section(status)
+    out.append(f"<p class='muted'>as of {_e(when(status.time))}</p>")
+    out.append("</div>")
+    out.append(f"<script>{_SCRIPT.replace('REFRESH_MS', str(REFRESH_SECONDS * 1000))}</script>")
+    out.append("</body></html>")
+    return "\n".join(out)
+
+
+def _admin_form(enabled: bool) -> str:
+    if not enabled:
+        return ("<p id='admin' class='muted'>Evict/Kill are disabled: the lighthouse was started without a "
+                "job token.</p>")
+    return (
+        "<form id='admin' autocomplete='off' onsubmit='return false'>"
+        "<label>Job token (for Evict/Kill; sent with the request, never stored in the page) "
+        "<input id='token' type='password' size='24'></label><span id='admin-result' class='muted'></span>"
+        "</form>"
+    )
+
+
+def _quorum_section(status: LighthouseStatus) -> list[str]:
+    quorum = status.quorum
+    out = ["<h2>Current quorum</h2>"]
     if quorum is not None:
         out.append(
-            f"<p>id <span class='mono'>{_e(quorum.quorum_id)}</span>, formed {_e(_when(quorum.created))}, "
-            f"{len(quorum.participants)} participant(s)</p>"
+            f"<p id='quorum'>quorum {quorum_label(quorum.quorum_id)}, formed {_e(when(quorum.created))}, "
+            f"{len(quorum.participants)} participant(s) &middot; {_e(status.quorum_changes)} quorum change(s) "
+            f"&middot; job step rate <span id='step-rate'>{_e(f'{status.step_rate:.2f}')}</span> steps/s</p>"
         )
         out.append(
             "<table><tr><th>replica</th><th>step</th><th>world size</th><th>address</th><th>store</th>"
@@ -74,42 +157,80 @@ def render(status: LighthouseStatus) -> str:
     out.append(f"<p>Decision: {_e(status.decision)}</p>")
     pending = status.pending
     out.append(f"<p>Waiting for a quorum: {_e(', '.join(pending)) if pending else '<span class=muted>nobody</span>'}</p>")
+    return out
 
-    out.append("<h2>Replica groups</h2>")
+
+def _progress_cells(p: GroupProgress | None) -> str:
+    if p is None:
+        return "<td></td>" * 6
+    return (
+        f"<td class='num'>{_e(p.committed)}</td><td class='num step-rate'>{_e(f'{p.step_rate:.2f}')}</td>"
+        f"<td class='num'>{_e(_secs(p.step_seconds))}</td><td class='num'>{_e(p.heals)}</td>"
+        f"<td class='num heal-time'>{_e(f'{p.heal_seconds:.2f}')} s</td><td class='num'>{_e(p.restarts)}</td>"
+    )
+
+
+_PROGRESS_HEADERS = (
+    "<th>committed</th><th>steps/s</th><th>step time</th><th>heals</th><th>heal time</th><th>restarts</th>"
+)
+
+
+def _groups_section(status: LighthouseStatus) -> list[str]:
+    out = ["<h2>Replica groups</h2>"]
     if status.groups:
         out.append(
-            "<table><tr><th>replica</th><th>health</th><th>step</th><th>last heard</th><th>connections</th>"
-            "<th>in quorum</th><th>requesting</th><th>heartbeats</th><th>address</th><th>note</th></tr>"
+            "<table id='groups'><tr><th>replica</th><th>health</th><th>step</th>" + _PROGRESS_HEADERS
+            + "<th>last heard</th><th>first seen</th><th>connections</th><th>in quorum</th><th>requesting</th>"
+            "<th>heartbeats</th><th>address</th><th>note</th><th>actions</th></tr>"
         )
+        disabled = "" if status.options.admin else " disabled"
         for g in status.groups:
             colour = _HEALTH_COLOURS.get(g.health.value, "#1f2328")
+            rid = _e(g.replica_id)
+            progress = status.group_progress(g.replica_id)
+            step = max(g.step, progress.step) if progress is not None else g.step  # reports may be newer
             out.append(
-                f"<tr><td class='mono'>{_e(g.replica_id)}</td>"
+                f"<tr data-replica='{rid}'><td class='mono'>{rid}</td>"
                 f"<td style='color:{colour};font-weight:600'>{_e(g.health.value)}</td>"
-                f"<td>{_e(g.step)}</td><td>{_e(f'{g.last_seen_age:.2f}')}s ago</td>"
+                f"<td>{_e(step)}</td>{_progress_cells(progress)}"
+                f"<td>{_e(f'{g.last_seen_age:.2f}')} s ago</td><td>{_e(when(g.first_seen))}</td>"
                 f"<td>{_e(g.connections)}</td><td>{'yes' if g.in_quorum else ''}</td>"
                 f"<td>{'yes' if g.requesting else ''}</td><td>{_e(g.heartbeats)}</td>"
-                f"<td class='mono'>{_e(g.address)}</td><td>{_e(g.reason)}</td></tr>"
+                f"<td class='mono'>{_e(g.address)}</td><td>{_e(g.reason)}</td>"
+                f"<td><button type='button' data-action='evict' data-replica='{rid}'{disabled}>Evict</button>"
+                f"<button type='button' data-action='kill' data-replica='{rid}'{disabled}>Kill</button></td></tr>"
             )
         out.append("</table>")
     else:
         out.append("<p class='muted'>no replica group has contacted the lighthouse yet</p>")
-    if status.evicted:
-        out.append(f"<p>Evicted, not yet told: <span class='mono'>{_e(', '.join(status.evicted))}</span></p>")
-
-    out.append("<h2>History (quorum changes and failures, newest first)</h2>")
-    if status.history:
-        out.append("<table><tr><th>time</th><th>event</th><th>replica</th><th>detail</th></tr>")
-        for h in status.history:
-            detail = h.detail
-            if h.event == "quorum":
-                detail = f"id {h.quorum_id}: {', '.join(h.participants or ())} — {detail}"
+    known = {g.replica_id for g in status.groups}
+    gone = [p for p in status.progress if p.replica_id not in known]
+    if gone:
+        out.append("<h3>Groups that left</h3><table id='left'><tr><th>replica</th><th>step</th>"
+                   + _PROGRESS_HEADERS + "<th>finished</th><th>checksum</th></tr>")
+        for p in gone:
             out.append(
-                f"<tr><td>{_e(_when(h.time))}</td><td>{_e(h.event)}</td>"
-                f"<td class='mono'>{_e(h.replica_id or '')}</td><td>{_e(detail)}</td></tr>"
+                f"<tr><td class='mono'>{_e(p.replica_id)}</td><td>{_e(p.step)}</td>{_progress_cells(p)}"
+                f"<td>{'yes' if p.finished else ''}</td><td class='mono'>{_e(p.checksum)}</td></tr>"
             )
         out.append("</table>")
-    else:
-        out.append("<p class='muted'>nothing happened yet</p>")
-    out.append("</body></html>")
-    return "\n".join(out)
+    if status.evicted:
+        out.append(f"<p>Evicted, not yet told: <span class='mono'>{_e(', '.join(status.evicted))}</span></p>")
+    return out
+
+
+def _history_section(status: LighthouseStatus) -> list[str]:
+    out = ["<h2>History (quorum changes and failures, newest first)</h2>"]
+    if not status.history:
+        return [*out, "<p class='muted'>nothing happened yet</p>"]
+    out.append("<table id='history'><tr><th>time</th><th>event</th><th>replica</th><th>detail</th></tr>")
+    for h in status.history:
+        detail = _e(h.detail)
+        if h.event == "quorum":
+            detail = f"{quorum_label(h.quorum_id)}: {_e(', '.join(h.participants or ()))} — {detail}"
+        out.append(
+            f"<tr><td>{_e(when(h.time))}</td><td>{_e(h.event)}</td>"
+            f"<td class='mono'>{_e(h.replica_id or '')}</td><td>{detail}</td></tr>"
+        )
+    out.append("</table>")
+    return out

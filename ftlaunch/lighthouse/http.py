@@ -200,13 +200,17 @@ class HeadParser(BaseHTTPRequestHandler):
         return True
 
 
-def head_end(buf: bytearray, start: int) -> int:
-    """Index just past the blank line that ends the head in ``buf`` (searched from ``start``), or -1.
+def head_end(buf: bytearray, start: int, limit: int | None = None) -> int:
+    """Index just past the blank line that ends the head in ``buf`` (searched from ``start`` up to
+    ``limit``), or -1.
 
-    Lines end in CRLF or, as http.server also accepts, in a bare LF.
+    Lines end in CRLF or, as http.server also accepts, in a bare LF. Neither search runs past the
+    other's match or ``limit``: with thousands of requests pipelined in ``buf``, searching to its end
+    for each one was quadratic and stalled the event loop for every other client.
     """
-    crlf = buf.find(b"\n\r\n", start)
-    lf = buf.find(b"\n\n", start)
+    end = len(buf) if limit is None else min(limit, len(buf))
+    crlf = buf.find(b"\n\r\n", start, end)
+    lf = buf.find(b"\n\n", start, crlf + 2 if crlf >= 0 else end)
     if crlf < 0:
         return -1 if lf < 0 else lf + 2
     return crlf + 3 if lf < 0 or crlf < lf else lf + 2
@@ -229,3 +233,4 @@ def body_length(head: Head, max_body: int) -> int:
     if length > max_body:
         raise HttpError(413, f"request body of {length} bytes exceeds the limit of {max_body}", close=True)
     return length
+

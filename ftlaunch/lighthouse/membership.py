@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ftlaunch.errors import LighthouseError
+from ftlaunch.lighthouse.progress import GroupProgress, ProgressBook, ProgressReport
 from ftlaunch.lighthouse.quorum import (
     Connection,
     GroupState,
@@ -42,6 +43,13 @@ log = logging.getLogger(__name__)
 
 #: Events kept for the dashboard / status.
 HISTORY_LEN = 200
+#: Most replica ids tracked at once; a new id past it is refused (`TooManyGroups`) once every id that
+#: may be forgotten (see `forget_after`) was.
+MAX_GROUPS = 4096
+#: How far past the highest step of any quorum a group's claimed step may be (one committed round).
+MAX_STEP_ADVANCE = 1
+#: Incarnation of a request that names none (a hand-written client): one incarnation like any other.
+ANONYMOUS = ""
 
 # The highest quorum id any lighthouse in this process handed out: one started in the same
 # millisecond as its predecessor (tests do that) still starts above it.
@@ -71,6 +79,19 @@ class Left(MembershipError):
 
 class QuorumTimeout(MembershipError):
     """No quorum containing the group formed in time; the message says what the decision waited for."""
+
+
+class HeldElsewhere(MembershipError):
+    """The replica id is held by another live incarnation (process) of the group."""
+
+
+class ImplausibleStep(MembershipError):
+    """A group claims a step no quorum led to: it would become every group's healing source
+    (docs/security.md)."""
+
+
+class TooManyGroups(MembershipError):
+    """The lighthouse tracks `MAX_GROUPS` ids already."""
 
 
 class Abandoned(MembershipError):
@@ -126,6 +147,12 @@ class _GroupInfo:
     reason: str = ""  # why it is disconnected / failed / silent
     heartbeats: int = 0
     silent_noted: bool = False
+    #: Its going down was counted in the progress book (once per incident, until it is back).
+    down_counted: bool = False
+    #: Which process holds the id (`request_quorum`'s ``incarnation``).
+    incarnation: str = ANONYMOUS
+    #: It was a participant of some quorum (ids that never were are forgotten once gone).
+    in_a_quorum: bool = False
 
 
 def _new_ids(wall_clock: Callable[[], float]) -> QuorumIdAllocator:
@@ -143,8 +170,14 @@ class Membership:
         ids: QuorumIdAllocator | None = None,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
+        forget_after: float | None = None,
+        max_groups: int = MAX_GROUPS,
     ) -> None:
         self._options = options
+        #: Seconds an id that never joined a quorum is kept once it is no longer live (silent,
+        #: disconnected, failed): max(60 s, 4 x heartbeat_timeout) unless given.
+        self.forget_after = forget_after if forget_after is not None else max(60.0, 4 * options.heartbeat_timeout)
+        self.max_groups = max_groups
         self._clock = clock
         self._wall = wall_clock
         self._ids = ids if ids is not None else _new_ids(wall_clock)
@@ -157,9 +190,14 @@ class Membership:
         self._quorum: Quorum | None = None
         self._prev_ids: frozenset[str] = frozenset()
         self._prev_broken = False
+        self._high_step: int | None = None  # the highest step of any quorum formed (see _check_step)
         self._evicted: dict[str, str] = {}  # replica id -> reason, until the group is told
         self._history: deque[HistoryEvent] = deque(maxlen=HISTORY_LEN)
         self._closed = False
+        # Training progress the group leaders report (lighthouse/progress.py); outlives the groups.
+        self._progress = ProgressBook()
+        self._quorum_changes = 0
+        self._kills: dict[str, str] = {}  # replica id -> reason, until its next heartbeat
 
     @property
     def options(self) -> QuorumOptions:
@@ -167,16 +205,22 @@ class Membership:
 
     # ------------------------------------------------------------------ what groups do
 
-    def request_quorum(self, member: QuorumMember) -> QuorumTicket:
+    def request_quorum(
+        self, member: QuorumMember, progress: ProgressReport | None = None, *, incarnation: str = ANONYMOUS
+    ) -> QuorumTicket:
         """Park ``member``'s request until a quorum containing it forms (maybe at once).
 
-        Counts as a heartbeat. A request of the same group still waiting is answered `Superseded`.
-        Raises `ShuttingDown` or `Evicted` (once) instead of parking.
+        Counts as a heartbeat (and ``progress``, when given, as the group's progress report). A
+        request of the same group still waiting is answered `Superseded`. Raises `ShuttingDown`,
+        `Evicted` (once), `HeldElsewhere` (another live ``incarnation`` holds the id),
+        `ImplausibleStep` or `TooManyGroups` instead of parking.
         """
         rid = member.replica_id
         with self._lock:
             now = self._clock()
-            self._admit(rid, now)
+            self._check_step(member)
+            self._admit(rid, now, incarnation)
+            self._report_progress(rid, progress)
             info = self._info[rid]
             info.step, info.address = member.step, member.address
             old = self._tickets.get(rid)
@@ -190,20 +234,34 @@ class Membership:
             self._decide(now)
         return ticket
 
-    def heartbeat(self, replica_id: str) -> None:
-        """A sign of life (revives a silent, disconnected or failed group). Raises `ShuttingDown`,
-        or `Evicted` once."""
+    def heartbeat(
+        self, replica_id: str, progress: ProgressReport | None = None, *, incarnation: str = ANONYMOUS
+    ) -> str | None:
+        """A sign of life (revives a silent, disconnected or failed group), maybe with a progress
+        report. Returns the reason of a pending `kill` (once), else None. Raises `ShuttingDown`,
+        `Evicted` once, `HeldElsewhere` or `TooManyGroups`."""
         with self._lock:
             now = self._clock()
-            revived = self._admit(replica_id, now)
+            revived = self._admit(replica_id, now, incarnation)
             self._info[replica_id].heartbeats += 1
+            self._report_progress(replica_id, progress)
             if revived and replica_id in self._requests:
                 self._decide(now)
+            return self._kills.pop(replica_id, None)
 
-    def leave(self, replica_id: str) -> bool:
+    def leave(
+        self, replica_id: str, progress: ProgressReport | None = None, *, incarnation: str | None = None
+    ) -> bool:
         """Graceful exit: forget the group without a failure; its waiting request ends `Left`.
-        Returns False if the group was not known."""
+        ``progress`` is its final report (kept: progress outlives the group). Returns False if the
+        group was not known. With ``incarnation``, raises `HeldElsewhere` when another live
+        incarnation holds the id (a stale process cannot make the group leave)."""
         with self._lock:
+            if incarnation is not None:
+                self._check_holder(replica_id, self._clock(), incarnation)
+            if not self._closed:
+                self._report_progress(replica_id, progress)
+            self._kills.pop(replica_id, None)
             self._evicted.pop(replica_id, None)
             known = self._groups.pop(replica_id, None) is not None
             self._info.pop(replica_id, None)
@@ -240,7 +298,9 @@ class Membership:
             if replica_id not in self._groups:
                 return False
             del self._groups[replica_id]
-            self._info.pop(replica_id, None)
+            info = self._info.pop(replica_id, None)
+            if info is not None:
+                self._count_down(replica_id, info)
             error = Evicted(f"replica {replica_id} was evicted: {reason}")
             if not self._drop_request(replica_id, error=error):  # the parked request is its one notice
                 self._evicted[replica_id] = reason
@@ -276,9 +336,11 @@ class Membership:
                 if g.connection is Connection.CONNECTED and now - g.last_seen > hb and not info.silent_noted:
                     info.silent_noted = True
                     info.reason = f"no heartbeat for {hb:g}s"
+                    self._count_down(rid, info)
                     self._record("silent", rid, info.reason)
                     self._mark_prev_broken(rid)
                     log.warning("lighthouse: replica %s silent: %s", rid, info.reason)
+            self._forget_gone(now)
             self._decide(now)
 
     def close(self) -> None:
@@ -324,7 +386,10 @@ class Membership:
             return LighthouseStatus(
                 address=address,
                 time=wall,
-                options=StatusOptions(opts.min_replicas, opts.join_timeout, hb, quorum_tick, admin),
+                options=StatusOptions(
+                    opts.min_replicas, opts.join_timeout, hb, quorum_tick, admin,
+                    expected_replicas=opts.expected_replicas,
+                ),
                 quorum=self._quorum,
                 next_quorum_id=self._ids.peek(),
                 groups=groups,
@@ -332,7 +397,41 @@ class Membership:
                 decision=self._waiting_reason(now),
                 evicted=tuple(sorted(self._evicted)),
                 history=tuple(reversed(self._history)),
+                progress=self._progress.snapshot(wall),
+                quorum_changes=self._quorum_changes,
+                step_rate=round(self._progress.job_step_rate(wall), 4),
             )
+
+    # ------------------------------------------------------------------ progress (lighthouse/progress.py)
+
+    def progress(self) -> tuple[GroupProgress, ...]:
+        """Every group's training progress, groups that left or died included (cheaper than
+        `snapshot`: the launcher reads it every tick)."""
+        with self._lock:
+            return self._progress.snapshot(self._wall())
+
+    def kill(self, replica_id: str, reason: str) -> bool:
+        """Tell the group's leader, in the answer to its next heartbeat, to kill its own process
+        (the dashboard's Kill button: a crash on demand). False if the group is unknown."""
+        with self._lock:
+            if replica_id not in self._groups:
+                return False
+            self._kills[replica_id] = reason
+            self._record("kill_requested", replica_id, reason)
+            log.warning("lighthouse: replica %s asked to kill itself: %s", replica_id, reason)
+            return True
+
+    def _report_progress(self, rid: str, progress: ProgressReport | None) -> None:
+        if progress is not None:
+            self._progress.report(rid, progress, self._wall())
+
+    def _count_down(self, rid: str, info: _GroupInfo) -> None:
+        """One failure per incident: a group reported failed whose connection then closes went
+        down once. A kill not yet told is void: it was meant for the process that went down."""
+        self._kills.pop(rid, None)
+        if not info.down_counted:
+            info.down_counted = True
+            self._progress.failed(rid)
 
     # ------------------------------------------------------------------ under the lock
 
@@ -349,16 +448,45 @@ class Membership:
         if replica_id in self._prev_ids:
             self._prev_broken = True
 
-    def _admit(self, rid: str, now: float) -> bool:
-        """Common start of a group's request: refuse while closed, tell an eviction once, count a sign
-        of life. Returns True if the group was not live before."""
+    def _check_holder(self, rid: str, now: float, incarnation: str) -> None:
+        """One incarnation holds an id at a time: while the holder is live, another is refused."""
+        g, info = self._groups.get(rid), self._info.get(rid)
+        if g is None or info is None or info.incarnation == incarnation:
+            return
+        if group_health(g, now, self._options) is Health.LIVE:
+            raise HeldElsewhere(
+                f"replica id {rid} is held by another live process of the group; it is released when that "
+                "process exits, leaves, fails or falls silent"
+            )
+
+    def _check_step(self, member: QuorumMember) -> None:
+        """The plausibility rule for healing sources (docs/security.md). A group's step advances by one
+        per committed quorum round, and a healer jumps to a step some quorum had: so no group can be
+        more than `MAX_STEP_ADVANCE` past the highest step any quorum of this lighthouse had. A claim
+        beyond it is refused; it would make the claimant every group's healing source (and its store
+        their meeting point). With no quorum yet (a new or restarted lighthouse) nothing is checked."""
+        high = self._high_step
+        if high is not None and member.step > high + MAX_STEP_ADVANCE:
+            raise ImplausibleStep(
+                f"replica {member.replica_id} claims step {member.step}, but no quorum of this lighthouse got "
+                f"past step {high}: refused, it would become every group's healing source"
+            )
+
+    def _admit(self, rid: str, now: float, incarnation: str = ANONYMOUS) -> bool:
+        """Common start of a group's request: refuse while closed, tell an eviction once, refuse a
+        second incarnation, count a sign of life. Returns True if the group was not live before."""
         if self._closed:
             raise ShuttingDown("lighthouse shutting down")
         reason = self._evicted.pop(rid, None)
         if reason is not None:
             raise Evicted(f"replica {rid} was evicted: {reason}")
+        self._check_holder(rid, now, incarnation)
         g = self._groups.get(rid)
         if g is None:
+            if len(self._groups) >= self.max_groups:
+                self._forget_gone(now, force=True)
+                if len(self._groups) >= self.max_groups:
+                    raise TooManyGroups(f"the lighthouse tracks {self.max_groups} replica ids already")
             self._info[rid] = _GroupInfo(first_seen=self._wall())
             self._record("joined", rid)
             log.info("lighthouse: replica %s joined", rid)
@@ -372,9 +500,26 @@ class Membership:
                 log.info("lighthouse: replica %s is back (was %s)", rid, health.value)
                 self._mark_prev_broken(rid)
                 info = self._info[rid]
-                info.reason, info.silent_noted = "", False
+                info.reason, info.silent_noted, info.down_counted = "", False, False
         self._groups[rid] = GroupState(rid, now, Connection.CONNECTED)
+        self._info[rid].incarnation = incarnation
         return revived
+
+    def _forget_gone(self, now: float, *, force: bool = False) -> None:
+        """Drop ids that never joined a quorum and have not been live for `forget_after` (any time
+        since they stopped being live when ``force``): heartbeat-only ids that went away must not
+        stay listed, and walked by every tick, forever."""
+        gone = [
+            rid for rid, g in self._groups.items()
+            if not self._info[rid].in_a_quorum and rid not in self._requests
+            and group_health(g, now, self._options) is not Health.LIVE
+            and (force or now - g.last_seen > self.forget_after)
+        ]
+        for rid in gone:
+            del self._groups[rid], self._info[rid]
+        if gone:
+            self._record("forgotten", gone[0] if len(gone) == 1 else None, f"{len(gone)} id(s) that never joined a quorum")
+            log.info("lighthouse: forgot %d replica id(s) that never joined a quorum (e.g. %s)", len(gone), gone[0])
 
     def _state(self) -> LighthouseState:
         # A view, not a copy: only used under the lock, and the decision functions do not mutate.
@@ -408,6 +553,8 @@ class Membership:
                 self._ids.take()
                 _last_issued_id = max(_last_issued_id, decision.quorum_id or 0)
         quorum = decision.to_quorum(created=self._wall())
+        top = max(p.step for p in quorum.participants)
+        self._high_step = top if self._high_step is None else max(self._high_step, top)
         changed = self._quorum is None or quorum.quorum_id != self._quorum.quorum_id
         self._quorum = quorum
         self._prev_ids = frozenset(quorum.replica_ids)
@@ -417,8 +564,10 @@ class Membership:
             del self._requests[rid]
             self._tickets.pop(rid)._resolve(quorum=quorum)
             self._info[rid].step = member.step
+            self._info[rid].in_a_quorum = True
         self._round_start = now if self._requests else None
         if changed:
+            self._quorum_changes += 1
             self._record("quorum", None, decision.reason, quorum)
             log.info(
                 "lighthouse: quorum %d formed with %s (%s)", quorum.quorum_id, ", ".join(quorum.replica_ids), decision.reason
@@ -444,6 +593,7 @@ class Membership:
             return
         self._groups[rid] = GroupState(rid, g.last_seen, connection)
         self._info[rid].reason = reason
+        self._count_down(rid, self._info[rid])
         self._record(connection.value, rid, reason)
         self._mark_prev_broken(rid)
         log.warning("lighthouse: replica %s %s: %s", rid, connection.value, reason)

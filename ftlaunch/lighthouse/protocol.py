@@ -14,8 +14,18 @@ PATH_PREFIX = "/v1"
 #: the peer without a `leave`, the group is marked disconnected at once.
 REPLICA_HEADER = "X-Ftlaunch-Replica"
 
+#: Request header naming the process (incarnation) a group's requests come from: a random token per
+#: client. A replica id is held by one incarnation at a time; requests without it are one anonymous
+#: incarnation.
+INCARNATION_HEADER = "X-Ftlaunch-Incarnation"
+#: Longest accepted incarnation.
+MAX_INCARNATION_LEN = 64
+
 #: Largest accepted request body; larger ones get 413 without being read.
 MAX_BODY_BYTES = 1 << 20
+#: Deepest nesting of arrays/objects accepted in a request body (a member's ``data`` included): far
+#: above what a group publishes, far below where encoding the quorum would hit Python's recursion limit.
+MAX_JSON_DEPTH = 64
 #: Longest accepted replica id.
 MAX_REPLICA_ID_LEN = 256
 #: ``timeout`` of a quorum request that names none (seconds).

@@ -14,10 +14,13 @@ Rules (in the order `decide_quorum` applies them):
 3. Never fewer than ``min_replicas`` candidates.
 4. Split-brain guard: the candidates must be MORE than half of the live groups. Two quorums formed
    from the same live set therefore always share a member.
-5. Form at once when every member of the previous quorum is a candidate ("fast quorum"), or when
+5. The first quorum waits for the groups the launcher announced (``expected_replicas``) until
+   ``join_timeout`` after the first request: otherwise the first group to start would train alone
+   and every other group would heal from it. Later quorums ignore the announcement.
+6. Form at once when every member of the previous quorum is a candidate ("fast quorum"), or when
    every live group has asked. Otherwise wait for stragglers until ``join_timeout`` after the first
    request of the round, then form with those present.
-6. The quorum id changes when the membership changes, when any participant reports
+7. The quorum id changes when the membership changes, when any participant reports
    ``commit_failures > 0``, or when a member of the previous quorum lost liveness since it formed
    (it may be a new incarnation with the same name); otherwise the previous id is kept, so Managers
    do not reconfigure.
@@ -186,12 +189,18 @@ class QuorumOptions:
     min_replicas: int = 1
     join_timeout: float = 60.0
     heartbeat_timeout: float = 5.0
+    #: Groups the launcher announced: the first quorum waits for them (rule 5). 0: none announced.
+    expected_replicas: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.min_replicas, bool) or not isinstance(self.min_replicas, int):
             raise TypeError("min_replicas must be an int")
         if self.min_replicas < 1:
             raise ValueError(f"min_replicas must be >= 1, got {self.min_replicas}")
+        if isinstance(self.expected_replicas, bool) or not isinstance(self.expected_replicas, int):
+            raise TypeError("expected_replicas must be an int")
+        if self.expected_replicas < 0:
+            raise ValueError(f"expected_replicas must be >= 0, got {self.expected_replicas}")
         for name in ("join_timeout", "heartbeat_timeout"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool):
@@ -304,6 +313,16 @@ def decide_quorum(state: LighthouseState, now: float, options: QuorumOptions) ->
     if 2 * n <= n_live:
         return _wait(f"waiting: need more than half of the live groups to avoid split brain ({counts})", next_expiry)
 
+    if prev is None and n < options.expected_replicas:
+        start = state.round_start if state.round_start is not None else now
+        deadline = start + options.join_timeout
+        if now < deadline:
+            wake = deadline if next_expiry is None else min(deadline, next_expiry)
+            return _wait(
+                f"first quorum: waiting for the {options.expected_replicas} announced groups until the "
+                f"join timeout ({counts})",
+                wake,
+            )
     cand_set = set(candidates)
     if prev is not None and prev_ids and prev_ids <= cand_set:
         reason = f"fast quorum: every member of quorum {prev.quorum_id} asked again ({counts})"

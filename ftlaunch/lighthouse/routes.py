@@ -1,12 +1,13 @@
 """The lighthouse's endpoints (docs/lighthouse.md): JSON bodies checked, membership asked, its refusals
 turned into status codes.
 
-`Routes` is the `http.Handler` the transport serves. Each endpoint validates its JSON body (unknown,
-missing and mistyped fields are 400 with the field named), checks the admin token where needed
-(401/403), calls `Membership`, and maps the membership's domain errors to HTTP through
+`Routes` is the `http.Handler` the transport serves. Every request but a read passes one check,
+`Routes.authorize` (the job token, 401/403), before its endpoint runs. Each endpoint validates its
+JSON body (unknown, missing and mistyped fields are 400 with the field named; nesting past
+`MAX_JSON_DEPTH` too), calls `Membership`, and maps the membership's domain errors to HTTP through
 `ERROR_STATUS`. ``POST /quorum`` returns a `http.LongPoll` over the membership's `QuorumTicket`:
 the transport parks the connection until the ticket is resolved or the request's timeout passes.
-Every error answer is logged here, once.
+Every error answer is logged here, once (warnings rate-limited per client host).
 """
 
 from __future__ import annotations
@@ -18,11 +19,16 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
 
-from ftlaunch.lighthouse import dashboard
+from ftlaunch.env import FTLAUNCH_TOKEN
+from ftlaunch.lighthouse import dashboard, metrics
 from ftlaunch.lighthouse.http import Head, HttpError, LongPoll, Request, Response
+from ftlaunch.lighthouse.limits import WarningLimiter
 from ftlaunch.lighthouse.membership import (
+    ANONYMOUS,
     Abandoned,
     Evicted,
+    HeldElsewhere,
+    ImplausibleStep,
     Left,
     Membership,
     MembershipError,
@@ -30,10 +36,15 @@ from ftlaunch.lighthouse.membership import (
     QuorumTimeout,
     ShuttingDown,
     Superseded,
+    TooManyGroups,
 )
+from ftlaunch.lighthouse.progress import ProgressReport
 from ftlaunch.lighthouse.protocol import (
     API_VERSION,
     DEFAULT_QUORUM_TIMEOUT,
+    INCARNATION_HEADER,
+    MAX_INCARNATION_LEN,
+    MAX_JSON_DEPTH,
     MAX_QUORUM_TIMEOUT,
     MAX_REPLICA_ID_LEN,
     PATH_PREFIX,
@@ -50,11 +61,19 @@ ERROR_STATUS: dict[type[MembershipError], int] = {
     Superseded: 409,
     Left: 409,
     Evicted: 410,
+    HeldElsewhere: 409,
+    ImplausibleStep: 422,
+    TooManyGroups: 429,
     ShuttingDown: 503,
 }
 
 #: Distinct request paths whose route is remembered.
 _PATH_CACHE_SIZE = 256
+
+#: Methods anyone who reaches the port may use (reads); every other request needs the job token.
+_OPEN_METHODS = frozenset({"GET", "HEAD"})
+#: Endpoints below this path are operators' (evict, report failure): disabled without a token.
+_ADMIN_PREFIX = "/admin/"
 
 #: Error codes that are part of normal operation (logged at INFO, the others at WARNING).
 _ROUTINE = frozenset({408, 409, 410, 503})
@@ -93,6 +112,40 @@ def _route_path(path: str) -> str:
     return path.rstrip("/") if len(path) > 1 else path
 
 
+def _too_deep(obj: object, limit: int) -> bool:
+    """Whether ``obj`` nests arrays/objects more than ``limit`` levels (iterative: no recursion).
+
+    Why: a body nested ~1000 deep parses, but the quorum holding it cannot be encoded again, which
+    used to leave the request unanswered and ``/status`` failing until the next quorum.
+    """
+    stack: list[tuple[object, int]] = [(obj, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > limit:
+            return True
+        if isinstance(value, dict):
+            stack.extend((v, depth + 1) for v in value.values() if isinstance(v, (dict, list)))
+        elif isinstance(value, list):
+            stack.extend((v, depth + 1) for v in value if isinstance(v, (dict, list)))
+    return False
+
+
+def _printable(text: str, limit: int = 200) -> str:
+    """A client-chosen string as it may appear in the log: one line, bounded."""
+    text = text if text.isprintable() else text.encode("unicode_escape", "replace").decode("ascii", "replace")
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _incarnation(request: Request) -> str:
+    """Which process of a group sent ``request`` (`INCARNATION_HEADER`; none: the anonymous one)."""
+    value = request.header(INCARNATION_HEADER)
+    if value is None:
+        return ANONYMOUS
+    if len(value) > MAX_INCARNATION_LEN or not value.isprintable():
+        raise HttpError(400, f"{INCARNATION_HEADER} must be at most {MAX_INCARNATION_LEN} printable characters")
+    return value
+
+
 def _check_replica_id(rid: str) -> None:
     if not rid or len(rid) > MAX_REPLICA_ID_LEN or not rid.isprintable():
         raise HttpError(400, f"replica_id must be 1..{MAX_REPLICA_ID_LEN} printable characters")
@@ -113,8 +166,10 @@ class Routes:
             "/leave": {"POST": self._leave},
             "/admin/report_failure": {"POST": self._report_failure},
             "/admin/evict": {"POST": self._evict},
+            **self._progress_routes(),
         }
         self._last_answer: tuple[Quorum, Response] | None = None
+        self._warnings = WarningLimiter()
         self._paths: dict[str, str] = {}  # request path -> route path (a client sends the same ones)
 
     # -- http.Handler
@@ -132,17 +187,22 @@ class Routes:
         if endpoint is None:
             allow = ", ".join(methods)
             raise HttpError(405, f"{request.method} not allowed on {path} (use {allow})", headers={"Allow": allow})
+        self.authorize(path, request)
         try:
             return endpoint(request)
         except MembershipError as e:
             raise HttpError(ERROR_STATUS[type(e)], str(e)) from None
 
     def error(self, error: HttpError, head: Head | None, peer: str) -> Response:
-        log.log(
-            logging.INFO if error.status in _ROUTINE else logging.WARNING,
-            "lighthouse: %d for %s %s from %s: %s",
-            error.status, head.method if head else "-", head.path if head else "-", peer, error.message,
-        )
+        level = logging.INFO if error.status in _ROUTINE else logging.WARNING
+        if level == logging.INFO or self._warnings.allow(peer):  # a bad client's warnings are rate-limited
+            dropped = self._warnings.take_suppressed(peer) if level == logging.WARNING else 0
+            log.log(
+                level, "lighthouse: %d for %s %s from %s: %s%s",
+                error.status, head.method if head else "-", _printable(head.path) if head else "-", peer,
+                _printable(error.message),
+                f" ({dropped} similar warnings from this host suppressed)" if dropped else "",
+            )
         return _json(error.status, {"error": error.message}, error.headers, close=error.close)
 
     def identity_lost(self, identity: str) -> None:
@@ -158,31 +218,35 @@ class Routes:
 
     def _quorum(self, request: Request) -> LongPoll:
         obj = self._read_json(request)
-        _expect(obj, {"member": (dict,)}, {"timeout": (float, int)})
+        _expect(obj, {"member": (dict,)}, {"timeout": (float, int), "progress": (dict,)})
         try:
             member = QuorumMember.from_json(obj["member"])
-        except (TypeError, ValueError) as e:
+            # Encoded once before it can be installed in a quorum: a member every answer and /status
+            # could not encode (the depth limit already rules that out) is refused here, not later.
+            json.dumps(member.to_json(), separators=(",", ":"))
+        except (TypeError, ValueError, RecursionError) as e:
             raise HttpError(400, f"bad member: {e}") from None
         rid = self._replica_id(request, member.replica_id)
         timeout = float(obj.get("timeout", DEFAULT_QUORUM_TIMEOUT))
         if not (0 < timeout <= MAX_QUORUM_TIMEOUT):
             raise HttpError(400, f"timeout must be in (0, {MAX_QUORUM_TIMEOUT:g}] seconds, got {timeout:g}")
-        ticket = self._membership.request_quorum(member)
+        ticket = self._membership.request_quorum(member, _progress(obj), incarnation=_incarnation(request))
         self._bind(request, rid)
         return _QuorumPoll(self, ticket, timeout, request)
 
     def _heartbeat(self, request: Request) -> Response:
         obj = self._read_json(request)
-        _expect(obj, {"replica_id": (str,)}, {})
+        _expect(obj, {"replica_id": (str,)}, {"progress": (dict,)})
         rid = self._replica_id(request, obj["replica_id"])
-        self._membership.heartbeat(rid)
+        kill = self._membership.heartbeat(rid, _progress(obj), incarnation=_incarnation(request))
         self._bind(request, rid)
-        return _OK
+        return _OK if kill is None else _json(200, {"ok": True, "kill": kill})
 
     def _leave(self, request: Request) -> Response:
         obj = self._read_json(request)
-        _expect(obj, {"replica_id": (str,)}, {})
-        return _json(200, {"left": self._membership.leave(self._replica_id(request, obj["replica_id"]))})
+        _expect(obj, {"replica_id": (str,)}, {"progress": (dict,)})
+        rid = self._replica_id(request, obj["replica_id"])
+        return _json(200, {"left": self._membership.leave(rid, _progress(obj), incarnation=_incarnation(request))})
 
     def _report_failure(self, request: Request) -> Response:
         rid, reason = self._admin_body(request)
@@ -196,6 +260,24 @@ class Routes:
             raise HttpError(404, f"unknown replica {rid!r}")
         return _OK
 
+    # -- progress and metrics (lighthouse/progress.py, lighthouse/metrics.py)
+
+    def _progress_routes(self) -> dict[str, dict[str, Callable[[Request], Response | LongPoll]]]:
+        self._metrics = metrics.MetricsExporter(self._snapshot)
+        return {"/metrics": {"GET": self._serve_metrics}, "/admin/kill": {"POST": self._kill}}
+
+    def _serve_metrics(self, request: Request) -> Response:
+        body, content_type = self._metrics.render()
+        return Response(200, body, content_type)
+
+    def _kill(self, request: Request) -> Response:
+        """Ask the group's leader to kill its own process (its agent restarts the group), as a crash
+        would: the answer to its next heartbeat says so."""
+        rid, reason = self._admin_body(request)
+        if not self._membership.kill(rid, reason or f"killed by admin {request.peer}"):
+            raise HttpError(404, f"unknown replica {rid!r}")
+        return _OK
+
     # -- request checks
 
     @staticmethod
@@ -206,8 +288,13 @@ class Routes:
             obj = json.loads(request.body)
         except (ValueError, UnicodeDecodeError) as e:
             raise HttpError(400, f"malformed JSON: {e}") from None
+        except RecursionError:  # nested past the interpreter's limit: refused like any deep body
+            raise HttpError(400, f"JSON nested deeper than {MAX_JSON_DEPTH} levels") from None
         if not isinstance(obj, dict):
             raise HttpError(400, f"request body must be a JSON object, got {type(obj).__name__}")
+        body = request.body  # fewer brackets than the limit cannot nest deeper: skip the walk (the usual case)
+        if body.count(b"[") + body.count(b"{") > MAX_JSON_DEPTH and _too_deep(obj, MAX_JSON_DEPTH):
+            raise HttpError(400, f"JSON nested deeper than {MAX_JSON_DEPTH} levels")
         return obj
 
     @staticmethod
@@ -225,19 +312,34 @@ class Routes:
             request.bind(rid)
 
     def _admin_body(self, request: Request) -> tuple[str, str]:
-        self._check_token(request.header("Authorization"))
         obj = self._read_json(request)
         _expect(obj, {"replica_id": (str,)}, {"reason": (str,)})
         rid = obj["replica_id"]
         _check_replica_id(rid)
         return rid, obj.get("reason", "")
 
-    def _check_token(self, header: str | None) -> None:
+    def authorize(self, path: str, request: Request) -> None:
+        """The one access check, made before any endpoint reads its body (docs/security.md).
+
+        Reads (``GET``/``HEAD``: the dashboard, ``/status``, metrics) are open to whoever reaches
+        the port. Every other request -- a group's quorum, heartbeat and leave, an admin call, any
+        endpoint added later -- must carry the job token (``Authorization: Bearer <token>``),
+        compared in constant time; without it the answer is 401, with a wrong one 403, and nothing
+        changes. A lighthouse without a token (only allowed on loopback) lets every process of the
+        machine act as a group; its admin endpoints stay disabled (403).
+        """
+        if request.method in _OPEN_METHODS:
+            return
+        admin = path.startswith(_ADMIN_PREFIX)
         if self._token is None:
-            raise HttpError(403, "admin endpoints are disabled: the lighthouse was started without a token")
+            if admin:
+                raise HttpError(403, "admin endpoints are disabled: the lighthouse was started without a token")
+            return
+        header = request.header("Authorization")
         if not header:
             raise HttpError(
-                401, "admin endpoint needs 'Authorization: Bearer <token>'", headers={"WWW-Authenticate": "Bearer"}
+                401, f"{path} needs 'Authorization: Bearer <token>' (the job token, ${FTLAUNCH_TOKEN})",
+                headers={"WWW-Authenticate": "Bearer"},
             )
         scheme, _, given = header.partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), self._token.encode()):
@@ -256,6 +358,17 @@ class Routes:
         response = Response(200, body.encode())
         self._last_answer = (quorum, response)
         return response
+
+
+def _progress(obj: dict[str, Any]) -> ProgressReport | None:
+    """The request's ``progress`` field, checked (400 with the field named when it is not one)."""
+    raw = obj.get("progress")
+    if raw is None:
+        return None
+    try:
+        return ProgressReport.from_json(raw)
+    except (TypeError, ValueError) as e:
+        raise HttpError(400, f"bad progress: {e}") from None
 
 
 class _QuorumPoll:

@@ -17,14 +17,18 @@ are thread-safe: the supervisor makes them from its own threads.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import math
 import socket
+from datetime import timedelta
 from typing import Any
 
 from ftlaunch.addresses import http_url, parse_host_port
+from ftlaunch.env import FTLAUNCH_TOKEN
 from ftlaunch.errors import ConfigurationError
 from ftlaunch.lighthouse.membership import Membership
+from ftlaunch.lighthouse.progress import GroupProgress
 from ftlaunch.lighthouse.protocol import MAX_BODY_BYTES
 from ftlaunch.lighthouse.quorum import QuorumOptions
 from ftlaunch.lighthouse.routes import Routes
@@ -39,6 +43,30 @@ REQUEST_READ_TIMEOUT = 10.0
 MIN_IDLE_TIMEOUT = 120.0
 
 
+class UnauthenticatedBindError(ConfigurationError):
+    """A lighthouse without a job token was asked to serve on an address other machines can reach."""
+
+
+def _listen(bind: str, host: str, port: int) -> socket.socket:
+    """The listening socket for ``host:port``. The IPv6 wildcard (``[::]``, torchft's usual bind) is
+    dual-stack where the system allows it, so v4 clients reach it too (the advertised host name often
+    resolves to an IPv4 address)."""
+    try:
+        if ":" not in host:
+            return socket.create_server((host, port), family=socket.AF_INET, backlog=LISTEN_BACKLOG)
+        dualstack = host == "::" and socket.has_dualstack_ipv6()
+        return socket.create_server((host, port), family=socket.AF_INET6, backlog=LISTEN_BACKLOG, dualstack_ipv6=dualstack)
+    except OSError as e:
+        raise ConfigurationError(f"lighthouse: cannot bind {bind!r}: {e}") from None
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.split("%", 1)[0]).is_loopback
+    except ValueError:
+        return False
+
+
 class LighthouseServer:
     """Quorum server. ``start()`` serves in a background thread; ``shutdown()`` stops everything."""
 
@@ -51,10 +79,14 @@ class LighthouseServer:
         quorum_tick: float = 0.1,
         heartbeat_timeout: float = 5.0,
         token: str | None = None,
+        expected_replicas: int = 0,
     ) -> None:
+        """``expected_replicas``: the groups the launcher starts; the first quorum waits for them
+        (up to ``join_timeout``) instead of forming with whoever asks first (0: nobody announced)."""
         try:
             self._options = QuorumOptions(
-                min_replicas=min_replicas, join_timeout=join_timeout, heartbeat_timeout=heartbeat_timeout
+                min_replicas=min_replicas, join_timeout=join_timeout, heartbeat_timeout=heartbeat_timeout,
+                expected_replicas=expected_replicas,
             )
         except (TypeError, ValueError) as e:
             raise ConfigurationError(f"lighthouse: {e}") from None
@@ -64,17 +96,20 @@ class LighthouseServer:
             host, port = parse_host_port(bind, default_port=0)
         except ValueError as e:
             raise ConfigurationError(f"lighthouse: bad bind address: {e}") from None
-        try:
-            family = socket.AF_INET6 if ":" in host else socket.AF_INET
-            sock = socket.create_server((host, port), family=family, backlog=LISTEN_BACKLOG)
-        except OSError as e:
-            raise ConfigurationError(f"lighthouse: cannot bind {bind!r}: {e}") from None
+        self._token = token or None
+        sock = _listen(bind, host, port)
         bound_host, bound_port = sock.getsockname()[:2]
+        if not self._token and not _is_loopback(bound_host):
+            sock.close()
+            raise UnauthenticatedBindError(
+                f"lighthouse: refusing to serve on {bind!r} without a job token: anyone who reaches the port "
+                f"could join, stop or poison the job. Pass --token (or set ${FTLAUNCH_TOKEN}; workers read the "
+                "same variable), or bind 127.0.0.1 / [::1] (docs/security.md)"
+            )
         if bound_host in ("0.0.0.0", "::", ""):
-            bound_host = socket.gethostname()
+            bound_host = socket.gethostname()  # a wildcard is not connectable: advertise this host
         self._address = http_url(bound_host, bound_port)
         self._tick = float(quorum_tick)
-        self._token = token or None
         self._membership = Membership(self._options)
         self._http = HttpServer(
             sock,
@@ -96,14 +131,19 @@ class LighthouseServer:
         self._http.start()
         self._http.call_every(self._tick, self._membership.tick)
         log.info(
-            "lighthouse: serving on %s (min_replicas=%d join_timeout=%.3gs heartbeat_timeout=%.3gs tick=%.3gs admin=%s)",
+            "lighthouse: serving on %s (min_replicas=%d join_timeout=%.3gs heartbeat_timeout=%.3gs tick=%.3gs token=%s)",
             self._address,
             self._options.min_replicas,
             self._options.join_timeout,
             self._options.heartbeat_timeout,
             self._tick,
-            "token" if self._token else "disabled",
+            "required" if self._token else "none",
         )
+        if not self._token:
+            log.warning(
+                "lighthouse: no job token: serving loopback only, and any process on this machine can act as a "
+                "replica group; admin endpoints are disabled (pass --token or set $%s)", FTLAUNCH_TOKEN,
+            )
         return self
 
     def shutdown(self) -> None:
@@ -167,6 +207,72 @@ class LighthouseServer:
             connections=self._http.bound_count,
         )
 
+    def progress(self) -> tuple[GroupProgress, ...]:
+        """Every group's training progress (what the launcher's status line and summary read)."""
+        return self._membership.progress()
+
     def status(self) -> dict[str, Any]:
         """The ``GET /status`` document (see docs/lighthouse.md)."""
         return self.snapshot().to_json()
+
+
+def _ms(name: str, value: int | float | timedelta | None, default_s: float) -> float:
+    """torchft's millisecond options in seconds (None: torchft's default; a timedelta is accepted too)."""
+    if value is None:
+        return default_s
+    if isinstance(value, timedelta):
+        return value.total_seconds()
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ConfigurationError(f"lighthouse: {name} must be a number of milliseconds >= 0, got {value!r}")
+    return value / 1000.0
+
+
+class TorchftLighthouseServer:
+    """torchft's form of the lighthouse (``torchft.coordination.LighthouseServer``), for scripts that port
+    by changing the import: ``LighthouseServer(bind, min_replicas, join_timeout_ms=, quorum_tick_ms=,
+    heartbeat_timeout_ms=)`` serves at once, ``address()`` is a method, ``shutdown()`` stops it.
+
+    The same server as `LighthouseServer` underneath (which takes seconds, starts with ``start()`` and
+    has an ``address`` property). One deliberate difference: the job token. ``token=`` (else
+    ``$FTLAUNCH_TOKEN``) is required to bind anything but loopback -- torchft's lighthouse has no
+    authentication (docs/security.md).
+    """
+
+    def __init__(
+        self,
+        bind: str,
+        min_replicas: int,
+        join_timeout_ms: int | None = None,
+        quorum_tick_ms: int | None = None,
+        heartbeat_timeout_ms: int | None = None,
+        *,
+        token: str | None = None,
+    ) -> None:
+        import os
+
+        self._server = LighthouseServer(
+            bind,
+            min_replicas=min_replicas,
+            join_timeout=_ms("join_timeout_ms", join_timeout_ms, 60.0),
+            quorum_tick=_ms("quorum_tick_ms", quorum_tick_ms, 0.1),
+            heartbeat_timeout=_ms("heartbeat_timeout_ms", heartbeat_timeout_ms, 5.0),
+            token=token if token is not None else os.environ.get(FTLAUNCH_TOKEN) or None,
+        ).start()
+
+    def address(self) -> str:
+        """``http://host:port`` clients connect to."""
+        return self._server.address
+
+    def shutdown(self) -> None:
+        self._server.shutdown()
+
+    @property
+    def server(self) -> LighthouseServer:
+        """ftlaunch's form of the same server (status, evict, report_failure)."""
+        return self._server
+
+    def __enter__(self) -> TorchftLighthouseServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ftlaunch.lighthouse.progress import GroupProgress
 from ftlaunch.lighthouse.protocol import API_VERSION
 from ftlaunch.lighthouse.quorum import Health, Quorum
 
@@ -47,15 +48,20 @@ class StatusOptions:
     heartbeat_timeout: float = 5.0
     quorum_tick: float = 0.1
     admin: bool = False
+    #: Groups the first quorum waits for (up to the join timeout); 0: not announced.
+    expected_replicas: int = 0
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "min_replicas": self.min_replicas,
             "join_timeout": self.join_timeout,
             "heartbeat_timeout": self.heartbeat_timeout,
             "quorum_tick": self.quorum_tick,
             "admin": self.admin,
         }
+        if self.expected_replicas:  # only when announced: the document stays as it was otherwise
+            out["expected_replicas"] = self.expected_replicas
+        return out
 
     @classmethod
     def from_json(cls, d: Any) -> StatusOptions:
@@ -66,6 +72,7 @@ class StatusOptions:
             heartbeat_timeout=float(_get(d, "heartbeat_timeout", (float, int))),
             quorum_tick=float(_get(d, "quorum_tick", (float, int))),
             admin=_get(d, "admin", bool),
+            expected_replicas=_get(d, "expected_replicas", int, 0),
         )
 
 
@@ -194,6 +201,16 @@ class LighthouseStatus:
     evicted: tuple[str, ...] = ()
     #: Newest first.
     history: tuple[HistoryEvent, ...] = ()
+    # -- training progress the group leaders report (lighthouse/progress.py)
+    #: Every group that reported, those that left or died included, sorted by replica id.
+    progress: tuple[GroupProgress, ...] = ()
+    #: Quorums formed with a new id since the lighthouse started.
+    quorum_changes: int = 0
+    #: The job's committed steps per second (recent window).
+    step_rate: float = 0.0
+
+    def group_progress(self, replica_id: str) -> GroupProgress | None:
+        return next((p for p in self.progress if p.replica_id == replica_id), None)
 
     @property
     def quorum_id(self) -> int | None:
@@ -222,6 +239,9 @@ class LighthouseStatus:
             "decision": self.decision,
             "evicted": list(self.evicted),
             "history": [h.to_json() for h in self.history],
+            "progress": [p.to_json() for p in self.progress],
+            "quorum_changes": self.quorum_changes,
+            "step_rate": self.step_rate,
         }
 
     @classmethod
@@ -244,4 +264,7 @@ class LighthouseStatus:
             decision=_get(d, "decision", str),
             evicted=tuple(lists["evicted"]),
             history=tuple(HistoryEvent.from_json(h) for h in lists["history"]),
+            progress=tuple(GroupProgress.from_json(p) for p in _get(d, "progress", list, [])),
+            quorum_changes=_get(d, "quorum_changes", int, 0),
+            step_rate=float(_get(d, "step_rate", (float, int), 0.0)),
         )

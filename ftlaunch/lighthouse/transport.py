@@ -13,9 +13,11 @@ handler hears `http.Handler.identity_lost` at once. That is how a dead process i
 milliseconds, also while its request is parked. A connection the server closes itself (idle
 timeout, an error answer, shutdown) tells nobody.
 
-Limits (docs/lighthouse.md): `MAX_HEAD_BYTES` (414/431), ``max_body`` (413), ``read_timeout`` (408),
-``idle_timeout``, `MAX_PIPELINED_BYTES` while parked; a client that does not read its answers is not
-read from until it does.
+Limits (docs/lighthouse.md, docs/security.md): `MAX_HEAD_BYTES` (414/431), ``max_body`` (413),
+``read_timeout`` (408; also the time a new connection has to send its first request),
+``idle_timeout``, `MAX_PIPELINED_BYTES` while parked, ``max_connections`` (below the process's
+file-descriptor limit; past it the longest-idle connection is closed); a client that does not read
+its answers is not read from until it does.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from ftlaunch.lighthouse.http import (
     head_end,
     phrase,
 )
+from ftlaunch.lighthouse.limits import CAP_WARNING_INTERVAL, default_max_connections
 
 log = logging.getLogger(__name__)
 
@@ -52,10 +55,17 @@ MAX_PIPELINED_BYTES = 2 << 20
 RECV_SIZE = 65536
 #: Pending connections the kernel queues before the loop accepts them.
 LISTEN_BACKLOG = 256
+#: Connections asyncio accepts in one go (its ``backlog`` argument); a few batches can be accepted
+#: before any of them is counted against the cap, so the cap leaves room for `ACCEPTS_IN_FLIGHT`.
+ACCEPT_BATCH = 32
+ACCEPTS_IN_FLIGHT = 4 * ACCEPT_BATCH
+#: Requests answered from one connection before the others get their turn (the rest in a later round).
+REQUESTS_PER_TURN = 32
+#: Error answers one connection gets before the server closes it (a real client makes none but the
+#: protocol's own 408/409/410; a fuzzer pipelining thousands must not keep the loop busy).
+MAX_ERRORS_PER_CONNECTION = 16
 #: How long `HttpServer.close` lets answers already due (the 503s of parked requests) drain.
 SHUTDOWN_FLUSH_TIMEOUT = 1.0
-
-
 class _Connection(asyncio.BufferedProtocol):
     """One client connection: requests parsed and answered in order, one at a time.
 
@@ -88,6 +98,22 @@ class _Connection(asyncio.BufferedProtocol):
         self._last_active = 0.0
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = math.inf
+        self._served = False  # a whole request arrived on it (until then it has read_timeout to send one)
+        self._errors = 0  # error answers so far (see MAX_ERRORS_PER_CONNECTION)
+        self._resume: asyncio.Handle | None = None  # the next turn of a connection with requests left
+
+    @property
+    def idle(self) -> bool:
+        """Nothing parked, nothing half-received: closing it loses nothing (the client reconnects)."""
+        return not self._closing and self._poll is None and self._head is None and not self._buf
+
+    @property
+    def bound(self) -> bool:
+        return self._identity is not None
+
+    @property
+    def last_active(self) -> float:
+        return self._last_active
 
     # -- asyncio.Protocol
 
@@ -101,6 +127,10 @@ class _Connection(asyncio.BufferedProtocol):
             return
         self._server.connections.add(self)
         self._last_active = self._loop.time()
+        if len(self._server.connections) > self._server.max_connections:
+            self._server.shed(self)
+            if self._closing:
+                return
         self._arm()
 
     def get_buffer(self, sizehint: int) -> memoryview:
@@ -121,7 +151,7 @@ class _Connection(asyncio.BufferedProtocol):
     def eof_received(self) -> bool:
         self._eof = True
         if self._poll is None and not self._closing:
-            self._serve()  # what arrived before the EOF is still answered
+            self._serve(limit=None)  # what arrived before the EOF is still answered
             if self._head is not None and not self._closing:
                 self._refuse(HttpError(400, "truncated request body", close=True))
         # Closed after the answers written above; a parked request's peer died: withdrawn by
@@ -131,6 +161,9 @@ class _Connection(asyncio.BufferedProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._closing = True
+        if self._resume is not None:
+            self._resume.cancel()
+            self._resume = None
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
@@ -157,14 +190,24 @@ class _Connection(asyncio.BufferedProtocol):
 
     # -- requests
 
-    def _serve(self) -> None:
-        """Answer the requests buffered, in order, until one is partial or parks."""
+    def _serve(self, limit: int | None = REQUESTS_PER_TURN) -> None:
+        """Answer the requests buffered, in order, until one is partial or parks -- at most ``limit``
+        now; with more left, the rest in a later round of the loop, after the other connections."""
         try:
+            served = 0
             while not (self._closing or self._poll is not None or self._write_paused):
+                transport = self._transport
+                if transport is not None and transport.is_closing():  # the peer is gone: answer nobody
+                    return
+                if limit is not None and served >= limit:
+                    if self._resume is None:
+                        self._resume = self._loop.call_soon(self._next_turn)
+                    return
                 request = self._next_request()
                 if request is None:
                     return
                 self._dispatch(request)
+                served += 1
         except HttpError as e:
             self._refuse(e)
         except Exception:
@@ -180,7 +223,7 @@ class _Connection(asyncio.BufferedProtocol):
                 return None
             if buf.startswith((b"\r\n", b"\n")):
                 raise HttpError(0, "empty request line")
-            end = head_end(buf, self._scan)
+            end = head_end(buf, self._scan, MAX_HEAD_BYTES + 4)
             if end < 0:
                 if len(buf) > MAX_HEAD_BYTES:
                     if buf.find(b"\n", 0, MAX_HEAD_BYTES) < 0:
@@ -212,7 +255,14 @@ class _Connection(asyncio.BufferedProtocol):
         body = bytes(buf[:n])
         del buf[:n]
         self._head, self._continue_sent, self._reading_since = None, False, None
+        self._served = True
         return Request(head, body, self.peer, self.bind)
+
+    def _next_turn(self) -> None:
+        self._resume = None
+        if not self._closing:
+            self._serve()
+            self._server.flush()
 
     def _dispatch(self, request: Request) -> None:
         handler = self._server.handler
@@ -222,6 +272,10 @@ class _Connection(asyncio.BufferedProtocol):
             if e.status == 0:
                 self.close()
                 return
+            self._errors += 1
+            if self._errors >= MAX_ERRORS_PER_CONNECTION and not e.close:
+                e = HttpError(e.status, f"{e.message} (and closing: {self._errors} bad requests on this connection)",
+                              close=True, headers=e.headers)
             result = handler.error(e, request.head, self.peer)
         if isinstance(result, Response):
             self._respond(result, close=request.head.close, head_only=request.method == "HEAD")
@@ -294,6 +348,8 @@ class _Connection(asyncio.BufferedProtocol):
             return self._parked_at + self._poll.timeout
         if self._reading_since is not None:
             return self._reading_since + self._server.read_timeout
+        if not self._served:  # connected and silent: a client sends its request at once
+            return self._last_active + min(self._server.idle_timeout, self._server.read_timeout)
         return self._last_active + self._server.idle_timeout
 
     def _arm(self) -> None:
@@ -343,9 +399,19 @@ class HttpServer:
     """
 
     def __init__(
-        self, sock: socket.socket, handler: Handler, *, idle_timeout: float, read_timeout: float, max_body: int
+        self,
+        sock: socket.socket,
+        handler: Handler,
+        *,
+        idle_timeout: float,
+        read_timeout: float,
+        max_body: int,
+        max_connections: int | None = None,
     ) -> None:
         self.handler = handler
+        #: Open connections allowed; past it the oldest idle one is closed (see `shed`).
+        self.max_connections = max_connections if max_connections is not None else default_max_connections(ACCEPTS_IN_FLIGHT)
+        self._cap_warned_at = -math.inf
         self.idle_timeout = idle_timeout
         self.read_timeout = read_timeout
         self.max_body = max_body
@@ -385,8 +451,9 @@ class HttpServer:
         self._loop_ident = threading.get_ident()
         try:
             self._server = loop.run_until_complete(
-                loop.create_server(lambda: _Connection(self, loop), sock=self._sock, backlog=LISTEN_BACKLOG)
+                loop.create_server(lambda: _Connection(self, loop), sock=self._sock, backlog=ACCEPT_BATCH)
             )
+            self._sock.listen(LISTEN_BACKLOG)  # asyncio re-listened with the batch size: the kernel queues more
         except Exception:
             log.exception("lighthouse: cannot serve")
             loop.close()
@@ -452,6 +519,22 @@ class HttpServer:
         for conn in list(self.connections):
             conn.abort()
         await asyncio.sleep(0)  # let connection_lost run
+
+    def shed(self, newcomer: _Connection) -> None:
+        """Over `max_connections`: close the idle connection unused longest -- one bound to no group
+        first (a group's heartbeat connection only if nothing else is idle; the group reconnects at
+        its next beat, and a close by the server is not a death) -- else refuse ``newcomer``. Parked
+        and half-received requests are never closed: a flood of sockets cannot push a group out."""
+        idle = [c for c in self.connections if c is not newcomer and c.idle]
+        victim = min(idle, key=lambda c: (c.bound, c.last_active), default=None)
+        now = time.monotonic()
+        if now - self._cap_warned_at >= CAP_WARNING_INTERVAL:
+            self._cap_warned_at = now
+            log.warning(
+                "lighthouse: %d connections open (cap %d): closing the longest-idle ones as new ones arrive",
+                len(self.connections), self.max_connections,
+            )
+        (victim or newcomer).abort()
 
     # -- long-poll answers (any thread)
 

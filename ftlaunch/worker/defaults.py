@@ -11,7 +11,7 @@ import os
 from datetime import timedelta
 
 from ftlaunch import env
-from ftlaunch.errors import ConfigurationError
+from ftlaunch.errors import ConfigurationError, install_brief_configuration_errors
 from ftlaunch.lighthouse.client import LighthouseClient, QuorumClient
 from ftlaunch.timeouts import Timeouts
 from ftlaunch.worker.plan import WorldSizeMode
@@ -58,16 +58,19 @@ def replica_id() -> str:
 
 def group_env() -> env.GroupEnv:
     """Rank, size, store and restart count of this worker's replica group, as torchelastic set them."""
+    install_brief_configuration_errors()  # a bad value reads as one line, not a traceback
     return env.GroupEnv.from_environ()
 
 
 def lighthouse_client(addr: str | None, token: str | None, connect_timeout: float) -> QuorumClient:
     """A client of the lighthouse at ``addr`` (else ``FTLAUNCH_LIGHTHOUSE``), with the job token
     ``token`` (else ``FTLAUNCH_TOKEN``)."""
+    what = "lighthouse_addr" if addr else env.FTLAUNCH_LIGHTHOUSE
     addr = addr or env.lighthouse_address()
     if not addr:
         raise ConfigurationError(
             f"no lighthouse address: pass lighthouse_addr= or set {env.FTLAUNCH_LIGHTHOUSE} "
             "(the `ftlaunch` launcher sets it for you)"
         )
+    addr = env.normalize_lighthouse(addr, what)
     return LighthouseClient(addr, connect_timeout=connect_timeout, token=token or os.environ.get(env.FTLAUNCH_TOKEN))

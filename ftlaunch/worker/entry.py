@@ -38,7 +38,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ftlaunch import env, phases, prestart
 from ftlaunch.checkpointing.transport import CheckpointTransport
-from ftlaunch.errors import ConfigurationError
+from ftlaunch.errors import ConfigurationError, install_brief_configuration_errors
 from ftlaunch.process_group.base import ProcessGroup
 from ftlaunch.timeouts import Timeouts
 from ftlaunch.worker.data import DistributedSampler
@@ -443,6 +443,7 @@ def init(
     - Other keyword arguments go to :class:`ftlaunch.Manager` (e.g. ``max_retries``, ``init_sync``).
     """
     phases.mark("init", process_start=phases.process_start_time())
+    install_brief_configuration_errors()  # a bad environment value reads as one line, not a traceback
     # The launcher->worker contract, read once: every value below is passed on explicitly.
     job = env.JobEnv.from_environ(
         replica_group_id=replica_group_id,

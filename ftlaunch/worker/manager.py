@@ -23,6 +23,7 @@ torchft-compatible defaults read from the environment).
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 import warnings
@@ -55,6 +56,7 @@ from ftlaunch.worker.commit import CrossGroupVote, vote_of_all_groups, vote_of_g
 from ftlaunch.worker.group_store import GroupStore
 from ftlaunch.worker.managed_work import ManagedWork, with_default
 from ftlaunch.worker.plan import StepPlan, WorldSizeMode, plan_step
+from ftlaunch.worker.progress import ProgressTracker
 from ftlaunch.worker.recovery import DEFAULT_STATE_KEY, StateRegistry
 
 logger = logging.getLogger(__name__)
@@ -203,6 +205,13 @@ class Manager:
         self._phases = phases.enabled()  # the opt-in start-up phase log, until the first commit
 
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"ftlaunch-quorum-{self.replica_id}")
+        # The leader reports progress to the lighthouse (worker/progress.py): the launcher's summary
+        # and /metrics read it there, whatever the script prints.
+        self._progress: ProgressTracker | None = None
+        set_progress = getattr(self._client, "set_progress", None)
+        if set_progress is not None:
+            rid = self.replica_id
+            self._progress = ProgressTracker(lambda report: set_progress(rid, report))
         # The leader's heartbeats start with its first request (`_ask_lighthouse`): a live group
         # that has not asked holds up its peers' quorums (the lighthouse's split-brain guard).
         self._heartbeat_interval = to_seconds(heartbeat_interval)
@@ -266,6 +275,8 @@ class Manager:
         self._pending_state = None
         self._plan = None
         quorum_timeout = self.timeouts.quorum if timeout is None else to_seconds(timeout)
+        if self._progress is not None:
+            self._progress.step_started()
         self._quorum_seq += 1
         self._quorum_future = self._executor.submit(
             self._run_quorum, self._quorum_seq, allow_heal, shrink_only, quorum_timeout
@@ -305,9 +316,12 @@ class Manager:
             raise ConfigurationError(plan.layout_conflict)
         self._plan = plan
         if not allow_heal:
+            if self._progress is not None:
+                self._progress.quorum_done()
             return
         # A source serves its state to the healers assigned to it (until the vote); a healer fetches
         # it now and loads it only once every group agreed to commit.
+        started = time.perf_counter()
         sent, self._pending_state = recovery.exchange(
             self._transport, plan, quorum, self._step, self._group_rank, self._state,
             self.timeouts.as_timedelta("heal"), self.log,
@@ -315,6 +329,8 @@ class Manager:
         self._sent_checkpoint = self._sent_checkpoint or sent
         if plan.heal:
             self._mark("healed")
+        if self._progress is not None:
+            self._progress.quorum_done(time.perf_counter() - started if plan.heal else 0.0)
 
     def _ask_lighthouse(self, shrink_only: bool, quorum_timeout: float) -> Quorum:
         assert self._client is not None  # the leader has one
@@ -399,6 +415,8 @@ class Manager:
             raise FtlaunchError("should_commit() before start_quorum()")
         budget = self.timeouts.commit if timeout is None else to_seconds(timeout)
         deadline = time.monotonic() + budget
+        if self._progress is not None:
+            self._progress.commit_started()
         self.wait_quorum()
         if not wait_all(self._pending, deadline):
             # A collective of this step hangs (a peer stopped, not died). Give up on the step and
@@ -434,6 +452,8 @@ class Manager:
             self._step += 1
             self._batches_committed += plan.num_participants
             self._commit_failures = 0
+            if self._progress is not None:
+                self._progress.committed(self._step, healed=plan.heal)
             if self._phases:
                 self._mark("first_commit")
                 self._phases = False  # nothing more to time: the step path stays free of it
@@ -496,6 +516,11 @@ class Manager:
         if self._shutdown:
             return
         self._shutdown = True
+        if self._progress is not None:
+            # The final report rides on the leave. Only a clean exit (no exception on its way out
+            # through a `finally`) reports the state's checksum and "finished".
+            clean = sys.exc_info()[0] is None
+            self._progress.finish(self._step, self._state.snapshot if clean else None)
         if self._client is not None:
             try:
                 self._client.leave(self.replica_id)  # also stops the heartbeat

@@ -1,7 +1,11 @@
 """A stand-in training script for launcher tests (no torch import unless asked).
 
 Prints ``step=N committed=True`` lines like scripts/train_ddp.py, records its environment, and fails
-on command (exit code, exception, or hanging) at a given step of a given restart.
+on command (exit code, exception, or hanging) at a given step of a given restart. Like a Manager's
+group leader, rank 0 reports its progress to the lighthouse (the launcher's summary reads it there,
+not from these lines): every step, and at a clean exit a final report with ``--checksum``. A
+restarted incarnation reports that it healed (as a real group would, from a peer; it does not
+train, so it has nothing to get wrong), unless ``--no-heal``.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ def main() -> int:
     p.add_argument("--probe-lighthouse", action="store_true", help="record the lighthouse's status address")
     p.add_argument("--heartbeat", action="store_true", help="rank 0 heartbeats to the lighthouse as rg<group>")
     p.add_argument("--wait-records", type=int, default=0, help="before exiting, wait for this many records")
+    p.add_argument("--no-heal", action="store_true", help="a restarted incarnation does not claim it healed")
+    p.add_argument("--no-progress", action="store_true", help="report nothing to the lighthouse")
     args = p.parse_args()
 
     group = int(os.environ.get("REPLICA_GROUP_ID", "-1"))
@@ -46,18 +52,40 @@ def main() -> int:
         if args.probe_lighthouse:
             from ftlaunch.lighthouse.client import LighthouseClient
 
-            with LighthouseClient(os.environ["FTLAUNCH_LIGHTHOUSE"], connect_timeout=10) as client:
+            token = os.environ.get("FTLAUNCH_TOKEN")
+            with LighthouseClient(os.environ["FTLAUNCH_LIGHTHOUSE"], connect_timeout=10, token=token) as client:
                 record["lighthouse_status_address"] = client.status()["address"]
+                # A request that needs the job token and changes nothing: the launch path handed it over.
+                client.leave("probe-of-no-group")
+                record["lighthouse_token_accepted"] = True
         path = os.path.join(args.out, f"rg{group}_r{rank}_restart{restart}_pid{os.getpid()}.json")
         with open(path + ".tmp", "w") as f:
             json.dump(record, f)
         os.replace(path + ".tmp", path)
 
-    beat = None
+    beat = shared = None
     if args.heartbeat and rank == 0:
         from ftlaunch.lighthouse.client import LighthouseClient
 
-        beat = LighthouseClient(os.environ["FTLAUNCH_LIGHTHOUSE"]).start_heartbeat(f"rg{group}", 0.2)
+        # One client per process: the lighthouse holds a replica id for one incarnation (client) at a time.
+        shared = LighthouseClient(os.environ["FTLAUNCH_LIGHTHOUSE"], token=os.environ.get("FTLAUNCH_TOKEN"))
+        beat = shared.start_heartbeat(f"rg{group}", 0.2)
+    reporter = None
+    if rank == 0 and not args.no_progress and os.environ.get("FTLAUNCH_LIGHTHOUSE"):
+        from ftlaunch.lighthouse.client import LighthouseClient
+        from ftlaunch.lighthouse.progress import ProgressReport
+
+        reporter = shared if shared is not None else LighthouseClient(
+            os.environ["FTLAUNCH_LIGHTHOUSE"], connect_timeout=10, token=os.environ.get("FTLAUNCH_TOKEN"))
+        session = f"worker-{os.getpid()}"
+        # A restart (torchelastic's, or a respawned agent's: the lighthouse knows the group already).
+        again = restart > 0 or reporter.snapshot().group_progress(f"rg{group}") is not None
+        heals = 1 if again and not args.no_heal else 0
+
+        def report(step: int, **final: object) -> None:
+            # Manager semantics: ``step`` is the group's step after the commit (steps done).
+            reporter.report_progress(f"rg{group}", ProgressReport(session, step=step, commits=step, heals=heals,
+                                                                   **final))  # type: ignore[arg-type]
 
     fail_here = group == args.fail_group and rank == args.fail_rank and (
         args.fail_restarts == "all" or str(restart) in args.fail_restarts.split(",")
@@ -74,6 +102,8 @@ def main() -> int:
                 raise ValueError(f"injected failure in rg{group}/r{rank} at step {step}")
             return args.exit_code
         print(f"step={step} committed=True participants=1", flush=True)
+        if reporter is not None:
+            report(step + 1)
         time.sleep(args.step_time)
     deadline = time.monotonic() + 60
     while args.out and len(glob.glob(os.path.join(args.out, "*.json"))) < args.wait_records:
@@ -84,6 +114,11 @@ def main() -> int:
         beat.stop()
     if args.checksum:
         print(f"final_checksum={args.checksum} step={args.steps}", flush=True)
+    if reporter is not None:  # the final report rides on the leave, as the Manager's does
+        reporter.set_progress(f"rg{group}", ProgressReport(session, step=args.steps, commits=args.steps, heals=heals,
+                                                          checksum=args.checksum, finished=True))
+        reporter.leave(f"rg{group}")
+        reporter.close()
     return 0
 
 

@@ -1,0 +1,346 @@
+"""Training progress as the lighthouse knows it: what each group's leader reports, and the per-group
+and per-job totals kept from those reports (steps committed, heals, timings, the final checksum).
+
+Why the lighthouse: the launcher used to scrape step lines from the workers' stdout, so a script that
+printed nothing showed "0 steps committed", and a ``final_checksum=`` quoted in a traceback counted as
+a result. The group leader (rank 0) already talks to the lighthouse every step; it sends a small
+`ProgressReport` with its quorum requests, its heartbeats and its leave, and `ProgressBook` turns those
+reports into `GroupProgress` values that outlive the group (a group that left or died keeps its
+totals: the summary and ``/metrics`` need them at the end).
+
+Pure bookkeeping: no I/O, no clock reads (times are arguments), so it is unit-tested in one process.
+`Membership` owns one book and calls it under its lock.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+#: Seconds of history behind the step rates (per group and for the job).
+RATE_WINDOW_S = 10.0
+#: Most groups whose progress is remembered (groups that left included); the oldest are forgotten.
+MAX_GROUPS = 4096
+#: Longest session id / checksum accepted in a report.
+MAX_TOKEN_LEN = 128
+
+_REPORT_FIELDS: dict[str, tuple[type, ...]] = {
+    "session": (str,),
+    "step": (int,),
+    "commits": (int,),
+    "heals": (int,),
+    "heal_seconds": (float, int),
+    "step_seconds": (float, int),
+    "quorum_seconds": (float, int),
+    "commit_seconds": (float, int),
+    "checksum": (str,),
+    "finished": (bool,),
+}
+
+
+@dataclass(frozen=True)
+class ProgressReport:
+    """What a group leader says about its own process (``session``) since it started.
+
+    Counts are cumulative over the session, so a lost report loses nothing; the lighthouse adds the
+    sessions up. Timings are those of the last committed step. ``checksum`` (of the trained state,
+    sent once, at a clean shutdown) and ``finished`` (the training loop ended and the group leaves)
+    are set only by the final report.
+    """
+
+    session: str
+    #: The step the group is at (the number of steps committed in the job, heals included).
+    step: int = 0
+    #: Steps this session committed.
+    commits: int = 0
+    heals: int = 0
+    heal_seconds: float = 0.0
+    #: Wall time of the last committed step: quorum request to commit decision.
+    step_seconds: float = 0.0
+    #: Of which waiting for the quorum (and reconfiguring / healing).
+    quorum_seconds: float = 0.0
+    #: Of which the commit: waiting for the step's allreduces and the votes.
+    commit_seconds: float = 0.0
+    checksum: str = ""
+    finished: bool = False
+
+    def __post_init__(self) -> None:
+        for name, types in _REPORT_FIELDS.items():
+            value = getattr(self, name)
+            if (isinstance(value, bool) and bool not in types) or not isinstance(value, types):
+                raise ValueError(f"progress field {name!r} must be {types[0].__name__}, got {type(value).__name__}")
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                if value < 0 or (isinstance(value, float) and not math.isfinite(value)):
+                    raise ValueError(f"progress field {name!r} must be a finite number >= 0, got {value!r}")
+        if not self.session or len(self.session) > MAX_TOKEN_LEN or not self.session.isprintable():
+            raise ValueError(f"progress field 'session' must be 1..{MAX_TOKEN_LEN} printable characters")
+        if len(self.checksum) > MAX_TOKEN_LEN or not self.checksum.isprintable():
+            raise ValueError(f"progress field 'checksum' must be at most {MAX_TOKEN_LEN} printable characters")
+
+    def to_json(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in _REPORT_FIELDS}
+
+    @classmethod
+    def from_json(cls, d: Any) -> ProgressReport:
+        """Strict parse (the lighthouse's request check): unknown or mistyped fields raise ValueError."""
+        if not isinstance(d, dict):
+            raise ValueError(f"progress must be a JSON object, got {type(d).__name__}")
+        unknown = sorted(set(d) - set(_REPORT_FIELDS))
+        if unknown:
+            raise ValueError(f"unknown progress field(s): {', '.join(map(repr, unknown))}")
+        if "session" not in d:
+            raise ValueError("progress needs 'session'")
+        return cls(**d)
+
+
+def _num(d: Mapping[str, Any], name: str, default: float = 0.0) -> float:
+    value = d.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"progress field {name!r} must be a number, got {type(value).__name__}")
+    return float(value)
+
+
+def _int(d: Mapping[str, Any], name: str) -> int:
+    value = d.get(name, 0)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"progress field {name!r} must be int, got {type(value).__name__}")
+    return value
+
+
+@dataclass(frozen=True)
+class GroupProgress:
+    """One replica group's training progress over all its sessions (``GET /status``'s ``progress``)."""
+
+    replica_id: str
+    #: The step it reported last.
+    step: int = 0
+    #: Steps committed, all sessions together.
+    committed: int = 0
+    #: Processes (sessions) that reported: the first one plus each restart.
+    sessions: int = 0
+    #: Times the lighthouse saw it go down (connection lost, reported failed, silent, evicted).
+    failures: int = 0
+    heals: int = 0
+    heal_seconds: float = 0.0
+    step_seconds: float = 0.0
+    quorum_seconds: float = 0.0
+    commit_seconds: float = 0.0
+    #: Committed steps per second over the last `RATE_WINDOW_S`.
+    step_rate: float = 0.0
+    #: The current (last) session's id, and the lighthouse's wall time of its first commit report.
+    session: str = ""
+    session_first_commit: float | None = None
+    #: Wall time of the last report that moved ``committed``.
+    last_commit: float | None = None
+    #: Set by the final report of a clean exit: the state's checksum and the step it was taken at.
+    checksum: str = ""
+    checksum_step: int | None = None
+    finished: bool = False
+    #: Sessions that committed steps starting behind a group that had already finished, without
+    #: healing: they trained without the others' state (e.g. restarted after their peers finished).
+    unsynced_sessions: int = 0
+
+    @property
+    def restarts(self) -> int:
+        return max(0, self.sessions - 1)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "replica_id": self.replica_id,
+            "step": self.step,
+            "committed": self.committed,
+            "sessions": self.sessions,
+            "failures": self.failures,
+            "heals": self.heals,
+            "heal_seconds": self.heal_seconds,
+            "step_seconds": self.step_seconds,
+            "quorum_seconds": self.quorum_seconds,
+            "commit_seconds": self.commit_seconds,
+            "step_rate": self.step_rate,
+            "session": self.session,
+            "session_first_commit": self.session_first_commit,
+            "last_commit": self.last_commit,
+            "checksum": self.checksum,
+            "checksum_step": self.checksum_step,
+            "finished": self.finished,
+            "unsynced_sessions": self.unsynced_sessions,
+        }
+
+    @classmethod
+    def from_json(cls, d: Any) -> GroupProgress:
+        """Lenient on absent fields (an older lighthouse), strict on types."""
+        if not isinstance(d, dict):
+            raise ValueError(f"group progress must be a JSON object, got {type(d).__name__}")
+        rid = d.get("replica_id")
+        if not isinstance(rid, str):
+            raise ValueError("group progress needs a string 'replica_id'")
+
+        def opt_num(name: str) -> float | None:
+            return None if d.get(name) is None else _num(d, name)
+
+        checksum_step = d.get("checksum_step")
+        if checksum_step is not None and (isinstance(checksum_step, bool) or not isinstance(checksum_step, int)):
+            raise ValueError("progress field 'checksum_step' must be int or null")
+        for name in ("session", "checksum"):
+            if not isinstance(d.get(name, ""), str):
+                raise ValueError(f"progress field {name!r} must be str")
+        return cls(
+            replica_id=rid,
+            step=_int(d, "step"),
+            committed=_int(d, "committed"),
+            sessions=_int(d, "sessions"),
+            failures=_int(d, "failures"),
+            heals=_int(d, "heals"),
+            heal_seconds=_num(d, "heal_seconds"),
+            step_seconds=_num(d, "step_seconds"),
+            quorum_seconds=_num(d, "quorum_seconds"),
+            commit_seconds=_num(d, "commit_seconds"),
+            step_rate=_num(d, "step_rate"),
+            session=d.get("session", ""),
+            session_first_commit=opt_num("session_first_commit"),
+            last_commit=opt_num("last_commit"),
+            checksum=d.get("checksum", ""),
+            checksum_step=checksum_step,
+            finished=bool(d.get("finished", False)),
+            unsynced_sessions=_int(d, "unsynced_sessions"),
+        )
+
+
+@dataclass
+class _Session:
+    session: str
+    commits: int = 0
+    heals: int = 0
+    heal_seconds: float = 0.0
+    first_commit: float | None = None
+    judged: bool = False  # whether its start was checked against the job's step
+
+
+@dataclass
+class _Totals:
+    """Mutable per-group totals; the current session's counts are added on read."""
+
+    replica_id: str
+    step: int = 0
+    committed: int = 0  # of finished (earlier) sessions
+    heals: int = 0
+    heal_seconds: float = 0.0
+    sessions: int = 0
+    failures: int = 0
+    current: _Session | None = None
+    last: ProgressReport | None = None
+    last_commit: float | None = None
+    checksum: str = ""
+    checksum_step: int | None = None
+    finished: bool = False
+    unsynced: int = 0
+    samples: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=256))
+
+
+def _rate(samples: deque[tuple[float, int]], now: float) -> float:
+    """Counts per second over the samples of the last `RATE_WINDOW_S` (0 with fewer than two)."""
+    while len(samples) > 2 and now - samples[1][0] > RATE_WINDOW_S:
+        samples.popleft()
+    if len(samples) < 2 or now - samples[-1][0] > RATE_WINDOW_S:
+        return 0.0
+    (t0, c0), (t1, c1) = samples[0], samples[-1]
+    return (c1 - c0) / (t1 - t0) if t1 > t0 else 0.0
+
+
+class ProgressBook:
+    """Per-group totals from the leaders' reports; see the module docstring. Not thread-safe: its
+    owner (`Membership`) calls it under its own lock."""
+
+    def __init__(self) -> None:
+        self._groups: dict[str, _Totals] = {}
+        self._job: deque[tuple[float, int]] = deque(maxlen=1024)  # (wall, commits of all groups)
+        self._job_commits = 0
+
+    def _totals(self, replica_id: str) -> _Totals:
+        t = self._groups.get(replica_id)
+        if t is None:
+            if len(self._groups) >= MAX_GROUPS:
+                self._groups.pop(next(iter(self._groups)))
+            t = self._groups[replica_id] = _Totals(replica_id)
+        return t
+
+    def report(self, replica_id: str, report: ProgressReport, wall: float) -> None:
+        """A report of ``replica_id``'s leader arrived at ``wall`` (the lighthouse's clock)."""
+        t = self._totals(replica_id)
+        cur = t.current
+        if cur is None or cur.session != report.session:
+            if cur is not None:  # the previous process is gone: keep what it did
+                t.committed += cur.commits
+                t.heals += cur.heals
+                t.heal_seconds += cur.heal_seconds
+            cur = t.current = _Session(report.session)
+            t.sessions += 1
+            t.finished, t.checksum, t.checksum_step = False, "", None
+        if report.commits < cur.commits:
+            return  # an older report of this session, overtaken by a newer one
+        new_commits = report.commits - cur.commits
+        if new_commits and not cur.judged:
+            cur.judged = True
+            started_at = report.step - report.commits
+            if report.heals == 0 and started_at < self.furthest_finished_step(exclude=replica_id):
+                t.unsynced += 1
+        cur.commits, cur.heals, cur.heal_seconds = report.commits, report.heals, float(report.heal_seconds)
+        t.step, t.last = report.step, report
+        if new_commits:
+            if cur.first_commit is None:
+                cur.first_commit = wall
+            t.last_commit = wall
+            t.samples.append((wall, t.committed + cur.commits))
+            self._job_commits += new_commits
+            self._job.append((wall, self._job_commits))
+        if report.finished:
+            t.finished = True
+            if report.checksum:
+                t.checksum, t.checksum_step = report.checksum, report.step
+
+    def failed(self, replica_id: str) -> None:
+        """The lighthouse saw the group go down (counted once per incident by the caller)."""
+        self._totals(replica_id).failures += 1
+
+    def furthest_finished_step(self, exclude: str | None = None) -> int:
+        """The furthest step at which another group finished (a clean exit), 0 if none did."""
+        return max((t.step for rid, t in self._groups.items() if rid != exclude and t.finished), default=0)
+
+    def job_step_rate(self, wall: float) -> float:
+        """Committed group-steps per second of the whole job, divided by the groups that committed
+        in the window: the job's steps per second."""
+        rate = _rate(self._job, wall)
+        active = sum(1 for t in self._groups.values() if t.last_commit is not None and wall - t.last_commit <= RATE_WINDOW_S)
+        return rate / active if active else 0.0
+
+    def snapshot(self, wall: float) -> tuple[GroupProgress, ...]:
+        out = []
+        for rid in sorted(self._groups):
+            t = self._groups[rid]
+            cur, last = t.current, t.last
+            out.append(
+                GroupProgress(
+                    replica_id=rid,
+                    step=t.step,
+                    committed=t.committed + (cur.commits if cur else 0),
+                    sessions=t.sessions,
+                    failures=t.failures,
+                    heals=t.heals + (cur.heals if cur else 0),
+                    heal_seconds=round(t.heal_seconds + (cur.heal_seconds if cur else 0.0), 6),
+                    step_seconds=last.step_seconds if last else 0.0,
+                    quorum_seconds=last.quorum_seconds if last else 0.0,
+                    commit_seconds=last.commit_seconds if last else 0.0,
+                    step_rate=round(_rate(t.samples, wall), 4),
+                    session=cur.session if cur else "",
+                    session_first_commit=cur.first_commit if cur else None,
+                    last_commit=t.last_commit,
+                    checksum=t.checksum,
+                    checksum_step=t.checksum_step,
+                    finished=t.finished,
+                    unsynced_sessions=t.unsynced,
+                )
+            )
+        return tuple(out)

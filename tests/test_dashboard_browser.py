@@ -1,0 +1,259 @@
+"""The lighthouse dashboard in a real browser: Debian's ``chromium``, headless, against a live
+lighthouse with two groups. Asserts on the DOM after the page's scripts ran (``--dump-dom``), saves
+a screenshot under the test's tmp dir (``FTLAUNCH_DASHBOARD_SCREENSHOT=PATH`` also copies it there:
+docs/dashboard.png is made so), and types a token and clicks Evict through Chromium's DevTools
+protocol (a wrong token is refused, the right one evicts).
+
+Chromium is installed with ``apt-get install -y chromium`` when missing and apt-get is usable (root);
+otherwise the test is skipped with the reason.
+"""
+
+from __future__ import annotations
+
+import html
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import time
+
+import pytest
+
+from ftlaunch.lighthouse.client import LighthouseClient
+from ftlaunch.lighthouse.progress import ProgressReport
+from ftlaunch.lighthouse.quorum import QuorumMember, decode_quorum_id
+from ftlaunch.lighthouse.server import LighthouseServer
+
+pytestmark = pytest.mark.timeout(900)
+
+TOKEN = "dashboard-secret-token"
+
+
+def _find_chromium() -> str | None:
+    return shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.fixture(scope="module")
+def chromium() -> str:
+    exe = _find_chromium()
+    if exe:
+        return exe
+    apt = shutil.which("apt-get")
+    if apt is None or os.geteuid() != 0:
+        pytest.skip("chromium is not installed and apt-get is not usable here (needs apt-get as root)")
+    for cmd in ([apt, "install", "-y", "-q", "chromium"], [apt, "update", "-q"], [apt, "install", "-y", "-q", "chromium"]):
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                                  env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
+        except subprocess.TimeoutExpired:
+            pytest.skip(f"{' '.join(cmd)} did not finish within 600 s")
+        if done.returncode == 0 and _find_chromium():
+            break
+    exe = _find_chromium()
+    if exe is None:
+        pytest.skip(f"apt-get could not install chromium: {done.stderr.strip()[-300:]}")
+    return exe
+
+
+def _browser(chromium: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    profile = tempfile.mkdtemp(prefix="ftlaunch_chromium_")
+    try:
+        return subprocess.run(
+            [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+             "--no-first-run", f"--user-data-dir={profile}", "--virtual-time-budget=3000", *args],
+            capture_output=True, text=True, timeout=timeout,
+        )
+    finally:
+        shutil.rmtree(profile, ignore_errors=True)
+
+
+@pytest.fixture
+def live_lighthouse():
+    """A lighthouse with two groups in one quorum, their progress reported, one heal."""
+    with LighthouseServer("127.0.0.1:0", token=TOKEN, expected_replicas=2) as server:
+        clients = [LighthouseClient(server.address, connect_timeout=5, token=TOKEN) for _ in range(2)]
+        try:
+            for i, c in enumerate(clients):
+                c.start_heartbeat(f"rg{i}", 0.2)
+            import threading
+
+            answers: dict[int, object] = {}
+            threads = [
+                threading.Thread(target=lambda i=i, c=c: answers.__setitem__(i, c.quorum(QuorumMember(f"rg{i}"), 10)))
+                for i, c in enumerate(clients)
+            ]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(15)
+            assert len(answers) == 2
+            for i, c in enumerate(clients):
+                for step in range(1, 6):
+                    c.set_progress(f"rg{i}", ProgressReport(
+                        f"s{i}", step=step, commits=step, heals=i, heal_seconds=0.125 * i, step_seconds=0.031,
+                        quorum_seconds=0.004, commit_seconds=0.002))
+                    c.heartbeat(f"rg{i}")
+                    time.sleep(0.05)  # a plausible step rate for the screenshot
+            yield server
+        finally:
+            for c in clients:
+                c.close()
+
+
+def test_dashboard_in_headless_chromium(chromium, live_lighthouse, tmp_path) -> None:
+    server = live_lighthouse
+    url = server.address + "/"
+    dom = _browser(chromium, "--dump-dom", url)
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    page = dom.stdout
+    # Both groups, with their progress columns and the action buttons.
+    for rid in ("rg0", "rg1"):
+        row = re.search(rf"<tr data-replica=\"{rid}\">(.*?)</tr>", page, re.S)
+        assert row, page[:3000]
+        cells = [html.unescape(re.sub(r"<[^>]+>", "", c)).strip() for c in re.findall(r"<td[^>]*>(.*?)</td>", row.group(1), re.S)]
+        assert cells[0] == rid and cells[1] == "live" and cells[2] == "5"  # step: the reports are newer
+        assert cells[3] == "5"  # committed steps, from the progress reports
+        assert float(cells[4]) >= 0  # steps/s column
+        assert cells[7] == ("0.00 s" if rid == "rg0" else "0.12 s")  # heal time column
+        assert re.search(rf"data-action=\"evict\" data-replica=\"{rid}\"", row.group(1))
+        assert re.search(rf"data-action=\"kill\" data-replica=\"{rid}\"", row.group(1))
+    # The token is typed, never embedded.
+    assert 'id="token"' in page and 'type="password"' in page
+    assert TOKEN not in page
+    # Readable quorum id (#N), raw id on hover; times with date and zone.
+    qid = server.snapshot().quorum_id
+    assert qid is not None
+    label = re.search(r"<span class=\"qid mono\" title=\"quorum id (\d+)\"[^>]*>#(\d+)</span>", page)
+    assert label and int(label.group(1)) == qid and int(label.group(2)) == decode_quorum_id(qid)[1]
+    assert re.search(r"formed \d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3} [A-Z+\-0-9]+", page), page[:3000]
+    assert "<th>heal time</th>" in page and "<th>steps/s</th>" in page
+    # The page's script ran in the browser without breaking the DOM it refreshes.
+    assert 'id="live"' in page
+
+    shot = tmp_path / "dashboard.png"
+    res = _browser(chromium, f"--screenshot={shot}", "--window-size=1500,900", "--hide-scrollbars", url)
+    assert res.returncode == 0 and shot.exists(), res.stderr[-2000:]
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 10_000
+    target = os.environ.get("FTLAUNCH_DASHBOARD_SCREENSHOT")
+    if target:
+        shutil.copyfile(shot, target)
+
+
+def test_admin_buttons_endpoints_need_the_token(live_lighthouse) -> None:
+    """What the Evict/Kill buttons send: refused without the token, done with it."""
+    server = live_lighthouse
+    anonymous = LighthouseClient(server.address, connect_timeout=5)
+    admin = LighthouseClient(server.address, connect_timeout=5, token=TOKEN)
+    try:
+        from ftlaunch.errors import LighthouseError
+
+        with pytest.raises(LighthouseError, match="401"):
+            anonymous.kill("rg1", "no token")
+        with pytest.raises(LighthouseError, match="404"):
+            admin.kill("nobody")
+        admin.evict("rg0", "from the test")
+        assert server.snapshot().group("rg0") is None
+        # Kill a group beating from no thread of this process: its leader would kill its own process.
+        admin.report_progress("rg9", ProgressReport("s9", step=1, commits=1))
+        admin.kill("rg9", "from the test")
+        assert any(h.event == "kill_requested" and h.replica_id == "rg9" for h in server.snapshot().history)
+        # what its next heartbeat (from the process holding the id: the admin client here) hears
+        assert server._membership.heartbeat("rg9", incarnation=admin.incarnation) == "from the test"
+    finally:
+        anonymous.close()
+        admin.close()
+
+
+class _DevTools:
+    """Chromium driven over its DevTools protocol on a pipe (``--remote-debugging-pipe``: commands
+    on fd 3, answers on fd 4, NUL-terminated JSON), so the test can type and click like a user."""
+
+    def __init__(self, chromium: str) -> None:
+        import json
+
+        self._json = json
+        to_chrome_r, self._to_chrome = os.pipe()
+        self._from_chrome, from_chrome_w = os.pipe()
+        self._profile = tempfile.mkdtemp(prefix="ftlaunch_chromium_")
+
+        # The shell puts our pipe ends on chromium's fds 3 (commands in) and 4 (answers out).
+        args = [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
+                f"--user-data-dir={self._profile}", "--remote-debugging-pipe", "about:blank"]
+        self.proc = subprocess.Popen(
+            # bash: dash's redirections take single-digit fds only.
+            [shutil.which("bash") or "/bin/bash", "-c", f'exec "$@" 3<&{to_chrome_r} 4>&{from_chrome_w}', "sh", *args],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            pass_fds=(to_chrome_r, from_chrome_w),
+        )
+        os.close(to_chrome_r)
+        os.close(from_chrome_w)
+        self._buf = b""
+        self._next_id = 0
+
+    def call(self, method: str, params: dict | None = None, session: str | None = None, timeout: float = 30) -> dict:
+        import select
+
+        self._next_id += 1
+        msg: dict = {"id": self._next_id, "method": method, "params": params or {}}
+        if session:
+            msg["sessionId"] = session
+        os.write(self._to_chrome, self._json.dumps(msg).encode() + b"\0")
+        deadline = time.monotonic() + timeout
+        while True:
+            while b"\0" in self._buf:
+                raw, self._buf = self._buf.split(b"\0", 1)
+                answer = self._json.loads(raw)
+                if answer.get("id") == self._next_id:
+                    if "error" in answer:
+                        raise AssertionError(f"{method}: {answer['error']}")
+                    return answer["result"]
+            left = deadline - time.monotonic()
+            assert left > 0, f"no answer to {method} within {timeout}s"
+            ready, _, _ = select.select([self._from_chrome], [], [], left)
+            if ready:
+                chunk = os.read(self._from_chrome, 1 << 16)
+                assert chunk, "chromium closed its DevTools pipe"
+                self._buf += chunk
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+        os.close(self._to_chrome)
+        os.close(self._from_chrome)
+        shutil.rmtree(self._profile, ignore_errors=True)
+
+
+def test_evict_button_sends_the_token_the_user_types(chromium, live_lighthouse) -> None:
+    server = live_lighthouse
+    tools = _DevTools(chromium)
+    try:
+        target = tools.call("Target.createTarget", {"url": server.address + "/"})["targetId"]
+        session = tools.call("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
+
+        def evaluate(expr: str) -> object:
+            res = tools.call("Runtime.evaluate", {"expression": expr, "awaitPromise": True, "returnByValue": True},
+                             session)
+            return res["result"].get("value")
+
+        deadline = time.monotonic() + 30
+        while evaluate("document.readyState === 'complete' && !!document.getElementById('token')") is not True:
+            assert time.monotonic() < deadline, "the dashboard did not load"
+            time.sleep(0.1)
+        click = """new Promise(done => {
+            window.confirm = () => true;
+            const out = document.getElementById('admin-result');
+            out.textContent = '';
+            document.getElementById('token').value = %s;
+            document.querySelector('button[data-action="evict"][data-replica="rg0"]').click();
+            const t0 = Date.now();
+            (function poll() { out.textContent || Date.now() - t0 > 10000 ? done(out.textContent) : setTimeout(poll, 50); })();
+        })"""
+        assert "HTTP 403" in str(evaluate(click % "'not-the-token'"))  # the lighthouse checks what was typed
+        assert server.snapshot().group("rg0") is not None
+        assert evaluate(click % repr(TOKEN)) == "evict rg0: done"
+        assert server.snapshot().group("rg0") is None
+        assert any(h.event == "evicted" and h.replica_id == "rg0" for h in server.snapshot().history)
+        assert TOKEN not in str(evaluate("document.documentElement.outerHTML.replace(document.getElementById('token').value, '')"))
+    finally:
+        tools.close()
