@@ -65,6 +65,10 @@ FTLAUNCH_FRAGMENTS = "FTLAUNCH_FRAGMENTS"
 FTLAUNCH_FRAGMENT_SYNC_DELAY = "FTLAUNCH_FRAGMENT_SYNC_DELAY"
 FTLAUNCH_FRAGMENT_UPDATE_ALPHA = "FTLAUNCH_FRAGMENT_UPDATE_ALPHA"
 FTLAUNCH_QUANTIZE = "FTLAUNCH_QUANTIZE"
+#: Opt-in start-up phase log (`ftlaunch.phases`): a file path every process of the job appends
+#: timestamped JSON lines to (worker exit noticed, process start, init, Baby child ready, quorum,
+#: configure, heal, first commit). Unset: nothing is recorded.
+FTLAUNCH_PHASE_LOG = "FTLAUNCH_PHASE_LOG"
 
 ALL_FTLAUNCH_VARS = (
     REPLICA_GROUP_ID,
@@ -89,6 +93,7 @@ ALL_FTLAUNCH_VARS = (
     FTLAUNCH_FRAGMENT_SYNC_DELAY,
     FTLAUNCH_FRAGMENT_UPDATE_ALPHA,
     FTLAUNCH_QUANTIZE,
+    FTLAUNCH_PHASE_LOG,
 )
 
 

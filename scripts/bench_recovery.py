@@ -9,7 +9,16 @@ batch 32, SGD, one intra-op thread per worker. Prints:
 * restarted group: process start -> first committed step (with healing);
 * live-recovery transfer rate of a 256 MB state dict over HTTP (via scripts/bench_transport.py).
 
-Usage: python scripts/bench_recovery.py [--steps 60] [--runs 2] [--launcher] [--overhead-only] [--breakdown]
+``--launcher`` (issue 11) measures as a user counts -- from the kill, through the ``ftlaunch``
+command with its defaults (Baby Gloo, pg transport, ``--chaos steps=60,group=1``): the survivor's
+longest gap between committed steps over the whole kill + rejoin episode; kill -> the restarted
+group's first committed step with a phase breakdown from ``FTLAUNCH_PHASE_LOG`` (`ftlaunch.phases`)
+and the floor (kill -> a bare ``import torch`` done in the restarted worker, same agent, the other
+group busy); and kill -> first commit with ``--spares 1`` where the CLI has that flag ("n/a" else).
+Each beside torchft's figures and the baselines of issue 11.
+
+Usage: python scripts/bench_recovery.py [--steps 60] [--runs 2] [--overhead-only] [--breakdown]
+       python scripts/bench_recovery.py --launcher [--runs 2]   (issue 11: from the kill, through `ftlaunch`)
        python scripts/bench_recovery.py --interleaved 150 [--runs 3]   (step-time ratios, robust to load)
 """
 
@@ -291,39 +300,191 @@ def kill_and_rejoin(tmp: Path, backend: str = "gloo") -> tuple[float, float, flo
     return stall, median + 0.02, rejoin
 
 
-def through_launcher(steps: int = 400, kill_at: int = 60) -> tuple[float, float]:
-    """Measure through `ftlaunch --chaos`: (survivor's longest stall, kill -> first committed step
-    of the restarted group). Lines are timestamped as they arrive."""
+# ------------------------------------------------------------------- through the ftlaunch command
+#: Issue 11's figures, all counted from the kill, through `ftlaunch` with the default backend.
+ISSUE11 = {
+    "gap": ("5.1 s (12.5 s with its Baby Gloo)", "2.3-2.8 s", "<= 0.2 s"),
+    "cold": ("6.3-6.7 s (torchrun restart)", "8.7 s", "<= 3.0 s and within 1 s of the floor"),
+    "spare": ("no spares", "-", "<= 1.0 s (goal 0.5 s)"),
+}
+#: The restarted group's start-up, in order (`ftlaunch.phases`; FTLAUNCH_PHASE_LOG).
+COLD_PHASES = (
+    ("worker_exit_seen", "agent sees the worker die"),
+    ("rendezvous_start", "agent: stop workers, re-rendezvous"),
+    ("rendezvous_done", "rendezvous done"),
+    ("process_start", "new worker process starts"),
+    ("baby_child_spawn", "Baby child started (ftlaunch.prestart)"),
+    ("baby_child_ready", "Baby child has imported torch"),
+    ("init", "script reaches ftlaunch.init (imports, model)"),
+    ("manager_up", "Manager built"),
+    ("ready", "process group ready (wait_ready)"),
+    ("quorum", "quorum"),
+    ("configured", "cross-group PG configured"),
+    ("healed", "state received from a peer"),
+    ("first_commit", "first committed step"),
+)
+STEP_LINE = r"^\[rg(\d+)/r0\] step=(\d+) committed=(True|False).* t=([0-9.]+)"
+FLOOR_SCRIPT = """
+import os, signal, sys, time
+attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+group = int(os.environ["REPLICA_GROUP_ID"])
+import torch
+from ftlaunch import phases
+if group == 1:
+    if attempt == 0:
+        time.sleep(3.0)  # let the other group get busy
+        phases.mark("floor_kill")
+        os.kill(os.getpid(), signal.SIGKILL)
+    phases.mark("floor_torch_imported")
+    open(sys.argv[1], "w").close()
+else:  # the survivor's load, as in the real episode: a training-sized matmul every 20 ms
+    torch.set_num_threads(1)
+    x = torch.randn(32, 1024)
+    w = torch.randn(1024, 1024)
+    deadline = time.monotonic() + 120
+    while not os.path.exists(sys.argv[1]) and time.monotonic() < deadline:
+        for _ in range(6):
+            x = torch.tanh(x @ w) * 0.01
+        time.sleep(0.02)
+"""
+
+
+def _ftlaunch(args: list[str], phase_log: Path, extra_env: dict[str, str] | None = None,
+              timeout: float = 300) -> list[tuple[float, str]]:
+    """Run the `ftlaunch` command (defaults apart from ``args``); its output lines, timestamped."""
+    cmd = [sys.executable, "-m", "ftlaunch.launcher.cli", "--no-status", *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1", FTLAUNCH_PHASE_LOG=str(phase_log), **(extra_env or {}))
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    lines = []
+    assert proc.stdout is not None
+    deadline = time.monotonic() + timeout
+    for line in proc.stdout:
+        lines.append((time.time(), line))
+        if time.monotonic() > deadline:
+            proc.kill()
+            break
+    proc.wait(timeout=60)
+    return lines
+
+
+def floor(tmp: Path) -> float:
+    """kill -> a bare ``import torch`` done in the restarted worker, under the same agent and
+    supervisor, the other group busy (FTLAUNCH_BACKEND=gloo: nothing else starts)."""
+    from ftlaunch import phases
+
+    run = time.monotonic_ns()
+    script, done, log = tmp / "floor.py", tmp / f"floor_{run}.done", tmp / f"floor_phases_{run}.jsonl"
+    script.write_text(FLOOR_SCRIPT)
+    _ftlaunch(["--replicas", "2", str(script), str(done)], log, {"FTLAUNCH_BACKEND": "gloo"}, timeout=180)
+    recs = phases.read(log)
+    kill = next(r["t"] for r in recs if r["phase"] == "floor_kill")
+    return next(r["t"] for r in recs if r["phase"] == "floor_torch_imported") - kill
+
+
+def launcher_episode(tmp: Path, spares: int = 0, steps: int = 600, kill_at: int = 60) -> dict:
+    """One kill and rejoin through `ftlaunch --replicas 2 --chaos steps=K,group=1 train_ddp.py`:
+    the survivor's (rg0) longest gap between committed steps, from its last commit before the
+    kill until 3 s after the replacement's first commit; kill -> the replacement's first commit
+    (its worker-side timestamp); and the restarted group's phases (with ``spares`` 0)."""
     import re
 
+    from ftlaunch import phases
+
+    log = tmp / f"phases_{spares}_{time.monotonic_ns()}.jsonl"
     script = HERE.parent / "train_ddp.py"
-    cmd = [sys.executable, "-m", "ftlaunch.launcher.cli", "--replicas", "2", "--no-status",
-           "--chaos", f"steps={kill_at},group=1", str(script), "--steps", str(steps), "--width", str(WIDTH),
-           "--batch-size", str(BATCH), "--step-sleep", "0.02"]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    step_line = re.compile(r"^\[rg(\d)/r0\] step=(\d+) committed=(True|False)")
-    t_kill = None
-    rg0: list[float] = []
-    rejoin = None
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        now = time.time()
-        if t_kill is None and "chaos: SIGKILL" in line:
-            t_kill = now
-        m = step_line.match(line)
-        if m:
-            if m.group(1) == "0":
-                rg0.append(now)
-            elif t_kill is not None and rejoin is None and m.group(3) == "True":
-                rejoin = now - t_kill
-    proc.wait(timeout=60)
-    if t_kill is None:
-        raise RuntimeError("the launcher never injected the failure")
-    before = max(t for t in rg0 if t <= t_kill)
-    after = [t for t in rg0 if t_kill < t < t_kill + 1.0]
-    gaps = [b - a for a, b in zip([before, *after], after, strict=False)]
-    return (max(gaps) if gaps else float("inf")), (rejoin if rejoin is not None else float("inf"))
+    args = ["--replicas", "2", *(["--spares", str(spares)] if spares else []),
+            "--chaos", f"steps={kill_at},group=1", str(script), "--steps", str(steps), "--width", str(WIDTH),
+            "--batch-size", str(BATCH), "--step-sleep", "0.02"]
+    lines = _ftlaunch(args, log)
+    recs = phases.read(log)
+    kills = [r["t"] for r in recs if r["phase"] == "chaos_kill"]
+    if not kills:
+        raise RuntimeError("the launcher never injected the failure:\n" + "".join(x for _, x in lines[-20:]))
+    t_kill = kills[0]
+    commits: dict[int, list[float]] = {}
+    for _, line in lines:
+        m = re.match(STEP_LINE, line)
+        if m and m.group(3) == "True":
+            commits.setdefault(int(m.group(1)), []).append(float(m.group(4)))
+    replacement = min((t for g, ts in commits.items() if g != 0 for t in ts if t > t_kill), default=None)
+    survivor = sorted(commits.get(0, []))
+    before = [t for t in survivor if t <= t_kill]
+    end = (replacement if replacement is not None else t_kill) + 3.0
+    window = [before[-1]] if before else []
+    window += [t for t in survivor if t_kill < t <= end]
+    gaps = [(b - a, a - t_kill) for a, b in zip(window, window[1:], strict=False)]
+    gap, gap_at = max(gaps) if gaps else (float("inf"), 0.0)
+    if survivor and survivor[-1] < end:
+        gap_note = f"the survivor finished {end - survivor[-1]:.1f} s before the episode's end"
+    else:
+        gap_note = ""
+    # The restarted group's phases (first record of each after the kill, restart >= 1 for the worker's).
+    seen: dict[str, float] = {}
+    new_pids = {r["pid"] for r in recs if r["phase"] == "init" and r.get("replica") == "1" and r["t"] > t_kill}
+    for r in recs:
+        if r["t"] < t_kill or r["phase"] in seen:
+            continue
+        agent_side = r["phase"] in ("worker_exit_seen", "rendezvous_start", "rendezvous_done")
+        if (agent_side and r.get("replica") == "1") or r["pid"] in new_pids:
+            seen[r["phase"]] = r["t"] - t_kill
+            if r["phase"] == "init" and r.get("process_start"):
+                seen["process_start"] = r["process_start"] - t_kill
+    children = {r.get("child") for r in recs if r["phase"] == "baby_child_spawn" and r["pid"] in new_pids}
+    for r in recs:
+        if r["phase"] == "baby_child_ready" and r["pid"] in children and "baby_child_ready" not in seen:
+            seen["baby_child_ready"] = r["t"] - t_kill
+    return {"gap": gap, "gap_at": gap_at, "gap_note": gap_note,
+            "cold": (replacement - t_kill) if replacement is not None else float("inf"), "phases": seen}
+
+
+def spares_supported() -> bool:
+    out = subprocess.run([sys.executable, "-m", "ftlaunch.launcher.cli", "--help"], capture_output=True,
+                         text=True, timeout=60).stdout
+    return "--spares" in out
+
+
+def main_launcher(args: argparse.Namespace) -> int:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    load = os.getloadavg()[0]
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        runs, floors, spare_runs = [], [], []
+        with_spares = spares_supported()
+        for i in range(args.runs):
+            runs.append(launcher_episode(tmp))
+            floors.append(floor(tmp))
+            if with_spares:
+                spare_runs.append(launcher_episode(tmp, spares=1))
+            r = runs[-1]
+            print(f"run {i + 1}: survivor's longest gap {r['gap']:.3f} s (at kill{r['gap_at']:+.2f} s), "
+                  f"kill -> first commit {r['cold']:.2f} s, floor {floors[-1]:.2f} s"
+                  + (f", with --spares 1: {spare_runs[-1]['cold']:.2f} s" if spare_runs else "")
+                  + (f" [{r['gap_note']}]" if r["gap_note"] else ""), flush=True)
+    med = statistics.median
+    gap, cold, fl = med(r["gap"] for r in runs), med(r["cold"] for r in runs), med(floors)
+    print(f"\nthrough `ftlaunch --replicas 2 --chaos steps=60,group=1 scripts/train_ddp.py` (defaults: Baby Gloo, "
+          f"pg transport), MLP 3x{WIDTH}, batch {BATCH}, 20 ms sleep per step; {args.runs} run(s), medians; "
+          f"load average {load:.1f} -> {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+    print(f"{'figure':<58}{'ftlaunch':>10}   {'torchft':<34}{'before':<12}target")
+    f_gap, f_cold, f_spare = ISSUE11["gap"], ISSUE11["cold"], ISSUE11["spare"]
+    print(f"{'(a) survivor longest gap, whole kill+rejoin episode':<58}{gap:>8.3f} s   {f_gap[0]:<34}{f_gap[1]:<12}{f_gap[2]}")
+    print(f"{'(b) kill -> first commit of the restarted group':<58}{cold:>8.2f} s   {f_cold[0]:<34}{f_cold[1]:<12}{f_cold[2]}")
+    print(f"{'    floor: kill -> bare `import torch` done, same agent':<58}{fl:>8.2f} s   "
+          f"(we are {cold - fl:+.2f} s from it)")
+    spare = f"{med(r['cold'] for r in spare_runs):>8.2f} s" if spare_runs else f"{'n/a':>10}"
+    print(f"{'(c) kill -> first commit with --spares 1':<58}{spare}   {f_spare[0]:<34}{f_spare[1]:<12}{f_spare[2]}"
+          + ("" if spare_runs else "   (this ftlaunch has no --spares)"))
+    print("\n(b) phase breakdown, seconds after the kill (median over runs; delta from the previous phase):")
+    prev = 0.0
+    for key, what in COLD_PHASES:
+        vals = [r["phases"][key] for r in runs if key in r["phases"]]
+        if not vals:
+            print(f"  {key:<18} {'-':>8}            {what} (not recorded)")
+            continue
+        t = med(vals)
+        print(f"  {key:<18} {t:8.3f}  (+{t - prev:6.3f})  {what}")
+        prev = max(prev, t)
+    return 0
 
 
 def transfer_rate() -> str:
@@ -383,7 +544,9 @@ def main() -> int:
     ap.add_argument("--breakdown", action="store_true",
                     help="print each run and the per-phase step breakdown of plain DDP and ftlaunch")
     ap.add_argument("--launcher", action="store_true",
-                    help="measure stall and rejoin through `ftlaunch --chaos` instead of hand-run groups")
+                    help="issue 11's figures, from the kill, through the `ftlaunch` command with defaults: the "
+                         "survivor's longest gap, kill -> first commit (phase breakdown, the floor), and with "
+                         "--spares 1 where the CLI has it; --runs repeats (default 2)")
     ap.add_argument("--interleaved", type=int, metavar="ROUNDS", default=0,
                     help="step-time ratios only, robust to a shared machine: plain DDP, plain DDP with "
                          "gradient_as_bucket_view, ftlaunch Gloo and Baby take turns step by step in the "
@@ -403,14 +566,7 @@ def main() -> int:
     if args.interleaved:
         return main_interleaved(args)
     if args.launcher:
-        stall, rejoin = through_launcher()
-        print(f"through ftlaunch --replicas 2 --chaos (MLP 3x{WIDTH}, batch {BATCH}, 20 ms sleep per step)")
-        print(f"survivor's longest stall on kill  {stall:8.3f} s    (an upper bound: lines reach the launcher "
-              f"through torchelastic's log tailing, ~0.1 s resolution; torchft {BASELINE['stall']}, "
-              f"target {TARGET['stall']})")
-        print(f"kill -> restarted group's first committed step {rejoin:6.3f} s (includes the agent's restart "
-              f"and Python/torch start-up; torchft restart->commit {BASELINE['rejoin']})")
-        return 0
+        return main_launcher(args)
 
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)

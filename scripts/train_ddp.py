@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(
                     f"step={manager.current_step()} committed={committed} participants={manager.num_participants()} "
                     f"loss={loss.item():.5f} ms={(time.perf_counter() - t0) * 1e3:.1f} "
-                    f"data={sampler.epoch}:{sampler.position} first={int(idx[0])}",
+                    f"data={sampler.epoch}:{sampler.position} first={int(idx[0])} t={time.time():.4f}",
                     flush=True,
                 )
                 if args.step_sleep:

@@ -19,6 +19,8 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "ftlaunch.timeouts",
         "ftlaunch.addresses",
         "ftlaunch.lifetime",
+        "ftlaunch.phases",
+        "ftlaunch.prestart",
     ),
     "lighthouse": ("ftlaunch.lighthouse",),
     "process_group": ("ftlaunch.process_group",),

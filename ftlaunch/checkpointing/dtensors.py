@@ -18,19 +18,28 @@ placements are carried: a ``Partial`` value is a pending reduction, never state 
 from __future__ import annotations
 
 import collections
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
-
-# torch's own helpers, used by torch.distributed.checkpoint for the same purpose (no public twin).
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-from torch.distributed.tensor.placement_types import _StridedShard
 
 from ftlaunch.errors import CheckpointTransportError
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Placement
+
+# torch.distributed.tensor is imported where it is used, never at import: its op registry costs
+# about a second of CPU (more on a loaded machine), which every restarting worker paid before it
+# could rejoin (issue 11), while only sharded state needs it. A DTensor can exist only once that
+# module is imported, so `_is_dtensor` asks sys.modules first.
+
+
+def _is_dtensor(t: Any) -> TypeGuard[DTensor]:
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
 
 __all__ = ["ShardSpec", "join", "split"]
 
@@ -41,6 +50,9 @@ Path = tuple[str | int, ...]
 def encode_placement(p: Placement, where: str) -> list[Any]:
     """JSON form of a placement: ``["shard", dim]``, ``["strided_shard", dim, split_factor]`` or
     ``["replicate"]``; TypeError for anything else (misuse on the sending side)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
     if isinstance(p, _StridedShard):  # before Shard: FSDP2+TP's placement
         return ["strided_shard", int(p.dim), int(p.split_factor)]
     if isinstance(p, Shard):
@@ -52,6 +64,9 @@ def encode_placement(p: Placement, where: str) -> list[Any]:
 
 def decode_placement(j: Any) -> Placement:
     """The placement `encode_placement` wrote; CheckpointTransportError for anything else."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
     if j == ["replicate"]:
         return Replicate()
     if isinstance(j, list) and len(j) == 2 and j[0] == "shard" and _is_int(j[1]):
@@ -169,7 +184,7 @@ def split(state: Any) -> tuple[Any, list[ShardSpec]]:
     specs: list[ShardSpec] = []
 
     def leaf(t: torch.Tensor, path: Path) -> torch.Tensor:
-        if isinstance(t, DTensor):
+        if _is_dtensor(t):
             specs.append(ShardSpec.of(t, path))
             return t.to_local()
         return t
@@ -213,7 +228,7 @@ def _template_dtensors(template: Any) -> dict[Path, DTensor]:
     found: dict[Path, DTensor] = {}
 
     def leaf(t: torch.Tensor, path: Path) -> torch.Tensor:
-        if isinstance(t, DTensor):
+        if _is_dtensor(t):
             found[path] = t
         return t
 
@@ -222,6 +237,11 @@ def _template_dtensors(template: Any) -> dict[Path, DTensor]:
 
 
 def _rebuild(local: torch.Tensor, spec: ShardSpec, mesh: DeviceMesh | None, mine: DTensor | None) -> DTensor:
+    from torch.distributed.tensor import DTensor
+
+    # torch's own helper, used by torch.distributed.checkpoint for the same purpose (no public twin).
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
     where = _show(spec.path)
     if mesh is None:
         if mine is None:

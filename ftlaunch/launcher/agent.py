@@ -30,7 +30,7 @@ from typing import Any
 
 import psutil
 
-from ftlaunch import env
+from ftlaunch import env, phases
 from ftlaunch.launcher.options import LaunchOptions
 from ftlaunch.lifetime import die_with_parent
 
@@ -154,6 +154,8 @@ class WorkerWatcher(threading.Thread):
         if not new:
             return
         self._workers.update(new)
+        for pid in new:
+            phases.mark("worker_seen", worker=pid, process_start=phases.process_start_time(pid))
         self._events.emit(
             "workers",
             restart=max(i["restart"] for i in new.values()),
@@ -178,6 +180,7 @@ class WorkerWatcher(threading.Thread):
         else:
             data["signal"] = signal.Signals(res.si_status).name
             data["failed"] = True
+        phases.mark("worker_exit_seen", worker=pid, failed=data["failed"])
         self._events.emit("worker_exit", **data)
 
 
@@ -258,7 +261,7 @@ def run_agent(cfg: AgentConfig) -> int:
 
     result: dict[str, Any]
     try:
-        elastic_launch(launch_config, entrypoint)(*opts.args)
+        elastic_launch(launch_config, entrypoint)(*_worker_args(opts))
         result, code = {"status": "succeeded"}, 0
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
@@ -276,6 +279,16 @@ def run_agent(cfg: AgentConfig) -> int:
             json.dump(result, f)
         os.replace(tmp, cfg.result_file)
     return code
+
+
+def _worker_args(opts: LaunchOptions) -> list[str]:
+    """The workers' command line: ``python -u -m ftlaunch.prestart SCRIPT ...`` for a Python
+    script or module, so its Baby child imports torch while the script does (`ftlaunch.prestart`);
+    anything else (``--no-python``, ``--run-path``) as given."""
+    args = list(opts.args)
+    if opts.run_path or args[:1] != ["-u"] or not os.path.basename(opts.entrypoint).startswith("python"):
+        return args
+    return ["-u", "-m", "ftlaunch.prestart", *args[1:]]
 
 
 def main(argv: list[str] | None = None) -> int:

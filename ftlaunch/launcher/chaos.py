@@ -22,6 +22,7 @@ import signal
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from ftlaunch import phases
 from ftlaunch.launcher.group import FAILED, SUCCEEDED, Group
 from ftlaunch.launcher.options import ChaosSpec
 from ftlaunch.launcher.output import Console
@@ -202,6 +203,7 @@ class Chaos:
         if sig == "STOP":
             self._stopped[group.gid] = (sent, now + self.spec.stop_for)
             group.hung(now)  # a hung group: rejoin is measured from here too
+        phases.mark("chaos_kill", group=group.gid, signal=sig, pids=sent)
         self.injections.append(Injection(now, group.gid, f"SIG{sig}", target, step))
         self._console.err(
             f"[ftlaunch] chaos: SIG{sig} -> replica group {group.gid} {target} "

@@ -153,7 +153,7 @@ class LaunchOptions:
     token: str | None = None
     max_restarts: int = 3
     max_agent_restarts: int = 3
-    monitor_interval: float = 0.1
+    monitor_interval: float = 0.02
     role: str = "default"
     start_method: str = "spawn"
     log_dir: str | None = None

@@ -55,7 +55,7 @@ from torch.distributed.elastic.rendezvous.api import (  # noqa: E402
     RendezvousStoreInfo,
 )
 
-from ftlaunch import env  # noqa: E402
+from ftlaunch import env, phases  # noqa: E402
 from ftlaunch.addresses import format_host_port, is_local_host, parse_host_port  # noqa: E402
 from ftlaunch.errors import ConfigurationError  # noqa: E402
 from ftlaunch.launcher.lighthouse_host import HostedLighthouse, LighthouseSettings, RemoteLighthouse  # noqa: E402
@@ -268,7 +268,9 @@ class FtlaunchRendezvousHandler(RendezvousHandler):
                 self.config.replica_group_id,
                 self._rounds,
             )
+        phases.mark("rendezvous_start", round=self._rounds)
         info = self._inner.next_rendezvous()
+        phases.mark("rendezvous_done", round=self._rounds)
         # A fresh workers' store (MASTER_ADDR:MASTER_PORT) every round, hosted by this agent when it
         # is the group's rank 0. torch's dynamic rendezvous keeps one agent store across rounds, and
         # workers do not prefix their keys per attempt: after a restart a fast worker can read the

@@ -22,6 +22,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.reduction import recvfds
 from typing import Any
 
+from ftlaunch import phases
 from ftlaunch.lifetime import die_with_parent
 
 logger = logging.getLogger("ftlaunch.process_group.baby_child")
@@ -72,6 +73,7 @@ class _Server:
         self._completer.start()
 
     def serve(self) -> None:
+        phases.mark("baby_child_ready")
         with self._send_lock:
             self._conn.send(("ready", os.getpid()))
         try:

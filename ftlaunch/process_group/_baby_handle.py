@@ -19,13 +19,13 @@ import logging
 import os
 import socket
 import subprocess
-import sys
 import threading
 import time
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import sendfds
 from typing import Any
 
+from ftlaunch import prestart
 from ftlaunch.errors import CommunicationError
 from ftlaunch.process_group._shm import SharedTensors, StorageKey, _Staged
 
@@ -99,22 +99,8 @@ class Child:
         self._reading = False
         self._waiters = 0
 
-        parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        use_pdeathsig = threading.current_thread() is threading.main_thread()  # PDEATHSIG is per thread
-        cmd = [
-            sys.executable, "-m", "ftlaunch.process_group._baby_child",
-            "--fd", str(child_sock.fileno()),
-            "--parent-pid", str(os.getpid()),
-            "--backend", backend,
-            "--pdeathsig", "1" if use_pdeathsig else "0",
-        ]
-        try:
-            self.proc = subprocess.Popen(cmd, pass_fds=(child_sock.fileno(),), stdin=subprocess.DEVNULL)
-        except BaseException:
-            parent_sock.close()
-            raise
-        finally:
-            child_sock.close()
+        # A child started before the script imported torch (`ftlaunch.prestart`), else a new one.
+        self.proc, parent_sock = prestart.take(backend) or prestart.spawn(backend)
         self.pid = self.proc.pid
         self._sock = parent_sock
         self._conn = Connection(os.dup(parent_sock.fileno()))

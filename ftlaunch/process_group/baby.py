@@ -207,6 +207,29 @@ class ProcessGroupBaby(ProcessGroup):
         if child in self._children:
             self._children.remove(child)
 
+    def wait_ready(self, timeout: timedelta | float | None = None) -> None:
+        """Block until the child has imported torch and serves requests (starting it now if it is
+        not running: NCCL's starts lazily, a lost one is replaced), so the next `configure` costs
+        only the rendezvous. Raises `CommunicationError` if the child does not start in time
+        (default: the op timeout, at least a minute) and NotImplementedError where the backend
+        cannot run (NCCL without CUDA)."""
+        self._check_usable()
+        if self._closed:
+            return  # shut down: nothing to wait for (a later configure starts a child)
+        limit = max(self._timeout, _SPAWN_TIMEOUT_MIN) if timeout is None else as_timedelta(timeout).total_seconds()
+        with self._lock:
+            child = self._child
+            # An idle child's death is noticed at its next op; look now, and replace it early.
+            if child is None or not child.healthy or child.proc.poll() is not None:
+                if child is not None:
+                    self._close_child(child, graceful=False)
+                with self._spare_lock:
+                    child, self._spare = self._spare, None
+                if child is None or not child.healthy:
+                    child = self._spawn()
+                self._child = child
+            child.wait_ready(limit)
+
     def _configure(self, store_addr: str, rank: int, world_size: int) -> None:
         self._check_usable()
         with self._lock:

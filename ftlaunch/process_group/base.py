@@ -213,6 +213,16 @@ class ProcessGroup(dist.ProcessGroup):
         """The first communication error since the last `configure`, or None."""
         return self._error
 
+    def wait_ready(self, timeout: timedelta | float | None = None) -> None:
+        """Block until a `configure` could start at once: whatever this group needs before it can
+        meet its peers is up (a Baby group's child has imported torch and serves requests).
+
+        Why: a group that asks to be counted in a quorum before it is ready makes every peer's
+        reconfigure wait for it (the rendezvous needs all members), so the Manager calls this
+        before its first quorum request. In-process backends are ready when constructed: no-op.
+        Raises `CommunicationError` when the group cannot become ready within ``timeout``.
+        """
+
     def abort(self) -> None:
         """Stop using the current configuration at once; pending operations fail."""
 
@@ -563,3 +573,11 @@ class ProcessGroup(dist.ProcessGroup):
     def _check_root(self, op: str, root: int) -> None:
         if not 0 <= root < self.size():
             raise ValueError(f"{op}: root rank {root} out of range for world size {self.size()}")
+
+
+def release_process_group(pg: ProcessGroup) -> None:
+    """Shut ``pg`` down, best effort: teardown must not mask the reason for it."""
+    try:
+        pg.shutdown()
+    except Exception as e:  # noqa: BLE001 - torch raises several types here
+        logger.debug("process group shutdown: %s", e)

@@ -204,6 +204,11 @@ class ProcessGroupWrapper(ProcessGroup):
         if generation is not None:
             self._close_after_error(generation)
 
+    def wait_ready(self, timeout: timedelta | float | None = None) -> None:
+        pg = self._pg  # a backend built at configure is ready then; a wrapped group may need a wait
+        if isinstance(pg, ProcessGroup) and not self._owns_backend():
+            pg.wait_ready(timeout)
+
     def abort(self) -> None:
         with self._lock:
             if self._owns_backend():

@@ -1,11 +1,13 @@
-"""The two mechanics of a commit decision: waiting (bounded) for a step's collectives, and the vote
-across replica groups that makes a step failed anywhere committed nowhere.
+"""The mechanics of a commit decision: waiting (bounded) for a step's collectives, the vote across
+replica groups that makes a step failed anywhere committed nowhere, and the vote among a group's
+ranks. A failed vote is reported (the step's error) and counts as "no", never raised.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -14,6 +16,7 @@ import torch.distributed as dist
 
 from ftlaunch.errors import CommunicationError
 from ftlaunch.process_group.base import ProcessGroup
+from ftlaunch.worker.group_store import GroupStore
 
 
 def wait_all(futures: list[torch.futures.Future[Any]], deadline: float) -> bool:
@@ -71,3 +74,39 @@ class CrossGroupVote:
             self._flag = None
             raise
         return bool(flag.item() == 1)
+
+
+def vote_of_all_groups(
+    vote: CrossGroupVote, pg: ProcessGroup, ok: bool, deadline: float, report_error: Callable[[Exception], None]
+) -> bool:
+    """Every group's ``ok`` (MIN across groups); False, with the reason reported, when it fails."""
+    pg_error = pg.errored()
+    if pg_error is not None:
+        # The cross-group PG failed before or during this step (allreduce skips a failed group
+        # without a word): gradients were not exchanged, so the step cannot commit.
+        report_error(pg_error)
+        return False
+    try:
+        return vote(pg, ok, deadline)
+    except Exception as e:  # noqa: BLE001 - reported, the step will not commit
+        report_error(e)
+        return False
+
+
+def vote_of_group_ranks(
+    group: GroupStore, seq: int, ok: bool, deadline: float, report_error: Callable[[Exception], None],
+    replica_id: str,
+) -> bool:
+    """Every rank of this group's ``ok`` for round ``seq``. Raises `CommunicationError` (reported
+    first) when a rank's vote does not arrive: it is dead (its agent restarts the group anyway) or
+    stopped/hung, which no agent notices -- and the leader, still healthy, would bring the group
+    into every quorum, failing every step of every group. The worker ends; its agent then restarts
+    the whole group, the stopped rank included."""
+    try:
+        return group.vote(seq, ok, deadline)
+    except CommunicationError as e:
+        report_error(e)
+        raise CommunicationError(
+            f"a rank of replica group {replica_id} did not vote within the commit timeout "
+            f"(dead or hung): {e}; this worker ends so that its agent restarts the group"
+        ) from e

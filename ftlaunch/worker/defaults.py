@@ -8,11 +8,42 @@ itself works only with explicit values (``ftlaunch.init`` passes every one of th
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 
 from ftlaunch import env
 from ftlaunch.errors import ConfigurationError, install_brief_configuration_errors
 from ftlaunch.lighthouse.client import LighthouseClient, QuorumClient
 from ftlaunch.lighthouse.reconnect import OutageTolerantClient, outage_timeout_from_env
+from ftlaunch.timeouts import Timeouts
+from ftlaunch.worker.plan import WorldSizeMode
+
+_Seconds = timedelta | float | None
+
+
+def check_arguments(
+    min_replica_size: int, max_retries: int | None, world_size_mode: WorldSizeMode, port: int | None
+) -> None:
+    """The Manager's arguments that torch would only reject much later, or never."""
+    if min_replica_size < 1:
+        raise ValueError(f"min_replica_size must be >= 1, got {min_replica_size}")
+    if max_retries is not None and max_retries < 0:
+        raise ValueError(f"max_retries must be >= 0 or None, got {max_retries}")
+    if not isinstance(world_size_mode, WorldSizeMode):
+        raise TypeError(f"world_size_mode must be a WorldSizeMode, got {world_size_mode!r}")
+    if port is not None and not 0 <= port <= 65535:
+        raise ValueError(f"port must be in 0..65535, got {port}")
+
+
+def timeouts(
+    given: Timeouts | None, timeout: _Seconds, *, quorum: _Seconds, connect: _Seconds, heal: _Seconds, commit: _Seconds
+) -> Timeouts:
+    """``given``, or the set derived from the one knob ``timeout`` (else ``FTLAUNCH_TIMEOUT``) and
+    the explicit overrides; passing both is a ValueError."""
+    if given is None:
+        return Timeouts.derive(timeout, quorum=quorum, connect=connect, heal=heal, commit=commit)
+    if any(t is not None for t in (timeout, quorum, connect, heal, commit)):
+        raise ValueError("pass either timeouts= or the individual timeouts, not both")
+    return given
 
 
 def replica_id() -> str:

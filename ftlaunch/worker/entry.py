@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ftlaunch import env
+from ftlaunch import env, phases, prestart
 from ftlaunch.checkpointing.transport import CheckpointTransport
 from ftlaunch.errors import ConfigurationError, install_brief_configuration_errors
 from ftlaunch.process_group.base import ProcessGroup
@@ -168,6 +168,7 @@ def init(
       group has more than one worker.
     - Other keyword arguments go to :class:`ftlaunch.Manager` (e.g. ``max_retries``, ``init_sync``).
     """
+    phases.mark("init", process_start=phases.process_start_time())
     install_brief_configuration_errors()  # a bad environment value reads as one line, not a traceback
     # The launcher->worker contract, read once: every value below is passed on explicitly.
     job = env.JobEnv.from_environ(
@@ -200,6 +201,8 @@ def init(
     want_intra = group.world_size > 1 if intra_group is None else intra_group
     intra, owns_intra = _intra_group(want_intra, group, dev, timeouts)
 
+    if chosen_backend != "baby-gloo":
+        prestart.release("gloo")  # a child the launcher started early, for the default backend
     pg = make_process_group(chosen_backend, timeouts.as_timedelta("collective"))
     try:
         ckpt = _make_transport(chosen_transport, pg, dev, timeouts)

@@ -13,16 +13,16 @@ carries on without the dead group. Only conditions training cannot survive raise
 gone, this group was evicted, or ``max_retries`` consecutive steps failed.
 
 The class reads in that order. The mechanics live beside it: `plan` (what this group does in the
-step, from the quorum), `group_store` (the quorum relay and the commit vote among the group's
-ranks), `commit` (bounded waits, the vote across groups), `recovery` (what travels with a heal,
-and its transfer), `defaults` (the torchft-compatible defaults read from the environment).
+step, from the quorum), `quorum_request` (what the leader asks the lighthouse with, and retries),
+`group_store` (the quorum relay and the commit vote among the group's ranks), `allreduce` (the
+arithmetic of one tensor's average across groups), `commit` (bounded waits, the vote across
+groups), `recovery` (what travels with a heal, and its transfer), `defaults` (the
+torchft-compatible defaults read from the environment).
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import socket
 import sys
 import threading
 import time
@@ -36,54 +36,35 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from ftlaunch import env
+from ftlaunch import env, phases
 from ftlaunch.checkpointing.transport import CheckpointTransport
 from ftlaunch.errors import (
     CommunicationError,
     ConfigurationError,
-    EvictedError,
     FtlaunchError,
     LighthouseError,
 )
 from ftlaunch.lighthouse.client import QuorumClient
-from ftlaunch.lighthouse.quorum import Quorum, QuorumMember
-from ftlaunch.process_group.base import ProcessGroup
+from ftlaunch.lighthouse.quorum import Quorum
+from ftlaunch.process_group.base import ProcessGroup, release_process_group
 from ftlaunch.process_group.work import completed_future
 from ftlaunch.timeouts import Timeouts, to_seconds
-from ftlaunch.worker import defaults, quantization, recovery
-from ftlaunch.worker.commit import CrossGroupVote, wait_all
+from ftlaunch.worker import allreduce as allreduce_math
+from ftlaunch.worker import defaults, quorum_request, recovery
+from ftlaunch.worker.allreduce import ReduceOpLike
+from ftlaunch.worker.commit import CrossGroupVote, vote_of_all_groups, vote_of_group_ranks, wait_all
 from ftlaunch.worker.group_store import GroupStore
 from ftlaunch.worker.managed_work import ManagedWork, with_default
-from ftlaunch.worker.plan import LAYOUT_KEY, StepPlan, WorldSizeMode, plan_step
+from ftlaunch.worker.plan import StepPlan, WorldSizeMode, plan_step
 from ftlaunch.worker.progress import ProgressTracker
 from ftlaunch.worker.recovery import DEFAULT_STATE_KEY, StateRegistry
 from ftlaunch.worker.watchdog import ProgressWatchdog, progress_timeout
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Manager", "ManagedWork", "WorldSizeMode"]
+__all__ = ["Manager", "ManagedWork", "ReduceOpLike", "WorldSizeMode", "release_process_group"]
 
 T = TypeVar("T")
-
-#: What ``allreduce`` accepts as its operation: "avg"/"sum" or a torch ReduceOp.
-ReduceOpLike = str | dist.ReduceOp | dist.ReduceOp.RedOpType
-
-
-def release_process_group(pg: ProcessGroup) -> None:
-    """Shut ``pg`` down, best effort: teardown must not mask the reason for it."""
-    try:
-        pg.shutdown()
-    except Exception as e:  # noqa: BLE001 - torch raises several types here
-        logger.debug("process group shutdown: %s", e)
-
-
-def _is_avg(op: ReduceOpLike) -> bool:
-    """AVG given as a string, a ``ReduceOp`` or a ``ReduceOp.RedOpType`` (which compare equal)."""
-    if isinstance(op, str):
-        if op.lower() not in ("avg", "sum"):
-            raise ValueError(f"reduce_op must be 'avg', 'sum' or a torch ReduceOp, got {op!r}")
-        return op.lower() == "avg"
-    return bool(op == dist.ReduceOp.AVG)
 
 
 class _StepLog(logging.LoggerAdapter):
@@ -151,20 +132,10 @@ class Manager:
         connection to the replica group's store (``store_addr``/``store_port`` then only name it
         for the other groups, and may be omitted for a ``TCPStore``).
         """
-        if min_replica_size < 1:
-            raise ValueError(f"min_replica_size must be >= 1, got {min_replica_size}")
-        if max_retries is not None and max_retries < 0:
-            raise ValueError(f"max_retries must be >= 0 or None, got {max_retries}")
-        if not isinstance(world_size_mode, WorldSizeMode):
-            raise TypeError(f"world_size_mode must be a WorldSizeMode, got {world_size_mode!r}")
-        if port is not None and not 0 <= port <= 65535:
-            raise ValueError(f"port must be in 0..65535, got {port}")
-        if timeouts is None:
-            timeouts = Timeouts.derive(
-                timeout, quorum=quorum_timeout, connect=connect_timeout, heal=heal_timeout, commit=commit_timeout
-            )
-        elif any(t is not None for t in (timeout, quorum_timeout, connect_timeout, heal_timeout, commit_timeout)):
-            raise ValueError("pass either timeouts= or the individual timeouts, not both")
+        defaults.check_arguments(min_replica_size, max_retries, world_size_mode, port)
+        timeouts = defaults.timeouts(
+            timeouts, timeout, quorum=quorum_timeout, connect=connect_timeout, heal=heal_timeout, commit=commit_timeout
+        )
         self.timeouts = timeouts
         self._pg = pg
         self._min_replica_size = min_replica_size
@@ -231,8 +202,11 @@ class Manager:
 
             checkpoint_transport = HTTPTransport(timeout=timeouts.as_timedelta("heal"))
         self._transport: CheckpointTransport[Any] = checkpoint_transport
-        self._group.publish_transport_metadata(self._transport.metadata())
+        # Published once this rank is ready (`quorum_request.become_ready`): the leader's read of
+        # every rank's metadata is then also the wait for the whole group to be ready.
+        self._ready = False
         self._transport_metadata: list[str] | None = None  # every rank's, read once by the leader
+        self._phases = phases.enabled()  # the opt-in start-up phase log, until the first commit
 
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"ftlaunch-quorum-{self.replica_id}")
         # The leader reports progress to the lighthouse (worker/progress.py): the launcher's summary
@@ -242,10 +216,11 @@ class Manager:
         if set_progress is not None:
             rid = self.replica_id
             self._progress = ProgressTracker(lambda report: set_progress(rid, report))
-        if self._client is not None:
-            self._client.start_heartbeat(self.replica_id, to_seconds(heartbeat_interval))
+        # The leader's heartbeats start with its first request (`_ask_lighthouse`): a live group
+        # that has not asked holds up its peers' quorums (the lighthouse's split-brain guard).
+        self._heartbeat_interval = to_seconds(heartbeat_interval)
         # A training thread that stops stepping while its heartbeats go on leaves (worker/watchdog.py).
-        self._watchdog = self._start_watchdog(to_seconds(heartbeat_interval))
+        self._watchdog = self._start_watchdog(self._heartbeat_interval)
         self.log.info(
             "manager up: group world_size=%d store=%s transport=%s",
             self._group_world_size, self._group.address, type(self._transport).__name__,
@@ -253,6 +228,11 @@ class Manager:
         timeouts.log(self.log)
         if port is not None:
             self.log.info("port=%d is not used: ftlaunch has no per-group manager server", port)
+        self._mark("manager_up")
+
+    def _mark(self, phase: str) -> None:
+        if self._phases:
+            phases.mark(phase, step=self._step)
 
     def _start_watchdog(self, heartbeat_interval: float) -> ProgressWatchdog | None:
         client = self._client
@@ -347,12 +327,18 @@ class Manager:
 
     def _run_quorum(self, seq: int, allow_heal: bool, shrink_only: bool, quorum_timeout: float) -> None:
         """The quorum thread: quorum -> this group's plan -> reconfigure if it changed -> heal."""
+        if not self._ready:  # ask to be counted only once we can take part at once
+            quorum_request.become_ready(self._pg, self._group, self._transport, self.log)
+            self._ready = True
+            self._mark("ready")
         # Only the leader asks the lighthouse; the group store relays its answer to the other ranks.
         quorum = self._group.relay_quorum(seq, lambda: self._ask_lighthouse(shrink_only, quorum_timeout))
+        self._mark("quorum")
         plan = plan_step(quorum, self.replica_id, init_sync=self._init_sync,
                          world_size_mode=self._world_size_mode, min_replica_size=self._min_replica_size)
         if plan.quorum_id != self._quorum_id:
             self._reconfigure(plan)
+            self._mark("configured")
         if plan.layout_conflict is not None:
             # Raised after the reconfigure, so that the other groups' rendezvous does not wait for
             # us; our peers' collectives then fail when this process stops, and they go on without it.
@@ -362,45 +348,30 @@ class Manager:
             if self._progress is not None:
                 self._progress.quorum_done()
             return
-        heal_timeout = self.timeouts.as_timedelta("heal")
-        if plan.recover_dst_ranks:  # a source: serve our state to the healers assigned to us
-            self.log.info("sending state to replica ranks %s", list(plan.recover_dst_ranks))
-            recovery.offer(self._transport, plan, self._step, self._state, heal_timeout)
-            self._sent_checkpoint = True  # served until the vote
-        fetch_started = time.perf_counter()
-        if plan.heal:  # behind: fetch the state now, load it only once every group agreed to commit
-            self.log.info("healing from %s at step %d", plan.recover_src_id, plan.max_step)
-            self._pending_state = recovery.fetch(
-                self._transport, plan, quorum, self._group_rank, self._state, heal_timeout
-            )
+        # A source serves its state to the healers assigned to it (until the vote); a healer fetches
+        # it now and loads it only once every group agreed to commit.
+        started = time.perf_counter()
+        sent, self._pending_state = recovery.exchange(
+            self._transport, plan, quorum, self._step, self._group_rank, self._state,
+            self.timeouts.as_timedelta("heal"), self.log,
+        )  # fmt: skip
+        self._sent_checkpoint = self._sent_checkpoint or sent
+        if plan.heal:
+            self._mark("healed")
         if self._progress is not None:
-            self._progress.quorum_done(time.perf_counter() - fetch_started if plan.heal else 0.0)
+            self._progress.quorum_done(time.perf_counter() - started if plan.heal else 0.0)
 
     def _ask_lighthouse(self, shrink_only: bool, quorum_timeout: float) -> Quorum:
         assert self._client is not None  # the leader has one
-        if self._transport_metadata is None:
+        if self._transport_metadata is None:  # the first request: once every rank is ready
             self._transport_metadata = self._group.transport_metadata()
-        member = QuorumMember(
-            replica_id=self.replica_id,
-            address=f"{socket.gethostname()}:{os.getpid()}",
-            store_address=self._group.address,
-            step=self._step,
-            world_size=self._group_world_size,
-            shrink_only=shrink_only,
-            commit_failures=self._commit_failures,
-            data={"ckpt": self._transport_metadata, **({LAYOUT_KEY: self._layout} if self._layout else {})},
-        )
-        attempts = self._quorum_retries + 1
-        for attempt in range(1, attempts + 1):
-            try:
-                return self._client.quorum(member, timeout=quorum_timeout)
-            except EvictedError:
-                raise
-            except LighthouseError as e:
-                if attempt == attempts:
-                    raise
-                self.log.warning("quorum attempt %d/%d failed: %s", attempt, attempts, e)
-        raise AssertionError("unreachable")
+            self._client.start_heartbeat(self.replica_id, self._heartbeat_interval)
+        request = quorum_request.member(
+            self.replica_id, store_address=self._group.address, step=self._step,
+            world_size=self._group_world_size, shrink_only=shrink_only, commit_failures=self._commit_failures,
+            transport_metadata=self._transport_metadata, layout=self._layout,
+        )  # fmt: skip
+        return quorum_request.ask_lighthouse(self._client, request, self._quorum_retries, quorum_timeout, self.log)
 
     def _reconfigure(self, plan: StepPlan) -> None:
         self.log.info(
@@ -426,10 +397,7 @@ class Manager:
         instead of the values (`ftlaunch.worker.quantization`; avg/sum of floating point tensors
         only, else ValueError).
         """
-        avg = _is_avg(reduce_op)
-        if should_quantize:
-            quantization.check_quantizable(tensor, reduce_op)
-            bits = quantization.bits_of(should_quantize)
+        bits = allreduce_math.check_args(tensor, reduce_op, should_quantize)
         self.wait_quorum()
         plan = self._plan
         if plan is None or self._pg.errored() is not None:
@@ -437,45 +405,14 @@ class Manager:
             return self._work(completed_future(tensor))
         # Even after a local error we still take part: every group must issue the same sequence of
         # collectives, or peers hang (or gloo aborts on a size mismatch). The commit vote discards the step.
-        divisor = plan.num_participants if avg else 1
-        post_divide = False
-        if not plan.participates or self._errored is not None:
-            # A healing group's gradients come from stale weights (a spare's do not count):
-            # contribute zeros, receive the average.
-            tensor.zero_()
-        elif divisor > 1:
-            if tensor.is_floating_point() or tensor.is_complex():
-                # Average as sum(x_i / n), dividing here as torch's DDP does, not (sum x_i) / n in
-                # the completion callback: that runs on a backend thread holding the GIL, and an
-                # 8 MB div_ there stalled this thread's next bucket hook by as long. Every group
-                # computes the same expression, so committed results stay bit-identical.
-                tensor.div_(divisor)
-            else:
-                post_divide = True  # other dtypes: divided after the sum, as before
-        if plan.replica_world_size == 1:
-            return self._work(completed_future(tensor))  # alone (and so the only source): the average is the tensor
-        op = dist.ReduceOp.SUM if avg or reduce_op == "sum" else reduce_op
-        try:
-            if should_quantize:
-                fut = quantization.allreduce_quantized(self._pg, tensor, bits)
-            else:
-                fut = self._pg.allreduce([tensor], op).get_future()
-        except Exception as e:  # noqa: BLE001
-            self.report_error(e)
+        zeros = not plan.participates or self._errored is not None
+        fut = allreduce_math.reduce_across_groups(
+            self._pg, plan, tensor, reduce_op, bits, zeros, self.report_error
+        )
+        if fut is None:
             return self._work(completed_future(tensor))
-
-        def finish(f: torch.futures.Future[Any]) -> torch.Tensor:
-            try:
-                f.value()
-                if post_divide:
-                    tensor.div_(divisor)
-            except Exception as e:  # noqa: BLE001 - reported, the step will not commit
-                self.report_error(e)
-            return tensor
-
-        out = fut.then(finish)
-        self._pending.append(out)
-        return self._work(out)
+        self._pending.append(fut)
+        return self._work(fut)
 
     def _work(self, future: torch.futures.Future[torch.Tensor]) -> ManagedWork:
         return ManagedWork(future, lambda: self._errored is not None, self.report_error)
@@ -528,9 +465,9 @@ class Manager:
         # init_sync that is every group, though only the primary's gradients count).
         ok = self._errored is None and plan is not None and plan.num_up_to_date >= self._min_replica_size
         if plan is not None and plan.replica_world_size > 1:
-            ok = self._vote_of_all_groups(ok, deadline)
+            ok = vote_of_all_groups(self._vote_across_groups, self._pg, ok, deadline, self.report_error)
         if self._group_world_size > 1:
-            ok = self._vote_of_group_ranks(ok, deadline)
+            ok = vote_of_group_ranks(self._group, self._quorum_seq, ok, deadline, self.report_error, self.replica_id)
         if self._sent_checkpoint:
             # Every healer has voted, so it has its copy: the state may change again.
             self._transport.disallow_checkpoint()
@@ -548,6 +485,9 @@ class Manager:
             self._commit_failures = 0
             if self._progress is not None:
                 self._progress.committed(self._step, healed=plan.heal)
+            if self._phases:
+                self._mark("first_commit")
+                self._phases = False  # nothing more to time: the step path stays free of it
             return True
         self._commit_failures += 1
         self.log.info("step not committed (consecutive failures: %d)", self._commit_failures)
@@ -557,33 +497,6 @@ class Manager:
                 f"{self._max_retries}); last error: {self._errored!r}"
             )
         return False
-
-    def _vote_of_all_groups(self, ok: bool, deadline: float) -> bool:
-        pg_error = self._pg.errored()
-        if pg_error is not None:
-            # The cross-group PG failed before or during this step (allreduce skips a failed
-            # group without a word): gradients were not exchanged, so the step cannot commit.
-            self.report_error(pg_error)
-            return False
-        try:
-            return self._vote_across_groups(self._pg, ok, deadline)
-        except Exception as e:  # noqa: BLE001 - reported, the step will not commit
-            self.report_error(e)
-            return False
-
-    def _vote_of_group_ranks(self, ok: bool, deadline: float) -> bool:
-        try:
-            return self._group.vote(self._quorum_seq, ok, deadline)
-        except CommunicationError as e:
-            # A rank of this group did not vote: dead (its agent restarts the group anyway) or
-            # stopped/hung, which no agent notices -- and the leader, still healthy, would bring the
-            # group into every quorum, failing every step of every group. End this worker: the
-            # agent then restarts the whole group, stopped rank included.
-            self.report_error(e)
-            raise CommunicationError(
-                f"a rank of replica group {self.replica_id} did not vote within the commit timeout "
-                f"(dead or hung): {e}; this worker ends so that its agent restarts the group"
-            ) from e
 
     def _load_healed_state(self) -> None:
         state, self._pending_state = self._pending_state, None

@@ -9,6 +9,7 @@ that registered other keys then fails the step's vote instead of raising after a
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -153,3 +154,27 @@ def fetch(
             "do all groups register the same state?"
         )
     return state
+
+
+def exchange(
+    transport: CheckpointTransport[Any],
+    plan: StepPlan,
+    quorum: Quorum,
+    step: int,
+    group_rank: int,
+    registry: StateRegistry,
+    timeout: timedelta,
+    log: logging.LoggerAdapter,
+) -> tuple[bool, dict[str, Any] | None]:
+    """This group's part of the step's healing: (whether it offered its state -- the caller must
+    ``disallow_checkpoint`` after the vote --, the state it received when it heals, else None)."""
+    sent = False
+    if plan.recover_dst_ranks:  # a source: serve our state to the healers assigned to us
+        log.info("sending state to replica ranks %s", list(plan.recover_dst_ranks))
+        offer(transport, plan, step, registry, timeout)
+        sent = True
+    received = None
+    if plan.heal:  # behind: fetch the state now; the Manager loads it once every group agreed to commit
+        log.info("healing from %s at step %d", plan.recover_src_id, plan.max_step)
+        received = fetch(transport, plan, quorum, group_rank, registry, timeout)
+    return sent, received

@@ -75,6 +75,8 @@ def main() -> int:
                     help="a heal (HTTP) waits this long before fetching, and records that it started")
     ap.add_argument("--sync", choices=["ddp", "managed-pg"], default="ddp",
                     help="gradient sync: ftlaunch DDP, or dist.all_reduce over a ManagedProcessGroup")
+    ap.add_argument("--child-start-delay", type=float, default=0.0,
+                    help="Baby children sleep this long before importing torch (a slow start)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s %(message)s")
@@ -89,6 +91,13 @@ def main() -> int:
 
     from ftlaunch.process_group import ProcessGroupBabyGloo, ProcessGroupGloo
 
+    if args.child_start_delay:
+        from ftlaunch import prestart
+
+        prestart.CHILD_ARGV = ["-c", (
+            f"import runpy, time; time.sleep({args.child_start_delay}); "
+            f"runpy.run_module({prestart.CHILD_MODULE!r}, run_name='__main__', alter_sys=True)"
+        )]
     if args.backend == "baby-gloo":
         pg = ProcessGroupBabyGloo(timeout=timedelta(seconds=args.timeout))
     else:
