@@ -98,7 +98,7 @@ def test_baby_wait_ready_returns_once_the_child_serves_and_replaces_a_dead_one()
         first = pg.child_pid
         assert first is not None and pg._child is not None and pg._child.ready
         os.kill(first, signal.SIGKILL)
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 30
         while psutil.Process(first).status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
             time.sleep(0.02)  # dead, not yet reaped: nobody has noticed (the child was idle)
         pg.wait_ready()  # a dead child is replaced, and waited for

@@ -216,7 +216,8 @@ def test_a_group_sharded_differently_refuses_to_join() -> None:
     common = ["--steps", "8", "--timeout", "20"]
     with LighthouseServer("127.0.0.1:0", min_replicas=1, join_timeout=30.0, heartbeat_timeout=5.0,
                           quorum_tick=0.05).start() as lh:
-        s0, g0 = _start_group(0, 2, lh.address, common)
+        # Group 0 steps slowly: it must still be training when group 1 (starting only now) asks.
+        s0, g0 = _start_group(0, 2, lh.address, [*common, "--step-sleep", "1.5"])
         wait_for(lambda: any(g["replica_id"] == "rg0" for g in lh.status()["groups"]), 90, "group 0 at the lighthouse")
         s1, g1 = _start_group(1, 2, lh.address, [*common, "--layers", "3"])
         try:

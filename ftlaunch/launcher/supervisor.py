@@ -123,6 +123,8 @@ class Supervisor:
         #: The lighthouse formed a quorum of two groups or more: the groups train together and heal
         #: from each other (fault-tolerant training, not independent scripts), see `_stop_stragglers`.
         self._trained_together = False
+        #: Groups whose workers failed with no restarts left: their agent ends them as failed.
+        self._out_of_restarts: set[int] = set()
         self._takeovers = Takeovers(opts.replicas) if opts.spares else None
         self._status: StatusLine | None = None
         self._exit_root_cause: str | None = None
@@ -421,6 +423,8 @@ class Supervisor:
             if failure is not None:
                 self._report_failure(group, failure)
                 then = "its agent restarts the group" if self.opts.max_restarts > restart else "no restarts left"
+                if self.opts.max_restarts <= restart:
+                    self._out_of_restarts.add(group.gid)  # it fails on its own: not a straggler to stop
                 self.console.err(f"[ftlaunch] replica group {group.gid}: {failure}; lighthouse told; {then}")
 
     def _check_agent(self, group: Group, now: float) -> None:
@@ -450,6 +454,8 @@ class Supervisor:
             return
         for group in self.groups:
             if group.terminal or group.finishing or (group.failure_at is None and group.state != STARTING):
+                continue
+            if group.gid in self._out_of_restarts:
                 continue
             agent = self._agents.get(group.gid)
             victims = self._group_processes(group)

@@ -23,6 +23,7 @@ a child.
 from __future__ import annotations
 
 import logging
+import subprocess
 import threading
 import time
 import weakref
@@ -220,7 +221,7 @@ class ProcessGroupBaby(ProcessGroup):
         with self._lock:
             child = self._child
             # An idle child's death is noticed at its next op; look now, and replace it early.
-            if child is None or not child.healthy or child.proc.poll() is not None:
+            if child is None or not child.healthy or _exited(child.proc):
                 if child is not None:
                     self._close_child(child, graceful=False)
                 with self._spare_lock:
@@ -474,3 +475,15 @@ class ProcessGroupBabyNCCL(ProcessGroupBaby):
     def _check_usable(self) -> None:
         if not torch.cuda.is_available():
             raise NotImplementedError("ProcessGroupBabyNCCL needs CUDA, which is not available")
+
+
+def _exited(proc: subprocess.Popen[bytes]) -> bool:
+    """Whether ``proc`` has exited, also while another thread (the child's reader, which reaps it on
+    a closed connection) holds its waitpid lock and `poll` answers None: a zombie has exited."""
+    if proc.poll() is not None:
+        return True
+    try:
+        with open(f"/proc/{proc.pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] in (b"Z", b"X")
+    except (OSError, IndexError):
+        return False

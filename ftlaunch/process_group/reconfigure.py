@@ -203,15 +203,17 @@ class ReconfigureWork(dist.Work):
         self._future: torch.futures.Future[None] = torch.futures.Future()
 
         def _run() -> None:
+            # Completed (is_completed, wait) before the future is: whoever the future wakes sees a
+            # completed Work.
             try:
                 run()
             except BaseException as e:  # noqa: BLE001 - handed to whoever waits
                 self._error = e
+                self._done.set()
                 self._future.set_exception(e)  # type: ignore[arg-type]  # torch's stub: Optional[T]
             else:
-                self._future.set_result(None)
-            finally:
                 self._done.set()
+                self._future.set_result(None)
 
         threading.Thread(target=_run, name="ftlaunch-reconfigure", daemon=True).start()
 

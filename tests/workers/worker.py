@@ -75,8 +75,14 @@ def main() -> int:
         from ftlaunch.lighthouse.client import LighthouseClient
         from ftlaunch.lighthouse.progress import ProgressReport
 
-        reporter = shared if shared is not None else LighthouseClient(
-            os.environ["FTLAUNCH_LIGHTHOUSE"], connect_timeout=10, token=os.environ.get("FTLAUNCH_TOKEN"))
+        if shared is None:
+            reporter = LighthouseClient(os.environ["FTLAUNCH_LIGHTHOUSE"], connect_timeout=10,
+                                        token=os.environ.get("FTLAUNCH_TOKEN"))
+            # Like a Manager's leader: a heartbeat connection bound to the id, so the lighthouse sees
+            # this process die at once and its restart may take the id (one incarnation at a time).
+            reporter.start_heartbeat(f"rg{group}", 0.5)
+        else:
+            reporter = shared
         session = f"worker-{os.getpid()}"
         # A restart (torchelastic's, or a respawned agent's: the lighthouse knows the group already).
         again = restart > 0 or reporter.snapshot().group_progress(f"rg{group}") is not None
