@@ -27,25 +27,23 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
-def _seconds(text: str) -> float:
+def _nonneg_number(text: str, unit: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+        raise argparse.ArgumentTypeError(f"not a number of {unit}: {text!r}") from None
     if not math.isfinite(value) or value < 0:
         raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
     return value
 
 
+def _seconds(text: str) -> float:
+    return _nonneg_number(text, "seconds")
+
+
 def _milliseconds(text: str) -> float:
     """torchft's ``*_ms`` flags: milliseconds, returned in seconds."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of milliseconds: {text!r}") from None
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
-    return value / 1000.0
+    return _nonneg_number(text, "milliseconds") / 1000.0
 
 
 def _positive_int(text: str) -> int:

@@ -376,12 +376,13 @@ def _progress(obj: dict[str, Any]) -> ProgressReport | None:
         raise HttpError(400, f"bad progress: {e}") from None
 
 
-class _QuorumPoll:
-    """A parked ``POST /quorum`` as the transport sees it (`http.LongPoll`)."""
+class _Poll:
+    """What a parked request (`http.LongPoll`) holds: its routes, its ticket (anything with
+    ``add_done_callback``), its timeout and the request it answers."""
 
     __slots__ = ("_routes", "_ticket", "timeout", "_request")
 
-    def __init__(self, routes: Routes, ticket: QuorumTicket, timeout: float, request: Request) -> None:
+    def __init__(self, routes: Routes, ticket: Any, timeout: float, request: Request) -> None:
         self._routes = routes
         self._ticket = ticket
         self.timeout = timeout
@@ -389,6 +390,13 @@ class _QuorumPoll:
 
     def on_ready(self, callback: Callable[[], None]) -> None:
         self._ticket.add_done_callback(lambda _ticket: callback())
+
+
+class _QuorumPoll(_Poll):
+    """A parked ``POST /quorum`` as the transport sees it (`http.LongPoll`)."""
+
+    __slots__ = ()
+    _ticket: QuorumTicket
 
     def expire(self) -> None:
         self._routes._membership.expire(self._ticket, self.timeout)
@@ -429,19 +437,11 @@ def _claim(routes: Routes, request: Request) -> LongPoll:
     return _ClaimPoll(routes, ticket, timeout, request)
 
 
-class _ClaimPoll:
+class _ClaimPoll(_Poll):
     """A parked ``POST /claim`` (`http.LongPoll`): a grant, ``done`` or, at its timeout, "ask again"."""
 
-    __slots__ = ("_routes", "_ticket", "timeout", "_request")
-
-    def __init__(self, routes: Routes, ticket: ClaimTicket, timeout: float, request: Request) -> None:
-        self._routes = routes
-        self._ticket = ticket
-        self.timeout = timeout
-        self._request = request
-
-    def on_ready(self, callback: Callable[[], None]) -> None:
-        self._ticket.add_done_callback(lambda _ticket: callback())
+    __slots__ = ()
+    _ticket: ClaimTicket
 
     def expire(self) -> None:
         self._routes._membership.end_claim(self._ticket, timed_out=True)
