@@ -452,6 +452,10 @@ class Supervisor:
         whose groups run independently may still finish alone."""
         if not self._trained_together or not any(g.state == SUCCEEDED or g.finishing for g in self.groups):
             return
+        if self.opts.spares:
+            # A restarted group comes back as a spare, which the lighthouse tells "done" at the end;
+            # stopping it here would also drop its failure's accounting (a spare took over its slot).
+            return
         for group in self.groups:
             if group.terminal or group.finishing or (group.failure_at is None and group.state != STARTING):
                 continue
