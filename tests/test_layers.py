@@ -144,6 +144,7 @@ LIGHTHOUSE_RANKS: dict[str, int] = {
     "quorum": 0,  # the pure decision
     "slots": 0,  # the pure rule: which spare takes which replica-group slot
     "progress": 0,  # training progress the group leaders report, and its totals (pure)
+    "quorum_delta": 1,  # a quorum as the difference from one a member holds (pure; server and client)
     "status": 1,  # the typed status document
     "spares": 1,  # the slot table of a job with hot spares (no HTTP)
     "membership": 2,  # bookkeeping: groups, quorum requests, domain errors
@@ -154,15 +155,16 @@ LIGHTHOUSE_RANKS: dict[str, int] = {
     "client": 2,
     "reconnect": 3,  # the leader's client riding out a lighthouse outage
     "transport": 3,  # asyncio connections, long polls, identities
-    "routes": 3,  # endpoints: JSON, token, domain errors -> status codes
-    "server": 4,  # composes them
-    "cli": 5,
-    "__main__": 6,
-    "__init__": 6,  # the package's re-exports
+    "answers": 3,  # quorum answers encoded once per quorum and held revision (whole or delta)
+    "routes": 4,  # endpoints: JSON, token, domain errors -> status codes
+    "server": 5,  # composes them
+    "cli": 6,
+    "__main__": 7,
+    "__init__": 7,  # the package's re-exports
 }
 
 #: Lighthouse modules that do no I/O: they may not import sockets, event loops or HTTP.
-LIGHTHOUSE_NO_IO = {"protocol", "quorum", "progress", "slots", "status", "spares", "membership", "dashboard"}
+LIGHTHOUSE_NO_IO = {"protocol", "quorum", "quorum_delta", "progress", "slots", "status", "spares", "membership", "dashboard"}
 _IO_MODULES = {"socket", "selectors", "select", "asyncio", "http", "urllib", "ssl"}
 
 

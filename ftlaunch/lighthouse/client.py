@@ -32,6 +32,7 @@ from ftlaunch.errors import EvictedError, LighthouseError, LighthouseUnavailable
 from ftlaunch.lighthouse.progress import ProgressReport
 from ftlaunch.lighthouse.protocol import API_VERSION, INCARNATION_HEADER, PATH_PREFIX, REPLICA_HEADER
 from ftlaunch.lighthouse.quorum import Quorum, QuorumMember
+from ftlaunch.lighthouse.quorum_delta import apply_delta
 from ftlaunch.lighthouse.spares import ClaimGrant
 from ftlaunch.lighthouse.status import LighthouseStatus
 
@@ -306,6 +307,11 @@ class LighthouseClient:
         #: Whether the lighthouse ever answered this client (so an unreachable one is an outage,
         #: not a wrong address).
         self.answered = False
+        #: The newest quorum answer received, by its revision: sent as ``known`` so that the next
+        #: answer can be a delta from it (lighthouse/quorum_delta.py). None until a lighthouse that
+        #: names revisions answered, and after one refused the field (an older lighthouse).
+        self._held: tuple[str, Quorum] | None = None
+        self._deltas_refused = False
 
     def _note_connection(self, ok: bool) -> None:
         if ok:
@@ -373,20 +379,46 @@ class LighthouseClient:
         progress = self._unsent_progress(member.replica_id)
         if progress is not None:
             body["progress"] = progress
+        with self._lock:
+            held = None if self._deltas_refused else self._held
+        if held is not None:
+            body["known"] = held[0]
+        what = f"quorum request of {member.replica_id}"
+        read_timeout = timeout + min(self._connect_timeout, LONG_POLL_GRACE)
         try:
-            obj = self._call(
-                "/quorum",
-                body,
-                f"quorum request of {member.replica_id}",
-                read_timeout=timeout + min(self._connect_timeout, LONG_POLL_GRACE),
-            )
+            status, obj = self._channel().call("POST", PATH_PREFIX + "/quorum", body, read_timeout=read_timeout)
+            if status == 400 and held is not None and "'known'" in str(obj.get("error", "")):
+                # A lighthouse older than answer deltas (restarted from an older install): ask as before.
+                log.info("lighthouse client: the lighthouse does not know quorum deltas; asking for whole quorums")
+                with self._lock:
+                    self._deltas_refused = True
+                del body["known"]
+                held = None
+                status, obj = self._channel().call("POST", PATH_PREFIX + "/quorum", body, read_timeout=read_timeout)
+            _raise_for(status, obj, what)
         except EvictedError:
             self._note_evicted(member.replica_id, told=True)
             raise
+        return self._take_quorum(obj, held)
+
+    def _take_quorum(self, answer: dict, held: tuple[str, Quorum] | None) -> Quorum:
+        """The whole quorum of a 200 answer (rebuilt from ``held`` when it is a delta); remembers it
+        by the answer's revision for the next request."""
         try:
-            return Quorum.from_json(obj.get("quorum"))
+            delta = answer.get("delta")
+            if delta is None:
+                quorum = Quorum.from_json(answer.get("quorum"))
+            elif held is None or not isinstance(delta, dict) or delta.get("base") != held[0]:
+                raise ValueError("a delta from a quorum this client did not name")
+            else:
+                quorum = apply_delta(held[1], delta)
         except (TypeError, ValueError) as e:
             raise LighthouseError(f"lighthouse sent a malformed quorum: {e}") from None
+        revision = answer.get("revision")
+        if isinstance(revision, str):
+            with self._lock:
+                self._held = (revision, quorum)
+        return quorum
 
     def _heartbeat(
         self, channel: _Channel, replica_id: str, *, bind: bool = False, stop: threading.Event | None = None

@@ -21,6 +21,7 @@ from urllib.parse import urlsplit
 
 from ftlaunch.env import FTLAUNCH_TOKEN
 from ftlaunch.lighthouse import dashboard, metrics
+from ftlaunch.lighthouse.answers import QuorumAnswers
 from ftlaunch.lighthouse.http import Head, HttpError, LongPoll, Request, Response
 from ftlaunch.lighthouse.limits import WarningLimiter
 from ftlaunch.lighthouse.membership import (
@@ -170,7 +171,7 @@ class Routes:
             "/claim": {"POST": self._claim},
             **self._progress_routes(),
         }
-        self._last_answer: tuple[Quorum, Response] | None = None
+        self._answers = QuorumAnswers()
         self._warnings = WarningLimiter()
         self._paths: dict[str, str] = {}  # request path -> route path (a client sends the same ones)
 
@@ -220,7 +221,7 @@ class Routes:
 
     def _quorum(self, request: Request) -> LongPoll:
         obj = self._read_json(request)
-        _expect(obj, {"member": (dict,)}, {"timeout": (float, int), "progress": (dict,)})
+        _expect(obj, {"member": (dict,)}, {"timeout": (float, int), "progress": (dict,), "known": (str,)})
         try:
             member = QuorumMember.from_json(obj["member"])
             # Encoded once before it can be installed in a quorum: a member every answer and /status
@@ -234,7 +235,7 @@ class Routes:
             raise HttpError(400, f"timeout must be in (0, {MAX_QUORUM_TIMEOUT:g}] seconds, got {timeout:g}")
         ticket = self._membership.request_quorum(member, _progress(obj), incarnation=_incarnation(request))
         self._bind(request, rid)
-        return _QuorumPoll(self, ticket, timeout, request)
+        return _QuorumPoll(self, ticket, timeout, request, obj.get("known"))
 
     def _heartbeat(self, request: Request) -> Response:
         obj = self._read_json(request)
@@ -352,17 +353,11 @@ class Routes:
 
     # -- quorum answers
 
-    def quorum_response(self, quorum: Quorum) -> Response:
-        """The 200 answer for ``quorum``: encoded once, the same bytes for every member."""
-        last = self._last_answer
-        if last is not None and last[0] is quorum:
-            return last[1]
-        # Compact separators: every member gets the whole quorum, so with N groups a round writes
-        # N answers of O(N) bytes; the spaces alone were ~10% of them.
-        body = json.dumps({"quorum": quorum.to_json(), "version": API_VERSION}, separators=(",", ":"))
-        response = Response(200, body.encode())
-        self._last_answer = (quorum, response)
-        return response
+    def quorum_response(self, quorum: Quorum, known: str | None = None) -> Response:
+        """The 200 answer for ``quorum`` to a member holding the answer revision ``known``: the whole
+        quorum, or a delta from the one it holds (`answers.QuorumAnswers`; event-loop thread).
+        Encoded once per quorum and held revision: every member holding the same gets the same bytes."""
+        return self._answers.response(quorum, known)
 
 
 def _progress(obj: dict[str, Any]) -> ProgressReport | None:
@@ -393,10 +388,15 @@ class _Poll:
 
 
 class _QuorumPoll(_Poll):
-    """A parked ``POST /quorum`` as the transport sees it (`http.LongPoll`)."""
+    """A parked ``POST /quorum`` as the transport sees it (`http.LongPoll`), with the answer
+    revision its member holds (``known``), if it named one."""
 
-    __slots__ = ()
+    __slots__ = ("_known",)
     _ticket: QuorumTicket
+
+    def __init__(self, routes: Routes, ticket: QuorumTicket, timeout: float, request: Request, known: str | None) -> None:
+        super().__init__(routes, ticket, timeout, request)
+        self._known = known
 
     def expire(self) -> None:
         self._routes._membership.expire(self._ticket, self.timeout)
@@ -407,7 +407,7 @@ class _QuorumPoll(_Poll):
     def answer(self) -> Response | None:
         ticket = self._ticket
         if ticket.quorum is not None:
-            return self._routes.quorum_response(ticket.quorum)
+            return self._routes.quorum_response(ticket.quorum, self._known)
         if ticket.error is None or isinstance(ticket.error, Abandoned):
             return None
         error = HttpError(ERROR_STATUS[type(ticket.error)], str(ticket.error))
