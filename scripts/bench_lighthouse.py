@@ -17,13 +17,15 @@ answer) and once with the requests spread over 20 ms, as when groups finish thei
 different times. Like http.client, each simulated group sends the same request line and headers
 every round, which lets the server reuse its parse of them (see transport.py); the "burst, heads
 vary" row adds a header that changes every round, so every request is parsed in full (the worst
-case, as for a client that sends a fresh header each time). The 1024-group row is a burst too.
+case, as for a client that sends a fresh header each time). The 1024-group rows and the small-job
+rows (4 groups) are bursts, once with answers as deltas (as LighthouseClient gets them) and once
+"whole" (every group gets the whole quorum, as an older client does): before and after, in one run.
 
 "server CPU" is the CPU time (user + system) the lighthouse process spent per round, heartbeats
 included: on a shared host it moves much less with the load than the round trip does.
 
     python scripts/bench_lighthouse.py [--rounds 500] [--rounds64 200] [--spread64 20] [--rounds1024 30]
-        [--groups-large 1024] [--client64]
+        [--groups-large 1024] [--small 4] [--scale-only] [--client64]
 """
 
 from __future__ import annotations
@@ -85,7 +87,8 @@ def _group_worker(addr: str, rids: list[str], rounds: int, warmup: int, barrier,
 
 
 def _sim_worker(
-    addr: str, rids: list[str], rounds: int, warmup: int, barrier, out, spread: float = 0.0, vary_head: bool = False
+    addr: str, rids: list[str], rounds: int, warmup: int, barrier, out, spread: float = 0.0, vary_head: bool = False,
+    full: bool = False,
 ) -> None:
     """Lightweight simulated groups: raw keep-alive sockets driven by one selector loop.
 
@@ -94,7 +97,11 @@ def _sim_worker(
     group still has its own quorum connection and its own bound heartbeat connection (100 ms).
     ``spread`` > 0 staggers each round's requests uniformly over that many seconds (groups finish
     their steps at different times); 0 sends them all at once (burst). ``vary_head`` adds an
-    ``X-Bench-Step`` header, so no two requests of a connection share their head.
+    ``X-Bench-Step`` header, so no two requests of a connection share their head. Like
+    LighthouseClient, each group names the answer revision it holds (``known``), so the lighthouse
+    answers with a delta (docs/lighthouse.md); ``full`` leaves it out, as an older client does, and
+    every group gets the whole quorum. The groups of one process share the decode of one answer a
+    round (the answers of a round are the same bytes).
     """
     import json
     import random
@@ -159,6 +166,8 @@ def _sim_worker(
     last_beat = time.perf_counter()
     times: dict[str, list[tuple[float, float]]] = {rid: [] for rid in rids}
     ids = set()
+    kinds = set()
+    known: str | None = None
     for step in range(warmup + rounds):
         sent: dict[str, float] = {}
         start = time.perf_counter()
@@ -167,10 +176,10 @@ def _sim_worker(
         while len(got) < len(rids):
             while due and due[0][0] <= time.perf_counter():
                 _, rid = due.pop(0)
-                req = post(
-                    "/v1/quorum", {"member": {"replica_id": rid, "step": step}, "timeout": 60},
-                    step=step if vary_head else None,
-                )
+                ask: dict = {"member": {"replica_id": rid, "step": step}, "timeout": 60}
+                if known is not None and not full:
+                    ask["known"] = known
+                req = post("/v1/quorum", ask, step=step if vary_head else None)
                 sent[rid] = time.perf_counter()
                 qsocks[rid].sendall(req)
             timeout = max(0.0, due[0][0] - time.perf_counter()) if due else None
@@ -180,7 +189,11 @@ def _sim_worker(
                 if body is not None:
                     got[rid] = time.perf_counter()
                     if len(got) == 1:
-                        ids.add(json.loads(body)["quorum"]["quorum_id"])
+                        answer = json.loads(body)
+                        kind = "delta" if "delta" in answer else "quorum"
+                        kinds.add(kind)
+                        ids.add(answer[kind]["quorum_id"])
+                        known = answer.get("revision")
         if step >= warmup:
             for rid in rids:
                 times[rid].append((sent[rid], got[rid]))
@@ -196,6 +209,7 @@ def _sim_worker(
     for rid in rids:
         out.put((rid, times[rid]))
     out.put(("ids", sorted(ids)))
+    out.put(("kinds", sorted(kinds)))
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -205,7 +219,7 @@ def _pct(values: list[float], q: float) -> float:
 
 def bench_quorum(
     groups: int, procs: int, rounds: int, *, simulated: bool, spread: float = 0.0, vary_head: bool = False,
-    warmup: int = 20,
+    warmup: int = 20, full: bool = False,
 ) -> dict:
     import psutil
 
@@ -219,7 +233,7 @@ def bench_quorum(
         out = ctx.Queue()
         if simulated:
             workers = [
-                ctx.Process(target=_sim_worker, args=(addr, c, rounds, warmup, barrier, out, spread, vary_head))
+                ctx.Process(target=_sim_worker, args=(addr, c, rounds, warmup, barrier, out, spread, vary_head, full))
                 for c in chunks
             ]
         else:
@@ -231,10 +245,13 @@ def bench_quorum(
         cpu_start = sum(lighthouse.cpu_times()[:2])
         results = {}
         ids: set[int] = set()
-        for _ in range(groups + (procs if simulated else 0)):
+        kinds: set[str] = set()
+        for _ in range(groups + (2 * procs if simulated else 0)):
             key, value = out.get(timeout=600)
             if key == "ids":
                 ids.update(value)
+            elif key == "kinds":
+                kinds.update(value)
             else:
                 results[key] = value
         cpu = sum(lighthouse.cpu_times()[:2]) - cpu_start
@@ -244,6 +261,8 @@ def bench_quorum(
                 raise SystemExit(f"benchmark worker failed with exit code {w.exitcode}")
         if simulated and len(ids) != 1:
             raise SystemExit(f"expected one quorum id for unchanged membership, got {sorted(ids)}")
+        if simulated and ("delta" in kinds) == full:
+            raise SystemExit(f"expected {'whole quorums' if full else 'deltas'} as answers, got {sorted(kinds)}")
     finally:
         server.terminate()
         server.wait(10)
@@ -258,6 +277,7 @@ def bench_quorum(
     return {
         "kind": (
             (f"sim, {spread * 1000:g} ms spread" if spread else "sim, burst") + (", heads vary" if vary_head else "")
+            + (", whole" if full else "")
             if simulated else "LighthouseClient"
         ),
         "groups": groups,
@@ -320,6 +340,9 @@ def main() -> None:
     p.add_argument("--rounds1024", type=int, default=30, help="measured rounds with --groups-large groups")
     p.add_argument("--groups-large", type=int, default=1024, help="groups of the large burst row (0: skip it)")
     p.add_argument("--hb-seconds", type=float, default=3.0)
+    p.add_argument("--small", type=int, default=4, help="groups of the small-job rows (0: skip them)")
+    p.add_argument("--scale-only", action="store_true",
+                   help="only the rows that compare delta and whole answers (small job, --groups-large) and heartbeats")
     p.add_argument("--client64", action="store_true",
                    help="also run 64 groups as real LighthouseClient threads (measures client CPU on few cores)")
     args = p.parse_args()
@@ -332,14 +355,22 @@ def main() -> None:
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     print(f"lighthouse benchmark on {os.cpu_count()} CPU(s), Python {sys.version.split()[0]}, "
           f"load average {load} (other work on the host inflates every figure)", flush=True)
-    rows = [
+    rows = [] if args.scale_only else [
         bench_quorum(2, 2, args.rounds, simulated=False),
         bench_quorum(64, args.procs64, args.rounds64, simulated=True),
         bench_quorum(64, args.procs64, args.rounds64, simulated=True, spread=args.spread64 / 1000),
         bench_quorum(64, args.procs64, args.rounds64, simulated=True, vary_head=True),
     ]
+    # Answers as deltas (what LighthouseClient gets) beside whole quorums (what an older client, or
+    # one naming no revision, gets): a small job must not get slower, a large one is the point.
+    if args.small:
+        for full in (False, True):
+            rows.append(bench_quorum(args.small, min(args.small, args.procs64), args.rounds64, simulated=True, full=full))
     if args.groups_large:
-        rows.append(bench_quorum(args.groups_large, args.procs64, args.rounds1024, simulated=True, warmup=5))
+        for full in (False, True):
+            rows.append(
+                bench_quorum(args.groups_large, args.procs64, args.rounds1024, simulated=True, warmup=5, full=full)
+            )
     if args.client64:
         rows.append(bench_quorum(64, args.procs64, args.rounds64, simulated=False))
     print("\nfast-quorum round trip (last request sent -> every group has the quorum)")

@@ -34,8 +34,15 @@ CACHED_DELTAS = 16
 class _Entry:
     quorum: Quorum
     revision: str
-    full: Response
+    #: The whole quorum's answer, encoded when a member first needs it (in a steady job none does).
+    _full: Response | None = None
     deltas: dict[str, Response] = field(default_factory=dict)
+
+    @property
+    def full(self) -> Response:
+        if self._full is None:
+            self._full = _encode({"quorum": self.quorum.to_json(), "revision": self.revision, "version": API_VERSION})
+        return self._full
 
 
 def _encode(payload: dict) -> Response:
@@ -76,7 +83,6 @@ class QuorumAnswers:
                 return entry
         self._count += 1
         revision = f"{self._prefix}-{self._count}"
-        full = _encode({"quorum": quorum.to_json(), "revision": revision, "version": API_VERSION})
-        entry = _Entry(quorum, revision, full)
+        entry = _Entry(quorum, revision)
         self._entries.append(entry)
         return entry
