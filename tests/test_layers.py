@@ -147,7 +147,10 @@ LIGHTHOUSE_RANKS: dict[str, int] = {
     "quorum_delta": 1,  # a quorum as the difference from one a member holds (pure; server and client)
     "status": 1,  # the typed status document
     "spares": 1,  # the slot table of a job with hot spares (no HTTP)
-    "membership": 2,  # bookkeeping: groups, quorum requests, domain errors
+    "tickets": 1,  # a parked quorum request and the membership's domain errors
+    "membership_spares": 2,  # the membership's hot-spare glue (a mixin)
+    "membership_status": 2,  # the membership's status, progress and kill requests (a mixin)
+    "membership": 3,  # bookkeeping: groups, quorum requests
     "http": 2,  # request/response types, http.server's head parsing
     "limits": 2,  # connection cap, warnings per client: bounds a client cannot push
     "dashboard": 2,  # HTML from a status
@@ -164,7 +167,10 @@ LIGHTHOUSE_RANKS: dict[str, int] = {
 }
 
 #: Lighthouse modules that do no I/O: they may not import sockets, event loops or HTTP.
-LIGHTHOUSE_NO_IO = {"protocol", "quorum", "quorum_delta", "progress", "slots", "status", "spares", "membership", "dashboard"}
+LIGHTHOUSE_NO_IO = {
+    "protocol", "quorum", "quorum_delta", "progress", "slots", "status", "spares", "tickets",
+    "membership_spares", "membership_status", "membership", "dashboard",
+}
 _IO_MODULES = {"socket", "selectors", "select", "asyncio", "http", "urllib", "ssl"}
 
 

@@ -7,8 +7,9 @@ connection, a failure report, an eviction, a leave, a tick) it asks the pure
 waiting requests' `QuorumTicket`s. How an answer reaches a group is not its business: a ticket is
 resolved once, with a `Quorum` or a `MembershipError`, and calls back whoever waits on it.
 
-It knows no status codes and no sockets: refusals are the small domain errors below, which
-``routes.py`` maps to HTTP. Every method is thread-safe (one lock): the transport calls it from its
+It knows no status codes and no sockets: refusals are the small domain errors of `tickets` (re-exported
+here), which ``routes.py`` maps to HTTP. The hot-spare glue (`membership_spares`) and the status and
+progress reports (`membership_status`) are mixed in from modules of their own. Every method is thread-safe (one lock): the transport calls it from its
 event loop, a supervisor from its own threads (`report_failure`, `snapshot`). The clocks are
 injectable, so unit tests drive it in one process without sleeping (tests/test_lighthouse_membership.py).
 """
@@ -21,11 +22,11 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 
-from ftlaunch.errors import LighthouseError
-from ftlaunch.lighthouse.progress import GroupProgress, ProgressBook, ProgressReport
-from ftlaunch.lighthouse.protocol import MAX_REPLICA_ID_LEN, MAX_RESUME_MEMBERS, RESUME_KEY
+from ftlaunch.lighthouse.membership_spares import SparesMixin
+from ftlaunch.lighthouse.membership_status import GroupInfo, StatusMixin
+from ftlaunch.lighthouse.progress import ProgressBook, ProgressReport
+from ftlaunch.lighthouse.protocol import ANONYMOUS, RESUME_KEY, parse_resume_report
 from ftlaunch.lighthouse.quorum import (
     Connection,
     GroupState,
@@ -39,17 +40,27 @@ from ftlaunch.lighthouse.quorum import (
     group_health,
     may_form,
 )
-from ftlaunch.lighthouse.slots import Holder
-from ftlaunch.lighthouse.spares import ClaimTicket, SpareSlots
-from ftlaunch.lighthouse.status import (
-    GroupStatus,
-    HistoryEvent,
-    LighthouseStatus,
-    SlotStatus,
-    SparesStatus,
-    SpareStatus,
-    StatusOptions,
+from ftlaunch.lighthouse.spares import SpareSlots
+from ftlaunch.lighthouse.status import HistoryEvent
+from ftlaunch.lighthouse.tickets import (
+    Abandoned,
+    Evicted,
+    HeldElsewhere,
+    ImplausibleStep,
+    Left,
+    MembershipError,
+    QuorumTicket,
+    QuorumTimeout,
+    ShuttingDown,
+    Superseded,
+    TooManyGroups,
 )
+
+# The tickets and domain errors are part of this module's interface (routes.py, tests import them here).
+__all__ = [
+    "ADOPTED", "ANONYMOUS", "Abandoned", "Evicted", "HeldElsewhere", "ImplausibleStep", "Left", "MAX_GROUPS",
+    "Membership", "MembershipError", "QuorumTicket", "QuorumTimeout", "ShuttingDown", "Superseded", "TooManyGroups",
+]
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +71,6 @@ HISTORY_LEN = 200
 MAX_GROUPS = 4096
 #: How far past the highest step of any quorum a group's claimed step may be (one committed round).
 MAX_STEP_ADVANCE = 1
-#: Incarnation of a request that names none (a hand-written client): one incarnation like any other.
-ANONYMOUS = ""
 #: The holder of an id a restarted lighthouse only knows from a resume report: whichever process of
 #: the group comes back first takes it.
 ADOPTED = "<adopted>"
@@ -72,110 +81,12 @@ _last_issued_id = 0
 _ids_lock = threading.Lock()
 
 
-class MembershipError(LighthouseError):
-    """A request the membership refuses (or a wait it ends); ``routes.py`` maps each kind to HTTP."""
-
-
-class ShuttingDown(MembershipError):
-    """The lighthouse is stopping: it accepts nothing more."""
-
-
-class Evicted(MembershipError):
-    """The group was evicted; told once, after which the group may join afresh."""
-
-
-class Superseded(MembershipError):
-    """A newer quorum request of the same group replaced this one."""
-
-
-class Left(MembershipError):
-    """The group left while its quorum request waited."""
-
-
-class QuorumTimeout(MembershipError):
-    """No quorum containing the group formed in time; the message says what the decision waited for."""
-
-
-class HeldElsewhere(MembershipError):
-    """The replica id is held by another live incarnation (process) of the group."""
-
-
-class ImplausibleStep(MembershipError):
-    """A group claims a step no quorum led to: it would become every group's healing source
-    (docs/security.md)."""
-
-
-class TooManyGroups(MembershipError):
-    """The lighthouse tracks `MAX_GROUPS` ids already."""
-
-
-class Abandoned(MembershipError):
-    """The requester went away (its connection closed): there is nobody to answer."""
-
-
-class QuorumTicket:
-    """One parked quorum request: resolved exactly once, with a quorum or a `MembershipError`.
-
-    Callbacks run in the thread that resolves it (or at once, in the caller's, if it already is),
-    so they must be short and thread-safe; the transport's only schedules the answer.
-    """
-
-    __slots__ = ("member", "quorum", "error", "_done", "_callbacks", "_lock")
-
-    def __init__(self, member: QuorumMember) -> None:
-        self.member = member
-        self.quorum: Quorum | None = None
-        self.error: MembershipError | None = None
-        self._done = False
-        self._callbacks: list[Callable[[QuorumTicket], None]] = []
-        self._lock = threading.Lock()
-
-    @property
-    def done(self) -> bool:
-        return self._done
-
-    def add_done_callback(self, callback: Callable[[QuorumTicket], None]) -> None:
-        with self._lock:
-            if not self._done:
-                self._callbacks.append(callback)
-                return
-        callback(self)
-
-    def _resolve(self, quorum: Quorum | None = None, error: MembershipError | None = None) -> bool:
-        with self._lock:
-            if self._done:  # the first answer wins
-                return False
-            self.quorum, self.error, self._done = quorum, error, True
-            callbacks, self._callbacks = self._callbacks, []
-        for callback in callbacks:
-            callback(self)
-        return True
-
-
-@dataclass
-class _GroupInfo:
-    """Per-group facts for the status that the decision does not need."""
-
-    first_seen: float  # wall clock
-    step: int = 0
-    address: str = ""
-    reason: str = ""  # why it is disconnected / failed / silent
-    heartbeats: int = 0
-    silent_noted: bool = False
-    #: Its going down was counted in the progress book (once per incident, until it is back).
-    down_counted: bool = False
-    #: Which process holds the id (`request_quorum`'s ``incarnation``).
-    incarnation: str = ANONYMOUS
-    #: It was a participant of some quorum (ids that never were are forgotten once gone).
-    in_a_quorum: bool = False
-
-
 def _new_ids(wall_clock: Callable[[], float]) -> QuorumIdAllocator:
     with _ids_lock:
         return QuorumIdAllocator(int(wall_clock() * 1000), floor=_last_issued_id)
 
 
-class Membership:
+class Membership(SparesMixin, StatusMixin):
     """The replica groups of one lighthouse and their quorum requests (see the module docstring)."""
 
     def __init__(
@@ -199,7 +110,7 @@ class Membership:
         self._ids = ids if ids is not None else _new_ids(wall_clock)
         self._lock = threading.Lock()
         self._groups: dict[str, GroupState] = {}
-        self._info: dict[str, _GroupInfo] = {}
+        self._info: dict[str, GroupInfo] = {}
         self._requests: dict[str, QuorumMember] = {}
         self._tickets: dict[str, QuorumTicket] = {}
         self._round_start: float | None = None
@@ -381,90 +292,6 @@ class Membership:
             for rid in list(self._tickets):
                 self._drop_request(rid, error=ShuttingDown("lighthouse shutting down"))
 
-    # ------------------------------------------------------------------ status
-
-    def snapshot(
-        self,
-        *,
-        address: str = "",
-        quorum_tick: float = 0.0,
-        admin: bool = False,
-        connections: Callable[[str], int] = lambda replica_id: 0,
-    ) -> LighthouseStatus:
-        """The status now; ``connections`` counts a group's bound connections (the transport's)."""
-        opts = self._options
-        hb = opts.heartbeat_timeout
-        with self._lock:
-            now, wall = self._clock(), self._wall()
-            members = set(self._quorum.replica_ids) if self._quorum else set()
-            groups = tuple(
-                GroupStatus(
-                    replica_id=rid,
-                    health=group_health(g, now, opts),
-                    step=info.step,
-                    address=info.address,
-                    last_seen_age=round(now - g.last_seen, 4),
-                    heartbeat_timeout=hb,
-                    connections=connections(rid),
-                    requesting=rid in self._requests,
-                    in_quorum=rid in members,
-                    heartbeats=info.heartbeats,
-                    reason=info.reason,
-                    first_seen=info.first_seen,
-                )
-                for rid, g, info in ((rid, self._groups[rid], self._info[rid]) for rid in sorted(self._groups))
-            )
-            return LighthouseStatus(
-                address=address,
-                time=wall,
-                options=StatusOptions(
-                    opts.min_replicas, opts.join_timeout, hb, quorum_tick, admin,
-                    expected_replicas=opts.expected_replicas,
-                ),
-                quorum=self._quorum,
-                next_quorum_id=self._ids.peek(),
-                groups=groups,
-                pending=tuple(sorted(self._requests)),
-                decision=self._waiting_reason(now),
-                evicted=tuple(sorted(self._evicted)),
-                history=tuple(reversed(self._history)),
-                spares=self._spares_status(now),
-                progress=self._progress.snapshot(wall),
-                quorum_changes=self._quorum_changes,
-                step_rate=round(self._progress.job_step_rate(wall), 4),
-            )
-
-    # ------------------------------------------------------------------ progress (lighthouse/progress.py)
-
-    def progress(self) -> tuple[GroupProgress, ...]:
-        """Every group's training progress, groups that left or died included (cheaper than
-        `snapshot`: the launcher reads it every tick)."""
-        with self._lock:
-            return self._progress.snapshot(self._wall())
-
-    def kill(self, replica_id: str, reason: str) -> bool:
-        """Tell the group's leader, in the answer to its next heartbeat, to kill its own process
-        (the dashboard's Kill button: a crash on demand). False if the group is unknown."""
-        with self._lock:
-            if replica_id not in self._groups:
-                return False
-            self._kills[replica_id] = reason
-            self._record("kill_requested", replica_id, reason)
-            log.warning("lighthouse: replica %s asked to kill itself: %s", replica_id, reason)
-            return True
-
-    def _report_progress(self, rid: str, progress: ProgressReport | None) -> None:
-        if progress is not None:
-            self._progress.report(rid, progress, self._wall())
-
-    def _count_down(self, rid: str, info: _GroupInfo) -> None:
-        """One failure per incident: a group reported failed whose connection then closes went
-        down once. A kill not yet told is void: it was meant for the process that went down."""
-        self._kills.pop(rid, None)
-        if not info.down_counted:
-            info.down_counted = True
-            self._progress.failed(rid)
-
     # ------------------------------------------------------------------ under the lock
 
     def _record(self, event: str, replica_id: str | None, detail: str = "", quorum: Quorum | None = None) -> None:
@@ -522,7 +349,7 @@ class Membership:
                 self._forget_gone(now, force=True)
                 if len(self._groups) >= self.max_groups:
                     raise TooManyGroups(f"the lighthouse tracks {self.max_groups} replica ids already")
-            self._info[rid] = _GroupInfo(first_seen=self._wall())
+            self._info[rid] = GroupInfo(first_seen=self._wall())
             self._record("joined", rid)
             log.info("lighthouse: replica %s joined", rid)
             self._mark_prev_broken(rid)
@@ -574,7 +401,7 @@ class Membership:
         the reported one, and the members not heard of yet count as live for ``heartbeat_timeout``
         from now, so the quorum waits for them that long instead of forming from whoever came back
         first. Call under the lock. Returns whether the report was adopted."""
-        parsed = _parse_resume_report(report)
+        parsed = parse_resume_report(report)
         if parsed is None:
             log.warning("lighthouse: ignoring a malformed resume report from %s", reporter)
             return False
@@ -586,7 +413,7 @@ class Membership:
         for rid in members:
             if rid not in self._groups:
                 self._groups[rid] = GroupState(rid, now, Connection.CONNECTED)
-                self._info[rid] = _GroupInfo(
+                self._info[rid] = GroupInfo(
                     first_seen=self._wall(), reason=f"expected: member of quorum {quorum_id}", incarnation=ADOPTED
                 )
         detail = f"adopted quorum {quorum_id} of {len(members)} group(s) from a previous lighthouse"
@@ -679,79 +506,3 @@ class Membership:
         self._mark_prev_broken(rid)
         log.warning("lighthouse: replica %s %s: %s", rid, connection.value, reason)
         self._decide(self._clock())
-
-    # ------------------------------------------------------------------ hot spares (lighthouse/spares.py)
-
-    def claim(self, claimant: str, *, slots: int, preferred: int | None) -> ClaimTicket:
-        """Park ``claimant``'s claim for one of the job's ``slots`` replica-group slots (maybe
-        answered at once). The first claim creates the slot table. Raises `ShuttingDown`, or
-        `ClaimError` when ``slots`` differs from the table's."""
-        with self._lock:
-            if self._closed:
-                raise ShuttingDown("lighthouse shutting down")
-            now = self._clock()
-            if self._spares is None:
-                opts = self._options
-                self._spares = SpareSlots(
-                    slots, started=now, arrival_grace=opts.heartbeat_timeout, unclaimed_grace=opts.join_timeout
-                )
-            ticket = self._spares.claim(claimant, preferred, slots, now)
-            self._decide(now)
-        return ticket
-
-    def end_claim(self, ticket: ClaimTicket, *, timed_out: bool) -> None:
-        """A claim's poll ended unanswered: its timeout passed (``timed_out``; the spare asks
-        again) or its connection closed (the spare is gone, unless another rank still waits)."""
-        with self._lock:
-            if self._spares is not None and not ticket.done:
-                self._spares.withdraw(ticket, self._clock(), timed_out=timed_out)
-
-    def _holder(self, rid: str, now: float) -> Holder:
-        g = self._groups.get(rid)
-        if g is None:
-            return Holder.NONE
-        return Holder.LIVE if group_health(g, now, self._options) is Health.LIVE else Holder.DOWN
-
-    def _spares_status(self, now: float) -> SparesStatus | None:
-        spares = self._spares
-        if spares is None:
-            return None
-        slots = tuple(
-            SlotStatus(index, rid, holder, state.value, round(now - at, 3) if at is not None else None)
-            for index, rid, holder, state, at in spares.slots(lambda rid: self._holder(rid, now))
-        )
-        waiting = tuple(
-            SpareStatus(name, preferred, round(now - since, 3), polls) for name, preferred, since, polls in spares.waiting()
-        )
-        return SparesStatus(slots, waiting, spares.promotions, tuple(spares.fenced_names))
-
-    def _reconcile_spares(self, now: float) -> None:
-        """Give claimable slots to waiting claimants; fence and forget the replaced holders."""
-        assert self._spares is not None
-        for change in self._spares.reconcile(now, lambda rid: self._holder(rid, now)):
-            old = change.old
-            if old is not None:
-                self._groups.pop(old, None)
-                self._info.pop(old, None)
-                self._drop_request(old, error=Evicted(f"replica {old} was replaced by {change.new}"))
-                self._mark_prev_broken(old)
-                self._record("replaced", old, f"slot {change.slot} given to {change.claimant} as {change.new}")
-            self._record("claimed", change.new, f"slot {change.slot} by {change.claimant}")
-            log.info(
-                "lighthouse: slot %d given to %s as %s%s", change.slot, change.claimant, change.new,
-                f" (replacing {old})" if old else "",
-            )  # fmt: skip
-
-
-def _parse_resume_report(report: object) -> tuple[int, tuple[str, ...]] | None:
-    """(quorum id, sorted unique member ids) from a resume report, or None if it is malformed."""
-    if not isinstance(report, dict):
-        return None
-    quorum_id, members = report.get("quorum_id"), report.get("members")
-    if isinstance(quorum_id, bool) or not isinstance(quorum_id, int) or quorum_id < 0 or quorum_id >= 1 << 63:
-        return None
-    if not isinstance(members, list) or not members or len(members) > MAX_RESUME_MEMBERS:
-        return None
-    if not all(isinstance(m, str) and 0 < len(m) <= MAX_REPLICA_ID_LEN for m in members):
-        return None
-    return quorum_id, tuple(sorted(set(members)))

@@ -18,6 +18,8 @@ REPLICA_HEADER = "X-Ftlaunch-Replica"
 #: client. A replica id is held by one incarnation at a time; requests without it are one anonymous
 #: incarnation.
 INCARNATION_HEADER = "X-Ftlaunch-Incarnation"
+#: Incarnation of a request that names none (a hand-written client): one incarnation like any other.
+ANONYMOUS = ""
 #: Longest accepted incarnation.
 MAX_INCARNATION_LEN = 64
 
@@ -36,3 +38,16 @@ DEFAULT_QUORUM_TIMEOUT = 60.0
 RESUME_KEY = "resume"
 #: Most members a resume report may name (larger reports are ignored).
 MAX_RESUME_MEMBERS = 100_000
+
+def parse_resume_report(report: object) -> tuple[int, tuple[str, ...]] | None:
+    """(quorum id, sorted unique member ids) from a resume report, or None if it is malformed."""
+    if not isinstance(report, dict):
+        return None
+    quorum_id, members = report.get("quorum_id"), report.get("members")
+    if isinstance(quorum_id, bool) or not isinstance(quorum_id, int) or quorum_id < 0 or quorum_id >= 1 << 63:
+        return None
+    if not isinstance(members, list) or not members or len(members) > MAX_RESUME_MEMBERS:
+        return None
+    if not all(isinstance(m, str) and 0 < len(m) <= MAX_REPLICA_ID_LEN for m in members):
+        return None
+    return quorum_id, tuple(sorted(set(members)))

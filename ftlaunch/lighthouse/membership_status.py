@@ -1,0 +1,168 @@
+"""The membership's reports (`membership.Membership` mixes it in): the status document, the training
+progress, and the admin's kill request that rides on a heartbeat answer.
+
+Why apart: these read the bookkeeping and change nothing the quorum decision sees (a kill is told
+to the group, which then dies like any crashed process), so the rules of who is in a quorum read
+without them. `GroupInfo` lives here because the status is what it is for. Runs under the
+membership's lock like the rest of it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ftlaunch.lighthouse.progress import GroupProgress, ProgressBook, ProgressReport
+from ftlaunch.lighthouse.protocol import ANONYMOUS
+from ftlaunch.lighthouse.quorum import (
+    GroupState,
+    Quorum,
+    QuorumIdAllocator,
+    QuorumMember,
+    QuorumOptions,
+    group_health,
+)
+from ftlaunch.lighthouse.spares import SpareSlots
+from ftlaunch.lighthouse.status import (
+    GroupStatus,
+    HistoryEvent,
+    LighthouseStatus,
+    SparesStatus,
+    StatusOptions,
+)
+
+log = logging.getLogger("ftlaunch.lighthouse.membership")
+
+
+@dataclass
+class GroupInfo:
+    """Per-group facts for the status that the decision does not need."""
+
+    first_seen: float  # wall clock
+    step: int = 0
+    address: str = ""
+    reason: str = ""  # why it is disconnected / failed / silent
+    heartbeats: int = 0
+    silent_noted: bool = False
+    #: Its going down was counted in the progress book (once per incident, until it is back).
+    down_counted: bool = False
+    #: Which process holds the id (`request_quorum`'s ``incarnation``).
+    incarnation: str = ANONYMOUS
+    #: It was a participant of some quorum (ids that never were are forgotten once gone).
+    in_a_quorum: bool = False
+
+
+class StatusMixin:
+    """`Membership`'s status and progress methods; the attributes and helpers below are the membership's."""
+
+    _lock: threading.Lock
+    _clock: Callable[[], float]
+    _wall: Callable[[], float]
+    _options: QuorumOptions
+    _ids: QuorumIdAllocator
+    _groups: dict[str, GroupState]
+    _info: dict[str, GroupInfo]
+    _requests: dict[str, QuorumMember]
+    _quorum: Quorum | None
+    _evicted: dict[str, str]
+    _history: deque[HistoryEvent]
+    _spares: SpareSlots | None
+    _progress: ProgressBook
+    _quorum_changes: int
+    _kills: dict[str, str]
+
+    if TYPE_CHECKING:
+
+        def _waiting_reason(self, now: float) -> str: ...
+
+        def _spares_status(self, now: float) -> SparesStatus | None: ...
+
+        def _record(self, event: str, replica_id: str | None, detail: str = "") -> None: ...
+
+    # ------------------------------------------------------------------ status
+
+    def snapshot(
+        self,
+        *,
+        address: str = "",
+        quorum_tick: float = 0.0,
+        admin: bool = False,
+        connections: Callable[[str], int] = lambda replica_id: 0,
+    ) -> LighthouseStatus:
+        """The status now; ``connections`` counts a group's bound connections (the transport's)."""
+        opts = self._options
+        hb = opts.heartbeat_timeout
+        with self._lock:
+            now, wall = self._clock(), self._wall()
+            members = set(self._quorum.replica_ids) if self._quorum else set()
+            groups = tuple(
+                GroupStatus(
+                    replica_id=rid,
+                    health=group_health(g, now, opts),
+                    step=info.step,
+                    address=info.address,
+                    last_seen_age=round(now - g.last_seen, 4),
+                    heartbeat_timeout=hb,
+                    connections=connections(rid),
+                    requesting=rid in self._requests,
+                    in_quorum=rid in members,
+                    heartbeats=info.heartbeats,
+                    reason=info.reason,
+                    first_seen=info.first_seen,
+                )
+                for rid, g, info in ((rid, self._groups[rid], self._info[rid]) for rid in sorted(self._groups))
+            )
+            return LighthouseStatus(
+                address=address,
+                time=wall,
+                options=StatusOptions(
+                    opts.min_replicas, opts.join_timeout, hb, quorum_tick, admin,
+                    expected_replicas=opts.expected_replicas,
+                ),
+                quorum=self._quorum,
+                next_quorum_id=self._ids.peek(),
+                groups=groups,
+                pending=tuple(sorted(self._requests)),
+                decision=self._waiting_reason(now),
+                evicted=tuple(sorted(self._evicted)),
+                history=tuple(reversed(self._history)),
+                spares=self._spares_status(now),
+                progress=self._progress.snapshot(wall),
+                quorum_changes=self._quorum_changes,
+                step_rate=round(self._progress.job_step_rate(wall), 4),
+            )
+
+    # ------------------------------------------------------------------ progress (lighthouse/progress.py)
+
+    def progress(self) -> tuple[GroupProgress, ...]:
+        """Every group's training progress, groups that left or died included (cheaper than
+        `snapshot`: the launcher reads it every tick)."""
+        with self._lock:
+            return self._progress.snapshot(self._wall())
+
+    def kill(self, replica_id: str, reason: str) -> bool:
+        """Tell the group's leader, in the answer to its next heartbeat, to kill its own process
+        (the dashboard's Kill button: a crash on demand). False if the group is unknown."""
+        with self._lock:
+            if replica_id not in self._groups:
+                return False
+            self._kills[replica_id] = reason
+            self._record("kill_requested", replica_id, reason)
+            log.warning("lighthouse: replica %s asked to kill itself: %s", replica_id, reason)
+            return True
+
+    def _report_progress(self, rid: str, progress: ProgressReport | None) -> None:
+        if progress is not None:
+            self._progress.report(rid, progress, self._wall())
+
+    def _count_down(self, rid: str, info: GroupInfo) -> None:
+        """One failure per incident: a group reported failed whose connection then closes went
+        down once. A kill not yet told is void: it was meant for the process that went down."""
+        self._kills.pop(rid, None)
+        if not info.down_counted:
+            info.down_counted = True
+            self._progress.failed(rid)
