@@ -157,7 +157,8 @@ LIGHTHOUSE_RANKS: dict[str, int] = {
     "metrics": 2,  # Prometheus text from a status (prometheus_client)
     "client": 2,
     "reconnect": 3,  # the leader's client riding out a lighthouse outage
-    "transport": 3,  # asyncio connections, long polls, identities
+    "connection": 3,  # one client connection: parsing, answering, long polls, deadlines
+    "transport": 4,  # the asyncio server: listening, the connection cap, identities
     "answers": 3,  # quorum answers encoded once per quorum and held revision (whole or delta)
     "routes": 4,  # endpoints: JSON, token, domain errors -> status codes
     "server": 5,  # composes them
