@@ -155,6 +155,7 @@ LIGHTHOUSE_RANKS: dict[str, int] = {
     "limits": 2,  # connection cap, warnings per client: bounds a client cannot push
     "dashboard": 2,  # HTML from a status
     "metrics": 2,  # Prometheus text from a status (prometheus_client)
+    "channel": 1,  # one keep-alive HTTP connection to the lighthouse, retries, how answers read
     "client": 2,
     "reconnect": 3,  # the leader's client riding out a lighthouse outage
     "connection": 3,  # one client connection: parsing, answering, long polls, deadlines
