@@ -5,13 +5,18 @@ Why a folder of its own: one process decides, step by step, which replica groups
 through `client`; the launcher hosts or reaches it (`ftlaunch.launcher.lighthouse_host`). Layers
 inside, bottom up (each module imports only those above it in this list; tests/test_layers.py):
 
-- `protocol` (wire constants) and `quorum` (the decision: a pure function of state, clock, options);
-- `status`: the typed status document (``GET /status``, the dashboard, the launcher);
+- `protocol` (wire constants), `quorum` (the decision: a pure function of state, clock, options),
+  `slots`, `progress`;
+- `status`: the typed status document (``GET /status``, the dashboard, the launcher); `spares`;
+  `tickets` (a parked quorum request, the domain errors); `quorum_delta` (a quorum as the
+  difference from one a member holds); `channel` (one request's travel to the lighthouse);
+- `membership_spares`, `membership_status` (mixed into the membership); `http`: request/response
+  types and http.server's parsing; `limits`; `dashboard`; `metrics`; `client`: `LighthouseClient`;
 - `membership`: the bookkeeping (groups, quorum requests, failures, evictions), raising domain
-  errors, with no HTTP and no sockets; `http`: request/response types and http.server's parsing;
-  `dashboard`: HTML from a status; `client`: `LighthouseClient`;
-- `routes`: the endpoints (JSON in and out, the admin token, domain errors as status codes);
-  `transport`: HTTP/1.1 connections on one asyncio event loop, long polls, identities;
+  errors, with no HTTP and no sockets; `connection`: one client connection on the event loop;
+  `answers`: quorum answers, whole or as deltas, each encoded once; `reconnect`;
+- `transport`: the asyncio server (listening, the connection cap, identities); `routes`: the
+  endpoints (JSON in and out, the token, domain errors as status codes);
 - `server`: `LighthouseServer`, composing them; `cli`: ``ftlaunch-lighthouse``.
 
 The wire protocol: docs/lighthouse.md.
