@@ -118,6 +118,10 @@ class Membership(SparesMixin, StatusMixin):
         #: The newest quorum groups reported from a previous lighthouse, until this one forms its own.
         self._adopted: Quorum | None = None
         self._prev_ids: frozenset[str] = frozenset()
+        #: Members of the previous quorum (or the adopted one) with no pending request; None: to be
+        #: recounted. Kept as requests come and go, so `may_form` checks the fast path in O(1): a
+        #: scan of the previous quorum per request made a round of N requests O(N^2).
+        self._prev_missing: set[str] | None = None
         self._prev_broken = False
         self._high_step: int | None = None  # the highest step of any quorum formed (see _check_step)
         self._evicted: dict[str, str] = {}  # replica id -> reason, until the group is told
@@ -165,6 +169,8 @@ class Membership(SparesMixin, StatusMixin):
             ticket = QuorumTicket(member)
             self._tickets[rid] = ticket
             self._requests[rid] = member
+            if self._prev_missing is not None:
+                self._prev_missing.discard(rid)
             if self._round_start is None:
                 self._round_start = now
             self._decide(now)
@@ -409,6 +415,7 @@ class Membership(SparesMixin, StatusMixin):
         if self._adopted is not None and quorum_id <= self._adopted.quorum_id:
             return False
         self._adopted = Quorum(quorum_id, tuple(QuorumMember(rid) for rid in members), created=self._wall())
+        self._prev_missing = None
         self._ids.ensure_above(quorum_id)
         for rid in members:
             if rid not in self._groups:
@@ -421,17 +428,27 @@ class Membership(SparesMixin, StatusMixin):
         log.info("lighthouse: %s reported by %s", detail, reporter)
         return True
 
+    def _prev_ids_now(self) -> frozenset[str]:
+        """The ids of the quorum the next one is compared with (this lighthouse's, or the adopted one)."""
+        if self._quorum is None and self._adopted is not None:
+            return frozenset(self._adopted.replica_ids)
+        return self._prev_ids
+
     def _state(self) -> LighthouseState:
         # A view, not a copy: only used under the lock, and the decision functions do not mutate.
         adopted = self._quorum is None and self._adopted is not None
+        prev = self._adopted if adopted else self._quorum
+        if prev is not None and self._prev_missing is None:  # once per quorum (and per adoption)
+            self._prev_missing = {rid for rid in prev.replica_ids if rid not in self._requests}
         return LighthouseState(
             groups=self._groups,
             requests=self._requests,
             round_start=self._round_start,
-            prev_quorum=self._adopted if adopted else self._quorum,
+            prev_quorum=prev,
             # Whether an adopted quorum's members are the same incarnations is unknown: new id.
             prev_quorum_broken=self._prev_broken or adopted,
             next_quorum_id=self._ids.peek(),
+            prev_missing=self._prev_missing if prev is not None else None,
         )
 
     def _waiting_reason(self, now: float) -> str:
@@ -465,6 +482,7 @@ class Membership(SparesMixin, StatusMixin):
         self._high_step = top if self._high_step is None else max(self._high_step, top)
         changed = self._quorum is None or quorum.quorum_id != self._quorum.quorum_id
         self._quorum = quorum
+        self._prev_missing = None
         self._prev_ids = frozenset(quorum.replica_ids)
         self._prev_broken = False
         for member in quorum.participants:
@@ -490,6 +508,8 @@ class Membership(SparesMixin, StatusMixin):
         if current is None or (ticket is not None and current is not ticket):
             return False
         del self._tickets[rid], self._requests[rid]
+        if self._prev_missing is not None and rid in self._prev_ids_now():
+            self._prev_missing.add(rid)
         if not self._requests:
             self._round_start = None
         current._resolve(error=error)

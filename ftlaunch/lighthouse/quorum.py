@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -221,6 +221,9 @@ class LighthouseState:
     prev_quorum_broken: bool = False
     #: Id to use if the next quorum needs a new one (from `QuorumIdAllocator.peek`).
     next_quorum_id: int = 0
+    #: The members of prev_quorum without a pending request, when the caller keeps them (the
+    #: membership does, so that `may_form` stays O(1) per request); None: `may_form` looks.
+    prev_missing: Collection[str] | None = None
 
 
 @dataclass(frozen=True)
@@ -271,15 +274,23 @@ def may_form(state: LighthouseState, now: float, options: QuorumOptions) -> bool
     requests = state.requests
     if len(requests) < options.min_replicas:
         return False
-    prev = state.prev_quorum
-    if prev is not None and all(p.replica_id in requests for p in prev.participants):
+    prev, missing = state.prev_quorum, state.prev_missing
+    if prev is not None and (
+        not missing if missing is not None else all(p.replica_id in requests for p in prev.participants)
+    ):
         return True  # a fast quorum is possible
     if state.round_start is None or now - state.round_start >= options.join_timeout:
         return True  # the join timeout has passed
-    # Otherwise only "every live group asked" can form: look for a live group that has not asked.
+    # Otherwise only "every live group asked" can form: look for a live group that has not asked,
+    # first among the previous quorum's (usually the first one looked at is).
     cutoff = now - options.heartbeat_timeout
     connected = Connection.CONNECTED
-    for rid, g in state.groups.items():
+    groups = state.groups
+    for rid in missing or ():
+        g = groups.get(rid)
+        if g is not None and rid not in requests and g.connection is connected and g.last_seen >= cutoff:
+            return False
+    for rid, g in groups.items():
         if rid not in requests and g.connection is connected and g.last_seen >= cutoff:
             return False
     return True
