@@ -1,7 +1,8 @@
 """Lighthouse benchmark: fast-quorum round trip (2 real client processes; 64 and 1024 simulated
 groups) and heartbeat throughput, printed beside BRIEF.md's targets and torchft's baseline.
 
-The lighthouse runs as its own process (``python -m ftlaunch.lighthouse``), as in a real job.
+The lighthouse runs as its own process (``python -m ftlaunch.lighthouse``), as in a real job, with
+the settings ``ftlaunch --replicas N`` gives it (``--min-replicas 1 --expected-replicas N``).
 Every group keeps a heartbeat thread running (100 ms, the Manager's default) while it asks for
 quorums, so the server sees realistic background traffic.
 
@@ -44,9 +45,11 @@ TARGET_MS = {2: 1.0, 64: 5.0, 1024: 20.0}
 TORCHFT = {2: "~2 ms"}
 
 
-def _start_lighthouse(min_replicas: int) -> tuple[subprocess.Popen, str]:
+def _start_lighthouse(groups: int) -> tuple[subprocess.Popen, str]:
+    """As ``ftlaunch --replicas N`` hosts it: ``min_replicas`` 1 (the default), the N groups announced
+    (the first quorum waits for them)."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ftlaunch.lighthouse", "--min-replicas", str(min_replicas),
+        [sys.executable, "-m", "ftlaunch.lighthouse", "--min-replicas", "1", "--expected-replicas", str(groups),
          "--join-timeout", "30", "--heartbeat-timeout", "10", "--log-level", "WARNING"],
         stdout=subprocess.PIPE, text=True,
     )
@@ -224,7 +227,7 @@ def bench_quorum(
     import psutil
 
     ctx = mp.get_context("spawn")
-    server, addr = _start_lighthouse(min_replicas=groups)
+    server, addr = _start_lighthouse(groups)
     try:
         width = len(str(groups - 1))
         rids = [f"g{i:0{width}d}" for i in range(groups)]
@@ -315,7 +318,7 @@ def _hb_worker(addr: str, threads: int, seconds: float, out) -> None:
 
 def bench_heartbeats(procs: int, threads: int, seconds: float) -> float:
     ctx = mp.get_context("spawn")
-    server, addr = _start_lighthouse(min_replicas=1)
+    server, addr = _start_lighthouse(0)
     try:
         out = ctx.Queue()
         workers = [ctx.Process(target=_hb_worker, args=(addr, threads, seconds, out)) for _ in range(procs)]
