@@ -150,7 +150,8 @@ LIGHTHOUSE_RANKS: dict[str, int] = {
     "tickets": 1,  # a parked quorum request and the membership's domain errors
     "membership_spares": 2,  # the membership's hot-spare glue (a mixin)
     "membership_status": 2,  # the membership's status, progress and kill requests (a mixin)
-    "membership": 3,  # bookkeeping: groups, quorum requests
+    "membership_resume": 3,  # the membership's adoption of a restarted lighthouse's resume reports (a mixin)
+    "membership": 4,  # bookkeeping: groups, quorum requests
     "http": 2,  # request/response types, http.server's head parsing
     "limits": 2,  # connection cap, warnings per client: bounds a client cannot push
     "dashboard": 2,  # HTML from a status
@@ -161,17 +162,17 @@ LIGHTHOUSE_RANKS: dict[str, int] = {
     "connection": 3,  # one client connection: parsing, answering, long polls, deadlines
     "transport": 4,  # the asyncio server: listening, the connection cap, identities
     "answers": 3,  # quorum answers encoded once per quorum and held revision (whole or delta)
-    "routes": 4,  # endpoints: JSON, token, domain errors -> status codes
-    "server": 5,  # composes them
-    "cli": 6,
-    "__main__": 7,
-    "__init__": 7,  # the package's re-exports
+    "routes": 5,  # endpoints: JSON, token, domain errors -> status codes
+    "server": 6,  # composes them
+    "cli": 7,
+    "__main__": 8,
+    "__init__": 8,  # the package's re-exports
 }
 
 #: Lighthouse modules that do no I/O: they may not import sockets, event loops or HTTP.
 LIGHTHOUSE_NO_IO = {
     "protocol", "quorum", "quorum_delta", "progress", "slots", "status", "spares", "tickets",
-    "membership_spares", "membership_status", "membership", "dashboard",
+    "membership_spares", "membership_status", "membership_resume", "membership", "dashboard",
 }
 _IO_MODULES = {"socket", "selectors", "select", "asyncio", "http", "urllib", "ssl"}
 

@@ -12,11 +12,12 @@ inside, bottom up (each module imports only those above it in this list; tests/t
   difference from one a member holds); `channel` (one request's travel to the lighthouse);
 - `membership_spares`, `membership_status` (mixed into the membership); `http`: request/response
   types and http.server's parsing; `limits`; `dashboard`; `metrics`; `client`: `LighthouseClient`;
+- `membership_resume` (mixed into the membership); `connection`: one client connection on the
+  event loop; `answers`: quorum answers, whole or as deltas, each encoded once; `reconnect`;
 - `membership`: the bookkeeping (groups, quorum requests, failures, evictions), raising domain
-  errors, with no HTTP and no sockets; `connection`: one client connection on the event loop;
-  `answers`: quorum answers, whole or as deltas, each encoded once; `reconnect`;
-- `transport`: the asyncio server (listening, the connection cap, identities); `routes`: the
-  endpoints (JSON in and out, the token, domain errors as status codes);
+  errors, with no HTTP and no sockets; `transport`: the asyncio server (listening, the connection
+  cap, identities);
+- `routes`: the endpoints (JSON in and out, the token, domain errors as status codes);
 - `server`: `LighthouseServer`, composing them; `cli`: ``ftlaunch-lighthouse``.
 
 The wire protocol: docs/lighthouse.md.

@@ -9,24 +9,25 @@ resolved once, with a `Quorum` or a `MembershipError`, and calls back whoever wa
 
 It knows no status codes and no sockets: refusals are the small domain errors of `tickets` (re-exported
 here), which ``routes.py`` maps to HTTP. The hot-spare glue (`membership_spares`) and the status and
-progress reports (`membership_status`) are mixed in from modules of their own. Every method is thread-safe (one lock): the transport calls it from its
+progress reports (`membership_status`) and the adoption of a restarted lighthouse's resume reports
+(`membership_resume`) are mixed in from modules of their own. Every method is thread-safe (one lock): the transport calls it from its
 event loop, a supervisor from its own threads (`report_failure`, `snapshot`). The clocks are
 injectable, so unit tests drive it in one process without sleeping (tests/test_lighthouse_membership.py).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
 
+from ftlaunch.lighthouse.membership_resume import ADOPTED, ResumeMixin
 from ftlaunch.lighthouse.membership_spares import SparesMixin
 from ftlaunch.lighthouse.membership_status import GroupInfo, StatusMixin
 from ftlaunch.lighthouse.progress import ProgressBook, ProgressReport
-from ftlaunch.lighthouse.protocol import ANONYMOUS, RESUME_KEY, parse_resume_report
+from ftlaunch.lighthouse.protocol import ANONYMOUS
 from ftlaunch.lighthouse.quorum import (
     Connection,
     GroupState,
@@ -71,9 +72,6 @@ HISTORY_LEN = 200
 MAX_GROUPS = 4096
 #: How far past the highest step of any quorum a group's claimed step may be (one committed round).
 MAX_STEP_ADVANCE = 1
-#: The holder of an id a restarted lighthouse only knows from a resume report: whichever process of
-#: the group comes back first takes it.
-ADOPTED = "<adopted>"
 
 # The highest quorum id any lighthouse in this process handed out: one started in the same
 # millisecond as its predecessor (tests do that) still starts above it.
@@ -86,7 +84,7 @@ def _new_ids(wall_clock: Callable[[], float]) -> QuorumIdAllocator:
         return QuorumIdAllocator(int(wall_clock() * 1000), floor=_last_issued_id)
 
 
-class Membership(SparesMixin, StatusMixin):
+class Membership(SparesMixin, StatusMixin, ResumeMixin):
     """The replica groups of one lighthouse and their quorum requests (see the module docstring)."""
 
     def __init__(
@@ -388,45 +386,6 @@ class Membership(SparesMixin, StatusMixin):
         if gone:
             self._record("forgotten", gone[0] if len(gone) == 1 else None, f"{len(gone)} id(s) that never joined a quorum")
             log.info("lighthouse: forgot %d replica id(s) that never joined a quorum (e.g. %s)", len(gone), gone[0])
-
-    def _take_resume_report(self, member: QuorumMember, now: float) -> QuorumMember:
-        """Strip ``member``'s resume report (protocol.RESUME_KEY) and, while this lighthouse has formed
-        no quorum yet, adopt the newest one as the previous quorum (see `adopt_resume_report`)."""
-        if RESUME_KEY not in member.data:
-            return member
-        report = member.data[RESUME_KEY]
-        member = dataclasses.replace(member, data={k: v for k, v in member.data.items() if k != RESUME_KEY})
-        if self._quorum is None:
-            self.adopt_resume_report(member.replica_id, report, now)
-        return member
-
-    def adopt_resume_report(self, reporter: str, report: object, now: float) -> bool:
-        """A lighthouse that restarted knows nothing of the job; its groups do. Adopt the newest
-        reported quorum (``{"quorum_id": int, "members": [str]}``) as the previous quorum: the next
-        quorum forms at once when all its members asked (the fast path), always under a new id above
-        the reported one, and the members not heard of yet count as live for ``heartbeat_timeout``
-        from now, so the quorum waits for them that long instead of forming from whoever came back
-        first. Call under the lock. Returns whether the report was adopted."""
-        parsed = parse_resume_report(report)
-        if parsed is None:
-            log.warning("lighthouse: ignoring a malformed resume report from %s", reporter)
-            return False
-        quorum_id, members = parsed
-        if self._adopted is not None and quorum_id <= self._adopted.quorum_id:
-            return False
-        self._adopted = Quorum(quorum_id, tuple(QuorumMember(rid) for rid in members), created=self._wall())
-        self._prev_missing = None
-        self._ids.ensure_above(quorum_id)
-        for rid in members:
-            if rid not in self._groups:
-                self._groups[rid] = GroupState(rid, now, Connection.CONNECTED)
-                self._info[rid] = GroupInfo(
-                    first_seen=self._wall(), reason=f"expected: member of quorum {quorum_id}", incarnation=ADOPTED
-                )
-        detail = f"adopted quorum {quorum_id} of {len(members)} group(s) from a previous lighthouse"
-        self._record("resumed", reporter, detail)
-        log.info("lighthouse: %s reported by %s", detail, reporter)
-        return True
 
     def _prev_ids_now(self) -> frozenset[str]:
         """The ids of the quorum the next one is compared with (this lighthouse's, or the adopted one)."""

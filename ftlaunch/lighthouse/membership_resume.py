@@ -1,0 +1,79 @@
+"""How a restarted lighthouse learns the job back (`membership.Membership` mixes it in): the groups'
+resume reports (docs/lighthouse.md, *When the lighthouse dies*).
+
+Why apart: it runs only until a restarted lighthouse forms its first quorum, and the rules of a
+running job read without it. The report's format is parsed beside the protocol
+(`protocol.parse_resume_report`). Runs under the membership's lock like the rest of it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from ftlaunch.lighthouse.membership_status import GroupInfo
+from ftlaunch.lighthouse.protocol import RESUME_KEY, parse_resume_report
+from ftlaunch.lighthouse.quorum import Connection, GroupState, Quorum, QuorumIdAllocator, QuorumMember
+
+log = logging.getLogger("ftlaunch.lighthouse.membership")
+
+#: The holder of an id a restarted lighthouse only knows from a resume report: whichever process of
+#: the group comes back first takes it.
+ADOPTED = "<adopted>"
+
+
+class ResumeMixin:
+    """`Membership`'s adoption of resume reports; the attributes and helpers below are the membership's."""
+
+    _wall: Callable[[], float]
+    _ids: QuorumIdAllocator
+    _groups: dict[str, GroupState]
+    _info: dict[str, GroupInfo]
+    _quorum: Quorum | None
+    _adopted: Quorum | None
+    _prev_missing: set[str] | None
+
+    if TYPE_CHECKING:
+
+        def _record(self, event: str, replica_id: str | None, detail: str = "") -> None: ...
+
+    def _take_resume_report(self, member: QuorumMember, now: float) -> QuorumMember:
+        """Strip ``member``'s resume report (protocol.RESUME_KEY) and, while this lighthouse has formed
+        no quorum yet, adopt the newest one as the previous quorum (see `adopt_resume_report`)."""
+        if RESUME_KEY not in member.data:
+            return member
+        report = member.data[RESUME_KEY]
+        member = dataclasses.replace(member, data={k: v for k, v in member.data.items() if k != RESUME_KEY})
+        if self._quorum is None:
+            self.adopt_resume_report(member.replica_id, report, now)
+        return member
+
+    def adopt_resume_report(self, reporter: str, report: object, now: float) -> bool:
+        """A lighthouse that restarted knows nothing of the job; its groups do. Adopt the newest
+        reported quorum (``{"quorum_id": int, "members": [str]}``) as the previous quorum: the next
+        quorum forms at once when all its members asked (the fast path), always under a new id above
+        the reported one, and the members not heard of yet count as live for ``heartbeat_timeout``
+        from now, so the quorum waits for them that long instead of forming from whoever came back
+        first. Call under the lock. Returns whether the report was adopted."""
+        parsed = parse_resume_report(report)
+        if parsed is None:
+            log.warning("lighthouse: ignoring a malformed resume report from %s", reporter)
+            return False
+        quorum_id, members = parsed
+        if self._adopted is not None and quorum_id <= self._adopted.quorum_id:
+            return False
+        self._adopted = Quorum(quorum_id, tuple(QuorumMember(rid) for rid in members), created=self._wall())
+        self._prev_missing = None
+        self._ids.ensure_above(quorum_id)
+        for rid in members:
+            if rid not in self._groups:
+                self._groups[rid] = GroupState(rid, now, Connection.CONNECTED)
+                self._info[rid] = GroupInfo(
+                    first_seen=self._wall(), reason=f"expected: member of quorum {quorum_id}", incarnation=ADOPTED
+                )
+        detail = f"adopted quorum {quorum_id} of {len(members)} group(s) from a previous lighthouse"
+        self._record("resumed", reporter, detail)
+        log.info("lighthouse: %s reported by %s", detail, reporter)
+        return True
