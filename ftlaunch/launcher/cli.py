@@ -18,6 +18,7 @@ import shutil
 import sys
 from typing import NoReturn
 
+from ftlaunch.cli_args import OneLineParser, integer, number
 from ftlaunch.errors import ConfigurationError
 from ftlaunch.launcher import torchrun_flags
 from ftlaunch.launcher.options import CHAOS_HELP, ChaosSpec, LaunchOptions
@@ -36,28 +37,6 @@ exit status: 0 the job finished, 1 it failed (root cause printed), 2 bad usage, 
 multi-node replica groups: run one `torchrun --rdzv-backend ftlaunch` per node (docs/launcher.md)."""
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse with one-line errors (the usage block hides the message on small terminals)."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"ftlaunch: error: {message} (see ftlaunch --help)\n")
-
-
-def _nonneg_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    return value
-
-
-def _number(text: str) -> float:
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-
-
 def _chaos(text: str) -> ChaosSpec:
     try:
         return ChaosSpec.parse(text)
@@ -66,7 +45,7 @@ def _chaos(text: str) -> ChaosSpec:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(
+    p = OneLineParser(
         prog="ftlaunch",
         description="Run a PyTorch training script as N replica groups with per-step fault tolerance: "
         "a lighthouse decides each step's quorum, each group is a torchelastic agent that restarts its "
@@ -76,15 +55,15 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
     )
     ft = p.add_argument_group("fault tolerance")
-    ft.add_argument("--replicas", type=_nonneg_int, default=2, help="number of replica groups (default 2)")
-    ft.add_argument("--spares", type=_nonneg_int, default=0,
+    ft.add_argument("--replicas", type=integer, default=2, help="number of replica groups (default 2)")
+    ft.add_argument("--spares", type=integer, default=0,
                     help="hot spares: extra groups that start, build their process groups and wait; one replaces "
                          "a failed group at the next quorum, with its replica-group id (default 0)")
-    ft.add_argument("--min-replicas", "--min_replicas", type=_nonneg_int, default=1,
+    ft.add_argument("--min-replicas", "--min_replicas", type=integer, default=1,
                     help="groups needed for a step to commit; the job stops when fewer can run (default 1)")
-    ft.add_argument("--join-timeout", "--join_timeout", type=_number, default=60.0,
+    ft.add_argument("--join-timeout", "--join_timeout", type=number, default=60.0,
                     help="seconds the lighthouse waits for stragglers before forming a quorum (default 60)")
-    ft.add_argument("--heartbeat-timeout", "--heartbeat_timeout", type=_number, default=5.0,
+    ft.add_argument("--heartbeat-timeout", "--heartbeat_timeout", type=number, default=5.0,
                     help="seconds after which a silent (hung) group leaves the quorum (default 5)")
     ft.add_argument("--lighthouse", dest="lighthouse", default=None, metavar="ADDR",
                     help="use the lighthouse at http://HOST:PORT instead of starting one (= --rdzv-endpoint)")
@@ -92,9 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="where the embedded lighthouse listens (default 127.0.0.1:0, a free loopback port)")
     ft.add_argument("--token", default=None,
                     help="job token every lighthouse request carries (default: $FTLAUNCH_TOKEN or a random one)")
-    ft.add_argument("--max-agent-restarts", "--max_agent_restarts", type=_nonneg_int, default=3,
+    ft.add_argument("--max-agent-restarts", "--max_agent_restarts", type=integer, default=3,
                     help="times the supervisor respawns a group whose agent died (default 3)")
-    ft.add_argument("--grace-period", "--grace_period", type=_number, default=15.0,
+    ft.add_argument("--grace-period", "--grace_period", type=number, default=15.0,
                     help="seconds SIGTERM/SIGINT gives groups to stop before SIGKILL (default 15)")
     ft.add_argument("--chaos", type=_chaos, default=None, metavar="SPEC", help=CHAOS_HELP)
     ft.add_argument("--status", dest="status_line", action="store_true", default=None,

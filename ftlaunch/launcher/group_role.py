@@ -29,10 +29,10 @@ import signal
 import sys
 import threading
 import time
-from typing import NoReturn
 
 from ftlaunch import env
 from ftlaunch.addresses import format_host_port, parse_address
+from ftlaunch.cli_args import OneLineParser
 from ftlaunch.errors import ConfigurationError
 from ftlaunch.launcher import placement
 from ftlaunch.launcher.lighthouse_host import RemoteLighthouse
@@ -44,13 +44,8 @@ logger = logging.getLogger("ftlaunch.launcher.group_role")
 _POLL_S = 1.0
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m ftlaunch.launcher.group_role", description=__doc__.splitlines()[0])
+    p = OneLineParser(prog="python -m ftlaunch.launcher.group_role", description=__doc__.splitlines()[0])
     p.add_argument("--group", type=int, required=True, help="this replica group's id")
     p.add_argument("--groups", type=int, required=True, help="number of replica groups")
     p.add_argument("--spares", type=int, default=0, help="hot spares of the job (group ids --groups.. are spares)")

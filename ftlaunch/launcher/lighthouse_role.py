@@ -33,10 +33,10 @@ import signal
 import sys
 import threading
 import time
-from typing import NoReturn
 
 from ftlaunch import env
 from ftlaunch.addresses import parse_host_port
+from ftlaunch.cli_args import OneLineParser
 from ftlaunch.errors import ConfigurationError
 from ftlaunch.launcher import placement
 from ftlaunch.launcher.lighthouse_host import HostedLighthouse, LighthouseSettings
@@ -47,13 +47,8 @@ __all__ = ["ADDRESS_FILE", "build_parser", "finished_groups", "main"]
 logger = logging.getLogger("ftlaunch.launcher.lighthouse_role")
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m ftlaunch.launcher.lighthouse_role", description=__doc__.splitlines()[0])
+    p = OneLineParser(prog="python -m ftlaunch.launcher.lighthouse_role", description=__doc__.splitlines()[0])
     p.add_argument("--job-dir", required=True, help="directory shared with the group roles, or auto")
     p.add_argument("--groups", type=int, required=True, help="exit files to wait for (group roles x nodes)")
     p.add_argument("--bind", default=placement.AUTO,

@@ -8,60 +8,33 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import os
 import signal
 import sys
 import threading
-from typing import NoReturn
 
 from ftlaunch import env
+from ftlaunch.cli_args import OneLineParser, nonnegative_number, positive_integer
 from ftlaunch.errors import ConfigurationError
 
 PROG = "ftlaunch-lighthouse"
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        # One line, not usage + error: the launcher logs it verbatim.
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
-
-def _nonneg_number(text: str, unit: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of {unit}: {text!r}") from None
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
-    return value
-
-
 def _seconds(text: str) -> float:
-    return _nonneg_number(text, "seconds")
+    return nonnegative_number(text, "seconds")
 
 
 def _milliseconds(text: str) -> float:
     """torchft's ``*_ms`` flags: milliseconds, returned in seconds."""
-    return _nonneg_number(text, "milliseconds") / 1000.0
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+    return nonnegative_number(text, "milliseconds") / 1000.0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog=PROG, description="ftlaunch quorum server (lighthouse). Protocol: docs/lighthouse.md.")
+    p = OneLineParser(prog=PROG, description="ftlaunch quorum server (lighthouse). Protocol: docs/lighthouse.md.")
     p.add_argument("--bind", default="127.0.0.1:0", help="HOST:PORT to listen on; port 0 picks a free port (default %(default)s)")
     # torchft's flag spellings (--min_replicas, *_ms in milliseconds) are aliases: its README's command
     # works unchanged. Each pair writes the same destination, in seconds.
-    p.add_argument("--min-replicas", "--min_replicas", type=_positive_int, default=1, help="smallest quorum (default %(default)s)")
+    p.add_argument("--min-replicas", "--min_replicas", type=positive_integer, default=1, help="smallest quorum (default %(default)s)")
     p.add_argument("--expected-replicas", type=int, default=0,
                    help="replica groups of the job: the first quorum waits for them, up to --join-timeout "
                    "(default %(default)s: form with whoever asks)")
