@@ -200,6 +200,9 @@ def _forked_child(
         parent_sock.close()
         fd = child_sock.detach()  # the child's Connection owns (and closes) the descriptor
         if os.read(fd, 1) == _GO:
+            devnull = os.open(os.devnull, os.O_RDONLY)  # as `spawn`'s child: never the worker's stdin
+            os.dup2(devnull, 0)
+            os.close(devnull)
             sys.argv = [CHILD_MODULE, "--fd", str(fd), "--parent-pid", str(parent_pid), "--backend", backend,
                         "--pdeathsig", "1"]  # fmt: skip
             runpy.run_module(CHILD_MODULE, run_name="__main__", alter_sys=True)
