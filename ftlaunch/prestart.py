@@ -303,6 +303,7 @@ def main(argv: list[str] | None = None) -> None:
             start("gloo", forked=fork_wanted() and _import_torch())
         except OSError as e:  # the script still runs; ftlaunch.init starts a child itself
             print(f"ftlaunch.prestart: could not start the Baby child early: {e}", file=sys.stderr)
+    phases.mark("script_start")
     if argv[0] == "-m":
         sys.argv = [argv[1], *argv[2:]]  # runpy sets argv[0] to the module's file, as python -m does
         runpy.run_module(argv[1], run_name="__main__", alter_sys=True)

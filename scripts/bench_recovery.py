@@ -315,7 +315,8 @@ COLD_PHASES = (
     ("rendezvous_done", "rendezvous done"),
     ("process_start", "new worker process starts"),
     ("baby_child_spawn", "Baby child started (ftlaunch.prestart)"),
-    ("baby_child_ready", "Baby child has imported torch"),
+    ("baby_child_ready", "Baby child serves (forked: torch already imported)"),
+    ("script_start", "prestart runs the script (torch imported)"),
     ("init", "script reaches ftlaunch.init (imports, model)"),
     ("manager_up", "Manager built"),
     ("ready", "process group ready (wait_ready)"),
@@ -447,7 +448,7 @@ def spares_supported() -> bool:
 
 def _run_line(r: dict) -> str:
     """One run's restarted-group phases, compact: seconds after the kill."""
-    keys = ("process_start", "baby_child_ready", "init", "ready", "first_commit")
+    keys = ("process_start", "baby_child_ready", "script_start", "init", "ready", "first_commit")
     return " ".join(f"{k}={r['phases'][k]:.2f}" for k in keys if k in r["phases"])
 
 
