@@ -14,7 +14,8 @@ command with its defaults (Baby Gloo, pg transport, ``--chaos steps=60,group=1``
 longest gap between committed steps over the whole kill + rejoin episode; kill -> the restarted
 group's first committed step with a phase breakdown from ``FTLAUNCH_PHASE_LOG`` (`ftlaunch.phases`)
 and the floor (kill -> a bare ``import torch`` done in the restarted worker, same agent, the other
-group busy); and kill -> first commit with ``--spares 1`` where the CLI has that flag ("n/a" else).
+group busy; and kill -> its first ``torch.optim`` optimizer built, which imports ``torch._dynamo``:
+what any training script pays besides); and kill -> first commit with ``--spares 1`` where the CLI has that flag ("n/a" else).
 Each beside torchft's figures and the baselines of issue 11.
 
 Usage: python scripts/bench_recovery.py [--steps 60] [--runs 2] [--overhead-only] [--breakdown]
@@ -338,6 +339,10 @@ if group == 1:
         phases.mark("floor_kill")
         os.kill(os.getpid(), signal.SIGKILL)
     phases.mark("floor_torch_imported")
+    # What every training script pays next: its first optimizer imports torch._dynamo
+    # (torch.optim's methods are wrapped in torch._disable_dynamo, which imports it on first call).
+    torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    phases.mark("floor_optimizer")
     open(sys.argv[1], "w").close()
 else:  # the survivor's load, as in the real episode: a training-sized matmul every 20 ms
     torch.set_num_threads(1)
@@ -369,7 +374,7 @@ def _ftlaunch(args: list[str], phase_log: Path, extra_env: dict[str, str] | None
     return lines
 
 
-def floor(tmp: Path) -> float:
+def floor(tmp: Path) -> tuple[float, float]:
     """kill -> a bare ``import torch`` done in the restarted worker, under the same agent and
     supervisor, the other group busy (FTLAUNCH_BACKEND=gloo: nothing else starts)."""
     from ftlaunch import phases
@@ -380,7 +385,8 @@ def floor(tmp: Path) -> float:
     _ftlaunch(["--replicas", "2", str(script), str(done)], log, {"FTLAUNCH_BACKEND": "gloo"}, timeout=180)
     recs = phases.read(log)
     kill = next(r["t"] for r in recs if r["phase"] == "floor_kill")
-    return next(r["t"] for r in recs if r["phase"] == "floor_torch_imported") - kill
+    at = {r["phase"]: r["t"] for r in recs}
+    return at["floor_torch_imported"] - kill, at["floor_optimizer"] - kill
 
 
 def launcher_episode(tmp: Path, spares: int = 0, steps: int = 600, kill_at: int = 60,
@@ -498,7 +504,7 @@ def main_launcher(args: argparse.Namespace) -> int:
                 spare_runs.append(launcher_episode(tmp, spares=1))
             r = runs[-1]
             print(f"run {i + 1} (load {at:.1f}): survivor's longest gap {r['gap']:.3f} s (at kill{r['gap_at']:+.2f} s), "
-                  f"kill -> first commit {r['cold']:.2f} s, floor {floors[-1]:.2f} s"
+                  f"kill -> first commit {r['cold']:.2f} s, floor {floors[-1][0]:.2f} s (+ an optimizer: {floors[-1][1]:.2f} s)"
                   + (f", with --spares 1: {spare_runs[-1]['cold']:.2f} s" if spare_runs else "")
                   + (f" [{r['gap_note']}]" if r["gap_note"] else ""), flush=True)
             print(f"    phases: {_run_line(r)}", flush=True)
@@ -507,7 +513,7 @@ def main_launcher(args: argparse.Namespace) -> int:
                 print(f"    with {' '.join(args.compare_env)}: kill -> first commit {c['cold']:.2f} s; {_run_line(c)}",
                       flush=True)
     med = statistics.median
-    gap, cold, fl = med(r["gap"] for r in runs), med(r["cold"] for r in runs), med(floors)
+    gap, cold, fl = med(r["gap"] for r in runs), med(r["cold"] for r in runs), med(f[0] for f in floors)
     print(f"\nthrough `ftlaunch --replicas 2 --chaos steps=60,group=1 scripts/train_ddp.py` (defaults: Baby Gloo, "
           f"pg transport), MLP 3x{WIDTH}, batch {BATCH}, 20 ms sleep per step; {args.runs} run(s), medians; "
           f"load average {load:.1f} -> {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; {note}")
@@ -517,6 +523,9 @@ def main_launcher(args: argparse.Namespace) -> int:
     print(f"{'(b) kill -> first commit of the restarted group':<58}{cold:>8.2f} s   {f_cold[0]:<34}{f_cold[1]:<12}{f_cold[2]}")
     print(f"{'    floor: kill -> bare `import torch` done, same agent':<58}{fl:>8.2f} s   "
           f"(we are {cold - fl:+.2f} s from it)")
+    fl_opt = med(f[1] for f in floors)
+    print(f"{'    ... and its first torch.optim optimizer (torch._dynamo)':<58}{fl_opt:>8.2f} s   "
+          f"(we are {cold - fl_opt:+.2f} s from it)")
     if cmp_runs:
         print(f"{'    the same with ' + ' '.join(args.compare_env):<58}{med(c['cold'] for c in cmp_runs):>8.2f} s")
     if args.cold_only:
