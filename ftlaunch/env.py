@@ -69,6 +69,10 @@ FTLAUNCH_QUANTIZE = "FTLAUNCH_QUANTIZE"
 #: timestamped JSON lines to (worker exit noticed, process start, init, Baby child ready, quorum,
 #: configure, heal, first commit). Unset: nothing is recorded.
 FTLAUNCH_PHASE_LOG = "FTLAUNCH_PHASE_LOG"
+#: ``0`` turns off the shared torch import of `ftlaunch.prestart` (the worker imports torch before
+#: the script runs and forks its Baby child from there): the child is then its own interpreter and
+#: imports torch itself, while the script does. Default on.
+FTLAUNCH_PRESTART_FORK = "FTLAUNCH_PRESTART_FORK"
 
 ALL_FTLAUNCH_VARS = (
     REPLICA_GROUP_ID,
@@ -94,6 +98,7 @@ ALL_FTLAUNCH_VARS = (
     FTLAUNCH_FRAGMENT_UPDATE_ALPHA,
     FTLAUNCH_QUANTIZE,
     FTLAUNCH_PHASE_LOG,
+    FTLAUNCH_PRESTART_FORK,
 )
 
 

@@ -1,10 +1,9 @@
-"""Start a worker's Baby Gloo child before the training script imports torch, and hand it over.
+"""Start a worker's Baby Gloo child before the training script runs, and hand it over.
 
 Why: a restarted worker is ready to rejoin only when its Baby process group's child -- a second
-interpreter that must import torch too -- serves requests. Started by ``ftlaunch.init`` it begins
-after the script's own imports and model building, and the two imports run one after the other
-(about 2 s on a loaded 2-core machine). Started here, first thing in the worker process, the child
-imports torch *while* the script does.
+process that needs torch too -- serves requests. Started by ``ftlaunch.init`` it begins after the
+script's own imports and model building. Started here, first thing in the worker process, it is up
+long before the script needs it.
 
 The ``ftlaunch`` launcher runs each worker as ``python -u -m ftlaunch.prestart SCRIPT ARGS...``
 (or ``... -m ftlaunch.prestart -m MODULE ARGS...``): `main` starts the child and then runs the
@@ -14,8 +13,21 @@ script exactly as ``python SCRIPT`` would (``__main__``, ``sys.argv``, ``sys.pat
 watchdog, the closed socket). ``torchrun --rdzv-backend ftlaunch`` and torchx run the user's
 command line unchanged: there the child starts in ``ftlaunch.init``.
 
-Nothing here imports torch: that is the point. The child is skipped when the job chose another
-backend (``FTLAUNCH_BACKEND``) or the machine has an NVIDIA GPU (the default is Baby NCCL there).
+**One torch import, not two** (`fork`): by default `main` imports torch here -- the script would
+import it first thing anyway -- and forks the child from this process, so the child starts with
+torch already imported instead of importing it again (on a loaded 2-core machine the second
+import competed with the first for the CPU and cost the restart about a second). A fork is only
+safe from a process running no other thread: right after the fork the parent looks, and keeps
+the child only if no other thread was alive at the fork (the only thread ``import torch`` starts,
+NumPy's OpenBLAS pool, is stopped by OpenBLAS's own at-fork handler); otherwise the child, still
+blocked before its first instruction of its own, is killed and an interpreter is started instead
+(`spawn`). Children started later (a replacement after a lost child) are always `spawn`ed: by then
+the worker runs threads. ``FTLAUNCH_PRESTART_FORK=0`` turns the early import off (for a script that
+must set something in its environment before torch is imported): the child is then its own
+interpreter importing torch while the script does.
+
+The child is skipped when the job chose another backend (``FTLAUNCH_BACKEND``) or the machine has
+an NVIDIA GPU (the default is Baby NCCL there).
 """
 
 from __future__ import annotations
@@ -23,22 +35,84 @@ from __future__ import annotations
 import atexit
 import os
 import runpy
+import signal
 import socket
 import subprocess
 import sys
 import threading
+import time
+import traceback
+from typing import NoReturn, Union
 
 from ftlaunch import env, phases
 
-__all__ = ["main", "release", "spawn", "start", "take", "wanted"]
+__all__ = [
+    "ChildProcess",
+    "ForkedChild",
+    "fork",
+    "fork_wanted",
+    "main",
+    "release",
+    "spawn",
+    "start",
+    "take",
+    "wanted",
+]
 
 #: The module the child runs (a string: importing it would import torch).
 CHILD_MODULE = "ftlaunch.process_group._baby_child"
 #: The interpreter arguments that run it (tests replace them to start a slow child).
 CHILD_ARGV = ["-m", CHILD_MODULE]
 
+#: The byte a forked child waits for before it runs anything of its own (`fork`).
+_GO = b"g"
+
+
+class ForkedChild:
+    """A child made by `fork`, with the part of ``subprocess.Popen``'s interface the Baby handle
+    uses (``pid``, ``returncode``, ``poll``, ``wait``, ``kill``)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+        self._waitpid_lock = threading.Lock()  # one reaper at a time; poll() never blocks on it
+
+    def poll(self) -> int | None:
+        if self.returncode is None and self._waitpid_lock.acquire(blocking=False):
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+                if pid == self.pid:
+                    self.returncode = os.waitstatus_to_exitcode(status)
+            except ChildProcessError:  # reaped elsewhere (SIGCHLD ignored): as subprocess does
+                self.returncode = 0
+            finally:
+                self._waitpid_lock.release()
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        end = None if timeout is None else time.monotonic() + timeout
+        delay = 0.0005
+        while self.poll() is None:
+            if end is not None and time.monotonic() >= end:
+                raise subprocess.TimeoutExpired([f"forked baby child {self.pid}"], timeout or 0.0)
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
+        assert self.returncode is not None
+        return self.returncode
+
+    def kill(self) -> None:
+        if self.poll() is None:  # never signal a pid that was reaped (and maybe reused)
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+#: A Baby child: an interpreter of its own (`spawn`) or a fork of the worker (`fork`).
+ChildProcess = Union[subprocess.Popen[bytes], ForkedChild]  # noqa: UP007 - a runtime alias
+
 _lock = threading.Lock()
-_started: dict[str, tuple[subprocess.Popen[bytes], socket.socket]] = {}
+_started: dict[str, tuple[ChildProcess, socket.socket]] = {}
 
 
 def spawn(backend: str) -> tuple[subprocess.Popen[bytes], socket.socket]:
@@ -63,17 +137,107 @@ def spawn(backend: str) -> tuple[subprocess.Popen[bytes], socket.socket]:
     return proc, parent_sock
 
 
-def start(backend: str = "gloo") -> None:
-    """Start one child for ``backend`` now, for the first process group of that backend to take."""
+def _live_threads() -> int:
+    """Threads of this process now, as the kernel counts them (Python's count misses native ones)."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return threading.active_count()
+
+
+def fork(backend: str) -> tuple[ChildProcess, socket.socket]:
+    """Fork a Baby child for ``backend`` from this process (which should have imported torch and
+    run no thread); an interpreter of its own (`spawn`) where the fork is not provably safe.
+
+    The forked child first waits for one byte. Right after the fork the parent counts its
+    threads: one (itself) means no other thread was alive at the fork -- none could have held a
+    lock the child inherits locked -- and the child is let go; more, and the child is killed
+    before it ran anything of its own."""
+    if not hasattr(os, "fork") or not os.path.isdir("/proc/self/task"):
+        return spawn(backend)
+    parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    for stream in (sys.stdout, sys.stderr):  # nothing buffered here may be written twice
+        try:
+            stream.flush()
+        except (AttributeError, OSError, ValueError):
+            pass
+    parent_pid = os.getpid()
+    try:
+        pid = os.fork()
+    except BaseException:
+        parent_sock.close()
+        child_sock.close()
+        raise
+    if pid == 0:
+        _forked_child(parent_sock, child_sock, backend, parent_pid)
+    child_sock.close()
+    proc = ForkedChild(pid)
+    threads = _live_threads()
+    if threads != 1:
+        parent_sock.close()  # EOF instead of the go byte: the child exits at once
+        proc.kill()
+        proc.wait(timeout=5.0)
+        phases.mark("baby_child_fork_refused", threads=threads)
+        return spawn(backend)
+    try:
+        parent_sock.sendall(_GO)
+    except OSError:
+        parent_sock.close()
+        proc.kill()
+        proc.wait(timeout=5.0)
+        return spawn(backend)
+    phases.mark("baby_child_spawn", child=pid, forked=True)
+    return proc, parent_sock
+
+
+def _forked_child(
+    parent_sock: socket.socket, child_sock: socket.socket, backend: str, parent_pid: int
+) -> NoReturn:
+    """The forked child: wait for the parent's go, then run the Baby child's module as ``python -m``
+    would; never return into the worker's code (``os._exit``: no atexit, no buffers flushed twice)."""
+    code = 1
+    try:
+        parent_sock.close()
+        fd = child_sock.detach()  # the child's Connection owns (and closes) the descriptor
+        if os.read(fd, 1) == _GO:
+            devnull = os.open(os.devnull, os.O_RDONLY)  # as `spawn`'s child: never the worker's stdin
+            os.dup2(devnull, 0)
+            os.close(devnull)
+            sys.argv = [CHILD_MODULE, "--fd", str(fd), "--parent-pid", str(parent_pid), "--backend", backend,
+                        "--pdeathsig", "1"]  # fmt: skip
+            runpy.run_module(CHILD_MODULE, run_name="__main__", alter_sys=True)
+            code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:  # noqa: BLE001 - report and leave; never unwind into the worker's code
+        traceback.print_exc()
+    finally:
+        os._exit(code)
+
+
+def fork_wanted() -> bool:
+    """Whether `main` may import torch and fork the child (``FTLAUNCH_PRESTART_FORK``, default on)."""
+    value = (os.environ.get(env.FTLAUNCH_PRESTART_FORK) or "1").strip().lower()
+    return value not in ("0", "false", "no", "off")
+
+
+def start(backend: str = "gloo", forked: bool = False) -> None:
+    """Start one child for ``backend`` now, for the first process group of that backend to take
+    (with ``forked``, by `fork`: the caller has imported torch and runs no thread)."""
     with _lock:
         if backend in _started:
             return
-        _started[backend] = spawn(backend)
+    started = fork(backend) if forked else spawn(backend)  # outside the lock: a fork must not copy it held
+    with _lock:
+        if backend in _started:
+            _discard(*started)
+            return
+        _started[backend] = started
         if len(_started) == 1:
             atexit.register(_discard_all)
 
 
-def take(backend: str) -> tuple[subprocess.Popen[bytes], socket.socket] | None:
+def take(backend: str) -> tuple[ChildProcess, socket.socket] | None:
     """The child started for ``backend``, once (None if none was, or it already died)."""
     with _lock:
         started = _started.pop(backend, None)
@@ -92,7 +256,7 @@ def release(backend: str) -> None:
         _discard(*started)
 
 
-def _discard(proc: subprocess.Popen[bytes], sock: socket.socket) -> None:
+def _discard(proc: ChildProcess, sock: socket.socket) -> None:
     sock.close()  # the child exits when its socket closes; make sure
     try:
         proc.kill()
@@ -119,6 +283,16 @@ def wanted() -> bool:
     return gpus_hidden or not os.path.exists("/dev/nvidiactl")
 
 
+def _import_torch() -> bool:
+    """Import torch now (the script's own ``import torch`` then finds it); False if it cannot be
+    imported here (the script reports that itself)."""
+    try:
+        import torch  # noqa: F401 - the one import the worker and its Baby child share
+    except ImportError:
+        return False
+    return True
+
+
 def main(argv: list[str] | None = None) -> None:
     """``python -m ftlaunch.prestart [-m MODULE | SCRIPT] ARGS...``: start the child, run the script."""
     argv = sys.argv[1:] if argv is None else argv
@@ -126,9 +300,10 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("usage: python -m ftlaunch.prestart [-m MODULE | SCRIPT] [ARGS...]")
     if wanted():
         try:
-            start("gloo")
+            start("gloo", forked=fork_wanted() and _import_torch())
         except OSError as e:  # the script still runs; ftlaunch.init starts a child itself
             print(f"ftlaunch.prestart: could not start the Baby child early: {e}", file=sys.stderr)
+    phases.mark("script_start")
     if argv[0] == "-m":
         sys.argv = [argv[1], *argv[2:]]  # runpy sets argv[0] to the module's file, as python -m does
         runpy.run_module(argv[1], run_name="__main__", alter_sys=True)

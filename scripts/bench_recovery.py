@@ -14,11 +14,13 @@ command with its defaults (Baby Gloo, pg transport, ``--chaos steps=60,group=1``
 longest gap between committed steps over the whole kill + rejoin episode; kill -> the restarted
 group's first committed step with a phase breakdown from ``FTLAUNCH_PHASE_LOG`` (`ftlaunch.phases`)
 and the floor (kill -> a bare ``import torch`` done in the restarted worker, same agent, the other
-group busy); and kill -> first commit with ``--spares 1`` where the CLI has that flag ("n/a" else).
+group busy; and kill -> its first ``torch.optim`` optimizer built, which imports ``torch._dynamo``:
+what any training script pays besides); and kill -> first commit with ``--spares 1`` where the CLI has that flag ("n/a" else).
 Each beside torchft's figures and the baselines of issue 11.
 
 Usage: python scripts/bench_recovery.py [--steps 60] [--runs 2] [--overhead-only] [--breakdown]
        python scripts/bench_recovery.py --launcher [--runs 2]   (issue 11: from the kill, through `ftlaunch`)
+              [--cold-only] [--compare-env FTLAUNCH_PRESTART_FORK=0]   (no spares; A/B in the same run)
        python scripts/bench_recovery.py --interleaved 150 [--runs 3]   (step-time ratios, robust to load)
 """
 
@@ -314,7 +316,8 @@ COLD_PHASES = (
     ("rendezvous_done", "rendezvous done"),
     ("process_start", "new worker process starts"),
     ("baby_child_spawn", "Baby child started (ftlaunch.prestart)"),
-    ("baby_child_ready", "Baby child has imported torch"),
+    ("baby_child_ready", "Baby child serves (forked: torch already imported)"),
+    ("script_start", "prestart runs the script (torch imported)"),
     ("init", "script reaches ftlaunch.init (imports, model)"),
     ("manager_up", "Manager built"),
     ("ready", "process group ready (wait_ready)"),
@@ -336,6 +339,10 @@ if group == 1:
         phases.mark("floor_kill")
         os.kill(os.getpid(), signal.SIGKILL)
     phases.mark("floor_torch_imported")
+    # What every training script pays next: its first optimizer imports torch._dynamo
+    # (torch.optim's methods are wrapped in torch._disable_dynamo, which imports it on first call).
+    torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    phases.mark("floor_optimizer")
     open(sys.argv[1], "w").close()
 else:  # the survivor's load, as in the real episode: a training-sized matmul every 20 ms
     torch.set_num_threads(1)
@@ -367,7 +374,7 @@ def _ftlaunch(args: list[str], phase_log: Path, extra_env: dict[str, str] | None
     return lines
 
 
-def floor(tmp: Path) -> float:
+def floor(tmp: Path) -> tuple[float, float]:
     """kill -> a bare ``import torch`` done in the restarted worker, under the same agent and
     supervisor, the other group busy (FTLAUNCH_BACKEND=gloo: nothing else starts)."""
     from ftlaunch import phases
@@ -378,10 +385,12 @@ def floor(tmp: Path) -> float:
     _ftlaunch(["--replicas", "2", str(script), str(done)], log, {"FTLAUNCH_BACKEND": "gloo"}, timeout=180)
     recs = phases.read(log)
     kill = next(r["t"] for r in recs if r["phase"] == "floor_kill")
-    return next(r["t"] for r in recs if r["phase"] == "floor_torch_imported") - kill
+    at = {r["phase"]: r["t"] for r in recs}
+    return at["floor_torch_imported"] - kill, at["floor_optimizer"] - kill
 
 
-def launcher_episode(tmp: Path, spares: int = 0, steps: int = 600, kill_at: int = 60) -> dict:
+def launcher_episode(tmp: Path, spares: int = 0, steps: int = 600, kill_at: int = 60,
+                     extra_env: dict[str, str] | None = None) -> dict:
     """One kill and rejoin through `ftlaunch --replicas 2 --chaos steps=K,group=1 train_ddp.py`:
     the survivor's (rg0) longest gap between committed steps, from its last commit before the
     kill until 3 s after the replacement's first commit; kill -> the replacement's first commit
@@ -395,7 +404,7 @@ def launcher_episode(tmp: Path, spares: int = 0, steps: int = 600, kill_at: int 
     args = ["--replicas", "2", *(["--spares", str(spares)] if spares else []),
             "--chaos", f"steps={kill_at},group=1", str(script), "--steps", str(steps), "--width", str(WIDTH),
             "--batch-size", str(BATCH), "--step-sleep", "0.02"]
-    lines = _ftlaunch(args, log)
+    lines = _ftlaunch(args, log, extra_env)
     recs = phases.read(log)
     kills = [r["t"] for r in recs if r["phase"] == "chaos_kill"]
     if not kills:
@@ -443,38 +452,14 @@ def spares_supported() -> bool:
     return "--spares" in out
 
 
-def main_launcher(args: argparse.Namespace) -> int:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    load = os.getloadavg()[0]
-    with tempfile.TemporaryDirectory() as d:
-        tmp = Path(d)
-        runs, floors, spare_runs = [], [], []
-        with_spares = spares_supported()
-        for i in range(args.runs):
-            runs.append(launcher_episode(tmp))
-            floors.append(floor(tmp))
-            if with_spares:
-                spare_runs.append(launcher_episode(tmp, spares=1))
-            r = runs[-1]
-            print(f"run {i + 1}: survivor's longest gap {r['gap']:.3f} s (at kill{r['gap_at']:+.2f} s), "
-                  f"kill -> first commit {r['cold']:.2f} s, floor {floors[-1]:.2f} s"
-                  + (f", with --spares 1: {spare_runs[-1]['cold']:.2f} s" if spare_runs else "")
-                  + (f" [{r['gap_note']}]" if r["gap_note"] else ""), flush=True)
+def _run_line(r: dict) -> str:
+    """One run's restarted-group phases, compact: seconds after the kill."""
+    keys = ("process_start", "baby_child_ready", "script_start", "init", "ready", "first_commit")
+    return " ".join(f"{k}={r['phases'][k]:.2f}" for k in keys if k in r["phases"])
+
+
+def _print_breakdown(runs: list[dict]) -> None:
     med = statistics.median
-    gap, cold, fl = med(r["gap"] for r in runs), med(r["cold"] for r in runs), med(floors)
-    print(f"\nthrough `ftlaunch --replicas 2 --chaos steps=60,group=1 scripts/train_ddp.py` (defaults: Baby Gloo, "
-          f"pg transport), MLP 3x{WIDTH}, batch {BATCH}, 20 ms sleep per step; {args.runs} run(s), medians; "
-          f"load average {load:.1f} -> {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
-    print(f"{'figure':<58}{'ftlaunch':>10}   {'torchft':<34}{'before':<12}target")
-    f_gap, f_cold, f_spare = ISSUE11["gap"], ISSUE11["cold"], ISSUE11["spare"]
-    print(f"{'(a) survivor longest gap, whole kill+rejoin episode':<58}{gap:>8.3f} s   {f_gap[0]:<34}{f_gap[1]:<12}{f_gap[2]}")
-    print(f"{'(b) kill -> first commit of the restarted group':<58}{cold:>8.2f} s   {f_cold[0]:<34}{f_cold[1]:<12}{f_cold[2]}")
-    print(f"{'    floor: kill -> bare `import torch` done, same agent':<58}{fl:>8.2f} s   "
-          f"(we are {cold - fl:+.2f} s from it)")
-    spare = f"{med(r['cold'] for r in spare_runs):>8.2f} s" if spare_runs else f"{'n/a':>10}"
-    print(f"{'(c) kill -> first commit with --spares 1':<58}{spare}   {f_spare[0]:<34}{f_spare[1]:<12}{f_spare[2]}"
-          + ("" if spare_runs else "   (this ftlaunch has no --spares)"))
-    print("\n(b) phase breakdown, seconds after the kill (median over runs; delta from the previous phase):")
     prev = 0.0
     for key, what in COLD_PHASES:
         vals = [r["phases"][key] for r in runs if key in r["phases"]]
@@ -484,6 +469,76 @@ def main_launcher(args: argparse.Namespace) -> int:
         t = med(vals)
         print(f"  {key:<18} {t:8.3f}  (+{t - prev:6.3f})  {what}")
         prev = max(prev, t)
+
+
+def precompile() -> str:
+    """Compile ftlaunch's bytecode, as ``pip install`` does: where PYTHONDONTWRITEBYTECODE is set and
+    nothing compiled it, every worker start would compile ftlaunch from source (~0.15 s of CPU)."""
+    import compileall
+
+    import ftlaunch
+
+    compileall.compile_dir(str(Path(ftlaunch.__file__).parent), quiet=1)
+    return "ftlaunch's bytecode compiled first, as `pip install` does (--no-precompile: not)"
+
+
+def main_launcher(args: argparse.Namespace) -> int:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    note = "ftlaunch not precompiled" if args.no_precompile else precompile()
+    load = os.getloadavg()[0]
+    compare: dict[str, str] = {}
+    for item in args.compare_env or []:
+        name, _, value = item.partition("=")
+        compare[name] = value
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        runs, floors, spare_runs, cmp_runs = [], [], [], []
+        with_spares = not args.cold_only and spares_supported()
+        for i in range(args.runs):
+            at = os.getloadavg()[0]
+            runs.append(launcher_episode(tmp))
+            if compare:
+                cmp_runs.append(launcher_episode(tmp, extra_env=compare))
+            floors.append(floor(tmp))
+            if with_spares:
+                spare_runs.append(launcher_episode(tmp, spares=1))
+            r = runs[-1]
+            print(f"run {i + 1} (load {at:.1f}): survivor's longest gap {r['gap']:.3f} s (at kill{r['gap_at']:+.2f} s), "
+                  f"kill -> first commit {r['cold']:.2f} s, floor {floors[-1][0]:.2f} s (+ an optimizer: {floors[-1][1]:.2f} s)"
+                  + (f", with --spares 1: {spare_runs[-1]['cold']:.2f} s" if spare_runs else "")
+                  + (f" [{r['gap_note']}]" if r["gap_note"] else ""), flush=True)
+            print(f"    phases: {_run_line(r)}", flush=True)
+            if cmp_runs:
+                c = cmp_runs[-1]
+                print(f"    with {' '.join(args.compare_env)}: kill -> first commit {c['cold']:.2f} s; {_run_line(c)}",
+                      flush=True)
+    med = statistics.median
+    gap, cold, fl = med(r["gap"] for r in runs), med(r["cold"] for r in runs), med(f[0] for f in floors)
+    print(f"\nthrough `ftlaunch --replicas 2 --chaos steps=60,group=1 scripts/train_ddp.py` (defaults: Baby Gloo, "
+          f"pg transport), MLP 3x{WIDTH}, batch {BATCH}, 20 ms sleep per step; {args.runs} run(s), medians; "
+          f"load average {load:.1f} -> {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; {note}")
+    print(f"{'figure':<58}{'ftlaunch':>10}   {'torchft':<34}{'before':<12}target")
+    f_gap, f_cold, f_spare = ISSUE11["gap"], ISSUE11["cold"], ISSUE11["spare"]
+    print(f"{'(a) survivor longest gap, whole kill+rejoin episode':<58}{gap:>8.3f} s   {f_gap[0]:<34}{f_gap[1]:<12}{f_gap[2]}")
+    print(f"{'(b) kill -> first commit of the restarted group':<58}{cold:>8.2f} s   {f_cold[0]:<34}{f_cold[1]:<12}{f_cold[2]}")
+    print(f"{'    floor: kill -> bare `import torch` done, same agent':<58}{fl:>8.2f} s   "
+          f"(we are {cold - fl:+.2f} s from it)")
+    fl_opt = med(f[1] for f in floors)
+    print(f"{'    ... and its first torch.optim optimizer (torch._dynamo)':<58}{fl_opt:>8.2f} s   "
+          f"(we are {cold - fl_opt:+.2f} s from it)")
+    if cmp_runs:
+        print(f"{'    the same with ' + ' '.join(args.compare_env):<58}{med(c['cold'] for c in cmp_runs):>8.2f} s")
+    if args.cold_only:
+        print(f"{'(c) kill -> first commit with --spares 1':<58}{'skipped':>10}   (--cold-only)")
+    else:
+        spare = f"{med(r['cold'] for r in spare_runs):>8.2f} s" if spare_runs else f"{'n/a':>10}"
+        print(f"{'(c) kill -> first commit with --spares 1':<58}{spare}   {f_spare[0]:<34}{f_spare[1]:<12}{f_spare[2]}"
+              + ("" if spare_runs else "   (this ftlaunch has no --spares)"))
+    print("\n(b) phase breakdown, seconds after the kill (median over runs; delta from the previous phase):")
+    _print_breakdown(runs)
+    if cmp_runs:
+        print(f"\n(b) with {' '.join(args.compare_env)}:")
+        _print_breakdown(cmp_runs)
     return 0
 
 
@@ -547,6 +602,13 @@ def main() -> int:
                     help="issue 11's figures, from the kill, through the `ftlaunch` command with defaults: the "
                          "survivor's longest gap, kill -> first commit (phase breakdown, the floor), and with "
                          "--spares 1 where the CLI has it; --runs repeats (default 2)")
+    ap.add_argument("--cold-only", action="store_true",
+                    help="with --launcher: skip the --spares 1 episodes (figures (a), (b) and the floor only)")
+    ap.add_argument("--no-precompile", action="store_true",
+                    help="with --launcher: do not compile ftlaunch's bytecode first (see precompile())")
+    ap.add_argument("--compare-env", action="append", metavar="VAR=VALUE",
+                    help="with --launcher: also run each kill episode with this in the environment (e.g. "
+                         "FTLAUNCH_PRESTART_FORK=0, the old start-up), interleaved with the default one")
     ap.add_argument("--interleaved", type=int, metavar="ROUNDS", default=0,
                     help="step-time ratios only, robust to a shared machine: plain DDP, plain DDP with "
                          "gradient_as_bucket_view, ftlaunch Gloo and Baby take turns step by step in the "

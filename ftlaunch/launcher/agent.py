@@ -106,23 +106,42 @@ class WorkerWatcher(threading.Thread):
     moment the worker dies, it reads the exit status without reaping (torchelastic still reaps and
     restarts as usual), and the supervisor hears of the death long before torchelastic's next
     monitor tick. If torchelastic happens to reap first the status is unknown and reported as such.
+
+    Looking for workers lists this process's children (about 1.5 ms of CPU on a busy machine):
+    every ``interval`` while it expects workers -- at the start, and from a worker's exit until as
+    many are alive as before -- and only every ``idle_interval`` while all of them run, so that the
+    agent does not take ~8% of a core from training (and from a restarting group's imports).
     """
 
-    def __init__(self, events: EventWriter, interval: float = 0.02) -> None:
+    def __init__(self, events: EventWriter, interval: float = 0.02, idle_interval: float = 0.5) -> None:
         super().__init__(name="ftlaunch-worker-watcher", daemon=True)
         self._events = events
         self._interval = interval
-        self._stop_event = threading.Event()
+        self._idle_interval = idle_interval
+        self._stopping = False
+        self._wake = threading.Event()  # a worker exited, or stop(): look again now
         self._me = psutil.Process()
         self._workers: set[int] = set()
         self._ignored: set[int] = set()
+        self._lock = threading.Lock()
+        self._alive: set[int] = set()  # workers found and not yet exited
+        self._expected = 0  # the most workers alive at once so far
 
     def stop(self) -> None:
-        self._stop_event.set()
+        self._stopping = True
+        self._wake.set()
         self.join(timeout=2)
 
+    def _looking(self) -> bool:
+        with self._lock:
+            return not self._expected or len(self._alive) < self._expected
+
     def run(self) -> None:
-        while not self._stop_event.wait(self._interval):
+        while not self._stopping:
+            self._wake.wait(self._interval if self._looking() else self._idle_interval)
+            self._wake.clear()
+            if self._stopping:
+                return
             try:
                 self._tick()
             except Exception:  # noqa: BLE001 - the watcher must never take the agent down
@@ -154,6 +173,9 @@ class WorkerWatcher(threading.Thread):
         if not new:
             return
         self._workers.update(new)
+        with self._lock:
+            self._alive.update(new)
+            self._expected = max(self._expected, len(self._alive))
         for pid in new:
             phases.mark("worker_seen", worker=pid, process_start=phases.process_start_time(pid))
         self._events.emit(
@@ -182,6 +204,9 @@ class WorkerWatcher(threading.Thread):
             data["failed"] = True
         phases.mark("worker_exit_seen", worker=pid, failed=data["failed"])
         self._events.emit("worker_exit", **data)
+        with self._lock:
+            self._alive.discard(pid)
+        self._wake.set()  # the next generation follows: look for it every `interval` again
 
 
 def _last_attempt_log(log_dir: str | None, local_rank: int, name: str) -> str:

@@ -28,11 +28,11 @@ from torch._C._distributed_c10d import (
 from ftlaunch.process_group.work import ComposedWork
 
 if TYPE_CHECKING:
-    from ftlaunch.process_group.base import ProcessGroup
+    from ftlaunch.process_group._collectives import Collectives
 
 
 def allreduce_coalesced(
-    pg: ProcessGroup, tensors: list[torch.Tensor], opts: AllreduceCoalescedOptions
+    pg: Collectives, tensors: list[torch.Tensor], opts: AllreduceCoalescedOptions
 ) -> dist.Work:
     works = []
     for t in tensors:
@@ -43,7 +43,7 @@ def allreduce_coalesced(
 
 
 def all_gather_single(
-    pg: ProcessGroup, output: torch.Tensor, input: torch.Tensor, opts: AllgatherOptions
+    pg: Collectives, output: torch.Tensor, input: torch.Tensor, opts: AllgatherOptions
 ) -> dist.Work:
     world = pg.size()
     if output.numel() != input.numel() * world:
@@ -57,7 +57,7 @@ def all_gather_single(
 
 
 def all_gather_single_coalesced(
-    pg: ProcessGroup, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: AllgatherOptions
+    pg: Collectives, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: AllgatherOptions
 ) -> dist.Work:
     if len(outputs) != len(inputs):
         raise ValueError("all_gather_single_coalesced: outputs and inputs differ in length")
@@ -66,7 +66,7 @@ def all_gather_single_coalesced(
 
 
 def reduce_scatter(
-    pg: ProcessGroup,
+    pg: Collectives,
     outputs: list[torch.Tensor],
     inputs: list[list[torch.Tensor]],
     opts: ReduceScatterOptions,
@@ -94,7 +94,7 @@ def reduce_scatter(
 
 
 def reduce_scatter_single(
-    pg: ProcessGroup, output: torch.Tensor, input: torch.Tensor, opts: ReduceScatterOptions
+    pg: Collectives, output: torch.Tensor, input: torch.Tensor, opts: ReduceScatterOptions
 ) -> dist.Work:
     world, rank = pg.size(), pg.rank()
     if input.numel() != output.numel() * world:
@@ -115,7 +115,7 @@ def reduce_scatter_single(
 
 
 def reduce_scatter_single_coalesced(
-    pg: ProcessGroup, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: ReduceScatterOptions
+    pg: Collectives, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: ReduceScatterOptions
 ) -> dist.Work:
     if len(outputs) != len(inputs):
         raise ValueError("reduce_scatter_single_coalesced: outputs and inputs differ in length")
@@ -123,7 +123,7 @@ def reduce_scatter_single_coalesced(
     return ComposedWork(works, outputs)
 
 
-def barrier(pg: ProcessGroup, opts: BarrierOptions) -> dist.Work:
+def barrier(pg: Collectives, opts: BarrierOptions) -> dist.Work:
     token = torch.zeros(1)
     return ComposedWork([pg._do_allreduce([token], AllreduceOptions())], [token])
 
@@ -132,7 +132,7 @@ def barrier(pg: ProcessGroup, opts: BarrierOptions) -> dist.Work:
 # them; the backends that have them natively (gloo, NCCL) override these.
 
 
-def reduce(pg: ProcessGroup, tensors: list[torch.Tensor], opts: ReduceOptions) -> dist.Work:
+def reduce(pg: Collectives, tensors: list[torch.Tensor], opts: ReduceOptions) -> dist.Work:
     # An allreduce leaves the result on every rank; torch leaves non-root buffers unspecified.
     pg._check_root("reduce", opts.rootRank)
     single = AllreduceOptions()
@@ -141,7 +141,7 @@ def reduce(pg: ProcessGroup, tensors: list[torch.Tensor], opts: ReduceOptions) -
 
 
 def gather(
-    pg: ProcessGroup, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: GatherOptions
+    pg: Collectives, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: GatherOptions
 ) -> dist.Work:
     # An allgather into scratch buffers everywhere; the root keeps its copy.
     world, root = pg.size(), opts.rootRank
@@ -165,7 +165,7 @@ def gather(
 
 
 def scatter(
-    pg: ProcessGroup, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: ScatterOptions
+    pg: Collectives, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: ScatterOptions
 ) -> dist.Work:
     # One broadcast per destination rank from the root; each rank keeps its own slice.
     world, root, rank = pg.size(), opts.rootRank, pg.rank()

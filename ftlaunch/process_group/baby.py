@@ -23,7 +23,6 @@ a child.
 from __future__ import annotations
 
 import logging
-import subprocess
 import threading
 import time
 import weakref
@@ -45,6 +44,7 @@ from torch._C._distributed_c10d import (
     ScatterOptions,
 )
 
+from ftlaunch import prestart
 from ftlaunch.errors import CommunicationError
 from ftlaunch.process_group._baby_handle import Child, Pending
 from ftlaunch.process_group._shm import _Staged
@@ -477,7 +477,7 @@ class ProcessGroupBabyNCCL(ProcessGroupBaby):
             raise NotImplementedError("ProcessGroupBabyNCCL needs CUDA, which is not available")
 
 
-def _exited(proc: subprocess.Popen[bytes]) -> bool:
+def _exited(proc: prestart.ChildProcess) -> bool:
     """Whether ``proc`` has exited, also while another thread (the child's reader, which reaps it on
     a closed connection) holds its waitpid lock and `poll` answers None: a zombie has exited."""
     if proc.poll() is not None:

@@ -1,0 +1,132 @@
+"""Issue 11, item 3: the worker imports torch once and forks its Baby child (`ftlaunch.prestart.fork`).
+
+Real processes throughout: ``python -m ftlaunch.prestart SCRIPT`` as the launcher runs a worker.
+
+- the child is a fork (same executable image, no second interpreter start), adopted by the first
+  ``ProcessGroupBabyGloo``, and runs collectives;
+- a fork is refused when another thread is alive at the fork (the child is killed before it runs
+  anything of its own, and reaped) and an interpreter is started instead;
+- ``FTLAUNCH_PRESTART_FORK=0``: no early torch import, the child is its own interpreter;
+- a SIGKILLed worker leaves no forked child behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from ftlaunch import env, phases
+
+PROBE = """
+import json, os, sys, threading, time
+had_torch = "torch" in sys.modules  # what the script finds when it starts
+from ftlaunch import prestart
+if sys.argv[1] == "thread":  # a thread is alive: a fork must be refused
+    stop = threading.Event()
+    threading.Thread(target=stop.wait, daemon=True).start()
+    prestart.start("gloo", forked=True)
+    stop.set()
+early = prestart._started.get("gloo")
+out = {"had_torch": had_torch, "early": early[0].pid if early else None,
+       "kind": type(early[0]).__name__ if early else None}
+if early:
+    if sys.argv[1] == "sleep":
+        print(json.dumps(out), flush=True)
+        time.sleep(120)
+    import torch
+    import torch.distributed as dist
+    from datetime import timedelta
+    from ftlaunch.process_group import ProcessGroupBabyGloo
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    pg = ProcessGroupBabyGloo(timeout=30.0)
+    out["adopted"] = pg.child_pid
+    pg.wait_ready()
+    with open(f"/proc/{early[0].pid}/cmdline", "rb") as f:
+        out["child_cmdline"] = [x.decode() for x in f.read().split(b"\\0")[:3]]
+    pg.configure(f"127.0.0.1:{store.port}/probe", 0, 1)
+    t = torch.full((4,), 3.0)
+    pg.allreduce([t], dist.ReduceOp.SUM).wait()
+    out["sum"] = t.tolist()
+    pg.shutdown()
+    out["child_alive_after_shutdown"] = os.path.exists(f"/proc/{early[0].pid}")
+print(json.dumps(out), flush=True)
+"""
+
+
+def run_probe(tmp_path: Path, mode: str, **extra_env: str) -> tuple[dict, list[dict]]:
+    script = tmp_path / "probe.py"
+    script.write_text(PROBE)
+    log = tmp_path / f"phases_{mode}.jsonl"
+    run_env = {**os.environ, env.FTLAUNCH_BACKEND: "", "CUDA_VISIBLE_DEVICES": "",
+               env.FTLAUNCH_PHASE_LOG: str(log), **extra_env}  # fmt: skip
+    res = subprocess.run([sys.executable, "-u", "-m", "ftlaunch.prestart", str(script), mode],
+                         capture_output=True, text=True, timeout=150, env=run_env, cwd=tmp_path)  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout.strip().splitlines()[-1]), phases.read(log)
+
+
+@pytest.mark.timeout(180)
+def test_the_worker_imports_torch_once_and_forks_its_baby_child(tmp_path: Path) -> None:
+    out, recs = run_probe(tmp_path, "plain")
+    assert out["had_torch"]  # imported before the script ran: the script's own import is free
+    assert out["kind"] == "ForkedChild"
+    # A fork runs the worker's image: the same command line, not `python -m ..._baby_child`.
+    assert "ftlaunch.process_group._baby_child" not in out["child_cmdline"]
+    assert out["child_cmdline"][1:3] == ["-u", "-m"]
+    assert out["adopted"] == out["early"]
+    assert out["sum"] == [3.0] * 4  # the forked child runs the collective
+    assert not out["child_alive_after_shutdown"]
+    spawned = [r for r in recs if r["phase"] == "baby_child_spawn"]
+    assert len(spawned) == 1 and spawned[0]["forked"] and spawned[0]["child"] == out["early"]
+    assert any(r["phase"] == "baby_child_ready" and r["pid"] == out["early"] for r in recs)
+
+
+@pytest.mark.timeout(180)
+def test_a_fork_is_refused_while_another_thread_runs(tmp_path: Path) -> None:
+    # FTLAUNCH_BACKEND=gloo: prestart starts nothing early; the probe then tries a fork itself.
+    out, recs = run_probe(tmp_path, "thread", **{env.FTLAUNCH_BACKEND: "gloo"})
+    assert out["kind"] == "Popen"  # the fork was refused: an interpreter of its own instead
+    assert "ftlaunch.process_group._baby_child" in out["child_cmdline"]
+    assert out["sum"] == [3.0] * 4
+    refused = [r for r in recs if r["phase"] == "baby_child_fork_refused"]
+    assert len(refused) == 1 and refused[0]["threads"] >= 2
+    spawned = [r for r in recs if r["phase"] == "baby_child_spawn"]
+    assert len(spawned) == 1 and not spawned[0].get("forked") and spawned[0]["child"] == out["early"]
+
+
+@pytest.mark.timeout(180)
+def test_opting_out_starts_the_child_as_its_own_interpreter(tmp_path: Path) -> None:
+    out, _ = run_probe(tmp_path, "plain", **{env.FTLAUNCH_PRESTART_FORK: "0"})
+    assert not out["had_torch"] and out["kind"] == "Popen"
+    assert "ftlaunch.process_group._baby_child" in out["child_cmdline"]
+    assert out["sum"] == [3.0] * 4 and not out["child_alive_after_shutdown"]
+
+
+@pytest.mark.timeout(180)
+def test_a_killed_worker_leaves_no_forked_child(tmp_path: Path) -> None:
+    script = tmp_path / "probe.py"
+    script.write_text(PROBE)
+    run_env = {**os.environ, env.FTLAUNCH_BACKEND: "", "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.Popen([sys.executable, "-u", "-m", "ftlaunch.prestart", str(script), "sleep"],
+                            stdout=subprocess.PIPE, text=True, env=run_env, cwd=tmp_path)  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        out = json.loads(proc.stdout.readline())
+        assert out["kind"] == "ForkedChild"
+        child = psutil.Process(out["early"])
+        assert child.ppid() == proc.pid
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    deadline = time.monotonic() + 10
+    while child.is_running() and child.status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not child.is_running() or child.status() == psutil.STATUS_ZOMBIE
