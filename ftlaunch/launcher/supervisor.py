@@ -11,7 +11,8 @@ Layers, from the bottom:
 * an agent that itself dies is respawned (``--max-agent-restarts``), after its orphaned workers are
   killed -- the supervisor is a child subreaper, so orphans stay in its tree (`ftlaunch.launcher.procs`).
 
-This module is the agents' lifecycle loop; what it learns goes to each group's accounting
+This module is the agents' lifecycle loop (starting one agent process and reading its pipes:
+`ftlaunch.launcher.agent_process`); what it learns goes to each group's accounting
 (`ftlaunch.launcher.group`), ``--chaos`` is `ftlaunch.launcher.chaos`, the status line and the summary
 are `ftlaunch.launcher.report`. All state changes happen on the main thread: reader threads only turn
 pipe lines into queue items.
@@ -19,30 +20,25 @@ pipe lines into queue items.
 
 from __future__ import annotations
 
-import contextlib
-import json
 import logging
 import os
 import queue
 import secrets
 import shutil
 import signal
-import subprocess
-import sys
 import tempfile
 import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import IO, Any
+from typing import Any
 
 import psutil
 
 from ftlaunch import env
 from ftlaunch.errors import FtlaunchError, LighthouseError
 from ftlaunch.launcher import procs
-from ftlaunch.launcher.agent import AgentConfig
+from ftlaunch.launcher.agent_process import AgentProcess, News, start_agent
 from ftlaunch.launcher.chaos import Chaos
 from ftlaunch.launcher.group import FAILED, STARTING, SUCCEEDED, Group
 from ftlaunch.launcher.lighthouse_host import (
@@ -79,32 +75,14 @@ class LaunchError(FtlaunchError):
     """The job could not start (lighthouse, ports, ...): reported as one line, exit code 2."""
 
 
-@dataclass
-class _Agent:
-    """A group's running agent process and its pipes."""
-
-    proc: subprocess.Popen
-    result_file: str
-    #: stdout, stderr and the event pipe; the agent's last words are in once all three are closed.
-    open_streams: int = 3
-
-    def result(self) -> dict[str, Any]:
-        """What the agent wrote before exiting ({} if it died first)."""
-        try:
-            with open(self.result_file) as f:
-                return json.load(f)
-        except (OSError, ValueError):
-            return {}
-
-
 class Supervisor:
     def __init__(self, opts: LaunchOptions, console: Console | None = None) -> None:
         self.opts = opts
         self.console = console or Console(status=opts.status_line)
         # Groups 0..N-1 start for the N replica-group slots, N..N+K-1 as hot spares (worker/spare.py).
         self.groups = [Group(g) for g in range(opts.replicas + opts.spares)]
-        self._agents: dict[int, _Agent] = {}
-        self._events: queue.Queue[tuple[str, int, int, Any]] = queue.Queue()
+        self._agents: dict[int, AgentProcess] = {}
+        self._events: queue.Queue[News] = queue.Queue()
         self._stop_signal: int | None = None
         self._signals_received = 0
         self._lighthouse: JobLighthouse | None = None
@@ -253,60 +231,11 @@ class Supervisor:
     def _spawn(self, group: Group) -> None:
         assert self._lighthouse is not None  # noqa: S101 - opened before any agent starts
         group.agent_started()
-        inc = group.incarnation
-        group_dir = os.path.join(self._log_dir, group.replica_id)
-        os.makedirs(group_dir, exist_ok=True)
-        result_file = os.path.join(group_dir, f"agent{inc}.result.json")
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(result_file)
-        read_fd, write_fd = os.pipe()
-        cfg = AgentConfig.for_group(
-            self.opts, run_id=self._run_id, log_dir=os.path.join(group_dir, "workers"),
-            event_fd=write_fd, result_file=result_file,
-        )
-        config_file = os.path.join(group_dir, f"agent{inc}.json")
-        with open(config_file, "w") as f:
-            f.write(cfg.to_json())
         job = env.JobEnv(group.gid, self.opts.replicas, self._lighthouse.address, self._token, self.opts.spares)
-        child_env = {**os.environ, **job.to_environ(), "PYTHONUNBUFFERED": "1"}
-        try:
-            proc = subprocess.Popen(
-                [sys.executable, "-u", "-m", "ftlaunch.launcher.agent", config_file],
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                env=child_env,
-                pass_fds=(write_fd,),
-                start_new_session=True,  # Ctrl-C reaches the supervisor only; it stops the groups in order
-            )
-        finally:
-            os.close(write_fd)
-        self._agents[group.gid] = _Agent(proc, result_file)
-        assert proc.stdout is not None and proc.stderr is not None  # noqa: S101 - Popen(PIPE) contract
-        for name, stream in (("out", proc.stdout), ("err", proc.stderr)):
-            threading.Thread(
-                target=self._read_lines, args=(name, group.gid, inc, stream), daemon=True,
-                name=f"ftlaunch-{group.replica_id}-{name}",
-            ).start()
-        threading.Thread(
-            target=self._read_events, args=(group.gid, inc, read_fd), daemon=True,
-            name=f"ftlaunch-{group.replica_id}-ev",
-        ).start()
-
-    def _read_lines(self, kind: str, gid: int, inc: int, stream: IO[bytes]) -> None:
-        with stream:
-            for raw in iter(stream.readline, b""):
-                self._events.put((kind, gid, inc, raw.decode(errors="replace").rstrip("\n")))
-        self._events.put(("eof", gid, inc, kind))
-
-    def _read_events(self, gid: int, inc: int, fd: int) -> None:
-        with os.fdopen(fd, "rb") as f:
-            for raw in f:
-                try:
-                    self._events.put(("event", gid, inc, json.loads(raw)))
-                except ValueError:
-                    continue
-        self._events.put(("eof", gid, inc, "event"))
+        self._agents[group.gid] = start_agent(
+            self.opts, job, run_id=self._run_id, group_dir=os.path.join(self._log_dir, group.replica_id),
+            incarnation=group.incarnation, news=self._events,
+        )
 
     # --- main loop -----------------------------------------------------------------------------
 
