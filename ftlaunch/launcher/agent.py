@@ -11,7 +11,8 @@ its own workers (up to ``max_restarts``) exactly as under ``torchrun``. Besides,
   the lighthouse within milliseconds instead of after torchelastic's monitor tick;
 * writes a result file (success, or the root cause from torchelastic's error files) before exiting;
 * dies with the supervisor (``PR_SET_PDEATHSIG``), taking its workers down through torchelastic's
-  own signal handling.
+  own signal handling -- and within 2 s even a SIGSTOPped worker, which that handling would leave
+  for 30 s (`procs.end_descendants`).
 """
 
 from __future__ import annotations
@@ -31,11 +32,14 @@ from typing import Any
 import psutil
 
 from ftlaunch import env, phases
+from ftlaunch.launcher import procs
 from ftlaunch.launcher.options import LaunchOptions
-from ftlaunch.lifetime import die_with_parent
+from ftlaunch.lifetime import die_with_parent, on_exit
 
 logger = logging.getLogger("ftlaunch.launcher.agent")
 
+#: Seconds a worker has to end gracefully once the supervisor is gone, before it is SIGKILLed.
+_ORPHAN_GRACE_S = 2.0
 #: torchelastic's prefix of every worker line, ``[rg<group>/r<rank>] `` (`output.WORKER_LINE` parses it).
 WORKER_PREFIX_TEMPLATE = "[{replica_id}/r${{rank}}] "
 
@@ -300,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = AgentConfig.from_json(f.read())
     if cfg.supervisor_pid is not None:
         die_with_parent(signal.SIGTERM, expected_parent=cfg.supervisor_pid)
+        # SIGTERM starts torchelastic's graceful stop, which a stopped worker cannot take part in.
+        on_exit(cfg.supervisor_pid, lambda: procs.end_descendants(_ORPHAN_GRACE_S), name="ftlaunch-supervisor-watch")
     logging.basicConfig(
         level=os.environ.get("LOGLEVEL", "WARNING").upper(),
         format="%(levelname)s %(name)s: %(message)s",
