@@ -231,7 +231,10 @@ class Supervisor:
     def _spawn(self, group: Group) -> None:
         assert self._lighthouse is not None  # noqa: S101 - opened before any agent starts
         group.agent_started()
-        job = env.JobEnv(group.gid, self.opts.replicas, self._lighthouse.address, self._token, self.opts.spares)
+        # The lighthouse answered (we host it, or connected to it): a group (re)started while it is
+        # down waits for it like the running ones (FTLAUNCH_LIGHTHOUSE_OUTAGE), not 10 s.
+        job = env.JobEnv(group.gid, self.opts.replicas, self._lighthouse.address, self._token, self.opts.spares,
+                         lighthouse_reached=True)
         self._agents[group.gid] = start_agent(
             self.opts, job, run_id=self._run_id, group_dir=os.path.join(self._log_dir, group.replica_id),
             incarnation=group.incarnation, news=self._events,
