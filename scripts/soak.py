@@ -118,6 +118,7 @@ def run_ftlaunch(args: argparse.Namespace, chaos: str | None, label: str) -> Run
            "--max-restarts", "1000", "--max-agent-restarts", "1000", "--log-dir", log_dir, "--no-status"]
     if args.spares:
         cmd += ["--spares", str(args.spares)]
+    cmd += args.ftlaunch_arg
     if chaos:
         cmd += ["--chaos", chaos]
     cmd += [str(TRAIN), "--steps", str(args.steps), "--step-sleep", str(args.step_sleep),
@@ -248,6 +249,7 @@ def report(args: argparse.Namespace, chaos_run: Run, baseline: Run | None) -> di
     out = {
         "groups": args.groups,
         "spares": args.spares,
+        "ftlaunch_args": args.ftlaunch_arg,
         "cpus": os.cpu_count(),
         "load_avg_chaos": round(sum(chaos_run.load) / len(chaos_run.load), 2) if chaos_run.load else None,
         "load_avg_baseline": round(sum(baseline.load) / len(baseline.load), 2) if baseline and baseline.load else None,
@@ -326,6 +328,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--spares", type=int, default=0,
                    help="hot spares (ftlaunch --spares K) in both runs: a failed group's slot is taken over by a spare")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--ftlaunch-arg", action="append", default=[], metavar="ARG",
+                   help="one more ftlaunch option for both runs, e.g. --ftlaunch-arg=--heartbeat-timeout=1 (repeatable)")
     p.add_argument("--max-seconds", type=float, default=3000.0, help="give up after this long per run")
     p.add_argument("--no-baseline", action="store_true", help="skip the fault-free run (no goodput)")
     p.add_argument("--json", default=None, help="also write the report here")
