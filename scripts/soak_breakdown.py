@@ -64,7 +64,7 @@ def stall_cause(a: float, b: float, tl: Timeline, stop_for: float, rejoins: list
     """Why no group committed from ``a`` to ``b``."""
     if tl.lighthouse_down is not None:
         crash, back = tl.lighthouse_down
-        if crash <= b and (back is None or back + 10.0 >= a):
+        if crash <= b and (back is None or a <= back + 1.0):  # began in the outage or as it ended
             return "lighthouse restart (outage, reconnect, resume quorum)"
     for t, sig, _, _ in tl.injections:
         if sig == "SIGSTOP" and t <= b and t + stop_for + 1.0 >= a:
