@@ -6,7 +6,8 @@ made by torchrun's own ``config_from_args`` (`torchrun_flags.launch_config`), so
 its own workers (up to ``max_restarts``) exactly as under ``torchrun``. Besides, it
 
 * watches its workers and writes one JSON line per event to the supervisor's event pipe: the worker
-  pids of each (re)start, and a worker's death with its exit status -- read with
+  pids of each (re)start, a worker stopped by a signal (a hang), and a worker's death with its exit
+  status -- read with
   ``waitid(WNOWAIT)``, which leaves the child for torchelastic to reap, so the supervisor can tell
   the lighthouse within milliseconds instead of after torchelastic's monitor tick;
 * writes a result file (success, or the root cause from torchelastic's error files) before exiting;
@@ -172,10 +173,20 @@ class WorkerWatcher(threading.Thread):
 
     def _wait_for(self, pid: int, info: dict[str, Any]) -> None:
         data: dict[str, Any] = {"pid": pid, **info}
-        try:
-            res = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
-        except ChildProcessError:
-            res = None
+        while True:
+            try:
+                res = os.waitid(os.P_PID, pid, os.WEXITED | os.WSTOPPED | os.WNOWAIT)
+            except ChildProcessError:
+                res = None
+            if res is None or res.si_code != os.CLD_STOPPED:
+                break
+            # Stopped (SIGSTOP, SIGTSTP, ...): a hang the supervisor tells the lighthouse about at
+            # once. Consume the stop report (WSTOPPED alone never reaps) and wait on.
+            try:
+                os.waitid(os.P_PID, pid, os.WSTOPPED | os.WNOHANG)
+            except ChildProcessError:
+                pass
+            self._events.emit("worker_stopped", **data, signal=signal.Signals(res.si_status).name)
         if res is None:
             data["failed"] = None  # reaped by torchelastic before we looked: status unknown
         elif res.si_code == os.CLD_EXITED:

@@ -20,6 +20,7 @@ pipe lines into queue items.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -36,7 +37,6 @@ from typing import Any
 import psutil
 
 from ftlaunch import env
-from ftlaunch.errors import FtlaunchError, LighthouseError
 from ftlaunch.launcher import procs
 from ftlaunch.launcher.agent_process import AgentProcess, News, start_agent
 from ftlaunch.launcher.chaos import Chaos
@@ -44,8 +44,9 @@ from ftlaunch.launcher.group import FAILED, STARTING, SUCCEEDED, Group
 from ftlaunch.launcher.lighthouse_host import (
     HostedLighthouse,
     JobLighthouse,
+    LaunchError,
     LighthouseSettings,
-    RemoteLighthouse,
+    open_job_lighthouse,
 )
 from ftlaunch.launcher.options import LaunchOptions
 from ftlaunch.launcher.output import WORKER_LINE, Console, without_repeated_tag
@@ -69,10 +70,6 @@ _DRAIN_S = 2.0
 #: Seconds between two reads of the groups' progress from a lighthouse in this process / elsewhere.
 _PROGRESS_HOSTED_S = 0.1
 _PROGRESS_REMOTE_S = 0.5
-
-
-class LaunchError(FtlaunchError):
-    """The job could not start (lighthouse, ports, ...): reported as one line, exit code 2."""
 
 
 class Supervisor:
@@ -158,26 +155,11 @@ class Supervisor:
 
     def _open_lighthouse(self) -> JobLighthouse:
         opts = self.opts
-        if opts.lighthouse:
-            try:
-                return RemoteLighthouse.connect(opts.lighthouse, token=self._token, timeout=5.0)
-            except ValueError as e:
-                raise LaunchError(f"--lighthouse {opts.lighthouse!r}: {e}") from None
-            except (LighthouseError, OSError) as e:
-                addr = env.normalize_lighthouse(opts.lighthouse, "--lighthouse")
-                raise LaunchError(f"no lighthouse answers at {addr} ({type(e).__name__}: {e})") from None
         settings = LighthouseSettings(
-            bind=opts.lighthouse_bind,
-            min_replicas=opts.min_replicas,
-            expected_replicas=opts.replicas,
-            join_timeout=opts.join_timeout,
-            heartbeat_timeout=opts.heartbeat_timeout,
-            token=self._token,
+            bind=opts.lighthouse_bind, min_replicas=opts.min_replicas, expected_replicas=opts.replicas,
+            join_timeout=opts.join_timeout, heartbeat_timeout=opts.heartbeat_timeout, token=self._token,
         )
-        try:
-            return HostedLighthouse.start(settings)
-        except (OSError, ValueError) as e:  # ConfigurationError: the address is taken or invalid
-            raise LaunchError(f"cannot start the lighthouse on {opts.lighthouse_bind}: {e}") from None
+        return open_job_lighthouse(opts.lighthouse, settings)
 
     def _watch_lighthouse(self, now: float) -> None:
         """Restart a hosted lighthouse that stopped serving, on the same address. The groups wait
@@ -348,6 +330,16 @@ class Supervisor:
             failure = group.workers_started(int(ev.get("restart", 0)), pids, now)
             if failure is not None:
                 self._report_failure(group, failure)
+        elif kind == "worker_stopped":
+            stopped = f"rank {ev.get('rank')} (pid {ev.get('pid')}) stopped by {ev.get('signal')}"
+            if not self.opts.kill_stopped:
+                self.console.err(f"[ftlaunch] replica group {group.gid}: {stopped}; waited for (--heartbeat-timeout)")
+                return
+            # --kill-stopped: a hang handled as a crash. The others' next quorum goes on without it
+            # at once (a group merely told failed could continue after they finished and train alone).
+            with contextlib.suppress(psutil.Error):
+                procs.kill_procs([psutil.Process(int(ev.get("pid", -1)))], timeout=0)
+            self.console.err(f"[ftlaunch] replica group {group.gid}: {stopped}; killed (--kill-stopped)")
         elif kind == "worker_exit":
             restart = int(ev.get("restart", group.generation))
             how = f"killed by {ev['signal']}" if "signal" in ev else f"exited with code {ev.get('exitcode')}"
