@@ -306,6 +306,14 @@ def _worker_args(opts: LaunchOptions) -> list[str]:
     return ["-u", "-m", "ftlaunch.prestart", *args[1:]]
 
 
+def _supervisor_gone() -> None:
+    """The supervisor died: end the workers' trees (stopped ones too), then this agent, should
+    torchelastic's own shutdown still be stuck (e.g. in a store call) after the grace period."""
+    procs.end_descendants(_ORPHAN_GRACE_S)
+    time.sleep(_ORPHAN_GRACE_S)
+    os._exit(128 + signal.SIGTERM)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
@@ -316,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.supervisor_pid is not None:
         die_with_parent(signal.SIGTERM, expected_parent=cfg.supervisor_pid)
         # SIGTERM starts torchelastic's graceful stop, which a stopped worker cannot take part in.
-        on_exit(cfg.supervisor_pid, lambda: procs.end_descendants(_ORPHAN_GRACE_S), name="ftlaunch-supervisor-watch")
+        on_exit(cfg.supervisor_pid, _supervisor_gone, name="ftlaunch-supervisor-watch")
     logging.basicConfig(
         level=os.environ.get("LOGLEVEL", "WARNING").upper(),
         format="%(levelname)s %(name)s: %(message)s",
