@@ -86,6 +86,7 @@ class Run:
     lighthouse_back_at: float | None = None
     phases: list[dict] = field(default_factory=list)  # the phase log, "t" in this run's clock
     lighthouse_restarts: int = 0
+    quorum_changes: int | None = None  # from the summary (the lighthouse's count; churn)
     stopped_groups: list[int] = field(default_factory=list)  # down when the training finished
     error_exits: list[str] = field(default_factory=list)
     tracebacks: int = 0
@@ -205,6 +206,9 @@ def parse_line(run: Run, line: str, now: float, verbose: bool) -> None:
     m = re.search(r"\[ftlaunch\] replica group (\d+): the training finished while it was recovering", line)
     if m is not None:
         run.stopped_groups.append(int(m.group(1)))
+    m = re.search(r"\[ftlaunch\] lighthouse: (\d+) quorum change", line)
+    if m is not None:
+        run.quorum_changes = int(m.group(1))
     if "stopped serving; restarted on the same address" in line:
         run.lighthouse_restarts += 1
         run.lighthouse_back_at = now
@@ -261,6 +265,8 @@ def report(args: argparse.Namespace, chaos_run: Run, baseline: Run | None) -> di
         "injections": chaos_run.injections,
         "injections_total": sum(chaos_run.injections.values()),
         "lighthouse_restarts": chaos_run.lighthouse_restarts,
+        "quorum_changes": chaos_run.quorum_changes,
+        "baseline_quorum_changes": baseline.quorum_changes if baseline else None,
         "crashes": crashes,
         "error_exits": chaos_run.error_exits,
         "tracebacks_in_output": chaos_run.tracebacks,
@@ -302,7 +308,7 @@ def print_report(r: dict) -> None:
 
     print("soak report (scripts/soak.py, through the ftlaunch command)")
     for key in ("groups", "spares", "cpus", "load_avg_baseline", "load_avg_chaos", "steps_target", "chaos", "exit_code", "committed_steps", "committed_group_steps",
-                "injections_total", "injections", "lighthouse_restarts", "crashes", "tracebacks_in_output",
+                "injections_total", "injections", "lighthouse_restarts", "quorum_changes", "baseline_quorum_changes", "crashes", "tracebacks_in_output",
                 "divergent_groups", "groups_stopped_after_the_end", "final_checksums", "training_time_s", "baseline_training_time_s", "goodput",
                 "longest_survivor_stall_s", "baseline_longest_stall_s", "orphans", "log_bytes",
                 "baseline_log_bytes", "wall_s"):
