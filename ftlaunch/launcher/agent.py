@@ -180,8 +180,8 @@ class WorkerWatcher(threading.Thread):
                 res = None
             if res is None or res.si_code != os.CLD_STOPPED:
                 break
-            # Stopped (SIGSTOP, SIGTSTP, ...): a hang the supervisor tells the lighthouse about at
-            # once. Consume the stop report (WSTOPPED alone never reaps) and wait on.
+            # Stopped (SIGSTOP, SIGTSTP, ...): a hang; the supervisor decides (--kill-stopped).
+            # Consume the stop report (WSTOPPED alone never reaps) and wait on.
             try:
                 os.waitid(os.P_PID, pid, os.WSTOPPED | os.WNOHANG)
             except ChildProcessError:
