@@ -76,8 +76,8 @@ def test_the_watcher_reports_a_stopped_worker_and_then_its_exit() -> None:
 def test_kill_stopped_restarts_a_stopped_group_and_the_job_finishes(tmp_path) -> None:
     res = run(
         [*FTLAUNCH, "--replicas", "2", "--max-restarts", "3", "--kill-stopped", "--no-status",
-         "--chaos", "every=2,count=1,group=1,signal=STOP,stop_for=100", "--log-dir", str(tmp_path),
-         WORKER, "--out", str(tmp_path / "out"), "--steps", "80", "--step-time", "0.1", "--checksum", "same"],
+         "--chaos", "every=2,count=1,group=1,signal=STOP,stop_for=100",
+         WORKER, "--out", str(tmp_path), "--steps", "80", "--step-time", "0.1", "--checksum", "same"],
         timeout=350,
     )
     assert res.returncode == 0, res.stderr
