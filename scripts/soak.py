@@ -282,7 +282,10 @@ def report(args: argparse.Namespace, chaos_run: Run, baseline: Run | None) -> di
         "log_bytes": chaos_run.log_bytes,
         "baseline_log_bytes": baseline.log_bytes if baseline else None,
         "wall_s": chaos_run.wall,
-        "breakdown": breakdown(chaos_run.timeline(), baseline.timeline(), args.stop_for) if baseline else None,
+        "breakdown": (
+            breakdown(chaos_run.timeline(), baseline.timeline(), args.stop_for, args.lighthouse_down)
+            if baseline else None
+        ),
     }
     out["targets"] = TARGETS
     out["met"] = {

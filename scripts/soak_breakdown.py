@@ -79,8 +79,14 @@ def stall_cause(a: float, b: float, tl: Timeline, stop_for: float, rejoins: list
     return "other"
 
 
-def breakdown(chaos: Timeline, base: Timeline, stop_for: float) -> dict[str, Any] | None:
-    """Lost time per cause (seconds, summing to the total) and per injection; None without data."""
+def breakdown(
+    chaos: Timeline, base: Timeline, stop_for: float, lighthouse_down: float | None = None
+) -> dict[str, Any] | None:
+    """Lost time per cause (seconds, summing to the total) and per injection; None without data.
+
+    Also the *design bound*: the goodput a run could reach if the job lost exactly what the faults
+    themselves impose when the survivors wait for a stopped group (``stop_for`` per SIGSTOP) and
+    for a dead lighthouse (``lighthouse_down``), and nothing else."""
     cf, bf = frontier(chaos.commits), frontier(base.commits)
     if len(cf) < 2 or len(bf) < 2 or None in (chaos.first_step_at, chaos.last_final_at, base.first_step_at,
                                                base.last_final_at):
@@ -109,8 +115,14 @@ def breakdown(chaos: Timeline, base: Timeline, stop_for: float) -> dict[str, Any
     causes["end of run (last step -> last group's final line)"] = end
     lost = (chaos.last_final_at - chaos.first_step_at) - (base.last_final_at - base.first_step_at)
     causes["start (first step line -> first committed step)"] = lost - sum(causes.values())
+    imposed = sum(stop_for for _, sig, _, _ in chaos.injections if sig == "SIGSTOP")
+    if chaos.lighthouse_down is not None and lighthouse_down is not None:
+        imposed += lighthouse_down
+    base_time = base.last_final_at - base.first_step_at
     return {
         "lost_s": round(lost, 2),
+        "imposed_by_the_faults_s": round(imposed, 2),
+        "design_bound_goodput": round(base_time / (base_time + imposed), 3) if base_time > 0 else None,
         "baseline_step_interval_s": round(mean, 4),
         "stall_threshold_s": round(threshold, 2),
         "lost_by_cause_s": {k: round(v, 2) for k, v in sorted(causes.items(), key=lambda kv: -kv[1])},
@@ -165,6 +177,9 @@ def phase_medians(tl: Timeline) -> dict[str, dict[str, float]]:
 
 
 def print_breakdown(b: dict[str, Any]) -> None:
+    if b.get("design_bound_goodput") is not None:
+        print(f"  design bound: {b['imposed_by_the_faults_s']:.1f} s are the faults' own (stop_for per SIGSTOP, "
+              f"the lighthouse's downtime), which the survivors wait out: goodput <= {b['design_bound_goodput']:.1%}")
     print(f"  where the {b['lost_s']:.1f} s lost went (fault-free step interval {b['baseline_step_interval_s']:.3f} s; "
           f"a stall: no group committed for > {b['stall_threshold_s']:.1f} s):")
     for cause, seconds in b["lost_by_cause_s"].items():
