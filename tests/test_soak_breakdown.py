@@ -38,8 +38,10 @@ def test_lost_time_adds_up_and_is_attributed() -> None:
         injections=[(22.2, "SIGSTOP", "workers", 3), (30.15, "SIGKILL", "workers", 2)],
         lighthouse_down=(5.0, 17.0),
     )
-    b = breakdown(chaos, base, stop_for=3.0)
+    b = breakdown(chaos, base, stop_for=3.0, lighthouse_down=12.0)
     assert b is not None
+    assert b["imposed_by_the_faults_s"] == pytest.approx(15.0)
+    assert b["design_bound_goodput"] == pytest.approx(20.4 / (20.4 + 15.0), abs=0.001)
     causes = b["lost_by_cause_s"]
     assert sum(causes.values()) == pytest.approx(b["lost_s"], abs=0.05)
     assert b["lost_s"] == pytest.approx((last_step_at + 1.5) - 20.4, abs=0.01)
