@@ -137,7 +137,12 @@ def per_injection(tl: Timeline) -> list[dict[str, Any]]:
     out = []
     origin = tl.first_step_at or 0.0
     for t, sig, target, g in tl.injections:
-        back = min((c for c, grp, _ in tl.commits if grp == g and c > t), default=None)
+        # Back = the victim's first commit after a pause of its own (> 1 s) that ends after the
+        # injection: lines already in flight, or the workers of a killed agent that live on until
+        # the supervisor ends them, are not a return. None: it never committed again (with hot
+        # spares, a spare took its slot and it stayed a spare).
+        own = sorted(c for c, grp, _ in tl.commits if grp == g)
+        back = next((b for a, b in zip(own, own[1:], strict=False) if b > t and b - a > 1.0 and b - t > 0.0), None)
         out.append({"at": round(t - origin, 1), "signal": sig, "target": target, "group": g,
                     "victim_back_after_s": None if back is None else round(back - t, 2)})
     return out
