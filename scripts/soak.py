@@ -324,6 +324,25 @@ def print_report(r: dict) -> None:
         print_breakdown(r["breakdown"])
 
 
+def reanalyze(args: argparse.Namespace) -> int:
+    """The report of a kept run (``--keep-output PREFIX``) from its time-stamped output."""
+    runs = []
+    for label in ("baseline", "chaos"):
+        run = Run(code=0)
+        with open(f"{args.reanalyze}.{label}", errors="replace") as f:
+            for raw in f:
+                stamp, _, line = raw.lstrip().partition(" ")
+                try:
+                    parse_line(run, line, float(stamp), False)
+                except ValueError:
+                    continue
+        m = re.search(r"summary: exit (\d+)", Path(f"{args.reanalyze}.{label}").read_text(errors="replace"))
+        run.code = int(m.group(1)) if m else -1
+        runs.append(run)
+    print_report(report(args, runs[1], runs[0]))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--groups", type=int, default=4)
@@ -345,7 +364,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--verbose", action="store_true", help="echo the launcher's own lines")
     p.add_argument("--keep-output", default=None, metavar="PREFIX",
                    help="write each run's whole output, time-stamped, to PREFIX.baseline / PREFIX.chaos")
+    p.add_argument("--reanalyze", default=None, metavar="PREFIX",
+                   help="no runs: report again from the output a --keep-output PREFIX run kept (no phase log)")
     args = p.parse_args(argv)
+    if args.reanalyze:
+        return reanalyze(args)
     if args.lighthouse_at is not None and args.lighthouse_at < 0:
         args.lighthouse_at = None
     baseline = None if args.no_baseline else run_ftlaunch(args, None, "baseline")

@@ -60,11 +60,22 @@ def _group_rejoins(commits: list[tuple[float, int, int]], gap: float) -> list[fl
     return [b for ts in by_group.values() for a, b in zip(ts, ts[1:], strict=False) if b - a > gap]
 
 
+#: A stall at least this long waited for a timeout (the collective timeout is 60 s by default).
+TIMEOUT_STALL_S = 30.0
+
+
 def stall_cause(a: float, b: float, tl: Timeline, stop_for: float, rejoins: list[float]) -> str:
     """Why no group committed from ``a`` to ``b``."""
+    cause = _stall_cause(a, b, tl, stop_for, rejoins)
+    if b - a >= TIMEOUT_STALL_S and not cause.startswith(("lighthouse", "SIGSTOP: survivors blocked past")):
+        cause += " -- blocked until a timeout (a configure or collective with a group that died)"
+    return cause
+
+
+def _stall_cause(a: float, b: float, tl: Timeline, stop_for: float, rejoins: list[float]) -> str:
     if tl.lighthouse_down is not None:
         crash, back = tl.lighthouse_down
-        if crash <= b and (back is None or a <= back + 1.0):  # began in the outage or as it ended
+        if crash <= b and (back is None or a <= back):  # began during the outage
             return "lighthouse restart (outage, reconnect, resume quorum)"
     for t, sig, _, _ in tl.injections:
         if sig == "SIGSTOP" and t <= b and t + stop_for + 1.0 >= a:
@@ -193,5 +204,7 @@ def print_breakdown(b: dict[str, Any]) -> None:
     if longest:
         print("  longest stalls: " + "; ".join(f"{s['seconds']:.1f}s at t={s['at']:.0f}s ({s['cause']})" for s in longest))
     for kind, phases in b["restart_phases_median_s"].items():
+        if not phases:
+            continue
         print(f"  {kind}: median seconds from the injection to each phase of the victim's restart:")
         print("    " + ", ".join(f"{name} {dt:.1f}" for name, dt in phases.items()))
