@@ -54,6 +54,10 @@ FTLAUNCH_CONNECT_TIMEOUT = "FTLAUNCH_CONNECT_TIMEOUT"
 #: How long a group leader waits for an unreachable lighthouse to come back before it gives up
 #: (a duration, default 300 s; 0: give up after the connect timeout). ``ftlaunch.lighthouse.reconnect``.
 FTLAUNCH_LIGHTHOUSE_OUTAGE = "FTLAUNCH_LIGHTHOUSE_OUTAGE"
+#: Set to ``1`` by a launcher that has reached the job's lighthouse (the ``ftlaunch`` supervisor, the
+#: rendezvous once it found it): a worker's -- or a respawned agent's -- failed first contact is then
+#: an outage to wait out for ``FTLAUNCH_LIGHTHOUSE_OUTAGE``, not a wrong address to report at once.
+FTLAUNCH_LIGHTHOUSE_REACHED = "FTLAUNCH_LIGHTHOUSE_REACHED"
 #: A group leader whose training thread made no step call for this long (a duration, default 1.5x the
 #: collective timeout; 0: off) leaves the lighthouse until it steps again. ``ftlaunch.worker.watchdog``.
 FTLAUNCH_PROGRESS_TIMEOUT = "FTLAUNCH_PROGRESS_TIMEOUT"
@@ -91,6 +95,7 @@ ALL_FTLAUNCH_VARS = (
     FTLAUNCH_QUORUM_TIMEOUT,
     FTLAUNCH_CONNECT_TIMEOUT,
     FTLAUNCH_LIGHTHOUSE_OUTAGE,
+    FTLAUNCH_LIGHTHOUSE_REACHED,
     FTLAUNCH_PROGRESS_TIMEOUT,
     FTLAUNCH_SYNC_EVERY,
     FTLAUNCH_FRAGMENTS,
@@ -105,6 +110,11 @@ ALL_FTLAUNCH_VARS = (
 def replica_id(replica_group_id: int) -> str:
     """The lighthouse's name for replica group ``replica_group_id`` (the one place it is spelled)."""
     return f"rg{replica_group_id}"
+
+
+def lighthouse_reached(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether the launcher reached the job's lighthouse before (`FTLAUNCH_LIGHTHOUSE_REACHED`)."""
+    return (os.environ if environ is None else environ).get(FTLAUNCH_LIGHTHOUSE_REACHED, "") == "1"
 
 
 def lighthouse_address(environ: Mapping[str, str] | None = None) -> str | None:
@@ -156,6 +166,8 @@ class JobEnv:
     #: Hot spares of the job: groups ``num_replica_groups .. num_replica_groups + spares - 1`` start
     #: as spares, and with spares every group claims its slot (`ftlaunch.worker.spare`).
     spares: int = 0
+    #: The launcher reached this lighthouse before starting the group (`FTLAUNCH_LIGHTHOUSE_REACHED`).
+    lighthouse_reached: bool = False
 
     def __post_init__(self) -> None:
         from ftlaunch.errors import ConfigurationError
@@ -208,7 +220,8 @@ class JobEnv:
             raise ConfigurationError(f"{NUM_REPLICA_GROUPS} is not set. {HOW_TO_LAUNCH}")
         assert group is not None and addr is not None  # narrowed by the checks above
         spares = get_int(FTLAUNCH_SPARES, 0, env) or 0
-        return cls(group, num, addr, token if token is not None else (env.get(FTLAUNCH_TOKEN) or None), spares)
+        token = token if token is not None else (env.get(FTLAUNCH_TOKEN) or None)
+        return cls(group, num, addr, token, spares, lighthouse_reached(env))
 
     def to_environ(self) -> dict[str, str]:
         """The variables a launcher sets in every worker of this replica group."""
@@ -221,6 +234,8 @@ class JobEnv:
             out[FTLAUNCH_TOKEN] = self.token
         if self.spares:
             out[FTLAUNCH_SPARES] = str(self.spares)
+        if self.lighthouse_reached:
+            out[FTLAUNCH_LIGHTHOUSE_REACHED] = "1"
         return out
 
 

@@ -11,7 +11,11 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
+import select
 import signal
+import threading
+import time
+from collections.abc import Callable
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
@@ -40,3 +44,44 @@ def die_with_parent(sig: int = signal.SIGTERM, expected_parent: int | None = Non
     if expected_parent is not None and os.getppid() != expected_parent:
         os.kill(os.getpid(), sig)
     return ok
+
+
+def on_exit(pid: int, callback: Callable[[], None], name: str = "ftlaunch-on-exit") -> threading.Thread:
+    """Call ``callback`` on a daemon thread as soon as process ``pid`` has exited (at once if it is
+    already gone).
+
+    Linux: the thread blocks on a pidfd (``pidfd_open``), so the wait costs no wake-ups; elsewhere it
+    polls every 0.2 s. This is for what ``PR_SET_PDEATHSIG`` cannot do alone: the signal only starts
+    a graceful shutdown, which a stopped child cannot take part in.
+    """
+
+    def wait() -> None:
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            callback()
+            return
+        except (AttributeError, OSError):
+            while _exists(pid):
+                time.sleep(0.2)
+            callback()
+            return
+        try:
+            select.select([fd], [], [])
+        finally:
+            os.close(fd)
+        callback()
+
+    thread = threading.Thread(target=wait, name=name, daemon=True)
+    thread.start()
+    return thread
+
+
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

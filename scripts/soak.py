@@ -23,12 +23,19 @@ and prints a report (``--json`` writes it too):
   to heal them) are listed apart;
 * orphans: processes of the job alive 10 s after ``ftlaunch`` returned (found by a marker variable
   every process of the job inherits);
-* log bytes: what ``ftlaunch`` printed plus its ``--log-dir``.
+* log bytes: what ``ftlaunch`` printed plus its ``--log-dir``;
+* where the lost time went (scripts/soak_breakdown.py): the chaos run's extra training time split
+  per cause (lighthouse restart, SIGSTOPped groups, kills, rejoins, slower steps, end of run), the
+  longest stalls, each injection's way back, and the median restart phases (from the job's
+  ``FTLAUNCH_PHASE_LOG``, which the soak sets);
+* the machine: CPUs and the 1-minute load average during each run.
+
+``--spares K`` runs both with ``ftlaunch --spares K``: a failed group's slot goes to a hot spare.
 
 Targets (issue 17): 0 crashes, 0 divergence, 0 orphans, goodput >= 90 %.
 
 Usage: python scripts/soak.py [--groups 4] [--steps 500] [--every 5] [--lighthouse-at 60]
-       [--lighthouse-down 12] [--step-sleep 0.1] [--seed 1] [--json out.json] [--no-baseline]
+       [--lighthouse-down 12] [--step-sleep 0.1] [--seed 1] [--spares 0] [--json out.json] [--no-baseline]
 """
 
 from __future__ import annotations
@@ -48,6 +55,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
+from soak_breakdown import Timeline, breakdown, print_breakdown
+
+from ftlaunch import phases
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN = REPO / "scripts" / "train_ddp.py"
@@ -71,12 +81,18 @@ class Run:
     commits: list[tuple[float, int, int]] = field(default_factory=list)  # (time, group, step)
     finals: dict[int, tuple[str, int]] = field(default_factory=dict)  # group -> (checksum, step)
     injections: dict[str, int] = field(default_factory=dict)  # "SIGKILL workers" -> count
+    injected: list[tuple[float, str, str, int]] = field(default_factory=list)  # (time, SIGx, target, group)
+    lighthouse_crash_at: float | None = None
+    lighthouse_back_at: float | None = None
+    phases: list[dict] = field(default_factory=list)  # the phase log, "t" in this run's clock
     lighthouse_restarts: int = 0
+    quorum_changes: int | None = None  # from the summary (the lighthouse's count; churn)
     stopped_groups: list[int] = field(default_factory=list)  # down when the training finished
     error_exits: list[str] = field(default_factory=list)
     tracebacks: int = 0
     log_bytes: int = 0
     orphans: list[str] = field(default_factory=list)
+    load: list[float] = field(default_factory=list)  # 1-minute load average, sampled every 5 s
     tail: str = ""
 
     @property
@@ -84,6 +100,10 @@ class Run:
         if self.first_step_at is None or self.last_final_at is None:
             return None
         return self.last_final_at - self.first_step_at
+
+    def timeline(self) -> Timeline:
+        down = (self.lighthouse_crash_at, self.lighthouse_back_at) if self.lighthouse_crash_at is not None else None
+        return Timeline(self.commits, self.first_step_at, self.last_final_at, self.injected, down, self.phases)
 
     def longest_stall(self) -> float:
         """Longest time, during training, in which no group committed a step."""
@@ -97,13 +117,18 @@ def run_ftlaunch(args: argparse.Namespace, chaos: str | None, label: str) -> Run
     marker = uuid.uuid4().hex
     cmd = [sys.executable, "-m", "ftlaunch.launcher.cli", "--replicas", str(args.groups),
            "--max-restarts", "1000", "--max-agent-restarts", "1000", "--log-dir", log_dir, "--no-status"]
+    if args.spares:
+        cmd += ["--spares", str(args.spares)]
+    cmd += args.ftlaunch_arg
     if chaos:
         cmd += ["--chaos", chaos]
     cmd += [str(TRAIN), "--steps", str(args.steps), "--step-sleep", str(args.step_sleep),
             "--max-seconds", str(args.max_seconds)]
-    env = dict(os.environ, **{MARKER: marker})
+    phase_log = os.path.join(log_dir, "phases.jsonl")  # where each restart's seconds go (ftlaunch.phases)
+    env = dict(os.environ, **{MARKER: marker, "FTLAUNCH_PHASE_LOG": phase_log})
     print(f"soak: {label}: {' '.join(cmd[2:])}", file=sys.stderr, flush=True)
     start = time.monotonic()
+    wall_offset = time.time() - start
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             errors="replace")
     lock = threading.Lock()
@@ -124,11 +149,19 @@ def run_ftlaunch(args: argparse.Namespace, chaos: str | None, label: str) -> Run
     readers = [threading.Thread(target=read, args=(s,), daemon=True) for s in (proc.stdout, proc.stderr)]
     for r in readers:
         r.start()
+    done = threading.Event()
+
+    def sample_load() -> None:
+        while not done.wait(5.0):
+            run.load.append(os.getloadavg()[0])
+
+    threading.Thread(target=sample_load, daemon=True).start()
     try:
         run.code = proc.wait(timeout=args.max_seconds + 300)
     except subprocess.TimeoutExpired:
         proc.kill()
         run.code = proc.wait()
+    done.set()
     for r in readers:
         r.join(30)
     if keep is not None:
@@ -136,6 +169,11 @@ def run_ftlaunch(args: argparse.Namespace, chaos: str | None, label: str) -> Run
     run.wall = time.monotonic() - start
     run.tail = "".join(tail[-60:])
     run.orphans = orphans(marker, grace=10.0)
+    run.phases = [
+        {**r, "t": r["t"] - wall_offset,
+         **({"process_start": r["process_start"] - wall_offset} if isinstance(r.get("process_start"), float) else {})}
+        for r in phases.read(phase_log) if isinstance(r.get("t"), float)
+    ]  # fmt: skip
     run.log_bytes += sum(f.stat().st_size for f in Path(log_dir).rglob("*") if f.is_file())
     shutil.rmtree(log_dir, ignore_errors=True)
     return run
@@ -160,14 +198,20 @@ def parse_line(run: Run, line: str, now: float, verbose: bool) -> None:
     if m is not None:
         kind = f"{m.group(1)} {m.group(3)}"
         run.injections[kind] = run.injections.get(kind, 0) + 1
+        run.injected.append((now, m.group(1), m.group(3), int(m.group(2))))
         return
     if "[ftlaunch] chaos: lighthouse crashed" in line and "restarted" not in line:
         run.injections["lighthouse crash"] = run.injections.get("lighthouse crash", 0) + 1
+        run.lighthouse_crash_at = now
     m = re.search(r"\[ftlaunch\] replica group (\d+): the training finished while it was recovering", line)
     if m is not None:
         run.stopped_groups.append(int(m.group(1)))
+    m = re.search(r"\[ftlaunch\] lighthouse: (\d+) quorum change", line)
+    if m is not None:
+        run.quorum_changes = int(m.group(1))
     if "stopped serving; restarted on the same address" in line:
         run.lighthouse_restarts += 1
+        run.lighthouse_back_at = now
     m = _EXITED.search(line)
     if m is not None and int(m.group(2)) != 0:
         run.error_exits.append(line.strip())
@@ -208,6 +252,11 @@ def report(args: argparse.Namespace, chaos_run: Run, baseline: Run | None) -> di
     steps = sorted({s for _, s in chaos_run.finals.values()})
     out = {
         "groups": args.groups,
+        "spares": args.spares,
+        "ftlaunch_args": args.ftlaunch_arg,
+        "cpus": os.cpu_count(),
+        "load_avg_chaos": round(sum(chaos_run.load) / len(chaos_run.load), 2) if chaos_run.load else None,
+        "load_avg_baseline": round(sum(baseline.load) / len(baseline.load), 2) if baseline and baseline.load else None,
         "steps_target": args.steps,
         "chaos": chaos_spec(args),
         "exit_code": chaos_run.code,
@@ -216,6 +265,8 @@ def report(args: argparse.Namespace, chaos_run: Run, baseline: Run | None) -> di
         "injections": chaos_run.injections,
         "injections_total": sum(chaos_run.injections.values()),
         "lighthouse_restarts": chaos_run.lighthouse_restarts,
+        "quorum_changes": chaos_run.quorum_changes,
+        "baseline_quorum_changes": baseline.quorum_changes if baseline else None,
         "crashes": crashes,
         "error_exits": chaos_run.error_exits,
         "tracebacks_in_output": chaos_run.tracebacks,
@@ -231,6 +282,10 @@ def report(args: argparse.Namespace, chaos_run: Run, baseline: Run | None) -> di
         "log_bytes": chaos_run.log_bytes,
         "baseline_log_bytes": baseline.log_bytes if baseline else None,
         "wall_s": chaos_run.wall,
+        "breakdown": (
+            breakdown(chaos_run.timeline(), baseline.timeline(), args.stop_for, args.lighthouse_down)
+            if baseline else None
+        ),
     }
     out["targets"] = TARGETS
     out["met"] = {
@@ -255,8 +310,8 @@ def print_report(r: dict) -> None:
         return f"{v:.3f}" if isinstance(v, float) else str(v)
 
     print("soak report (scripts/soak.py, through the ftlaunch command)")
-    for key in ("groups", "steps_target", "chaos", "exit_code", "committed_steps", "committed_group_steps",
-                "injections_total", "injections", "lighthouse_restarts", "crashes", "tracebacks_in_output",
+    for key in ("groups", "spares", "cpus", "load_avg_baseline", "load_avg_chaos", "steps_target", "chaos", "exit_code", "committed_steps", "committed_group_steps",
+                "injections_total", "injections", "lighthouse_restarts", "quorum_changes", "baseline_quorum_changes", "crashes", "tracebacks_in_output",
                 "divergent_groups", "groups_stopped_after_the_end", "final_checksums", "training_time_s", "baseline_training_time_s", "goodput",
                 "longest_survivor_stall_s", "baseline_longest_stall_s", "orphans", "log_bytes",
                 "baseline_log_bytes", "wall_s"):
@@ -265,6 +320,27 @@ def print_report(r: dict) -> None:
     print(f"  {'met':28s} {r['met']}")
     for line in r["error_exits"][:10]:
         print(f"  error exit: {line}")
+    if r["breakdown"] is not None:
+        print_breakdown(r["breakdown"])
+
+
+def reanalyze(args: argparse.Namespace) -> int:
+    """The report of a kept run (``--keep-output PREFIX``) from its time-stamped output."""
+    runs = []
+    for label in ("baseline", "chaos"):
+        run = Run(code=0)
+        with open(f"{args.reanalyze}.{label}", errors="replace") as f:
+            for raw in f:
+                stamp, _, line = raw.lstrip().partition(" ")
+                try:
+                    parse_line(run, line, float(stamp), False)
+                except ValueError:
+                    continue
+        m = re.search(r"summary: exit (\d+)", Path(f"{args.reanalyze}.{label}").read_text(errors="replace"))
+        run.code = int(m.group(1)) if m else -1
+        runs.append(run)
+    print_report(report(args, runs[1], runs[0]))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -277,14 +353,22 @@ def main(argv: list[str] | None = None) -> int:
                    help="crash the hosted lighthouse this long into training (negative: never)")
     p.add_argument("--lighthouse-down", type=float, default=12.0, help="seconds before the launcher restarts it")
     p.add_argument("--step-sleep", type=float, default=0.1)
+    p.add_argument("--spares", type=int, default=0,
+                   help="hot spares (ftlaunch --spares K) in both runs: a failed group's slot is taken over by a spare")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--ftlaunch-arg", action="append", default=[], metavar="ARG",
+                   help="one more ftlaunch option for both runs, e.g. --ftlaunch-arg=--heartbeat-timeout=1 (repeatable)")
     p.add_argument("--max-seconds", type=float, default=3000.0, help="give up after this long per run")
     p.add_argument("--no-baseline", action="store_true", help="skip the fault-free run (no goodput)")
     p.add_argument("--json", default=None, help="also write the report here")
     p.add_argument("--verbose", action="store_true", help="echo the launcher's own lines")
     p.add_argument("--keep-output", default=None, metavar="PREFIX",
                    help="write each run's whole output, time-stamped, to PREFIX.baseline / PREFIX.chaos")
+    p.add_argument("--reanalyze", default=None, metavar="PREFIX",
+                   help="no runs: report again from the output a --keep-output PREFIX run kept (no phase log)")
     args = p.parse_args(argv)
+    if args.reanalyze:
+        return reanalyze(args)
     if args.lighthouse_at is not None and args.lighthouse_at < 0:
         args.lighthouse_at = None
     baseline = None if args.no_baseline else run_ftlaunch(args, None, "baseline")

@@ -199,9 +199,9 @@ def test_one_rank_of_a_two_rank_group_sigstopped(
 
 def test_a_sigkilled_supervisor_leaves_no_process_behind(tmp_path: Path) -> None:
     """Agents die with the supervisor (PR_SET_PDEATHSIG -> SIGTERM), workers with their agents, Baby
-    children with their workers; also a SIGSTOPped worker. An agent stops its workers the way
-    torchelastic does (SIGTERM, then SIGKILL after 30 s): a SIGSTOPped worker cannot handle the
-    SIGTERM, so the last processes may take that long to go."""
+    children with their workers; also a SIGSTOPped worker, which cannot act on torchelastic's SIGTERM:
+    the agent watches the supervisor's pid and ends its tree within 2 s (before: 30 s, torchelastic's
+    SIGKILL). The bound is generous for a loaded machine, and under the old 30 s."""
     proc = start([*FTLAUNCH, "--replicas", "2", "--nproc-per-node", "2", "--no-status",
                   "--chaos", "steps=15,group=1,signal=STOP,stop_for=100", "--log-dir", str(tmp_path / "logs"),
                   "scripts/train_ddp.py", "--steps", "100000", "--step-sleep", "0.05"])
@@ -221,7 +221,7 @@ def test_a_sigkilled_supervisor_leaves_no_process_behind(tmp_path: Path) -> None
         pids = [p.pid for p in tree()]
         proc.send_signal(signal.SIGKILL)
         finish(proc, 30)
-        deadline = time.monotonic() + 45
+        deadline = time.monotonic() + 15
         while [p for p in pids if alive(p)] and time.monotonic() < deadline:
             time.sleep(0.2)
         left = [p for p in pids if alive(p)]

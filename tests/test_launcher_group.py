@@ -180,3 +180,14 @@ def test_checksum_and_unsynced_come_only_from_the_lighthouse() -> None:
     assert g.checksum is None  # not a clean exit: nothing claimed
     g.lighthouse_progress(_progress("s1", 9, checksum="abc", checksum_step=9, finished=True, unsynced_sessions=1), 2.0, 0.0)
     assert (g.checksum, g.checksum_step, g.unsynced_sessions) == ("abc", 9, 1)
+
+
+def test_a_finished_report_marks_the_training_ending_before_the_worker_exits() -> None:
+    """The leader's leave carries "finished": the supervisor's straggler stop must not wait for the
+    worker process to exit (the soak found a group restarting in those seconds train alone)."""
+    g = running()
+    g.lighthouse_progress(_progress("s1", 9, first=1.0), now=1.0, wall_offset=0.0)
+    assert not g.finishing
+    g.lighthouse_progress(_progress("s1", 10, first=1.0, finished=True, checksum="abc", checksum_step=10),
+                          now=2.0, wall_offset=0.0)
+    assert g.finishing and g.checksum == "abc"

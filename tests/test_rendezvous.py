@@ -171,3 +171,38 @@ def test_torchrun_groups_one_of_them_two_nodes(tmp_path) -> None:
     hosts = [r for r in results if "hosts one at" in r.stderr]
     assert len(hosts) == 1, "exactly one node must have started the lighthouse"
     assert os.path.isdir(out)
+
+
+@pytest.mark.timeout(60)
+def test_an_agent_the_supervisor_respawned_waits_out_a_lighthouse_outage(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``FTLAUNCH_LIGHTHOUSE_REACHED=1`` (the supervisor reached the lighthouse before): an
+    unreachable lighthouse is waited for up to ``FTLAUNCH_LIGHTHOUSE_OUTAGE``, not ``lighthouse_timeout``."""
+    import threading
+    import time
+
+    from ftlaunch.lighthouse.server import LighthouseServer
+
+    port = free_port()
+    monkeypatch.setenv("FTLAUNCH_LIGHTHOUSE_REACHED", "1")
+    monkeypatch.setenv("FTLAUNCH_LIGHTHOUSE_OUTAGE", "30")
+    conf = {"replica_group_id": "0", "num_replica_groups": "1", "lighthouse_timeout": "1", "start_lighthouse": "false"}
+    handler = create_rdzv_handler(_params(conf, endpoint=f"127.0.0.1:{port}"))
+    servers: list[LighthouseServer] = []
+    later = threading.Timer(3.0, lambda: servers.append(LighthouseServer(f"127.0.0.1:{port}").start()))
+    later.start()
+    started = time.monotonic()
+    try:
+        assert handler._ensure_lighthouse() == f"http://127.0.0.1:{port}"  # noqa: SLF001 - the wait itself
+        assert time.monotonic() - started >= 2.5  # it did wait past lighthouse_timeout
+    finally:
+        later.join()
+        for s in servers:
+            s.shutdown()
+        handler.shutdown()
+    monkeypatch.delenv("FTLAUNCH_LIGHTHOUSE_REACHED")
+    handler = create_rdzv_handler(_params(conf, endpoint=f"127.0.0.1:{free_port()}"))
+    try:
+        with pytest.raises(RendezvousConnectionError, match="within 1s"):
+            handler._ensure_lighthouse()  # noqa: SLF001 - without the launcher's word: lighthouse_timeout
+    finally:
+        handler.shutdown()

@@ -6,12 +6,14 @@ made by torchrun's own ``config_from_args`` (`torchrun_flags.launch_config`), so
 its own workers (up to ``max_restarts``) exactly as under ``torchrun``. Besides, it
 
 * watches its workers and writes one JSON line per event to the supervisor's event pipe: the worker
-  pids of each (re)start, and a worker's death with its exit status -- read with
+  pids of each (re)start, a worker stopped by a signal (a hang), and a worker's death with its exit
+  status -- read with
   ``waitid(WNOWAIT)``, which leaves the child for torchelastic to reap, so the supervisor can tell
   the lighthouse within milliseconds instead of after torchelastic's monitor tick;
 * writes a result file (success, or the root cause from torchelastic's error files) before exiting;
 * dies with the supervisor (``PR_SET_PDEATHSIG``), taking its workers down through torchelastic's
-  own signal handling.
+  own signal handling -- and within 2 s even a SIGSTOPped worker, which that handling would leave
+  for 30 s (`procs.end_descendants`).
 """
 
 from __future__ import annotations
@@ -31,11 +33,14 @@ from typing import Any
 import psutil
 
 from ftlaunch import env, phases
+from ftlaunch.launcher import procs
 from ftlaunch.launcher.options import LaunchOptions
-from ftlaunch.lifetime import die_with_parent
+from ftlaunch.lifetime import die_with_parent, on_exit
 
 logger = logging.getLogger("ftlaunch.launcher.agent")
 
+#: Seconds a worker has to end gracefully once the supervisor is gone, before it is SIGKILLed.
+_ORPHAN_GRACE_S = 2.0
 #: torchelastic's prefix of every worker line, ``[rg<group>/r<rank>] `` (`output.WORKER_LINE` parses it).
 WORKER_PREFIX_TEMPLATE = "[{replica_id}/r${{rank}}] "
 
@@ -190,10 +195,20 @@ class WorkerWatcher(threading.Thread):
 
     def _wait_for(self, pid: int, info: dict[str, Any]) -> None:
         data: dict[str, Any] = {"pid": pid, **info}
-        try:
-            res = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
-        except ChildProcessError:
-            res = None
+        while True:
+            try:
+                res = os.waitid(os.P_PID, pid, os.WEXITED | os.WSTOPPED | os.WNOWAIT)
+            except ChildProcessError:
+                res = None
+            if res is None or res.si_code != os.CLD_STOPPED:
+                break
+            # Stopped (SIGSTOP, SIGTSTP, ...): a hang; the supervisor decides (--kill-stopped).
+            # Consume the stop report (WSTOPPED alone never reaps) and wait on.
+            try:
+                os.waitid(os.P_PID, pid, os.WSTOPPED | os.WNOHANG)
+            except ChildProcessError:
+                pass
+            self._events.emit("worker_stopped", **data, signal=signal.Signals(res.si_status).name)
         if res is None:
             data["failed"] = None  # reaped by torchelastic before we looked: status unknown
         elif res.si_code == os.CLD_EXITED:
@@ -316,6 +331,14 @@ def _worker_args(opts: LaunchOptions) -> list[str]:
     return ["-u", "-m", "ftlaunch.prestart", *args[1:]]
 
 
+def _supervisor_gone() -> None:
+    """The supervisor died: end the workers' trees (stopped ones too), then this agent, should
+    torchelastic's own shutdown still be stuck (e.g. in a store call) after the grace period."""
+    procs.end_descendants(_ORPHAN_GRACE_S)
+    time.sleep(_ORPHAN_GRACE_S)
+    os._exit(128 + signal.SIGTERM)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
@@ -325,6 +348,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = AgentConfig.from_json(f.read())
     if cfg.supervisor_pid is not None:
         die_with_parent(signal.SIGTERM, expected_parent=cfg.supervisor_pid)
+        # SIGTERM starts torchelastic's graceful stop, which a stopped worker cannot take part in.
+        on_exit(cfg.supervisor_pid, _supervisor_gone, name="ftlaunch-supervisor-watch")
     logging.basicConfig(
         level=os.environ.get("LOGLEVEL", "WARNING").upper(),
         format="%(levelname)s %(name)s: %(message)s",

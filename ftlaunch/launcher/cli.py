@@ -65,6 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="seconds the lighthouse waits for stragglers before forming a quorum (default 60)")
     ft.add_argument("--heartbeat-timeout", "--heartbeat_timeout", type=number, default=5.0,
                     help="seconds after which a silent (hung) group leaves the quorum (default 5)")
+    ft.add_argument("--kill-stopped", "--kill_stopped", action="store_true",
+                    help="a worker stopped by a signal (SIGSTOP, SIGTSTP: a hang) is killed at once and its group "
+                         "restarted, as after a crash; the others go on without waiting for it (default: it stays "
+                         "in the quorum until --heartbeat-timeout and goes on where it was when continued)")
     ft.add_argument("--lighthouse", dest="lighthouse", default=None, metavar="ADDR",
                     help="use the lighthouse at http://HOST:PORT instead of starting one (= --rdzv-endpoint)")
     ft.add_argument("--lighthouse-bind", "--lighthouse_bind", default="127.0.0.1:0", metavar="HOST:PORT",
@@ -189,6 +193,7 @@ def options_from_args(argv: list[str] | None = None) -> LaunchOptions:
             min_replicas=args.min_replicas,
             join_timeout=args.join_timeout,
             heartbeat_timeout=args.heartbeat_timeout,
+            kill_stopped=args.kill_stopped,
             lighthouse=_lighthouse(args),
             lighthouse_bind=args.lighthouse_bind,
             token=args.token,

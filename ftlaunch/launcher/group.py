@@ -231,6 +231,11 @@ class Group:
         """
         self.last_step = p.step if p.sessions else self.last_step
         self.checksum = p.checksum if p.finished and p.checksum else None
+        if p.finished:
+            # Its leader left at the end of a clean training loop: the training is ending. Known
+            # from the leave, seconds before the worker process exits (the straggler stop needs it
+            # then: a group restarting meanwhile would otherwise train alone from behind).
+            self.finishing = True
         self.checksum_step = p.checksum_step if self.checksum else None
         self.unsynced_sessions = p.unsynced_sessions
         new = p.committed > self.committed

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
-from ftlaunch.errors import LighthouseError
+from ftlaunch import env
+from ftlaunch.errors import FtlaunchError, LighthouseError
 from ftlaunch.lighthouse.progress import GroupProgress
 from ftlaunch.lighthouse.status import LighthouseStatus
 
@@ -287,3 +288,24 @@ class RemoteLighthouse(JobLighthouse):
     def close(self) -> None:
         with contextlib.suppress(Exception):
             self._client.close()
+
+
+class LaunchError(FtlaunchError):
+    """The job could not start (lighthouse, ports, ...): reported as one line, exit code 2."""
+
+
+def open_job_lighthouse(address: str | None, settings: LighthouseSettings) -> JobLighthouse:
+    """``ftlaunch``'s lighthouse: the one at ``address`` (``--lighthouse``), else one hosted here with
+    ``settings``. Raises `LaunchError` with the line to print when neither works."""
+    if address:
+        try:
+            return RemoteLighthouse.connect(address, token=settings.token, timeout=5.0)
+        except ValueError as e:
+            raise LaunchError(f"--lighthouse {address!r}: {e}") from None
+        except (LighthouseError, OSError) as e:
+            addr = env.normalize_lighthouse(address, "--lighthouse")
+            raise LaunchError(f"no lighthouse answers at {addr} ({type(e).__name__}: {e})") from None
+    try:
+        return HostedLighthouse.start(settings)
+    except (OSError, ValueError) as e:  # ConfigurationError: the address is taken or invalid
+        raise LaunchError(f"cannot start the lighthouse on {settings.bind}: {e}") from None

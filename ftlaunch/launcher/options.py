@@ -148,6 +148,8 @@ class LaunchOptions:
     min_replicas: int = 1
     join_timeout: float = 60.0
     heartbeat_timeout: float = 5.0
+    #: A worker stopped by a signal is killed at once (its group restarts) instead of waited for.
+    kill_stopped: bool = False
     lighthouse: str | None = None
     lighthouse_bind: str = "127.0.0.1:0"
     token: str | None = None

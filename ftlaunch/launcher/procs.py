@@ -79,6 +79,26 @@ def terminate_tree(
     return kill_procs(survivors) if survivors else []
 
 
+def end_descendants(grace: float) -> None:
+    """This process lost its parent (an agent whose supervisor died): its whole tree goes, stopped
+    processes included, within ``grace`` seconds.
+
+    ``PR_SET_PDEATHSIG`` only starts torchelastic's graceful shutdown (SIGTERM to the workers, then
+    SIGKILL 30 s later); a SIGSTOPped worker keeps that SIGTERM pending and would outlive the
+    supervisor by that long. So: SIGCONT everything (pending signals are delivered), give the
+    graceful path ``grace`` seconds, then SIGKILL what is left.
+    """
+    tree = descendants(os.getpid())
+    signal_procs(tree, signal.SIGCONT)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and any(_alive(p) for p in tree):
+        time.sleep(0.05)
+    left = [p for p in {p.pid: p for p in tree + descendants(os.getpid())}.values() if _alive(p)]
+    if left:
+        logger.warning("supervisor gone: killing %d process(es) left after %.1fs", len(left), grace)
+        kill_procs(left, timeout=grace)
+
+
 def _alive(p: psutil.Process) -> bool:
     try:
         return p.is_running() and p.status() != psutil.STATUS_ZOMBIE

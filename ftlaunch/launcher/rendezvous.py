@@ -59,6 +59,7 @@ from ftlaunch import env, phases  # noqa: E402
 from ftlaunch.addresses import format_host_port, is_local_host, parse_host_port  # noqa: E402
 from ftlaunch.errors import ConfigurationError  # noqa: E402
 from ftlaunch.launcher.lighthouse_host import HostedLighthouse, LighthouseSettings, RemoteLighthouse  # noqa: E402
+from ftlaunch.lighthouse.reconnect import outage_timeout_from_env  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -313,7 +314,12 @@ class FtlaunchRendezvousHandler(RendezvousHandler):
         if self._lighthouse_addr is not None:
             return self._lighthouse_addr
         cfg = self.config
-        deadline = time.monotonic() + cfg.lighthouse_timeout
+        wait = cfg.lighthouse_timeout
+        if env.lighthouse_reached():
+            # An agent the `ftlaunch` supervisor (re)started: the job's lighthouse answered before,
+            # so an unreachable one is an outage to wait out like the running groups do.
+            wait = max(wait, outage_timeout_from_env())
+        deadline = time.monotonic() + wait
         if cfg.lighthouse_file:
             addr = self._read_lighthouse_file(cfg.lighthouse_file, deadline)
         elif self._endpoint:
@@ -343,7 +349,7 @@ class FtlaunchRendezvousHandler(RendezvousHandler):
             if time.monotonic() > deadline:
                 raise RendezvousConnectionError(
                     f"ftlaunch rendezvous: no lighthouse answered at {addr} within "
-                    f"{cfg.lighthouse_timeout:g}s (start one with `ftlaunch-lighthouse`, or run this node on "
+                    f"{wait:g}s (start one with `ftlaunch-lighthouse`, or run this node on "
                     "the endpoint host so it starts one)"
                 )
             time.sleep(0.2)
@@ -401,7 +407,9 @@ class FtlaunchRendezvousHandler(RendezvousHandler):
 
     def _publish_env(self, addr: str) -> None:
         cfg = self.config
-        job = env.JobEnv(cfg.replica_group_id, cfg.num_replica_groups, addr, cfg.token, cfg.spares)
+        # Published once `_ensure_lighthouse` found it answering: the workers wait out an outage.
+        job = env.JobEnv(cfg.replica_group_id, cfg.num_replica_groups, addr, cfg.token, cfg.spares,
+                         lighthouse_reached=True)
         os.environ.update(job.to_environ())
 
 

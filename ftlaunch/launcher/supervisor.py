@@ -11,7 +11,8 @@ Layers, from the bottom:
 * an agent that itself dies is respawned (``--max-agent-restarts``), after its orphaned workers are
   killed -- the supervisor is a child subreaper, so orphans stay in its tree (`ftlaunch.launcher.procs`).
 
-This module is the agents' lifecycle loop; what it learns goes to each group's accounting
+This module is the agents' lifecycle loop (starting one agent process and reading its pipes:
+`ftlaunch.launcher.agent_process`); what it learns goes to each group's accounting
 (`ftlaunch.launcher.group`), ``--chaos`` is `ftlaunch.launcher.chaos`, the status line and the summary
 are `ftlaunch.launcher.report`. All state changes happen on the main thread: reader threads only turn
 pipe lines into queue items.
@@ -20,36 +21,32 @@ pipe lines into queue items.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import queue
 import secrets
 import shutil
 import signal
-import subprocess
-import sys
 import tempfile
 import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import IO, Any
+from typing import Any
 
 import psutil
 
 from ftlaunch import env
-from ftlaunch.errors import FtlaunchError, LighthouseError
 from ftlaunch.launcher import procs
-from ftlaunch.launcher.agent import AgentConfig
+from ftlaunch.launcher.agent_process import AgentProcess, News, start_agent
 from ftlaunch.launcher.chaos import Chaos
 from ftlaunch.launcher.group import FAILED, STARTING, SUCCEEDED, Group
 from ftlaunch.launcher.lighthouse_host import (
     HostedLighthouse,
     JobLighthouse,
+    LaunchError,
     LighthouseSettings,
-    RemoteLighthouse,
+    open_job_lighthouse,
 )
 from ftlaunch.launcher.options import LaunchOptions
 from ftlaunch.launcher.output import WORKER_LINE, Console, without_repeated_tag
@@ -75,36 +72,14 @@ _PROGRESS_HOSTED_S = 0.1
 _PROGRESS_REMOTE_S = 0.5
 
 
-class LaunchError(FtlaunchError):
-    """The job could not start (lighthouse, ports, ...): reported as one line, exit code 2."""
-
-
-@dataclass
-class _Agent:
-    """A group's running agent process and its pipes."""
-
-    proc: subprocess.Popen
-    result_file: str
-    #: stdout, stderr and the event pipe; the agent's last words are in once all three are closed.
-    open_streams: int = 3
-
-    def result(self) -> dict[str, Any]:
-        """What the agent wrote before exiting ({} if it died first)."""
-        try:
-            with open(self.result_file) as f:
-                return json.load(f)
-        except (OSError, ValueError):
-            return {}
-
-
 class Supervisor:
     def __init__(self, opts: LaunchOptions, console: Console | None = None) -> None:
         self.opts = opts
         self.console = console or Console(status=opts.status_line)
         # Groups 0..N-1 start for the N replica-group slots, N..N+K-1 as hot spares (worker/spare.py).
         self.groups = [Group(g) for g in range(opts.replicas + opts.spares)]
-        self._agents: dict[int, _Agent] = {}
-        self._events: queue.Queue[tuple[str, int, int, Any]] = queue.Queue()
+        self._agents: dict[int, AgentProcess] = {}
+        self._events: queue.Queue[News] = queue.Queue()
         self._stop_signal: int | None = None
         self._signals_received = 0
         self._lighthouse: JobLighthouse | None = None
@@ -180,26 +155,11 @@ class Supervisor:
 
     def _open_lighthouse(self) -> JobLighthouse:
         opts = self.opts
-        if opts.lighthouse:
-            try:
-                return RemoteLighthouse.connect(opts.lighthouse, token=self._token, timeout=5.0)
-            except ValueError as e:
-                raise LaunchError(f"--lighthouse {opts.lighthouse!r}: {e}") from None
-            except (LighthouseError, OSError) as e:
-                addr = env.normalize_lighthouse(opts.lighthouse, "--lighthouse")
-                raise LaunchError(f"no lighthouse answers at {addr} ({type(e).__name__}: {e})") from None
         settings = LighthouseSettings(
-            bind=opts.lighthouse_bind,
-            min_replicas=opts.min_replicas,
-            expected_replicas=opts.replicas,
-            join_timeout=opts.join_timeout,
-            heartbeat_timeout=opts.heartbeat_timeout,
-            token=self._token,
+            bind=opts.lighthouse_bind, min_replicas=opts.min_replicas, expected_replicas=opts.replicas,
+            join_timeout=opts.join_timeout, heartbeat_timeout=opts.heartbeat_timeout, token=self._token,
         )
-        try:
-            return HostedLighthouse.start(settings)
-        except (OSError, ValueError) as e:  # ConfigurationError: the address is taken or invalid
-            raise LaunchError(f"cannot start the lighthouse on {opts.lighthouse_bind}: {e}") from None
+        return open_job_lighthouse(opts.lighthouse, settings)
 
     def _watch_lighthouse(self, now: float) -> None:
         """Restart a hosted lighthouse that stopped serving, on the same address. The groups wait
@@ -253,60 +213,14 @@ class Supervisor:
     def _spawn(self, group: Group) -> None:
         assert self._lighthouse is not None  # noqa: S101 - opened before any agent starts
         group.agent_started()
-        inc = group.incarnation
-        group_dir = os.path.join(self._log_dir, group.replica_id)
-        os.makedirs(group_dir, exist_ok=True)
-        result_file = os.path.join(group_dir, f"agent{inc}.result.json")
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(result_file)
-        read_fd, write_fd = os.pipe()
-        cfg = AgentConfig.for_group(
-            self.opts, run_id=self._run_id, log_dir=os.path.join(group_dir, "workers"),
-            event_fd=write_fd, result_file=result_file,
+        # The lighthouse answered (we host it, or connected to it): a group (re)started while it is
+        # down waits for it like the running ones (FTLAUNCH_LIGHTHOUSE_OUTAGE), not 10 s.
+        job = env.JobEnv(group.gid, self.opts.replicas, self._lighthouse.address, self._token, self.opts.spares,
+                         lighthouse_reached=True)
+        self._agents[group.gid] = start_agent(
+            self.opts, job, run_id=self._run_id, group_dir=os.path.join(self._log_dir, group.replica_id),
+            incarnation=group.incarnation, news=self._events,
         )
-        config_file = os.path.join(group_dir, f"agent{inc}.json")
-        with open(config_file, "w") as f:
-            f.write(cfg.to_json())
-        job = env.JobEnv(group.gid, self.opts.replicas, self._lighthouse.address, self._token, self.opts.spares)
-        child_env = {**os.environ, **job.to_environ(), "PYTHONUNBUFFERED": "1"}
-        try:
-            proc = subprocess.Popen(
-                [sys.executable, "-u", "-m", "ftlaunch.launcher.agent", config_file],
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                env=child_env,
-                pass_fds=(write_fd,),
-                start_new_session=True,  # Ctrl-C reaches the supervisor only; it stops the groups in order
-            )
-        finally:
-            os.close(write_fd)
-        self._agents[group.gid] = _Agent(proc, result_file)
-        assert proc.stdout is not None and proc.stderr is not None  # noqa: S101 - Popen(PIPE) contract
-        for name, stream in (("out", proc.stdout), ("err", proc.stderr)):
-            threading.Thread(
-                target=self._read_lines, args=(name, group.gid, inc, stream), daemon=True,
-                name=f"ftlaunch-{group.replica_id}-{name}",
-            ).start()
-        threading.Thread(
-            target=self._read_events, args=(group.gid, inc, read_fd), daemon=True,
-            name=f"ftlaunch-{group.replica_id}-ev",
-        ).start()
-
-    def _read_lines(self, kind: str, gid: int, inc: int, stream: IO[bytes]) -> None:
-        with stream:
-            for raw in iter(stream.readline, b""):
-                self._events.put((kind, gid, inc, raw.decode(errors="replace").rstrip("\n")))
-        self._events.put(("eof", gid, inc, kind))
-
-    def _read_events(self, gid: int, inc: int, fd: int) -> None:
-        with os.fdopen(fd, "rb") as f:
-            for raw in f:
-                try:
-                    self._events.put(("event", gid, inc, json.loads(raw)))
-                except ValueError:
-                    continue
-        self._events.put(("eof", gid, inc, "event"))
 
     # --- main loop -----------------------------------------------------------------------------
 
@@ -416,6 +330,16 @@ class Supervisor:
             failure = group.workers_started(int(ev.get("restart", 0)), pids, now)
             if failure is not None:
                 self._report_failure(group, failure)
+        elif kind == "worker_stopped":
+            stopped = f"rank {ev.get('rank')} (pid {ev.get('pid')}) stopped by {ev.get('signal')}"
+            if not self.opts.kill_stopped:
+                self.console.err(f"[ftlaunch] replica group {group.gid}: {stopped}; waited for (--heartbeat-timeout)")
+                return
+            # --kill-stopped: a hang handled as a crash. The others' next quorum goes on without it
+            # at once (a group merely told failed could continue after they finished and train alone).
+            with contextlib.suppress(psutil.Error):
+                procs.kill_procs([psutil.Process(int(ev.get("pid", -1)))], timeout=0)
+            self.console.err(f"[ftlaunch] replica group {group.gid}: {stopped}; killed (--kill-stopped)")
         elif kind == "worker_exit":
             restart = int(ev.get("restart", group.generation))
             how = f"killed by {ev['signal']}" if "signal" in ev else f"exited with code {ev.get('exitcode')}"

@@ -84,9 +84,10 @@ def lighthouse_client(
         )
     addr = env.normalize_lighthouse(addr, what)
     client = LighthouseClient(addr, connect_timeout=connect_timeout, token=token or os.environ.get(env.FTLAUNCH_TOKEN))
-    # A worker torchelastic restarted belongs to a job that reached its lighthouse: an unreachable
-    # one is an outage to wait out even before its first answer.
-    restarted = (env.get_int(env.TORCHELASTIC_RESTART_COUNT, 0) or 0) > 0
+    # A worker torchelastic restarted, or one whose launcher reached the lighthouse (a respawned
+    # agent's), belongs to a job that reached its lighthouse: an unreachable one is an outage to
+    # wait out even before its first answer.
+    reached = (env.get_int(env.TORCHELASTIC_RESTART_COUNT, 0) or 0) > 0 or env.lighthouse_reached()
     return OutageTolerantClient(
-        client, lighthouse_outage() if outage_timeout is None else outage_timeout, known_reachable=restarted
+        client, lighthouse_outage() if outage_timeout is None else outage_timeout, known_reachable=reached
     )

@@ -21,7 +21,9 @@ import time
 from dataclasses import dataclass, replace
 
 from ftlaunch import env
-from ftlaunch.lighthouse.client import LighthouseClient
+from ftlaunch.errors import LighthouseUnavailableError
+from ftlaunch.lighthouse.client import ClaimGrant, LighthouseClient
+from ftlaunch.lighthouse.reconnect import outage_timeout_from_env
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +60,11 @@ def claim_slot(job: env.JobEnv, group: env.GroupEnv, connect_timeout: float) -> 
     start = time.monotonic()
     if job.starts_as_spare or group.restart_count:
         log.info("[%s] waiting for a replica-group slot (hot spare)", name)
+    # A group of a job that reached its lighthouse (restarted by torchelastic, or its agent by the
+    # supervisor) rides out an outage here as a running group's Manager does (lighthouse/reconnect.py).
+    outage = outage_timeout_from_env() if job.lighthouse_reached or group.restart_count else 0.0
     with LighthouseClient(job.lighthouse, connect_timeout=connect_timeout, token=job.token) as client:
-        grant = client.claim(name, slots=job.num_replica_groups, preferred=preferred, poll=CLAIM_POLL_S)
+        grant = _claim(client, name, job.num_replica_groups, preferred, outage)
     waited = time.monotonic() - start
     if grant is None:
         raise JobFinished(f"the job finished while {name} waited as a spare ({waited:.1f}s)")
@@ -69,6 +74,25 @@ def claim_slot(job: env.JobEnv, group: env.GroupEnv, connect_timeout: float) -> 
             name, grant.slot, waited, grant.replica_id, grant.replaced,
         )  # fmt: skip
     return Slot(grant.slot, grant.replica_id, grant.replaced, waited)
+
+
+def _claim(
+    client: LighthouseClient, name: str, slots: int, preferred: int | None, outage: float
+) -> ClaimGrant | None:
+    """``client.claim``, repeated while the lighthouse is unreachable for up to ``outage`` seconds."""
+    down_since: float | None = None
+    while True:
+        try:
+            return client.claim(name, slots=slots, preferred=preferred, poll=CLAIM_POLL_S)
+        except LighthouseUnavailableError as e:
+            now = time.monotonic()
+            if down_since is None:
+                down_since = now
+                if outage > 0:
+                    log.warning("[%s] %s; waiting up to %gs for the lighthouse to come back", name, e, outage)
+            if now - down_since >= outage:
+                raise
+            time.sleep(min(1.0, outage - (now - down_since)))
 
 
 def job_for_slot(job: env.JobEnv, slot: Slot) -> env.JobEnv:
