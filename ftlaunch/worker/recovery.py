@@ -191,6 +191,12 @@ def fetch(
         raise ValueError("fetch() on a plan that does not heal")
     metas = quorum.participants[src_rank].data.get("ckpt") or []
     meta = metas[group_rank] if group_rank < len(metas) else ""
+    # What we receive should look like our own state: a transport may refuse far more (issue 17).
+    try:
+        transport.expect_like(registry.snapshot())
+    except Exception as e:  # noqa: BLE001 - only a hint: the format's own limits still hold
+        transport.expect_like(None)
+        logging.getLogger(__name__).debug("no receive limits from our own state: %s", e)
     state = transport.recv_checkpoint(src_rank=src_rank, metadata=meta, step=plan.max_step, timeout=timeout)
     missing = registry.missing(state)
     if missing:
