@@ -28,7 +28,7 @@ import subprocess
 import sys
 import threading
 
-from ftlaunch import env, phases
+from ftlaunch import env, phases, streams
 
 __all__ = ["main", "release", "spawn", "start", "take", "wanted"]
 
@@ -124,6 +124,7 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv == ["-m"]:
         raise SystemExit("usage: python -m ftlaunch.prestart [-m MODULE | SCRIPT] [ARGS...]")
+    streams.guard_std_streams()  # a full log disk must not end training (ftlaunch/streams.py)
     if wanted():
         try:
             start("gloo")

@@ -21,6 +21,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "ftlaunch.lifetime",
         "ftlaunch.phases",
         "ftlaunch.prestart",
+        "ftlaunch.streams",
     ),
     "lighthouse": ("ftlaunch.lighthouse",),
     "process_group": ("ftlaunch.process_group",),

@@ -51,6 +51,7 @@ from ftlaunch.launcher.lighthouse_host import (
     LighthouseSettings,
     RemoteLighthouse,
 )
+from ftlaunch.launcher.logdisk import LogDiskWatch, write_or_none
 from ftlaunch.launcher.options import LaunchOptions
 from ftlaunch.launcher.output import WORKER_LINE, Console, without_repeated_tag
 from ftlaunch.launcher.report import StatusLine, summary_lines
@@ -87,6 +88,10 @@ class _Agent:
     result_file: str
     #: stdout, stderr and the event pipe; the agent's last words are in once all three are closed.
     open_streams: int = 3
+    #: The result the agent sent through the event pipe (it could not write its file: a full log disk).
+    piped: dict[str, Any] | None = None
+    #: When the supervisor first saw it exited (it waits briefly for a piped result).
+    exited_at: float | None = None
 
     def result(self) -> dict[str, Any]:
         """What the agent wrote before exiting ({} if it died first)."""
@@ -94,7 +99,14 @@ class _Agent:
             with open(self.result_file) as f:
                 return json.load(f)
         except (OSError, ValueError):
-            return {}
+            return self.piped or {}
+
+    def last_words_pending(self, now: float) -> bool:
+        """Whether its result may still be on its way through the event pipe (for up to 2 s)."""
+        if self.exited_at is None:
+            self.exited_at = now
+        return self.piped is None and self.open_streams > 0 and now - self.exited_at < 2.0 \
+            and not os.path.exists(self.result_file)
 
 
 class Supervisor:
@@ -112,6 +124,7 @@ class Supervisor:
         self._run_id = opts.run_id or uuid.uuid4().hex[:8]
         self._own_log_dir = opts.log_dir is None
         self._log_dir = opts.log_dir or tempfile.mkdtemp(prefix="ftlaunch_")
+        self._log_disk = LogDiskWatch(self._log_dir, self.console.err)
         self._reporter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ftlaunch-report")
         self._started = time.monotonic()
         self._training_started: float | None = None
@@ -255,7 +268,8 @@ class Supervisor:
         group.agent_started()
         inc = group.incarnation
         group_dir = os.path.join(self._log_dir, group.replica_id)
-        os.makedirs(group_dir, exist_ok=True)
+        with contextlib.suppress(OSError):  # a full disk: see write_or_none below
+            os.makedirs(group_dir, exist_ok=True)
         result_file = os.path.join(group_dir, f"agent{inc}.result.json")
         with contextlib.suppress(FileNotFoundError):
             os.unlink(result_file)
@@ -264,15 +278,16 @@ class Supervisor:
             self.opts, run_id=self._run_id, log_dir=os.path.join(group_dir, "workers"),
             event_fd=write_fd, result_file=result_file,
         )
-        config_file = os.path.join(group_dir, f"agent{inc}.json")
-        with open(config_file, "w") as f:
-            f.write(cfg.to_json())
+        # On a full log disk the config travels through the agent's stdin (logdisk.py).
+        config_file = write_or_none(os.path.join(group_dir, f"agent{inc}.json"), cfg.to_json())
+        if config_file is None:
+            self._log_disk.poll(force=True)
         job = env.JobEnv(group.gid, self.opts.replicas, self._lighthouse.address, self._token, self.opts.spares)
         child_env = {**os.environ, **job.to_environ(), "PYTHONUNBUFFERED": "1"}
         try:
             proc = subprocess.Popen(
-                [sys.executable, "-u", "-m", "ftlaunch.launcher.agent", config_file],
-                stdin=subprocess.DEVNULL,
+                [sys.executable, "-u", "-m", "ftlaunch.launcher.agent", config_file or "-"],
+                stdin=subprocess.DEVNULL if config_file else subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 env=child_env,
@@ -281,6 +296,9 @@ class Supervisor:
             )
         finally:
             os.close(write_fd)
+        if proc.stdin is not None:
+            with proc.stdin:
+                proc.stdin.write(cfg.to_json().encode())
         self._agents[group.gid] = _Agent(proc, result_file)
         assert proc.stdout is not None and proc.stderr is not None  # noqa: S101 - Popen(PIPE) contract
         for name, stream in (("out", proc.stdout), ("err", proc.stderr)):
@@ -327,6 +345,7 @@ class Supervisor:
                 self._exit_root_cause = f"stopped by {signal.Signals(self._stop_signal).name}"
                 return 128 + self._stop_signal
             now = time.monotonic()
+            self._log_disk.poll(now)
             for group in self.groups:
                 self._check_agent(group, now)
             self._stop_stragglers()
@@ -411,7 +430,9 @@ class Supervisor:
     def _on_event(self, group: Group, ev: dict[str, Any]) -> None:
         now = time.monotonic()
         kind = ev.get("event")
-        if kind == "workers":
+        if kind == "result" and isinstance(ev.get("result"), dict) and group.gid in self._agents:
+            self._agents[group.gid].piped = ev["result"]
+        elif kind == "workers":
             pids = {int(r): int(p) for r, p in ev.get("pids", {}).items()}
             failure = group.workers_started(int(ev.get("restart", 0)), pids, now)
             if failure is not None:
@@ -432,7 +453,7 @@ class Supervisor:
         if agent is None or group.terminal:
             return
         code = agent.proc.poll()
-        if code is None:
+        if code is None or agent.last_words_pending(now):
             return
         outcome = group.agent_exited(code, agent.result(), self.opts.max_agent_restarts, now)
         if outcome.kill_orphans:
