@@ -147,4 +147,5 @@ def test_ftlaunch_trains_on_when_its_log_dir_fills_up(full_disk: Path) -> None:
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-4000:]
     assert out.count("is full") == 1, out[-4000:]
-    assert "respawning it" in out and "Traceback" not in out and "Errno 28" not in out, out[-4000:]
+    assert "respawning it" in out and "Traceback" not in out and "OSError" not in out, out[-4000:]
+    assert "[ftlaunch] summary: exit 0" in out

@@ -283,7 +283,8 @@ def run_agent(cfg: AgentConfig) -> int:
         except OSError as e:  # a full log disk: the supervisor goes by the exit code alone
             if not is_full_disk(e):
                 raise
-            logger.warning("cannot write the result file %s (%s): sending the result through the event pipe",
+            # The supervisor reports the full log disk (once); this is its detail.
+            logger.info("cannot write the result file %s (%s): sending the result through the event pipe",
                            cfg.result_file, e)
             events.emit("result", result=result)
     return code
