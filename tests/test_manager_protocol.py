@@ -547,3 +547,10 @@ def test_shutdown_leaves_the_lighthouse_and_releases_everything(make: Callable[.
         g.pg.allreduce([torch.ones(1)], dist.ReduceOp.SUM)
     with pytest.raises(FtlaunchError, match="shut down"):
         g.m.start_quorum()
+
+
+def test_heal_claims_can_be_turned_off(make: Callable[..., Group], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(env.FTLAUNCH_HEAL_CLAIMS, "0")
+    lighthouse = ScriptedLighthouse(in_step(1, "rg1"))
+    g = make(lighthouse, init_sync=False)
+    assert g.step()[0] and "claim" not in lighthouse.asked[0].data
