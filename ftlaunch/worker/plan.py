@@ -10,8 +10,9 @@ rejoining groups spreads its load over every healthy group.
 Heal sources must agree (`CLAIM_KEY`): each group at the quorum's highest step claims, in its quorum
 data, a checksum of the state it would offer (one per group rank). Healers copy only from sources
 whose claim is the one most of them make; a lone dissenter (a group that lies, or drifted) or a
-group that makes no claim while others do serves nobody, and when the most common claims tie nobody can tell which is right: healing is refused
-that step (`StepPlan.heal_refused`; the step fails everywhere and the next quorum tries again). The
+group that makes no claim while others do serves nobody, and when the most common claims tie
+nobody can tell which is right: healing is refused that step (`StepPlan.heal_refused`; the step
+fails everywhere and the next quorum tries again). The
 healer checks what it receives against the claim (`worker/recovery.py`). A healer whose previous
 heal failed (its ``commit_failures``) is moved to the next agreeing source, so one source that
 serves bad state cannot hold a healer back for good.
