@@ -168,7 +168,7 @@ def test_a_lone_dissenter_is_no_heal_source() -> None:
                 {"rg0": ["bad"], "rg1": ["good"], "rg2": ["good"], "rg3": ["old"]})
     plans = {r: plan_step(q, r) for r in ("rg0", "rg1", "rg2", "rg3", "rg4")}
     assert plans["rg3"].recover_src_id == "rg1" and plans["rg4"].recover_src_id == "rg2"
-    assert plans["rg3"].recover_claim == ("good",) and plans["rg3"].heal_refused is None
+    assert plans["rg3"].recover_claim == ("good",) and not plans["rg3"].contested
     assert plans["rg0"].recover_dst_ranks == () and plans["rg1"].recover_dst_ranks == (3,)
     assert {p.store_address for p in plans.values()} == {"hrg0:1"}  # still the lowest source's store
     assert all(p.untrusted_ids == ("rg0",) for p in plans.values())
@@ -185,14 +185,16 @@ def test_a_group_without_a_claim_is_no_source_while_others_claim() -> None:
     assert plan_step(q, "d").untrusted_ids == ()
 
 
-def test_a_tie_refuses_healing_but_changes_nothing_for_up_to_date_groups() -> None:
-    q = claimed({"a": 4, "b": 4, "c": 1}, {"a": ["x"], "b": ["y"], "c": ["z"]})
-    healer = plan_step(q, "c")
-    assert healer.heal and healer.heal_refused is not None and "['a', 'b']" in healer.heal_refused
-    assert healer.recover_src_rank is None and not healer.participates
-    assert plan_step(q, "a").recover_dst_ranks == () and plan_step(q, "b").recover_dst_ranks == ()
-    assert plan_step(q, "a").participates and plan_step(q, "b").participates
-    # Nobody behind: a tie costs nothing (no heal, same store host as before).
+def test_a_tie_trusts_every_claimant_and_checks_each_heal_against_its_own_source() -> None:
+    """No majority can tell who is right (two groups that disagree; DiLoCo groups hold different
+    local weights at a sync): every claimant serves, as before claims, each healer checked against
+    its own source's claim; a source without a claim still serves nobody."""
+    q = claimed({"a": 4, "b": 4, "n": 4, "c": 1, "d": 0}, {"a": ["x"], "b": ["y"], "c": ["z"]})
+    c, d = plan_step(q, "c"), plan_step(q, "d")
+    assert c.contested and (c.recover_src_id, c.recover_claim) == ("a", ("x",))
+    assert (d.recover_src_id, d.recover_claim) == ("b", ("y",)) and d.untrusted_ids == ("n",)
+    assert plan_step(q, "n").recover_dst_ranks == () and plan_step(q, "a").participates
+    # Nobody behind: a tie changes nothing (no heal, same store host as before).
     q = claimed({"a": 4, "b": 4}, {"a": ["x"], "b": ["y"]})
     assert not plan_step(q, "a").heal and plan_step(q, "b").store_address == "ha:1"
 
@@ -204,7 +206,7 @@ def test_a_single_up_to_date_group_is_trusted_whatever_it_claims() -> None:
 
 def test_init_sync_at_step_zero_ignores_claims() -> None:
     q = claimed({"a": 0, "b": 0, "c": 0}, {"a": ["x"], "b": ["y"], "c": ["y"]})
-    assert plan_step(q, "b").recover_src_id == "a" and plan_step(q, "b").heal_refused is None
+    assert plan_step(q, "b").recover_src_id == "a" and not plan_step(q, "b").contested
 
 
 def test_a_healer_whose_heal_failed_moves_to_the_next_agreeing_source() -> None:

@@ -10,9 +10,10 @@ rejoining groups spreads its load over every healthy group.
 Heal sources must agree (`CLAIM_KEY`): each group at the quorum's highest step claims, in its quorum
 data, a checksum of the state it would offer (one per group rank). Healers copy only from sources
 whose claim is the one most of them make; a lone dissenter (a group that lies, or drifted) or a
-group that makes no claim while others do serves nobody, and when the most common claims tie
-nobody can tell which is right: healing is refused that step (`StepPlan.heal_refused`; the step
-fails everywhere and the next quorum tries again). The
+group that makes no claim while others do serves nobody. When the most common claims tie, nobody
+can tell which is right: every claimant serves (as before claims; DiLoCo groups legitimately hold
+different local weights at a sync), and each healer checks what it gets against its own source's
+claim (`StepPlan.contested` says so). The
 healer checks what it receives against the claim (`worker/recovery.py`). A healer whose previous
 heal failed (its ``commit_failures``) is moved to the next agreeing source, so one source that
 serves bad state cannot hold a healer back for good.
@@ -87,15 +88,14 @@ class StepPlan:
     #: Healing: the source's claim (per group rank) the received state must match; None when the
     #: sources make no claims (then nothing is checked beyond the transport's own checksums).
     recover_claim: tuple[str, ...] | None = None
-    #: Healing refused this step (this group is behind but no source's claim can be trusted): why.
-    heal_refused: str | None = None
     #: Ids of up-to-date groups whose claim disagrees with the trusted one (they heal nobody).
     untrusted_ids: tuple[str, ...] = ()
+    #: The up-to-date groups' most common claims tie: no majority says which state is right.
+    contested: bool = False
 
     @property
     def heal(self) -> bool:
-        """Whether this group is behind and must heal this step (refused or not)."""
-        return self.recover_src_rank is not None or self.heal_refused is not None
+        return self.recover_src_rank is not None
 
     @property
     def participates(self) -> bool:
@@ -125,11 +125,11 @@ def plan_step(
     else:
         sources = [i for i, m in enumerate(members) if m.step == max_step]
     healers = [i for i in range(len(members)) if i not in sources]
-    trusted, tie = (sources, None) if len(sources) == 1 else _trusted_sources(members, sources)
+    trusted, contested = (sources, False) if len(sources) == 1 else _trusted_sources(members, sources)
 
     # Round-robin over the trusted sources; a healer whose last heal failed moves on by its failures.
     src_of: dict[int, int] = {}
-    for k, h in enumerate(healers if trusted else []):
+    for k, h in enumerate(healers):
         src_of[h] = trusted[(k + members[h].commit_failures) % len(trusted)]
     recover_src = src_of.get(me)
     dsts = tuple(h for h, s in src_of.items() if s == me)
@@ -156,8 +156,8 @@ def plan_step(
         participant_rank=participants.index(me) if me in participants else None,
         num_up_to_date=sum(1 for m in members if m.step == max_step),
         recover_claim=claim_of(members[recover_src]) if recover_src is not None else None,
-        heal_refused=tie if me in healers and not trusted else None,
         untrusted_ids=tuple(members[i].replica_id for i in sources if i not in trusted),
+        contested=contested,
     )
 
 
@@ -171,23 +171,19 @@ def claim_of(m: QuorumMember) -> tuple[str, ...] | None:
     return tuple(c)
 
 
-def _trusted_sources(members: list[QuorumMember], sources: list[int]) -> tuple[list[int], str | None]:
-    """The sources whose claim is the most common one among ``sources``, or none and why, when
-    the most common claims tie. While any source claims, a source that makes no claim is not
-    trusted (a group cannot escape the rule by staying silent); when none claims (groups that do
-    not make claims), all are trusted, as before claims existed."""
+def _trusted_sources(members: list[QuorumMember], sources: list[int]) -> tuple[list[int], bool]:
+    """The sources whose claim is the most common one among ``sources``, and whether the most
+    common claims tie (then every source that claims is trusted: no majority can tell). While any
+    source claims, a source that makes no claim is not trusted (a group cannot escape the rule by
+    staying silent); when none claims, all are trusted, as before claims existed."""
     claims = [claim_of(members[i]) for i in sources]
     ranked = Counter(c for c in claims if c is not None).most_common()
     if not ranked:
-        return sources, None
+        return sources, False
     if len(ranked) > 1 and ranked[0][1] == ranked[1][1]:
-        ids = [members[i].replica_id for i in sources]
-        return [], (
-            f"refusing to heal: the {len(sources)} up-to-date groups {ids} claim different states and no "
-            f"claim is made by more of them than another, so none can be trusted as a source"
-        )
+        return [i for i, c in zip(sources, claims, strict=True) if c is not None], True
     top = ranked[0][0]
-    return [i for i, c in zip(sources, claims, strict=True) if c == top], None
+    return [i for i, c in zip(sources, claims, strict=True) if c == top], False
 
 
 def _layout(m: QuorumMember) -> dict[str, Any] | None:

@@ -190,8 +190,6 @@ def fetch(
     Raises `CheckpointTransportError` when the transfer fails and `CommunicationError` when the
     state lacks a registered key.
     """
-    if plan.heal_refused is not None:
-        raise CommunicationError(plan.heal_refused)
     src_rank = plan.recover_src_rank
     if src_rank is None:
         raise ValueError("fetch() on a plan that does not heal")
@@ -230,6 +228,9 @@ def exchange(
     if plan.untrusted_ids and plan.heal:
         log.warning("not healing from %s: their state claims disagree with the other up-to-date groups'",
                     list(plan.untrusted_ids))
+    if plan.contested and plan.heal:
+        log.warning("the up-to-date groups claim different states and no claim has a majority: healing from "
+                    "%s, checked against its own claim only", plan.recover_src_id)
     if plan.recover_dst_ranks:  # a source: serve our state to the healers assigned to us
         log.info("sending state to replica ranks %s", list(plan.recover_dst_ranks))
         offer(transport, plan, step, registry, timeout)
