@@ -63,7 +63,7 @@ def test_a_guarded_stream_drops_what_a_full_disk_refuses_and_says_so_once_it_can
         s.write("x")
 
 
-def test_a_worker_whose_stdout_is_a_full_disk_trains_on() -> None:
+def test_a_worker_whose_stdout_is_a_full_disk_trains_on(tmp_path: Path) -> None:
     """Through `ftlaunch.prestart` (how the launcher runs every Python worker), a script that
     prints to /dev/full (every write: ENOSPC) runs to its end and exits 0."""
     script = "import sys\nfor i in range(200): print('step', i, flush=True)\nsys.stderr.write('done\\n')\n"
@@ -72,14 +72,10 @@ def test_a_worker_whose_stdout_is_a_full_disk_trains_on() -> None:
         done = subprocess.run([sys.executable, "-u", "-m", "ftlaunch.prestart", "-c-unused"], stdout=full,
                               stderr=subprocess.PIPE, env=env, timeout=60, check=False, cwd=REPO)
         assert done.returncode != 0  # (a missing script is still an error)
-        path = Path(REPO) / "build" / "full_disk_script.py"
-        path.parent.mkdir(exist_ok=True)
+        path = tmp_path / "full_disk_script.py"
         path.write_text(script)
-        try:
-            ok = subprocess.run([sys.executable, "-u", "-m", "ftlaunch.prestart", str(path)], stdout=full,
-                                stderr=full, env=env, timeout=60, check=False, cwd=REPO)
-        finally:
-            path.unlink()
+        ok = subprocess.run([sys.executable, "-u", "-m", "ftlaunch.prestart", str(path)], stdout=full,
+                            stderr=full, env=env, timeout=60, check=False, cwd=REPO)
     assert ok.returncode == 0
 
 
