@@ -61,6 +61,10 @@ FTLAUNCH_LIGHTHOUSE_REACHED = "FTLAUNCH_LIGHTHOUSE_REACHED"
 #: A group leader whose training thread made no step call for this long (a duration, default 1.5x the
 #: collective timeout; 0: off) leaves the lighthouse until it steps again. ``ftlaunch.worker.watchdog``.
 FTLAUNCH_PROGRESS_TIMEOUT = "FTLAUNCH_PROGRESS_TIMEOUT"
+#: ``0`` turns heal claims off (``ftlaunch.worker.plan``: a checksum of the state each up-to-date
+#: group would offer, taken every step; healers copy only from groups whose claims agree). Set it
+#: job-wide: while some groups claim, a group that does not serves nobody.
+FTLAUNCH_HEAL_CLAIMS = "FTLAUNCH_HEAL_CLAIMS"
 #: Defaults of ``ft.diloco()`` / ``ft.local_sgd()`` for what the script does not pass (set by the
 #: torchx component ``ftlaunch:diloco``): inner steps per sync, fragments, overlap steps (tau),
 #: mixing alpha, and pseudo-gradient bits (0: full precision, 8 or 4).
@@ -97,6 +101,7 @@ ALL_FTLAUNCH_VARS = (
     FTLAUNCH_LIGHTHOUSE_OUTAGE,
     FTLAUNCH_LIGHTHOUSE_REACHED,
     FTLAUNCH_PROGRESS_TIMEOUT,
+    FTLAUNCH_HEAL_CLAIMS,
     FTLAUNCH_SYNC_EVERY,
     FTLAUNCH_FRAGMENTS,
     FTLAUNCH_FRAGMENT_SYNC_DELAY,

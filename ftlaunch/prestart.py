@@ -44,7 +44,7 @@ import time
 import traceback
 from typing import NoReturn, Union
 
-from ftlaunch import env, phases
+from ftlaunch import env, phases, streams
 
 __all__ = [
     "ChildProcess",
@@ -298,6 +298,7 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv == ["-m"]:
         raise SystemExit("usage: python -m ftlaunch.prestart [-m MODULE | SCRIPT] [ARGS...]")
+    streams.guard_std_streams()  # a full log disk must not end training (ftlaunch/streams.py)
     if wanted():
         try:
             start("gloo", forked=fork_wanted() and _import_torch())

@@ -10,8 +10,10 @@ import pickle
 import signal
 import socket
 import struct
+import sys
 import threading
 import time
+import tracemalloc
 import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -649,3 +651,76 @@ def test_bind_forms_and_ipv6(bind: str) -> None:
     finally:
         sender.shutdown()
         receiver.shutdown()
+
+
+# --------------------------------------------------------------------------------------------------
+# a hostile header: valid, but hundreds of thousands of tiny tensors (issue 17, item 2)
+
+
+def hostile_frame(n: int, step: int = 1) -> tuple[bytes, bytes]:
+    """A *valid* payload of ``n`` zero-filled one-element tensors: cheap to send, costly to parse,
+    allocate and lay out (400k entries took a receiver 10 s and ~500 MiB against a 4 s timeout)."""
+    zero = "0" * 32
+    tensors = ",".join(
+        f'{{"dtype":"float32","shape":[1],"offset":{i * 64},"nbytes":4,"sum":"{zero}","requires_grad":false}}'
+        for i in range(n)
+    )
+    tree = ",".join(f'{{"tensor":{i}}}' for i in range(n))
+    doc = (
+        f'{{"format":"ftlaunch.checkpoint","version":1,"step":{step},"byteorder":"{sys.byteorder}",'
+        f'"checksum":"sum64-v1","alignment":64,"body_nbytes":{n * 64 - 60},"tensors":[{tensors}],'
+        f'"tree":{{"list":[{tree}]}}}}'
+    )
+    raw = doc.encode()
+    return MAGIC + struct.pack("<QI", len(raw), zlib.crc32(raw)) + raw, bytes(n * 64 - 60)
+
+
+def test_a_hostile_header_is_refused_before_it_is_read_by_a_receiver_that_expects_its_own_state() -> None:
+    """The healer's own state says what to expect (`expect_like`): a header far larger is refused
+    from its length alone, with almost no memory, whatever the timeout."""
+    frame, body = hostile_frame(400_000)
+    own = {"model": {"w": torch.zeros(64, 64), "b": torch.zeros(64)}, "optim": {"state": {}, "param_groups": []}}
+    with HTTPTransport(TIMEOUT) as rx, fake_server(_honest, frame=frame, body=body) as srv:
+        rx.expect_like(own)
+        tracemalloc.start()
+        try:
+            with pytest.raises(CheckpointTransportError, match="more than the .* this receiver accepts"):
+                rx.recv_checkpoint(0, srv.url, 1, TIMEOUT)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < 4 << 20, peak  # the 56 MB header was never read (its JSON alone took ~200 MiB)
+        # Under the byte limit but with more tensors than expected: refused before any is allocated.
+        rx.expect_like({"w": torch.zeros(1)})
+        small, small_body = hostile_frame(5000)
+        assert len(small) < rx._limits.max_header_bytes  # type: ignore[union-attr]
+    with HTTPTransport(TIMEOUT) as rx, fake_server(_honest, frame=small, body=small_body) as srv:
+        rx.expect_like({"w": torch.zeros(1)})
+        with pytest.raises(CheckpointTransportError, match="lists 5000 tensors, more than the 4112"):
+            rx.recv_checkpoint(0, srv.url, 1, TIMEOUT)
+
+
+def test_a_hostile_header_costs_a_receiver_no_more_than_its_timeout() -> None:
+    """Without a hint (the format's limits only), the parse, validation, allocation and layout
+    of a hostile header stop at the transfer's deadline with the transport's error."""
+    frame, body = hostile_frame(400_000)
+    with HTTPTransport(TIMEOUT) as rx, fake_server(_honest, frame=frame, body=body) as srv:
+        with pytest.raises(CheckpointTransportError,
+                           match=r"timed out after 1\.0s (parsing|validating|allocating|preparing|laying)"):
+            rx.recv_checkpoint(0, srv.url, 1, timedelta(seconds=1))
+
+
+def test_an_honest_state_larger_than_the_receivers_own_is_received() -> None:
+    """A healer before its first step has no optimizer state yet; its source has (Adam: 2 more
+    tensors per parameter and a step each): the limits leave room for that."""
+    model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(50)])
+    opt = torch.optim.Adam(model.parameters())
+    fresh = {"model": model.state_dict(), "optim": opt.state_dict()}
+    model(torch.zeros(1, 4)).sum().backward()
+    opt.step()
+    full = {"model": model.state_dict(), "optim": opt.state_dict()}
+    with HTTPTransport(TIMEOUT) as tx, HTTPTransport(TIMEOUT) as rx:
+        tx.send_checkpoint([1], 3, full, TIMEOUT)
+        rx.expect_like(fresh)
+        got = rx.recv_checkpoint(0, tx.metadata(), 3, TIMEOUT)
+        assert torch.equal(got["optim"]["state"][0]["exp_avg"], full["optim"]["state"][0]["exp_avg"])

@@ -22,6 +22,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "ftlaunch.phases",
         "ftlaunch.prestart",
         "ftlaunch.cli_args",
+        "ftlaunch.streams",
     ),
     "lighthouse": ("ftlaunch.lighthouse",),
     "process_group": ("ftlaunch.process_group",),

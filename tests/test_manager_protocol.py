@@ -33,6 +33,7 @@ from ftlaunch.process_group.fake import FakeProcessGroup
 from ftlaunch.worker.group_store import GroupStore
 from ftlaunch.worker.managed_pg import ManagedProcessGroup
 from ftlaunch.worker.manager import Manager
+from ftlaunch.worker.progress import state_checksum
 from ftlaunch.worker.recovery import MANAGER_STATE_KEY
 
 pytestmark = pytest.mark.timeout(60)
@@ -210,7 +211,9 @@ def test_an_unchanged_quorum_does_not_reconfigure(make: Callable[..., Group]) ->
     assert g.pg.configure_calls == [(f"{OUR_STORE}/ftlaunch/q1/r0", 0, 2)]
     assert g.m.current_step() == 3 and g.m.batches_committed() == 6
     assert [m.step for m in lighthouse.asked] == [0, 1, 2]
-    assert lighthouse.asked[0].store_address == OUR_STORE and lighthouse.asked[0].data == {"ckpt": ["mem://rg0/r0"]}
+    assert lighthouse.asked[0].store_address == OUR_STORE and lighthouse.asked[0].data["ckpt"] == ["mem://rg0/r0"]
+    # ... and its heal claim: a checksum of the state it would offer (tests below: its use).
+    assert set(lighthouse.asked[0].data) == {"ckpt", "claim"}
     assert lighthouse.heartbeats == ["rg0"]
 
 
@@ -271,6 +274,56 @@ def test_a_failed_heal_is_not_committed_and_loads_nothing(make: Callable[..., Gr
     assert not committed and out.tolist() == [0.0] * 4
     assert isinstance(g.m.errored(), CommunicationError)
     assert g.user.loaded_after == [] and g.m.current_step() == 0
+
+
+def claiming(replica_id: str, step: int, state: dict) -> QuorumMember:
+    """A peer at ``step`` that claims (honestly or not) the checksum of ``state``."""
+    member = peer(replica_id, step)
+    return QuorumMember(replica_id=replica_id, store_address=member.store_address, step=step,
+                        data={**member.data, "claim": [state_checksum(state)]})
+
+
+HONEST = {MANAGER_STATE_KEY: {"step": 5, "batches_committed": 9}, "default": {"w": torch.ones(3)}}
+POISONED = {MANAGER_STATE_KEY: {"step": 5, "batches_committed": 9}, "default": {"w": torch.full((3,), 1e9)}}
+
+
+def test_a_request_claims_the_checksum_of_the_state_it_would_offer(make: Callable[..., Group]) -> None:
+    lighthouse = ScriptedLighthouse(in_step(1, "rg1"))
+    g = make(lighthouse, init_sync=False)
+    g.user.value = {"w": torch.arange(4.0)}
+    g.step()
+    offered = {"default": {"w": torch.arange(4.0)}, MANAGER_STATE_KEY: {"step": 0, "batches_committed": 0}}
+    assert lighthouse.asked[0].data["claim"] == [state_checksum(offered)]
+
+
+def test_a_healer_rejects_state_that_is_not_what_its_source_claimed(make: Callable[..., Group]) -> None:
+    """The source claims the honest state and serves another (valid payload, wrong weights): the
+    healer refuses it, loads nothing, and the step commits nowhere; served as claimed, it heals."""
+    g = make(ScriptedLighthouse(quorum(3, claiming("rg0", 5, HONEST), us="rg1")), replica_id="rg1")
+    g.transport.inbox[("mem://rg0", 5)] = POISONED
+    committed, _ = g.step()
+    assert not committed and g.user.loaded_after == [] and g.m.current_step() == 0
+    assert isinstance(g.m.errored(), CommunicationError) and "does not match the checksum" in str(g.m.errored())
+    g.transport.inbox[("mem://rg0", 5)] = HONEST
+    assert g.step()[0] and g.m.current_step() == 6 and torch.equal(g.user.value["w"], torch.ones(3))
+
+
+def test_a_healer_rejects_state_at_another_step_than_its_source_claimed(make: Callable[..., Group]) -> None:
+    g = make(ScriptedLighthouse(quorum(3, peer("rg0", 5), us="rg1")), replica_id="rg1")
+    g.transport.inbox[("mem://rg0", 5)] = {MANAGER_STATE_KEY: {"step": 10**9, "batches_committed": 9},
+                                           "default": {"w": 1}}
+    assert not g.step()[0] and g.m.current_step() == 0 and "claimed step 5" in str(g.m.errored())
+
+
+def test_when_the_sources_claims_tie_a_healer_checks_its_own_sources_claim(make: Callable[..., Group]) -> None:
+    """No majority: the healer heals from its source (rg0), checked against rg0's own claim."""
+    g = make(ScriptedLighthouse(quorum(3, claiming("rg0", 5, HONEST), claiming("rg2", 5, POISONED), us="rg1")),
+             replica_id="rg1")
+    g.transport.inbox[("mem://rg0", 5)] = POISONED  # not what rg0 claimed: rejected
+    assert not g.step()[0] and g.m.current_step() == 0 and "does not match" in str(g.m.errored())
+    g.transport.inbox[("mem://rg0", 5)] = HONEST
+    g.transport.inbox[("mem://rg2", 5)] = POISONED  # the next try goes to rg2 (commit_failures 1): as it claimed
+    assert g.step()[0] and g.m.current_step() == 6
 
 
 def test_a_source_serves_its_state_to_its_healers_until_the_vote(make: Callable[..., Group]) -> None:
@@ -441,7 +494,8 @@ def test_a_two_rank_group_shares_the_leaders_quorum_and_votes_through_its_store(
     assert [c for c, _ in both([None, None])] == [True, True]
     assert [g.pg.configure_calls for g in ranks] == [[(f"{OUR_STORE}/ftlaunch/q1/r0", 0, 2)],
                                                      [(f"{OUR_STORE}/ftlaunch/q1/r1", 0, 2)]]  # fmt: skip
-    assert lighthouse.asked[0].data == {"ckpt": ["mem://rg0/r0", "mem://rg0/r1"]}  # every rank's metadata
+    assert lighthouse.asked[0].data["ckpt"] == ["mem://rg0/r0", "mem://rg0/r1"]  # every rank's metadata
+    assert len(lighthouse.asked[0].data["claim"]) == 2  # and every rank's heal claim
     # An error on rank 1 only: rank 0 voted yes, but the group's vote refuses the step on both.
     assert [c for c, _ in both([None, RuntimeError("rank 1 failed")])] == [False, False]
     assert all(g.m.current_step() == 1 for g in ranks)
@@ -495,3 +549,10 @@ def test_shutdown_leaves_the_lighthouse_and_releases_everything(make: Callable[.
         g.pg.allreduce([torch.ones(1)], dist.ReduceOp.SUM)
     with pytest.raises(FtlaunchError, match="shut down"):
         g.m.start_quorum()
+
+
+def test_heal_claims_can_be_turned_off(make: Callable[..., Group], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(env.FTLAUNCH_HEAL_CLAIMS, "0")
+    lighthouse = ScriptedLighthouse(in_step(1, "rg1"))
+    g = make(lighthouse, init_sync=False)
+    assert g.step()[0] and "claim" not in lighthouse.asked[0].data

@@ -145,3 +145,85 @@ def test_sources_that_differ_all_refuse() -> None:
 def test_groups_without_a_layout_are_not_compared() -> None:
     q = laid_out({"rg0": 3, "rg1": 3, "rg2": 3}, {"rg0": None, "rg1": "a", "rg2": "a"})
     assert all(plan_step(q, r).layout_conflict is None for r in ("rg0", "rg1", "rg2"))
+
+
+# ---- heal claims (issue 17: heal sources must agree on a checksum of their state) -------------------
+
+
+def claimed(steps: dict[str, int], claims: dict[str, list[str] | None], failures: dict[str, int] | None = None,
+            qid: int = 7) -> Quorum:
+    members = tuple(
+        QuorumMember(replica_id=rid, store_address=f"h{rid}:1", step=s,
+                     commit_failures=(failures or {}).get(rid, 0),
+                     data={} if claims.get(rid) is None else {"claim": claims[rid]})
+        for rid, s in sorted(steps.items())
+    )
+    return Quorum(quorum_id=qid, participants=members, created=0.0)
+
+
+def test_a_lone_dissenter_is_no_heal_source() -> None:
+    """rg0 (the lowest rank: everyone's source and store host by step alone) claims other state
+    than the two groups beside it at the top step: nobody heals from it."""
+    q = claimed({"rg0": 9, "rg1": 9, "rg2": 9, "rg3": 2, "rg4": 0},
+                {"rg0": ["bad"], "rg1": ["good"], "rg2": ["good"], "rg3": ["old"]})
+    plans = {r: plan_step(q, r) for r in ("rg0", "rg1", "rg2", "rg3", "rg4")}
+    assert plans["rg3"].recover_src_id == "rg1" and plans["rg4"].recover_src_id == "rg2"
+    assert plans["rg3"].recover_claim == ("good",) and not plans["rg3"].contested
+    assert plans["rg0"].recover_dst_ranks == () and plans["rg1"].recover_dst_ranks == (3,)
+    assert {p.store_address for p in plans.values()} == {"hrg0:1"}  # still the lowest source's store
+    assert all(p.untrusted_ids == ("rg0",) for p in plans.values())
+    # It still steps with the others (it is up to date); it just serves nobody.
+    assert plans["rg0"].participates and plans["rg0"].num_sources == 3 and not plans["rg0"].heal
+
+
+def test_a_group_without_a_claim_is_no_source_while_others_claim() -> None:
+    q = claimed({"a": 4, "b": 4, "c": 4, "d": 1}, {"b": ["x"]})
+    assert plan_step(q, "d").recover_src_id == "b" and plan_step(q, "d").untrusted_ids == ("a", "c")
+    # Nobody claims (older groups, or claims unreadable everywhere): every source is trusted, unchecked.
+    q = claimed({"a": 4, "b": 4, "d": 1}, {})
+    assert plan_step(q, "d").recover_src_id == "a" and plan_step(q, "d").recover_claim is None
+    assert plan_step(q, "d").untrusted_ids == ()
+
+
+def test_a_tie_trusts_every_claimant_and_checks_each_heal_against_its_own_source() -> None:
+    """No majority can tell who is right (two groups that disagree; DiLoCo groups hold different
+    local weights at a sync): every claimant serves, as before claims, each healer checked against
+    its own source's claim; a source without a claim still serves nobody."""
+    q = claimed({"a": 4, "b": 4, "n": 4, "c": 1, "d": 0}, {"a": ["x"], "b": ["y"], "c": ["z"]})
+    c, d = plan_step(q, "c"), plan_step(q, "d")
+    assert c.contested and (c.recover_src_id, c.recover_claim) == ("a", ("x",))
+    assert (d.recover_src_id, d.recover_claim) == ("b", ("y",)) and d.untrusted_ids == ("n",)
+    assert plan_step(q, "n").recover_dst_ranks == () and plan_step(q, "a").participates
+    # Nobody behind: a tie changes nothing (no heal, same store host as before).
+    q = claimed({"a": 4, "b": 4}, {"a": ["x"], "b": ["y"]})
+    assert not plan_step(q, "a").heal and plan_step(q, "b").store_address == "ha:1"
+
+
+def test_a_single_up_to_date_group_is_trusted_whatever_it_claims() -> None:
+    q = claimed({"a": 4, "b": 1}, {"a": ["x"]})
+    assert plan_step(q, "b").recover_src_id == "a" and plan_step(q, "b").recover_claim == ("x",)
+
+
+def test_init_sync_at_step_zero_ignores_claims() -> None:
+    q = claimed({"a": 0, "b": 0, "c": 0}, {"a": ["x"], "b": ["y"], "c": ["y"]})
+    assert plan_step(q, "b").recover_src_id == "a" and not plan_step(q, "b").contested
+
+
+def test_a_healer_whose_heal_failed_moves_to_the_next_agreeing_source() -> None:
+    steps = {"a": 9, "b": 9, "c": 9, "h": 3}
+    claims = {"a": ["s"], "b": ["s"], "c": ["s"]}
+    assert plan_step(claimed(steps, claims), "h").recover_src_id == "a"
+    assert plan_step(claimed(steps, claims, {"h": 1}), "h").recover_src_id == "b"
+    moved = claimed(steps, claims, {"h": 2})
+    assert plan_step(moved, "h").recover_src_id == "c" and plan_step(moved, "c").recover_dst_ranks == (3,)
+
+
+@pytest.mark.parametrize("bad", [[], "s", [1], ["x" * 200], None])
+def test_a_malformed_claim_is_no_claim(bad: object) -> None:
+    q = Quorum(quorum_id=1, participants=(
+        QuorumMember(replica_id="a", store_address="a:1", step=5, data={"claim": bad}),
+        QuorumMember(replica_id="b", store_address="b:1", step=5, data={}),
+        QuorumMember(replica_id="c", store_address="c:1", step=5, data={"claim": ["s"]}),
+        QuorumMember(replica_id="d", store_address="d:1", step=1, data={}),
+    ), created=0.0)
+    assert plan_step(q, "d").recover_src_id == "c" and plan_step(q, "d").untrusted_ids == ("a", "b")

@@ -30,6 +30,7 @@ from ftlaunch.checkpointing.serialization.buffers import byte_view, prefault
 from ftlaunch.checkpointing.serialization.checksum import BLOCK_BYTES, IncrementalChecksum
 from ftlaunch.checkpointing.serialization.header import MAX_FRAME_BYTES, parse_header
 from ftlaunch.checkpointing.serialization.layout import RUN_BYTES, Segment, layout, runs, split_body
+from ftlaunch.checkpointing.serialization.limits import Deadline, ReceiveLimits
 from ftlaunch.checkpointing.serialization.receive import Slot, finish, plan_slots
 from ftlaunch.checkpointing.serialization.spec import ALIGNMENT
 from ftlaunch.errors import CheckpointTransportError
@@ -98,7 +99,9 @@ class _NotServedYet(CheckpointTransportError):
 class Fetch:
     """One `recv_checkpoint`: header, then the body over parallel ranged connections."""
 
-    def __init__(self, url: str, step: int, timeout: float, num_chunks: int, template: Any) -> None:
+    def __init__(
+        self, url: str, step: int, timeout: float, num_chunks: int, template: Any, limits: ReceiveLimits | None = None
+    ) -> None:
         try:
             if not url.startswith("http://"):
                 raise ValueError("no http:// scheme")
@@ -112,6 +115,8 @@ class Fetch:
         self.deadline = time.monotonic() + timeout
         self.num_chunks = num_chunks
         self.template = template
+        self.limits = limits or ReceiveLimits()
+        self.header_deadline = Deadline(timeout, f"step {step} from {url}", self.deadline)
         self.lock = threading.Lock()
         self.socks: set[socket.socket] = set()
         self.aborted = False
@@ -190,6 +195,11 @@ class Fetch:
                     raise CheckpointTransportError(
                         f"checkpoint server {self.url} sent a header of bad length {length}"
                     )
+                if length > self.limits.max_header_bytes:  # refused before a byte of it is read
+                    raise CheckpointTransportError(
+                        f"invalid checkpoint payload: the header from {self.url} is {length} bytes, more "
+                        f"than the {self.limits.max_header_bytes} this receiver accepts (its own state's is far smaller)"
+                    )
                 return resp.read(), resp.getheader("ETag") or ""
             except _NotServedYet as e:
                 last = e
@@ -214,17 +224,27 @@ class Fetch:
     def _run(self) -> Any:
         try:
             frame, etag = self._get_header()
-            header = parse_header(frame, expected_step=self.step)
+            # Every stage from here to the body obeys the deadline (a hostile header of many tiny
+            # tensors costs CPU, not bytes) and the receiver's limits (checked before allocating).
+            deadline = self.header_deadline
+            deadline.check("fetching the header")
+            header = parse_header(frame, expected_step=self.step, max_tensors=self.limits.max_tensors,
+                                  deadline=deadline)  # fmt: skip
+            del frame
         except CheckpointTransportError:
             raise
         except (OSError, http.client.HTTPException) as e:
             raise self._wrap(e, "fetching the header") from e
-        slots = plan_slots(header, _CPU, self.template)
-        for s in slots:
+        slots = plan_slots(header, _CPU, self.template, deadline)
+        views = []
+        for i, s in enumerate(slots):
+            if i % 1024 == 1023:
+                deadline.check("preparing the received state")
             if s.entry.nbytes >= BLOCK_BYTES:  # small tensors are verified together at the end
                 with contextlib.suppress(ValueError):  # so are misaligned in-place targets
                     s.incremental = IncrementalChecksum(s.landing)
-        segments = layout(header, [byte_view(s.landing) for s in slots], memoryview(bytearray(ALIGNMENT)))
+            views.append(byte_view(s.landing))
+        segments = layout(header, views, memoryview(bytearray(ALIGNMENT)), deadline)
         self._fetch_body(header.body_nbytes, segments, slots, etag)
         return finish(header, slots)
 

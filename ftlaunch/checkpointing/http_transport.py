@@ -41,6 +41,7 @@ from ftlaunch.addresses import http_url, parse_host_port
 from ftlaunch.checkpointing._http_fetch import Fetch
 from ftlaunch.checkpointing._http_server import CheckpointServer, Snapshot
 from ftlaunch.checkpointing.serialization.encode import encode
+from ftlaunch.checkpointing.serialization.limits import ReceiveLimits
 from ftlaunch.checkpointing.transport import CheckpointTransport
 from ftlaunch.errors import CheckpointTransportError
 
@@ -103,6 +104,7 @@ class HTTPTransport(CheckpointTransport[T]):
         self._timeout = timeout
         self._num_chunks = num_chunks
         self._state_dict = state_dict
+        self._limits: ReceiveLimits | None = None  # set by `expect_like`
         host, port = _parse_bind(bind)
         self._server = CheckpointServer((host, port), timeout.total_seconds())
         port = int(self._server.server_address[1])
@@ -153,12 +155,18 @@ class HTTPTransport(CheckpointTransport[T]):
         t0 = time.perf_counter()
         template = self._state_dict() if self._state_dict is not None else None
         seconds = (timeout or self._timeout).total_seconds()
-        result = Fetch(metadata, step, seconds, self._num_chunks, template).run()
+        limits = self._limits if self._limits is not None or template is None else ReceiveLimits.like(template)
+        result = Fetch(metadata, step, seconds, self._num_chunks, template, limits).run()
         logger.info(
             "checkpoint transport: received step %d from rank %d (%s) in %.3fs",
             step, src_rank, metadata, time.perf_counter() - t0,
         )  # fmt: skip
         return result
+
+    def expect_like(self, state: T | None) -> None:
+        """Refuse, before reading or allocating it, a received header far larger than ``state``'s
+        (`ReceiveLimits.like`); None: only the format's limits (or the ``state_dict`` template's)."""
+        self._limits = None if state is None else ReceiveLimits.like(state)
 
     def shutdown(self, wait: bool = True) -> None:
         if self._closed:

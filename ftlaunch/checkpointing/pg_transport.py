@@ -36,6 +36,7 @@ from ftlaunch.checkpointing import dtensors
 from ftlaunch.checkpointing.serialization.buffers import byte_view, tensor_bytes
 from ftlaunch.checkpointing.serialization.encode import encode
 from ftlaunch.checkpointing.serialization.header import FRAME_PREFIX_LEN, MAX_FRAME_BYTES, parse_header
+from ftlaunch.checkpointing.serialization.limits import Deadline, ReceiveLimits
 from ftlaunch.checkpointing.serialization.receive import finish, plan_slots
 from ftlaunch.checkpointing.serialization.spec import invalid
 from ftlaunch.checkpointing.transport import CheckpointTransport
@@ -74,6 +75,7 @@ class PGTransport(CheckpointTransport[T]):
         self._timeout = timeout
         self._device = torch.device(device)
         self._state_dict = state_dict
+        self._limits: ReceiveLimits | None = None  # set by `expect_like`
         self.device_mesh = device_mesh
 
     def metadata(self) -> str:
@@ -142,6 +144,10 @@ class PGTransport(CheckpointTransport[T]):
             step, len(enc.tensors), enc.body_nbytes, dst_ranks, time.perf_counter() - t0,
         )  # fmt: skip
 
+    def expect_like(self, state: T | None) -> None:
+        """Refuse a received header far larger than ``state``'s (`ReceiveLimits.like`)."""
+        self._limits = None if state is None else ReceiveLimits.like(state)
+
     def disallow_checkpoint(self) -> None:
         """Nothing to do: `send_checkpoint` returns only after the state has been sent."""
 
@@ -152,14 +158,18 @@ class PGTransport(CheckpointTransport[T]):
         length = torch.zeros(1, dtype=torch.int64, device=self._device)
         self._wait(self._post(self._pg.recv, length, src_rank, TAG_BASE, what), deadline, what)
         n = int(length.item())
-        if not FRAME_PREFIX_LEN <= n <= MAX_FRAME_BYTES:
-            raise invalid(f"header length {n} from rank {src_rank}")
+        limits = self._limits or ReceiveLimits()
+        if not FRAME_PREFIX_LEN <= n <= min(MAX_FRAME_BYTES, limits.max_header_bytes):
+            raise invalid(f"header length {n} from rank {src_rank} (this receiver accepts {limits.max_header_bytes})")
         frame = torch.empty(n, dtype=torch.uint8, device=self._device)
         self._wait(self._post(self._pg.recv, frame, src_rank, TAG_BASE + 1, what), deadline, what)
-        header = parse_header(byte_view(frame.cpu()).tobytes(), expected_step=step)
+        # Parsing and allocating obey the deadline too (a header of many tiny tensors costs CPU).
+        stages = None if deadline == math.inf else Deadline(deadline - time.monotonic(), what, deadline)
+        header = parse_header(byte_view(frame.cpu()).tobytes(), expected_step=step,
+                              max_tensors=limits.max_tensors, deadline=stages)  # fmt: skip
         mine = self._state_dict() if self._state_dict is not None else None
         template = {"state": dtensors.locals_of(mine)} if mine is not None else None
-        slots = plan_slots(header, self._device, template)
+        slots = plan_slots(header, self._device, template, stages)
         pending = []
         for s in slots:
             if s.entry.nbytes:

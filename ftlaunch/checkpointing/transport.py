@@ -45,5 +45,12 @@ class CheckpointTransport(ABC, Generic[T]):
         ``timeout`` None means the transport's own timeout (as in torchft).
         """
 
+    def expect_like(self, state: T | None) -> None:  # noqa: B027  (optional hook, default no-op)
+        """Hint for the following `recv_checkpoint` calls: what they receive should look like
+        ``state`` (the receiver's own; None: no hint). A transport may then refuse a payload far
+        larger than it before reading or materializing it (the HTTP transport does:
+        `serialization.limits.ReceiveLimits`), so a hostile peer cannot make a heal cost more
+        than its timeout and memory proportional to the receiver's own state."""
+
     def shutdown(self, wait: bool = True) -> None:  # noqa: B027  (optional hook, default no-op)
         """Release sockets and threads; with ``wait``, block until they are gone."""

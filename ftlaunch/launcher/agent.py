@@ -36,6 +36,7 @@ from ftlaunch import env, phases
 from ftlaunch.launcher import procs
 from ftlaunch.launcher.options import LaunchOptions
 from ftlaunch.lifetime import die_with_parent, on_exit
+from ftlaunch.streams import is_full_disk
 
 logger = logging.getLogger("ftlaunch.launcher.agent")
 
@@ -315,9 +316,17 @@ def run_agent(cfg: AgentConfig) -> int:
         watcher.stop()
     if cfg.result_file:
         tmp = cfg.result_file + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(result, f)
-        os.replace(tmp, cfg.result_file)
+        try:
+            with open(tmp, "w") as f:
+                json.dump(result, f)
+            os.replace(tmp, cfg.result_file)
+        except OSError as e:  # a full log disk: the supervisor goes by the exit code alone
+            if not is_full_disk(e):
+                raise
+            # The supervisor reports the full log disk (once); this is its detail.
+            logger.info("cannot write the result file %s (%s): sending the result through the event pipe",
+                           cfg.result_file, e)
+            events.emit("result", result=result)
     return code
 
 
@@ -344,8 +353,11 @@ def main(argv: list[str] | None = None) -> int:
     if len(argv) != 1:
         print("usage: python -m ftlaunch.launcher.agent CONFIG.json", file=sys.stderr)
         return 2
-    with open(argv[0]) as f:
-        cfg = AgentConfig.from_json(f.read())
+    if argv[0] == "-":  # the supervisor could not write it to the (full) log disk
+        cfg = AgentConfig.from_json(sys.stdin.read())
+    else:
+        with open(argv[0]) as f:
+            cfg = AgentConfig.from_json(f.read())
     if cfg.supervisor_pid is not None:
         die_with_parent(signal.SIGTERM, expected_parent=cfg.supervisor_pid)
         # SIGTERM starts torchelastic's graceful stop, which a stopped worker cannot take part in.

@@ -22,6 +22,7 @@ from typing import IO, Any
 
 from ftlaunch import env
 from ftlaunch.launcher.agent import AgentConfig
+from ftlaunch.launcher.logdisk import write_or_none
 from ftlaunch.launcher.options import LaunchOptions
 
 #: What reader threads put on the supervisor's queue: (kind, group id, agent incarnation, payload),
@@ -37,6 +38,10 @@ class AgentProcess:
     result_file: str
     #: stdout, stderr and the event pipe; the agent's last words are in once all three are closed.
     open_streams: int = 3
+    #: The result the agent sent through the event pipe (it could not write its file: a full log disk).
+    piped: dict[str, Any] | None = None
+    #: When the supervisor first saw it exited (it waits briefly for a piped result).
+    exited_at: float | None = None
 
     def result(self) -> dict[str, Any]:
         """What the agent wrote before exiting ({} if it died first)."""
@@ -44,17 +49,26 @@ class AgentProcess:
             with open(self.result_file) as f:
                 return json.load(f)
         except (OSError, ValueError):
-            return {}
+            return self.piped or {}
+
+    def last_words_pending(self, now: float) -> bool:
+        """Whether its result may still be on its way through the event pipe (for up to 2 s)."""
+        if self.exited_at is None:
+            self.exited_at = now
+        return self.piped is None and self.open_streams > 0 and now - self.exited_at < 2.0 \
+            and not os.path.exists(self.result_file)
 
 
 def start_agent(
     opts: LaunchOptions, job: env.JobEnv, *, run_id: str, group_dir: str, incarnation: int,
     news: queue.Queue[News], extra_env: dict[str, str] | None = None,
-) -> AgentProcess:
+) -> tuple[AgentProcess, bool]:
     """Start incarnation ``incarnation`` of the agent of ``job``'s replica group; its output and
-    events arrive on ``news``."""
+    events arrive on ``news``. Also says whether its configuration file could be written (on a full
+    log disk it travels through the agent's stdin instead: logdisk.py)."""
     gid = job.replica_group_id
-    os.makedirs(group_dir, exist_ok=True)
+    with contextlib.suppress(OSError):  # a full disk: see write_or_none below
+        os.makedirs(group_dir, exist_ok=True)
     result_file = os.path.join(group_dir, f"agent{incarnation}.result.json")
     with contextlib.suppress(FileNotFoundError):
         os.unlink(result_file)
@@ -62,14 +76,12 @@ def start_agent(
     cfg = AgentConfig.for_group(
         opts, run_id=run_id, log_dir=os.path.join(group_dir, "workers"), event_fd=write_fd, result_file=result_file,
     )
-    config_file = os.path.join(group_dir, f"agent{incarnation}.json")
-    with open(config_file, "w") as f:
-        f.write(cfg.to_json())
+    config_file = write_or_none(os.path.join(group_dir, f"agent{incarnation}.json"), cfg.to_json())
     child_env = {**os.environ, **job.to_environ(), **(extra_env or {}), "PYTHONUNBUFFERED": "1"}
     try:
         proc = subprocess.Popen(
-            [sys.executable, "-u", "-m", "ftlaunch.launcher.agent", config_file],
-            stdin=subprocess.DEVNULL,
+            [sys.executable, "-u", "-m", "ftlaunch.launcher.agent", config_file or "-"],
+            stdin=subprocess.DEVNULL if config_file else subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             env=child_env,
@@ -81,6 +93,9 @@ def start_agent(
         raise
     finally:
         os.close(write_fd)
+    if proc.stdin is not None:
+        with proc.stdin:
+            proc.stdin.write(cfg.to_json().encode())
     assert proc.stdout is not None and proc.stderr is not None  # noqa: S101 - Popen(PIPE) contract
     for name, stream in (("out", proc.stdout), ("err", proc.stderr)):
         threading.Thread(
@@ -90,7 +105,7 @@ def start_agent(
     threading.Thread(
         target=_read_events, args=(news, gid, incarnation, read_fd), daemon=True, name=f"ftlaunch-{job.replica_id}-ev",
     ).start()
-    return AgentProcess(proc, result_file)
+    return AgentProcess(proc, result_file), config_file is not None
 
 
 def _read_lines(news: queue.Queue[News], kind: str, gid: int, inc: int, stream: IO[bytes]) -> None:

@@ -10,6 +10,8 @@ import re
 import sys
 from typing import TextIO
 
+from ftlaunch.streams import FullDiskTolerantStream
+
 #: ``[rg1/r0] `` -- torchelastic's tee prefix, set by the agent (``log_line_prefix_template``).
 WORKER_LINE = re.compile(r"^\[rg(?P<group>\d+)/r(?P<rank>\d+)\] ?")
 
@@ -34,8 +36,9 @@ class Console:
     """Line output with an optional status line kept at the bottom of a terminal."""
 
     def __init__(self, out: TextIO | None = None, err: TextIO | None = None, status: bool | None = None) -> None:
-        self._out = out or sys.stdout
-        self._err = err or sys.stderr
+        # A full disk under a redirected console drops lines instead of ending the job (streams.py).
+        self._out = FullDiskTolerantStream(out or sys.stdout)
+        self._err = FullDiskTolerantStream(err or sys.stderr)
         if status is None:
             status = bool(getattr(self._out, "isatty", lambda: False)())
         self.status_enabled = status
@@ -60,7 +63,7 @@ class Console:
             self._out.flush()
             self._status = ""
 
-    def _write(self, stream: TextIO, line: str) -> None:
+    def _write(self, stream: FullDiskTolerantStream, line: str) -> None:
         if self.status_enabled and self._status:
             self._out.write("\r\x1b[K")
             self._out.flush()

@@ -48,6 +48,7 @@ from ftlaunch.launcher.lighthouse_host import (
     LighthouseSettings,
     open_job_lighthouse,
 )
+from ftlaunch.launcher.logdisk import LogDiskWatch
 from ftlaunch.launcher.options import LaunchOptions
 from ftlaunch.launcher.output import WORKER_LINE, Console, without_repeated_tag
 from ftlaunch.launcher.report import StatusLine, summary_lines
@@ -87,6 +88,7 @@ class Supervisor:
         self._run_id = opts.run_id or uuid.uuid4().hex[:8]
         self._own_log_dir = opts.log_dir is None
         self._log_dir = opts.log_dir or tempfile.mkdtemp(prefix="ftlaunch_")
+        self._log_disk = LogDiskWatch(self._log_dir, self.console.err)
         self._reporter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ftlaunch-report")
         self._started = time.monotonic()
         self._training_started: float | None = None
@@ -217,10 +219,12 @@ class Supervisor:
         # down waits for it like the running ones (FTLAUNCH_LIGHTHOUSE_OUTAGE), not 10 s.
         job = env.JobEnv(group.gid, self.opts.replicas, self._lighthouse.address, self._token, self.opts.spares,
                          lighthouse_reached=True)
-        self._agents[group.gid] = start_agent(
+        self._agents[group.gid], config_written = start_agent(
             self.opts, job, run_id=self._run_id, group_dir=os.path.join(self._log_dir, group.replica_id),
             incarnation=group.incarnation, news=self._events,
         )
+        if not config_written:
+            self._log_disk.poll(force=True)
 
     # --- main loop -----------------------------------------------------------------------------
 
@@ -241,6 +245,7 @@ class Supervisor:
                 self._exit_root_cause = f"stopped by {signal.Signals(self._stop_signal).name}"
                 return 128 + self._stop_signal
             now = time.monotonic()
+            self._log_disk.poll(now)
             for group in self.groups:
                 self._check_agent(group, now)
             self._stop_stragglers()
@@ -325,7 +330,9 @@ class Supervisor:
     def _on_event(self, group: Group, ev: dict[str, Any]) -> None:
         now = time.monotonic()
         kind = ev.get("event")
-        if kind == "workers":
+        if kind == "result" and isinstance(ev.get("result"), dict) and group.gid in self._agents:
+            self._agents[group.gid].piped = ev["result"]
+        elif kind == "workers":
             pids = {int(r): int(p) for r, p in ev.get("pids", {}).items()}
             failure = group.workers_started(int(ev.get("restart", 0)), pids, now)
             if failure is not None:
@@ -356,7 +363,7 @@ class Supervisor:
         if agent is None or group.terminal:
             return
         code = agent.proc.poll()
-        if code is None:
+        if code is None or agent.last_words_pending(now):
             return
         outcome = group.agent_exited(code, agent.result(), self.opts.max_agent_restarts, now)
         if outcome.kill_orphans:

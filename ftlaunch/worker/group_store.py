@@ -169,6 +169,33 @@ class GroupStore:
         """Every rank's transport metadata, in rank order (blocks until all ranks published)."""
         return [self._store.get(f"ckpt_meta/{r}").decode() for r in range(self._world_size)]
 
+    # ---- heal claims: each rank's, collected by the leader for each quorum request -------------
+    def publish_claim(self, seq: int, claim: str | None) -> None:
+        """This rank's claim for round ``seq`` (`worker.recovery.state_claim`); ranks > 0 only."""
+        self._store.set(f"claim/{seq}/{self._rank}", claim or "")
+
+    def claims(self, seq: int, own: str | None, timeout: float) -> list[str] | None:
+        """The leader's list of every rank's claim for round ``seq`` (``own`` is rank 0's), or None
+        when a rank has none or does not post it within ``timeout`` seconds (a rank that hangs is
+        the commit vote's business; the request goes out without a claim)."""
+        if own is None:
+            return None
+        if self._world_size == 1:
+            return [own]
+        keys = [f"claim/{seq}/{r}" for r in range(1, self._world_size)]
+        try:
+            self._store.set_timeout(timedelta(seconds=max(timeout, 1e-3)))
+            try:
+                got = [v.decode() for v in self._store.multi_get(keys)]
+            finally:
+                self._store.set_timeout(self._timeout)
+            if seq > _KEEP_ROUNDS:
+                for r in range(1, self._world_size):
+                    self._store.delete_key(f"claim/{seq - _KEEP_ROUNDS}/{r}")
+        except Exception:  # noqa: BLE001 - torch raises several types here; no claim this round
+            return None
+        return None if "" in got else [own, *got]
+
     # ---- the quorum relay ----------------------------------------------------------------------
     def relay_quorum(self, seq: int, ask: Callable[[], Quorum]) -> Quorum:
         """Round ``seq``'s quorum, the same on every rank of the group.

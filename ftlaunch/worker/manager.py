@@ -331,8 +331,13 @@ class Manager:
             quorum_request.become_ready(self._pg, self._group, self._transport, self.log)
             self._ready = True
             self._mark("ready")
+        # Every rank claims a checksum of the state it would offer (worker/plan.py: heal sources
+        # must agree); the leader sends them all with its request.
+        claim = recovery.state_claim(self._state)
+        if self._group_rank != 0:
+            self._group.publish_claim(seq, claim)
         # Only the leader asks the lighthouse; the group store relays its answer to the other ranks.
-        quorum = self._group.relay_quorum(seq, lambda: self._ask_lighthouse(shrink_only, quorum_timeout))
+        quorum = self._group.relay_quorum(seq, lambda: self._ask_lighthouse(shrink_only, quorum_timeout, seq, claim))
         self._mark("quorum")
         plan = plan_step(quorum, self.replica_id, init_sync=self._init_sync,
                          world_size_mode=self._world_size_mode, min_replica_size=self._min_replica_size)
@@ -361,7 +366,7 @@ class Manager:
         if self._progress is not None:
             self._progress.quorum_done(time.perf_counter() - started if plan.heal else 0.0)
 
-    def _ask_lighthouse(self, shrink_only: bool, quorum_timeout: float) -> Quorum:
+    def _ask_lighthouse(self, shrink_only: bool, quorum_timeout: float, seq: int, claim: str | None) -> Quorum:
         assert self._client is not None  # the leader has one
         if self._transport_metadata is None:  # the first request: once every rank is ready
             self._transport_metadata = self._group.transport_metadata()
@@ -370,6 +375,7 @@ class Manager:
             self.replica_id, store_address=self._group.address, step=self._step,
             world_size=self._group_world_size, shrink_only=shrink_only, commit_failures=self._commit_failures,
             transport_metadata=self._transport_metadata, layout=self._layout,
+            claims=self._group.claims(seq, claim, self.timeouts.collective),
         )  # fmt: skip
         return quorum_request.ask_lighthouse(self._client, request, self._quorum_retries, quorum_timeout, self.log)
 

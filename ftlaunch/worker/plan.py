@@ -7,6 +7,17 @@ messages: who is in the cross-group process group and at which rank, which group
 ``min_replica_size`` of them). Healing assignments are round-robin over the sources so a burst of
 rejoining groups spreads its load over every healthy group.
 
+Heal sources must agree (`CLAIM_KEY`): each group at the quorum's highest step claims, in its quorum
+data, a checksum of the state it would offer (one per group rank). Healers copy only from sources
+whose claim is the one most of them make; a lone dissenter (a group that lies, or drifted) or a
+group that makes no claim while others do serves nobody. When the most common claims tie, nobody
+can tell which is right: every claimant serves (as before claims; DiLoCo groups legitimately hold
+different local weights at a sync), and each healer checks what it gets against its own source's
+claim (`StepPlan.contested` says so). The
+healer checks what it receives against the claim (`worker/recovery.py`). A healer whose previous
+heal failed (its ``commit_failures``) is moved to the next agreeing source, so one source that
+serves bad state cannot hold a healer back for good.
+
 Groups that publish a *layout* (how they shard their state, `LAYOUT_KEY` in their quorum data) are
 checked against the sources' layouts: a group laid out differently would average gradient shards
 with the wrong peers' shards and heal into the wrong places, so it must not take part.
@@ -14,6 +25,7 @@ with the wrong peers' shards and heal into the wrong places, so it must not take
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -22,6 +34,12 @@ from ftlaunch.lighthouse.quorum import Quorum, QuorumMember
 
 #: Key of a group's layout in its quorum data: ``{"digest": str, "text": str}``.
 LAYOUT_KEY = "layout"
+#: Key of a group's heal claim in its quorum data: ``[checksum of group rank 0's state, rank 1's, ...]``
+#: (`worker.recovery.state_claim`), made for the step the group asks with.
+CLAIM_KEY = "claim"
+#: Longest claim list / checksum text a plan accepts (anything else counts as no claim).
+_MAX_CLAIM_RANKS = 4096
+_MAX_CLAIM_LEN = 128
 
 
 class WorldSizeMode(Enum):
@@ -67,6 +85,13 @@ class StepPlan:
     #: Groups at ``max_step`` when the quorum formed (with init_sync at step 0: all of them, though
     #: only the primary is a source): what ``min_replica_size`` is checked against, as in torchft.
     num_up_to_date: int = 0
+    #: Healing: the source's claim (per group rank) the received state must match; None when the
+    #: sources make no claims (then nothing is checked beyond the transport's own checksums).
+    recover_claim: tuple[str, ...] | None = None
+    #: Ids of up-to-date groups whose claim disagrees with the trusted one (they heal nobody).
+    untrusted_ids: tuple[str, ...] = ()
+    #: The up-to-date groups' most common claims tie: no majority says which state is right.
+    contested: bool = False
 
     @property
     def heal(self) -> bool:
@@ -100,12 +125,17 @@ def plan_step(
     else:
         sources = [i for i, m in enumerate(members) if m.step == max_step]
     healers = [i for i in range(len(members)) if i not in sources]
+    trusted, contested = (sources, False) if len(sources) == 1 else _trusted_sources(members, sources)
 
-    src_of = {h: sources[k % len(sources)] for k, h in enumerate(healers)}
+    # Round-robin over the trusted sources; a healer whose last heal failed moves on by its failures.
+    src_of: dict[int, int] = {}
+    for k, h in enumerate(healers):
+        src_of[h] = trusted[(k + members[h].commit_failures) % len(trusted)]
     recover_src = src_of.get(me)
     dsts = tuple(h for h, s in src_of.items() if s == me)
     # The rendezvous store of the lowest-ranked source: sources are the groups most likely to be
-    # healthy, and every group picks the same one.
+    # healthy, and every group picks the same one. (Claims do not move it: whoever takes part in
+    # the process group can disturb it anyway; docs/security.md.)
     store_address = members[sources[0]].store_address
     participants = sources
     if world_size_mode is WorldSizeMode.FIXED_WITH_SPARES:
@@ -125,7 +155,35 @@ def plan_step(
         num_participants=len(participants),
         participant_rank=participants.index(me) if me in participants else None,
         num_up_to_date=sum(1 for m in members if m.step == max_step),
+        recover_claim=claim_of(members[recover_src]) if recover_src is not None else None,
+        untrusted_ids=tuple(members[i].replica_id for i in sources if i not in trusted),
+        contested=contested,
     )
+
+
+def claim_of(m: QuorumMember) -> tuple[str, ...] | None:
+    """A member's heal claim, or None when it makes none (or one that is not a list of checksums)."""
+    c = m.data.get(CLAIM_KEY)
+    if not isinstance(c, list) or not 0 < len(c) <= _MAX_CLAIM_RANKS:
+        return None
+    if not all(isinstance(s, str) and 0 < len(s) <= _MAX_CLAIM_LEN for s in c):
+        return None
+    return tuple(c)
+
+
+def _trusted_sources(members: list[QuorumMember], sources: list[int]) -> tuple[list[int], bool]:
+    """The sources whose claim is the most common one among ``sources``, and whether the most
+    common claims tie (then every source that claims is trusted: no majority can tell). While any
+    source claims, a source that makes no claim is not trusted (a group cannot escape the rule by
+    staying silent); when none claims, all are trusted, as before claims existed."""
+    claims = [claim_of(members[i]) for i in sources]
+    ranked = Counter(c for c in claims if c is not None).most_common()
+    if not ranked:
+        return sources, False
+    if len(ranked) > 1 and ranked[0][1] == ranked[1][1]:
+        return [i for i, c in zip(sources, claims, strict=True) if c is not None], True
+    top = ranked[0][0]
+    return [i for i, c in zip(sources, claims, strict=True) if c == top], False
 
 
 def _layout(m: QuorumMember) -> dict[str, Any] | None:

@@ -23,7 +23,7 @@ from ftlaunch.lighthouse.client import QuorumClient
 from ftlaunch.lighthouse.quorum import Quorum, QuorumMember
 from ftlaunch.process_group.base import ProcessGroup
 from ftlaunch.worker.group_store import GroupStore
-from ftlaunch.worker.plan import LAYOUT_KEY
+from ftlaunch.worker.plan import CLAIM_KEY, LAYOUT_KEY
 
 __all__ = ["ask_lighthouse", "become_ready", "member"]
 
@@ -57,11 +57,15 @@ def member(
     commit_failures: int,
     transport_metadata: list[str],
     layout: dict[str, str] | None,
+    claims: list[str] | None = None,
 ) -> QuorumMember:
-    """This group's quorum request (the leader's process identifies it for status pages)."""
+    """This group's quorum request (the leader's process identifies it for status pages).
+    ``claims``: every rank's checksum of the state it would offer at ``step`` (`plan.CLAIM_KEY`)."""
     data: dict[str, Any] = {"ckpt": transport_metadata}
     if layout:
         data[LAYOUT_KEY] = layout
+    if claims:
+        data[CLAIM_KEY] = claims
     return QuorumMember(
         replica_id=replica_id,
         address=f"{socket.gethostname()}:{os.getpid()}",

@@ -5,21 +5,29 @@ batches committed) plus whatever the user registered. A source group `offer`s a 
 healers the step's plan assigns to it; a healing group `fetch`es it, checks it at once (a peer
 that registered other keys then fails the step's vote instead of raising after a commit) and
 ``load``s it only once every group agreed to commit. Every group must register the same keys.
+
+Claims (`state_claim`): with each quorum request a group states a checksum of the state it would
+offer; the plan heals only from sources whose claims agree (`worker/plan.py`), and `fetch` rejects
+received state that does not match its source's claim. So a group that serves other state than
+the one it (and the other up-to-date groups) claimed heals nobody: its payload is refused.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
+from ftlaunch import env
 from ftlaunch.checkpointing.transport import CheckpointTransport
 from ftlaunch.errors import CommunicationError, FtlaunchError
 from ftlaunch.lighthouse.quorum import Quorum
 from ftlaunch.worker.plan import StepPlan
+from ftlaunch.worker.progress import state_checksum
 
 #: Key of the Manager's own state (step, batches committed) inside the healed state dict.
 MANAGER_STATE_KEY = "ftlaunch_manager"
@@ -115,6 +123,47 @@ class StateRegistry:
             load(state[key])
 
 
+def state_claim(registry: StateRegistry) -> str | None:
+    """This rank's heal claim: `state_checksum` of the state it would offer now (every tensor's
+    path, dtype, shape and ``sum64``), or None when the state cannot be read right now (the
+    training loop closed the gate) -- a group without a claim heals nobody while others claim.
+
+    Tensors only: honest groups that committed the same steps hold bit-identical tensors, while
+    numbers beside them (a prefetching loader's position) may legitimately differ a little.
+    Costs one pass over the state per step (`sum64`, on the tensors' device); ``FTLAUNCH_HEAL_CLAIMS=0``
+    turns claims off (then None).
+    """
+    if os.environ.get(env.FTLAUNCH_HEAL_CLAIMS, "").strip() == "0":
+        return None
+    try:
+        with registry.gate.reading(0.0):
+            state = registry.snapshot()
+    except CommunicationError:
+        return None
+    return state_checksum(state)
+
+
+def check_claim(state: Mapping[str, Any], plan: StepPlan, group_rank: int) -> None:
+    """`CommunicationError` unless ``state`` is what the plan's source claimed for ``group_rank``
+    (and the Manager's step inside it is the step the source claimed to be at)."""
+    own = state.get(MANAGER_STATE_KEY)
+    if isinstance(own, Mapping) and own.get("step") != plan.max_step:
+        raise CommunicationError(
+            f"state received from {plan.recover_src_id} is at step {own.get('step')!r}, "
+            f"but its source claimed step {plan.max_step}: rejected"
+        )
+    claim = plan.recover_claim
+    if claim is None:
+        return
+    want = claim[group_rank] if group_rank < len(claim) else None
+    got = state_checksum(state)
+    if got != want:
+        raise CommunicationError(
+            f"state received from {plan.recover_src_id} does not match the checksum it claimed "
+            f"(claimed {want}, received {got}): rejected, this step is not committed"
+        )
+
+
 def offer(
     transport: CheckpointTransport[Any], plan: StepPlan, step: int, registry: StateRegistry, timeout: timedelta
 ) -> None:
@@ -146,6 +195,12 @@ def fetch(
         raise ValueError("fetch() on a plan that does not heal")
     metas = quorum.participants[src_rank].data.get("ckpt") or []
     meta = metas[group_rank] if group_rank < len(metas) else ""
+    # What we receive should look like our own state: a transport may refuse far more (issue 17).
+    try:
+        transport.expect_like(registry.snapshot())
+    except Exception as e:  # noqa: BLE001 - only a hint: the format's own limits still hold
+        transport.expect_like(None)
+        logging.getLogger(__name__).debug("no receive limits from our own state: %s", e)
     state = transport.recv_checkpoint(src_rank=src_rank, metadata=meta, step=plan.max_step, timeout=timeout)
     missing = registry.missing(state)
     if missing:
@@ -153,6 +208,7 @@ def fetch(
             f"state received from {plan.recover_src_id} has no entries {missing}: "
             "do all groups register the same state?"
         )
+    check_claim(state, plan, group_rank)
     return state
 
 
@@ -169,6 +225,12 @@ def exchange(
     """This group's part of the step's healing: (whether it offered its state -- the caller must
     ``disallow_checkpoint`` after the vote --, the state it received when it heals, else None)."""
     sent = False
+    if plan.untrusted_ids and plan.heal:
+        log.warning("not healing from %s: their state claims disagree with the other up-to-date groups'",
+                    list(plan.untrusted_ids))
+    if plan.contested and plan.heal:
+        log.warning("the up-to-date groups claim different states and no claim has a majority: healing from "
+                    "%s, checked against its own claim only", plan.recover_src_id)
     if plan.recover_dst_ranks:  # a source: serve our state to the healers assigned to us
         log.info("sending state to replica ranks %s", list(plan.recover_dst_ranks))
         offer(transport, plan, step, registry, timeout)

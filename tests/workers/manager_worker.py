@@ -54,6 +54,57 @@ def _slow_healer(out: str, delay: float, timeout: timedelta):  # noqa: ANN202 - 
     return transport
 
 
+def _tampering_source(out: str, mode: str, from_step: int, times: int, timeout: timedelta):  # noqa: ANN202
+    """HTTP transport whose served state is tampered with (issue 17), from step ``from_step`` on,
+    ``times`` times (-1: always), each time said in ``out``:
+
+    * ``poison``: serves other weights (+1) as a valid payload: only the source's claim can tell;
+    * ``corrupt``: flips bytes of a served tensor after its checksum was taken;
+    * ``truncate``: the body stream stops halfway and the connection closes.
+    """
+    from ftlaunch.checkpointing import HTTPTransport, _http_server
+
+    left = [times]
+
+    def note(step: int) -> bool:
+        if step < from_step or left[0] == 0:
+            return False
+        left[0] -= 1
+        with open(out, "a") as f:
+            f.write(json.dumps({"tampered": mode, "t": time.time(), "step": step}) + "\n")
+        return True
+
+    class Tampering(HTTPTransport):
+        def send_checkpoint(self, dst_ranks, step, state_dict, timeout=None):  # noqa: ANN001, ANN202
+            if not note(step):
+                return super().send_checkpoint(dst_ranks, step, state_dict, timeout)
+            if mode == "poison":
+                model = {k: v + 1 for k, v in state_dict["default"]["model"].items()}
+                state_dict = {**state_dict, "default": {**state_dict["default"], "model": model}}
+                return super().send_checkpoint(dst_ranks, step, state_dict, timeout)
+            clone = {**state_dict, "default": {**state_dict["default"], "model": {
+                k: v.clone() for k, v in state_dict["default"]["model"].items()}}}
+            super().send_checkpoint(dst_ranks, step, clone, timeout)
+            if mode == "corrupt":  # after the checksums were taken: the bytes on the wire differ
+                for v in clone["default"]["model"].values():
+                    v.view(-1)[0] += 1.0
+            else:
+                original = _http_server.runs
+
+                def half(segments, start, end):  # noqa: ANN001, ANN202
+                    from ftlaunch.checkpointing.serialization.layout import Piece
+
+                    _http_server.runs = original  # once
+                    first = next(iter(original(segments, start, end)))[0]
+                    yield [Piece(first.segment, first.lo, first.lo + (first.hi - first.lo) // 2)]
+                    raise ConnectionAbortedError("tampering source: body cut off")
+
+                _http_server.runs = half
+            return None
+
+    return Tampering(timeout=timeout)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -71,6 +122,10 @@ def main() -> int:
     ap.add_argument("--hang-at-step", type=int, default=-1,
                     help="the training thread hangs after backward at this step (heartbeats go on)")
     ap.add_argument("--hang-seconds", type=float, default=0.0)
+    ap.add_argument("--tamper", choices=["poison", "corrupt", "truncate"], default=None,
+                    help="serve tampered state when healing others (see _tampering_source)")
+    ap.add_argument("--tamper-from-step", type=int, default=1)
+    ap.add_argument("--tamper-times", type=int, default=1, help="-1: always")
     ap.add_argument("--heal-delay", type=float, default=0.0,
                     help="a heal (HTTP) waits this long before fetching, and records that it started")
     ap.add_argument("--sync", choices=["ddp", "managed-pg"], default="ddp",
@@ -109,6 +164,9 @@ def main() -> int:
     transport = None
     if args.heal_delay > 0:
         transport = _slow_healer(args.out, args.heal_delay, timedelta(seconds=args.timeout))
+    if args.tamper:
+        transport = _tampering_source(args.out, args.tamper, args.tamper_from_step, args.tamper_times,
+                                      timedelta(seconds=args.timeout))
     if args.transport == "pg":
         from ftlaunch.checkpointing import PGTransport
 

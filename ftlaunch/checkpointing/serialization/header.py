@@ -17,7 +17,7 @@ import struct
 import sys
 import zlib
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -36,6 +36,12 @@ from ftlaunch.checkpointing.serialization.spec import (
     is_int,
 )
 from ftlaunch.errors import CheckpointTransportError
+
+if TYPE_CHECKING:
+    from ftlaunch.checkpointing.serialization.limits import Deadline
+
+#: Entries validated between two deadline checks.
+_CHECK_EVERY = 4096
 
 __all__ = [
     "FRAME_PREFIX_LEN",
@@ -133,8 +139,17 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"non-finite JSON constant {name}")
 
 
-def parse_header(frame: bytes | bytearray | memoryview, expected_step: int | None = None) -> Header:
-    """Parse and fully validate a header frame. Anything malformed -> CheckpointTransportError."""
+def parse_header(
+    frame: bytes | bytearray | memoryview,
+    expected_step: int | None = None,
+    *,
+    max_tensors: int | None = None,
+    deadline: Deadline | None = None,
+) -> Header:
+    """Parse and fully validate a header frame. Anything malformed -> CheckpointTransportError.
+
+    ``max_tensors`` (`limits.ReceiveLimits`) is checked right after the JSON is parsed, before any
+    entry is validated; ``deadline`` between the stages and every few thousand entries."""
     length = parse_frame_prefix(frame)
     _magic, _len, crc = _PREFIX.unpack_from(frame)
     if len(frame) != FRAME_PREFIX_LEN + length:
@@ -146,13 +161,21 @@ def parse_header(frame: bytes | bytearray | memoryview, expected_step: int | Non
         doc = json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
     except (ValueError, RecursionError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
         raise invalid(f"header is not valid JSON: {e}") from None
-    header = _validate_header(doc)
+    if deadline is not None:
+        deadline.check("parsing the header")
+    if max_tensors is not None and isinstance(doc, dict) and isinstance(doc.get("tensors"), list):
+        if len(doc["tensors"]) > max_tensors:
+            raise invalid(
+                f"header lists {len(doc['tensors'])} tensors, more than the {max_tensors} this "
+                "receiver accepts (its own state has far fewer)"
+            )
+    header = _validate_header(doc, deadline)
     if expected_step is not None and header.step != expected_step:
         raise CheckpointTransportError(f"checkpoint is for step {header.step}, expected step {expected_step}")
     return header
 
 
-def _validate_header(doc: Any) -> Header:
+def _validate_header(doc: Any, deadline: Deadline | None = None) -> Header:
     if not isinstance(doc, dict) or set(doc) != _HEADER_KEYS:
         keys = sorted(doc) if isinstance(doc, dict) else type(doc).__name__
         raise invalid(f"header must be an object with keys {sorted(_HEADER_KEYS)}, got {keys}")
@@ -167,12 +190,19 @@ def _validate_header(doc: Any) -> Header:
         raise invalid("step and body_nbytes must be integers (body_nbytes >= 0)")
     if not isinstance(doc["tensors"], list):
         raise invalid("tensors must be a list")
-    entries = tuple(_validate_entry(i, e, body_nbytes) for i, e in enumerate(doc["tensors"]))
+    checked = []
+    for i, e in enumerate(doc["tensors"]):
+        if deadline is not None and i % _CHECK_EVERY == _CHECK_EVERY - 1:
+            deadline.check("validating the header")
+        checked.append(_validate_entry(i, e, body_nbytes))
+    entries = tuple(checked)
     end = 0
     for e in sorted((e for e in entries if e.nbytes), key=lambda e: e.offset):
         if e.offset < end:
             raise invalid(f"tensor {e.index} overlaps the previous tensor")
         end = e.offset + e.nbytes
+    if deadline is not None:
+        deadline.check("validating the header")
     refs: set[int] = set()
     tree.validate(doc["tree"], len(entries), refs)
     if len(refs) != len(entries):

@@ -12,10 +12,14 @@ from __future__ import annotations
 import bisect
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ftlaunch.checkpointing.serialization.checksum import BLOCK_BYTES
 from ftlaunch.checkpointing.serialization.header import Header
 from ftlaunch.checkpointing.serialization.spec import ALIGNMENT
+
+if TYPE_CHECKING:
+    from ftlaunch.checkpointing.serialization.limits import Deadline
 
 __all__ = [
     "PIECE_BYTES",
@@ -50,16 +54,21 @@ class Segment:
     index: int = -1
 
 
-def layout(header: Header, views: Sequence[memoryview], padding: memoryview | None = None) -> list[Segment]:
+def layout(
+    header: Header, views: Sequence[memoryview], padding: memoryview | None = None, deadline: Deadline | None = None
+) -> list[Segment]:
     """Segments covering the whole body in order: tensor bytes and the padding between them.
 
     ``views[i]`` holds tensor i's bytes; ``padding`` (>= ALIGNMENT bytes) stands in for the gaps —
-    zeros on the sending side, a scratch buffer on the receiving side.
+    zeros on the sending side, a scratch buffer on the receiving side. ``deadline``: a receiver's,
+    checked every few thousand tensors.
     """
     pad = _ZEROS if padding is None else padding
     segs: list[Segment] = []
     pos = 0
-    for e in sorted((e for e in header.tensors if e.nbytes), key=lambda e: e.offset):
+    for k, e in enumerate(sorted((e for e in header.tensors if e.nbytes), key=lambda e: e.offset)):
+        if deadline is not None and k % 4096 == 4095:
+            deadline.check("laying out the received state")
         while pos < e.offset:  # gaps are < ALIGNMENT for our encoder, but allow any
             n = min(e.offset - pos, len(pad))
             segs.append(Segment(pos, n, pad[:n]))

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -29,6 +29,9 @@ from ftlaunch.checkpointing.serialization.header import (
 )
 from ftlaunch.checkpointing.serialization.spec import DTYPE_NAMES, invalid
 from ftlaunch.errors import CheckpointTransportError
+
+if TYPE_CHECKING:
+    from ftlaunch.checkpointing.serialization.limits import Deadline
 
 __all__ = ["Slot", "finish", "loads", "plan_slots"]
 
@@ -65,7 +68,9 @@ class Slot:
         return self.target
 
 
-def plan_slots(header: Header, device: torch.device, template: Any = None) -> list[Slot]:
+def plan_slots(
+    header: Header, device: torch.device, template: Any = None, deadline: Deadline | None = None
+) -> list[Slot]:
     """Allocate (or reuse from ``template``) the tensors the body is received into.
 
     A template tensor is reused in place when it has the same dtype and shape, is contiguous and
@@ -81,6 +86,8 @@ def plan_slots(header: Header, device: torch.device, template: Any = None) -> li
     slots = []
     try:
         for e in header.tensors:
+            if deadline is not None and e.index % 1024 == 1023:
+                deadline.check("allocating the received state")
             t = found.get(e.index)
             if t is not None and _fits(t, e) and id(t) not in used:
                 used.add(id(t))
