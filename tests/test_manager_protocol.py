@@ -7,6 +7,7 @@ pin down each rule of a step (reconfigure, heal, average, vote, refuse) quickly 
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -79,6 +80,7 @@ class ScriptedLighthouse:
         self.heartbeats: list[str] = []
         self.left: list[str] = []
         self.closed = False
+        self.lost_callback: Callable[[str, int, tuple[str, ...]], None] | None = None
 
     def then(self, *answers: Answer) -> None:
         self.answers.extend(answers)
@@ -97,6 +99,14 @@ class ScriptedLighthouse:
 
     def leave(self, replica_id: str) -> None:
         self.left.append(replica_id)
+
+    def on_quorum_lost(self, callback: Callable[[str, int, tuple[str, ...]], None] | None) -> None:
+        """The Manager registers here; `tell_lost` plays a heartbeat answer with ``lost``."""
+        self.lost_callback = callback
+
+    def tell_lost(self, quorum_id: int, *lost: str, us: str = "rg0") -> None:
+        assert self.lost_callback is not None
+        self.lost_callback(us, quorum_id, lost)
 
     def close(self) -> None:
         self.closed = True
@@ -388,6 +398,48 @@ def test_a_hung_collective_costs_the_commit_timeout_and_aborts_the_group(make: C
     assert g.pg.aborts == 1 and fut.done()  # the abort released the hung op
     assert "commit timed out after 0.3 s" in str(g.m.errored())
     assert g.step()[0]  # the next quorum rebuilds the group
+
+
+def test_a_peer_the_lighthouse_declares_lost_aborts_the_hung_step_at_once(make: Callable[..., Group]) -> None:
+    """A participant hangs (SIGSTOP: its sockets stay open, the collective neither completes nor
+    fails) and the lighthouse declares it lost in a heartbeat answer: the step is aborted then, not
+    at the commit timeout (120 s here, above this test's own 60 s timeout: without the abort this
+    test fails by timing out), and the next quorum -- without the lost group -- commits."""
+    lighthouse = ScriptedLighthouse(in_step(1, "rg1"), in_step(2))
+    g = make(lighthouse, init_sync=False, timeout=120.0)
+    g.m.start_quorum()
+    g.pg.hang_next("allreduce")
+    fut = g.m.allreduce(torch.full((4,), 6.0)).get_future()
+    threading.Timer(0.3, lighthouse.tell_lost, args=(1, "rg1")).start()
+    assert g.m.should_commit() is False
+    assert g.pg.aborts == 1 and fut.done()  # the abort released the hung op
+    assert isinstance(g.m.errored(), CommunicationError)  # the released allreduce, or the loss itself
+    lighthouse.tell_lost(1, "rg1")  # heartbeats repeat it until the next quorum: aborted once
+    committed, out = g.step()
+    assert committed and out.tolist() == [6.0] * 4  # alone now (quorum 2)
+    assert g.pg.configure_calls[-1] == (f"{OUR_STORE}/ftlaunch/q2/r0", 0, 1) and g.pg.aborts == 1
+
+
+def test_a_lost_notice_for_another_quorum_or_before_the_collective_changes_nothing(
+    make: Callable[..., Group],
+) -> None:
+    """A stale answer (an older quorum id: the group moved on) is ignored; a notice for the quorum in
+    use that comes while no collective is pending (between steps) aborts the group, and the next quorum
+    (whose id the loss changed) rebuilds it and commits. Slow but live peers are never reported
+    (tests/test_lighthouse_membership.py), so the Manager never aborts for them."""
+    lighthouse = ScriptedLighthouse(in_step(1, "rg1"), in_step(1, "rg1"), in_step(5, "rg1"))
+    g = make(lighthouse, init_sync=False)
+    assert g.step()[0]
+    lighthouse.tell_lost(99, "rg1")  # not the quorum in use
+    assert g.step()[0] and g.pg.aborts == 0
+    lighthouse.tell_lost(1, "rg1")  # between steps: rg1 hung after the last commit
+    deadline = time.monotonic() + 10
+    while g.pg.aborts == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert g.pg.aborts == 1
+    assert g.step()[0]  # quorum 5: a new group, no error carried over
+    lighthouse.tell_lost(1, "rg1")  # stale now
+    assert g.step()[0] and g.pg.aborts == 1
 
 
 def test_too_few_up_to_date_groups_is_not_committed(make: Callable[..., Group]) -> None:

@@ -215,6 +215,8 @@ class HeartbeatHandle:
                 answer = self._client._heartbeat(self._channel, self.replica_id, bind=True, stop=self._stop)
                 if answer.get("kill"):
                     _kill_self(self.replica_id, str(answer["kill"]))
+                if answer.get("lost"):
+                    self._client._tell_lost(self.replica_id, answer["lost"])
                 if failing:
                     log.info("lighthouse client: heartbeat of %s reaches the lighthouse again", self.replica_id)
                 failing = False
@@ -306,6 +308,25 @@ class LighthouseClient:
         #: Whether the lighthouse ever answered this client (so an unreachable one is an outage,
         #: not a wrong address).
         self.answered = False
+        #: Told when a heartbeat answer says a participant of the caller's quorum was lost.
+        self._on_lost: Callable[[str, int, tuple[str, ...]], None] | None = None
+
+    def on_quorum_lost(self, callback: Callable[[str, int, tuple[str, ...]], None] | None) -> None:
+        """Call ``callback(replica_id, quorum_id, lost_replica_ids)`` (on a heartbeat thread; it
+        must not block) whenever a heartbeat answer says that participants of the caller's current
+        quorum are no longer live (docs/lighthouse.md, ``POST /heartbeat``)."""
+        self._on_lost = callback
+
+    def _tell_lost(self, replica_id: str, lost: object) -> None:
+        callback = self._on_lost
+        if callback is None or not isinstance(lost, dict):
+            return
+        quorum_id, ids = lost.get("quorum_id"), lost.get("replica_ids")
+        if isinstance(quorum_id, int) and isinstance(ids, list):
+            try:
+                callback(replica_id, quorum_id, tuple(str(i) for i in ids))
+            except Exception:  # noqa: BLE001 - the heartbeat must go on
+                log.exception("lighthouse client: the quorum-lost callback failed")
 
     def _note_connection(self, ok: bool) -> None:
         if ok:

@@ -208,6 +208,9 @@ class Membership:
         self._adopted: Quorum | None = None
         self._prev_ids: frozenset[str] = frozenset()
         self._prev_broken = False
+        #: Bumped whenever a member of the current quorum goes down or comes back (`lost_in_quorum`).
+        self._lost_version = 0
+        self._lost_cache: tuple[int, int, tuple[str, ...]] | None = None  # (quorum id, version, lost)
         self._high_step: int | None = None  # the highest step of any quorum formed (see _check_step)
         self._evicted: dict[str, str] = {}  # replica id -> reason, until the group is told
         self._history: deque[HistoryEvent] = deque(maxlen=HISTORY_LEN)
@@ -299,6 +302,33 @@ class Membership:
                 log.info("lighthouse: replica %s left", replica_id)
                 self._decide(self._clock())
             return known
+
+    def lost_in_quorum(self, replica_id: str) -> tuple[int, tuple[str, ...]] | None:
+        """For the answer to ``replica_id``'s heartbeat: when it is a participant of the current
+        quorum and some of that quorum's participants are no longer live here (silent, disconnected,
+        failed, evicted, left), the quorum's id and theirs; else None.
+
+        Why: a participant that hangs (SIGSTOP, a hung host) keeps its sockets open, so its peers'
+        collectives with it wait out the collective timeout, while the lighthouse knows within its
+        heartbeat timeout. Told in the answer to the heartbeats they send anyway, the live
+        participants abort the quorum's step at once (worker/hang_abort.py). A member that is slow
+        but still beats is live: never in the list. O(1) while the quorum is whole (every heartbeat
+        asks); the list is computed once per change of a member's liveness.
+        """
+        with self._lock:
+            quorum = self._quorum
+            if not self._prev_broken or quorum is None or replica_id not in self._prev_ids:
+                return None
+            cached = self._lost_cache
+            if cached is None or cached[0] != quorum.quorum_id or cached[1] != self._lost_version:
+                now = self._clock()
+                lost = tuple(
+                    p.replica_id for p in quorum.participants
+                    if (g := self._groups.get(p.replica_id)) is None
+                    or group_health(g, now, self._options) is not Health.LIVE
+                )  # fmt: skip
+                cached = self._lost_cache = (quorum.quorum_id, self._lost_version, lost)
+            return (quorum.quorum_id, cached[2]) if cached[2] else None
 
     # ------------------------------------------------------------------ what others say about groups
 
@@ -479,6 +509,7 @@ class Membership:
     def _mark_prev_broken(self, replica_id: str) -> None:
         if replica_id in self._prev_ids:
             self._prev_broken = True
+            self._lost_version += 1
 
     def _check_holder(self, rid: str, now: float, incarnation: str) -> None:
         """One incarnation holds an id at a time: while the holder is live, another is refused."""

@@ -1,0 +1,85 @@
+"""Abort a step whose quorum lost a participant, as soon as the lighthouse knows (issue: hung peers).
+
+A participant that hangs (SIGSTOP, a hung host, a stuck device) keeps its sockets open: its peers'
+collectives with it neither complete nor fail until the collective timeout (60 s by default),
+while the lighthouse declares the group silent within its heartbeat timeout (5 s). The answer to
+the heartbeats the group leader sends anyway carries the quorum id and the lost participants
+(docs/lighthouse.md, ``POST /heartbeat``); `LostPeerAbort` turns it into the process group's abort:
+the pending collective fails, the step is not committed, and the next quorum -- whose id the loss
+changes -- forms without the lost group (or with a hot spare in its place).
+
+Only the quorum in use is aborted: a stale answer (an older quorum id: the group already moved on)
+is ignored, and each quorum is aborted at most once. The abort runs on a thread of its own, never
+on the heartbeat thread: aborting a plain Gloo group waits for a rendezvous in progress, and a
+heartbeat that waits makes this group silent in turn. `use` (the Manager's reconfigure) waits for an
+abort of the previous quorum to finish, so an abort never lands on the group built for the next one.
+A member that is slow but still heartbeats is live to the lighthouse: no abort.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from ftlaunch.errors import CommunicationError
+
+log = logging.getLogger(__name__)
+
+
+class LostPeerAbort:
+    """Aborts ``abort()`` (the cross-group process group's) when told that the quorum in use lost
+    a participant. ``interrupted`` tells the step's waits to stop waiting."""
+
+    def __init__(self, abort: Callable[[], None], logger: logging.Logger | logging.LoggerAdapter[Any] = log) -> None:
+        self._abort = abort
+        self._log = logger
+        self._lock = threading.Lock()  # held by an abort while it runs: `use` waits for it
+        self._quorum_id: int | None = None  # the quorum the process group is configured for
+        self._aborted_for: int | None = None
+        self._error: CommunicationError | None = None
+        self._lost = threading.Event()
+        self.aborts = 0  # how many quorums were aborted (tests, logs)
+
+    def use(self, quorum_id: int) -> None:
+        """The process group is being configured for ``quorum_id`` (call before configuring)."""
+        with self._lock:
+            self._quorum_id = quorum_id
+            self._lost.clear()
+            self._error = None
+
+    def lost(self, quorum_id: int, replica_ids: tuple[str, ...]) -> bool:
+        """The lighthouse says ``replica_ids`` of quorum ``quorum_id`` are no longer live. Starts the
+        abort if that is the quorum in use (once per quorum); never blocks. Returns whether it did."""
+        with self._lock:
+            if quorum_id != self._quorum_id or self._aborted_for == quorum_id:
+                return False
+            self._aborted_for = quorum_id
+            self._error = CommunicationError(
+                f"quorum {quorum_id} lost {', '.join(replica_ids) or 'a participant'} (the lighthouse no longer "
+                "counts it live): this step is aborted instead of waiting for the collective timeout"
+            )
+            self._lost.set()
+        threading.Thread(target=self._run, args=(quorum_id,), name="ftlaunch-lost-peer-abort", daemon=True).start()
+        return True
+
+    def _run(self, quorum_id: int) -> None:
+        with self._lock:
+            if self._quorum_id != quorum_id:
+                return  # reconfigured meanwhile: the new group is not to be aborted
+            self._log.warning("%s", self._error)
+            try:
+                self._abort()
+            except Exception:  # noqa: BLE001 - the step fails anyway (interrupted); log why the abort did not
+                self._log.exception("aborting the process group of quorum %d failed", quorum_id)
+            self.aborts += 1
+
+    def interrupted(self) -> bool:
+        """True once the quorum in use was told lost (until the next `use`)."""
+        return self._lost.is_set()
+
+    @property
+    def error(self) -> CommunicationError | None:
+        """Why the quorum in use was aborted, or None."""
+        return self._error if self._lost.is_set() else None
