@@ -355,8 +355,17 @@ def test_a_participant_is_told_which_members_of_its_quorum_were_lost_until_the_n
     assert m.lost_in_quorum("b") == (q1.quorum_id, ("c",))
     m.leave("b")
     assert m.lost_in_quorum("a") == (q1.quorum_id, ("b", "c"))
-    q2 = ask(m, "a", "d")["a"].quorum
+    assert m.superseded_for("a") is None and m.superseded_for("d") is None  # still in the quorum in use
+    clock.now += 6.0  # d stopped again; a beats and asks: the next quorum goes on without d
+    m.heartbeat("a")
+    m.tick()
+    q2 = ask(m, "a")["a"].quorum
     assert q2 is not None and q2.quorum_id > q1.quorum_id and m.lost_in_quorum("a") is None
+    # d resumes: it was in a quorum and is not in the current one, so it is told which one went on.
+    m.heartbeat("d")
+    assert m.superseded_for("d") == q2.quorum_id and m.superseded_for("a") is None
+    m.heartbeat("newcomer")
+    assert m.superseded_for("newcomer") is None  # never in a quorum: nothing of an older one to abort
 
     m2, _ = make()
     for rid in "ab":

@@ -442,6 +442,21 @@ def test_a_lost_notice_for_another_quorum_or_before_the_collective_changes_nothi
     assert g.step()[0] and g.pg.aborts == 1
 
 
+def test_a_group_whose_quorum_went_on_without_it_aborts_its_step(make: Callable[..., Group]) -> None:
+    """Stopped (SIGSTOP) while its peers aborted and formed quorum 7 without it, a group resumes
+    inside a collective of quorum 1 that nobody else uses any more; the heartbeat answer says
+    ``superseded`` (lost with no ids): it aborts then, not at the commit timeout (120 s)."""
+    lighthouse = ScriptedLighthouse(in_step(1, "rg1"), in_step(8, "rg1"))
+    g = make(lighthouse, init_sync=False, timeout=120.0)
+    g.m.start_quorum()
+    g.pg.hang_next("allreduce")
+    g.m.allreduce(torch.full((4,), 6.0))
+    lighthouse.tell_lost(1)  # "the current quorum is 1": that is ours, nothing to do
+    threading.Timer(0.3, lighthouse.tell_lost, args=(7,)).start()
+    assert g.m.should_commit() is False and g.pg.aborts == 1
+    assert g.step()[0]
+
+
 def test_too_few_up_to_date_groups_is_not_committed(make: Callable[..., Group]) -> None:
     g = make(ScriptedLighthouse(in_step(1), in_step(2, "rg1")), min_replica_size=2, init_sync=False)
     assert g.step()[0] is False and g.m.errored() is None

@@ -50,18 +50,28 @@ class LostPeerAbort:
             self._error = None
 
     def lost(self, quorum_id: int, replica_ids: tuple[str, ...]) -> bool:
-        """The lighthouse says ``replica_ids`` of quorum ``quorum_id`` are no longer live. Starts the
-        abort if that is the quorum in use (once per quorum); never blocks. Returns whether it did."""
+        """The lighthouse says ``replica_ids`` of quorum ``quorum_id`` are no longer live -- or, when
+        ``replica_ids`` is empty, that ``quorum_id`` is the current quorum and this group is not in
+        it (it was stopped while its peers went on). Starts the abort if that condemns the quorum
+        in use (once per quorum); never blocks. Returns whether it did."""
         with self._lock:
-            if quorum_id != self._quorum_id or self._aborted_for == quorum_id:
+            in_use = self._quorum_id
+            if in_use is None or self._aborted_for == in_use:
                 return False
-            self._aborted_for = quorum_id
+            if replica_ids and quorum_id != in_use:
+                return False  # a stale answer: about a quorum this group no longer uses
+            if not replica_ids and quorum_id == in_use:
+                return False
+            self._aborted_for = in_use
+            why = (
+                f"lost {', '.join(replica_ids)} (the lighthouse no longer counts it live)" if replica_ids
+                else f"was superseded by quorum {quorum_id}, which goes on without this group"
+            )  # fmt: skip
             self._error = CommunicationError(
-                f"quorum {quorum_id} lost {', '.join(replica_ids) or 'a participant'} (the lighthouse no longer "
-                "counts it live): this step is aborted instead of waiting for the collective timeout"
+                f"quorum {in_use} {why}: this step is aborted instead of waiting for the collective timeout"
             )
             self._lost.set()
-        threading.Thread(target=self._run, args=(quorum_id,), name="ftlaunch-lost-peer-abort", daemon=True).start()
+        threading.Thread(target=self._run, args=(in_use,), name="ftlaunch-lost-peer-abort", daemon=True).start()
         return True
 
     def _run(self, quorum_id: int) -> None:
