@@ -57,7 +57,9 @@ def one_run(
     cmd = [sys.executable, "-m", "ftlaunch.launcher.cli", "--replicas", "2", "--spares", str(spares), "--no-status",
            "--chaos", chaos, *hb,
            str(script), "--steps", str(steps), "--width", str(WIDTH), "--batch-size", str(BATCH),
-           "--step-sleep", "0.02", *(["--timeout", str(script_timeout)] if script_timeout else [])]  # fmt: skip
+           # A SIGSTOP after a step line lands in the next step (no sleep between steps), while the
+           # survivor waits for the stopped group in a collective: the case the abort is for.
+           "--step-sleep", "0" if hang else "0.02", *(["--timeout", str(script_timeout)] if script_timeout else [])]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     t_kill: float | None = None
