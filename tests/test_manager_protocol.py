@@ -410,9 +410,12 @@ def test_a_peer_the_lighthouse_declares_lost_aborts_the_hung_step_at_once(make: 
     g.m.start_quorum()
     g.pg.hang_next("allreduce")
     fut = g.m.allreduce(torch.full((4,), 6.0)).get_future()
-    threading.Timer(0.3, lighthouse.tell_lost, args=(1, "rg1")).start()
+    prepared: list[float] = []
+    g.pg.prepare_abort = lambda: prepared.append(time.monotonic())  # type: ignore[method-assign]
+    threading.Timer(1.5, lighthouse.tell_lost, args=(1, "rg1")).start()
     assert g.m.should_commit() is False
     assert g.pg.aborts == 1 and fut.done()  # the abort released the hung op
+    assert len(prepared) == 1  # after 1 s of waiting: a Baby group starts its replacement child then
     assert isinstance(g.m.errored(), CommunicationError)  # the released allreduce, or the loss itself
     lighthouse.tell_lost(1, "rg1")  # heartbeats repeat it until the next quorum: aborted once
     committed, out = g.step()

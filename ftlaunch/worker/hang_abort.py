@@ -20,12 +20,17 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 from ftlaunch.errors import CommunicationError
 
 log = logging.getLogger(__name__)
+
+#: Seconds a step's wait may last before the process group prepares for an abort (`watch`): well
+#: above a healthy step's wait, well below the lighthouse's heartbeat timeout (5 s).
+SUSPECT_AFTER = 1.0
 
 
 class LostPeerAbort:
@@ -88,6 +93,26 @@ class LostPeerAbort:
     def interrupted(self) -> bool:
         """True once the quorum in use was told lost (until the next `use`)."""
         return self._lost.is_set()
+
+    def watch(self, prepare: Callable[[], None], after: float = SUSPECT_AFTER) -> Callable[[], bool]:
+        """`interrupted` for one wait of a step, which also calls ``prepare`` (the process group's
+        `prepare_abort`) once the wait has lasted ``after`` seconds: an abort may follow, and a Baby
+        group then has its replacement child importing torch while the lighthouse still waits out
+        its heartbeat timeout, instead of after the abort."""
+        start = time.monotonic()
+        prepared = False
+
+        def interrupted() -> bool:
+            nonlocal prepared
+            if not prepared and time.monotonic() - start >= after:
+                prepared = True
+                try:
+                    prepare()
+                except Exception:  # noqa: BLE001 - only a head start: the abort still works without it
+                    self._log.exception("preparing the process group for an abort failed")
+            return self._lost.is_set()
+
+        return interrupted
 
     @property
     def error(self) -> CommunicationError | None:

@@ -395,7 +395,7 @@ class Manager(ManagerStateApi):
         if self._progress is not None:
             self._progress.commit_started()
         self.wait_quorum()
-        interrupted = self._hang_abort.interrupted
+        interrupted = self._hang_abort.watch(self._pg.prepare_abort)
         if not wait_all(self._pending, deadline, interrupted):
             # A collective of this step hangs (a peer stopped, not died). Give up on the step and
             # abort the process group so the hung op is released; the next quorum rebuilds it.
