@@ -524,6 +524,31 @@ def test_a_two_rank_group_shares_the_leaders_quorum_and_votes_through_its_store(
                 f.result(timeout=20)
 
 
+def test_the_leader_passes_a_lost_quorum_on_to_the_other_ranks_of_its_group(make: Callable[..., Group]) -> None:
+    """Only the leader heartbeats, but every rank's cross-group group waits on the hung group: the
+    leader writes the loss to the group's store and rank 1, waiting in its own hung allreduce, reads
+    it there and aborts too (commit timeout 120 s, above this test's 60 s)."""
+    lighthouse = ScriptedLighthouse(in_step(1, "rg1"), in_step(2))
+    store = dist.HashStore()
+    ranks = [make(lighthouse, rank=0, world_size=2, store=store, init_sync=False, timeout=120.0),
+             make(None, rank=1, world_size=2, store=store, init_sync=False, timeout=120.0)]  # fmt: skip
+
+    def hung_step(g: Group) -> bool:
+        g.m.start_quorum()
+        g.pg.hang_next("allreduce")
+        g.m.allreduce(torch.full((4,), 6.0))
+        return g.m.should_commit()
+
+    with ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(hung_step, g) for g in ranks]
+        time.sleep(0.5)
+        lighthouse.tell_lost(1, "rg1")
+        assert [f.result(timeout=50) for f in futures] == [False, False]
+    assert [g.pg.aborts for g in ranks] == [1, 1]
+    with ThreadPoolExecutor(2) as pool:  # the next quorum (without rg1) rebuilds both and commits
+        assert [f.result(timeout=20)[0] for f in [pool.submit(g.step) for g in ranks]] == [True, True]
+
+
 def test_a_restarted_incarnation_never_reads_its_predecessors_keys() -> None:
     store = dist.HashStore()
     old = GroupStore(store, address="h:1", replica_id="rg0", attempt=0, rank=0, world_size=2, timeout=5)

@@ -37,9 +37,22 @@ class LostPeerAbort:
     """Aborts ``abort()`` (the cross-group process group's) when told that the quorum in use lost
     a participant. ``interrupted`` tells the step's waits to stop waiting."""
 
-    def __init__(self, abort: Callable[[], None], logger: logging.Logger | logging.LoggerAdapter[Any] = log) -> None:
+    def __init__(
+        self,
+        abort: Callable[[], None],
+        logger: logging.Logger | logging.LoggerAdapter[Any] = log,
+        *,
+        tell_group: Callable[[int], None] | None = None,
+        told_by_leader: Callable[[int], bool] | None = None,
+    ) -> None:
+        """``tell_group(quorum_id)`` (the leader of a multi-rank group) passes an abort on to the
+        group's other ranks, whose own cross-group groups wait on the lost group's ranks too and
+        who hear nothing from the lighthouse; ``told_by_leader(quorum_id)`` (those other ranks)
+        asks whether the leader did, while a wait of theirs lasts (`watch`)."""
         self._abort = abort
         self._log = logger
+        self._tell_group = tell_group
+        self._told_by_leader = told_by_leader
         self._lock = threading.Lock()  # held by an abort while it runs: `use` waits for it
         self._quorum_id: int | None = None  # the quorum the process group is configured for
         self._aborted_for: int | None = None
@@ -84,6 +97,11 @@ class LostPeerAbort:
             if self._quorum_id != quorum_id:
                 return  # reconfigured meanwhile: the new group is not to be aborted
             self._log.warning("%s", self._error)
+            if self._tell_group is not None:
+                try:
+                    self._tell_group(quorum_id)
+                except Exception as e:  # noqa: BLE001 - the other ranks then wait for their timeouts
+                    self._log.warning("could not tell the group's other ranks that quorum %d was lost: %s", quorum_id, e)
             try:
                 self._abort()
             except Exception:  # noqa: BLE001 - the step fails anyway (interrupted); log why the abort did not
@@ -110,6 +128,16 @@ class LostPeerAbort:
                     prepare()
                 except Exception:  # noqa: BLE001 - only a head start: the abort still works without it
                     self._log.exception("preparing the process group for an abort failed")
+            if self._lost.is_set():
+                return True
+            in_use, asked = self._quorum_id, self._told_by_leader
+            if in_use is not None and asked is not None:
+                try:
+                    told = asked(in_use)
+                except Exception:  # noqa: BLE001 - the store may be gone with the leader: the timeout still bounds us
+                    told = False
+                if told:
+                    self.lost(in_use, ("a participant (told by this group's leader)",))
             return self._lost.is_set()
 
         return interrupted

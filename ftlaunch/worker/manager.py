@@ -213,7 +213,12 @@ class Manager(ManagerStateApi):
         # The leader's heartbeats (from its first request), progress reports, progress watchdog and
         # lost-peer abort (worker/leader.py): a participant of the quorum in use that the lighthouse
         # declares lost (hung, gone) aborts the step at once, not after the collective timeout.
-        self._hang_abort = LostPeerAbort(self._pg.abort, self.log)
+        multi_rank = self._group_world_size > 1
+        self._hang_abort = LostPeerAbort(
+            self._pg.abort, self.log,
+            tell_group=self._group.tell_lost if multi_rank and self._group_rank == 0 else None,
+            told_by_leader=self._group.was_lost if multi_rank and self._group_rank != 0 else None,
+        )  # fmt: skip
         in_flight = lambda: self._quorum_future is not None and not self._quorum_future.done()  # noqa: E731
         self._link = LeaderLink(
             self._client, self.replica_id, heartbeat_interval=to_seconds(heartbeat_interval),
