@@ -304,4 +304,8 @@ def test_a_spare_replaces_a_group_hung_mid_step_before_the_collective_timeout(jo
     assert takeovers(text)[0] == (2, "g2.0", 1, "rg1.1", "rg1"), takeovers(text)
     slots = final_slots(text, 2)
     assert_bit_identical(text, slots)
-    check_data(text, 2)
+    # Stopped after its commit vote went out, the hung group may print that step (committed with the
+    # survivor before the takeover) only when it wakes, after the takeover line: not a step in a slot
+    # it no longer holds.
+    late = {i for i, line in enumerate(lines) if stop < i < woke[0] and line.startswith("[rg1/r0] step=")}
+    check_data("\n".join(line for i, line in enumerate(lines) if i not in late), 2)
