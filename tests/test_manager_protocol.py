@@ -414,7 +414,8 @@ def test_a_peer_the_lighthouse_declares_lost_aborts_the_hung_step_at_once(make: 
     g.pg.prepare_abort = lambda: prepared.append(time.monotonic())  # type: ignore[method-assign]
     threading.Timer(1.5, lighthouse.tell_lost, args=(1, "rg1")).start()
     assert g.m.should_commit() is False
-    assert g.pg.aborts == 1 and fut.done()  # the abort released the hung op
+    fut.wait()  # the abort (on its own thread) released the hung op
+    assert g.pg.aborts == 1
     assert len(prepared) == 1  # after 1 s of waiting: a Baby group starts its replacement child then
     assert isinstance(g.m.errored(), CommunicationError)  # the released allreduce, or the loss itself
     lighthouse.tell_lost(1, "rg1")  # heartbeats repeat it until the next quorum: aborted once
@@ -427,22 +428,21 @@ def test_a_lost_notice_for_another_quorum_or_before_the_collective_changes_nothi
     make: Callable[..., Group],
 ) -> None:
     """A stale answer (an older quorum id: the group moved on) is ignored; a notice for the quorum in
-    use that comes while no collective is pending (between steps) aborts the group, and the next quorum
-    (whose id the loss changed) rebuilds it and commits. Slow but live peers are never reported
-    (tests/test_lighthouse_membership.py), so the Manager never aborts for them."""
+    use that comes while nothing waits (between steps; or a crashed peer, whose sockets closed, so
+    the collectives failed by themselves) aborts nothing: a Baby child that is still usable is not
+    replaced. The next quorum (whose id the loss changed) rebuilds the group and commits. Slow but
+    live peers are never reported (tests/test_lighthouse_membership.py)."""
     lighthouse = ScriptedLighthouse(in_step(1, "rg1"), in_step(1, "rg1"), in_step(5, "rg1"))
     g = make(lighthouse, init_sync=False)
     assert g.step()[0]
     lighthouse.tell_lost(99, "rg1")  # not the quorum in use
     assert g.step()[0] and g.pg.aborts == 0
-    lighthouse.tell_lost(1, "rg1")  # between steps: rg1 hung after the last commit
-    deadline = time.monotonic() + 10
-    while g.pg.aborts == 0 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert g.pg.aborts == 1
+    lighthouse.tell_lost(1, "rg1")  # between steps: rg1 hung (or died) after the last commit
+    time.sleep(0.2)
+    assert g.pg.aborts == 0
     assert g.step()[0]  # quorum 5: a new group, no error carried over
     lighthouse.tell_lost(1, "rg1")  # stale now
-    assert g.step()[0] and g.pg.aborts == 1
+    assert g.step()[0] and g.pg.aborts == 0
 
 
 def test_a_group_whose_quorum_went_on_without_it_aborts_its_step(make: Callable[..., Group]) -> None:
@@ -456,8 +456,8 @@ def test_a_group_whose_quorum_went_on_without_it_aborts_its_step(make: Callable[
     g.m.allreduce(torch.full((4,), 6.0))
     lighthouse.tell_lost(1)  # "the current quorum is 1": that is ours, nothing to do
     threading.Timer(0.3, lighthouse.tell_lost, args=(7,)).start()
-    assert g.m.should_commit() is False and g.pg.aborts == 1
-    assert g.step()[0]
+    assert g.m.should_commit() is False
+    assert g.step()[0] and g.pg.aborts == 1  # the next reconfigure waited for the abort
 
 
 def test_too_few_up_to_date_groups_is_not_committed(make: Callable[..., Group]) -> None:
@@ -544,9 +544,9 @@ def test_the_leader_passes_a_lost_quorum_on_to_the_other_ranks_of_its_group(make
         time.sleep(0.5)
         lighthouse.tell_lost(1, "rg1")
         assert [f.result(timeout=50) for f in futures] == [False, False]
-    assert [g.pg.aborts for g in ranks] == [1, 1]
     with ThreadPoolExecutor(2) as pool:  # the next quorum (without rg1) rebuilds both and commits
         assert [f.result(timeout=20)[0] for f in [pool.submit(g.step) for g in ranks]] == [True, True]
+    assert [g.pg.aborts for g in ranks] == [1, 1]
 
 
 def test_a_restarted_incarnation_never_reads_its_predecessors_keys() -> None:

@@ -9,10 +9,12 @@ the pending collective fails, the step is not committed, and the next quorum -- 
 changes -- forms without the lost group (or with a hot spare in its place).
 
 Only the quorum in use is aborted: a stale answer (an older quorum id: the group already moved on)
-is ignored, and each quorum is aborted at most once. The abort runs on a thread of its own, never
-on the heartbeat thread: aborting a plain Gloo group waits for a rendezvous in progress, and a
-heartbeat that waits makes this group silent in turn. `use` (the Manager's reconfigure) waits for an
-abort of the previous quorum to finish, so an abort never lands on the group built for the next one.
+is ignored, and each quorum is aborted at most once. The abort comes from a wait of the step that
+has lasted a second (`watch`), not from the notice itself: a crashed peer (also "lost") makes the
+collectives fail at once by itself, and aborting then would only replace a Baby child that is still
+usable. So it runs on the waiting thread, never on the heartbeat thread (a heartbeat that waited
+for an abort would make this group silent in turn). `use` (the Manager's reconfigure) and an abort
+exclude each other, so an abort never lands on the group built for the next quorum.
 A member that is slow but still heartbeats is live to the lighthouse: no abort.
 """
 
@@ -55,6 +57,7 @@ class LostPeerAbort:
         self._told_by_leader = told_by_leader
         self._lock = threading.Lock()  # held by an abort while it runs: `use` waits for it
         self._quorum_id: int | None = None  # the quorum the process group is configured for
+        self._told_for: int | None = None
         self._aborted_for: int | None = None
         self._error: CommunicationError | None = None
         self._lost = threading.Event()
@@ -70,17 +73,17 @@ class LostPeerAbort:
     def lost(self, quorum_id: int, replica_ids: tuple[str, ...]) -> bool:
         """The lighthouse says ``replica_ids`` of quorum ``quorum_id`` are no longer live -- or, when
         ``replica_ids`` is empty, that ``quorum_id`` is the current quorum and this group is not in
-        it (it was stopped while its peers went on). Starts the abort if that condemns the quorum
-        in use (once per quorum); never blocks. Returns whether it did."""
+        it (it was stopped while its peers went on). If that condemns the quorum in use, the step's
+        waits stop (`watch`) and abort the process group; never blocks. Returns whether it did."""
         with self._lock:
             in_use = self._quorum_id
-            if in_use is None or self._aborted_for == in_use:
+            if in_use is None or self._told_for == in_use:
                 return False
             if replica_ids and quorum_id != in_use:
                 return False  # a stale answer: about a quorum this group no longer uses
             if not replica_ids and quorum_id == in_use:
                 return False
-            self._aborted_for = in_use
+            self._told_for = in_use
             why = (
                 f"lost {', '.join(replica_ids)} (the lighthouse no longer counts it live)" if replica_ids
                 else f"was superseded by quorum {quorum_id}, which goes on without this group"
@@ -89,23 +92,31 @@ class LostPeerAbort:
                 f"quorum {in_use} {why}: this step is aborted instead of waiting for the collective timeout"
             )
             self._lost.set()
-        threading.Thread(target=self._run, args=(in_use,), name="ftlaunch-lost-peer-abort", daemon=True).start()
+        self._log.warning("%s", self._error)
+        if self._tell_group is not None:
+            threading.Thread(target=self._relay, args=(in_use,), name="ftlaunch-lost-peer-relay", daemon=True).start()
         return True
 
-    def _run(self, quorum_id: int) -> None:
+    def _relay(self, quorum_id: int) -> None:
+        assert self._tell_group is not None
+        try:
+            self._tell_group(quorum_id)
+        except Exception as e:  # noqa: BLE001 - the other ranks then wait for their timeouts
+            self._log.warning("could not tell the group's other ranks that quorum %d was lost: %s", quorum_id, e)
+
+    def _abort_once(self) -> None:
+        """On the waiting (training) thread, so that the step's ops fail within the step: one that
+        failed later would be reported into the next step. No configure runs meanwhile (the next
+        quorum is asked for after the commit), so a plain Gloo abort does not wait for one."""
         with self._lock:
-            if self._quorum_id != quorum_id:
-                return  # reconfigured meanwhile: the new group is not to be aborted
-            self._log.warning("%s", self._error)
-            if self._tell_group is not None:
-                try:
-                    self._tell_group(quorum_id)
-                except Exception as e:  # noqa: BLE001 - the other ranks then wait for their timeouts
-                    self._log.warning("could not tell the group's other ranks that quorum %d was lost: %s", quorum_id, e)
+            in_use = self._quorum_id
+            if in_use is None or self._aborted_for == in_use:
+                return
+            self._aborted_for = in_use
             try:
                 self._abort()
             except Exception:  # noqa: BLE001 - the step fails anyway (interrupted); log why the abort did not
-                self._log.exception("aborting the process group of quorum %d failed", quorum_id)
+                self._log.exception("aborting the process group of quorum %d failed", in_use)
             self.aborts += 1
 
     def interrupted(self) -> bool:
@@ -113,32 +124,38 @@ class LostPeerAbort:
         return self._lost.is_set()
 
     def watch(self, prepare: Callable[[], None], after: float = SUSPECT_AFTER) -> Callable[[], bool]:
-        """`interrupted` for one wait of a step, which also calls ``prepare`` (the process group's
-        `prepare_abort`) once the wait has lasted ``after`` seconds: an abort may follow, and a Baby
-        group then has its replacement child importing torch while the lighthouse still waits out
-        its heartbeat timeout, instead of after the abort."""
+        """The ``interrupted`` condition of one wait of a step (`commit.wait_all`). Once the wait has
+        lasted ``after`` seconds it calls ``prepare`` (the process group's `prepare_abort`: a Baby
+        group starts its replacement child while the lighthouse still waits out its heartbeat
+        timeout), and if the quorum in use was told lost it aborts the process group and ends the
+        wait. Only a wait that lasts: a crashed peer's sockets close, so the collectives fail by
+        themselves at once, and a Baby child left alive is reused instead of replaced (a torch
+        import: seconds, 20 s on loaded cores)."""
         start = time.monotonic()
         prepared = False
 
         def interrupted() -> bool:
             nonlocal prepared
-            if not prepared and time.monotonic() - start >= after:
+            if time.monotonic() - start < after:
+                return False
+            if not prepared:
                 prepared = True
                 try:
                     prepare()
                 except Exception:  # noqa: BLE001 - only a head start: the abort still works without it
                     self._log.exception("preparing the process group for an abort failed")
-            if self._lost.is_set():
-                return True
             in_use, asked = self._quorum_id, self._told_by_leader
-            if in_use is not None and asked is not None:
+            if not self._lost.is_set() and in_use is not None and asked is not None:
                 try:
                     told = asked(in_use)
                 except Exception:  # noqa: BLE001 - the store may be gone with the leader: the timeout still bounds us
                     told = False
                 if told:
                     self.lost(in_use, ("a participant (told by this group's leader)",))
-            return self._lost.is_set()
+            if not self._lost.is_set():
+                return False
+            self._abort_once()
+            return True
 
         return interrupted
 
