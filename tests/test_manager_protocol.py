@@ -424,6 +424,22 @@ def test_a_peer_the_lighthouse_declares_lost_aborts_the_hung_step_at_once(make: 
     assert g.pg.configure_calls[-1] == (f"{OUR_STORE}/ftlaunch/q2/r0", 0, 1) and g.pg.aborts == 1
 
 
+def test_a_lost_notice_releases_an_allreduce_that_the_training_loop_itself_waits_for(
+    make: Callable[..., Group],
+) -> None:
+    """DDP's backward waits for its allreduce futures itself, outside `should_commit`: the notice's
+    own thread aborts once an allreduce of the step has been pending for a second."""
+    lighthouse = ScriptedLighthouse(in_step(1, "rg1"), in_step(2))
+    g = make(lighthouse, init_sync=False, timeout=120.0)
+    g.m.start_quorum()
+    g.pg.hang_next("allreduce")
+    fut = g.m.allreduce(torch.full((4,), 6.0)).get_future()
+    lighthouse.tell_lost(1, "rg1")
+    fut.wait()  # as DDP's reducer does: released by the abort, not by the 120 s timeout
+    assert g.pg.aborts == 1 and g.m.should_commit() is False
+    assert g.step()[0]
+
+
 def test_a_lost_notice_for_another_quorum_or_before_the_collective_changes_nothing(
     make: Callable[..., Group],
 ) -> None:

@@ -9,8 +9,9 @@ the pending collective fails, the step is not committed, and the next quorum -- 
 changes -- forms without the lost group (or with a hot spare in its place).
 
 Only the quorum in use is aborted: a stale answer (an older quorum id: the group already moved on)
-is ignored, and each quorum is aborted at most once. The abort comes from a wait of the step that
-has lasted a second (`watch`), not from the notice itself: a crashed peer (also "lost") makes the
+is ignored, and each quorum is aborted at most once. The abort comes only once an op of the step
+has been pending for a second -- seen by a wait of ours (`watch`), or by a thread the notice starts
+(DDP's backward waits for the allreduces itself) -- not from the notice alone: a crashed peer (also "lost") makes the
 collectives fail at once by itself, and aborting then would only replace a Baby child that is still
 usable. So it runs on the waiting thread, never on the heartbeat thread (a heartbeat that waited
 for an abort would make this group silent in turn). `use` (the Manager's reconfigure) and an abort
@@ -46,6 +47,7 @@ class LostPeerAbort:
         *,
         tell_group: Callable[[int], None] | None = None,
         told_by_leader: Callable[[int], bool] | None = None,
+        stuck: Callable[[], bool] = lambda: False,
     ) -> None:
         """``tell_group(quorum_id)`` (the leader of a multi-rank group) passes an abort on to the
         group's other ranks, whose own cross-group groups wait on the lost group's ranks too and
@@ -55,6 +57,9 @@ class LostPeerAbort:
         self._log = logger
         self._tell_group = tell_group
         self._told_by_leader = told_by_leader
+        #: Whether an op of the step has been pending for `SUSPECT_AFTER` (the Manager's allreduces,
+        #: which DDP's backward waits for): after a notice, a thread aborts once it is.
+        self._stuck = stuck
         self._lock = threading.Lock()  # held by an abort while it runs: `use` waits for it
         self._quorum_id: int | None = None  # the quorum the process group is configured for
         self._told_for: int | None = None
@@ -93,9 +98,20 @@ class LostPeerAbort:
             )
             self._lost.set()
         self._log.warning("%s", self._error)
-        if self._tell_group is not None:
-            threading.Thread(target=self._relay, args=(in_use,), name="ftlaunch-lost-peer-relay", daemon=True).start()
+        threading.Thread(target=self._until_stuck, args=(in_use,), name="ftlaunch-lost-peer", daemon=True).start()
         return True
+
+    def _until_stuck(self, quorum_id: int) -> None:
+        """After a notice: tell the group's other ranks, then abort as soon as an op of the step is
+        stuck (DDP's backward waits for its allreduces outside any wait of ours), until the quorum
+        changes or the abort happened."""
+        if self._tell_group is not None:
+            self._relay(quorum_id)
+        while self._quorum_id == quorum_id and self._aborted_for != quorum_id:
+            if self._stuck():
+                self._abort_once(quorum_id)
+                return
+            time.sleep(0.05)
 
     def _relay(self, quorum_id: int) -> None:
         assert self._tell_group is not None
@@ -104,13 +120,12 @@ class LostPeerAbort:
         except Exception as e:  # noqa: BLE001 - the other ranks then wait for their timeouts
             self._log.warning("could not tell the group's other ranks that quorum %d was lost: %s", quorum_id, e)
 
-    def _abort_once(self) -> None:
-        """On the waiting (training) thread, so that the step's ops fail within the step: one that
-        failed later would be reported into the next step. No configure runs meanwhile (the next
-        quorum is asked for after the commit), so a plain Gloo abort does not wait for one."""
+    def _abort_once(self, quorum_id: int | None = None) -> None:
+        """While an op of the step is pending (so its failure lands in this step, not the next).
+        Excludes `use`, so it never aborts the group built for the next quorum."""
         with self._lock:
             in_use = self._quorum_id
-            if in_use is None or self._aborted_for == in_use:
+            if in_use is None or self._aborted_for == in_use or (quorum_id is not None and quorum_id != in_use):
                 return
             self._aborted_for = in_use
             try:

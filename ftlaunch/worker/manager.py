@@ -53,7 +53,7 @@ from ftlaunch.worker import defaults, quorum_request, recovery
 from ftlaunch.worker.allreduce import ReduceOpLike
 from ftlaunch.worker.commit import CrossGroupVote, vote_of_all_groups, vote_of_group_ranks, wait_all
 from ftlaunch.worker.group_store import GroupStore
-from ftlaunch.worker.hang_abort import LostPeerAbort
+from ftlaunch.worker.hang_abort import SUSPECT_AFTER, LostPeerAbort
 from ftlaunch.worker.leader import LeaderLink
 from ftlaunch.worker.managed_work import ManagedWork, with_default
 from ftlaunch.worker.manager_state import ManagerStateApi
@@ -170,6 +170,7 @@ class Manager(ManagerStateApi):
         self._quorum_future: CFuture[None] | None = None
         self._plan: StepPlan | None = None
         self._pending: list[torch.futures.Future[torch.Tensor]] = []  # this step's allreduces
+        self._issued_at = 0.0  # when this step's first allreduce went out
         self._errored: Exception | None = None
         self._error_lock = threading.Lock()
         self._pending_state: dict[str, Any] | None = None  # a healer's received state, loaded at commit
@@ -218,6 +219,7 @@ class Manager(ManagerStateApi):
             self._pg.abort, self.log,
             tell_group=self._group.tell_lost if multi_rank and self._group_rank == 0 else None,
             told_by_leader=self._group.was_lost if multi_rank and self._group_rank != 0 else None,
+            stuck=self._stuck,
         )  # fmt: skip
         in_flight = lambda: self._quorum_future is not None and not self._quorum_future.done()  # noqa: E731
         self._link = LeaderLink(
@@ -363,8 +365,15 @@ class Manager(ManagerStateApi):
         )
         if fut is None:
             return self._work(completed_future(tensor))
+        if not self._pending:
+            self._issued_at = time.monotonic()
         self._pending.append(fut)
         return self._work(fut)
+
+    def _stuck(self) -> bool:
+        """An allreduce of this step has been pending for a second (a peer may hang: hang_abort)."""
+        pending = list(self._pending)
+        return any(not f.done() for f in pending) and time.monotonic() - self._issued_at >= SUSPECT_AFTER
 
     def _work(self, future: torch.futures.Future[torch.Tensor]) -> ManagedWork:
         return ManagedWork(future, lambda: self._errored is not None, self.report_error)
