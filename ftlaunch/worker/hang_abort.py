@@ -13,8 +13,8 @@ is ignored, and each quorum is aborted at most once. The abort comes only once a
 has been pending for a second -- seen by a wait of ours (`watch`), or by a thread the notice starts
 (DDP's backward waits for the allreduces itself) -- not from the notice alone: a crashed peer (also "lost") makes the
 collectives fail at once by itself, and aborting then would only replace a Baby child that is still
-usable. So it runs on the waiting thread, never on the heartbeat thread (a heartbeat that waited
-for an abort would make this group silent in turn). `use` (the Manager's reconfigure) and an abort
+usable. It runs on a thread of its own, never on the heartbeat thread: a plain Gloo abort can
+block, and a heartbeat that waited for it would make this group silent in turn. `use` (the Manager's reconfigure) and an abort
 exclude each other, so an abort never lands on the group built for the next quorum.
 A member that is slow but still heartbeats is live to the lighthouse: no abort.
 """
@@ -60,7 +60,8 @@ class LostPeerAbort:
         #: Whether an op of the step has been pending for `SUSPECT_AFTER` (the Manager's allreduces,
         #: which DDP's backward waits for): after a notice, a thread aborts once it is.
         self._stuck = stuck
-        self._lock = threading.Lock()  # held by an abort while it runs: `use` waits for it
+        self._lock = threading.Lock()  # guards the fields below; never held while aborting
+        self._abort_done: threading.Event | None = None  # set when the abort under way returned
         self._quorum_id: int | None = None  # the quorum the process group is configured for
         self._told_for: int | None = None
         self._aborted_for: int | None = None
@@ -69,8 +70,13 @@ class LostPeerAbort:
         self.aborts = 0  # how many quorums were aborted (tests, logs)
 
     def use(self, quorum_id: int) -> None:
-        """The process group is being configured for ``quorum_id`` (call before configuring)."""
+        """The process group is being configured for ``quorum_id`` (call before configuring): waits
+        for an abort of the previous quorum to return first."""
+        done = self._abort_done
+        if done is not None:
+            done.wait()
         with self._lock:
+            self._abort_done = None
             self._quorum_id = quorum_id
             self._lost.clear()
             self._error = None
@@ -121,18 +127,32 @@ class LostPeerAbort:
             self._log.warning("could not tell the group's other ranks that quorum %d was lost: %s", quorum_id, e)
 
     def _abort_once(self, quorum_id: int | None = None) -> None:
-        """While an op of the step is pending (so its failure lands in this step, not the next).
-        Excludes `use`, so it never aborts the group built for the next quorum."""
+        """Start the abort (once per quorum) on a thread of its own: a plain Gloo group's abort can
+        block, and neither the training thread nor -- through this object's lock -- the heartbeat
+        thread may wait for it. `use` waits for it, so it never lands on the next quorum's group."""
         with self._lock:
             in_use = self._quorum_id
             if in_use is None or self._aborted_for == in_use or (quorum_id is not None and quorum_id != in_use):
                 return
             self._aborted_for = in_use
-            try:
-                self._abort()
-            except Exception:  # noqa: BLE001 - the step fails anyway (interrupted); log why the abort did not
-                self._log.exception("aborting the process group of quorum %d failed", in_use)
+            done = self._abort_done = threading.Event()
+        threading.Thread(target=self._run, args=(in_use, done), name="ftlaunch-lost-peer-abort", daemon=True).start()
+
+    def _run(self, quorum_id: int, done: threading.Event) -> None:
+        try:
+            self._abort()
+        except Exception:  # noqa: BLE001 - the step fails anyway (interrupted); log why the abort did not
+            self._log.exception("aborting the process group of quorum %d failed", quorum_id)
+        finally:
             self.aborts += 1
+            done.set()
+
+    def settle(self, timeout: float = 2.0) -> None:
+        """Wait (at most ``timeout``) for an abort under way: the step's ops then fail within the
+        step, not into the next one."""
+        done = self._abort_done
+        if done is not None:
+            done.wait(timeout)
 
     def interrupted(self) -> bool:
         """True once the quorum in use was told lost (until the next `use`)."""

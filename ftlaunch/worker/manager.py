@@ -415,6 +415,7 @@ class Manager(ManagerStateApi):
             # abort the process group so the hung op is released; the next quorum rebuilds it.
             # When the lighthouse said the peer is lost, that abort is under way already.
             lost = self._hang_abort.error
+            self._hang_abort.settle()
             self.report_error(lost or CommunicationError(
                 f"commit timed out after {budget:g} s waiting for this step's allreduces"))  # fmt: skip
             if lost is None:
@@ -437,6 +438,8 @@ class Manager(ManagerStateApi):
                                         interrupted)  # fmt: skip
         if self._group_world_size > 1:
             ok = vote_of_group_ranks(self._group, self._quorum_seq, ok, deadline, self.report_error, self.replica_id)
+        if self._hang_abort.error is not None:
+            self._hang_abort.settle()  # the aborted ops fail within this step
         if self._sent_checkpoint:
             # Every healer has voted, so it has its copy: the state may change again.
             self._transport.disallow_checkpoint()
