@@ -162,7 +162,7 @@ def test_unreachable_lighthouse_is_a_clear_error_not_a_hang(tmp_path: Path) -> N
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["baby-gloo", "gloo"])
+@pytest.mark.parametrize("backend", ["baby-gloo"])  # plain Gloo: its abort blocks here (see hang_abort.py)
 def test_survivor_of_a_sigstopped_peer_goes_on_without_waiting_out_the_collective_timeout(
     tmp_path: Path, groups: list[Group], backend: str
 ) -> None:

@@ -17,6 +17,11 @@ usable. It runs on a thread of its own, never on the heartbeat thread: a plain G
 block, and a heartbeat that waited for it would make this group silent in turn. `use` (the Manager's reconfigure) and an abort
 exclude each other, so an abort never lands on the group built for the next quorum.
 A member that is slow but still heartbeats is live to the lighthouse: no abort.
+
+Known limit: with plain Gloo (no Baby child) the abort of a group whose op waits on a stopped peer
+was seen to block (tests/test_manager.py, a SIGSTOP before the commit vote, 600 s timeout): the step
+fails at once, but the next configure waits for the abort, so the survivor goes on only when the
+op times out -- as before this abort existed. Baby Gloo (the default) kills its child: immediate.
 """
 
 from __future__ import annotations
