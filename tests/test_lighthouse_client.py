@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import psutil
 import pytest
@@ -358,3 +359,35 @@ def test_client_rejects_bad_arguments():
         c.quorum(QuorumMember("a"), timeout=0)
     with pytest.raises(ValueError):
         c.start_heartbeat("a", 0)
+
+
+# ---------------------------------------------------------------------------------- lost participants
+
+
+@pytest.mark.timeout(60)
+def test_heartbeat_answers_tell_a_participant_which_members_of_its_quorum_were_lost(make_server):
+    """Over HTTP: b stops beating (hung); a's heartbeat answers then carry the quorum id and b, and
+    a's client calls its `on_quorum_lost` callback (the Manager aborts the step with it). When b
+    beats again after the next quorum went on without it, b is told it was superseded (no ids)."""
+    s = make_server(heartbeat_timeout=0.5, quorum_tick=0.02)
+    a, b = LighthouseClient(s.address), LighthouseClient(s.address)
+    told: list[tuple[str, int, tuple[str, ...]]] = []
+    a.on_quorum_lost(lambda rid, qid, lost: told.append((rid, qid, lost)))
+    b.on_quorum_lost(lambda rid, qid, lost: told.append((rid, qid, lost)))
+    a.start_heartbeat("a", 0.02)
+    hb = b.start_heartbeat("b", 0.02)
+    wait_for(lambda: beating(s, "a") and beating(s, "b"), what="both beating")
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        qa, qb = (pool.submit(c.quorum, QuorumMember(r), 10.0) for c, r in ((a, "a"), (b, "b")))
+        q1 = qa.result()
+        assert qb.result().quorum_id == q1.quorum_id and q1.replica_ids == ("a", "b")
+    time.sleep(0.2)
+    assert told == []  # both live: nothing to tell
+    hb.stop()  # b hangs: its connection stays open, it goes silent
+    wait_for(lambda: ("a", q1.quorum_id, ("b",)) in told, timeout=10.0, what="a told that b was lost")
+    q2 = a.quorum(QuorumMember("a", step=1), timeout=10.0)
+    assert q2.replica_ids == ("a",) and q2.quorum_id > q1.quorum_id
+    b.start_heartbeat("b", 0.02)  # b resumes
+    wait_for(lambda: ("b", q2.quorum_id, ()) in told, timeout=10.0, what="b told that it was superseded")
+    a.close()
+    b.close()

@@ -330,3 +330,52 @@ def test_no_step_rule_before_the_first_quorum() -> None:
     """A new (or restarted) lighthouse has seen no quorum: groups resuming at step 5000 are accepted."""
     m, _ = make()
     assert members(m.request_quorum(QuorumMember("a", step=5000))) == ("a",)
+
+
+def test_a_participant_is_told_which_members_of_its_quorum_were_lost_until_the_next_quorum() -> None:
+    """The heartbeat answer's ``lost`` (worker/hang_abort.py aborts the step with it): a member that
+    went silent, failed, was disconnected, evicted or left is listed to the live participants of the
+    quorum in use; a member that is slow but beats is never listed; a revived one no longer is; after
+    the next quorum forms nothing is (an answer about the old quorum would be stale)."""
+    m, clock = make(heartbeat_timeout=5.0)
+    for rid in "abcd":
+        m.heartbeat(rid)
+    q1 = ask(m, "a", "b", "c", "d")["a"].quorum
+    assert q1 is not None and all(m.lost_in_quorum(r) is None for r in "abcd")
+    for _ in range(3):  # b and c keep beating (slow steps); d stops (SIGSTOP)
+        clock.now += 2.0
+        for rid in "abc":
+            m.heartbeat(rid)
+        m.tick()
+    assert m.lost_in_quorum("a") == (q1.quorum_id, ("d",))
+    assert m.lost_in_quorum("d") == (q1.quorum_id, ("d",)) and m.lost_in_quorum("zz") is None
+    m.report_failure("c", "agent saw exit code -9")
+    assert m.lost_in_quorum("b") == (q1.quorum_id, ("c", "d"))
+    m.heartbeat("d")  # SIGCONT: d beats again
+    assert m.lost_in_quorum("b") == (q1.quorum_id, ("c",))
+    m.leave("b")
+    assert m.lost_in_quorum("a") == (q1.quorum_id, ("b", "c"))
+    assert m.superseded_for("a") is None and m.superseded_for("d") is None  # still in the quorum in use
+    clock.now += 6.0  # d stopped again; a beats and asks: the next quorum goes on without d
+    m.heartbeat("a")
+    m.tick()
+    q2 = ask(m, "a")["a"].quorum
+    assert q2 is not None and q2.quorum_id > q1.quorum_id and m.lost_in_quorum("a") is None
+    # d resumes: it was in a quorum and is not in the current one, so it is told which one went on.
+    m.heartbeat("d")
+    assert m.superseded_for("d") == q2.quorum_id and m.superseded_for("a") is None
+    m.heartbeat("newcomer")
+    assert m.superseded_for("newcomer") is None  # never in a quorum: nothing of an older one to abort
+
+    m2, _ = make()
+    for rid in "ab":
+        m2.heartbeat(rid)
+    ask(m2, "a", "b")
+    m2.connection_lost("b")
+    assert m2.lost_in_quorum("a") is not None
+    m3, _ = make()
+    for rid in "ab":
+        m3.heartbeat(rid)
+    q = ask(m3, "a", "b")["a"].quorum
+    m3.evict("b", "admin")
+    assert q is not None and m3.lost_in_quorum("a") == (q.quorum_id, ("b",))

@@ -161,6 +161,61 @@ def test_unreachable_lighthouse_is_a_clear_error_not_a_hang(tmp_path: Path) -> N
     assert time.monotonic() - t0 < 60
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["baby-gloo"])  # plain Gloo: its abort blocks here (see hang_abort.py)
+def test_survivor_of_a_sigstopped_peer_goes_on_without_waiting_out_the_collective_timeout(
+    tmp_path: Path, groups: list[Group], backend: str
+) -> None:
+    """A hung group (SIGSTOP) with a collective timeout of 600 s, far above this test's own: the
+    lighthouse declares it silent after its heartbeat timeout and says so in the answer to the
+    survivor's heartbeats, which aborts the step it shares with the stopped group (worker/hang_abort.py).
+    The survivor commits steps while the other group is still stopped -- without the abort it
+    would sit in the collective for 600 s and this test would fail at its deadline. After SIGCONT
+    the paused group (the same process) rejoins, heals and ends bit-identical."""
+    import signal
+
+    with LighthouseServer("127.0.0.1:0", min_replicas=1, join_timeout=1.0, heartbeat_timeout=2.0,
+                          quorum_tick=0.05).start() as lh:
+        args = ["--steps", "120", "--step-sleep", "0.1", "--timeout", "600", "--quorum-timeout", "1200",
+                "--max-seconds", "200", "--backend", backend]
+        # rg1 pauses after its step-40 gradients went out and before its commit vote: the survivor
+        # then waits in that vote for it, and the SIGSTOP lands there (not between steps, where the
+        # survivor would wait at the lighthouse, which drops a silent group by itself). By step 40
+        # both groups train together (whichever started first, the other healed from it).
+        gs = [Group(i, 1, lh.address, tmp_path, args + (["--hang-at-step", "40", "--hang-seconds", "2"] if i else []))
+              for i in range(2)]  # fmt: skip
+        groups.extend(gs)
+        for g in gs:
+            g.start()
+        deadline = time.monotonic() + 90
+        while not any(r.get("hang") for r in gs[1].records()) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        t_stop = time.time()
+        gs[1].procs[0].send_signal(signal.SIGSTOP)
+        try:
+            together = [r for r in gs[1].steps() if r["committed"]][-1]
+            assert together["participants"] == 2, f"precondition: rg1 trained alone until step 40: {together}"
+            deadline = time.monotonic() + 90  # far below the 600 s collective timeout
+            while time.monotonic() < deadline:
+                alone = [r for r in gs[0].steps() if r["t"] > t_stop and r["committed"]]
+                if len(alone) >= 3:
+                    break
+                time.sleep(0.1)
+            assert len(alone) >= 3, f"the survivor waited for the stopped group: {gs[0].log_tail()}"
+            assert all(r["participants"] == 1 for r in alone)
+        finally:
+            t_cont = time.time()
+            gs[1].procs[0].send_signal(signal.SIGCONT)
+        for g in gs:
+            assert g.wait(150) == [0], g.log_tail()
+    assert len({r["pid"] for r in gs[1].steps()}) == 1  # no restart: the stopped process itself rejoined
+    back = [r for r in gs[1].steps() if r["t"] > t_cont and r["committed"]]
+    before = max(r["after"] for r in gs[1].steps() if r["t"] < t_stop and r["committed"])
+    assert back and back[0]["after"] > before + 1, back[:3]  # it healed to the survivor's step
+    assert any(r["participants"] == 2 for r in back), "the stopped group never trained with the survivor again"
+    assert gs[0].final()["checksum"] == gs[1].final()["checksum"]  # type: ignore[index]
+
+
 def test_sigstopped_group_survivor_continues_after_the_timeouts_and_the_group_heals_on_sigcont(
     tmp_path: Path, groups: list[Group]
 ) -> None:

@@ -7,6 +7,7 @@ pin down each rule of a step (reconfigure, heal, average, vote, refuse) quickly 
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -80,6 +81,7 @@ class ScriptedLighthouse:
         self.heartbeats: list[str] = []
         self.left: list[str] = []
         self.closed = False
+        self.lost_callback: Callable[[str, int, tuple[str, ...]], None] | None = None
 
     def then(self, *answers: Answer) -> None:
         self.answers.extend(answers)
@@ -98,6 +100,14 @@ class ScriptedLighthouse:
 
     def leave(self, replica_id: str) -> None:
         self.left.append(replica_id)
+
+    def on_quorum_lost(self, callback: Callable[[str, int, tuple[str, ...]], None] | None) -> None:
+        """The Manager registers here; `tell_lost` plays a heartbeat answer with ``lost``."""
+        self.lost_callback = callback
+
+    def tell_lost(self, quorum_id: int, *lost: str, us: str = "rg0") -> None:
+        assert self.lost_callback is not None
+        self.lost_callback(us, quorum_id, lost)
 
     def close(self) -> None:
         self.closed = True
@@ -443,6 +453,82 @@ def test_a_hung_collective_costs_the_commit_timeout_and_aborts_the_group(make: C
     assert g.step()[0]  # the next quorum rebuilds the group
 
 
+def test_a_peer_the_lighthouse_declares_lost_aborts_the_hung_step_at_once(make: Callable[..., Group]) -> None:
+    """A participant hangs (SIGSTOP: its sockets stay open, the collective neither completes nor
+    fails) and the lighthouse declares it lost in a heartbeat answer: the step is aborted then, not
+    at the commit timeout (120 s here, above this test's own 60 s timeout: without the abort this
+    test fails by timing out), and the next quorum -- without the lost group -- commits."""
+    lighthouse = ScriptedLighthouse(in_step(1, "rg1"), in_step(2))
+    g = make(lighthouse, init_sync=False, timeout=120.0)
+    g.m.start_quorum()
+    g.pg.hang_next("allreduce")
+    fut = g.m.allreduce(torch.full((4,), 6.0)).get_future()
+    prepared: list[float] = []
+    g.pg.prepare_abort = lambda: prepared.append(time.monotonic())  # type: ignore[method-assign]
+    threading.Timer(1.5, lighthouse.tell_lost, args=(1, "rg1")).start()
+    assert g.m.should_commit() is False
+    fut.wait()  # the abort (on its own thread) released the hung op
+    assert g.pg.aborts == 1
+    assert len(prepared) == 1  # after 1 s of waiting: a Baby group starts its replacement child then
+    assert isinstance(g.m.errored(), CommunicationError)  # the released allreduce, or the loss itself
+    lighthouse.tell_lost(1, "rg1")  # heartbeats repeat it until the next quorum: aborted once
+    committed, out = g.step()
+    assert committed and out.tolist() == [6.0] * 4  # alone now (quorum 2)
+    assert g.pg.configure_calls[-1] == (f"{OUR_STORE}/ftlaunch/q2/r0", 0, 1) and g.pg.aborts == 1
+
+
+def test_a_lost_notice_releases_an_allreduce_that_the_training_loop_itself_waits_for(
+    make: Callable[..., Group],
+) -> None:
+    """DDP's backward waits for its allreduce futures itself, outside `should_commit`: the notice's
+    own thread aborts once an allreduce of the step has been pending for a second."""
+    lighthouse = ScriptedLighthouse(in_step(1, "rg1"), in_step(2))
+    g = make(lighthouse, init_sync=False, timeout=120.0)
+    g.m.start_quorum()
+    g.pg.hang_next("allreduce")
+    fut = g.m.allreduce(torch.full((4,), 6.0)).get_future()
+    lighthouse.tell_lost(1, "rg1")
+    fut.wait()  # as DDP's reducer does: released by the abort, not by the 120 s timeout
+    assert g.pg.aborts == 1 and g.m.should_commit() is False
+    assert g.step()[0]
+
+
+def test_a_lost_notice_for_another_quorum_or_before_the_collective_changes_nothing(
+    make: Callable[..., Group],
+) -> None:
+    """A stale answer (an older quorum id: the group moved on) is ignored; a notice for the quorum in
+    use that comes while nothing waits (between steps; or a crashed peer, whose sockets closed, so
+    the collectives failed by themselves) aborts nothing: a Baby child that is still usable is not
+    replaced. The next quorum (whose id the loss changed) rebuilds the group and commits. Slow but
+    live peers are never reported (tests/test_lighthouse_membership.py)."""
+    lighthouse = ScriptedLighthouse(in_step(1, "rg1"), in_step(1, "rg1"), in_step(5, "rg1"))
+    g = make(lighthouse, init_sync=False)
+    assert g.step()[0]
+    lighthouse.tell_lost(99, "rg1")  # not the quorum in use
+    assert g.step()[0] and g.pg.aborts == 0
+    lighthouse.tell_lost(1, "rg1")  # between steps: rg1 hung (or died) after the last commit
+    time.sleep(0.2)
+    assert g.pg.aborts == 0
+    assert g.step()[0]  # quorum 5: a new group, no error carried over
+    lighthouse.tell_lost(1, "rg1")  # stale now
+    assert g.step()[0] and g.pg.aborts == 0
+
+
+def test_a_group_whose_quorum_went_on_without_it_aborts_its_step(make: Callable[..., Group]) -> None:
+    """Stopped (SIGSTOP) while its peers aborted and formed quorum 7 without it, a group resumes
+    inside a collective of quorum 1 that nobody else uses any more; the heartbeat answer says
+    ``superseded`` (lost with no ids): it aborts then, not at the commit timeout (120 s)."""
+    lighthouse = ScriptedLighthouse(in_step(1, "rg1"), in_step(8, "rg1"))
+    g = make(lighthouse, init_sync=False, timeout=120.0)
+    g.m.start_quorum()
+    g.pg.hang_next("allreduce")
+    g.m.allreduce(torch.full((4,), 6.0))
+    lighthouse.tell_lost(1)  # "the current quorum is 1": that is ours, nothing to do
+    threading.Timer(0.3, lighthouse.tell_lost, args=(7,)).start()
+    assert g.m.should_commit() is False
+    assert g.step()[0] and g.pg.aborts == 1  # the next reconfigure waited for the abort
+
+
 def test_too_few_up_to_date_groups_is_not_committed(make: Callable[..., Group]) -> None:
     g = make(ScriptedLighthouse(in_step(1), in_step(2, "rg1")), min_replica_size=2, init_sync=False)
     assert g.step()[0] is False and g.m.errored() is None
@@ -506,6 +592,31 @@ def test_a_two_rank_group_shares_the_leaders_quorum_and_votes_through_its_store(
         for f in futures:
             with pytest.raises(LighthouseError):
                 f.result(timeout=20)
+
+
+def test_the_leader_passes_a_lost_quorum_on_to_the_other_ranks_of_its_group(make: Callable[..., Group]) -> None:
+    """Only the leader heartbeats, but every rank's cross-group group waits on the hung group: the
+    leader writes the loss to the group's store and rank 1, waiting in its own hung allreduce, reads
+    it there and aborts too (commit timeout 120 s, above this test's 60 s)."""
+    lighthouse = ScriptedLighthouse(in_step(1, "rg1"), in_step(2))
+    store = dist.HashStore()
+    ranks = [make(lighthouse, rank=0, world_size=2, store=store, init_sync=False, timeout=120.0),
+             make(None, rank=1, world_size=2, store=store, init_sync=False, timeout=120.0)]  # fmt: skip
+
+    def hung_step(g: Group) -> bool:
+        g.m.start_quorum()
+        g.pg.hang_next("allreduce")
+        g.m.allreduce(torch.full((4,), 6.0))
+        return g.m.should_commit()
+
+    with ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(hung_step, g) for g in ranks]
+        time.sleep(0.5)
+        lighthouse.tell_lost(1, "rg1")
+        assert [f.result(timeout=50) for f in futures] == [False, False]
+    with ThreadPoolExecutor(2) as pool:  # the next quorum (without rg1) rebuilds both and commits
+        assert [f.result(timeout=20)[0] for f in [pool.submit(g.step) for g in ranks]] == [True, True]
+    assert [g.pg.aborts for g in ranks] == [1, 1]
 
 
 def test_a_restarted_incarnation_never_reads_its_predecessors_keys() -> None:

@@ -267,6 +267,33 @@ def test_baby_abort_interrupts_blocked_configure(store: dist.TCPStore) -> None:
 
 
 @pytest.mark.timeout(120)
+def test_baby_prepare_abort_starts_the_replacement_child_that_the_abort_then_uses(store: dist.TCPStore) -> None:
+    """`prepare_abort` (a step has waited long: worker/hang_abort.py) starts the replacement child
+    at once; a healthy child keeps being used, and after an abort the next configure takes the
+    child started then, not a fresh spawn."""
+    pg = ProcessGroupBabyGloo(timeout=30.0)
+    try:
+        pg.configure(addr(store, "p1"), 0, 1)
+        first = pg.child_pid
+        pg.prepare_abort()
+        pg.prepare_abort()  # at most one waits
+        spare = pg._spare
+        assert spare is not None
+        pg.configure(addr(store, "p2"), 0, 1)
+        assert pg.child_pid == first and pg._spare is spare  # healthy: no replacement
+        pg.abort()
+        pg.configure(addr(store, "p3"), 0, 1)
+        assert pg.child_pid == spare.pid and pg.errored() is None
+        t = torch.full((4,), 2.0)
+        pg.allreduce([t]).wait()
+        assert t.tolist() == [2.0] * 4
+    finally:
+        pg.shutdown()
+    _wait_gone(first, 10)
+    _wait_gone(spare.pid, 10)
+
+
+@pytest.mark.timeout(120)
 def test_baby_child_exits_when_parent_is_sigkilled() -> None:
     with WorkerPool(1) as pool:
         pids = pool.run([0], sc.start_babies_and_report, [()], timeout=90)[0]

@@ -280,3 +280,32 @@ def test_a_promoted_spare_that_dies_in_its_first_step_hands_the_slot_on(jobs) ->
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-v"]))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_spare_replaces_a_group_hung_mid_step_before_the_collective_timeout(jobs) -> None:
+    """The group is SIGSTOPped inside a step (no sleep between steps: the signal lands while its peer
+    waits for it in a collective) and the collective timeout is 600 s, above this test's own: the
+    survivor learns from its heartbeat answers that the group is lost and aborts its step, so the
+    spare takes the slot and commits while the group is still stopped. Without that abort the
+    survivor and so the spare would wait for the SIGCONT (stop_for=60): the hung group would wake,
+    get its 410 and only then would the spare step."""
+    job = jobs(["--replicas", "2", "--spares", "1", "--heartbeat-timeout", "2",
+                "--chaos", "steps=8,group=1,signal=STOP,stop_for=60",
+                *train(80, "--timeout", "600", "--step-sleep", "0")])  # fmt: skip
+    text = job.finish(280)
+    lines = text.splitlines()
+    stop = next(i for i, line in enumerate(lines) if "[ftlaunch] chaos: SIGSTOP" in line)
+    spare = [i for i, line in enumerate(lines) if i > stop and re.match(r"^\[rg2/r0\] step=\d+ committed=True", line)]
+    woke = [i for i, line in enumerate(lines) if re.match(r"^\[rg1/r0\] .*HTTP 410: replica rg1 was replaced", line)]
+    assert spare and woke, text[-4000:]
+    assert spare[0] < woke[0], "the spare stepped only after the hung group woke up"
+    assert takeovers(text)[0] == (2, "g2.0", 1, "rg1.1", "rg1"), takeovers(text)
+    slots = final_slots(text, 2)
+    assert_bit_identical(text, slots)
+    # Stopped after its commit vote went out, the hung group may print that step (committed with the
+    # survivor before the takeover) only when it wakes, after the takeover line: not a step in a slot
+    # it no longer holds.
+    late = {i for i, line in enumerate(lines) if stop < i < woke[0] and line.startswith("[rg1/r0] step=")}
+    check_data("\n".join(line for i, line in enumerate(lines) if i not in late), 2)

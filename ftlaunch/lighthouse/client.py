@@ -24,6 +24,7 @@ import secrets
 import signal
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from ftlaunch.addresses import http_url, parse_host_port
@@ -69,6 +70,8 @@ class HeartbeatHandle:
                 answer = self._client._heartbeat(self._channel, self.replica_id, bind=True, stop=self._stop)
                 if answer.get("kill"):
                     _kill_self(self.replica_id, str(answer["kill"]))
+                if answer.get("lost") or answer.get("superseded") is not None:
+                    self._client._tell_lost(self.replica_id, answer)
                 if failing:
                     log.info("lighthouse client: heartbeat of %s reaches the lighthouse again", self.replica_id)
                 failing = False
@@ -165,6 +168,30 @@ class LighthouseClient:
         #: names revisions answered, and after one refused the field (an older lighthouse).
         self._held: tuple[str, Quorum] | None = None
         self._deltas_refused = False
+        #: Told when a heartbeat answer says a participant of the caller's quorum was lost.
+        self._on_lost: Callable[[str, int, tuple[str, ...]], None] | None = None
+
+    def on_quorum_lost(self, callback: Callable[[str, int, tuple[str, ...]], None] | None) -> None:
+        """Call ``callback(replica_id, quorum_id, lost_replica_ids)`` (on a heartbeat thread; it
+        must not block) whenever a heartbeat answer says that participants of the caller's quorum
+        ``quorum_id`` are no longer live -- or, with no ids, that ``quorum_id`` is the current
+        quorum and the caller is not in it (docs/lighthouse.md, ``POST /heartbeat``)."""
+        self._on_lost = callback
+
+    def _tell_lost(self, replica_id: str, answer: dict) -> None:
+        callback = self._on_lost
+        if callback is None:
+            return
+        lost, superseded = answer.get("lost"), answer.get("superseded")
+        news: tuple[object, object] = (superseded, [])
+        if isinstance(lost, dict):
+            news = (lost.get("quorum_id"), lost.get("replica_ids"))
+        quorum_id, ids = news
+        if isinstance(quorum_id, int) and not isinstance(quorum_id, bool) and isinstance(ids, list):
+            try:
+                callback(replica_id, quorum_id, tuple(str(i) for i in ids))
+            except Exception:  # noqa: BLE001 - the heartbeat must go on
+                log.exception("lighthouse client: the quorum-lost callback failed")
 
     def _note_connection(self, ok: bool) -> None:
         if ok:

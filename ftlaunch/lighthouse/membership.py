@@ -121,6 +121,9 @@ class Membership(SparesMixin, StatusMixin, ResumeMixin):
         #: scan of the previous quorum per request made a round of N requests O(N^2).
         self._prev_missing: set[str] | None = None
         self._prev_broken = False
+        #: Bumped whenever a member of the current quorum goes down or comes back (`lost_in_quorum`).
+        self._lost_version = 0
+        self._lost_cache: tuple[int, int, tuple[str, ...]] | None = None  # (quorum id, version, lost)
         self._high_step: int | None = None  # the highest step of any quorum formed (see _check_step)
         self._evicted: dict[str, str] = {}  # replica id -> reason, until the group is told
         self._history: deque[HistoryEvent] = deque(maxlen=HISTORY_LEN)
@@ -310,6 +313,7 @@ class Membership(SparesMixin, StatusMixin, ResumeMixin):
     def _mark_prev_broken(self, replica_id: str) -> None:
         if replica_id in self._prev_ids:
             self._prev_broken = True
+            self._lost_version += 1
 
     def _check_holder(self, rid: str, now: float, incarnation: str) -> None:
         """One incarnation holds an id at a time: while the holder is live, another is refused."""

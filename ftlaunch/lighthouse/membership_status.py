@@ -1,5 +1,6 @@
 """The membership's reports (`membership.Membership` mixes it in): the status document, the training
-progress, and the admin's kill request that rides on a heartbeat answer.
+progress, and what rides on a heartbeat answer: the admin's kill request and the participants of
+the caller's quorum that are lost (or the news that its quorum went on without it).
 
 Why apart: these read the bookkeeping and change nothing the quorum decision sees (a kill is told
 to the group, which then dies like any crashed process), so the rules of who is in a quorum read
@@ -20,6 +21,7 @@ from ftlaunch.lighthouse.progress import GroupProgress, ProgressBook, ProgressRe
 from ftlaunch.lighthouse.protocol import ANONYMOUS
 from ftlaunch.lighthouse.quorum import (
     GroupState,
+    Health,
     Quorum,
     QuorumIdAllocator,
     QuorumMember,
@@ -74,6 +76,10 @@ class StatusMixin:
     _progress: ProgressBook
     _quorum_changes: int
     _kills: dict[str, str]
+    _prev_ids: frozenset[str]
+    _prev_broken: bool
+    _lost_version: int
+    _lost_cache: tuple[int, int, tuple[str, ...]] | None
 
     if TYPE_CHECKING:
 
@@ -166,3 +172,44 @@ class StatusMixin:
         if not info.down_counted:
             info.down_counted = True
             self._progress.failed(rid)
+
+    # ------------------------------------------------------------------ heartbeat answers
+
+    def lost_in_quorum(self, replica_id: str) -> tuple[int, tuple[str, ...]] | None:
+        """For the answer to ``replica_id``'s heartbeat: when it is a participant of the current
+        quorum and some of that quorum's participants are no longer live here (silent, disconnected,
+        failed, evicted, left), the quorum's id and theirs; else None.
+
+        Why: a participant that hangs (SIGSTOP, a hung host) keeps its sockets open, so its peers'
+        collectives with it wait out the collective timeout, while the lighthouse knows within its
+        heartbeat timeout. Told in the answer to the heartbeats they send anyway, the live
+        participants abort the quorum's step at once (worker/hang_abort.py). A member that is slow
+        but still beats is live: never in the list. O(1) while the quorum is whole (every heartbeat
+        asks); the list is computed once per change of a member's liveness.
+        """
+        with self._lock:
+            quorum = self._quorum
+            if not self._prev_broken or quorum is None or replica_id not in self._prev_ids:
+                return None
+            cached = self._lost_cache
+            if cached is None or cached[0] != quorum.quorum_id or cached[1] != self._lost_version:
+                now = self._clock()
+                lost = tuple(
+                    p.replica_id for p in quorum.participants
+                    if (g := self._groups.get(p.replica_id)) is None
+                    or group_health(g, now, self._options) is not Health.LIVE
+                )  # fmt: skip
+                cached = self._lost_cache = (quorum.quorum_id, self._lost_version, lost)
+            return (quorum.quorum_id, cached[2]) if cached[2] else None
+
+    def superseded_for(self, replica_id: str) -> int | None:
+        """For the answer to ``replica_id``'s heartbeat: the current quorum's id when the group was in
+        a quorum before but is not a participant of the current one, else None. Why: a group that
+        was stopped while its peers went on (they aborted their step and formed the next quorum
+        without it) resumes inside a collective of a quorum nobody else uses any more; told so, it
+        aborts that step at once instead of at its collective timeout. O(1)."""
+        with self._lock:
+            quorum, info = self._quorum, self._info.get(replica_id)
+            if quorum is None or info is None or not info.in_a_quorum or replica_id in self._prev_ids:
+                return None
+            return quorum.quorum_id

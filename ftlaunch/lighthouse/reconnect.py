@@ -32,6 +32,7 @@ import math
 import os
 import threading
 import time
+from collections.abc import Callable
 
 from ftlaunch import env
 from ftlaunch.errors import ConfigurationError, LighthouseUnavailableError
@@ -160,6 +161,12 @@ class OutageTolerantClient:
         forward = getattr(self._client, "set_progress", None)
         if forward is not None:
             forward(replica_id, report)
+
+    def on_quorum_lost(self, callback: Callable[[str, int, tuple[str, ...]], None] | None) -> None:
+        """Forwarded to the wrapped client (`LighthouseClient.on_quorum_lost`)."""
+        forward = getattr(self._client, "on_quorum_lost", None)
+        if forward is not None:
+            forward(callback)
 
     def close(self) -> None:
         self._closed.set()

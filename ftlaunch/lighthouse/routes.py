@@ -243,7 +243,18 @@ class Routes:
         rid = self._replica_id(request, obj["replica_id"])
         kill = self._membership.heartbeat(rid, _progress(obj), incarnation=_incarnation(request))
         self._bind(request, rid)
-        return _OK if kill is None else _json(200, {"ok": True, "kill": kill})
+        lost = self._membership.lost_in_quorum(rid)
+        superseded = self._membership.superseded_for(rid) if lost is None else None
+        if kill is None and lost is None and superseded is None:
+            return _OK
+        answer: dict[str, Any] = {"ok": True}
+        if kill is not None:
+            answer["kill"] = kill
+        if lost is not None:  # a participant of its quorum is gone: abort that quorum's step
+            answer["lost"] = {"quorum_id": lost[0], "replica_ids": list(lost[1])}
+        if superseded is not None:  # its quorum went on without it: abort a step of an older one
+            answer["superseded"] = superseded
+        return _json(200, answer)
 
     def _leave(self, request: Request) -> Response:
         obj = self._read_json(request)

@@ -283,6 +283,12 @@ class ProcessGroupBaby(ProcessGroup):
             self._start_spare()
         self._configured = False
 
+    def prepare_abort(self) -> None:
+        """Start the replacement child now (at most one waits): an abort kills the child, and the
+        next configure waits for its replacement to import torch -- seconds that then add to the
+        time a hung peer costs (worker/hang_abort.py calls this when a step's wait grows long)."""
+        self._start_spare()
+
     def shutdown(self) -> None:
         """Stop the child (gracefully, then SIGKILL) and release its socket and reader thread."""
         super().shutdown()

@@ -220,6 +220,11 @@ class ProcessGroup(Collectives):
     def abort(self) -> None:
         """Stop using the current configuration at once; pending operations fail."""
 
+    def prepare_abort(self) -> None:
+        """An operation has been waiting long: an `abort` may follow. A group whose abort is costly
+        to recover from (a Baby group must replace its child) may get ready now; the default does
+        nothing. Never blocks, never fails the group."""
+
     def shutdown(self) -> None:
         """Release every resource (threads, sockets, child processes). Idempotent."""
         self._handle_store.close()

@@ -218,6 +218,11 @@ class ProcessGroupWrapper(ProcessGroup):
             elif isinstance(self._pg, ProcessGroup):
                 self._pg.abort()
 
+    def prepare_abort(self) -> None:
+        pg = self._pg  # a backend of its own needs nothing; a wrapped ftlaunch group may (Baby)
+        if isinstance(pg, ProcessGroup) and not self._owns_backend():
+            pg.prepare_abort()
+
     def shutdown(self) -> None:
         super().shutdown()
         with self._lock:

@@ -18,9 +18,16 @@ from ftlaunch.errors import CommunicationError
 from ftlaunch.process_group.base import ProcessGroup
 from ftlaunch.worker.group_store import GroupStore
 
+#: How often a wait looks at its ``interrupted`` condition.
+_INTERRUPT_POLL = 0.05
 
-def wait_all(futures: list[torch.futures.Future[Any]], deadline: float) -> bool:
-    """Wait for every future until ``deadline`` (monotonic); False if some are still running.
+
+def wait_all(
+    futures: list[torch.futures.Future[Any]], deadline: float, interrupted: Callable[[], bool] | None = None
+) -> bool:
+    """Wait for every future until ``deadline`` (monotonic) or until ``interrupted()`` (looked at
+    every 50 ms: the lighthouse said a peer of the step is gone, `hang_abort`); False if some are
+    still running.
 
     torch futures have no timed wait: completion callbacks count down to an Event instead. The
     common case (everything already done by the time the optimizer steps) costs one check each.
@@ -39,11 +46,17 @@ def wait_all(futures: list[torch.futures.Future[Any]], deadline: float) -> bool:
 
         for f in waiting:
             f.add_done_callback(one_done)
-        if not done.wait(max(deadline - time.monotonic(), 0.0)):
-            return False
+        while not done.wait(_slice(deadline, interrupted)):
+            if time.monotonic() >= deadline or (interrupted is not None and interrupted()):
+                return False
     for f in futures:
         f.wait()  # done: surfaces nothing (errors were reported in the completion callbacks)
     return True
+
+
+def _slice(deadline: float, interrupted: Callable[[], bool] | None) -> float:
+    left = max(deadline - time.monotonic(), 0.0)
+    return left if interrupted is None else min(left, _INTERRUPT_POLL)
 
 
 class CrossGroupVote:
@@ -58,18 +71,27 @@ class CrossGroupVote:
     def __init__(self) -> None:
         self._flag: torch.Tensor | None = None
 
-    def __call__(self, pg: ProcessGroup, ok: bool, deadline: float) -> bool:
+    def __call__(
+        self, pg: ProcessGroup, ok: bool, deadline: float, interrupted: Callable[[], bool] | None = None
+    ) -> bool:
         """Whether every group voted yes; raises `CommunicationError` (or the group's error) when
-        the vote fails or does not finish by ``deadline`` (monotonic)."""
+        the vote fails or does not finish by ``deadline`` (monotonic) or ``interrupted()``."""
         flag = self._flag
         if flag is None:
             flag = self._flag = torch.empty(1, dtype=torch.int32)
         flag.fill_(1 if ok else 0)
         try:
-            # timedelta(0) means "no timeout" to torch: never pass less than a millisecond.
-            left = timedelta(seconds=max(deadline - time.monotonic(), 1e-3))
-            if not pg.allreduce([flag], dist.ReduceOp.MIN).wait(left):
-                raise CommunicationError("the commit vote timed out (commit timeout)")
+            work = pg.allreduce([flag], dist.ReduceOp.MIN)
+            if interrupted is None:
+                # timedelta(0) means "no timeout" to torch: never pass less than a millisecond.
+                left = timedelta(seconds=max(deadline - time.monotonic(), 1e-3))
+                if not work.wait(left):
+                    raise CommunicationError("the commit vote timed out (commit timeout)")
+            else:  # a wait that a lost peer can cut short (a backend's wait cannot be)
+                fut = work.get_future()
+                if not wait_all([fut], deadline, interrupted):
+                    raise CommunicationError("the commit vote timed out or a peer was lost")
+                fut.value()
         except Exception:
             self._flag = None
             raise
@@ -77,7 +99,8 @@ class CrossGroupVote:
 
 
 def vote_of_all_groups(
-    vote: CrossGroupVote, pg: ProcessGroup, ok: bool, deadline: float, report_error: Callable[[Exception], None]
+    vote: CrossGroupVote, pg: ProcessGroup, ok: bool, deadline: float, report_error: Callable[[Exception], None],
+    interrupted: Callable[[], bool] | None = None,
 ) -> bool:
     """Every group's ``ok`` (MIN across groups); False, with the reason reported, when it fails."""
     pg_error = pg.errored()
@@ -87,7 +110,7 @@ def vote_of_all_groups(
         report_error(pg_error)
         return False
     try:
-        return vote(pg, ok, deadline)
+        return vote(pg, ok, deadline, interrupted)
     except Exception as e:  # noqa: BLE001 - reported, the step will not commit
         report_error(e)
         return False

@@ -161,6 +161,15 @@ class GroupStore:
         store, its server) closes with the last reference. Later calls raise. Idempotent."""
         self._live = None
 
+    # ---- a quorum the leader learned was lost (worker/hang_abort.py): the other ranks abort too ----
+    def tell_lost(self, quorum_id: int) -> None:
+        """The leader: the lighthouse said quorum ``quorum_id`` lost a participant."""
+        self._store.set(f"lost/{quorum_id}", b"1")  # type: ignore[arg-type]
+
+    def was_lost(self, quorum_id: int) -> bool:
+        """Whether the leader said so (one store round trip; asked only while a wait lasts)."""
+        return bool(self._store.check([f"lost/{quorum_id}"]))
+
     # ---- checkpoint-transport metadata: each rank's, collected by the leader for the quorum ----
     def publish_transport_metadata(self, metadata: str) -> None:
         self._store.set(f"ckpt_meta/{self._rank}", metadata)

@@ -26,7 +26,6 @@ import logging
 import sys
 import threading
 import time
-import warnings
 from collections.abc import Callable, MutableMapping
 from concurrent.futures import Future as CFuture
 from concurrent.futures import ThreadPoolExecutor
@@ -36,7 +35,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from ftlaunch import env, phases
+from ftlaunch import phases
 from ftlaunch.checkpointing.transport import CheckpointTransport
 from ftlaunch.errors import (
     CommunicationError,
@@ -54,11 +53,13 @@ from ftlaunch.worker import defaults, quorum_request, recovery
 from ftlaunch.worker.allreduce import ReduceOpLike
 from ftlaunch.worker.commit import CrossGroupVote, vote_of_all_groups, vote_of_group_ranks, wait_all
 from ftlaunch.worker.group_store import GroupStore
+from ftlaunch.worker.hang_abort import SUSPECT_AFTER, LostPeerAbort
+from ftlaunch.worker.leader import LeaderLink
 from ftlaunch.worker.managed_work import ManagedWork, with_default
+from ftlaunch.worker.manager_state import ManagerStateApi
 from ftlaunch.worker.plan import StepPlan, WorldSizeMode, plan_step
-from ftlaunch.worker.progress import ProgressTracker
 from ftlaunch.worker.recovery import DEFAULT_STATE_KEY, StateRegistry
-from ftlaunch.worker.watchdog import ProgressWatchdog, progress_timeout
+from ftlaunch.worker.watchdog import progress_timeout
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +80,7 @@ class _StepLog(logging.LoggerAdapter):
         return f"[{m.replica_id}/r{m._group_rank} step {m._step}] {msg}", kwargs
 
 
-class Manager:
+class Manager(ManagerStateApi):
     """Per-step quorum, fault-tolerant allreduce, commit and live recovery (torchft's API)."""
 
     def __init__(
@@ -169,6 +170,7 @@ class Manager:
         self._quorum_future: CFuture[None] | None = None
         self._plan: StepPlan | None = None
         self._pending: list[torch.futures.Future[torch.Tensor]] = []  # this step's allreduces
+        self._issued_at = 0.0  # when this step's first allreduce went out
         self._errored: Exception | None = None
         self._error_lock = threading.Lock()
         self._pending_state: dict[str, Any] | None = None  # a healer's received state, loaded at commit
@@ -209,18 +211,23 @@ class Manager:
         self._phases = phases.enabled()  # the opt-in start-up phase log, until the first commit
 
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"ftlaunch-quorum-{self.replica_id}")
-        # The leader reports progress to the lighthouse (worker/progress.py): the launcher's summary
-        # and /metrics read it there, whatever the script prints.
-        self._progress: ProgressTracker | None = None
-        set_progress = getattr(self._client, "set_progress", None)
-        if set_progress is not None:
-            rid = self.replica_id
-            self._progress = ProgressTracker(lambda report: set_progress(rid, report))
-        # The leader's heartbeats start with its first request (`_ask_lighthouse`): a live group
-        # that has not asked holds up its peers' quorums (the lighthouse's split-brain guard).
-        self._heartbeat_interval = to_seconds(heartbeat_interval)
-        # A training thread that stops stepping while its heartbeats go on leaves (worker/watchdog.py).
-        self._watchdog = self._start_watchdog(self._heartbeat_interval)
+        # The leader's heartbeats (from its first request), progress reports, progress watchdog and
+        # lost-peer abort (worker/leader.py): a participant of the quorum in use that the lighthouse
+        # declares lost (hung, gone) aborts the step at once, not after the collective timeout.
+        multi_rank = self._group_world_size > 1
+        self._hang_abort = LostPeerAbort(
+            self._pg.abort, self.log,
+            tell_group=self._group.tell_lost if multi_rank and self._group_rank == 0 else None,
+            told_by_leader=self._group.was_lost if multi_rank and self._group_rank != 0 else None,
+            stuck=self._stuck,
+        )  # fmt: skip
+        in_flight = lambda: self._quorum_future is not None and not self._quorum_future.done()  # noqa: E731
+        self._link = LeaderLink(
+            self._client, self.replica_id, heartbeat_interval=to_seconds(heartbeat_interval),
+            progress_limit=progress_timeout(timeouts.collective), in_flight=in_flight, hang_abort=self._hang_abort,
+            logger=self.log,
+        )  # fmt: skip
+        self._progress = self._link.progress
         self.log.info(
             "manager up: group world_size=%d store=%s transport=%s",
             self._group_world_size, self._group.address, type(self._transport).__name__,
@@ -234,59 +241,6 @@ class Manager:
         if self._phases:
             phases.mark(phase, step=self._step)
 
-    def _start_watchdog(self, heartbeat_interval: float) -> ProgressWatchdog | None:
-        client = self._client
-        limit = progress_timeout(self.timeouts.collective)
-        if client is None or limit <= 0:
-            return None
-
-        def stalled(age: float) -> None:
-            self.log.warning(
-                "no step progress for %.0fs (progress timeout %gs, %s): leaving the lighthouse so that the "
-                "other groups go on; this group rejoins and heals when it steps again",
-                age, limit, env.FTLAUNCH_PROGRESS_TIMEOUT,
-            )  # fmt: skip
-            client.leave(self.replica_id)
-
-        def resumed() -> None:
-            self.log.warning("stepping again: rejoining the lighthouse")
-            client.start_heartbeat(self.replica_id, heartbeat_interval)
-
-        in_flight = lambda: self._quorum_future is not None and not self._quorum_future.done()  # noqa: E731
-        return ProgressWatchdog(limit, on_stall=stalled, on_resume=resumed, waiting=in_flight)
-
-    def register_state_dict_fn(
-        self, key: str, load_state_dict: Callable[[Any], None], state_dict: Callable[[], Any]
-    ) -> None:
-        """Add state that travels with live recovery (e.g. a data loader position)."""
-        self._state.register(key, load_state_dict, state_dict)
-
-    def require_same_layout(self, digest: str, text: str = "") -> None:
-        """Publish how this group lays out its state (e.g. how it shards the model: ``digest``
-        identifies it, ``text`` describes it for error messages) and refuse to take part in a step
-        whose up-to-date groups publish another layout: gradient shards would be averaged with the
-        wrong peers' shards and healed state would land in the wrong places. The refusal is a
-        `ConfigurationError` raised into the training loop. Call it before the first step, with
-        the same value on every rank of the group.
-        """
-        self._layout = {"digest": digest, "text": text}
-
-    def set_state_dict_fns(self, load_state_dict: Callable[[Any], None], state_dict: Callable[[], Any]) -> None:
-        """torchft's older name: `register_state_dict_fn` under the key ``"set_state_dict_fns"``."""
-        warnings.warn("set_state_dict_fns is deprecated: use register_state_dict_fn", DeprecationWarning,
-                      stacklevel=2)
-        self.register_state_dict_fn("set_state_dict_fns", load_state_dict, state_dict)
-
-    def disallow_state_dict_read(self) -> None:
-        """Keep the state from being read for a heal while the caller changes it outside a step
-        (waits for a read in progress). Healing this step's peers then waits, up to the heal
-        timeout, for `allow_state_dict_read`."""
-        self._state.gate.disallow()
-
-    def allow_state_dict_read(self) -> None:
-        """Let heals read the state again (see `disallow_state_dict_read`)."""
-        self._state.gate.allow()
-
     # ============================================================================ 1. the quorum
     def start_quorum(
         self, allow_heal: bool = True, shrink_only: bool = False, timeout: timedelta | float | None = None
@@ -294,8 +248,7 @@ class Manager:
         """Begin a step: ask for its quorum (in the background when ``use_async_quorum``)."""
         if self._shutdown:
             raise FtlaunchError("manager is shut down")
-        if self._watchdog is not None:
-            self._watchdog.touch()
+        self._link.touch()
         if self._quorum_future is not None and not self._quorum_future.done():
             # The previous step never waited for its quorum (no allreduce, no commit): finish it.
             self._quorum_future.exception()
@@ -370,7 +323,7 @@ class Manager:
         assert self._client is not None  # the leader has one
         if self._transport_metadata is None:  # the first request: once every rank is ready
             self._transport_metadata = self._group.transport_metadata()
-            self._client.start_heartbeat(self.replica_id, self._heartbeat_interval)
+            self._link.start_heartbeat()
         request = quorum_request.member(
             self.replica_id, store_address=self._group.address, step=self._step,
             world_size=self._group_world_size, shrink_only=shrink_only, commit_failures=self._commit_failures,
@@ -387,6 +340,7 @@ class Manager:
         # Mark the id first: if configure fails, the next quorum (whose id the failure changes)
         # retries with a fresh prefix instead of reusing a half-built one.
         self._quorum_id = plan.quorum_id
+        self._hang_abort.use(plan.quorum_id)  # waits for an abort of the previous quorum to finish
         store_addr = f"{plan.store_address}/ftlaunch/q{plan.quorum_id}/r{self._group_rank}"
         self._pg.configure(store_addr, plan.replica_rank, plan.replica_world_size)
 
@@ -417,8 +371,15 @@ class Manager:
         )
         if fut is None:
             return self._work(completed_future(tensor))
+        if not self._pending:
+            self._issued_at = time.monotonic()
         self._pending.append(fut)
         return self._work(fut)
+
+    def _stuck(self) -> bool:
+        """An allreduce of this step has been pending for a second (a peer may hang: hang_abort)."""
+        pending = list(self._pending)
+        return any(not f.done() for f in pending) and time.monotonic() - self._issued_at >= SUSPECT_AFTER
 
     def _work(self, future: torch.futures.Future[torch.Tensor]) -> ManagedWork:
         return ManagedWork(future, lambda: self._errored is not None, self.report_error)
@@ -448,20 +409,23 @@ class Manager:
         """True when every rank of every participating group finished this step cleanly."""
         if self._quorum_future is None:
             raise FtlaunchError("should_commit() before start_quorum()")
-        if self._watchdog is not None:
-            self._watchdog.touch()
+        self._link.touch()
         budget = self.timeouts.commit if timeout is None else to_seconds(timeout)
         deadline = time.monotonic() + budget
         if self._progress is not None:
             self._progress.commit_started()
         self.wait_quorum()
-        if not wait_all(self._pending, deadline):
+        interrupted = self._hang_abort.watch(self._pg.prepare_abort)
+        if not wait_all(self._pending, deadline, interrupted):
             # A collective of this step hangs (a peer stopped, not died). Give up on the step and
             # abort the process group so the hung op is released; the next quorum rebuilds it.
-            self.report_error(
-                CommunicationError(f"commit timed out after {budget:g} s waiting for this step's allreduces")
-            )
-            self._pg.abort()
+            # When the lighthouse said the peer is lost, that abort is under way already.
+            lost = self._hang_abort.error
+            self._hang_abort.settle()
+            self.report_error(lost or CommunicationError(
+                f"commit timed out after {budget:g} s waiting for this step's allreduces"))  # fmt: skip
+            if lost is None:
+                self._pg.abort()
         self._pending = []
         plan = self._plan
         if plan is not None and plan.heal and self._pending_state is None and self._errored is None:
@@ -471,9 +435,17 @@ class Manager:
         # init_sync that is every group, though only the primary's gradients count).
         ok = self._errored is None and plan is not None and plan.num_up_to_date >= self._min_replica_size
         if plan is not None and plan.replica_world_size > 1:
-            ok = vote_of_all_groups(self._vote_across_groups, self._pg, ok, deadline, self.report_error)
+            lost = self._hang_abort.error
+            if lost is not None:  # the quorum lost a peer: no vote with it (every live peer was told)
+                self.report_error(lost)
+                ok = False
+            else:
+                ok = vote_of_all_groups(self._vote_across_groups, self._pg, ok, deadline, self.report_error,
+                                        interrupted)  # fmt: skip
         if self._group_world_size > 1:
             ok = vote_of_group_ranks(self._group, self._quorum_seq, ok, deadline, self.report_error, self.replica_id)
+        if self._hang_abort.error is not None:
+            self._hang_abort.settle()  # the aborted ops fail within this step
         if self._sent_checkpoint:
             # Every healer has voted, so it has its copy: the state may change again.
             self._transport.disallow_checkpoint()
@@ -511,42 +483,6 @@ class Manager:
         self._state.load(state)
         self.log.info("healed: loaded state at step %d", self._step)
 
-    # ============================================================================ state (torchft's API)
-    def state_dict(self) -> dict[str, int]:
-        return {"step": self._step, "batches_committed": self._batches_committed}
-
-    def load_state_dict(self, state_dict: dict[str, int]) -> None:
-        self._step = int(state_dict["step"])
-        self._batches_committed = int(state_dict["batches_committed"])
-
-    def current_step(self) -> int:
-        return self._step
-
-    def batches_committed(self) -> int:
-        return self._batches_committed
-
-    def num_participants(self) -> int:
-        """Groups whose gradients count this step (the divisor of the average): the up-to-date
-        groups, at most ``min_replica_size`` of them with `WorldSizeMode.FIXED_WITH_SPARES`."""
-        self.wait_quorum()
-        return self._plan.num_participants if self._plan is not None else 0
-
-    def participating_rank(self) -> int | None:
-        """This group's rank among the participants, None while it heals or stands by as a spare."""
-        self.wait_quorum()
-        return self._plan.participant_rank if self._plan is not None else None
-
-    def is_participating(self) -> bool:
-        return self.participating_rank() is not None
-
-    @property
-    def pg(self) -> ProcessGroup:
-        return self._pg
-
-    @property
-    def group_rank(self) -> int:
-        return self._group_rank
-
     # ============================================================================ teardown
     def shutdown(self, wait: bool = True, *, leave: bool = True) -> None:
         """Leave the lighthouse gracefully and release threads, servers and the process group.
@@ -557,20 +493,10 @@ class Manager:
         if self._shutdown:
             return
         self._shutdown = True
-        if self._watchdog is not None:
-            self._watchdog.close()
-        if self._progress is not None:
-            # The final report rides on the leave. Only a clean exit (no exception on its way out
-            # through a `finally`) reports the state's checksum and "finished".
-            clean = sys.exc_info()[0] is None
-            self._progress.finish(self._step, self._state.snapshot if clean else None)
-        if self._client is not None:
-            if leave:
-                try:
-                    self._client.leave(self.replica_id)  # also stops the heartbeat
-                except LighthouseError as e:
-                    self.log.debug("leave failed (lighthouse gone?): %s", e)
-            self._client.close()
+        # The final report rides on the leave. Only a clean exit (no exception on its way out
+        # through a `finally`) reports the state's checksum and "finished".
+        clean = sys.exc_info()[0] is None
+        self._link.close(self._step, self._state.snapshot if clean else None, leave=leave)
         self._executor.shutdown(wait=wait, cancel_futures=True)
         self._transport.shutdown(wait=wait)
         release_process_group(self._pg)

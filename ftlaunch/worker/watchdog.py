@@ -30,6 +30,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 from ftlaunch import env
 from ftlaunch.errors import ConfigurationError
@@ -125,3 +126,35 @@ class ProgressWatchdog:
         self._closed.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(5.0)
+
+
+def watch_progress(
+    client: object | None,
+    replica_id: str,
+    limit: float,
+    heartbeat_interval: float,
+    waiting: Callable[[], bool],
+    logger: logging.Logger | logging.LoggerAdapter[Any] = log,
+) -> ProgressWatchdog | None:
+    """The group leader's watchdog (None for other ranks, or when ``limit`` is 0): on a stall it
+    leaves the lighthouse through ``client`` (a `QuorumClient`), so that the other groups go on; at
+    the next step call it beats again, and its next quorum request re-admits it. ``waiting()`` is
+    True while a quorum request is in flight (waiting for the lighthouse is not a hang)."""
+    leave = getattr(client, "leave", None)
+    start_heartbeat = getattr(client, "start_heartbeat", None)
+    if client is None or leave is None or start_heartbeat is None or limit <= 0:
+        return None
+
+    def stalled(age: float) -> None:
+        logger.warning(
+            "no step progress for %.0fs (progress timeout %gs, %s): leaving the lighthouse so that the "
+            "other groups go on; this group rejoins and heals when it steps again",
+            age, limit, env.FTLAUNCH_PROGRESS_TIMEOUT,
+        )  # fmt: skip
+        leave(replica_id)
+
+    def resumed() -> None:
+        logger.warning("stepping again: rejoining the lighthouse")
+        start_heartbeat(replica_id, heartbeat_interval)
+
+    return ProgressWatchdog(limit, on_stall=stalled, on_resume=resumed, waiting=waiting)

@@ -1,0 +1,205 @@
+"""Abort a step whose quorum lost a participant, as soon as the lighthouse knows (issue: hung peers).
+
+A participant that hangs (SIGSTOP, a hung host, a stuck device) keeps its sockets open: its peers'
+collectives with it neither complete nor fail until the collective timeout (60 s by default),
+while the lighthouse declares the group silent within its heartbeat timeout (5 s). The answer to
+the heartbeats the group leader sends anyway carries the quorum id and the lost participants
+(docs/lighthouse.md, ``POST /heartbeat``); `LostPeerAbort` turns it into the process group's abort:
+the pending collective fails, the step is not committed, and the next quorum -- whose id the loss
+changes -- forms without the lost group (or with a hot spare in its place).
+
+Only the quorum in use is aborted: a stale answer (an older quorum id: the group already moved on)
+is ignored, and each quorum is aborted at most once. The abort comes only once an op of the step
+has been pending for a second -- seen by a wait of ours (`watch`), or by a thread the notice starts
+(DDP's backward waits for the allreduces itself) -- not from the notice alone: a crashed peer (also "lost") makes the
+collectives fail at once by itself, and aborting then would only replace a Baby child that is still
+usable. It runs on a thread of its own, never on the heartbeat thread: a plain Gloo abort can
+block, and a heartbeat that waited for it would make this group silent in turn. `use` (the Manager's reconfigure) and an abort
+exclude each other, so an abort never lands on the group built for the next quorum.
+A member that is slow but still heartbeats is live to the lighthouse: no abort.
+
+Known limit: with plain Gloo (no Baby child) the abort of a group whose op waits on a stopped peer
+was seen to block (tests/test_manager.py, a SIGSTOP before the commit vote, 600 s timeout): the step
+fails at once, but the next configure waits for the abort, so the survivor goes on only when the
+op times out -- as before this abort existed. Baby Gloo (the default) kills its child: immediate.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ftlaunch.errors import CommunicationError
+
+log = logging.getLogger(__name__)
+
+#: Seconds a step's wait may last before the process group prepares for an abort (`watch`): well
+#: above a healthy step's wait, well below the lighthouse's heartbeat timeout (5 s).
+SUSPECT_AFTER = 1.0
+
+
+class LostPeerAbort:
+    """Aborts ``abort()`` (the cross-group process group's) when told that the quorum in use lost
+    a participant. ``interrupted`` tells the step's waits to stop waiting."""
+
+    def __init__(
+        self,
+        abort: Callable[[], None],
+        logger: logging.Logger | logging.LoggerAdapter[Any] = log,
+        *,
+        tell_group: Callable[[int], None] | None = None,
+        told_by_leader: Callable[[int], bool] | None = None,
+        stuck: Callable[[], bool] = lambda: False,
+    ) -> None:
+        """``tell_group(quorum_id)`` (the leader of a multi-rank group) passes an abort on to the
+        group's other ranks, whose own cross-group groups wait on the lost group's ranks too and
+        who hear nothing from the lighthouse; ``told_by_leader(quorum_id)`` (those other ranks)
+        asks whether the leader did, while a wait of theirs lasts (`watch`)."""
+        self._abort = abort
+        self._log = logger
+        self._tell_group = tell_group
+        self._told_by_leader = told_by_leader
+        #: Whether an op of the step has been pending for `SUSPECT_AFTER` (the Manager's allreduces,
+        #: which DDP's backward waits for): after a notice, a thread aborts once it is.
+        self._stuck = stuck
+        self._lock = threading.Lock()  # guards the fields below; never held while aborting
+        self._abort_done: threading.Event | None = None  # set when the abort under way returned
+        self._quorum_id: int | None = None  # the quorum the process group is configured for
+        self._told_for: int | None = None
+        self._aborted_for: int | None = None
+        self._error: CommunicationError | None = None
+        self._lost = threading.Event()
+        self.aborts = 0  # how many quorums were aborted (tests, logs)
+
+    def use(self, quorum_id: int) -> None:
+        """The process group is being configured for ``quorum_id`` (call before configuring): waits
+        for an abort of the previous quorum to return first."""
+        done = self._abort_done
+        if done is not None:
+            done.wait()
+        with self._lock:
+            self._abort_done = None
+            self._quorum_id = quorum_id
+            self._lost.clear()
+            self._error = None
+
+    def lost(self, quorum_id: int, replica_ids: tuple[str, ...]) -> bool:
+        """The lighthouse says ``replica_ids`` of quorum ``quorum_id`` are no longer live -- or, when
+        ``replica_ids`` is empty, that ``quorum_id`` is the current quorum and this group is not in
+        it (it was stopped while its peers went on). If that condemns the quorum in use, the step's
+        waits stop (`watch`) and abort the process group; never blocks. Returns whether it did."""
+        with self._lock:
+            in_use = self._quorum_id
+            if in_use is None or self._told_for == in_use:
+                return False
+            if replica_ids and quorum_id != in_use:
+                return False  # a stale answer: about a quorum this group no longer uses
+            if not replica_ids and quorum_id == in_use:
+                return False
+            self._told_for = in_use
+            why = (
+                f"lost {', '.join(replica_ids)} (the lighthouse no longer counts it live)" if replica_ids
+                else f"was superseded by quorum {quorum_id}, which goes on without this group"
+            )  # fmt: skip
+            self._error = CommunicationError(
+                f"quorum {in_use} {why}: this step is aborted instead of waiting for the collective timeout"
+            )
+            self._lost.set()
+        self._log.warning("%s", self._error)
+        threading.Thread(target=self._until_stuck, args=(in_use,), name="ftlaunch-lost-peer", daemon=True).start()
+        return True
+
+    def _until_stuck(self, quorum_id: int) -> None:
+        """After a notice: tell the group's other ranks, then abort as soon as an op of the step is
+        stuck (DDP's backward waits for its allreduces outside any wait of ours), until the quorum
+        changes or the abort happened."""
+        if self._tell_group is not None:
+            self._relay(quorum_id)
+        while self._quorum_id == quorum_id and self._aborted_for != quorum_id:
+            if self._stuck():
+                self._abort_once(quorum_id)
+                return
+            time.sleep(0.05)
+
+    def _relay(self, quorum_id: int) -> None:
+        assert self._tell_group is not None
+        try:
+            self._tell_group(quorum_id)
+        except Exception as e:  # noqa: BLE001 - the other ranks then wait for their timeouts
+            self._log.warning("could not tell the group's other ranks that quorum %d was lost: %s", quorum_id, e)
+
+    def _abort_once(self, quorum_id: int | None = None) -> None:
+        """Start the abort (once per quorum) on a thread of its own: a plain Gloo group's abort can
+        block, and neither the training thread nor -- through this object's lock -- the heartbeat
+        thread may wait for it. `use` waits for it, so it never lands on the next quorum's group."""
+        with self._lock:
+            in_use = self._quorum_id
+            if in_use is None or self._aborted_for == in_use or (quorum_id is not None and quorum_id != in_use):
+                return
+            self._aborted_for = in_use
+            done = self._abort_done = threading.Event()
+        threading.Thread(target=self._run, args=(in_use, done), name="ftlaunch-lost-peer-abort", daemon=True).start()
+
+    def _run(self, quorum_id: int, done: threading.Event) -> None:
+        try:
+            self._abort()
+        except Exception:  # noqa: BLE001 - the step fails anyway (interrupted); log why the abort did not
+            self._log.exception("aborting the process group of quorum %d failed", quorum_id)
+        finally:
+            self.aborts += 1
+            done.set()
+
+    def settle(self, timeout: float = 2.0) -> None:
+        """Wait (at most ``timeout``) for an abort under way: the step's ops then fail within the
+        step, not into the next one."""
+        done = self._abort_done
+        if done is not None:
+            done.wait(timeout)
+
+    def interrupted(self) -> bool:
+        """True once the quorum in use was told lost (until the next `use`)."""
+        return self._lost.is_set()
+
+    def watch(self, prepare: Callable[[], None], after: float = SUSPECT_AFTER) -> Callable[[], bool]:
+        """The ``interrupted`` condition of one wait of a step (`commit.wait_all`). Once the wait has
+        lasted ``after`` seconds it calls ``prepare`` (the process group's `prepare_abort`: a Baby
+        group starts its replacement child while the lighthouse still waits out its heartbeat
+        timeout), and if the quorum in use was told lost it aborts the process group and ends the
+        wait. Only a wait that lasts: a crashed peer's sockets close, so the collectives fail by
+        themselves at once, and a Baby child left alive is reused instead of replaced (a torch
+        import: seconds, 20 s on loaded cores)."""
+        start = time.monotonic()
+        prepared = False
+
+        def interrupted() -> bool:
+            nonlocal prepared
+            if time.monotonic() - start < after:
+                return False
+            if not prepared:
+                prepared = True
+                try:
+                    prepare()
+                except Exception:  # noqa: BLE001 - only a head start: the abort still works without it
+                    self._log.exception("preparing the process group for an abort failed")
+            in_use, asked = self._quorum_id, self._told_by_leader
+            if not self._lost.is_set() and in_use is not None and asked is not None:
+                try:
+                    told = asked(in_use)
+                except Exception:  # noqa: BLE001 - the store may be gone with the leader: the timeout still bounds us
+                    told = False
+                if told:
+                    self.lost(in_use, ("a participant (told by this group's leader)",))
+            if not self._lost.is_set():
+                return False
+            self._abort_once()
+            return True
+
+        return interrupted
+
+    @property
+    def error(self) -> CommunicationError | None:
+        """Why the quorum in use was aborted, or None."""
+        return self._error if self._lost.is_set() else None
