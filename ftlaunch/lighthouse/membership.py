@@ -55,12 +55,14 @@ from ftlaunch.lighthouse.tickets import (
     ShuttingDown,
     Superseded,
     TooManyGroups,
+    TrainingFinished,
 )
 
 # The tickets and domain errors are part of this module's interface (routes.py, tests import them here).
 __all__ = [
     "ADOPTED", "ANONYMOUS", "Abandoned", "Evicted", "HeldElsewhere", "ImplausibleStep", "Left", "MAX_GROUPS",
     "Membership", "MembershipError", "QuorumTicket", "QuorumTimeout", "ShuttingDown", "Superseded", "TooManyGroups",
+    "TrainingFinished",
 ]
 
 log = logging.getLogger(__name__)
@@ -431,6 +433,9 @@ class Membership(SparesMixin, StatusMixin, ResumeMixin):
         decision = decide_quorum(state, now, self._options)
         if not decision.formed:
             return
+        if decision.participants is not None and self._refuse_behind_finished(decision.participants):
+            self._decide(now)  # the others may form now (each round refuses one request or more)
+            return
         if decision.new_id:
             global _last_issued_id
             with _ids_lock:
@@ -459,6 +464,28 @@ class Membership(SparesMixin, StatusMixin, ResumeMixin):
             )
         elif log.isEnabledFor(logging.DEBUG):
             log.debug("lighthouse: quorum %d re-formed (%s)", quorum.quorum_id, decision.reason)
+
+    def _refuse_behind_finished(self, participants: tuple[QuorumMember, ...]) -> bool:
+        """The end-of-run race (docs/launcher.md): a group restarting just as the others finish
+        asks for a quorum once they left, and would get one of itself alone, then train from behind
+        with nobody to heal from. So a quorum whose participants are all behind the furthest step at
+        which another group finished is not formed: its requests are answered `TrainingFinished`
+        (their groups end as stragglers of a finished job). Returns whether it refused."""
+        ids = frozenset(p.replica_id for p in participants)
+        finished = self._progress.furthest_finished_step(exclude=ids)
+        if not finished or max(p.step for p in participants) >= finished:
+            return False
+        for member in participants:
+            rid = member.replica_id
+            reason = (
+                f"the training finished at step {finished}; nothing left to heal from "
+                f"(replica {rid} is at step {member.step})"
+            )
+            self._progress.stopped_after_end(rid)
+            self._record("refused_finished", rid, reason)
+            log.warning("lighthouse: replica %s refused a quorum: %s", rid, reason)
+            self._drop_request(rid, error=TrainingFinished(reason, finished))
+        return True
 
     def _drop_request(self, rid: str, ticket: QuorumTicket | None = None, error: MembershipError | None = None) -> bool:
         """Withdraw ``rid``'s waiting request (only if it is ``ticket``, when given) and answer it

@@ -43,6 +43,7 @@ from ftlaunch.errors import (
     ConfigurationError,
     FtlaunchError,
     LighthouseError,
+    TrainingFinishedError,
 )
 from ftlaunch.lighthouse.client import QuorumClient
 from ftlaunch.lighthouse.quorum import Quorum
@@ -176,6 +177,8 @@ class Manager:
         self._vote_across_groups = CrossGroupVote()
         self._layout: dict[str, str] | None = None  # published with every quorum request
         self._shutdown = False
+        #: The lighthouse said the training finished ahead of this group (`_end_after_finish`).
+        self._ended_after_finish = False
 
         # Only the leader talks to the lighthouse. Built before anything connects: a missing address
         # is a configuration error, raised before a store or a transport is left behind.
@@ -320,10 +323,23 @@ class Manager:
             raise FtlaunchError("wait_quorum() before start_quorum()")
         try:
             self._quorum_future.result()
+        except TrainingFinishedError as e:
+            self._end_after_finish(e)
         except (LighthouseError, ConfigurationError):
             raise
         except Exception as e:  # noqa: BLE001 - reconfigure/heal failures: survive, skip the step
             self.report_error(e)
+
+    def _end_after_finish(self, e: TrainingFinishedError) -> None:
+        """The training finished while this group was behind it (restarted just as the others
+        ended), with nobody left to heal it from: end this process cleanly, as a straggler of a
+        finished job. Exit status 0, so that torchelastic does not restart the group into the same
+        answer; the leave tells the lighthouse without "finished" or a checksum (this state is not
+        the job's result)."""
+        self.log.warning("ending as a straggler of a finished job: %s", e)
+        self._ended_after_finish = True
+        self.shutdown()
+        raise SystemExit(0) from None
 
     def _run_quorum(self, seq: int, allow_heal: bool, shrink_only: bool, quorum_timeout: float) -> None:
         """The quorum thread: quorum -> this group's plan -> reconfigure if it changed -> heal."""
@@ -556,7 +572,7 @@ class Manager:
         if self._progress is not None:
             # The final report rides on the leave. Only a clean exit (no exception on its way out
             # through a `finally`) reports the state's checksum and "finished".
-            clean = sys.exc_info()[0] is None
+            clean = sys.exc_info()[0] is None and not self._ended_after_finish
             self._progress.finish(self._step, self._state.snapshot if clean else None)
         if self._client is not None:
             if leave:
