@@ -5,6 +5,8 @@ counts the group as stopped after the end, not as a result or a failure."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from ftlaunch.errors import TrainingFinishedError
@@ -36,7 +38,8 @@ def finish(m: Membership, rid: str, step: int) -> None:
 
 
 def ask(m: Membership, rid: str, step: int) -> QuorumTicket:
-    return m.request_quorum(QuorumMember(rid, step=step), ProgressReport(session=f"s2-{rid}", step=step))
+    """A (restarted) process's first request: no progress yet (a leader reports once it commits)."""
+    return m.request_quorum(QuorumMember(rid, step=step))
 
 
 def trained_together(m: Membership, step: int, *rids: str) -> None:
@@ -61,9 +64,10 @@ def test_a_late_request_behind_a_finished_peer_is_refused_with_nobody_to_heal_fr
     status = m.snapshot()
     assert status.pending == () and status.quorum is not None and status.quorum.replica_ids == ("a", "b")
     assert [h.event for h in status.history][0] == "refused_finished"
+    m.leave("b", ProgressReport(session="s2-b", step=5))  # the refused process's final report
     assert progress_of(m, "b").stopped_after_end and not progress_of(m, "a").stopped_after_end
     assert GroupProgress.from_json(progress_of(m, "b").to_json()).stopped_after_end  # travels in /status
-    m.heartbeat("b", ProgressReport(session="s3-b", step=0))  # a new process of b is judged afresh
+    m.heartbeat("b", ProgressReport(session="s3-b", step=0))  # a later process of b is judged afresh
     assert not progress_of(m, "b").stopped_after_end
 
 
@@ -73,7 +77,9 @@ def test_a_request_at_or_past_the_finished_step_still_forms() -> None:
     finish(m, "a", 12)
     t = ask(m, "b", 12)
     assert t.quorum is not None and t.quorum.replica_ids == ("b",)
-    assert not progress_of(m, "b").stopped_after_end
+    assert all(not p.stopped_after_end for p in m.progress()) and "refused_finished" not in {
+        h.event for h in m.snapshot().history
+    }
 
 
 def test_a_late_group_with_a_healer_in_its_quorum_still_forms() -> None:
@@ -115,3 +121,33 @@ def test_a_group_the_lighthouse_ended_after_the_finish_is_stopped_not_succeeded(
     straggler = exited(True)
     assert straggler.state == STOPPED and straggler.failures == 0 and straggler.checksum is None
     assert exited(False).state == SUCCEEDED
+
+
+@pytest.mark.timeout(120)
+def test_a_group_starting_after_the_training_finished_ends_cleanly(tmp_path: Path) -> None:
+    """Real processes: group 0 trains to the end and leaves "finished"; group 1 (two workers) comes
+    up afterwards at step 0. Its leader's first quorum request is refused (412), every rank ends
+    with exit status 0 without committing a step, and the lighthouse shows it stopped after the end."""
+    from ftlaunch.lighthouse.server import LighthouseServer
+    from tests.mp_harness import Group as Workers
+
+    with LighthouseServer("127.0.0.1:0", min_replicas=1, join_timeout=5.0, heartbeat_timeout=5.0,
+                          quorum_tick=0.05).start() as lh:
+        first = Workers(0, 1, lh.address, tmp_path, ["--steps", "3"])
+        late = Workers(1, 2, lh.address, tmp_path, ["--steps", "3"])
+        try:
+            first.start()
+            assert first.wait(60) == [0], first.log_tail()
+            late.start()
+            assert late.wait(60) == [0, 0], late.log_tail()
+        finally:
+            first.close()
+            late.close()
+        progress = {p.replica_id: p for p in lh.progress()}
+    assert first.final() is not None and first.final()["step"] == 3  # type: ignore[index]
+    assert all(late.final(r) is None and late.steps(r) == [] for r in range(2)), late.records()
+    assert "nothing left to heal from" in late.log_tail(20000)
+    done, straggler = progress["rg0"], progress["rg1"]
+    assert done.finished and not done.stopped_after_end
+    assert straggler.stopped_after_end and straggler.committed == 0 and not straggler.finished
+    assert straggler.unsynced_sessions == 0

@@ -244,6 +244,8 @@ class _Totals:
     unsynced: int = 0
     #: The session ("" before any report) the lighthouse refused as a straggler of a finished job.
     stopped_session: str | None = None
+    #: Refused before its session was known: the next new session to report is the refused one.
+    stopped_pending: bool = False
     samples: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=256))
 
 
@@ -285,6 +287,8 @@ class ProgressBook:
                 t.heal_seconds += cur.heal_seconds
             cur = t.current = _Session(report.session)
             t.sessions += 1
+            if t.stopped_pending:
+                t.stopped_session, t.stopped_pending = report.session, False
             t.finished, t.checksum, t.checksum_step = False, "", None
         if report.commits < cur.commits:
             return  # an older report of this session, overtaken by a newer one
@@ -319,10 +323,13 @@ class ProgressBook:
         return max((t.step for rid, t in self._groups.items() if rid not in others and t.finished), default=0)
 
     def stopped_after_end(self, replica_id: str) -> None:
-        """The lighthouse refused the group's current session a quorum: the training finished at a
-        step it was behind (`tickets.TrainingFinished`). Kept until a new session reports."""
+        """The lighthouse refused the group's process a quorum: the training finished at a step it
+        was behind (`tickets.TrainingFinished`). Marks its session (see below) until a newer one."""
         t = self._totals(replica_id)
+        # A process reports only once it commits: one refused before its first commit (the usual
+        # case) is not the current session but the next new one, which reports with its leave.
         t.stopped_session = t.current.session if t.current is not None else ""
+        t.stopped_pending = True
 
     def job_step_rate(self, wall: float) -> float:
         """Committed group-steps per second of the whole job, divided by the groups that committed
