@@ -10,7 +10,9 @@ Each step::
 Failures never raise into the training loop: a failed collective, reconfigure or heal marks the step
 as errored, ``should_commit`` returns False everywhere, and the next quorum (which the failure changes)
 carries on without the dead group. Only conditions training cannot survive raise: the lighthouse is
-gone, this group was evicted, or ``max_retries`` consecutive steps failed.
+gone, this group was evicted, or ``max_retries`` consecutive steps failed. One ends the process
+instead: the training finished ahead of this group with nobody left to heal it from (``SystemExit(0)``,
+see `Manager._end_after_finish`).
 
 The class reads in that order. The mechanics live beside it: `plan` (what this group does in the
 step, from the quorum), `quorum_request` (what the leader asks the lighthouse with, and retries),
