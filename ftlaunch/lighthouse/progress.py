@@ -267,12 +267,15 @@ class ProgressBook:
         self._groups: dict[str, _Totals] = {}
         self._job: deque[tuple[float, int]] = deque(maxlen=1024)  # (wall, commits of all groups)
         self._job_commits = 0
+        #: Ids of the groups whose current session finished: the lighthouse asks for the furthest
+        #: finished step at every quorum it forms (nobody finished for most of a run: no scan).
+        self._finished: set[str] = set()
 
     def _totals(self, replica_id: str) -> _Totals:
         t = self._groups.get(replica_id)
         if t is None:
             if len(self._groups) >= MAX_GROUPS:
-                self._groups.pop(next(iter(self._groups)))
+                self._finished.discard(self._groups.pop(next(iter(self._groups))).replica_id)
             t = self._groups[replica_id] = _Totals(replica_id)
         return t
 
@@ -290,6 +293,7 @@ class ProgressBook:
             if t.stopped_pending:
                 t.stopped_session, t.stopped_pending = report.session, False
             t.finished, t.checksum, t.checksum_step = False, "", None
+            self._finished.discard(replica_id)
         if report.commits < cur.commits:
             return  # an older report of this session, overtaken by a newer one
         new_commits = report.commits - cur.commits
@@ -309,6 +313,7 @@ class ProgressBook:
             self._job.append((wall, self._job_commits))
         if report.finished:
             t.finished = True
+            self._finished.add(replica_id)
             if report.checksum:
                 t.checksum, t.checksum_step = report.checksum, report.step
 
@@ -320,7 +325,7 @@ class ProgressBook:
         """The furthest step at which another group (not ``exclude``: one id or a set of them)
         finished (a clean exit), 0 if none did."""
         others = frozenset() if exclude is None else frozenset((exclude,)) if isinstance(exclude, str) else exclude
-        return max((t.step for rid, t in self._groups.items() if rid not in others and t.finished), default=0)
+        return max((self._groups[rid].step for rid in self._finished if rid not in others), default=0)
 
     def stopped_after_end(self, replica_id: str) -> None:
         """The lighthouse refused the group's process a quorum: the training finished at a step it
