@@ -40,6 +40,12 @@ class EvictedError(LighthouseError):
     """The lighthouse evicted this replica group (admin action); the group must stop."""
 
 
+class TrainingFinishedError(LighthouseError):
+    """The lighthouse refused this group a quorum: another group finished the training at a step
+    this group is behind, and nobody is left to heal it from (HTTP 412). The group is a straggler
+    of a finished job: the Manager ends its process cleanly (exit status 0)."""
+
+
 class CheckpointTransportError(CommunicationError):
     """A live-recovery transfer failed, timed out, or delivered a corrupt payload."""
 

@@ -83,6 +83,9 @@ class Group:
     root_cause: str | None = None
     #: One of its workers exited 0: the training is ending.
     finishing: bool = False
+    #: The lighthouse refused its current process a quorum: the training had finished at a step it
+    #: was behind, nobody left to heal from (its workers then exit 0, as stragglers of the job).
+    stopped_after_end: bool = False
     #: Its workers are SIGSTOPped (chaos).
     paused: bool = False
 
@@ -171,6 +174,12 @@ class Group:
         """The agent process exited with ``code``, leaving ``result`` (its result file, or {})."""
         status = result.get("status")
         if code == 0 and status == "succeeded":
+            if self.stopped_after_end:  # not a result of the job: ended like a straggler the launcher stops
+                self.state = STOPPED
+                return AgentExit(message=(
+                    f"[ftlaunch] replica group {self.gid}: the training finished while it was recovering "
+                    "(nobody left to heal it from); it ended (the lighthouse refused it a quorum)"
+                ))
             self.state = SUCCEEDED
             return AgentExit()
         if status == "failed":  # torchelastic gave up: restarts exhausted
@@ -238,6 +247,7 @@ class Group:
             self.finishing = True
         self.checksum_step = p.checksum_step if self.checksum else None
         self.unsynced_sessions = p.unsynced_sessions
+        self.stopped_after_end = p.stopped_after_end
         new = p.committed > self.committed
         self.committed = max(self.committed, p.committed)
         self.session = p.session

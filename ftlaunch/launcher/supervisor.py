@@ -365,6 +365,8 @@ class Supervisor:
         code = agent.proc.poll()
         if code is None or agent.last_words_pending(now):
             return
+        if code == 0:  # whether the lighthouse ended it as a straggler (`Group.stopped_after_end`)
+            self._read_progress(now, force=True)
         outcome = group.agent_exited(code, agent.result(), self.opts.max_agent_restarts, now)
         if outcome.kill_orphans:
             self._kill_orphans(group)

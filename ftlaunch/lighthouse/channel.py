@@ -17,7 +17,13 @@ import time
 from collections.abc import Callable
 
 from ftlaunch.addresses import http_url
-from ftlaunch.errors import EvictedError, LighthouseError, LighthouseUnavailableError, QuorumTimeoutError
+from ftlaunch.errors import (
+    EvictedError,
+    LighthouseError,
+    LighthouseUnavailableError,
+    QuorumTimeoutError,
+    TrainingFinishedError,
+)
 from ftlaunch.lighthouse.protocol import API_VERSION, INCARNATION_HEADER, REPLICA_HEADER
 
 _BACKOFF_START = 0.02
@@ -164,6 +170,8 @@ def raise_for(status: int, payload: dict, what: str) -> None:
         raise EvictedError(message)
     if status == 408:
         raise QuorumTimeoutError(message)
+    if status == 412:
+        raise TrainingFinishedError(message)
     if status == 503:
         raise LighthouseUnavailableError(message)
     raise LighthouseError(message)

@@ -55,12 +55,14 @@ from ftlaunch.lighthouse.tickets import (
     ShuttingDown,
     Superseded,
     TooManyGroups,
+    TrainingFinished,
 )
 
 # The tickets and domain errors are part of this module's interface (routes.py, tests import them here).
 __all__ = [
     "ADOPTED", "ANONYMOUS", "Abandoned", "Evicted", "HeldElsewhere", "ImplausibleStep", "Left", "MAX_GROUPS",
     "Membership", "MembershipError", "QuorumTicket", "QuorumTimeout", "ShuttingDown", "Superseded", "TooManyGroups",
+    "TrainingFinished",
 ]
 
 log = logging.getLogger(__name__)
@@ -434,6 +436,9 @@ class Membership(SparesMixin, StatusMixin, ResumeMixin):
             return
         decision = decide_quorum(state, now, self._options)
         if not decision.formed:
+            return
+        if decision.participants is not None and self._refuse_behind_finished(decision.participants):
+            self._decide(now)  # the others may form now (each round refuses one request or more)
             return
         if decision.new_id:
             global _last_issued_id

@@ -1,10 +1,11 @@
 """The membership's reports (`membership.Membership` mixes it in): the status document, the training
 progress, and what rides on a heartbeat answer: the admin's kill request and the participants of
-the caller's quorum that are lost (or the news that its quorum went on without it).
+the caller's quorum that are lost (or the news that its quorum went on without it); and the one
+rule that progress feeds back: no quorum of groups behind a group that finished the training.
 
-Why apart: these read the bookkeeping and change nothing the quorum decision sees (a kill is told
-to the group, which then dies like any crashed process), so the rules of who is in a quorum read
-without them. `GroupInfo` lives here because the status is what it is for. Runs under the
+Why apart: apart from that last rule, these read the bookkeeping and change nothing the quorum
+decision sees (a kill is told to the group, which then dies like any crashed process), so the
+rules of who is in a quorum read without them. `GroupInfo` lives here because the status is what it is for. Runs under the
 membership's lock like the rest of it.
 """
 
@@ -36,6 +37,7 @@ from ftlaunch.lighthouse.status import (
     SparesStatus,
     StatusOptions,
 )
+from ftlaunch.lighthouse.tickets import MembershipError, QuorumTicket, TrainingFinished
 
 log = logging.getLogger("ftlaunch.lighthouse.membership")
 
@@ -88,6 +90,8 @@ class StatusMixin:
         def _spares_status(self, now: float) -> SparesStatus | None: ...
 
         def _record(self, event: str, replica_id: str | None, detail: str = "") -> None: ...
+
+        def _drop_request(self, rid: str, ticket: QuorumTicket | None = None, error: MembershipError | None = None) -> bool: ...
 
     # ------------------------------------------------------------------ status
 
@@ -172,6 +176,30 @@ class StatusMixin:
         if not info.down_counted:
             info.down_counted = True
             self._progress.failed(rid)
+
+    # ------------------------------------------------------------------ the end of the training
+
+    def _refuse_behind_finished(self, participants: tuple[QuorumMember, ...]) -> bool:
+        """The end-of-run race (docs/launcher.md): a group restarting just as the others finish
+        asks for a quorum once they left, and would get one of itself alone, then train from behind
+        with nobody to heal from. So a quorum whose participants are all behind the furthest step at
+        which another group finished is not formed: its requests are answered `TrainingFinished`
+        (their groups end as stragglers of a finished job). Returns whether it refused."""
+        ids = frozenset(p.replica_id for p in participants)
+        finished = self._progress.furthest_finished_step(exclude=ids)
+        if not finished or max(p.step for p in participants) >= finished:
+            return False
+        for member in participants:
+            rid = member.replica_id
+            reason = (
+                f"the training finished at step {finished}; nothing left to heal from "
+                f"(replica {rid} is at step {member.step})"
+            )
+            self._progress.stopped_after_end(rid)
+            self._record("refused_finished", rid, reason)
+            log.warning("lighthouse: replica %s refused a quorum: %s", rid, reason)
+            self._drop_request(rid, error=TrainingFinished(reason, finished))
+        return True
 
     # ------------------------------------------------------------------ heartbeat answers
 

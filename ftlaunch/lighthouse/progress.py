@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Set
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -142,6 +142,9 @@ class GroupProgress:
     #: Sessions that committed steps starting behind a group that had already finished, without
     #: healing: they trained without the others' state (e.g. restarted after their peers finished).
     unsynced_sessions: int = 0
+    #: The lighthouse turned its current session's quorum request away because the training had
+    #: finished at a step it was behind, with nobody to heal from: it ends as a straggler.
+    stopped_after_end: bool = False
 
     @property
     def restarts(self) -> int:
@@ -167,6 +170,7 @@ class GroupProgress:
             "checksum_step": self.checksum_step,
             "finished": self.finished,
             "unsynced_sessions": self.unsynced_sessions,
+            "stopped_after_end": self.stopped_after_end,
         }
 
     @classmethod
@@ -206,6 +210,7 @@ class GroupProgress:
             checksum_step=checksum_step,
             finished=bool(d.get("finished", False)),
             unsynced_sessions=_int(d, "unsynced_sessions"),
+            stopped_after_end=bool(d.get("stopped_after_end", False)),
         )
 
 
@@ -237,6 +242,10 @@ class _Totals:
     checksum_step: int | None = None
     finished: bool = False
     unsynced: int = 0
+    #: The session ("" before any report) the lighthouse refused as a straggler of a finished job.
+    stopped_session: str | None = None
+    #: Refused before its session was known: the next new session to report is the refused one.
+    stopped_pending: bool = False
     samples: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=256))
 
 
@@ -258,12 +267,15 @@ class ProgressBook:
         self._groups: dict[str, _Totals] = {}
         self._job: deque[tuple[float, int]] = deque(maxlen=1024)  # (wall, commits of all groups)
         self._job_commits = 0
+        #: Ids of the groups whose current session finished: the lighthouse asks for the furthest
+        #: finished step at every quorum it forms (nobody finished for most of a run: no scan).
+        self._finished: set[str] = set()
 
     def _totals(self, replica_id: str) -> _Totals:
         t = self._groups.get(replica_id)
         if t is None:
             if len(self._groups) >= MAX_GROUPS:
-                self._groups.pop(next(iter(self._groups)))
+                self._finished.discard(self._groups.pop(next(iter(self._groups))).replica_id)
             t = self._groups[replica_id] = _Totals(replica_id)
         return t
 
@@ -278,7 +290,10 @@ class ProgressBook:
                 t.heal_seconds += cur.heal_seconds
             cur = t.current = _Session(report.session)
             t.sessions += 1
+            if t.stopped_pending:
+                t.stopped_session, t.stopped_pending = report.session, False
             t.finished, t.checksum, t.checksum_step = False, "", None
+            self._finished.discard(replica_id)
         if report.commits < cur.commits:
             return  # an older report of this session, overtaken by a newer one
         new_commits = report.commits - cur.commits
@@ -298,6 +313,7 @@ class ProgressBook:
             self._job.append((wall, self._job_commits))
         if report.finished:
             t.finished = True
+            self._finished.add(replica_id)
             if report.checksum:
                 t.checksum, t.checksum_step = report.checksum, report.step
 
@@ -305,9 +321,20 @@ class ProgressBook:
         """The lighthouse saw the group go down (counted once per incident by the caller)."""
         self._totals(replica_id).failures += 1
 
-    def furthest_finished_step(self, exclude: str | None = None) -> int:
-        """The furthest step at which another group finished (a clean exit), 0 if none did."""
-        return max((t.step for rid, t in self._groups.items() if rid != exclude and t.finished), default=0)
+    def furthest_finished_step(self, exclude: str | Set[str] | None = None) -> int:
+        """The furthest step at which another group (not ``exclude``: one id or a set of them)
+        finished (a clean exit), 0 if none did."""
+        others = frozenset() if exclude is None else frozenset((exclude,)) if isinstance(exclude, str) else exclude
+        return max((self._groups[rid].step for rid in self._finished if rid not in others), default=0)
+
+    def stopped_after_end(self, replica_id: str) -> None:
+        """The lighthouse refused the group's process a quorum: the training finished at a step it
+        was behind (`tickets.TrainingFinished`). Marks its session (see below) until a newer one."""
+        t = self._totals(replica_id)
+        # A process reports only once it commits: one refused before its first commit (the usual
+        # case) is not the current session but the next new one, which reports with its leave.
+        t.stopped_session = t.current.session if t.current is not None else ""
+        t.stopped_pending = True
 
     def job_step_rate(self, wall: float) -> float:
         """Committed group-steps per second of the whole job, divided by the groups that committed
@@ -341,6 +368,7 @@ class ProgressBook:
                     checksum_step=t.checksum_step,
                     finished=t.finished,
                     unsynced_sessions=t.unsynced,
+                    stopped_after_end=t.stopped_session == (cur.session if cur else ""),
                 )
             )
         return tuple(out)

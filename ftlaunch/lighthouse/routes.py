@@ -38,6 +38,7 @@ from ftlaunch.lighthouse.membership import (
     ShuttingDown,
     Superseded,
     TooManyGroups,
+    TrainingFinished,
 )
 from ftlaunch.lighthouse.progress import ProgressReport
 from ftlaunch.lighthouse.protocol import (
@@ -64,6 +65,7 @@ ERROR_STATUS: dict[type[MembershipError], int] = {
     Left: 409,
     Evicted: 410,
     HeldElsewhere: 409,
+    TrainingFinished: 412,
     ImplausibleStep: 422,
     TooManyGroups: 429,
     ShuttingDown: 503,
@@ -78,7 +80,7 @@ _OPEN_METHODS = frozenset({"GET", "HEAD"})
 _ADMIN_PREFIX = "/admin/"
 
 #: Error codes that are part of normal operation (logged at INFO, the others at WARNING).
-_ROUTINE = frozenset({408, 409, 410, 503})
+_ROUTINE = frozenset({408, 409, 410, 412, 503})
 
 _Fields = dict[str, tuple[type, ...]]
 

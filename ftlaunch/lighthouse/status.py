@@ -145,7 +145,7 @@ class GroupStatus:
 @dataclass(frozen=True)
 class HistoryEvent:
     """One entry of the history: ``joined``, ``quorum``, ``silent``, ``disconnected``, ``failed``,
-    ``revived``, ``left``, ``evicted`` or ``failure_report``; with hot spares also ``claimed`` and
+    ``revived``, ``left``, ``evicted``, ``failure_report`` or ``refused_finished``; with hot spares also ``claimed`` and
     ``replaced`` (docs/lighthouse.md)."""
 
     time: float

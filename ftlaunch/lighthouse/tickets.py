@@ -52,6 +52,16 @@ class TooManyGroups(MembershipError):
     """The lighthouse tracks `MAX_GROUPS` ids already."""
 
 
+class TrainingFinished(MembershipError):
+    """Another group finished the training at a step this request is behind, and no participant of
+    the quorum that would form is at or past that step: nobody is left to heal the group from, so
+    it would train from behind, alone. The group is a straggler of a finished job and should end."""
+
+    def __init__(self, message: str, finished_step: int) -> None:
+        super().__init__(message)
+        self.finished_step = finished_step
+
+
 class Abandoned(MembershipError):
     """The requester went away (its connection closed): there is nobody to answer."""
 

@@ -25,6 +25,7 @@ from ftlaunch.errors import (
     EvictedError,
     LighthouseError,
     QuorumTimeoutError,
+    TrainingFinishedError,
 )
 from ftlaunch.lighthouse.quorum import Quorum
 from ftlaunch.timeouts import Timeouts
@@ -35,6 +36,7 @@ _KEEP_ROUNDS = 2
 _RELAYED_ERRORS: dict[str, type[LighthouseError]] = {
     "EvictedError": EvictedError,
     "QuorumTimeoutError": QuorumTimeoutError,
+    "TrainingFinishedError": TrainingFinishedError,
 }
 
 

@@ -10,7 +10,9 @@ Each step::
 Failures never raise into the training loop: a failed collective, reconfigure or heal marks the step
 as errored, ``should_commit`` returns False everywhere, and the next quorum (which the failure changes)
 carries on without the dead group. Only conditions training cannot survive raise: the lighthouse is
-gone, this group was evicted, or ``max_retries`` consecutive steps failed.
+gone, this group was evicted, or ``max_retries`` consecutive steps failed. One ends the process
+instead: the training finished ahead of this group with nobody left to heal it from (``SystemExit(0)``,
+see `Manager._end_after_finish`).
 
 The class reads in that order. The mechanics live beside it: `plan` (what this group does in the
 step, from the quorum), `quorum_request` (what the leader asks the lighthouse with, and retries),
@@ -42,6 +44,7 @@ from ftlaunch.errors import (
     ConfigurationError,
     FtlaunchError,
     LighthouseError,
+    TrainingFinishedError,
 )
 from ftlaunch.lighthouse.client import QuorumClient
 from ftlaunch.lighthouse.quorum import Quorum
@@ -178,6 +181,8 @@ class Manager(ManagerStateApi):
         self._vote_across_groups = CrossGroupVote()
         self._layout: dict[str, str] | None = None  # published with every quorum request
         self._shutdown = False
+        #: The lighthouse said the training finished ahead of this group (`_end_after_finish`).
+        self._ended_after_finish = False
 
         # Only the leader talks to the lighthouse. Built before anything connects: a missing address
         # is a configuration error, raised before a store or a transport is left behind.
@@ -273,10 +278,23 @@ class Manager(ManagerStateApi):
             raise FtlaunchError("wait_quorum() before start_quorum()")
         try:
             self._quorum_future.result()
+        except TrainingFinishedError as e:
+            self._end_after_finish(e)
         except (LighthouseError, ConfigurationError):
             raise
         except Exception as e:  # noqa: BLE001 - reconfigure/heal failures: survive, skip the step
             self.report_error(e)
+
+    def _end_after_finish(self, e: TrainingFinishedError) -> None:
+        """The training finished while this group was behind it (restarted just as the others
+        ended), with nobody left to heal it from: end this process cleanly, as a straggler of a
+        finished job. Exit status 0, so that torchelastic does not restart the group into the same
+        answer; the leave tells the lighthouse without "finished" or a checksum (this state is not
+        the job's result)."""
+        self.log.warning("ending as a straggler of a finished job: %s", e)
+        self._ended_after_finish = True
+        self.shutdown()
+        raise SystemExit(0) from None
 
     def _run_quorum(self, seq: int, allow_heal: bool, shrink_only: bool, quorum_timeout: float) -> None:
         """The quorum thread: quorum -> this group's plan -> reconfigure if it changed -> heal."""
@@ -494,8 +512,9 @@ class Manager(ManagerStateApi):
             return
         self._shutdown = True
         # The final report rides on the leave. Only a clean exit (no exception on its way out
-        # through a `finally`) reports the state's checksum and "finished".
-        clean = sys.exc_info()[0] is None
+        # through a `finally`) reports the state's checksum and "finished"; a group the lighthouse
+        # refused because the training finished without it reports neither.
+        clean = sys.exc_info()[0] is None and not self._ended_after_finish
         self._link.close(self._step, self._state.snapshot if clean else None, leave=leave)
         self._executor.shutdown(wait=wait, cancel_futures=True)
         self._transport.shutdown(wait=wait)

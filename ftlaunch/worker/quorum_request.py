@@ -18,7 +18,7 @@ import socket
 from typing import Any
 
 from ftlaunch.checkpointing.transport import CheckpointTransport
-from ftlaunch.errors import EvictedError, LighthouseError
+from ftlaunch.errors import EvictedError, LighthouseError, TrainingFinishedError
 from ftlaunch.lighthouse.client import QuorumClient
 from ftlaunch.lighthouse.quorum import Quorum, QuorumMember
 from ftlaunch.process_group.base import ProcessGroup
@@ -82,12 +82,12 @@ def ask_lighthouse(
     client: QuorumClient, request: QuorumMember, retries: int, timeout: float, log: logging.LoggerAdapter
 ) -> Quorum:
     """The quorum for ``request``, retried ``retries`` times on lighthouse errors (never after an
-    eviction: that one is final)."""
+    eviction, nor after the training finished ahead of the group: those are final)."""
     attempts = retries + 1
     for attempt in range(1, attempts + 1):
         try:
             return client.quorum(request, timeout=timeout)
-        except EvictedError:
+        except (EvictedError, TrainingFinishedError):
             raise
         except LighthouseError as e:
             if attempt == attempts:

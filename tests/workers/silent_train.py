@@ -3,7 +3,8 @@ every figure (steps, heals, rejoins, checksums) from the lighthouse.
 
 ``--die-after-group G``: group G's first process exits with code 1 after its last step, before it
 shuts down (once per job: a marker file in ``--marker-dir``), so its agent restarts it after its
-peers have finished -- it then trains alone from step 0, which the job must report as a failure.
+peers have finished -- at step 0 with nobody to heal from, so the job must end it (the lighthouse
+refuses it a quorum, or the supervisor stops it), never let it train alone.
 """
 
 from __future__ import annotations
