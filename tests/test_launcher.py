@@ -113,8 +113,11 @@ def test_root_cause_and_min_replicas_stop_the_job(tmp_path) -> None:
 def test_chaos_kills_groups_and_training_finishes(tmp_path) -> None:
     out = str(tmp_path)
     res = run(
+        # Each incarnation trains 10 s on its own (this stand-in worker does not heal): long enough
+        # for three kills, each waiting for the last victim to step again, and the chaos stops once
+        # a group finished.
         [*FTLAUNCH, "--replicas", "2", "--max-restarts", "6", "--chaos", "every=0.7,count=3,seed=3",
-         WORKER, "--out", out, "--steps", "60", "--step-time", "0.05", "--checksum", "same"],
+         WORKER, "--out", out, "--steps", "200", "--step-time", "0.05", "--checksum", "same"],
         timeout=100,
     )
     assert res.returncode == 0, res.stderr
