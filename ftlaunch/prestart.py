@@ -293,6 +293,13 @@ def _import_torch() -> bool:
     return True
 
 
+#: The script's globals, kept until the interpreter exits. `python SCRIPT` keeps ``__main__``'s
+#: globals alive through the atexit handlers; runpy hands back a copy and drops its own, so without
+#: this a script's objects (README's two-line form: its `FaultTolerance`, which leaves the quorum at
+#: exit) could be collected before the atexit handler that still needs them runs.
+_script_globals: list[dict[str, object]] = []
+
+
 def main(argv: list[str] | None = None) -> None:
     """``python -m ftlaunch.prestart [-m MODULE | SCRIPT] ARGS...``: start the child, run the script."""
     argv = sys.argv[1:] if argv is None else argv
@@ -307,12 +314,12 @@ def main(argv: list[str] | None = None) -> None:
     phases.mark("script_start")
     if argv[0] == "-m":
         sys.argv = [argv[1], *argv[2:]]  # runpy sets argv[0] to the module's file, as python -m does
-        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        _script_globals.append(runpy.run_module(argv[1], run_name="__main__", alter_sys=True))
     else:
         script = argv[0]
         sys.argv = list(argv)
         sys.path[0] = os.path.dirname(os.path.abspath(script))  # what `python SCRIPT` puts first
-        runpy.run_path(script, run_name="__main__")
+        _script_globals.append(runpy.run_path(script, run_name="__main__"))
 
 
 if __name__ == "__main__":

@@ -266,6 +266,7 @@ def test_baby_abort_interrupts_blocked_configure(store: dist.TCPStore) -> None:
         pg.shutdown()
 
 
+@pytest.mark.slow  # ~15-50 s (two Baby children import torch); the abort decision has fast tests on the fake
 @pytest.mark.timeout(120)
 def test_baby_prepare_abort_starts_the_replacement_child_that_the_abort_then_uses(store: dist.TCPStore) -> None:
     """`prepare_abort` (a step has waited long: worker/hang_abort.py) starts the replacement child
