@@ -31,6 +31,7 @@ from ftlaunch.errors import (
 )
 from ftlaunch.lighthouse.quorum import Quorum, QuorumMember
 from ftlaunch.process_group.fake import FakeProcessGroup
+from ftlaunch.worker import recovery
 from ftlaunch.worker.group_store import GroupStore
 from ftlaunch.worker.managed_pg import ManagedProcessGroup
 from ftlaunch.worker.manager import Manager
@@ -297,13 +298,57 @@ HONEST = {MANAGER_STATE_KEY: {"step": 5, "batches_committed": 9}, "default": {"w
 POISONED = {MANAGER_STATE_KEY: {"step": 5, "batches_committed": 9}, "default": {"w": torch.full((3,), 1e9)}}
 
 
-def test_a_request_claims_the_checksum_of_the_state_it_would_offer(make: Callable[..., Group]) -> None:
+def on_demand(replica_id: str, step: int) -> QuorumMember:
+    """A peer at ``step`` that, like us, claims on demand (an empty claim: `plan.claims_wanted`)."""
+    member = peer(replica_id, step)
+    return QuorumMember(replica_id=replica_id, store_address=member.store_address, step=step,
+                        data={**member.data, "claim": []})
+
+
+def test_a_request_claims_on_demand_and_no_checksum_is_made_while_nobody_heals(
+    make: Callable[..., Group], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sums: list[int] = []
+    real = recovery.state_checksum
+    monkeypatch.setattr(recovery, "state_checksum", lambda state: sums.append(1) or real(state))
     lighthouse = ScriptedLighthouse(in_step(1, "rg1"))
     g = make(lighthouse, init_sync=False)
+    assert [g.step()[0] for _ in range(3)] == [True] * 3
+    assert [m.data["claim"] for m in lighthouse.asked] == [[], [], []] and sums == []
+
+
+def test_when_a_heal_is_due_every_member_asks_again_with_the_checksum_of_its_state(
+    make: Callable[..., Group],
+) -> None:
+    """The source's side: the quorum holds a healer (rg1 at step 0 behind our 5) and everyone claims
+    on demand, so we ask again at once, claiming, and plan (and serve) from that second answer."""
+
+    def second(member: QuorumMember) -> Quorum:  # the healer claims too (its claim is never used)
+        return quorum(2, claiming("rg1", 0, {}), us="rg0")(member)
+
+    lighthouse = ScriptedLighthouse(quorum(2, on_demand("rg1", 0)), second)
+    g = make(lighthouse, init_sync=False)
+    g.m.load_state_dict({"step": 5, "batches_committed": 9})
     g.user.value = {"w": torch.arange(4.0)}
-    g.step()
-    offered = {"default": {"w": torch.arange(4.0)}, MANAGER_STATE_KEY: {"step": 0, "batches_committed": 0}}
-    assert lighthouse.asked[0].data["claim"] == [state_checksum(offered)]
+    assert g.step()[0]
+    offered = {"default": {"w": torch.arange(4.0)}, MANAGER_STATE_KEY: {"step": 5, "batches_committed": 9}}
+    assert [m.data["claim"] for m in lighthouse.asked] == [[], [state_checksum(offered)]]
+    assert [m.step for m in lighthouse.asked] == [5, 5]
+    assert g.pg.configure_calls == [(f"{OUR_STORE}/ftlaunch/q2/r0", 0, 2)]  # configured once, from the second
+    assert ("send", [1], 5) in g.transport.events
+    # The next step: nobody heals any more, one request, no checksum.
+    lighthouse.then(in_step(2, "rg1"))
+    lighthouse.answers.pop(0)
+    assert g.step()[0] and lighthouse.asked[-1].data["claim"] == [] and len(lighthouse.asked) == 3
+
+
+def test_a_member_that_does_not_claim_on_demand_means_nobody_asks_again(make: Callable[..., Group]) -> None:
+    """The choice depends on the quorum alone: one member without the empty claim (claims off, or
+    an older ftlaunch) and nobody asks again -- a lone second request would wait for the others."""
+    lighthouse = ScriptedLighthouse(quorum(2, peer("rg1", 0)))
+    g = make(lighthouse, init_sync=False)
+    g.m.load_state_dict({"step": 5, "batches_committed": 9})
+    assert g.step()[0] and len(lighthouse.asked) == 1
 
 
 def test_a_healer_rejects_state_that_is_not_what_its_source_claimed(make: Callable[..., Group]) -> None:
@@ -581,7 +626,7 @@ def test_a_two_rank_group_shares_the_leaders_quorum_and_votes_through_its_store(
     assert [g.pg.configure_calls for g in ranks] == [[(f"{OUR_STORE}/ftlaunch/q1/r0", 0, 2)],
                                                      [(f"{OUR_STORE}/ftlaunch/q1/r1", 0, 2)]]  # fmt: skip
     assert lighthouse.asked[0].data["ckpt"] == ["mem://rg0/r0", "mem://rg0/r1"]  # every rank's metadata
-    assert len(lighthouse.asked[0].data["claim"]) == 2  # and every rank's heal claim
+    assert lighthouse.asked[0].data["claim"] == []  # claims on demand: nobody heals here
     # An error on rank 1 only: rank 0 voted yes, but the group's vote refuses the step on both.
     assert [c for c, _ in both([None, RuntimeError("rank 1 failed")])] == [False, False]
     assert all(g.m.current_step() == 1 for g in ranks)
@@ -592,6 +637,24 @@ def test_a_two_rank_group_shares_the_leaders_quorum_and_votes_through_its_store(
         for f in futures:
             with pytest.raises(LighthouseError):
                 f.result(timeout=20)
+
+
+def test_in_a_two_rank_group_every_rank_claims_when_a_heal_is_due(make: Callable[..., Group]) -> None:
+    """The second, claiming request carries both ranks' checksums (rank 1's through the group
+    store), and both ranks take the same second answer; then the vote still lines up."""
+    lighthouse = ScriptedLighthouse(quorum(2, on_demand("rg1", 0)), quorum(2, claiming("rg1", 0, {})))
+    store = dist.HashStore()
+    ranks = [make(lighthouse, rank=0, world_size=2, store=store, init_sync=False),
+             make(None, rank=1, world_size=2, store=store, init_sync=False)]  # fmt: skip
+    for r, g in enumerate(ranks):  # each rank its own shard
+        g.m.load_state_dict({"step": 5, "batches_committed": 9})
+        g.user.value = {"w": torch.full((2,), float(r))}
+    with ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(g.step) for g in ranks]
+        assert [f.result(timeout=20)[0] for f in futures] == [True, True]
+    claims = [m.data["claim"] for m in lighthouse.asked]
+    assert len(claims) == 2 and claims[0] == [] and len(claims[1]) == 2 and claims[1][0] != claims[1][1]
+    assert all(g.m.current_step() == 6 for g in ranks)
 
 
 def test_the_leader_passes_a_lost_quorum_on_to_the_other_ranks_of_its_group(make: Callable[..., Group]) -> None:

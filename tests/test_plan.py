@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ftlaunch.lighthouse.quorum import Quorum, QuorumMember
-from ftlaunch.worker.plan import WorldSizeMode, plan_step
+from ftlaunch.worker.plan import WorldSizeMode, claims_wanted, plan_step
 
 
 def quorum(steps: dict[str, int], qid: int = 7) -> Quorum:
@@ -227,3 +227,24 @@ def test_a_malformed_claim_is_no_claim(bad: object) -> None:
         QuorumMember(replica_id="d", store_address="d:1", step=1, data={}),
     ), created=0.0)
     assert plan_step(q, "d").recover_src_id == "c" and plan_step(q, "d").untrusted_ids == ("a", "b")
+
+
+def test_claims_are_wanted_only_when_someone_heals_and_every_member_claims_on_demand() -> None:
+    on_demand = {"a": [], "b": [], "c": []}
+    assert claims_wanted(claimed({"a": 5, "b": 5, "c": 3}, on_demand))  # c heals
+    assert not claims_wanted(claimed({"a": 5, "b": 5, "c": 5}, on_demand))  # nobody heals
+    assert claims_wanted(claimed({"a": 0, "b": 0, "c": 0}, on_demand))  # the start's primary copy
+    assert not claims_wanted(claimed({"a": 0, "b": 0, "c": 0}, on_demand), init_sync=False)
+    # One member that makes no empty claim (claims off, an older ftlaunch, a claim already made):
+    # nobody asks again, whatever the others' settings.
+    assert not claims_wanted(claimed({"a": 5, "b": 5, "c": 3}, {"a": [], "b": [], "c": None}))
+    assert not claims_wanted(claimed({"a": 5, "b": 5, "c": 3}, {"a": ["x"], "b": [], "c": []}))
+    assert not claims_wanted(claimed({"a": 5}, {"a": []}))  # alone: nobody to heal from
+
+
+@given(st.dictionaries(st.sampled_from("abcde"), st.integers(0, 3), min_size=1), st.booleans())
+def test_claims_wanted_agrees_with_the_plans(steps: dict[str, int], init_sync: bool) -> None:
+    """Someone heals in the plans exactly when an all-on-demand quorum wants claims."""
+    q = claimed(steps, {r: [] for r in steps})
+    heals = any(plan_step(q, r, init_sync=init_sync).heal for r in steps)
+    assert claims_wanted(q, init_sync=init_sync) == heals

@@ -61,6 +61,7 @@ from ftlaunch.worker.leader import LeaderLink
 from ftlaunch.worker.managed_work import ManagedWork, with_default
 from ftlaunch.worker.manager_state import ManagerStateApi
 from ftlaunch.worker.plan import StepPlan, WorldSizeMode, plan_step
+from ftlaunch.worker.plan import claims_wanted as plan_claims_wanted
 from ftlaunch.worker.recovery import DEFAULT_STATE_KEY, StateRegistry
 from ftlaunch.worker.watchdog import progress_timeout
 
@@ -302,13 +303,12 @@ class Manager(ManagerStateApi):
             quorum_request.become_ready(self._pg, self._group, self._transport, self.log)
             self._ready = True
             self._mark("ready")
-        # Every rank claims a checksum of the state it would offer (worker/plan.py: heal sources
-        # must agree); the leader sends them all with its request.
-        claim = recovery.state_claim(self._state)
-        if self._group_rank != 0:
-            self._group.publish_claim(seq, claim)
-        # Only the leader asks the lighthouse; the group store relays its answer to the other ranks.
-        quorum = self._group.relay_quorum(seq, lambda: self._ask_lighthouse(shrink_only, quorum_timeout, seq, claim))
+        quorum = self._ask_quorum(seq, shrink_only, quorum_timeout, claiming=False)
+        if plan_claims_wanted(quorum, init_sync=self._init_sync):
+            # Someone heals: heal sources must agree (worker/plan.py), so every member asks again,
+            # now with a checksum of the state it would offer. A new round of the group's store.
+            self._quorum_seq += 1
+            quorum = self._ask_quorum(self._quorum_seq, shrink_only, quorum_timeout, claiming=True)
         self._mark("quorum")
         plan = plan_step(quorum, self.replica_id, init_sync=self._init_sync,
                          world_size_mode=self._world_size_mode, min_replica_size=self._min_replica_size)
@@ -337,6 +337,15 @@ class Manager(ManagerStateApi):
         if self._progress is not None:
             self._progress.quorum_done(time.perf_counter() - started if plan.heal else 0.0)
 
+    def _ask_quorum(self, seq: int, shrink_only: bool, quorum_timeout: float, claiming: bool) -> Quorum:
+        """Round ``seq``'s quorum. Only the leader asks the lighthouse; the group store relays its
+        answer to the other ranks. ``claiming``: every rank's heal claim goes with the request
+        (the leader gathers them); otherwise the request claims on demand (`plan.claims_wanted`)."""
+        claim = recovery.state_claim(self._state) if claiming else None
+        if claiming and self._group_rank != 0:
+            self._group.publish_claim(seq, claim)
+        return self._group.relay_quorum(seq, lambda: self._ask_lighthouse(shrink_only, quorum_timeout, seq, claim))
+
     def _ask_lighthouse(self, shrink_only: bool, quorum_timeout: float, seq: int, claim: str | None) -> Quorum:
         assert self._client is not None  # the leader has one
         if self._transport_metadata is None:  # the first request: once every rank is ready
@@ -346,7 +355,7 @@ class Manager(ManagerStateApi):
             self.replica_id, store_address=self._group.address, step=self._step,
             world_size=self._group_world_size, shrink_only=shrink_only, commit_failures=self._commit_failures,
             transport_metadata=self._transport_metadata, layout=self._layout,
-            claims=self._group.claims(seq, claim, self.timeouts.collective),
+            claims=self._group.claims(seq, claim, self.timeouts.collective) if claim else recovery.on_demand(),
         )  # fmt: skip
         return quorum_request.ask_lighthouse(self._client, request, self._quorum_retries, quorum_timeout, self.log)
 

@@ -18,6 +18,14 @@ healer checks what it receives against the claim (`worker/recovery.py`). A heale
 heal failed (its ``commit_failures``) is moved to the next agreeing source, so one source that
 serves bad state cannot hold a healer back for good.
 
+Claims are made on demand (`claims_wanted`): a checksum is a pass over the whole state (a third of
+a CPU step for a 30M-parameter MLP with Adam), and it matters only in the rare step where someone
+heals. So a group asks first with an empty claim (``[]``: "I claim on demand"); when the quorum
+then holds a healer and every member claims on demand, every member asks again at once, this time
+with its checksum, and plans from that second quorum. The choice depends on the quorum alone, so
+every rank of every group makes the same one (a group that asked again alone would wait in the
+lighthouse for peers already waiting for it in a collective).
+
 Groups that publish a *layout* (how they shard their state, `LAYOUT_KEY` in their quorum data) are
 checked against the sources' layouts: a group laid out differently would average gradient shards
 with the wrong peers' shards and heal into the wrong places, so it must not take part.
@@ -159,6 +167,17 @@ def plan_step(
         untrusted_ids=tuple(members[i].replica_id for i in sources if i not in trusted),
         contested=contested,
     )
+
+
+def claims_wanted(quorum: Quorum, *, init_sync: bool = True) -> bool:
+    """Whether every member must ask again with its heal claim: someone heals in this quorum (a
+    member behind the highest step, or the start's primary copy) and every member claims on demand
+    (an empty claim). Pure: all members decide the same from the same quorum."""
+    members = quorum.participants
+    if len(members) < 2 or not all(m.data.get(CLAIM_KEY) == [] for m in members):
+        return False
+    max_step = max(m.step for m in members)
+    return (init_sync and max_step == 0) or any(m.step < max_step for m in members)
 
 
 def claim_of(m: QuorumMember) -> tuple[str, ...] | None:

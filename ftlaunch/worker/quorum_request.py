@@ -60,11 +60,12 @@ def member(
     claims: list[str] | None = None,
 ) -> QuorumMember:
     """This group's quorum request (the leader's process identifies it for status pages).
-    ``claims``: every rank's checksum of the state it would offer at ``step`` (`plan.CLAIM_KEY`)."""
+    ``claims``: every rank's checksum of the state it would offer at ``step`` (`plan.CLAIM_KEY`);
+    ``[]`` claims on demand (`plan.claims_wanted`); None makes no claim."""
     data: dict[str, Any] = {"ckpt": transport_metadata}
     if layout:
         data[LAYOUT_KEY] = layout
-    if claims:
+    if claims is not None:
         data[CLAIM_KEY] = claims
     return QuorumMember(
         replica_id=replica_id,

@@ -6,8 +6,8 @@ healers the step's plan assigns to it; a healing group `fetch`es it, checks it a
 that registered other keys then fails the step's vote instead of raising after a commit) and
 ``load``s it only once every group agreed to commit. Every group must register the same keys.
 
-Claims (`state_claim`): with each quorum request a group states a checksum of the state it would
-offer; the plan heals only from sources whose claims agree (`worker/plan.py`), and `fetch` rejects
+Claims (`state_claim`): when a heal is due (`plan.claims_wanted`), each group asks for its quorum
+again stating a checksum of the state it would offer; the plan heals only from sources whose claims agree (`worker/plan.py`), and `fetch` rejects
 received state that does not match its source's claim. So a group that serves other state than
 the one it (and the other up-to-date groups) claimed heals nobody: its payload is refused.
 """
@@ -123,6 +123,17 @@ class StateRegistry:
             load(state[key])
 
 
+def claims_on() -> bool:
+    """Whether this job makes heal claims (``FTLAUNCH_HEAL_CLAIMS``, on unless ``0``)."""
+    return os.environ.get(env.FTLAUNCH_HEAL_CLAIMS, "").strip() != "0"
+
+
+def on_demand() -> list[str] | None:
+    """A request's claim before anyone is known to heal: ``[]`` ("I claim when a heal is due",
+    `plan.claims_wanted`), or None with claims off."""
+    return [] if claims_on() else None
+
+
 def state_claim(registry: StateRegistry) -> str | None:
     """This rank's heal claim: `state_checksum` of the state it would offer now (every tensor's
     path, dtype, shape and ``sum64``), or None when the state cannot be read right now (the
@@ -130,10 +141,10 @@ def state_claim(registry: StateRegistry) -> str | None:
 
     Tensors only: honest groups that committed the same steps hold bit-identical tensors, while
     numbers beside them (a prefetching loader's position) may legitimately differ a little.
-    Costs one pass over the state per step (`sum64`, on the tensors' device); ``FTLAUNCH_HEAL_CLAIMS=0``
-    turns claims off (then None).
+    Costs one pass over the state (`sum64`, on the tensors' device), so it is made only when a
+    heal is due (`plan.claims_wanted`); ``FTLAUNCH_HEAL_CLAIMS=0`` turns claims off (then None).
     """
-    if os.environ.get(env.FTLAUNCH_HEAL_CLAIMS, "").strip() == "0":
+    if not claims_on():
         return None
     try:
         with registry.gate.reading(0.0):
