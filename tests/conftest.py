@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 import time
 import uuid
+from collections.abc import Iterator
+from typing import Any
 
 import psutil
 import pytest
@@ -66,3 +68,13 @@ def no_leaked_processes(request: pytest.FixtureRequest):
         psutil.wait_procs(left, timeout=5)
         if desc:
             pytest.fail(f"test left processes behind: {desc}")
+
+
+@pytest.fixture
+def groups() -> Iterator[list[Any]]:
+    """Real-process replica groups a test starts (anything with ``close()``, e.g.
+    `mp_harness.Group`): closed at the end, so a failing test leaves none running."""
+    made: list[Any] = []
+    yield made
+    for g in made:
+        g.close()

@@ -40,14 +40,6 @@ def lighthouse() -> Iterator[LighthouseServer]:
         yield lh
 
 
-@pytest.fixture
-def groups() -> Iterator[list[Group]]:
-    made: list[Group] = []
-    yield made
-    for g in made:
-        g.close()
-
-
 def last_step(g: Group) -> int:
     steps = g.steps() if g.out().exists() else []
     return max((r["after"] for r in steps if r["committed"]), default=0)

@@ -33,14 +33,6 @@ def lighthouse() -> Iterator[LighthouseServer]:
         yield lh
 
 
-@pytest.fixture
-def groups() -> Iterator[list[Group]]:
-    made: list[Group] = []
-    yield made
-    for g in made:
-        g.close()
-
-
 def last_step(g: Group) -> int:
     return max((r["after"] for r in g.steps() if r["committed"]), default=0)
 

@@ -7,7 +7,6 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,14 +15,6 @@ from ftlaunch.lighthouse.server import LighthouseServer
 from tests.mp_harness import WORKER, Group
 
 pytestmark = pytest.mark.timeout(240)
-
-
-@pytest.fixture
-def groups() -> Iterator[list[Group]]:
-    made: list[Group] = []
-    yield made
-    for g in made:
-        g.close()
 
 
 def lighthouse(min_replicas: int) -> LighthouseServer:

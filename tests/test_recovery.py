@@ -18,7 +18,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -257,14 +256,6 @@ def test_prestart_runs_the_script_as_python_would_and_hands_its_child_over(tmp_p
 
 
 # ------------------------------------------------------------------------------ real processes
-
-
-@pytest.fixture
-def groups() -> Iterator[list[Any]]:
-    made: list[Any] = []
-    yield made
-    for g in made:
-        g.close()
 
 
 @pytest.mark.slow
