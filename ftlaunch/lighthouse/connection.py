@@ -329,7 +329,8 @@ class Connection(asyncio.BufferedProtocol):
             return
         assert request is not None
         self._respond(response, close=request.head.close)
-        self._serve()  # what the peer sent meanwhile
+        if self._buf:  # what the peer sent meanwhile (nothing, for 1023 of 1024 answers of a round)
+            self._serve()
 
     # -- identity, deadlines, closing
 
