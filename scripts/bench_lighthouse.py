@@ -3,8 +3,10 @@ groups) and heartbeat throughput, printed beside BRIEF.md's targets and torchft'
 
 The lighthouse runs as its own process (``python -m ftlaunch.lighthouse``), as in a real job, with
 the settings ``ftlaunch --replicas N`` gives it (``--min-replicas 1 --expected-replicas N``).
-Every group keeps a heartbeat thread running (100 ms, the Manager's default) while it asks for
-quorums, so the server sees realistic background traffic.
+Every group keeps a heartbeat thread running (100 ms, the Manager's default, or the slower pace a
+lighthouse tracking more than ~100 groups advises in its heartbeat answers, which LighthouseClient
+and the simulated groups follow: ~1.1 s with 1024 groups) while it asks for quorums, so the server
+sees realistic background traffic.
 
 Round trip of one round = from the moment the LAST group sends its quorum request until EVERY
 group holds the quorum (time.perf_counter is CLOCK_MONOTONIC, comparable across processes on
