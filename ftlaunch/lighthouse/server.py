@@ -55,7 +55,7 @@ def collect_less() -> None:
     Why: with 1024 groups a round makes thousands of short-lived objects (requests, tickets,
     answers) while ~2,000 connections and the imported modules stay; Python's defaults then ran a
     full collection, scanning all of them (~65 ms under load), every few rounds, and a young one
-    every ~35 requests: ~15 % of the lighthouse's time, and its slowest rounds. What it allocates
+    every ~35 requests: ~10 % of the lighthouse's CPU, and its slowest rounds. What it allocates
     is freed by reference counting (no cycles on the request path), so the collector may run
     rarely: the objects alive at start are frozen out of every scan, and the youngest generation
     is collected per `GC_THRESHOLDS` allocations. Process-wide, so only for a process that does
