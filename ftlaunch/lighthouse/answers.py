@@ -58,9 +58,18 @@ class QuorumAnswers:
         self._prefix = secrets.token_hex(6)
         self._count = 0
         self._entries: deque[_Entry] = deque(maxlen=REMEMBERED_QUORUMS)
+        self._last: tuple[Quorum, str | None, Response] | None = None  # the answer given last
 
     def response(self, quorum: Quorum, known: str | None = None) -> Response:
         """The answer for ``quorum`` to a member holding revision ``known`` (None: it holds none)."""
+        last = self._last
+        if last is not None and last[0] is quorum and last[1] == known:  # the rest of a round's members
+            return last[2]
+        response = self._response(quorum, known)
+        self._last = (quorum, known, response)
+        return response
+
+    def _response(self, quorum: Quorum, known: str | None) -> Response:
         entry = self._entry(quorum)
         if known is None or known == entry.revision:
             return entry.full

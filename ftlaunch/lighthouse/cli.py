@@ -63,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from ftlaunch.lighthouse.server import LighthouseServer
+    from ftlaunch.lighthouse.server import LighthouseServer, collect_less
 
     try:
         server = LighthouseServer(
@@ -88,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGINT, _on_signal)
     signal.signal(signal.SIGTERM, _on_signal)
+    collect_less()  # this process only serves: see its docstring
     server.start()
     print(f"{PROG} listening on {server.address}", flush=True)
     try:

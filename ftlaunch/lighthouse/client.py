@@ -19,6 +19,7 @@ the whole `Quorum`.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import secrets
 import signal
@@ -31,7 +32,7 @@ from ftlaunch.addresses import http_url, parse_host_port
 from ftlaunch.errors import EvictedError, LighthouseError
 from ftlaunch.lighthouse.channel import Channel, raise_for
 from ftlaunch.lighthouse.progress import ProgressReport
-from ftlaunch.lighthouse.protocol import PATH_PREFIX
+from ftlaunch.lighthouse.protocol import MAX_ADVISED_INTERVAL, PATH_PREFIX
 from ftlaunch.lighthouse.quorum import Quorum, QuorumMember
 from ftlaunch.lighthouse.quorum_delta import apply_delta
 from ftlaunch.lighthouse.spares import ClaimGrant
@@ -53,6 +54,9 @@ class HeartbeatHandle:
     def __init__(self, client: LighthouseClient, replica_id: str, interval: float) -> None:
         self.replica_id = replica_id
         self.interval = interval
+        #: The pace the lighthouse advised in its last answer (0: none; a large job's lighthouse
+        #: asks for slower beats, `protocol.advised_heartbeat_interval`). The slower of the two is kept.
+        self.advised = 0.0
         self._client = client
         self._channel = client._new_channel()
         self._stop = threading.Event()
@@ -75,6 +79,7 @@ class HeartbeatHandle:
                 if failing:
                     log.info("lighthouse client: heartbeat of %s reaches the lighthouse again", self.replica_id)
                 failing = False
+                self.advised = _advised_pace(answer.get("interval"))
             except EvictedError as e:
                 log.warning("lighthouse client: %s; heartbeat stopped", e)
                 self._client._note_evicted(self.replica_id, told=False)
@@ -85,7 +90,7 @@ class HeartbeatHandle:
                 if not failing:  # log once per outage, not once per beat
                     log.warning("lighthouse client: heartbeat of %s failed: %s (retrying)", self.replica_id, e)
                 failing = True
-            self._stop.wait(self.interval)
+            self._stop.wait(max(self.interval, self.advised))
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop beating: the group turns silent after heartbeat_timeout unless it `leave`s."""
@@ -96,6 +101,14 @@ class HeartbeatHandle:
         if self._thread.is_alive():  # stuck on a hung lighthouse: cut the request short
             self._channel.abort()
             self._thread.join(timeout)
+
+
+def _advised_pace(value: object) -> float:
+    """A heartbeat answer's ``interval`` (seconds), bounded by `MAX_ADVISED_INTERVAL`; 0 when absent
+    or not a number (an older lighthouse advises nothing: the client's own interval applies)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        return 0.0
+    return min(float(value), MAX_ADVISED_INTERVAL)
 
 
 def _kill_self(replica_id: str, reason: str) -> None:

@@ -88,6 +88,7 @@ class Connection(asyncio.BufferedProtocol):
         self._continue_sent = False
         self._last_raw = b""  # the last head parsed on this connection, and its parse
         self._last_head: Head | None = None
+        self._last_len = 0  # its body length (max_body is fixed per server)
         self._poll: LongPoll | None = None
         self._poll_request: Request | None = None
         self._parked_at = 0.0
@@ -240,12 +241,12 @@ class Connection(asyncio.BufferedProtocol):
             del buf[:end]
             self._scan = 0
             if raw == self._last_raw and self._last_head is not None:
-                head = self._last_head
+                head, self._body_len = self._last_head, self._last_len
             else:
                 head = self._server.parser.parse(raw)
-                self._last_raw, self._last_head = raw, head
+                self._body_len = body_length(head, self._server.max_body)
+                self._last_raw, self._last_head, self._last_len = raw, head, self._body_len
             self._head = head
-            self._body_len = body_length(head, self._server.max_body)
         head = self._head
         n = self._body_len
         if len(buf) < n:
@@ -328,7 +329,8 @@ class Connection(asyncio.BufferedProtocol):
             return
         assert request is not None
         self._respond(response, close=request.head.close)
-        self._serve()  # what the peer sent meanwhile
+        if self._buf:  # what the peer sent meanwhile (nothing, for 1023 of 1024 answers of a round)
+            self._serve()
 
     # -- identity, deadlines, closing
 

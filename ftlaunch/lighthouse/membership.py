@@ -145,6 +145,11 @@ class Membership(SparesMixin, StatusMixin, ResumeMixin):
     def options(self) -> QuorumOptions:
         return self._options
 
+    @property
+    def group_count(self) -> int:
+        """Replica ids tracked now (what the advised heartbeat pace scales with)."""
+        return len(self._groups)
+
     # ------------------------------------------------------------------ what groups do
 
     def request_quorum(

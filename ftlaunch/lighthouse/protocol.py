@@ -39,6 +39,34 @@ RESUME_KEY = "resume"
 #: Most members a resume report may name (larger reports are ignored).
 MAX_RESUME_MEMBERS = 100_000
 
+#: Heartbeats per second a lighthouse lets all groups together send, once there are many groups: a
+#: heartbeat answer advises (``"interval"``) the pace that keeps the total under it.
+HEARTBEAT_BUDGET_PER_S = 1000.0
+#: Below this pace (seconds) nothing is advised: a job of up to ~100 groups beats as its clients
+#: chose (the Manager: every 0.1 s), so hang detection in small jobs is what it always was.
+MIN_ADVISED_INTERVAL = 0.1
+#: An advised pace leaves at least this many beats per heartbeat timeout (a missed beat or two is
+#: never a death).
+BEATS_PER_TIMEOUT = 5
+#: Most a client accepts as advised pace (seconds), whatever a lighthouse says.
+MAX_ADVISED_INTERVAL = 5.0
+
+
+def advised_heartbeat_interval(groups: int, heartbeat_timeout: float) -> float | None:
+    """The heartbeat pace (seconds) a lighthouse tracking ``groups`` groups advises, or None (none
+    advised: up to ~100 groups).
+
+    Why: every group beats on its own clock (0.1 s by default), so 1024 groups would send ~10,000
+    heartbeats a second, more than one event-loop thread answers next to the quorum requests.
+    The pace grows with the job so the total stays near `HEARTBEAT_BUDGET_PER_S`, rounded up to
+    0.1 s (the answers are encoded once per pace), never past heartbeat_timeout / `BEATS_PER_TIMEOUT`.
+    """
+    tenths = -(-round(groups / HEARTBEAT_BUDGET_PER_S * 1000) // 100)  # up to the next 0.1 s (via ms: no float noise)
+    cap = round(heartbeat_timeout / BEATS_PER_TIMEOUT * 1000) // 100  # the cap down to it
+    pace = min(tenths, cap) / 10
+    return pace if pace > MIN_ADVISED_INTERVAL else None
+
+
 def parse_resume_report(report: object) -> tuple[int, tuple[str, ...]] | None:
     """(quorum id, sorted unique member ids) from a resume report, or None if it is malformed."""
     if not isinstance(report, dict):

@@ -87,6 +87,11 @@ def apply_delta(base: Quorum, delta: Any) -> Quorum:
 
 
 def _patch(held: QuorumMember, now: QuorumMember) -> dict[str, Any]:
+    if (  # the usual member: only its step moved (one comparison each, no dict built)
+        now.address == held.address and now.store_address == held.store_address and now.world_size == held.world_size
+        and now.shrink_only == held.shrink_only and now.commit_failures == held.commit_failures and now.data == held.data
+    ):
+        return {}
     patch: dict[str, Any] = {name: getattr(now, name) for name in _PATCHABLE if getattr(now, name) != getattr(held, name)}
     if now.data != held.data:
         put = {k: v for k, v in now.data.items() if k not in held.data or held.data[k] != v}
