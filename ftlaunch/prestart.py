@@ -53,6 +53,7 @@ __all__ = [
     "fork_wanted",
     "main",
     "release",
+    "run",
     "spawn",
     "start",
     "take",
@@ -301,14 +302,28 @@ _script_globals: list[dict[str, object]] = []
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m ftlaunch.prestart [-m MODULE | SCRIPT] ARGS...``: start the child, run the script."""
+    """``python -m ftlaunch.prestart [-m MODULE | SCRIPT] ARGS...``: hand the script to the agent's
+    warm standby interpreter if there is one (`ftlaunch.zygote_proxy`: this process then stays as
+    its proxy), else start the child and run the script here."""
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv == ["-m"]:
         raise SystemExit("usage: python -m ftlaunch.prestart [-m MODULE | SCRIPT] [ARGS...]")
     streams.guard_std_streams()  # a full log disk must not end training (ftlaunch/streams.py)
+    if fork_wanted():  # FTLAUNCH_PRESTART_FORK=0: the script must run before torch is imported
+        from ftlaunch import zygote_proxy
+
+        why_not = zygote_proxy.hand_over(argv)  # returns only if the standby was not used
+        if why_not:
+            print(f"ftlaunch.prestart: {why_not}; starting the worker here", file=sys.stderr, flush=True)
+    run(argv, forked=fork_wanted())
+
+
+def run(argv: list[str], forked: bool) -> None:
+    """Start the Baby child (with ``forked``, from this process once torch is imported) and run
+    ``argv`` (``-m MODULE ...`` or ``SCRIPT ...``) as ``python`` would, in this process."""
     if wanted():
         try:
-            start("gloo", forked=fork_wanted() and _import_torch())
+            start("gloo", forked=forked and _import_torch())
         except OSError as e:  # the script still runs; ftlaunch.init starts a child itself
             print(f"ftlaunch.prestart: could not start the Baby child early: {e}", file=sys.stderr)
     phases.mark("script_start")
