@@ -26,6 +26,12 @@ the worker runs threads. ``FTLAUNCH_PRESTART_FORK=0`` turns the early import off
 must set something in its environment before torch is imported): the child is then its own
 interpreter importing torch while the script does.
 
+**No import at all where a warm standby is announced** (`ftlaunch.zygote`): the ``ftlaunch``
+launcher's agent keeps, per group, an interpreter that has imported torch already. `main` first
+hands the script over to it (`ftlaunch.zygote_proxy.hand_over`): the standby forks, the fork runs
+`run` with this process's argv, cwd, environment and standard streams, and this process stays as
+its proxy until it ends. Without a standby, or if it refuses, this process runs the script itself.
+
 The child is skipped when the job chose another backend (``FTLAUNCH_BACKEND``) or the machine has
 an NVIDIA GPU (the default is Baby NCCL there).
 """
