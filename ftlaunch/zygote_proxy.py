@@ -99,7 +99,8 @@ def read_message(sock: socket.socket, buffer: bytearray, max_fds: int = 0) -> tu
 
 def hand_over(argv: list[str]) -> str | None:
     """Have the announced zygote run ``argv`` (prestart's arguments) and proxy for it: never returns
-    then. Returns None when no zygote is announced, or why it was not used (the caller starts cold)."""
+    then. Returns why it was not used (the caller starts cold and says so), or None where that is
+    nothing to report: no zygote announced, or a group's first start that found it still warming up."""
     path = announced()
     if path is None:
         return None
@@ -116,6 +117,10 @@ def hand_over(argv: list[str]) -> str | None:
         answer, _ = read_message(sock, buffer)
     except (OSError, ValueError) as e:
         sock.close()
+        phases.mark("zygote_not_used", reason=f"{type(e).__name__}: {e}")
+        first_start = (os.environ.get(env.TORCHELASTIC_RESTART_COUNT) or "0") == "0"
+        if first_start and isinstance(e, (FileNotFoundError, ConnectionRefusedError)):
+            return None  # the usual first start: the standby warms up while the first workers start
         return f"standby interpreter not ready ({type(e).__name__}: {e})"
     if answer is None or "pid" not in answer:
         sock.close()

@@ -76,6 +76,10 @@ def test_switch_and_fallback_without_a_standby(tmp_path: Path, monkeypatch: pyte
     assert zygote_proxy.hand_over(["s.py"]) is None  # none announced: silent cold start
     monkeypatch.setenv(env.FTLAUNCH_ZYGOTE_SOCKET, str(tmp_path / "gone.sock"))
     why = zygote_proxy.hand_over(["s.py"])
+    monkeypatch.setenv(env.TORCHELASTIC_RESTART_COUNT, "0")
+    assert zygote_proxy.hand_over(["s.py"]) is None  # a first start that beat the warm-up: nothing to say
+    monkeypatch.setenv(env.TORCHELASTIC_RESTART_COUNT, "2")
+    why = zygote_proxy.hand_over(["s.py"])
     assert why is not None and "not ready" in why
     monkeypatch.setenv(env.FTLAUNCH_ZYGOTE, "0")
     why = zygote_proxy.hand_over(["s.py"])
@@ -180,7 +184,7 @@ def test_a_worker_handed_over_runs_as_python_script_would(tmp_path: Path) -> Non
         # The standby stopped: the next worker starts cold, saying why.
         zygote.terminate()
         assert zygote.wait(timeout=30) == 0
-        proxy = _worker(tmp_path, sock, "0")
+        proxy = _worker(tmp_path, sock, "0", TORCHELASTIC_RESTART_COUNT="1")  # a restart says why
         out, err = proxy.communicate(timeout=120)
         assert proxy.returncode == 0, err
         assert json.loads(out.splitlines()[0])["pid"] == proxy.pid  # the script ran in the worker itself
