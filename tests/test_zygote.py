@@ -6,7 +6,7 @@ fallback when the announced standby is not there. With real processes: a worker 
 its script as ``python SCRIPT`` would (argv, cwd, environment, stdout/stderr, exit code, atexit),
 with torch already imported; the proxy ends as the real worker did (exit code, signal); a
 SIGKILLed proxy takes the real worker (and its Baby child) down; a SIGSTOPped proxy stops the real
-worker and SIGCONT continues it; SIGTERM to the proxy reaches the real worker; and with the
+worker and SIGCONT continues it (and the other way round); SIGTERM to the proxy reaches the real worker; and with the
 standby gone the worker starts cold. Through ``ftlaunch``: a restarted worker goes through the
 standby and the group trains on (slow).
 """
@@ -142,7 +142,7 @@ def test_a_worker_handed_over_runs_as_python_script_would(tmp_path: Path) -> Non
     zygote, sock = _start_zygote(tmp_path)
     try:
         # argv, cwd, env, stdout/stderr, sys.path[0], exit code, atexit; torch already imported.
-        proxy = _worker(tmp_path, sock, "3")
+        proxy = _worker(tmp_path, sock, "3", FTLAUNCH_BACKEND="gloo")  # another backend: no Baby child
         out, err = proxy.communicate(timeout=60)
         assert proxy.returncode == 3, err
         first = json.loads(out.splitlines()[0])
@@ -168,6 +168,17 @@ def test_a_worker_handed_over_runs_as_python_script_would(tmp_path: Path) -> Non
         while _status(real) == psutil.STATUS_STOPPED and time.monotonic() < deadline:
             time.sleep(0.02)
         assert _status(real) != psutil.STATUS_STOPPED
+        # ... and a real worker stopped directly stops its proxy (what the agent watches), and back.
+        os.kill(real, signal.SIGSTOP)
+        deadline = time.monotonic() + 10
+        while _status(proxy.pid) != psutil.STATUS_STOPPED and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert _status(proxy.pid) == psutil.STATUS_STOPPED
+        os.kill(real, signal.SIGCONT)
+        deadline = time.monotonic() + 10
+        while _status(proxy.pid) == psutil.STATUS_STOPPED and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert _status(proxy.pid) != psutil.STATUS_STOPPED and _status(real) != psutil.STATUS_STOPPED
         proxy.send_signal(signal.SIGTERM)
         proxy.communicate(timeout=30)
         assert proxy.returncode == -signal.SIGTERM and _gone(real)  # died by the signal, as the worker did
