@@ -407,7 +407,12 @@ def main(argv: list[str] | None = None) -> NoReturn:
               file=sys.stderr, flush=True)
         sys.exit(1)
     phases.mark("zygote_warm", seconds=round(time.monotonic() - t0, 3))
-    job = Zygote(args.socket, args.parent_pid).serve()
+    try:
+        server = Zygote(args.socket, args.parent_pid)
+    except OSError as e:
+        print(f"ftlaunch.zygote: cannot listen on {args.socket} ({e}); workers start cold", file=sys.stderr, flush=True)
+        sys.exit(1)
+    job = server.serve()
     if job is None:
         sys.exit(0)
     # The forked child: run the script as `python SCRIPT` would -- an uncaught exception prints its

@@ -32,7 +32,7 @@ __all__ = ["FORWARDED", "announced", "enabled", "hand_over", "interpreter_identi
 #: Signals the proxy forwards to the real worker (what torchelastic and users send a worker).
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 #: Seconds to connect and to get the zygote's answer (the fork takes milliseconds; it serves one at a time).
-HANDSHAKE_TIMEOUT_S = 10.0
+HANDSHAKE_TIMEOUT_S = 5.0
 #: The longest message on the wire (environments are a few KiB).
 MAX_MESSAGE = 1 << 20
 

@@ -354,7 +354,8 @@ class Standby:
         args = _worker_args(opts)
         if args[:3] != ["-u", "-m", "ftlaunch.prestart"]:
             return None
-        directory = tempfile.mkdtemp(prefix="ftlaunch-zygote-")
+        # A Unix socket's path has at most 107 bytes: a long TMPDIR falls back to /tmp.
+        directory = tempfile.mkdtemp(prefix="ftlaunch-zygote-", dir="/tmp" if len(tempfile.gettempdir()) > 60 else None)
         path = os.path.join(directory, "sock")
         try:
             proc = subprocess.Popen(
