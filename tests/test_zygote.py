@@ -20,6 +20,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -230,3 +231,41 @@ def test_a_restarted_group_goes_through_the_standby(tmp_path: Path) -> None:
     assert re.search(r"SIGKILL rg1 workers at step \d+: group committed again", res.stdout), res.stdout
     m = re.search(r"SIGSTOP rg1 workers at step \d+: group committed again (\d+\.\d)s later", res.stdout)
     assert m and float(m.group(1)) >= 2.0, res.stdout  # the real worker was stopped, not only its proxy
+
+
+def test_a_refusal_reaches_the_worker_as_its_reason(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In one process: a standby that refuses (here: another interpreter's flags) -> `hand_over`
+    returns why, and the worker starts cold; the standby got the worker's three descriptors."""
+    from ftlaunch.zygote import Zygote
+
+    server = Zygote(str(tmp_path / "z.sock"))
+    request = {"interpreter": {**zygote_proxy.interpreter_identity(), "flags": [9]}}
+    assert "flags differ" in server._refusal(request, [0, 1, 2], os.getuid())
+    assert "another user" in server._refusal({}, [0, 1, 2], os.getuid() + 1)
+    assert "3 standard descriptors" in server._refusal({}, [0], os.getuid())
+
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(tmp_path / "r.sock"))
+    listener.listen(1)
+    got: dict[str, object] = {}
+
+    def refuse() -> None:
+        conn, _ = listener.accept()
+        message, fds = zygote_proxy.read_message(conn, bytearray(), max_fds=3)
+        got["fds"], got["argv"] = len(fds), (message or {}).get("argv")
+        for fd in fds:
+            os.close(fd)
+        zygote_proxy.send_message(conn, {"refused": "busy elsewhere"})
+        conn.close()
+
+    thread = threading.Thread(target=refuse, daemon=True)
+    thread.start()
+    monkeypatch.setenv(env.FTLAUNCH_ZYGOTE_SOCKET, str(tmp_path / "r.sock"))
+    monkeypatch.delenv(env.FTLAUNCH_ZYGOTE, raising=False)
+    assert zygote_proxy.hand_over(["s.py", "x"]) == "standby interpreter refused: busy elsewhere"
+    thread.join(timeout=10)
+    assert got == {"fds": 3, "argv": ["s.py", "x"]}
+    listener.close()
+    server._listener.close()
+    os.close(server._wake_r)
+    os.close(server._wake_w)
