@@ -28,6 +28,7 @@ The agent's death takes this process down (PDEATHSIG), and the children with it 
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import os
 import selectors
@@ -406,6 +407,9 @@ def main(argv: list[str] | None = None) -> NoReturn:
         print(f"ftlaunch.zygote: cannot warm up ({type(e).__name__}: {e}); workers start cold",
               file=sys.stderr, flush=True)
         sys.exit(1)
+    # What is imported now lives as long as any worker: keep the cyclic GC off it (gc.freeze, made for
+    # fork servers), so a worker's collections neither walk torch's objects nor copy their pages.
+    gc.freeze()
     phases.mark("zygote_warm", seconds=round(time.monotonic() - t0, 3))
     try:
         server = Zygote(args.socket, args.parent_pid)
