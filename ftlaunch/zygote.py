@@ -40,7 +40,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from ftlaunch import phases, zygote_proxy
+from ftlaunch import phases, streams, zygote_proxy
 from ftlaunch.lifetime import die_with_parent
 from ftlaunch.zygote_proxy import read_message, send_message
 
@@ -94,6 +94,7 @@ class Job:
         for fd in self.fds:
             if fd > 2:
                 os.close(fd)
+        streams.guard_std_streams()  # as prestart's main does: a full log disk must not end training
         os.chdir(req["cwd"])
         os.environ.clear()
         os.environ.update(req["env"])

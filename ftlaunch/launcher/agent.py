@@ -10,6 +10,8 @@ its own workers (up to ``max_restarts``) exactly as under ``torchrun``. Besides,
   status -- read with
   ``waitid(WNOWAIT)``, which leaves the child for torchelastic to reap, so the supervisor can tell
   the lighthouse within milliseconds instead of after torchelastic's monitor tick;
+* keeps the group's warm standby interpreter (`Standby`, `ftlaunch.zygote`), from which a
+  restarted worker is forked with torch already imported (``FTLAUNCH_ZYGOTE=0``: not);
 * writes a result file (success, or the root cause from torchelastic's error files) before exiting;
 * dies with the supervisor (``PR_SET_PDEATHSIG``), taking its workers down through torchelastic's
   own signal handling -- and within 2 s even a SIGSTOPped worker, which that handling would leave
