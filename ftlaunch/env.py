@@ -81,6 +81,12 @@ FTLAUNCH_PHASE_LOG = "FTLAUNCH_PHASE_LOG"
 #: the script runs and forks its Baby child from there): the child is then its own interpreter and
 #: imports torch itself, while the script does. Default on.
 FTLAUNCH_PRESTART_FORK = "FTLAUNCH_PRESTART_FORK"
+#: ``0`` turns off the warm standby interpreter (`ftlaunch.zygote`) the launcher's agent keeps per
+#: group: a (re)started worker then imports torch itself instead of being forked, torch imported,
+#: from the standby. Default on (``ftlaunch`` launcher only; it costs one idle torch interpreter).
+FTLAUNCH_ZYGOTE = "FTLAUNCH_ZYGOTE"
+#: Set by the agent for its workers: the Unix socket its standby interpreter listens on (internal).
+FTLAUNCH_ZYGOTE_SOCKET = "FTLAUNCH_ZYGOTE_SOCKET"
 
 ALL_FTLAUNCH_VARS = (
     REPLICA_GROUP_ID,
@@ -109,6 +115,8 @@ ALL_FTLAUNCH_VARS = (
     FTLAUNCH_QUANTIZE,
     FTLAUNCH_PHASE_LOG,
     FTLAUNCH_PRESTART_FORK,
+    FTLAUNCH_ZYGOTE,
+    FTLAUNCH_ZYGOTE_SOCKET,
 )
 
 

@@ -26,6 +26,12 @@ the worker runs threads. ``FTLAUNCH_PRESTART_FORK=0`` turns the early import off
 must set something in its environment before torch is imported): the child is then its own
 interpreter importing torch while the script does.
 
+**No import at all where a warm standby is announced** (`ftlaunch.zygote`): the ``ftlaunch``
+launcher's agent keeps, per group, an interpreter that has imported torch already. `main` first
+hands the script over to it (`ftlaunch.zygote_proxy.hand_over`): the standby forks, the fork runs
+`run` with this process's argv, cwd, environment and standard streams, and this process stays as
+its proxy until it ends. Without a standby, or if it refuses, this process runs the script itself.
+
 The child is skipped when the job chose another backend (``FTLAUNCH_BACKEND``) or the machine has
 an NVIDIA GPU (the default is Baby NCCL there).
 """
@@ -53,6 +59,7 @@ __all__ = [
     "fork_wanted",
     "main",
     "release",
+    "run",
     "spawn",
     "start",
     "take",
@@ -301,14 +308,28 @@ _script_globals: list[dict[str, object]] = []
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m ftlaunch.prestart [-m MODULE | SCRIPT] ARGS...``: start the child, run the script."""
+    """``python -m ftlaunch.prestart [-m MODULE | SCRIPT] ARGS...``: hand the script to the agent's
+    warm standby interpreter if there is one (`ftlaunch.zygote_proxy`: this process then stays as
+    its proxy), else start the child and run the script here."""
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv == ["-m"]:
         raise SystemExit("usage: python -m ftlaunch.prestart [-m MODULE | SCRIPT] [ARGS...]")
     streams.guard_std_streams()  # a full log disk must not end training (ftlaunch/streams.py)
+    if fork_wanted():  # FTLAUNCH_PRESTART_FORK=0: the script must run before torch is imported
+        from ftlaunch import zygote_proxy
+
+        why_not = zygote_proxy.hand_over(argv)  # returns only if the standby was not used
+        if why_not:
+            print(f"ftlaunch.prestart: {why_not}; starting the worker here", file=sys.stderr, flush=True)
+    run(argv, forked=fork_wanted())
+
+
+def run(argv: list[str], forked: bool) -> None:
+    """Start the Baby child (with ``forked``, from this process once torch is imported) and run
+    ``argv`` (``-m MODULE ...`` or ``SCRIPT ...``) as ``python`` would, in this process."""
     if wanted():
         try:
-            start("gloo", forked=fork_wanted() and _import_torch())
+            start("gloo", forked=forked and _import_torch())
         except OSError as e:  # the script still runs; ftlaunch.init starts a child itself
             print(f"ftlaunch.prestart: could not start the Baby child early: {e}", file=sys.stderr)
     phases.mark("script_start")

@@ -21,6 +21,7 @@ Each beside torchft's figures and the baselines of issue 11.
 Usage: python scripts/bench_recovery.py [--steps 60] [--runs 2] [--overhead-only] [--breakdown]
        python scripts/bench_recovery.py --launcher [--runs 2]   (issue 11: from the kill, through `ftlaunch`)
               [--cold-only] [--compare-env FTLAUNCH_PRESTART_FORK=0]   (no spares; A/B in the same run)
+              [--zygote-ab]   (the warm standby interpreter on vs off, interleaved in the same run)
        python scripts/bench_recovery.py --interleaved 150 [--runs 3]   (step-time ratios, robust to load)
 """
 
@@ -315,6 +316,7 @@ COLD_PHASES = (
     ("rendezvous_start", "agent: stop workers, re-rendezvous"),
     ("rendezvous_done", "rendezvous done"),
     ("process_start", "new worker process starts"),
+    ("zygote_handover", "forked from the warm standby (ftlaunch.zygote), torch imported"),
     ("baby_child_spawn", "Baby child started (ftlaunch.prestart)"),
     ("baby_child_ready", "Baby child serves (forked: torch already imported)"),
     ("script_start", "prestart runs the script (torch imported)"),
@@ -382,7 +384,10 @@ def floor(tmp: Path) -> tuple[float, float]:
     run = time.monotonic_ns()
     script, done, log = tmp / "floor.py", tmp / f"floor_{run}.done", tmp / f"floor_phases_{run}.jsonl"
     script.write_text(FLOOR_SCRIPT)
-    _ftlaunch(["--replicas", "2", str(script), str(done)], log, {"FTLAUNCH_BACKEND": "gloo"}, timeout=180)
+    # No standby interpreter: the floor is a fresh interpreter's `import torch` (the standby forks one
+    # that has imported it already, which is the point of it).
+    _ftlaunch(["--replicas", "2", str(script), str(done)], log, {"FTLAUNCH_BACKEND": "gloo", "FTLAUNCH_ZYGOTE": "0"},
+              timeout=180)
     recs = phases.read(log)
     kill = next(r["t"] for r in recs if r["phase"] == "floor_kill")
     at = {r["phase"]: r["t"] for r in recs}
@@ -438,6 +443,11 @@ def launcher_episode(tmp: Path, spares: int = 0, steps: int = 600, kill_at: int 
             seen[r["phase"]] = r["t"] - t_kill
             if r["phase"] == "init" and r.get("process_start"):
                 seen["process_start"] = r["process_start"] - t_kill
+    for r in recs:  # forked by the group's standby: its proxy is the process torchelastic started
+        if r["phase"] == "zygote_forked" and r["pid"] in new_pids and r["t"] > t_kill:
+            if r.get("process_start"):
+                seen["process_start"] = r["process_start"] - t_kill
+            seen["zygote_handover"] = r["t"] - t_kill
     children = {r.get("child") for r in recs if r["phase"] == "baby_child_spawn" and r["pid"] in new_pids}
     for r in recs:
         if r["phase"] == "baby_child_ready" and r["pid"] in children and "baby_child_ready" not in seen:
@@ -454,7 +464,7 @@ def spares_supported() -> bool:
 
 def _run_line(r: dict) -> str:
     """One run's restarted-group phases, compact: seconds after the kill."""
-    keys = ("process_start", "baby_child_ready", "script_start", "init", "ready", "first_commit")
+    keys = ("process_start", "zygote_handover", "baby_child_ready", "script_start", "init", "ready", "first_commit")
     return " ".join(f"{k}={r['phases'][k]:.2f}" for k in keys if k in r["phases"])
 
 
@@ -527,7 +537,11 @@ def main_launcher(args: argparse.Namespace) -> int:
     print(f"{'    ... and its first torch.optim optimizer (torch._dynamo)':<58}{fl_opt:>8.2f} s   "
           f"(we are {cold - fl_opt:+.2f} s from it)")
     if cmp_runs:
-        print(f"{'    the same with ' + ' '.join(args.compare_env):<58}{med(c['cold'] for c in cmp_runs):>8.2f} s")
+        c_cold = med(c["cold"] for c in cmp_runs)
+        ratios = [r["cold"] / c["cold"] for r, c in zip(runs, cmp_runs, strict=True) if c["cold"] > 0]
+        print(f"{'    the same with ' + ' '.join(args.compare_env):<58}{c_cold:>8.2f} s   "
+              f"(same run, interleaved: default / compared = {med(ratios):.2f}, per run "
+              f"{', '.join(f'{x:.2f}' for x in ratios)})")
     if args.cold_only:
         print(f"{'(c) kill -> first commit with --spares 1':<58}{'skipped':>10}   (--cold-only)")
     else:
@@ -609,6 +623,9 @@ def main() -> int:
     ap.add_argument("--compare-env", action="append", metavar="VAR=VALUE",
                     help="with --launcher: also run each kill episode with this in the environment (e.g. "
                          "FTLAUNCH_PRESTART_FORK=0, the old start-up), interleaved with the default one")
+    ap.add_argument("--zygote-ab", action="store_true",
+                    help="with --launcher: the warm standby interpreter (ftlaunch.zygote) on (default) vs off, "
+                         "interleaved in the same run (--compare-env FTLAUNCH_ZYGOTE=0)")
     ap.add_argument("--interleaved", type=int, metavar="ROUNDS", default=0,
                     help="step-time ratios only, robust to a shared machine: plain DDP, plain DDP with "
                          "gradient_as_bucket_view, ftlaunch Gloo and Baby take turns step by step in the "
@@ -625,6 +642,8 @@ def main() -> int:
             worker_ft(int(rest[0]), rest[1], int(rest[2]), rest[3], rest[4], float(rest[5]))
         return 0
 
+    if args.zygote_ab:
+        args.compare_env = [*(args.compare_env or []), "FTLAUNCH_ZYGOTE=0"]
     if args.interleaved:
         return main_interleaved(args)
     if args.launcher:

@@ -21,6 +21,8 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "ftlaunch.lifetime",
         "ftlaunch.phases",
         "ftlaunch.prestart",
+        "ftlaunch.zygote",
+        "ftlaunch.zygote_proxy",
         "ftlaunch.cli_args",
         "ftlaunch.streams",
     ),

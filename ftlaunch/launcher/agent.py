@@ -10,6 +10,8 @@ its own workers (up to ``max_restarts``) exactly as under ``torchrun``. Besides,
   status -- read with
   ``waitid(WNOWAIT)``, which leaves the child for torchelastic to reap, so the supervisor can tell
   the lighthouse within milliseconds instead of after torchelastic's monitor tick;
+* keeps the group's warm standby interpreter (`Standby`, `ftlaunch.zygote`), from which a
+  restarted worker is forked with torch already imported (``FTLAUNCH_ZYGOTE=0``: not);
 * writes a result file (success, or the root cause from torchelastic's error files) before exiting;
 * dies with the supervisor (``PR_SET_PDEATHSIG``), taking its workers down through torchelastic's
   own signal handling -- and within 2 s even a SIGSTOPped worker, which that handling would leave
@@ -23,8 +25,11 @@ import glob
 import json
 import logging
 import os
+import shutil
 import signal
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -276,6 +281,7 @@ def run_agent(cfg: AgentConfig) -> int:
     events = EventWriter(cfg.event_fd)
     watcher = WorkerWatcher(events)
     watcher.start()
+    standby = Standby.start(opts)
 
     rdzv_conf = {
         "replica_group_id": str(job.replica_group_id),
@@ -314,6 +320,8 @@ def run_agent(cfg: AgentConfig) -> int:
         result, code = {"status": "error", "message": f"{type(e).__name__}: {e}"}, 1
     finally:
         watcher.stop()
+        if standby is not None:
+            standby.stop()
     if cfg.result_file:
         tmp = cfg.result_file + ".tmp"
         try:
@@ -328,6 +336,51 @@ def run_agent(cfg: AgentConfig) -> int:
                            cfg.result_file, e)
             events.emit("result", result=result)
     return code
+
+
+class Standby:
+    """The group's warm standby interpreter (`ftlaunch.zygote`): started with the agent, announced
+    to the workers through ``FTLAUNCH_ZYGOTE_SOCKET`` in the environment they inherit, stopped at
+    the end. Only for workers run through ``ftlaunch.prestart`` (the hand-over happens there)."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], directory: str) -> None:
+        self.proc = proc
+        self.directory = directory
+
+    @classmethod
+    def start(cls, opts: LaunchOptions) -> Standby | None:
+        from ftlaunch import prestart, zygote_proxy
+
+        if not zygote_proxy.enabled() or not prestart.fork_wanted():
+            return None
+        args = _worker_args(opts)
+        if args[:3] != ["-u", "-m", "ftlaunch.prestart"]:
+            return None
+        # A Unix socket's path has at most 107 bytes: a long TMPDIR falls back to /tmp.
+        directory = tempfile.mkdtemp(prefix="ftlaunch-zygote-", dir="/tmp" if len(tempfile.gettempdir()) > 60 else None)
+        path = os.path.join(directory, "sock")
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, "-u", "-m", "ftlaunch.zygote", path, "--parent-pid", str(os.getpid())],
+                stdin=subprocess.DEVNULL,
+            )
+        except OSError as e:
+            logger.warning("no standby interpreter (%s): workers start cold", e)
+            shutil.rmtree(directory, ignore_errors=True)
+            return None
+        os.environ[env.FTLAUNCH_ZYGOTE_SOCKET] = path  # the workers inherit the agent's environment
+        return cls(proc, directory)
+
+    def stop(self) -> None:
+        os.environ.pop(env.FTLAUNCH_ZYGOTE_SOCKET, None)
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        shutil.rmtree(self.directory, ignore_errors=True)
 
 
 def _worker_args(opts: LaunchOptions) -> list[str]:
