@@ -250,8 +250,9 @@ class LighthouseClient:
 
     # -- API
 
-    def quorum(self, member: QuorumMember, timeout: float) -> Quorum:
-        """Block until a quorum containing ``member`` forms (long poll) and return it."""
+    def quorum(self, member: QuorumMember, timeout: float, *, unreachable_after: float | None = None) -> Quorum:
+        """Block until a quorum containing ``member`` forms (long poll) and return it.
+        ``unreachable_after``: retry failed connections for that long instead of the connect timeout."""
         if timeout <= 0:
             raise ValueError(f"timeout must be > 0, got {timeout}")
         self._check_evicted(member.replica_id)
@@ -266,7 +267,9 @@ class LighthouseClient:
         what = f"quorum request of {member.replica_id}"
         read_timeout = timeout + min(self._connect_timeout, LONG_POLL_GRACE)
         try:
-            status, obj = self._channel().call("POST", PATH_PREFIX + "/quorum", body, read_timeout=read_timeout)
+            status, obj = self._channel().call(
+                "POST", PATH_PREFIX + "/quorum", body, read_timeout=read_timeout, connect_timeout=unreachable_after
+            )
             if status == 400 and held is not None and "'known'" in str(obj.get("error", "")):
                 # A lighthouse older than answer deltas (restarted from an older install): ask as before.
                 log.info("lighthouse client: the lighthouse does not know quorum deltas; asking for whole quorums")
@@ -274,7 +277,9 @@ class LighthouseClient:
                     self._deltas_refused = True
                 del body["known"]
                 held = None
-                status, obj = self._channel().call("POST", PATH_PREFIX + "/quorum", body, read_timeout=read_timeout)
+                status, obj = self._channel().call(
+                    "POST", PATH_PREFIX + "/quorum", body, read_timeout=read_timeout, connect_timeout=unreachable_after
+                )
             raise_for(status, obj, what)
         except EvictedError:
             self._note_evicted(member.replica_id, told=True)

@@ -333,9 +333,11 @@ class Membership(SparesMixin, StatusMixin, ResumeMixin):
         per committed quorum round, and a healer jumps to a step some quorum had: so no group can be
         more than `MAX_STEP_ADVANCE` past the highest step any quorum of this lighthouse had. A claim
         beyond it is refused; it would make the claimant every group's healing source (and its store
-        their meeting point). With no quorum yet (a new or restarted lighthouse) nothing is checked."""
+        their meeting point). With no quorum yet (a new or restarted lighthouse) nothing is checked,
+        nor for a participant of the current quorum that reports having stepped on it while this
+        lighthouse was unreachable (`_stepped_through_outage`)."""
         high = self._high_step
-        if high is not None and member.step > high + MAX_STEP_ADVANCE:
+        if high is not None and member.step > high + MAX_STEP_ADVANCE and not self._stepped_through_outage(member):
             raise ImplausibleStep(
                 f"replica {member.replica_id} claims step {member.step}, but no quorum of this lighthouse got "
                 f"past step {high}: refused, it would become every group's healing source"

@@ -60,6 +60,7 @@ from ftlaunch.worker.hang_abort import SUSPECT_AFTER, LostPeerAbort
 from ftlaunch.worker.leader import LeaderLink
 from ftlaunch.worker.managed_work import ManagedWork, with_default
 from ftlaunch.worker.manager_state import ManagerStateApi
+from ftlaunch.worker.outage import LastQuorumSteps, enabled_from_env
 from ftlaunch.worker.plan import StepPlan, WorldSizeMode, plan_step
 from ftlaunch.worker.recovery import DEFAULT_STATE_KEY, StateRegistry
 from ftlaunch.worker.watchdog import progress_timeout
@@ -189,6 +190,7 @@ class Manager(ManagerStateApi):
         # It waits out a lighthouse outage (lighthouse/reconnect.py); the other ranks wait as long.
         self._client: QuorumClient | None = None
         outage = defaults.lighthouse_outage()
+        self._outage = LastQuorumSteps(enabled_from_env())  # the leader steps on through an outage
         if self._group_rank == 0:
             self._client = quorum_client or defaults.lighthouse_client(lighthouse_addr, token, timeouts.connect, outage)
         self._group = GroupStore.open(
@@ -348,7 +350,7 @@ class Manager(ManagerStateApi):
             transport_metadata=self._transport_metadata, layout=self._layout,
             claims=self._group.claims(seq, claim, self.timeouts.collective),
         )  # fmt: skip
-        return quorum_request.ask_lighthouse(self._client, request, self._quorum_retries, quorum_timeout, self.log)
+        return self._outage.ask(self._client, request, self._quorum_retries, quorum_timeout, self.log)
 
     def _reconfigure(self, plan: StepPlan) -> None:
         self.log.info(
@@ -468,6 +470,7 @@ class Manager(ManagerStateApi):
             # Every healer has voted, so it has its copy: the state may change again.
             self._transport.disallow_checkpoint()
             self._sent_checkpoint = False
+        self._outage.after_step(ok, plan)
 
         if ok:
             assert plan is not None
