@@ -44,6 +44,7 @@ def test_a_healthy_group_steps_on_its_last_quorum_while_the_lighthouse_is_down(m
     reaches the lighthouse again carries the resume report, and its new quorum reconfigures."""
     scripted, client = behind_outage_client(in_step(1, "rg1"), DOWN, DOWN, in_step(9, "rg1"))
     g = make(client, init_sync=False)
+    g.m._outage.probe_every = 1  # try the lighthouse at every step (see the probe test)
     assert g.step()[0]
     assert g.step()[0] and g.step()[0]  # two steps on quorum 1, lighthouse down
     assert g.m._outage.steps == 2 and g.m._outage.in_outage
@@ -66,8 +67,22 @@ def test_in_outage_mode_an_unanswered_request_steps_on_again(make: Callable[...,
         in_step(1, "rg1"), DOWN, QuorumTimeoutError("no quorum within 1s"), in_step(9, "rg1")
     )
     g = make(client, init_sync=False)
+    g.m._outage.probe_every = 1
     assert [g.step()[0] for _ in range(4)] == [True] * 4
     assert g.m._outage.steps == 2
+    assert [c[0] for c in g.pg.configure_calls] == [f"{OUR_STORE}/ftlaunch/q1/r0", f"{OUR_STORE}/ftlaunch/q9/r0"]
+
+
+def test_in_outage_mode_the_lighthouse_is_tried_every_few_steps_by_all_members_together(
+    make: Callable[..., Group],
+) -> None:
+    """Every member is at the same step, so each tries the lighthouse at the same steps (multiples of
+    PROBE_EVERY), once; the steps between ask nobody."""
+    scripted, client = behind_outage_client(in_step(1, "rg1"), in_step(1, "rg1"), DOWN, DOWN, in_step(9, "rg1"))
+    g = make(client, init_sync=False)
+    assert [g.step()[0] for _ in range(10)] == [True] * 10
+    assert [m.step for m in scripted.asked] == [0, 1, 2, 4, 8, 9]  # down at 2, probed at 4 and 8
+    assert g.m._outage.steps == 6  # steps 2..7 on quorum 1; 8 got quorum 9
     assert [c[0] for c in g.pg.configure_calls] == [f"{OUR_STORE}/ftlaunch/q1/r0", f"{OUR_STORE}/ftlaunch/q9/r0"]
 
 

@@ -28,6 +28,8 @@ from ftlaunch.lighthouse.protocol import API_VERSION, INCARNATION_HEADER, REPLIC
 
 _BACKOFF_START = 0.02
 _BACKOFF_MAX = 1.0
+#: The least time one connection attempt gets when a call shortens its retry budget.
+_MIN_CONNECT = 0.1
 
 
 class Channel:
@@ -79,8 +81,8 @@ class Channel:
         connect_timeout: float | None = None,
     ) -> tuple[int, dict]:
         """Send one request and read its answer. ``connect_timeout`` (default: the channel's) bounds
-        the retries of failed connections for this call: a group stepping through a lighthouse outage
-        (worker/outage.py) gives up after half a second instead of ten."""
+        the retries of failed connections for this call (0: one attempt): a group stepping through a
+        lighthouse outage (worker/outage.py) gives up after half a second instead of ten."""
         budget = self._connect_timeout if connect_timeout is None else connect_timeout
         body = json.dumps(payload).encode() if payload is not None else None
         headers = {"Content-Type": "application/json"} if body is not None else {}
@@ -102,6 +104,8 @@ class Channel:
             try:
                 if conn is None:
                     remaining = budget if deadline is None else max(0.001, deadline - time.monotonic())
+                    if connect_timeout is not None:  # a short budget (0: one attempt) still connects
+                        remaining = max(remaining, _MIN_CONNECT)
                     conn = http.client.HTTPConnection(self._host, self._port, timeout=remaining)
                     conn.connect()  # sets TCP_NODELAY
                     with self._lock:

@@ -178,6 +178,12 @@ class OutageTolerantClient:
         if forward is not None:
             forward(callback)
 
+    def report_blocked(self, probe: Callable[[], tuple[int, float] | None] | None) -> None:
+        """Forwarded to the wrapped client (`LighthouseClient.report_blocked`)."""
+        forward = getattr(self._client, "report_blocked", None)
+        if forward is not None:
+            forward(probe)
+
     def close(self) -> None:
         self._closed.set()
         self._client.close()

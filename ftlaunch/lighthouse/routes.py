@@ -40,6 +40,7 @@ from ftlaunch.lighthouse.membership import (
     TooManyGroups,
     TrainingFinished,
 )
+from ftlaunch.lighthouse.membership_hung import parse_blocked
 from ftlaunch.lighthouse.progress import ProgressReport
 from ftlaunch.lighthouse.protocol import (
     API_VERSION,
@@ -241,9 +242,10 @@ class Routes:
 
     def _heartbeat(self, request: Request) -> Response:
         obj = self._read_json(request)
-        _expect(obj, {"replica_id": (str,)}, {"progress": (dict,)})
+        _expect(obj, {"replica_id": (str,)}, {"progress": (dict,), "blocked": (dict,)})
         rid = self._replica_id(request, obj["replica_id"])
-        kill = self._membership.heartbeat(rid, _progress(obj), incarnation=_incarnation(request))
+        blocked = parse_blocked(obj["blocked"]) if "blocked" in obj else None
+        kill = self._membership.heartbeat(rid, _progress(obj), incarnation=_incarnation(request), blocked=blocked)
         self._bind(request, rid)
         lost = self._membership.lost_in_quorum(rid)
         superseded = self._membership.superseded_for(rid) if lost is None else None

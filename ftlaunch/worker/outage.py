@@ -32,8 +32,10 @@ The edge when the lighthouse comes back: some members may reach it and park a qu
 while others were refused a moment earlier and stepped on, waiting in a collective for the parked
 ones. A group in outage mode (its last quorum came from here) therefore waits at most `ANSWER_WAIT`
 for a quorum answer before stepping on the last quorum again: the parked member joins the step, and
-at the next step every member asks the lighthouse, which forms at once (it adopted their resume
-reports, lighthouse/membership_resume.py). Quorum ids stay above every reported one, and the step
+at the next probe every member asks the lighthouse, which forms at once (it adopted their resume
+reports, lighthouse/membership_resume.py). In outage mode a group tries the lighthouse only every
+`PROBE_EVERY` steps, with one connection attempt: all members are at the same step, so they try
+together, and the steps between cost nothing. Quorum ids stay above every reported one, and the step
 each group reports is the one it reached, so nothing is committed twice or lost.
 
 ``FTLAUNCH_OUTAGE_STEPS=0`` turns it off (the groups wait for the lighthouse, as before).
@@ -53,7 +55,7 @@ from ftlaunch.lighthouse.reconnect import OutageTolerantClient
 from ftlaunch.worker import quorum_request
 from ftlaunch.worker.plan import StepPlan
 
-__all__ = ["ANSWER_WAIT", "UNREACHABLE_AFTER", "LastQuorumSteps", "enabled_from_env", "healthy"]
+__all__ = ["ANSWER_WAIT", "PROBE_EVERY", "UNREACHABLE_AFTER", "LastQuorumSteps", "enabled_from_env", "healthy"]
 
 #: Seconds the lighthouse must be unreachable (connections refused or reset) before a group steps on
 #: its last quorum: every member notices the same dead lighthouse within about this long.
@@ -61,6 +63,10 @@ UNREACHABLE_AFTER = 0.5
 #: In outage mode, the longest a quorum request waits for an answer before the group steps on its
 #: last quorum again (a peer that was refused may be waiting in a collective for this group).
 ANSWER_WAIT = 1.0
+#: In outage mode the lighthouse is tried (one connection attempt) only at steps that are a multiple
+#: of this: every member is at the same step, so all try at the same step, and the steps between
+#: pay nothing (a blackholed lighthouse address would cost a connect timeout each time).
+PROBE_EVERY = 4
 
 
 def enabled_from_env() -> bool:
@@ -83,11 +89,13 @@ class LastQuorumSteps:
     """The group leader's choice between the lighthouse's quorum and the last one (module docstring)."""
 
     def __init__(
-        self, enabled: bool = True, *, unreachable_after: float = UNREACHABLE_AFTER, answer_wait: float = ANSWER_WAIT
+        self, enabled: bool = True, *, unreachable_after: float = UNREACHABLE_AFTER, answer_wait: float = ANSWER_WAIT,
+        probe_every: int = PROBE_EVERY,
     ) -> None:
         self.enabled = enabled
         self.unreachable_after = unreachable_after
         self.answer_wait = answer_wait
+        self.probe_every = probe_every
         self._current: Quorum | None = None  # the quorum of the step in progress
         self._eligible: Quorum | None = None  # the one the last step committed on, complete and healthy
         #: The step in progress runs on a quorum from here, not from the lighthouse.
@@ -106,9 +114,13 @@ class LastQuorumSteps:
             quorum = quorum_request.ask_lighthouse(client, request, retries, timeout, log)
         else:
             assert isinstance(client, OutageTolerantClient)
+            if self.in_outage and request.step % self.probe_every != 0:
+                return self._step_on(fallback, "", log)
             wait = min(timeout, self.answer_wait) if self.in_outage else timeout
             try:
-                quorum = client.quorum(request, wait, give_up_after=self.unreachable_after)
+                # In outage mode one connection attempt: the lighthouse is known to have been down.
+                give_up = 0.0 if self.in_outage else self.unreachable_after
+                quorum = client.quorum(request, wait, give_up_after=give_up)
             except LighthouseUnavailableError as e:
                 return self._step_on(fallback, f"lighthouse unreachable ({e})", log)
             except QuorumTimeoutError:
