@@ -70,6 +70,24 @@ def test_a_silent_member_that_a_peer_waits_for_is_lost_at_once() -> None:
     assert m.superseded_for("c") == q2.quorum_id
 
 
+def test_a_member_stopped_between_steps_holds_its_peers_quorum_requests_until_declared() -> None:
+    """c stops after a commit, before its next quorum request: a and b park theirs (the fast path
+    waits for c). Once c has been silent QUICK_SILENCE and their requests parked BLOCKED_FOR, c is
+    lost and the quorum forms without it -- not after the heartbeat timeout (5 s)."""
+    m, clock, q = formed("a", "b", "c")
+    beat(m, clock, "abc", 0.5)
+    tickets = ask(m, "a", "b")
+    beat(m, clock, "ab", 0.9)
+    assert not tickets["a"].done
+    beat(m, clock, "ab", 0.3)
+    assert tickets["a"].quorum is not None and tickets["a"].quorum.replica_ids == ("a", "b")
+    assert tickets["a"].quorum.quorum_id != q and "failed" in events(m, "c")
+    m2, clock2, _ = formed("a", "b", "c")
+    tickets = ask(m2, "a", "b")
+    beat(m2, clock2, "abc", 3.0)  # c is slow to ask but beats: waited for (join timeout), not lost
+    assert not tickets["a"].done and "failed" not in events(m2, "c")
+
+
 def test_a_slow_member_that_still_beats_is_never_declared_lost() -> None:
     """Under load c's training thread is slow (a and b wait for it for seconds), but its heartbeat
     thread beats: c stays live."""

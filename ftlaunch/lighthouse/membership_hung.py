@@ -7,8 +7,10 @@ a stop that ends sooner costs every peer its whole length. Two facts together sa
 slow: its heartbeats have stopped (they come from a thread of their own, every 100 ms, whatever its
 training thread does) for at least `QUICK_SILENCE` -- or several of its own usual heartbeat gaps,
 when it beats more slowly or its machine is loaded (`silence_limit`) -- AND another member of the same
-quorum reports, in its heartbeats (``blocked``: the quorum id and how long), that its step has been
-waiting in a collective of that quorum for at least `BLOCKED_FOR`. Then the member is marked failed
+quorum has waited for it for at least `BLOCKED_FOR`: it reports, in its heartbeats (``blocked``: the
+quorum id and how long), that its step waits in a collective of that quorum, or its quorum request
+has been parked that long (the fast path waits for every member: a member stopped between two steps
+holds its peers there). Then the member is marked failed
 at once: the others' heartbeat answers name it ``lost`` (they abort the step, worker/hang_abort.py)
 and the next quorum forms without it; when it wakes, its first heartbeat revives it and says
 ``superseded``, and it rejoins and heals. A member that is merely slow still beats, and peers that
@@ -26,7 +28,15 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ftlaunch.lighthouse.membership_status import GroupInfo
-from ftlaunch.lighthouse.quorum import Connection, GroupState, Health, Quorum, QuorumOptions, group_health
+from ftlaunch.lighthouse.quorum import (
+    Connection,
+    GroupState,
+    Health,
+    Quorum,
+    QuorumMember,
+    QuorumOptions,
+    group_health,
+)
 
 log = logging.getLogger("ftlaunch.lighthouse.membership")
 
@@ -62,6 +72,8 @@ class HungMixin:
     _groups: dict[str, GroupState]
     _info: dict[str, GroupInfo]
     _quorum: Quorum | None
+    _requests: dict[str, QuorumMember]
+    _round_start: float | None
     #: replica id -> (quorum id, since when, on this clock) its step waits in a collective of it.
     _blocked: dict[str, tuple[int, float]]
 
@@ -90,9 +102,14 @@ class HungMixin:
 
     def _declare_hung(self, now: float) -> None:
         """Mark failed every participant of the current quorum whose heartbeats stopped while another
-        participant is blocked in a collective of that quorum. O(1) while nobody is blocked."""
+        participant waits for it: blocked in a collective of that quorum, or parked in a quorum
+        request that the stopped member's absence holds up (the fast path waits for every member of
+        the quorum; a member stopped between two steps holds its peers there, not in a collective).
+        O(1) while nobody waits."""
         quorum = self._quorum
-        if not self._blocked or quorum is None:
+        start = self._round_start
+        parked = start is not None and now - start >= BLOCKED_FOR
+        if quorum is None or not (self._blocked or parked):
             return
         ids = quorum.replica_ids
         for rid in [rid for rid in self._blocked if rid not in self._groups]:
@@ -105,6 +122,12 @@ class HungMixin:
             and now - self._groups[rid].last_seen < QUICK_SILENCE
             and self._groups[rid].connection is Connection.CONNECTED
         ]  # fmt: skip
+        if not waiting and parked:
+            assert start is not None
+            waiting = [
+                (rid, now - start) for rid in self._requests
+                if rid in ids and (g := self._groups.get(rid)) is not None and now - g.last_seen < QUICK_SILENCE
+            ]  # fmt: skip
         if not waiting:
             return
         for rid in ids:
@@ -121,6 +144,6 @@ class HungMixin:
                 continue
             self._mark_down(
                 rid, Connection.FAILED,
-                f"hung: no heartbeat for {silent:.1f}s while {peer} waits {waited:.1f}s in a collective of quorum "
+                f"hung: no heartbeat for {silent:.1f}s while {peer} waits {waited:.1f}s for it in quorum "
                 f"{quorum.quorum_id}",
             )  # fmt: skip
