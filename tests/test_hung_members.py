@@ -20,7 +20,7 @@ from test_manager_protocol import Group, ScriptedLighthouse, in_step
 
 from ftlaunch.errors import CommunicationError
 from ftlaunch.lighthouse.membership import Membership
-from ftlaunch.lighthouse.membership_hung import BLOCKED_FOR, QUICK_SILENCE, parse_blocked
+from ftlaunch.lighthouse.membership_hung import BLOCKED_FOR, PARKED_FOR, QUICK_SILENCE, parse_blocked
 from ftlaunch.worker.hang_abort import SUSPECT_AFTER
 
 make_group = test_manager_protocol.make  # the fixture: a Manager on fakes
@@ -72,12 +72,12 @@ def test_a_silent_member_that_a_peer_waits_for_is_lost_at_once() -> None:
 
 def test_a_member_stopped_between_steps_holds_its_peers_quorum_requests_until_declared() -> None:
     """c stops after a commit, before its next quorum request: a and b park theirs (the fast path
-    waits for c). Once c has been silent QUICK_SILENCE and their requests parked BLOCKED_FOR, c is
+    waits for c). Once c has been silent QUICK_SILENCE and their requests parked PARKED_FOR, c is
     lost and the quorum forms without it -- not after the heartbeat timeout (5 s)."""
     m, clock, q = formed("a", "b", "c")
     beat(m, clock, "abc", 0.5)
     tickets = ask(m, "a", "b")
-    beat(m, clock, "ab", 0.9)
+    beat(m, clock, "ab", 0.3)
     assert not tickets["a"].done
     beat(m, clock, "ab", 0.3)
     assert tickets["a"].quorum is not None and tickets["a"].quorum.replica_ids == ("a", "b")
@@ -136,7 +136,7 @@ def test_the_blocked_field_is_parsed_strictly() -> None:
     for bad in (None, [], {"quorum_id": "7", "seconds": 1}, {"quorum_id": True, "seconds": 1},
                 {"quorum_id": 7, "seconds": -1}, {"quorum_id": 7, "seconds": float("nan")}, {"quorum_id": 7}):  # fmt: skip
         assert parse_blocked(bad) is None
-    assert QUICK_SILENCE >= 1.0 and BLOCKED_FOR >= SUSPECT_AFTER
+    assert QUICK_SILENCE >= 0.5 and PARKED_FOR >= 0.5 and BLOCKED_FOR >= SUSPECT_AFTER
 
 
 # ------------------------------------------------------------------ the worker's side

@@ -7,9 +7,9 @@ a stop that ends sooner costs every peer its whole length. Two facts together sa
 slow: its heartbeats have stopped (they come from a thread of their own, every 100 ms, whatever its
 training thread does) for at least `QUICK_SILENCE` -- or several of its own usual heartbeat gaps,
 when it beats more slowly or its machine is loaded (`silence_limit`) -- AND another member of the same
-quorum has waited for it for at least `BLOCKED_FOR`: it reports, in its heartbeats (``blocked``: the
-quorum id and how long), that its step waits in a collective of that quorum, or its quorum request
-has been parked that long (the fast path waits for every member: a member stopped between two steps
+quorum waits for it: it reports, in its heartbeats (``blocked``: the quorum id and how long), that
+its step has waited `BLOCKED_FOR` in a collective of that quorum, or its quorum request has been
+parked `PARKED_FOR` (the fast path waits for every member: a member stopped between two steps
 holds its peers there). Then the member is marked failed
 at once: the others' heartbeat answers name it ``lost`` (they abort the step, worker/hang_abort.py)
 and the next quorum forms without it; when it wakes, its first heartbeat revives it and says
@@ -40,13 +40,17 @@ from ftlaunch.lighthouse.quorum import (
 
 log = logging.getLogger("ftlaunch.lighthouse.membership")
 
-#: Least heartbeat silence that, with a blocked peer, makes a quorum member lost (seconds).
-QUICK_SILENCE = 1.0
+#: Least heartbeat silence that, with a waiting peer, makes a quorum member lost (seconds): five
+#: heartbeat intervals (100 ms); the member's own usual gaps raise it (`SILENCE_GAPS`).
+QUICK_SILENCE = 0.5
 #: How many of a member's own usual heartbeat gaps the silence must also exceed (a loaded machine's
 #: heartbeat thread is late sometimes; it is not declared lost for that).
 SILENCE_GAPS = 5.0
-#: How long a peer must report being blocked in a collective of the quorum (seconds).
+#: How long a peer must report being blocked in a collective of the quorum (seconds; workers report
+#: it from worker/hang_abort.SUSPECT_AFTER on).
 BLOCKED_FOR = 1.0
+#: How long peers' quorum requests must have been parked, held up by the silent member (seconds).
+PARKED_FOR = 0.5
 #: How fast a member's usual gap forgets a long one (per heartbeat): a decaying maximum.
 _GAP_DECAY = 0.9
 
@@ -108,7 +112,7 @@ class HungMixin:
         O(1) while nobody waits."""
         quorum = self._quorum
         start = self._round_start
-        parked = start is not None and now - start >= BLOCKED_FOR
+        parked = start is not None and now - start >= PARKED_FOR
         if quorum is None or not (self._blocked or parked):
             return
         ids = quorum.replica_ids
@@ -119,14 +123,14 @@ class HungMixin:
         waiting = [
             (rid, now - since) for rid, (qid, since) in self._blocked.items()
             if qid == quorum.quorum_id and rid in ids and self._groups[rid].last_seen - since >= BLOCKED_FOR
-            and now - self._groups[rid].last_seen < QUICK_SILENCE
+            and now - self._groups[rid].last_seen < self.silence_limit(rid)
             and self._groups[rid].connection is Connection.CONNECTED
         ]  # fmt: skip
         if not waiting and parked:
             assert start is not None
             waiting = [
                 (rid, now - start) for rid in self._requests
-                if rid in ids and (g := self._groups.get(rid)) is not None and now - g.last_seen < QUICK_SILENCE
+                if rid in ids and (g := self._groups.get(rid)) is not None and now - g.last_seen < self.silence_limit(rid)
             ]  # fmt: skip
         if not waiting:
             return
