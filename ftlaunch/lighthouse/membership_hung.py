@@ -13,8 +13,10 @@ parked `PARKED_FOR` (the fast path waits for every member: a member stopped betw
 holds its peers there). Then the member is marked failed
 at once: the others' heartbeat answers name it ``lost`` (they abort the step, worker/hang_abort.py)
 and the next quorum forms without it; when it wakes, its first heartbeat revives it and says
-``superseded``, and it rejoins and heals. A member that is merely slow still beats, and peers that
-are not blocked report nothing: neither alone declares anything, and the heartbeat timeout applies
+``superseded``, and it rejoins and heals. With hot spares it keeps its slot until the heartbeat
+timeout (as before this rule): a stop of a few seconds is cheaper waited out than handed to a
+spare, which must heal while the stopped group wakes fenced and restarts. A member that is merely
+slow still beats, and peers that are not blocked report nothing: neither alone declares anything, and the heartbeat timeout applies
 as before.
 
 Why apart: the rest of the membership reads without it; it runs under the membership's lock.
@@ -37,6 +39,7 @@ from ftlaunch.lighthouse.quorum import (
     QuorumOptions,
     group_health,
 )
+from ftlaunch.lighthouse.status import HUNG_REASON
 
 log = logging.getLogger("ftlaunch.lighthouse.membership")
 
@@ -148,6 +151,6 @@ class HungMixin:
                 continue
             self._mark_down(
                 rid, Connection.FAILED,
-                f"hung: no heartbeat for {silent:.1f}s while {peer} waits {waited:.1f}s for it in quorum "
+                f"{HUNG_REASON}no heartbeat for {silent:.1f}s while {peer} waits {waited:.1f}s for it in quorum "
                 f"{quorum.quorum_id}",
             )  # fmt: skip
