@@ -21,6 +21,7 @@ from test_manager_protocol import Group, ScriptedLighthouse, in_step
 from ftlaunch.errors import CommunicationError
 from ftlaunch.lighthouse.membership import Membership
 from ftlaunch.lighthouse.membership_hung import BLOCKED_FOR, PARKED_FOR, QUICK_SILENCE, parse_blocked
+from ftlaunch.lighthouse.quorum import QuorumMember
 from ftlaunch.worker.hang_abort import SUSPECT_AFTER
 
 make_group = test_manager_protocol.make  # the fixture: a Manager on fakes
@@ -86,6 +87,26 @@ def test_a_member_stopped_between_steps_holds_its_peers_quorum_requests_until_de
     tickets = ask(m2, "a", "b")
     beat(m2, clock2, "abc", 3.0)  # c is slow to ask but beats: waited for (join timeout), not lost
     assert not tickets["a"].done and "failed" not in events(m2, "c")
+
+
+def test_a_member_that_woke_inside_an_abandoned_step_is_told_to_abort_it() -> None:
+    """c was declared hung and woke (revived) before a and b, which aborted the step, asked for the
+    next quorum: they wait for c (it is live), c waits in quorum q's collective for them. c's
+    heartbeat (blocked on q) is answered with the members that left the step, so c aborts it too."""
+    m, clock, q = formed("a", "b", "c")
+    since = clock.now  # type: ignore[attr-defined]
+    beat(m, clock, "abc", 1.2, blocked={"c": (q, since)})
+    assert m.left_behind("c") is None  # its peers are in the step with it (nobody asked)
+    tickets = ask(m, "a", "b")
+    beat(m, clock, "abc", 0.3, blocked={"c": (q, since)})
+    assert m.left_behind("c") is None and not tickets["a"].done  # not parked long enough yet
+    beat(m, clock, "abc", 0.3, blocked={"c": (q, since)})
+    assert m.left_behind("c") == (q, ("a", "b"))
+    assert m.left_behind("a") is None  # not blocked itself
+    beat(m, clock, "abc", 0.1)  # c no longer blocked (aborted): nothing more to say
+    assert m.left_behind("c") is None
+    m.request_quorum(QuorumMember("c"))
+    assert tickets["a"].done and tickets["a"].quorum is not None and len(tickets["a"].quorum.replica_ids) == 3
 
 
 def test_a_slow_member_that_still_beats_is_never_declared_lost() -> None:

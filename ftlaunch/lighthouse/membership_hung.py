@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -74,6 +75,7 @@ def parse_blocked(value: object) -> tuple[int, float] | None:
 class HungMixin:
     """`Membership`'s evidence-based loss of hung members; the attributes and helpers are the membership's."""
 
+    _lock: threading.Lock
     _clock: Callable[[], float]
     _options: QuorumOptions
     _groups: dict[str, GroupState]
@@ -154,3 +156,29 @@ class HungMixin:
                 f"{HUNG_REASON}no heartbeat for {silent:.1f}s while {peer} waits {waited:.1f}s for it in quorum "
                 f"{quorum.quorum_id}",
             )  # fmt: skip
+
+    def left_behind(self, replica_id: str) -> tuple[int, tuple[str, ...]] | None:
+        """For the answer to ``replica_id``'s heartbeat: when it reports being blocked in a collective
+        of the current quorum (`BLOCKED_FOR`) while other participants of that quorum have had
+        quorum requests parked for `PARKED_FOR` -- they left the quorum's step (they aborted it:
+        this member was declared hung and woke before the next quorum formed) -- the quorum's id
+        and theirs (answered as ``lost``: its step is aborted). Else None.
+
+        Why: without it the woken member waits in the old quorum's collective (or configure) for
+        peers that will never come, until its collective timeout, while the lighthouse waits for
+        its quorum request (it is live): a deadlock the soak saw last 60 s. A member whose step
+        still runs cannot be behind its peers' next request by that long: they would be in the
+        collective with it."""
+        with self._lock:
+            quorum, mine, start = self._quorum, self._blocked.get(replica_id), self._round_start
+            g = self._groups.get(replica_id)
+            if quorum is None or mine is None or g is None or start is None or mine[0] != quorum.quorum_id:
+                return None
+            ids = quorum.replica_ids
+            if replica_id not in ids:
+                return None
+            now = self._clock()
+            if g.last_seen - mine[1] < BLOCKED_FOR or now - start < PARKED_FOR:
+                return None
+            gone = tuple(rid for rid in ids if rid != replica_id and rid in self._requests)
+            return (quorum.quorum_id, gone) if gone else None

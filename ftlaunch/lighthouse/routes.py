@@ -248,6 +248,8 @@ class Routes:
         kill = self._membership.heartbeat(rid, _progress(obj), incarnation=_incarnation(request), blocked=blocked)
         self._bind(request, rid)
         lost = self._membership.lost_in_quorum(rid)
+        if lost is None and blocked is not None:  # its peers left the step it waits in
+            lost = self._membership.left_behind(rid)
         superseded = self._membership.superseded_for(rid) if lost is None else None
         if kill is None and lost is None and superseded is None:
             return _OK
