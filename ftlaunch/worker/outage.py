@@ -113,14 +113,15 @@ class LastQuorumSteps:
             self.in_outage = False
             quorum = quorum_request.ask_lighthouse(client, request, retries, timeout, log)
         else:
-            assert isinstance(client, OutageTolerantClient)
             if self.in_outage and request.step % self.probe_every != 0:
                 return self._step_on(fallback, "", log)
             wait = min(timeout, self.answer_wait) if self.in_outage else timeout
             try:
                 # In outage mode one connection attempt: the lighthouse is known to have been down.
                 give_up = 0.0 if self.in_outage else self.unreachable_after
-                quorum = client.quorum(request, wait, give_up_after=give_up)
+                final = (QuorumTimeoutError,) if self.in_outage else ()
+                quorum = quorum_request.ask_lighthouse(client, request, retries, wait, log, give_up_after=give_up,
+                                                       final=final)  # fmt: skip
             except LighthouseUnavailableError as e:
                 return self._step_on(fallback, f"lighthouse unreachable ({e})", log)
             except QuorumTimeoutError:
