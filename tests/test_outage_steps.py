@@ -22,8 +22,9 @@ from ftlaunch.lighthouse.membership import ImplausibleStep, Membership
 from ftlaunch.lighthouse.protocol import RESUME_KEY
 from ftlaunch.lighthouse.quorum import QuorumIdAllocator, QuorumMember, QuorumOptions
 from ftlaunch.lighthouse.reconnect import OutageTolerantClient
-from ftlaunch.worker.outage import LastQuorumSteps, enabled_from_env, healthy
+from ftlaunch.worker.outage import LastQuorumSteps, after_heal, enabled_from_env, healthy
 from ftlaunch.worker.plan import plan_step
+from ftlaunch.worker.recovery import MANAGER_STATE_KEY
 
 make = test_manager_protocol.make  # the fixture: a Manager on fakes
 
@@ -84,6 +85,22 @@ def test_in_outage_mode_the_lighthouse_is_tried_every_few_steps_by_all_members_t
     assert [m.step for m in scripted.asked] == [0, 1, 2, 4, 8, 9]  # down at 2, probed at 4 and 8
     assert g.m._outage.steps == 6  # steps 2..7 on quorum 1; 8 got quorum 9
     assert [c[0] for c in g.pg.configure_calls] == [f"{OUR_STORE}/ftlaunch/q1/r0", f"{OUR_STORE}/ftlaunch/q9/r0"]
+
+
+def test_after_a_committed_heal_the_group_steps_on_the_quorum_at_the_reached_step(make: Callable[..., Group]) -> None:
+    """We healed from rg0 (step 5) on quorum 3 and committed (now at 6); the lighthouse dies: the
+    next step runs on quorum 3 with both members at step 6 -- nobody heals again, no reconfigure."""
+    _, client = behind_outage_client(quorum(3, peer("rg0", 5), us="rg1"), DOWN)
+    g = make(client, replica_id="rg1")
+    g.transport.inbox[("mem://rg0", 5)] = {MANAGER_STATE_KEY: {"step": 5, "batches_committed": 9}, "default": {"w": 42}}
+    assert g.step()[0] and g.m.current_step() == 6
+    committed, out = g.step()
+    assert committed and g.m.current_step() == 7 and g.m._outage.steps == 1
+    assert out.tolist() == [6.0] * 4  # both up to date now: our gradient counts
+    assert len(g.pg.configure_calls) == 1 and len(g.transport.events) == 1  # no reconfigure, no heal
+    assert after_heal(quorum(3, peer("rg0", 5), us="rg1")(QuorumMember("rg1", step=0)),
+                      plan_step(quorum(3, peer("rg0", 5), us="rg1")(QuorumMember("rg1", step=0)), "rg1")
+                      ) is not None  # fmt: skip
 
 
 def test_a_quorum_timeout_outside_an_outage_is_the_lighthouses_answer(make: Callable[..., Group]) -> None:

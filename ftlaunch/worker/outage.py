@@ -7,8 +7,9 @@ group of the last quorum is configured and every member of it is alive.
 
 The rule, decided by each group leader alone (`LastQuorumSteps.ask`): when the lighthouse cannot be
 reached for `UNREACHABLE_AFTER` seconds and this group's last step *committed* on a *complete,
-healthy* quorum (every group a participant, all at the same step, nobody healing, no layout or claim
-conflict), the group steps on that quorum again: the leader returns it as the step's quorum, so the
+healthy* quorum (every group a participant, all at the same step, nobody healing, no layout
+conflict) -- or on a complete quorum in which some groups healed, then with every member at the step
+they all reached (`after_heal`) -- the group steps on that quorum again: the leader returns it as the step's quorum, so the
 group's other ranks (through the group store) and `plan_step` see exactly what they saw last step,
 the quorum id does not change and the process group is not reconfigured.
 
@@ -43,6 +44,7 @@ each group reports is the one it reached, so nothing is committed twice or lost.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from typing import Any
@@ -55,7 +57,9 @@ from ftlaunch.lighthouse.reconnect import OutageTolerantClient
 from ftlaunch.worker import quorum_request
 from ftlaunch.worker.plan import StepPlan
 
-__all__ = ["ANSWER_WAIT", "PROBE_EVERY", "UNREACHABLE_AFTER", "LastQuorumSteps", "enabled_from_env", "healthy"]
+__all__ = [
+    "ANSWER_WAIT", "PROBE_EVERY", "UNREACHABLE_AFTER", "LastQuorumSteps", "after_heal", "enabled_from_env", "healthy",
+]
 
 #: Seconds the lighthouse must be unreachable (connections refused or reset) before a group steps on
 #: its last quorum: every member notices the same dead lighthouse within about this long.
@@ -83,6 +87,19 @@ def healthy(plan: StepPlan) -> bool:
         not plan.heal and plan.num_sources == n and plan.num_participants == n and plan.num_up_to_date == n
         and plan.layout_conflict is None
     )  # fmt: skip
+
+
+def after_heal(quorum: Quorum, plan: StepPlan) -> Quorum | None:
+    """After a committed step on ``quorum`` in which some groups healed: the same quorum with every
+    participant at the step they all reached (``max_step + 1``: the sources stepped from it, the
+    healers loaded it and stepped with them), or None when the step was not complete otherwise (a
+    layout conflict, or participants other than the sources: `WorldSizeMode.FIXED_WITH_SPARES`).
+    Every group computes it from the same quorum, so all get the same one, on which nobody heals."""
+    if plan.layout_conflict is not None or plan.num_participants != plan.num_sources:
+        return None
+    step = plan.max_step + 1
+    members = tuple(dataclasses.replace(m, step=step, commit_failures=0) for m in quorum.participants)
+    return dataclasses.replace(quorum, participants=members)
 
 
 class LastQuorumSteps:
@@ -146,8 +163,14 @@ class LastQuorumSteps:
 
     def after_step(self, committed: bool, plan: StepPlan | None) -> None:
         """The step's outcome (every rank of every group agreed on it): only a committed step on a
-        healthy plan lets the next one go on without the lighthouse."""
-        ok = committed and plan is not None and self._current is not None and healthy(plan)
-        self._eligible = self._current if ok else None
-        if not ok and self.in_outage:
+        healthy plan lets the next one go on without the lighthouse -- or a committed heal step on an
+        otherwise complete one (`after_heal`)."""
+        current = self._current
+        if not committed or plan is None or current is None:
+            self._eligible = None
+        elif healthy(plan):
+            self._eligible = current
+        else:
+            self._eligible = after_heal(current, plan)
+        if self._eligible is None and self.in_outage:
             self.in_outage = False  # the fallback failed: wait for the lighthouse (with backoff)
