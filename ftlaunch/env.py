@@ -58,6 +58,9 @@ FTLAUNCH_LIGHTHOUSE_OUTAGE = "FTLAUNCH_LIGHTHOUSE_OUTAGE"
 #: rendezvous once it found it): a worker's -- or a respawned agent's -- failed first contact is then
 #: an outage to wait out for ``FTLAUNCH_LIGHTHOUSE_OUTAGE``, not a wrong address to report at once.
 FTLAUNCH_LIGHTHOUSE_REACHED = "FTLAUNCH_LIGHTHOUSE_REACHED"
+#: ``0`` turns off stepping on the last quorum while the lighthouse is unreachable (the groups then
+#: wait for it, committing nothing). Default on. ``ftlaunch.worker.outage``.
+FTLAUNCH_OUTAGE_STEPS = "FTLAUNCH_OUTAGE_STEPS"
 #: A group leader whose training thread made no step call for this long (a duration, default 1.5x the
 #: collective timeout; 0: off) leaves the lighthouse until it steps again. ``ftlaunch.worker.watchdog``.
 FTLAUNCH_PROGRESS_TIMEOUT = "FTLAUNCH_PROGRESS_TIMEOUT"
@@ -106,6 +109,7 @@ ALL_FTLAUNCH_VARS = (
     FTLAUNCH_CONNECT_TIMEOUT,
     FTLAUNCH_LIGHTHOUSE_OUTAGE,
     FTLAUNCH_LIGHTHOUSE_REACHED,
+    FTLAUNCH_OUTAGE_STEPS,
     FTLAUNCH_PROGRESS_TIMEOUT,
     FTLAUNCH_HEAL_CLAIMS,
     FTLAUNCH_SYNC_EVERY,

@@ -155,6 +155,7 @@ LIGHTHOUSE_RANKS: dict[str, int] = {
     "membership_spares": 2,  # the membership's hot-spare glue (a mixin)
     "membership_status": 2,  # the membership's status, progress and kill requests (a mixin)
     "membership_resume": 3,  # the membership's adoption of a restarted lighthouse's resume reports (a mixin)
+    "membership_hung": 3,  # the membership's evidence-based loss of hung quorum members (a mixin)
     "membership": 4,  # bookkeeping: groups, quorum requests
     "http": 2,  # request/response types, http.server's head parsing
     "limits": 2,  # connection cap, warnings per client: bounds a client cannot push
@@ -176,7 +177,7 @@ LIGHTHOUSE_RANKS: dict[str, int] = {
 #: Lighthouse modules that do no I/O: they may not import sockets, event loops or HTTP.
 LIGHTHOUSE_NO_IO = {
     "protocol", "quorum", "quorum_delta", "progress", "slots", "status", "spares", "tickets",
-    "membership_spares", "membership_status", "membership_resume", "membership", "dashboard",
+    "membership_spares", "membership_status", "membership_resume", "membership_hung", "membership", "dashboard",
 }
 _IO_MODULES = {"socket", "selectors", "select", "asyncio", "http", "urllib", "ssl"}
 

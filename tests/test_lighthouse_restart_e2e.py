@@ -11,6 +11,7 @@ Every group must finish with the same weights, every group's committed steps mus
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import subprocess
@@ -21,6 +22,7 @@ from pathlib import Path
 import pytest
 from workers.helpers import FTLAUNCH, finish, free_port, kill_tree, start, wait_for
 
+from ftlaunch import env
 from ftlaunch.lighthouse.client import LighthouseClient
 from tests.mp_harness import Group
 
@@ -70,10 +72,13 @@ def committed_steps(stdout: str) -> dict[int, list[int]]:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["sigkill", "sigterm"])
 def test_training_survives_a_lighthouse_restart_longer_than_the_connect_timeout(sig: int) -> None:
+    # The groups wait for the lighthouse (the path this test pins down); stepping through the
+    # outage on the last quorum, the default, is the next test.
     port = free_port()
     lighthouse = start_lighthouse(port)
     job = start([*FTLAUNCH, "--replicas", "3", "--lighthouse", f"http://127.0.0.1:{port}",
-                 TRAIN, "--steps", str(STEPS), "--step-sleep", "0.1"])
+                 TRAIN, "--steps", str(STEPS), "--step-sleep", "0.1"],
+                env={**os.environ, env.FTLAUNCH_OUTAGE_STEPS: "0"})
     new_lighthouse: subprocess.Popen | None = None
     try:
         wait_for(lambda: min_step(port, 3) >= 20, 150, "20 steps before the lighthouse dies", interval=0.5)
@@ -99,6 +104,44 @@ def test_training_survives_a_lighthouse_restart_longer_than_the_connect_timeout(
         assert all(a < b for a, b in zip(steps, steps[1:], strict=False)), f"rg{group} committed a step twice: {steps}"
         assert [s for s in steps if s >= 20] == list(range(20, STEPS + 1)), f"rg{group} lost a step: {steps}"
     assert "waits up to 300s for the lighthouse to come back" in out
+    assert "LighthouseUnavailableError" not in out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_training_steps_through_a_lighthouse_outage_on_the_last_quorum() -> None:
+    """The default (worker/outage.py): with the lighthouse SIGKILLed and down 8 s, the three groups
+    keep committing on their last quorum, the restarted lighthouse forms one quorum of all from their
+    resume reports, and every step is committed exactly once, with identical weights at the end."""
+    steps = 400
+    port = free_port()
+    lighthouse = start_lighthouse(port)
+    job = start([*FTLAUNCH, "--replicas", "3", "--lighthouse", f"http://127.0.0.1:{port}",
+                 TRAIN, "--steps", str(steps), "--step-sleep", "0.1"])
+    new_lighthouse: subprocess.Popen | None = None
+    try:
+        wait_for(lambda: min_step(port, 3) >= 20, 150, "20 steps before the lighthouse dies", interval=0.5)
+        lighthouse.send_signal(signal.SIGKILL)
+        lighthouse.communicate(timeout=30)
+        time.sleep(8.0)
+        new_lighthouse = start_lighthouse(port)
+        res = finish(job, 250)
+    finally:
+        kill_tree(job.pid)
+        for p in (lighthouse, new_lighthouse):
+            if p is not None and p.poll() is None:
+                p.terminate()
+                p.communicate(timeout=30)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out[-6000:]
+    sums = dict(re.findall(r"rg(\d+)[/\]][^\n]*?final_checksum=(\w+)", res.stdout))
+    assert set(sums) == {"0", "1", "2"} and len(set(sums.values())) == 1, sums
+    for group, done in committed_steps(res.stdout).items():
+        assert all(a < b for a, b in zip(done, done[1:], strict=False)), f"rg{group} committed a step twice: {done}"
+        assert [s for s in done if s >= 20] == list(range(20, steps + 1)), f"rg{group} lost a step: {done}"
+    fell_back = set(re.findall(r"\[rg(\d+)/r0\][^\n]*stepping on the last quorum", out))
+    assert fell_back == {"0", "1", "2"}, out[-6000:]  # every group stepped on through the outage
+    assert "lighthouse back: quorum" in out, out[-6000:]
     assert "LighthouseUnavailableError" not in out
 
 

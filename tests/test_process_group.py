@@ -266,6 +266,51 @@ def test_baby_abort_interrupts_blocked_configure(store: dist.TCPStore) -> None:
         pg.shutdown()
 
 
+@pytest.mark.timeout(120)
+def test_baby_abort_while_the_child_starts_keeps_the_child(store: dist.TCPStore) -> None:
+    """An abort while a configure still waits for its (replacement) child to import torch kills
+    nothing: the configure fails before its rendezvous and the next one uses the same child. The soak
+    saw such aborts (a peer lost during the configure) kill child after child on a loaded machine."""
+    pg = ProcessGroupBabyGloo(timeout=30.0)
+    child = pg._child
+    assert child is not None
+    gate = threading.Event()
+    real_wait = child.wait_ready
+
+    def slow_start(timeout: float) -> None:  # the child is still importing torch
+        gate.wait(30)
+        real_wait(timeout)
+
+    child.wait_ready = slow_start  # type: ignore[method-assign]
+    errors: list[BaseException] = []
+
+    def _configure() -> None:
+        try:
+            pg.configure(addr(store, "s1"), 0, 1)
+        except BaseException as e:
+            errors.append(e)
+
+    try:
+        th = threading.Thread(target=_configure)
+        th.start()
+        deadline = time.monotonic() + 10
+        while pg._configuring is not child and time.monotonic() < deadline:
+            time.sleep(0.01)
+        pg.abort()
+        gate.set()
+        th.join(60)
+        assert not th.is_alive()
+        assert len(errors) == 1 and "aborted while its child started" in str(errors[0]), errors
+        assert pg.child_pid == child.pid and child.healthy and pg._spare is None  # kept, nothing spawned
+        pg.configure(addr(store, "s2"), 0, 1)
+        t = torch.ones(2)
+        pg.allreduce([t]).wait()
+        assert pg.child_pid == child.pid
+    finally:
+        gate.set()
+        pg.shutdown()
+
+
 @pytest.mark.slow  # ~15-50 s (two Baby children import torch); the abort decision has fast tests on the fake
 @pytest.mark.timeout(120)
 def test_baby_prepare_abort_starts_the_replacement_child_that_the_abort_then_uses(store: dist.TCPStore) -> None:

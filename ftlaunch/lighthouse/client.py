@@ -183,6 +183,17 @@ class LighthouseClient:
         self._deltas_refused = False
         #: Told when a heartbeat answer says a participant of the caller's quorum was lost.
         self._on_lost: Callable[[str, int, tuple[str, ...]], None] | None = None
+        #: Asked at every heartbeat: (quorum id, seconds) while the caller's step waits in a
+        #: collective of that quorum (see `report_blocked`); False once a lighthouse refused the field.
+        self._blocked: Callable[[], tuple[int, float] | None] | None = None
+        self._blocked_refused = False
+
+    def report_blocked(self, probe: Callable[[], tuple[int, float] | None] | None) -> None:
+        """Call ``probe()`` (on the heartbeat thread; it must not block) at every heartbeat; while it
+        returns (quorum id, seconds) -- the caller's step has waited that long in a collective of
+        that quorum -- the heartbeat says so (``blocked``): the lighthouse then declares a member of
+        that quorum whose heartbeats stopped lost sooner (lighthouse/membership_hung.py)."""
+        self._blocked = probe
 
     def on_quorum_lost(self, callback: Callable[[str, int, tuple[str, ...]], None] | None) -> None:
         """Call ``callback(replica_id, quorum_id, lost_replica_ids)`` (on a heartbeat thread; it
@@ -263,8 +274,9 @@ class LighthouseClient:
 
     # -- API
 
-    def quorum(self, member: QuorumMember, timeout: float) -> Quorum:
-        """Block until a quorum containing ``member`` forms (long poll) and return it."""
+    def quorum(self, member: QuorumMember, timeout: float, *, unreachable_after: float | None = None) -> Quorum:
+        """Block until a quorum containing ``member`` forms (long poll) and return it.
+        ``unreachable_after``: retry failed connections for that long instead of the connect timeout."""
         if timeout <= 0:
             raise ValueError(f"timeout must be > 0, got {timeout}")
         self._check_evicted(member.replica_id)
@@ -279,7 +291,9 @@ class LighthouseClient:
         what = f"quorum request of {member.replica_id}"
         read_timeout = timeout + min(self._connect_timeout, LONG_POLL_GRACE)
         try:
-            status, obj = self._channel().call("POST", PATH_PREFIX + "/quorum", body, read_timeout=read_timeout)
+            status, obj = self._channel().call(
+                "POST", PATH_PREFIX + "/quorum", body, read_timeout=read_timeout, connect_timeout=unreachable_after
+            )
             if status == 400 and held is not None and "'known'" in str(obj.get("error", "")):
                 # A lighthouse older than answer deltas (restarted from an older install): ask as before.
                 log.info("lighthouse client: the lighthouse does not know quorum deltas; asking for whole quorums")
@@ -287,7 +301,9 @@ class LighthouseClient:
                     self._deltas_refused = True
                 del body["known"]
                 held = None
-                status, obj = self._channel().call("POST", PATH_PREFIX + "/quorum", body, read_timeout=read_timeout)
+                status, obj = self._channel().call(
+                    "POST", PATH_PREFIX + "/quorum", body, read_timeout=read_timeout, connect_timeout=unreachable_after
+                )
             raise_for(status, obj, what)
         except EvictedError:
             self._note_evicted(member.replica_id, told=True)
@@ -320,12 +336,32 @@ class LighthouseClient:
         progress = self._unsent_progress(replica_id)
         if progress is not None:
             body["progress"] = progress
+        blocked = self._blocked_now()
+        if blocked is not None:
+            body["blocked"] = {"quorum_id": blocked[0], "seconds": round(blocked[1], 3)}
         status, obj = channel.call(
             "POST", PATH_PREFIX + "/heartbeat", body,
             bind_replica=replica_id if bind else None, read_timeout=self._connect_timeout, stop=stop,
         )
+        if status == 400 and blocked is not None and "'blocked'" in str(obj.get("error", "")):
+            self._blocked_refused = True  # a lighthouse older than the field: beat without it
+            del body["blocked"]
+            status, obj = channel.call(
+                "POST", PATH_PREFIX + "/heartbeat", body,
+                bind_replica=replica_id if bind else None, read_timeout=self._connect_timeout, stop=stop,
+            )
         raise_for(status, obj, f"heartbeat of {replica_id}")
         return obj
+
+    def _blocked_now(self) -> tuple[int, float] | None:
+        probe = self._blocked
+        if probe is None or self._blocked_refused:
+            return None
+        try:
+            return probe()
+        except Exception:  # noqa: BLE001 - the heartbeat must go on
+            log.exception("lighthouse client: the blocked probe failed")
+            return None
 
     def heartbeat(self, replica_id: str) -> None:
         try:

@@ -23,6 +23,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
+from ftlaunch.lighthouse.membership_hung import HungMixin
 from ftlaunch.lighthouse.membership_resume import ADOPTED, ResumeMixin
 from ftlaunch.lighthouse.membership_spares import SparesMixin
 from ftlaunch.lighthouse.membership_status import GroupInfo, StatusMixin
@@ -86,7 +87,7 @@ def _new_ids(wall_clock: Callable[[], float]) -> QuorumIdAllocator:
         return QuorumIdAllocator(int(wall_clock() * 1000), floor=_last_issued_id)
 
 
-class Membership(SparesMixin, StatusMixin, ResumeMixin):
+class Membership(SparesMixin, StatusMixin, ResumeMixin, HungMixin):
     """The replica groups of one lighthouse and their quorum requests (see the module docstring)."""
 
     def __init__(
@@ -136,6 +137,7 @@ class Membership(SparesMixin, StatusMixin, ResumeMixin):
         self._progress = ProgressBook()
         self._quorum_changes = 0
         self._kills: dict[str, str] = {}  # replica id -> reason, until its next heartbeat
+        self._blocked: dict[str, tuple[int, float]] = {}  # who waits in a collective (membership_hung)
         #: A restarted lighthouse forms its first quorum from the groups' resume reports; until this
         #: time (and without a report) it forms none, so that groups that held the job's state are
         #: back before a fresh group could start a quorum of its own from step 0.
@@ -185,18 +187,25 @@ class Membership(SparesMixin, StatusMixin, ResumeMixin):
         return ticket
 
     def heartbeat(
-        self, replica_id: str, progress: ProgressReport | None = None, *, incarnation: str = ANONYMOUS
+        self, replica_id: str, progress: ProgressReport | None = None, *, incarnation: str = ANONYMOUS,
+        blocked: tuple[int, float] | None = None,
     ) -> str | None:
         """A sign of life (revives a silent, disconnected or failed group), maybe with a progress
-        report. Returns the reason of a pending `kill` (once), else None. Raises `ShuttingDown`,
-        `Evicted` once, `HeldElsewhere` or `TooManyGroups`."""
+        report, and ``blocked``: (quorum id, seconds) its step has waited in a collective of that
+        quorum (`membership_hung`: a silent peer is then declared lost sooner). Returns the reason of
+        a pending `kill` (once), else None. Raises `ShuttingDown`, `Evicted` once, `HeldElsewhere` or
+        `TooManyGroups`."""
         with self._lock:
             now = self._clock()
+            if not self._closed:
+                self._note_beat(replica_id, now, blocked)
             revived = self._admit(replica_id, now, incarnation)
             self._info[replica_id].heartbeats += 1
             self._report_progress(replica_id, progress)
             if revived and replica_id in self._requests:
                 self._decide(now)
+            if blocked is not None:
+                self._declare_hung(now)
             return self._kills.pop(replica_id, None)
 
     def leave(
@@ -283,6 +292,7 @@ class Membership(SparesMixin, StatusMixin, ResumeMixin):
         hb = self._options.heartbeat_timeout
         with self._lock:
             now = self._clock()
+            self._declare_hung(now)
             for rid, g in self._groups.items():
                 info = self._info[rid]
                 if g.connection is Connection.CONNECTED and now - g.last_seen > hb and not info.silent_noted:
@@ -338,9 +348,11 @@ class Membership(SparesMixin, StatusMixin, ResumeMixin):
         per committed quorum round, and a healer jumps to a step some quorum had: so no group can be
         more than `MAX_STEP_ADVANCE` past the highest step any quorum of this lighthouse had. A claim
         beyond it is refused; it would make the claimant every group's healing source (and its store
-        their meeting point). With no quorum yet (a new or restarted lighthouse) nothing is checked."""
+        their meeting point). With no quorum yet (a new or restarted lighthouse) nothing is checked,
+        nor for a participant of the current quorum that reports having stepped on it while this
+        lighthouse was unreachable (`_stepped_through_outage`)."""
         high = self._high_step
-        if high is not None and member.step > high + MAX_STEP_ADVANCE:
+        if high is not None and member.step > high + MAX_STEP_ADVANCE and not self._stepped_through_outage(member):
             raise ImplausibleStep(
                 f"replica {member.replica_id} claims step {member.step}, but no quorum of this lighthouse got "
                 f"past step {high}: refused, it would become every group's healing source"

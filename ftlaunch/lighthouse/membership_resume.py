@@ -50,6 +50,18 @@ class ResumeMixin:
             self.adopt_resume_report(member.replica_id, report, now)
         return member
 
+    def _stepped_through_outage(self, member: QuorumMember) -> bool:
+        """Whether ``member`` may be past the highest step of this lighthouse's quorums because its
+        group stepped on through an outage (worker/outage.py): it reports (`RESUME_KEY`) the current
+        quorum as its last one and is a participant of it. Such steps committed only with every
+        participant of that quorum taking part, so they are the job's steps, not one group's claim
+        (this lighthouse stayed up, but its groups could not reach it)."""
+        quorum = self._quorum
+        if quorum is None or RESUME_KEY not in member.data:
+            return False
+        parsed = parse_resume_report(member.data[RESUME_KEY])
+        return parsed is not None and parsed[0] == quorum.quorum_id and member.replica_id in quorum.replica_ids
+
     def adopt_resume_report(self, reporter: str, report: object, now: float) -> bool:
         """A lighthouse that restarted knows nothing of the job; its groups do. Adopt the newest
         reported quorum (``{"quorum_id": int, "members": [str]}``) as the previous quorum: the next

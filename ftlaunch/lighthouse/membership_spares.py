@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from ftlaunch.lighthouse.quorum import GroupState, Health, QuorumOptions, group_health
 from ftlaunch.lighthouse.slots import Holder
 from ftlaunch.lighthouse.spares import ClaimTicket, SpareSlots
-from ftlaunch.lighthouse.status import SlotStatus, SparesStatus, SpareStatus
+from ftlaunch.lighthouse.status import HUNG_REASON, SlotStatus, SparesStatus, SpareStatus
 from ftlaunch.lighthouse.tickets import Evicted, MembershipError, QuorumTicket, ShuttingDown
 
 log = logging.getLogger("ftlaunch.lighthouse.membership")
@@ -74,6 +74,9 @@ class SparesMixin:
         g = self._groups.get(rid)
         if g is None:
             return Holder.NONE
+        info = self._info.get(rid)
+        if info is not None and info.reason.startswith(HUNG_REASON) and now - g.last_seen <= self._options.heartbeat_timeout:
+            return Holder.LIVE  # declared hung on evidence: its slot waits for the heartbeat timeout, as before
         return Holder.LIVE if group_health(g, now, self._options) is Health.LIVE else Holder.DOWN
 
     def _spares_status(self, now: float) -> SparesStatus | None:

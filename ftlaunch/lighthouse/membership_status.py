@@ -58,6 +58,8 @@ class GroupInfo:
     incarnation: str = ANONYMOUS
     #: It was a participant of some quorum (ids that never were are forgotten once gone).
     in_a_quorum: bool = False
+    #: Its usual gap between two signs of life (a decaying maximum; `membership_hung`).
+    beat_gap: float = 0.0
 
 
 class StatusMixin:

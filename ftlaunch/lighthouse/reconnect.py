@@ -107,7 +107,12 @@ class OutageTolerantClient:
         # Only the real client counts failed connections (heartbeats included); a fake has none.
         return self._client.connection_failures if isinstance(self._client, LighthouseClient) else 0
 
-    def quorum(self, member: QuorumMember, timeout: float) -> Quorum:
+    def quorum(self, member: QuorumMember, timeout: float, *, give_up_after: float | None = None) -> Quorum:
+        """The quorum for ``member``, waiting out an outage (see the module docstring).
+
+        ``give_up_after``: the caller has something better to do than wait (a group stepping on its
+        last quorum, worker/outage.py): connection failures are retried for that long only, then
+        `LighthouseUnavailableError` is raised (the resume report still goes with the next request)."""
         started: float | None = None  # first failure of this outage
         pause = _PAUSE_START
         while True:
@@ -118,9 +123,14 @@ class OutageTolerantClient:
             if self._report_due and self._last is not None:
                 request = dataclasses.replace(member, data={**member.data, RESUME_KEY: resume_report(self._last)})
             try:
-                quorum = self._client.quorum(request, timeout)
+                if give_up_after is not None and isinstance(self._client, LighthouseClient):
+                    quorum = self._client.quorum(request, timeout, unreachable_after=give_up_after)
+                else:
+                    quorum = self._client.quorum(request, timeout)
             except LighthouseUnavailableError as e:
                 self._report_due = True
+                if give_up_after is not None and self._reached():
+                    raise  # the wrapped client retried for give_up_after already
                 now = time.monotonic()
                 if started is None:
                     started = now
@@ -167,6 +177,12 @@ class OutageTolerantClient:
         forward = getattr(self._client, "on_quorum_lost", None)
         if forward is not None:
             forward(callback)
+
+    def report_blocked(self, probe: Callable[[], tuple[int, float] | None] | None) -> None:
+        """Forwarded to the wrapped client (`LighthouseClient.report_blocked`)."""
+        forward = getattr(self._client, "report_blocked", None)
+        if forward is not None:
+            forward(probe)
 
     def close(self) -> None:
         self._closed.set()

@@ -40,6 +40,7 @@ from ftlaunch.lighthouse.membership import (
     TooManyGroups,
     TrainingFinished,
 )
+from ftlaunch.lighthouse.membership_hung import parse_blocked
 from ftlaunch.lighthouse.progress import ProgressReport
 from ftlaunch.lighthouse.protocol import (
     API_VERSION,
@@ -264,11 +265,14 @@ class Routes:
 
     def _heartbeat(self, request: Request) -> Response:
         obj = self._read_json(request)
-        _expect(obj, {"replica_id": (str,)}, {"progress": (dict,)})
+        _expect(obj, {"replica_id": (str,)}, {"progress": (dict,), "blocked": (dict,)})
         rid = self._replica_id(request, obj["replica_id"])
-        kill = self._membership.heartbeat(rid, _progress(obj), incarnation=_incarnation(request))
+        blocked = parse_blocked(obj["blocked"]) if "blocked" in obj else None
+        kill = self._membership.heartbeat(rid, _progress(obj), incarnation=_incarnation(request), blocked=blocked)
         self._bind(request, rid)
         lost = self._membership.lost_in_quorum(rid)
+        if lost is None and blocked is not None:  # its peers left the step it waits in
+            lost = self._membership.left_behind(rid)
         superseded = self._membership.superseded_for(rid) if lost is None else None
         pace = advised_heartbeat_interval(self._membership.group_count, self._membership.options.heartbeat_timeout)
         if kill is None and lost is None and superseded is None:

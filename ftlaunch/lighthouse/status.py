@@ -39,6 +39,12 @@ def _object(value: Any, what: str) -> Mapping[str, Any]:
     return value
 
 
+#: How the lighthouse starts the reason of a member it declared lost on evidence (membership_hung.py):
+#: such a member keeps its hot-spare slot until the heartbeat timeout (a short stop must not cost a
+#: takeover).
+HUNG_REASON = "hung: "
+
+
 @dataclass(frozen=True)
 class StatusOptions:
     """How the lighthouse was started (``admin``: whether the admin endpoints take a token)."""

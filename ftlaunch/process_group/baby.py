@@ -166,6 +166,11 @@ class ProcessGroupBaby(ProcessGroup):
         # work, so the first configure rarely waits for it.
         self._child: Child | None = self._spawn() if self._spawn_early else None
         self._spare: Child | None = None  # a replacement started early, after a child was lost
+        # An abort while a configure waits for its child to start: the child is kept (a spawn costs
+        # seconds on a loaded machine, 20 s seen) and that configure fails before its rendezvous.
+        self._abort_lock = threading.Lock()
+        self._configuring: Child | None = None
+        self._abort_configure = False
 
     def getBackendName(self) -> str:  # noqa: N802
         return f"ftlaunch-baby-{self._backend}"
@@ -250,18 +255,27 @@ class ProcessGroupBaby(ProcessGroup):
                     child = self._spawn()
                 self._child = child
             device = torch.cuda.current_device() if self._backend == "nccl" else None
+            with self._abort_lock:
+                self._configuring, self._abort_configure = child, False
             try:
                 child.wait_ready(max(self._timeout, _SPAWN_TIMEOUT_MIN))
-                pending = child.submit(
-                    "configure",
-                    lambda req, staged: ("configure", req, store_addr, rank, world_size,
-                                         self._child_timeout(), device),
-                    self._timeout,
-                )
+                with self._abort_lock:  # an abort meanwhile kept the starting child: stop here
+                    self._configuring = None
+                    if self._abort_configure:
+                        raise CommunicationError("process group aborted while its child started")
+                    pending = child.submit(
+                        "configure",
+                        lambda req, staged: ("configure", req, store_addr, rank, world_size,
+                                             self._child_timeout(), device),
+                        self._timeout,
+                    )
                 work = _BabyWork(self, child, pending, None, None)
                 work.wait()
             except CommunicationError as e:
                 raise self._record_error("configure", e) from e
+            finally:
+                with self._abort_lock:
+                    self._configuring = None
             self._configured = True
             logger.info("ftlaunch.process_group: configured %s", self._describe())
 
@@ -273,8 +287,17 @@ class ProcessGroupBaby(ProcessGroup):
     def abort(self) -> None:
         """Kill the child now (returns at once); ops in flight fail with CommunicationError.
 
-        A replacement child starts right away; the next configure uses it.
+        A replacement child starts right away; the next configure uses it. Except while a
+        configure waits for a child that is still starting (nothing runs in it yet): that child is
+        kept for the next configure, and the configure in progress fails before its rendezvous.
         """
+        with self._abort_lock:
+            starting = self._configuring
+            if starting is not None and starting is self._child and starting.healthy and not starting.ready:
+                self._abort_configure = True
+                self._configured = False
+                logger.info("ftlaunch.process_group: abort while baby child %d starts: kept", starting.pid)
+                return
         child = self._child
         if child is not None and child.healthy:
             child.kill("aborted", quiet=True)

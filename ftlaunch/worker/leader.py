@@ -38,8 +38,12 @@ class LeaderLink:
         progress_limit: float,
         in_flight: Callable[[], bool],
         hang_abort: LostPeerAbort,
+        blocked: Callable[[], tuple[int, float] | None] | None = None,
         logger: logging.Logger | logging.LoggerAdapter[Any] = log,
     ) -> None:
+        """``blocked``: (quorum id, seconds) while the step waits in a collective of the quorum in
+        use; the heartbeats report it, so that the lighthouse declares a hung peer lost on evidence
+        (lighthouse/membership_hung.py)."""
         self.client = client
         self.replica_id = replica_id
         self._interval = heartbeat_interval
@@ -55,6 +59,9 @@ class LeaderLink:
         on_lost = getattr(client, "on_quorum_lost", None)
         if on_lost is not None:
             on_lost(lambda _rid, quorum_id, lost: hang_abort.lost(quorum_id, lost))
+        report_blocked = getattr(client, "report_blocked", None)
+        if report_blocked is not None and blocked is not None:
+            report_blocked(blocked)
 
     def touch(self) -> None:
         """The training thread made a step call (the watchdog's clock)."""

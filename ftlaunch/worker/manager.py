@@ -60,6 +60,7 @@ from ftlaunch.worker.hang_abort import SUSPECT_AFTER, LostPeerAbort
 from ftlaunch.worker.leader import LeaderLink
 from ftlaunch.worker.managed_work import ManagedWork, with_default
 from ftlaunch.worker.manager_state import ManagerStateApi
+from ftlaunch.worker.outage import LastQuorumSteps, enabled_from_env
 from ftlaunch.worker.plan import StepPlan, WorldSizeMode, plan_step
 from ftlaunch.worker.plan import claims_wanted as plan_claims_wanted
 from ftlaunch.worker.recovery import DEFAULT_STATE_KEY, StateRegistry
@@ -175,6 +176,10 @@ class Manager(ManagerStateApi):
         self._plan: StepPlan | None = None
         self._pending: list[torch.futures.Future[torch.Tensor]] = []  # this step's allreduces
         self._issued_at = 0.0  # when this step's first allreduce went out
+        # When the configure of the quorum in use / the commit's waits began (None: not now): a
+        # step waiting on a peer is told apart from one that computes (`_stuck`, `_blocked`).
+        self._configuring_since: float | None = None
+        self._waiting_since: float | None = None
         self._errored: Exception | None = None
         self._error_lock = threading.Lock()
         self._pending_state: dict[str, Any] | None = None  # a healer's received state, loaded at commit
@@ -190,6 +195,7 @@ class Manager(ManagerStateApi):
         # It waits out a lighthouse outage (lighthouse/reconnect.py); the other ranks wait as long.
         self._client: QuorumClient | None = None
         outage = defaults.lighthouse_outage()
+        self._outage = LastQuorumSteps(enabled_from_env())  # the leader steps on through an outage
         if self._group_rank == 0:
             self._client = quorum_client or defaults.lighthouse_client(lighthouse_addr, token, timeouts.connect, outage)
         self._group = GroupStore.open(
@@ -231,7 +237,7 @@ class Manager(ManagerStateApi):
         self._link = LeaderLink(
             self._client, self.replica_id, heartbeat_interval=to_seconds(heartbeat_interval),
             progress_limit=progress_timeout(timeouts.collective), in_flight=in_flight, hang_abort=self._hang_abort,
-            logger=self.log,
+            blocked=self._blocked, logger=self.log,
         )  # fmt: skip
         self._progress = self._link.progress
         self.log.info(
@@ -357,7 +363,7 @@ class Manager(ManagerStateApi):
             transport_metadata=self._transport_metadata, layout=self._layout,
             claims=self._group.claims(seq, claim, self.timeouts.collective) if claim else recovery.on_demand(),
         )  # fmt: skip
-        return quorum_request.ask_lighthouse(self._client, request, self._quorum_retries, quorum_timeout, self.log)
+        return self._outage.ask(self._client, request, self._quorum_retries, quorum_timeout, self.log)
 
     def _reconfigure(self, plan: StepPlan) -> None:
         self.log.info(
@@ -369,7 +375,13 @@ class Manager(ManagerStateApi):
         self._quorum_id = plan.quorum_id
         self._hang_abort.use(plan.quorum_id)  # waits for an abort of the previous quorum to finish
         store_addr = f"{plan.store_address}/ftlaunch/q{plan.quorum_id}/r{self._group_rank}"
-        self._pg.configure(store_addr, plan.replica_rank, plan.replica_world_size)
+        # A configure that waits on a peer (or on the store of a group that died right after the
+        # quorum) counts as stuck: the lost-peer abort releases it, not the collective timeout.
+        self._configuring_since = time.monotonic()
+        try:
+            self._pg.configure(store_addr, plan.replica_rank, plan.replica_world_size)
+        finally:
+            self._configuring_since = None
 
     # ============================================================================ 2. allreduce
     def allreduce(
@@ -404,9 +416,26 @@ class Manager(ManagerStateApi):
         return self._work(fut)
 
     def _stuck(self) -> bool:
-        """An allreduce of this step has been pending for a second (a peer may hang: hang_abort)."""
+        """An allreduce, or the configure, of this step has been pending for a second (a peer may
+        hang, or the rendezvous store died: hang_abort)."""
+        configuring = self._configuring_since
+        if configuring is not None and time.monotonic() - configuring >= SUSPECT_AFTER:
+            return True
         pending = list(self._pending)
         return any(not f.done() for f in pending) and time.monotonic() - self._issued_at >= SUSPECT_AFTER
+
+    def _blocked(self) -> tuple[int, float] | None:
+        """For the leader's heartbeats (``blocked``): the quorum in use and how long this step has
+        waited in its collectives (configure, allreduces, the commit's waits), once that is
+        `SUSPECT_AFTER` or more; else None. The lighthouse declares a silent peer lost on it."""
+        quorum_id = self._quorum_id
+        starts = [t for t in (self._configuring_since, self._waiting_since) if t is not None]
+        if any(not f.done() for f in list(self._pending)):
+            starts.append(self._issued_at)
+        if quorum_id is None or not starts:
+            return None
+        waited = time.monotonic() - min(starts)
+        return (quorum_id, waited) if waited >= SUSPECT_AFTER else None
 
     def _work(self, future: torch.futures.Future[torch.Tensor]) -> ManagedWork:
         return ManagedWork(future, lambda: self._errored is not None, self.report_error)
@@ -442,6 +471,7 @@ class Manager(ManagerStateApi):
         if self._progress is not None:
             self._progress.commit_started()
         self.wait_quorum()
+        self._waiting_since = time.monotonic()
         interrupted = self._hang_abort.watch(self._pg.prepare_abort)
         if not wait_all(self._pending, deadline, interrupted):
             # A collective of this step hangs (a peer stopped, not died). Give up on the step and
@@ -477,6 +507,8 @@ class Manager(ManagerStateApi):
             # Every healer has voted, so it has its copy: the state may change again.
             self._transport.disallow_checkpoint()
             self._sent_checkpoint = False
+        self._waiting_since = None
+        self._outage.after_step(ok, plan)
 
         if ok:
             assert plan is not None

@@ -18,9 +18,10 @@ import socket
 from typing import Any
 
 from ftlaunch.checkpointing.transport import CheckpointTransport
-from ftlaunch.errors import EvictedError, LighthouseError, TrainingFinishedError
+from ftlaunch.errors import EvictedError, LighthouseError, LighthouseUnavailableError, TrainingFinishedError
 from ftlaunch.lighthouse.client import QuorumClient
 from ftlaunch.lighthouse.quorum import Quorum, QuorumMember
+from ftlaunch.lighthouse.reconnect import OutageTolerantClient
 from ftlaunch.process_group.base import ProcessGroup
 from ftlaunch.worker.group_store import GroupStore
 from ftlaunch.worker.plan import CLAIM_KEY, LAYOUT_KEY
@@ -80,15 +81,24 @@ def member(
 
 
 def ask_lighthouse(
-    client: QuorumClient, request: QuorumMember, retries: int, timeout: float, log: logging.LoggerAdapter
+    client: QuorumClient, request: QuorumMember, retries: int, timeout: float, log: logging.LoggerAdapter,
+    *, give_up_after: float | None = None, final: tuple[type[Exception], ...] = (),
 ) -> Quorum:
     """The quorum for ``request``, retried ``retries`` times on lighthouse errors (never after an
-    eviction, nor after the training finished ahead of the group: those are final)."""
+    eviction, nor after the training finished ahead of the group: those are final, as are
+    ``final``). ``give_up_after`` goes to an `OutageTolerantClient` (worker/outage.py); its
+    `LighthouseUnavailableError` is then final too."""
     attempts = retries + 1
+    if give_up_after is not None:
+        final = (*final, LighthouseUnavailableError)
     for attempt in range(1, attempts + 1):
         try:
+            if give_up_after is not None and isinstance(client, OutageTolerantClient):
+                return client.quorum(request, timeout, give_up_after=give_up_after)
             return client.quorum(request, timeout=timeout)
         except (EvictedError, TrainingFinishedError):
+            raise
+        except final:
             raise
         except LighthouseError as e:
             if attempt == attempts:
