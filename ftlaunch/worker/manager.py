@@ -14,7 +14,8 @@ gone, this group was evicted, or ``max_retries`` consecutive steps failed. One e
 instead: the training finished ahead of this group with nobody left to heal it from (``SystemExit(0)``,
 see `Manager._end_after_finish`).
 
-The class reads in that order. The mechanics live beside it: `plan` (what this group does in the
+The class reads in that order; the quorum thread's round (ask, plan, reconfigure, heal) is the
+`manager_quorum.QuorumRound` it mixes in. The mechanics live beside it: `plan` (what this group does in the
 step, from the quorum), `quorum_request` (what the leader asks the lighthouse with, and retries),
 `group_store` (the quorum relay and the commit vote among the group's ranks), `allreduce` (the
 arithmetic of one tensor's average across groups), `commit` (bounded waits, the vote across
@@ -47,22 +48,21 @@ from ftlaunch.errors import (
     TrainingFinishedError,
 )
 from ftlaunch.lighthouse.client import QuorumClient
-from ftlaunch.lighthouse.quorum import Quorum
 from ftlaunch.process_group.base import ProcessGroup, release_process_group
 from ftlaunch.process_group.work import completed_future
 from ftlaunch.timeouts import Timeouts, to_seconds
 from ftlaunch.worker import allreduce as allreduce_math
-from ftlaunch.worker import defaults, quorum_request, recovery
+from ftlaunch.worker import defaults
 from ftlaunch.worker.allreduce import ReduceOpLike
 from ftlaunch.worker.commit import CrossGroupVote, vote_of_all_groups, vote_of_group_ranks, wait_all
 from ftlaunch.worker.group_store import GroupStore
 from ftlaunch.worker.hang_abort import SUSPECT_AFTER, LostPeerAbort
 from ftlaunch.worker.leader import LeaderLink
 from ftlaunch.worker.managed_work import ManagedWork, with_default
+from ftlaunch.worker.manager_quorum import QuorumRound
 from ftlaunch.worker.manager_state import ManagerStateApi
 from ftlaunch.worker.outage import LastQuorumSteps, enabled_from_env
-from ftlaunch.worker.plan import StepPlan, WorldSizeMode, plan_step
-from ftlaunch.worker.plan import claims_wanted as plan_claims_wanted
+from ftlaunch.worker.plan import StepPlan, WorldSizeMode
 from ftlaunch.worker.recovery import DEFAULT_STATE_KEY, StateRegistry
 from ftlaunch.worker.watchdog import progress_timeout
 
@@ -85,7 +85,7 @@ class _StepLog(logging.LoggerAdapter):
         return f"[{m.replica_id}/r{m._group_rank} step {m._step}] {msg}", kwargs
 
 
-class Manager(ManagerStateApi):
+class Manager(QuorumRound, ManagerStateApi):
     """Per-step quorum, fault-tolerant allreduce, commit and live recovery (torchft's API)."""
 
     def __init__(
@@ -302,86 +302,6 @@ class Manager(ManagerStateApi):
         self._ended_after_finish = True
         self.shutdown()
         raise SystemExit(0) from None
-
-    def _run_quorum(self, seq: int, allow_heal: bool, shrink_only: bool, quorum_timeout: float) -> None:
-        """The quorum thread: quorum -> this group's plan -> reconfigure if it changed -> heal."""
-        if not self._ready:  # ask to be counted only once we can take part at once
-            quorum_request.become_ready(self._pg, self._group, self._transport, self.log)
-            self._ready = True
-            self._mark("ready")
-        quorum = self._ask_quorum(seq, shrink_only, quorum_timeout, claiming=False)
-        if plan_claims_wanted(quorum, init_sync=self._init_sync):
-            # Someone heals: heal sources must agree (worker/plan.py), so every member asks again,
-            # now with a checksum of the state it would offer. A new round of the group's store.
-            self._quorum_seq += 1
-            quorum = self._ask_quorum(self._quorum_seq, shrink_only, quorum_timeout, claiming=True)
-        self._mark("quorum")
-        plan = plan_step(quorum, self.replica_id, init_sync=self._init_sync,
-                         world_size_mode=self._world_size_mode, min_replica_size=self._min_replica_size)
-        if plan.quorum_id != self._quorum_id:
-            self._reconfigure(plan)
-            self._mark("configured")
-        if plan.layout_conflict is not None:
-            # Raised after the reconfigure, so that the other groups' rendezvous does not wait for
-            # us; our peers' collectives then fail when this process stops, and they go on without it.
-            raise ConfigurationError(plan.layout_conflict)
-        self._plan = plan
-        if not allow_heal:
-            if self._progress is not None:
-                self._progress.quorum_done()
-            return
-        # A source serves its state to the healers assigned to it (until the vote); a healer fetches
-        # it now and loads it only once every group agreed to commit.
-        started = time.perf_counter()
-        sent, self._pending_state = recovery.exchange(
-            self._transport, plan, quorum, self._step, self._group_rank, self._state,
-            self.timeouts.as_timedelta("heal"), self.log,
-        )  # fmt: skip
-        self._sent_checkpoint = self._sent_checkpoint or sent
-        if plan.heal:
-            self._mark("healed")
-        if self._progress is not None:
-            self._progress.quorum_done(time.perf_counter() - started if plan.heal else 0.0)
-
-    def _ask_quorum(self, seq: int, shrink_only: bool, quorum_timeout: float, claiming: bool) -> Quorum:
-        """Round ``seq``'s quorum. Only the leader asks the lighthouse; the group store relays its
-        answer to the other ranks. ``claiming``: every rank's heal claim goes with the request
-        (the leader gathers them); otherwise the request claims on demand (`plan.claims_wanted`)."""
-        claim = recovery.state_claim(self._state) if claiming else None
-        if claiming and self._group_rank != 0:
-            self._group.publish_claim(seq, claim)
-        return self._group.relay_quorum(seq, lambda: self._ask_lighthouse(shrink_only, quorum_timeout, seq, claim))
-
-    def _ask_lighthouse(self, shrink_only: bool, quorum_timeout: float, seq: int, claim: str | None) -> Quorum:
-        assert self._client is not None  # the leader has one
-        if self._transport_metadata is None:  # the first request: once every rank is ready
-            self._transport_metadata = self._group.transport_metadata()
-            self._link.start_heartbeat()
-        request = quorum_request.member(
-            self.replica_id, store_address=self._group.address, step=self._step,
-            world_size=self._group_world_size, shrink_only=shrink_only, commit_failures=self._commit_failures,
-            transport_metadata=self._transport_metadata, layout=self._layout,
-            claims=self._group.claims(seq, claim, self.timeouts.collective) if claim else recovery.on_demand(),
-        )  # fmt: skip
-        return self._outage.ask(self._client, request, self._quorum_retries, quorum_timeout, self.log)
-
-    def _reconfigure(self, plan: StepPlan) -> None:
-        self.log.info(
-            "quorum %d: %d groups (this is replica rank %d), %d up to date at step %d; reconfiguring",
-            plan.quorum_id, plan.replica_world_size, plan.replica_rank, plan.num_sources, plan.max_step,
-        )  # fmt: skip
-        # Mark the id first: if configure fails, the next quorum (whose id the failure changes)
-        # retries with a fresh prefix instead of reusing a half-built one.
-        self._quorum_id = plan.quorum_id
-        self._hang_abort.use(plan.quorum_id)  # waits for an abort of the previous quorum to finish
-        store_addr = f"{plan.store_address}/ftlaunch/q{plan.quorum_id}/r{self._group_rank}"
-        # A configure that waits on a peer (or on the store of a group that died right after the
-        # quorum) counts as stuck: the lost-peer abort releases it, not the collective timeout.
-        self._configuring_since = time.monotonic()
-        try:
-            self._pg.configure(store_addr, plan.replica_rank, plan.replica_world_size)
-        finally:
-            self._configuring_since = None
 
     # ============================================================================ 2. allreduce
     def allreduce(
