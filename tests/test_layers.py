@@ -158,6 +158,7 @@ LIGHTHOUSE_RANKS: dict[str, int] = {
     "membership_hung": 3,  # the membership's evidence-based loss of hung quorum members (a mixin)
     "membership": 4,  # bookkeeping: groups, quorum requests
     "http": 2,  # request/response types, http.server's head parsing
+    "bodies": 3,  # a request body: JSON decoded, nesting bounded, fields checked
     "limits": 2,  # connection cap, warnings per client: bounds a client cannot push
     "dashboard": 2,  # HTML from a status
     "metrics": 2,  # Prometheus text from a status (prometheus_client)

@@ -8,8 +8,9 @@ import sys
 
 import pytest
 
+from ftlaunch.lighthouse.bodies import expect_fields as _expect
+from ftlaunch.lighthouse.bodies import loads as _loads
 from ftlaunch.lighthouse.http import HttpError
-from ftlaunch.lighthouse.routes import _expect, _loads
 from ftlaunch.lighthouse.server import GC_THRESHOLDS
 
 QUORUM_FIELDS = ({"member": (dict,)}, {"timeout": (float, int), "progress": (dict,), "known": (str,)})

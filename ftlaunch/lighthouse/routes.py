@@ -22,6 +22,10 @@ from urllib.parse import urlsplit
 from ftlaunch.env import FTLAUNCH_TOKEN
 from ftlaunch.lighthouse import dashboard, metrics
 from ftlaunch.lighthouse.answers import QuorumAnswers
+from ftlaunch.lighthouse.bodies import expect_fields as _expect
+from ftlaunch.lighthouse.bodies import loads as _loads
+from ftlaunch.lighthouse.bodies import printable as _printable
+from ftlaunch.lighthouse.bodies import too_deep as _too_deep
 from ftlaunch.lighthouse.http import Head, HttpError, LongPoll, Request, Response
 from ftlaunch.lighthouse.limits import WarningLimiter
 from ftlaunch.lighthouse.membership import (
@@ -84,7 +88,6 @@ _ADMIN_PREFIX = "/admin/"
 #: Error codes that are part of normal operation (logged at INFO, the others at WARNING).
 _ROUTINE = frozenset({408, 409, 410, 412, 503})
 
-_Fields = dict[str, tuple[type, ...]]
 
 
 def _json(status: int, payload: dict[str, Any], headers: dict[str, str] | None = None, *, close: bool = False) -> Response:
@@ -96,69 +99,12 @@ def _json(status: int, payload: dict[str, Any], headers: dict[str, str] | None =
 _OK = _json(200, {"ok": True})
 
 
-def _expect(obj: dict[str, Any], required: _Fields, optional: _Fields) -> None:
-    # The usual body passes this one look at each field (json.loads makes exact types); any doubt
-    # goes the long way below, which names what is wrong.
-    if all(name in obj for name in required):
-        for name, value in obj.items():
-            types = required.get(name) or optional.get(name)
-            if types is None or type(value) not in types:
-                break
-        else:
-            return
-    unknown = sorted(set(obj) - set(required) - set(optional))
-    if unknown:
-        raise HttpError(400, f"unknown field(s): {', '.join(map(repr, unknown))}")
-    for name, types in (*required.items(), *optional.items()):
-        if name not in obj:
-            if name in required:
-                raise HttpError(400, f"missing field {name!r}")
-            continue
-        value = obj[name]
-        if (isinstance(value, bool) and bool not in types) or not isinstance(value, types):
-            raise HttpError(400, f"field {name!r} must be {types[0].__name__}, got {type(value).__name__}")
-
-
 def _route_path(path: str) -> str:
     """The endpoint a request path names: query dropped, ``/v1`` prefix and trailing ``/`` removed."""
     path = urlsplit(path).path
     if path == PATH_PREFIX or path.startswith(PATH_PREFIX + "/"):
         path = path[len(PATH_PREFIX) :] or "/"
     return path.rstrip("/") if len(path) > 1 else path
-
-
-def _loads(body: bytes) -> Any:
-    """``json.loads(body)``, decoding UTF-8 first (what clients send; json.loads of bytes first
-    guesses among UTF-8/16/32, a fifth of a small body's parse). Another encoding, or a body that
-    is not JSON, falls back to json.loads as it always was."""
-    try:
-        return json.loads(body.decode())
-    except ValueError:  # UnicodeDecodeError included
-        return json.loads(body)
-
-
-def _too_deep(obj: object, limit: int) -> bool:
-    """Whether ``obj`` nests arrays/objects more than ``limit`` levels (iterative: no recursion).
-
-    Why: a body nested ~1000 deep parses, but the quorum holding it cannot be encoded again, which
-    used to leave the request unanswered and ``/status`` failing until the next quorum.
-    """
-    stack: list[tuple[object, int]] = [(obj, 1)]
-    while stack:
-        value, depth = stack.pop()
-        if depth > limit:
-            return True
-        if isinstance(value, dict):
-            stack.extend((v, depth + 1) for v in value.values() if isinstance(v, (dict, list)))
-        elif isinstance(value, list):
-            stack.extend((v, depth + 1) for v in value if isinstance(v, (dict, list)))
-    return False
-
-
-def _printable(text: str, limit: int = 200) -> str:
-    """A client-chosen string as it may appear in the log: one line, bounded."""
-    text = text if text.isprintable() else text.encode("unicode_escape", "replace").decode("ascii", "replace")
-    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _incarnation(request: Request) -> str:
