@@ -1,0 +1,100 @@
+"""The `dist.Work` of one Baby request: completion, errors and the op deadline, in the parent.
+
+Kept apart from `baby.py` (what to send the child, when to replace it): a Work only waits on its
+request's `Pending` and reports through the process group that issued it.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from ftlaunch.process_group._baby_handle import Child, Pending
+from ftlaunch.process_group.work import NO_TIMEOUT
+
+if TYPE_CHECKING:
+    from ftlaunch.process_group.baby import ProcessGroupBaby
+
+
+class _BabyWork(dist.Work):
+    """Completion of one request to the child; `wait` enforces the op deadline in this process."""
+
+    def __init__(self, pg: ProcessGroupBaby, child: Child, pending: Pending, result: Any,
+                 peer: int | None) -> None:
+        super().__init__()
+        self._pg = pg
+        self._child = child
+        self._pending = pending
+        self._result = result
+        self._peer = peer
+        self._generation = pg._generation
+
+    def _raise_if_failed(self) -> None:
+        error = self._pending.error
+        if error is None:
+            return
+        kind, text = error
+        if kind == "value":
+            raise ValueError(text)
+        if kind == "notimpl":
+            raise NotImplementedError(text)
+        raise self._pg._record_error(self._pending.op, text, self._peer, self._generation)
+
+    def _after_success(self) -> None:
+        """Hook for backends that must synchronise streams (NCCL)."""
+
+    def wait(self, timeout: timedelta = NO_TIMEOUT) -> bool:
+        pending = self._pending
+        limit = pending.deadline - time.monotonic()
+        if timeout:
+            limit = min(limit, timeout.total_seconds())
+        if not self._child.wait_for(pending, max(0.0, limit)):
+            if time.monotonic() >= pending.deadline:
+                self._child.check_deadlines()
+                pending.event.wait(5.0)
+            else:
+                raise self._pg._record_error(
+                    pending.op, f"not completed within wait(timeout={timeout})", self._peer, self._generation
+                )
+        self._raise_if_failed()
+        self._after_success()
+        return True
+
+    def is_completed(self) -> bool:
+        return self._pending.event.is_set()
+
+    def is_success(self) -> bool:
+        return self._pending.event.is_set() and self._pending.error is None
+
+    def get_future(self) -> torch.futures.Future:
+        fut: torch.futures.Future = torch.futures.Future()
+
+        def _done() -> None:
+            try:
+                self._raise_if_failed()
+                self._after_success()
+            except Exception as e:
+                fut.set_exception(e)
+            else:
+                fut.set_result(self._result)
+
+        self._pending.needs_reader = True
+        self._child.wake_reader()
+        self._pending.on_done(_done)
+        return fut
+
+
+class _BabyWorkNCCL(_BabyWork):
+    """CUDA: completion means "enqueued on the child's stream"; wait() orders our stream after it."""
+
+    def _after_success(self) -> None:
+        extra = self._pending.extra
+        if extra is None:
+            return
+        device, handle = extra
+        event = torch.cuda.Event.from_ipc_handle(device, handle)
+        torch.cuda.current_stream(device).wait_event(event)
