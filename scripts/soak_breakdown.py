@@ -81,7 +81,7 @@ def _stall_cause(a: float, b: float, tl: Timeline, stop_for: float, rejoins: lis
         if sig == "SIGSTOP" and t <= b and t + stop_for + 1.0 >= a:
             if b - a > stop_for + 5.0:
                 return "SIGSTOP: survivors blocked past the stop (collective timeout)"
-            return "SIGSTOP: survivors blocked in a collective until the group resumes"
+            return "SIGSTOP: survivors blocked until the group is declared hung or resumes"
     for t, sig, target, _ in tl.injections:
         if sig == "SIGKILL" and a - 2.0 <= t <= b:
             return f"SIGKILL {target}: survivors' next quorum and reconfigure"
@@ -95,9 +95,10 @@ def breakdown(
 ) -> dict[str, Any] | None:
     """Lost time per cause (seconds, summing to the total) and per injection; None without data.
 
-    Also the *design bound*: the goodput a run could reach if the job lost exactly what the faults
-    themselves impose when the survivors wait for a stopped group (``stop_for`` per SIGSTOP) and
-    for a dead lighthouse (``lighthouse_down``), and nothing else."""
+    Also the *waiting bound* (``design_bound_goodput``): the goodput a run would reach if the
+    survivors waited out exactly what the faults impose -- ``stop_for`` per SIGSTOP, the dead
+    lighthouse's ``lighthouse_down`` -- and lost nothing else. It was the design's limit before a
+    hung group was declared on evidence and an outage stepped through; a run above it shows those."""
     cf, bf = frontier(chaos.commits), frontier(base.commits)
     if len(cf) < 2 or len(bf) < 2 or None in (chaos.first_step_at, chaos.last_final_at, base.first_step_at,
                                                base.last_final_at):
@@ -194,8 +195,10 @@ def phase_medians(tl: Timeline) -> dict[str, dict[str, float]]:
 
 def print_breakdown(b: dict[str, Any]) -> None:
     if b.get("design_bound_goodput") is not None:
-        print(f"  design bound: {b['imposed_by_the_faults_s']:.1f} s are the faults' own (stop_for per SIGSTOP, "
-              f"the lighthouse's downtime), which the survivors wait out: goodput <= {b['design_bound_goodput']:.1%}")
+        print(f"  waiting bound: {b['imposed_by_the_faults_s']:.1f} s are the faults' own (stop_for per SIGSTOP, "
+              f"the lighthouse's downtime); survivors that waited them out would reach at most "
+              f"{b['design_bound_goodput']:.1%} (they no longer do: a hung group is declared on evidence, "
+              f"an outage is stepped through on the last quorum)")
     print(f"  where the {b['lost_s']:.1f} s lost went (fault-free step interval {b['baseline_step_interval_s']:.3f} s; "
           f"a stall: no group committed for > {b['stall_threshold_s']:.1f} s):")
     for cause, seconds in b["lost_by_cause_s"].items():

@@ -46,7 +46,7 @@ def test_lost_time_adds_up_and_is_attributed() -> None:
     assert sum(causes.values()) == pytest.approx(b["lost_s"], abs=0.05)
     assert b["lost_s"] == pytest.approx((last_step_at + 1.5) - 20.4, abs=0.01)
     lighthouse = causes["lighthouse restart (outage, reconnect, resume quorum)"]
-    stop = causes["SIGSTOP: survivors blocked in a collective until the group resumes"]
+    stop = causes["SIGSTOP: survivors blocked until the group is declared hung or resumes"]
     assert lighthouse == pytest.approx(12.3 - 0.1, abs=0.05)
     assert stop == pytest.approx(3.2 - 0.1, abs=0.05)
     assert causes["end of run (last step -> last group's final line)"] == pytest.approx(1.0, abs=0.01)
