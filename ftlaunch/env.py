@@ -90,6 +90,9 @@ FTLAUNCH_PRESTART_FORK = "FTLAUNCH_PRESTART_FORK"
 FTLAUNCH_ZYGOTE = "FTLAUNCH_ZYGOTE"
 #: Set by the agent for its workers: the Unix socket its standby interpreter listens on (internal).
 FTLAUNCH_ZYGOTE_SOCKET = "FTLAUNCH_ZYGOTE_SOCKET"
+#: Set in a worker forked from the standby: the pid torchelastic started and knows it by (its
+#: proxy, which every signal goes through). Absent in a worker started cold: that pid is its own.
+FTLAUNCH_WORKER_PID = "FTLAUNCH_WORKER_PID"
 
 ALL_FTLAUNCH_VARS = (
     REPLICA_GROUP_ID,
@@ -121,6 +124,7 @@ ALL_FTLAUNCH_VARS = (
     FTLAUNCH_PRESTART_FORK,
     FTLAUNCH_ZYGOTE,
     FTLAUNCH_ZYGOTE_SOCKET,
+    FTLAUNCH_WORKER_PID,
 )
 
 

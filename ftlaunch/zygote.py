@@ -40,7 +40,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from ftlaunch import phases, streams, zygote_proxy
+from ftlaunch import env, phases, streams, zygote_proxy
 from ftlaunch.lifetime import die_with_parent
 from ftlaunch.zygote_proxy import read_message, send_message
 
@@ -76,7 +76,10 @@ class _Pair:
     pid: int
     proxy_pid: int
     conn: socket.socket
-    stopped: bool = False  # both ends stopped (whichever was stopped first)
+    #: Which end was stopped first ("proxy" or "worker"; None: neither). Only that end's continue
+    #: continues the other: a stop sent to the other end takes effect later (when it is next
+    #: scheduled), and reading its state before then must not count as a continue.
+    stopped_by: str | None = None
 
 
 @dataclass
@@ -98,6 +101,8 @@ class Job:
         os.chdir(req["cwd"])
         os.environ.clear()
         os.environ.update(req["env"])
+        if req.get("proxy_pid"):
+            os.environ[env.FTLAUNCH_WORKER_PID] = str(req["proxy_pid"])
         sys.path[:] = list(req["path"])
         threads = os.environ.get("OMP_NUM_THREADS", "").strip()
         if threads.isdigit() and int(threads) > 0:
@@ -312,12 +317,12 @@ class Zygote:
             if pair is None:
                 continue
             if os.WIFSTOPPED(status):
-                if not pair.stopped:
-                    pair.stopped = True
+                if pair.stopped_by is None:  # stopped directly: the agent watches the proxy
+                    pair.stopped_by = "worker"
                     _signal(pair.proxy_pid, signal.SIGSTOP)
             elif os.WIFCONTINUED(status):
-                if pair.stopped:
-                    pair.stopped = False
+                if pair.stopped_by == "worker":
+                    pair.stopped_by = None
                     _signal(pair.proxy_pid, signal.SIGCONT)
             else:
                 del self._pairs[pid]
@@ -338,12 +343,14 @@ class Zygote:
 
     def _mirror_stops(self) -> None:
         for pair in list(self._pairs.values()):
+            if pair.stopped_by == "worker":
+                continue  # the worker's own continue ends it (`_reap`)
             state = _proc_state(pair.proxy_pid)
-            if state in ("T", "t") and not pair.stopped:
-                pair.stopped = True
+            if state in ("T", "t") and pair.stopped_by is None:
+                pair.stopped_by = "proxy"
                 _signal(pair.pid, signal.SIGSTOP)
-            elif state and state not in ("T", "t", "Z") and pair.stopped:
-                pair.stopped = False
+            elif state and state not in ("T", "t", "Z") and pair.stopped_by == "proxy":
+                pair.stopped_by = None
                 _signal(pair.pid, signal.SIGCONT)
 
     def _drain_wakeups(self) -> None:

@@ -44,7 +44,9 @@ def main() -> int:
     rank = int(os.environ.get("RANK", "-1"))
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if args.out:
-        record = {"pid": os.getpid(), "env": dict(os.environ)}
+        # The pid torchelastic (and chaos) know this worker by: its proxy when it was forked from
+        # the warm standby (ftlaunch.zygote), else its own.
+        record = {"pid": int(os.environ.get("FTLAUNCH_WORKER_PID") or os.getpid()), "env": dict(os.environ)}
         if args.check_torch:
             import torch.distributed as dist
 
