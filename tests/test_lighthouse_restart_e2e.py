@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from workers.helpers import FTLAUNCH, finish, free_port, kill_tree, start, wait_for
@@ -68,6 +69,19 @@ def committed_steps(stdout: str) -> dict[int, list[int]]:
     return found
 
 
+def assert_every_step_once_and_same_weights(res: Any, steps: int) -> None:
+    """The job of three groups ended well: identical final weights, and from step 20 on (before the
+    lighthouse died; a group that joined late healed over the first steps) every step committed
+    exactly once by every group."""
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out[-6000:]
+    sums = dict(re.findall(r"rg(\d+)[/\]][^\n]*?final_checksum=(\w+)", res.stdout))
+    assert set(sums) == {"0", "1", "2"} and len(set(sums.values())) == 1, sums
+    for group, done in committed_steps(res.stdout).items():
+        assert all(a < b for a, b in zip(done, done[1:], strict=False)), f"rg{group} committed a step twice: {done}"
+        assert [s for s in done if s >= 20] == list(range(20, steps + 1)), f"rg{group} lost a step: {done}"
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["sigkill", "sigterm"])
@@ -95,14 +109,7 @@ def test_training_survives_a_lighthouse_restart_longer_than_the_connect_timeout(
                 p.terminate()
                 p.communicate(timeout=30)
     out = res.stdout + res.stderr
-    assert res.returncode == 0, out[-6000:]
-    sums = dict(re.findall(r"rg(\d+)[/\]][^\n]*?final_checksum=(\w+)", res.stdout))
-    assert set(sums) == {"0", "1", "2"} and len(set(sums.values())) == 1, sums
-    for group, steps in committed_steps(res.stdout).items():
-        # A group that joined late healed over the first steps; from step 20 on (before the kill)
-        # every step is committed exactly once.
-        assert all(a < b for a, b in zip(steps, steps[1:], strict=False)), f"rg{group} committed a step twice: {steps}"
-        assert [s for s in steps if s >= 20] == list(range(20, STEPS + 1)), f"rg{group} lost a step: {steps}"
+    assert_every_step_once_and_same_weights(res, STEPS)
     assert "waits up to 300s for the lighthouse to come back" in out
     assert "LighthouseUnavailableError" not in out
 
@@ -133,12 +140,7 @@ def test_training_steps_through_a_lighthouse_outage_on_the_last_quorum() -> None
                 p.terminate()
                 p.communicate(timeout=30)
     out = res.stdout + res.stderr
-    assert res.returncode == 0, out[-6000:]
-    sums = dict(re.findall(r"rg(\d+)[/\]][^\n]*?final_checksum=(\w+)", res.stdout))
-    assert set(sums) == {"0", "1", "2"} and len(set(sums.values())) == 1, sums
-    for group, done in committed_steps(res.stdout).items():
-        assert all(a < b for a, b in zip(done, done[1:], strict=False)), f"rg{group} committed a step twice: {done}"
-        assert [s for s in done if s >= 20] == list(range(20, steps + 1)), f"rg{group} lost a step: {done}"
+    assert_every_step_once_and_same_weights(res, steps)
     fell_back = set(re.findall(r"\[rg(\d+)/r0\][^\n]*stepping on the last quorum", out))
     assert fell_back == {"0", "1", "2"}, out[-6000:]  # every group stepped on through the outage
     assert "lighthouse back: quorum" in out, out[-6000:]
