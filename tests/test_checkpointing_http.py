@@ -577,6 +577,34 @@ def test_stalled_body_times_out(receiver: HTTPTransport) -> None:
 
 
 @pytest.mark.timeout(60)
+def test_a_poll_cut_by_the_deadline_still_says_the_step_was_not_served(receiver: HTTPTransport) -> None:
+    """A source that said "not yet" and then went silent mid-poll (a loaded or stopped host) is
+    reported as not serving the step, not as a bare socket timeout (CI saw the latter)."""
+    release = threading.Event()
+    polls = []
+
+    def not_yet_then_silent(h: BaseHTTPRequestHandler, what: str, data: bytes) -> bool:
+        polls.append(what)
+        if len(polls) == 1:
+            h.send_response(503)
+            doc = b'{"error": "step 1 is not served yet"}'
+            h.send_header("Content-Length", str(len(doc)))
+            h.end_headers()
+            h.wfile.write(doc)
+        else:
+            release.wait(30)
+        return True
+
+    with fake_server(not_yet_then_silent) as srv:
+        t0 = time.monotonic()
+        with pytest.raises(CheckpointTransportError, match="answered 503.*until the timeout"):
+            receiver.recv_checkpoint(0, srv.url, 1, timedelta(seconds=1))
+        elapsed = time.monotonic() - t0
+        release.set()
+    assert len(polls) == 2 and 0.8 < elapsed < 15, (polls, elapsed)
+
+
+@pytest.mark.timeout(60)
 def test_trickling_header_times_out(receiver: HTTPTransport) -> None:
     """A server that keeps the socket busy (a byte now and then) cannot stretch the timeout."""
     release = threading.Event()

@@ -205,6 +205,12 @@ class Fetch:
                 last = e
                 if self.deadline - time.monotonic() <= delay:
                     raise CheckpointTransportError(f"{e} (waited until the timeout)") from None
+            except (OSError, http.client.HTTPException):
+                # The deadline cut a poll short (socket timeout or the watchdog's shutdown). If the
+                # server had already answered "not yet", that is what the caller needs to hear.
+                if last is None or (time.monotonic() < self.deadline and not self.aborted):
+                    raise
+                raise CheckpointTransportError(f"{last} (waited until the timeout)") from None
             finally:
                 self._close(conn)
             time.sleep(delay)
