@@ -356,6 +356,8 @@ def main() -> None:
     p.add_argument("--small", type=int, default=4, help="groups of the small-job rows (0: skip them)")
     p.add_argument("--scale-only", action="store_true",
                    help="only the rows that compare delta and whole answers (small job, --groups-large) and heartbeats")
+    p.add_argument("--answers", choices=("both", "deltas", "whole"), default="both",
+                   help="which answer forms the small-job and large rows run (both: deltas, then whole)")
     p.add_argument("--client64", action="store_true",
                    help="also run 64 groups as real LighthouseClient threads (measures client CPU on few cores)")
     args = p.parse_args()
@@ -376,11 +378,12 @@ def main() -> None:
     ]
     # Answers as deltas (what LighthouseClient gets) beside whole quorums (what an older client, or
     # one naming no revision, gets): a small job must not get slower, a large one is the point.
+    forms = {"both": (False, True), "deltas": (False,), "whole": (True,)}[args.answers]
     if args.small:
-        for full in (False, True):
+        for full in forms:
             rows.append(bench_quorum(args.small, min(args.small, args.procs64), args.rounds64, simulated=True, full=full))
     if args.groups_large:
-        for full in (False, True):
+        for full in forms:
             rows.append(
                 bench_quorum(args.groups_large, args.procs64, args.rounds1024, simulated=True, warmup=5, full=full)
             )

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import socket
 import subprocess
 import sys
 
@@ -10,8 +12,13 @@ import pytest
 
 from ftlaunch.lighthouse.bodies import expect_fields as _expect
 from ftlaunch.lighthouse.bodies import loads as _loads
-from ftlaunch.lighthouse.http import HttpError
+from ftlaunch.lighthouse.connection import Connection
+from ftlaunch.lighthouse.http import HeadParser, HttpError, Request, Response
+from ftlaunch.lighthouse.membership import Membership
+from ftlaunch.lighthouse.quorum import QuorumOptions
+from ftlaunch.lighthouse.routes import Routes
 from ftlaunch.lighthouse.server import GC_THRESHOLDS
+from ftlaunch.lighthouse.transport import HttpServer
 
 QUORUM_FIELDS = ({"member": (dict,)}, {"timeout": (float, int), "progress": (dict,), "known": (str,)})
 
@@ -54,3 +61,132 @@ def test_collect_less_freezes_and_raises_the_threshold_in_its_process_only() -> 
     import gc
 
     assert gc.get_threshold() != GC_THRESHOLDS  # importing the server changed nothing here
+
+
+# ---- the lean request path (issue 17 item 6, third pass): each shortcut reads what the long way reads
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"member": {"replica_id": "a", "step": 1}, "timeout": 60}', b' {"a": 1} ', b'{"a": 1}\n', b"[1, 2]",
+        b'"s"', b'{"a": NaN}', b'{"a": "\\ud800"}', b'{"a": 1}x', b'{"a": 1}{"b": 2}', b"", b"  ", b"\xff{}",
+        b'{"a": 1', b"nul",
+    ],
+)
+def test_loads_reads_what_json_loads_reads(body: bytes) -> None:
+    """`bodies.loads` reads a bare value with json's scanner; whitespace, trailing bytes and errors
+    must come out as json.loads has them (a value, or a ValueError: 400)."""
+    try:
+        expected = json.dumps(json.loads(body))
+    except ValueError:
+        with pytest.raises(ValueError):
+            _loads(body)
+        return
+    assert json.dumps(_loads(body)) == expected
+
+
+class _Recorder:
+    """A `http.Handler` that answers every request with its own body and the value of header X-A."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, str | None, bytes]] = []
+
+    def handle(self, request: Request) -> Response:
+        self.seen.append((request.path, request.header("X-A"), request.body))
+        return Response(200, request.body)
+
+    def error(self, error: HttpError, head: object, peer: str) -> Response:
+        return Response(error.status, error.message.encode(), close=error.close)
+
+    def identity_lost(self, identity: str) -> None:
+        pass
+
+
+class _Wire(asyncio.Transport):
+    def __init__(self) -> None:
+        super().__init__()
+        self.out = b""
+
+    def get_extra_info(self, name: str, default: object = None) -> object:
+        return ("127.0.0.1", 1) if name == "peername" else default
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self.out += bytes(data)
+
+    def is_closing(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        pass
+
+
+def _connection() -> tuple[Connection, _Recorder, _Wire, asyncio.AbstractEventLoop]:
+    loop = asyncio.new_event_loop()
+    handler = _Recorder()
+    server = HttpServer(socket.socket(), handler, idle_timeout=60.0, read_timeout=10.0, max_body=1 << 20)
+    server.loop = loop
+    conn = Connection(server, loop)
+    wire = _Wire()
+    conn.connection_made(wire)
+    return conn, handler, wire, loop
+
+
+def _send(conn: Connection, data: bytes) -> None:
+    buf = conn.get_buffer(len(data))
+    buf[: len(data)] = data
+    conn.buffer_updated(len(data))
+
+
+def _req(body: bytes, a: str = "1", path: str = "/p") -> bytes:
+    return f"POST {path} HTTP/1.1\r\nX-A: {a}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body
+
+
+def test_a_repeated_head_read_whole_is_served_as_the_long_way_serves_it() -> None:
+    """A read that is exactly one request with the head parsed last time skips the buffering and the
+    head search; anything else (another head of the same length, a partial request, two requests in
+    one read, a different body length) takes the long way. Every request is answered, in order,
+    with its own body and headers."""
+    conn, handler, wire, loop = _connection()
+    try:
+        reads = [
+            _req(b"aaaa"),  # parsed in full: the head to reuse
+            _req(b"bbbb"),  # the same head, read whole: the shortcut
+            _req(b"cccc", a="2"),  # a head of the same length that differs: parsed again
+            _req(b"dddd", a="2")[:10], _req(b"dddd", a="2")[10:],  # one request in two reads
+            _req(b"eeee", a="2") + _req(b"ffff", a="2"),  # two requests in one read
+            _req(b"gggggg", a="2"),  # another body length: another head
+            _req(b"hhhhhh", a="2"),
+        ]
+        for data in reads:
+            _send(conn, data)
+        assert handler.seen == [
+            ("/p", "1", b"aaaa"), ("/p", "1", b"bbbb"), ("/p", "2", b"cccc"), ("/p", "2", b"dddd"),
+            ("/p", "2", b"eeee"), ("/p", "2", b"ffff"), ("/p", "2", b"gggggg"), ("/p", "2", b"hhhhhh"),
+        ]  # fmt: skip
+        bodies = [part.split(b"\r\n\r\n", 1)[1] for part in wire.out.split(b"HTTP/1.1 ")[1:]]
+        assert bodies == [b"aaaa", b"bbbb", b"cccc", b"dddd", b"eeee", b"ffff", b"gggggg", b"hhhhhh"]
+    finally:
+        loop.close()
+
+
+def test_the_token_is_checked_on_every_request_of_a_reused_head() -> None:
+    """The token's usual spelling is compared whole (constant time) before the long way: other
+    spellings the long way accepts still pass, a wrong token on a reused head is still refused."""
+    membership = Membership(QuorumOptions())
+    routes = Routes(membership, token="s3cret", snapshot=lambda: None)  # type: ignore[arg-type,return-value]
+    parser = HeadParser()
+
+    def code(authorization: str | None) -> int:
+        auth = f"Authorization: {authorization}\r\n" if authorization is not None else ""
+        body = b'{"replica_id": "a"}'
+        head = parser.parse(f"POST /v1/heartbeat HTTP/1.1\r\n{auth}Content-Length: {len(body)}\r\n\r\n".encode())
+        try:
+            return routes.handle(Request(head, body, "127.0.0.1:1", lambda _rid: None)).status  # type: ignore[union-attr]
+        except HttpError as e:
+            return e.status
+
+    assert code("Bearer s3cret") == 200
+    assert code("bearer   s3cret ") == 200
+    assert code("Bearer s3cret2") == 403 and code("Bearer s3cre") == 403 and code("Basic s3cret") == 403
+    assert code(None) == 401 and code("") == 401

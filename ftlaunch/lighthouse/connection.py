@@ -142,6 +142,24 @@ class Connection(asyncio.BufferedProtocol):
     def buffer_updated(self, nbytes: int) -> None:
         if self._closing:
             return
+        if not self._buf and self._poll is None and self._head is None and self._last_raw:
+            # The usual read of a keep-alive client: exactly one request, with the head it sent last
+            # time (http.client, LighthouseClient). Taken as it is: no buffering, no head search.
+            raw = self._last_raw
+            if nbytes == len(raw) + self._last_len and not self._write_paused:
+                data = bytes(self._server.recv_buffer[:nbytes])
+                if data.startswith(raw) and self._last_head is not None:
+                    transport = self._transport
+                    if transport is not None and transport.is_closing():  # the peer is gone
+                        return
+                    self._served, self._reading_since = True, None
+                    try:
+                        self._dispatch(Request(self._last_head, data[len(raw) :], self.peer, self.bind))
+                    except Exception:
+                        log.exception("lighthouse: unexpected error serving %s", self.peer)
+                        self.close()
+                    self._server.flush()
+                    return
         self._buf += self._server.recv_buffer[:nbytes]
         if self._poll is not None:
             if len(self._buf) > MAX_PIPELINED_BYTES:

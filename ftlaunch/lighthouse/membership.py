@@ -124,6 +124,7 @@ class Membership(SparesMixin, StatusMixin, ResumeMixin, HungMixin):
         #: scan of the previous quorum per request made a round of N requests O(N^2).
         self._prev_missing: set[str] | None = None
         self._prev_broken = False
+        self._state_cache: LighthouseState | None = None  # see _state
         #: Bumped whenever a member of the current quorum goes down or comes back (`lost_in_quorum`).
         self._lost_version = 0
         self._lost_cache: tuple[int, int, tuple[str, ...]] | None = None  # (quorum id, version, lost)
@@ -422,16 +423,29 @@ class Membership(SparesMixin, StatusMixin, ResumeMixin, HungMixin):
         prev = self._adopted if adopted else self._quorum
         if prev is not None and self._prev_missing is None:  # once per quorum (and per adoption)
             self._prev_missing = {rid for rid in prev.replica_ids if rid not in self._requests}
-        return LighthouseState(
+        missing = self._prev_missing if prev is not None else None
+        # Whether an adopted quorum's members are the same incarnations is unknown: new id.
+        broken = self._prev_broken or adopted
+        next_id = self._ids.peek()
+        # The same view serves every request of a round (its mappings and its set are the live
+        # ones, compared by identity): it is made again only when another of its fields changed.
+        state = self._state_cache
+        if (
+            state is not None and state.prev_missing is missing and state.prev_quorum is prev
+            and state.round_start == self._round_start and state.prev_quorum_broken == broken
+            and state.next_quorum_id == next_id and state.groups is self._groups and state.requests is self._requests
+        ):  # fmt: skip
+            return state
+        state = self._state_cache = LighthouseState(
             groups=self._groups,
             requests=self._requests,
             round_start=self._round_start,
             prev_quorum=prev,
-            # Whether an adopted quorum's members are the same incarnations is unknown: new id.
-            prev_quorum_broken=self._prev_broken or adopted,
-            next_quorum_id=self._ids.peek(),
-            prev_missing=self._prev_missing if prev is not None else None,
+            prev_quorum_broken=broken,
+            next_quorum_id=next_id,
+            prev_missing=missing,
         )
+        return state
 
     def _waiting_reason(self, now: float) -> str:
         if not self._requests:

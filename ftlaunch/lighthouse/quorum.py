@@ -56,6 +56,9 @@ _MEMBER_FIELDS: dict[str, tuple[type, ...]] = {
 }
 
 
+_MEMBER_KEYS = frozenset(_MEMBER_FIELDS)
+
+
 def _check_type(name: str, value: Any, types: tuple[type, ...]) -> None:
     # bool is an int subclass; a JSON `true` where a number belongs is a client bug, not a 1.
     if isinstance(value, bool) and bool not in types:
@@ -78,10 +81,15 @@ class QuorumMember:
     data: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for name, types in _MEMBER_FIELDS.items():
-            value = getattr(self, name)
-            if type(value) is not types[0]:  # the usual case passes on this test alone (a member per request)
-                _check_type(name, value, types)
+        # The usual member (one per quorum request) passes on this one expression; else each field is
+        # checked (and the first wrong one named).
+        if not (
+            type(self.replica_id) is str and type(self.address) is str and type(self.store_address) is str
+            and type(self.step) is int and type(self.world_size) is int and type(self.shrink_only) is bool
+            and type(self.commit_failures) is int and type(self.data) is dict
+        ):  # fmt: skip
+            for name, types in _MEMBER_FIELDS.items():
+                _check_type(name, getattr(self, name), types)
         if not self.replica_id:
             raise ValueError("replica_id must not be empty")
         if self.step < 0 or self.commit_failures < 0:
@@ -106,7 +114,7 @@ class QuorumMember:
         """Strict parse: unknown keys, a missing replica_id or wrong types raise ValueError."""
         if not isinstance(d, dict):
             raise ValueError(f"quorum member must be a JSON object, got {type(d).__name__}")
-        unknown = sorted(set(d) - set(_MEMBER_FIELDS))
+        unknown = () if d.keys() <= _MEMBER_KEYS else sorted(set(d) - _MEMBER_KEYS)
         if unknown:
             raise ValueError(f"unknown quorum member field(s): {', '.join(map(repr, unknown))}")
         if "replica_id" not in d:
