@@ -37,6 +37,7 @@ import argparse
 import multiprocessing as mp
 import os
 import resource
+import secrets
 import statistics
 import subprocess
 import sys
@@ -49,14 +50,20 @@ TORCHFT = {2: "~2 ms"}
 HEARTBEAT_INTERVAL = 0.1
 
 
-def _start_lighthouse(groups: int) -> tuple[subprocess.Popen, str]:
+def _start_lighthouse(groups: int, token: str | None, floor: bool = False) -> tuple[subprocess.Popen, str]:
     """As ``ftlaunch --replicas N`` hosts it: ``min_replicas`` 1 (the default), the N groups announced
-    (the first quorum waits for them)."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "ftlaunch.lighthouse", "--min-replicas", "1", "--expected-replicas", str(groups),
-         "--join-timeout", "30", "--heartbeat-timeout", "10", "--log-level", "WARNING"],
-        stdout=subprocess.PIPE, text=True,
-    )
+    (the first quorum waits for them), the job's token (ftlaunch always makes one). ``floor``: the
+    do-nothing server of `_serve_floor` instead."""
+    if floor:
+        cmd = [sys.executable, os.path.abspath(__file__), "--serve-floor", str(groups)]
+    else:
+        cmd = [sys.executable, "-m", "ftlaunch.lighthouse", "--min-replicas", "1", "--expected-replicas", str(groups),
+               "--join-timeout", "30", "--heartbeat-timeout", "10", "--log-level", "WARNING"]
+    env = dict(os.environ)
+    env.pop("FTLAUNCH_TOKEN", None)
+    if token:
+        env["FTLAUNCH_TOKEN"] = token
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
     line = proc.stdout.readline()
     if "listening on" not in line:
         proc.kill()
@@ -64,11 +71,74 @@ def _start_lighthouse(groups: int) -> tuple[subprocess.Popen, str]:
     return proc, line.split("listening on", 1)[1].strip()
 
 
-def _group_worker(addr: str, rids: list[str], rounds: int, warmup: int, barrier, out) -> None:
+def _serve_floor(groups: int) -> None:
+    """The harness's floor: an asyncio server that reads each request (head up to the blank line,
+    body by Content-Length) and nothing more -- no HTTP parse, no JSON, no token check, no
+    bookkeeping. Once ``groups`` quorum requests are parked it writes one fixed answer to each (a
+    delta of the size the lighthouse sends, or a whole-quorum kind to a request naming no revision);
+    a heartbeat gets the 1024-group pace at once. What the 1024-group row costs the same harness
+    with a server that does no work of its own: the system calls, asyncio's steps, the clients."""
+    import asyncio
+    import json
+    import re
+
+    length_re = re.compile(rb"content-length:\s*(\d+)", re.I)
+
+    def wire(payload: dict) -> bytes:
+        body = json.dumps(payload).encode()
+        return b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body
+
+    def answer(kind: str, size: int) -> bytes:  # padded to the size of the lighthouse's answer
+        payload = {kind: {"quorum_id": 1, "pad": ""}, "revision": "floor-1", "version": 1}
+        payload[kind]["pad"] = "x" * max(0, size - len(json.dumps(payload)))
+        return wire(payload)
+
+    delta, whole = answer("delta", 240), answer("quorum", 240)
+    beat = wire({"ok": True, "interval": 1.1, "version": 1})
+    left = wire({"left": True, "version": 1})
+    parked: list[tuple[asyncio.Transport, bytes]] = []
+
+    class Floor(asyncio.Protocol):
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            self.t = transport
+            self.buf = b""
+
+        def data_received(self, data: bytes) -> None:
+            self.buf += data
+            while (end := self.buf.find(b"\r\n\r\n")) >= 0:
+                m = length_re.search(self.buf, 0, end)
+                need = end + 4 + (int(m.group(1)) if m else 0)
+                if len(self.buf) < need:
+                    return
+                head, body, self.buf = self.buf[:end], self.buf[end + 4 : need], self.buf[need:]
+                if head.startswith(b"POST /v1/quorum"):
+                    parked.append((self.t, delta if b'"known"' in body else whole))  # type: ignore[arg-type]
+                    if len(parked) == groups:
+                        for t, wire in parked:
+                            t.write(wire)
+                        parked.clear()
+                elif head.startswith(b"POST /v1/heartbeat"):
+                    self.t.write(beat)  # type: ignore[attr-defined]
+                else:
+                    self.t.write(left)  # type: ignore[attr-defined]
+
+    async def serve() -> None:
+        server = await asyncio.get_running_loop().create_server(Floor, "127.0.0.1", 0, backlog=1024)
+        port = server.sockets[0].getsockname()[1]
+        print(f"floor server listening on http://127.0.0.1:{port}", flush=True)
+        await asyncio.Event().wait()
+
+    import signal
+
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    asyncio.run(serve())
+
+
+def _group_worker(addr: str, rids: list[str], rounds: int, warmup: int, barrier, out, token: str | None = None) -> None:
     """One process running len(rids) groups, one thread each; reports (rid, [(send, recv), ...])."""
     from ftlaunch.lighthouse import LighthouseClient, QuorumMember
 
-    client = LighthouseClient(addr, connect_timeout=30.0)
+    client = LighthouseClient(addr, connect_timeout=30.0, token=token)
     for rid in rids:
         client.start_heartbeat(rid, HEARTBEAT_INTERVAL)
     barrier.wait()
@@ -95,7 +165,7 @@ def _group_worker(addr: str, rids: list[str], rounds: int, warmup: int, barrier,
 
 def _sim_worker(
     addr: str, rids: list[str], rounds: int, warmup: int, barrier, out, spread: float = 0.0, vary_head: bool = False,
-    full: bool = False,
+    full: bool = False, token: str | None = None,
 ) -> None:
     """Lightweight simulated groups: raw keep-alive sockets driven by one selector loop.
 
@@ -108,11 +178,13 @@ def _sim_worker(
     LighthouseClient, each group names the answer revision it holds (``known``), so the lighthouse
     answers with a delta (docs/lighthouse.md); ``full`` leaves it out, as an older client does, and
     every group gets the whole quorum. The groups of one process share the decode of one answer a
-    round (the answers of a round are the same bytes).
+    round (the answers of a round are the same bytes). Like LighthouseClient, every request carries
+    the job token and the process's incarnation.
     """
     import json
     import random
     import re
+    import secrets
     import selectors
     import socket
 
@@ -126,9 +198,14 @@ def _sim_worker(
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return s
 
+    fixed = f"X-Ftlaunch-Incarnation: {secrets.token_hex(8)}\r\n"  # one process (LighthouseClient's)
+    if token:
+        fixed += f"Authorization: Bearer {token}\r\n"
+
     def post(path: str, obj: dict, replica: str | None = None, step: int | None = None) -> bytes:
         body = json.dumps(obj).encode()
         head = f"POST {path} HTTP/1.1\r\nHost: lh\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+        head += fixed
         if replica:
             head += f"X-Ftlaunch-Replica: {replica}\r\n"
         if step is not None:
@@ -232,12 +309,12 @@ def _pct(values: list[float], q: float) -> float:
 
 def bench_quorum(
     groups: int, procs: int, rounds: int, *, simulated: bool, spread: float = 0.0, vary_head: bool = False,
-    warmup: int = 20, full: bool = False,
+    warmup: int = 20, full: bool = False, token: str | None = None, floor: bool = False,
 ) -> dict:
     import psutil
 
     ctx = mp.get_context("spawn")
-    server, addr = _start_lighthouse(groups)
+    server, addr = _start_lighthouse(groups, token, floor)
     try:
         width = len(str(groups - 1))
         rids = [f"g{i:0{width}d}" for i in range(groups)]
@@ -246,11 +323,15 @@ def bench_quorum(
         out = ctx.Queue()
         if simulated:
             workers = [
-                ctx.Process(target=_sim_worker, args=(addr, c, rounds, warmup, barrier, out, spread, vary_head, full))
+                ctx.Process(
+                    target=_sim_worker, args=(addr, c, rounds, warmup, barrier, out, spread, vary_head, full, token)
+                )
                 for c in chunks
             ]
         else:
-            workers = [ctx.Process(target=_group_worker, args=(addr, c, rounds, warmup, barrier, out)) for c in chunks]
+            workers = [
+                ctx.Process(target=_group_worker, args=(addr, c, rounds, warmup, barrier, out, token)) for c in chunks
+            ]
         for w in workers:
             w.start()
         lighthouse = psutil.Process(server.pid)
@@ -290,7 +371,7 @@ def bench_quorum(
     return {
         "kind": (
             (f"sim, {spread * 1000:g} ms spread" if spread else "sim, burst") + (", heads vary" if vary_head else "")
-            + (", whole" if full else "")
+            + (", whole" if full else "") + (", FLOOR" if floor else "")
             if simulated else "LighthouseClient"
         ),
         "groups": groups,
@@ -303,10 +384,10 @@ def bench_quorum(
     }
 
 
-def _hb_worker(addr: str, threads: int, seconds: float, out) -> None:
+def _hb_worker(addr: str, threads: int, seconds: float, out, token: str | None = None) -> None:
     from ftlaunch.lighthouse import LighthouseClient
 
-    client = LighthouseClient(addr)
+    client = LighthouseClient(addr, token=token)
     counts = []
 
     def run(i: int) -> None:
@@ -326,12 +407,12 @@ def _hb_worker(addr: str, threads: int, seconds: float, out) -> None:
     out.put(sum(counts))
 
 
-def bench_heartbeats(procs: int, threads: int, seconds: float) -> float:
+def bench_heartbeats(procs: int, threads: int, seconds: float, token: str | None = None) -> float:
     ctx = mp.get_context("spawn")
-    server, addr = _start_lighthouse(0)
+    server, addr = _start_lighthouse(0, token)
     try:
         out = ctx.Queue()
-        workers = [ctx.Process(target=_hb_worker, args=(addr, threads, seconds, out)) for _ in range(procs)]
+        workers = [ctx.Process(target=_hb_worker, args=(addr, threads, seconds, out, token)) for _ in range(procs)]
         for w in workers:
             w.start()
         total = sum(out.get(timeout=120) for _ in range(procs))
@@ -360,7 +441,16 @@ def main() -> None:
                    help="which answer forms the small-job and large rows run (both: deltas, then whole)")
     p.add_argument("--client64", action="store_true",
                    help="also run 64 groups as real LighthouseClient threads (measures client CPU on few cores)")
+    p.add_argument("--token", default=None,
+                   help="job token every request carries (default: a fresh one, as ftlaunch makes; '' for none)")
+    p.add_argument("--floor", action="store_true",
+                   help="also run the --groups-large deltas row against a do-nothing server (the harness's floor)")
+    p.add_argument("--serve-floor", type=int, metavar="N", help=argparse.SUPPRESS)  # internal: be that server
     args = p.parse_args()
+    if args.serve_floor is not None:
+        _serve_floor(args.serve_floor)
+        return
+    token = secrets.token_hex(16) if args.token is None else args.token or None
     # Each simulated group holds two connections, and the lighthouse one per connection.
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     want = 4 * args.groups_large + 256
@@ -371,24 +461,28 @@ def main() -> None:
     print(f"lighthouse benchmark on {os.cpu_count()} CPU(s), Python {sys.version.split()[0]}, "
           f"load average {load} (other work on the host inflates every figure)", flush=True)
     rows = [] if args.scale_only else [
-        bench_quorum(2, 2, args.rounds, simulated=False),
-        bench_quorum(64, args.procs64, args.rounds64, simulated=True),
-        bench_quorum(64, args.procs64, args.rounds64, simulated=True, spread=args.spread64 / 1000),
-        bench_quorum(64, args.procs64, args.rounds64, simulated=True, vary_head=True),
+        bench_quorum(2, 2, args.rounds, simulated=False, token=token),
+        bench_quorum(64, args.procs64, args.rounds64, simulated=True, token=token),
+        bench_quorum(64, args.procs64, args.rounds64, simulated=True, spread=args.spread64 / 1000, token=token),
+        bench_quorum(64, args.procs64, args.rounds64, simulated=True, vary_head=True, token=token),
     ]
     # Answers as deltas (what LighthouseClient gets) beside whole quorums (what an older client, or
     # one naming no revision, gets): a small job must not get slower, a large one is the point.
     forms = {"both": (False, True), "deltas": (False,), "whole": (True,)}[args.answers]
     if args.small:
         for full in forms:
-            rows.append(bench_quorum(args.small, min(args.small, args.procs64), args.rounds64, simulated=True, full=full))
+            rows.append(bench_quorum(
+                args.small, min(args.small, args.procs64), args.rounds64, simulated=True, full=full, token=token
+            ))  # fmt: skip
+    large = [(full, False) for full in forms] + ([(False, True)] if args.floor else [])
     if args.groups_large:
-        for full in forms:
-            rows.append(
-                bench_quorum(args.groups_large, args.procs64, args.rounds1024, simulated=True, warmup=5, full=full)
-            )
+        for full, floor in large:
+            rows.append(bench_quorum(
+                args.groups_large, args.procs64, args.rounds1024, simulated=True, warmup=5, full=full, token=token,
+                floor=floor,
+            ))  # fmt: skip
     if args.client64:
-        rows.append(bench_quorum(64, args.procs64, args.rounds64, simulated=False))
+        rows.append(bench_quorum(64, args.procs64, args.rounds64, simulated=False, token=token))
     print("\nfast-quorum round trip (last request sent -> every group has the quorum)")
     print(f"{'groups':>6} {'clients':>22} {'procs':>5} {'rounds':>6} {'p50 ms':>8} {'p99 ms':>8} "
           f"{'last caller p50':>15} {'server CPU':>13} {'target p50':>10} {'met':>4} {'torchft p50':>11}")
@@ -399,8 +493,9 @@ def main() -> None:
         print(f"{r['groups']:>6} {r['kind']:>22} {r['procs']:>5} {r['rounds']:>6} {r['p50']:>8.3f} {r['p99']:>8.3f} "
               f"{r['last_p50']:>12.3f} ms {r['cpu_per_round']:>7.2f} ms/rd "
               f"{goal:>10} {met:>4} {TORCHFT.get(r['groups'], '-'):>11}")
-    rate = bench_heartbeats(procs=2, threads=2, seconds=args.hb_seconds)
+    rate = bench_heartbeats(procs=2, threads=2, seconds=args.hb_seconds, token=token)
     print(f"\nheartbeat throughput: {rate:,.0f} req/s (2 processes x 2 threads, keep-alive connections)")
+    print(f"every request carried the job token: {'yes' if token else 'no'}")
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     print(f"load average at the end: {load}")
 

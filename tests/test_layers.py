@@ -156,6 +156,7 @@ LIGHTHOUSE_RANKS: dict[str, int] = {
     "membership_status": 2,  # the membership's status, progress and kill requests (a mixin)
     "membership_resume": 3,  # the membership's adoption of a restarted lighthouse's resume reports (a mixin)
     "membership_hung": 3,  # the membership's evidence-based loss of hung quorum members (a mixin)
+    "membership_admit": 3,  # who may make a request of the membership; ids forgotten (a mixin)
     "membership": 4,  # bookkeeping: groups, quorum requests
     "http": 2,  # request/response types, http.server's head parsing
     "bodies": 3,  # a request body: JSON decoded, nesting bounded, fields checked
@@ -178,7 +179,8 @@ LIGHTHOUSE_RANKS: dict[str, int] = {
 #: Lighthouse modules that do no I/O: they may not import sockets, event loops or HTTP.
 LIGHTHOUSE_NO_IO = {
     "protocol", "quorum", "quorum_delta", "progress", "slots", "status", "spares", "tickets",
-    "membership_spares", "membership_status", "membership_resume", "membership_hung", "membership", "dashboard",
+    "membership_spares", "membership_status", "membership_resume", "membership_hung", "membership_admit", "membership",
+    "dashboard",
 }
 _IO_MODULES = {"socket", "selectors", "select", "asyncio", "http", "urllib", "ssl"}
 

@@ -23,23 +23,22 @@ import time
 from collections import deque
 from collections.abc import Callable
 
+from ftlaunch.lighthouse.membership_admit import AdmitMixin
 from ftlaunch.lighthouse.membership_hung import HungMixin
-from ftlaunch.lighthouse.membership_resume import ADOPTED, ResumeMixin
+from ftlaunch.lighthouse.membership_resume import ResumeMixin
 from ftlaunch.lighthouse.membership_spares import SparesMixin
-from ftlaunch.lighthouse.membership_status import GroupInfo, StatusMixin
+from ftlaunch.lighthouse.membership_status import ADOPTED, GroupInfo, StatusMixin
 from ftlaunch.lighthouse.progress import ProgressBook, ProgressReport
 from ftlaunch.lighthouse.protocol import ANONYMOUS
 from ftlaunch.lighthouse.quorum import (
     Connection,
     GroupState,
-    Health,
     LighthouseState,
     Quorum,
     QuorumIdAllocator,
     QuorumMember,
     QuorumOptions,
     decide_quorum,
-    group_health,
     may_form,
 )
 from ftlaunch.lighthouse.spares import SpareSlots
@@ -73,8 +72,6 @@ HISTORY_LEN = 200
 #: Most replica ids tracked at once; a new id past it is refused (`TooManyGroups`) once every id that
 #: may be forgotten (see `forget_after`) was.
 MAX_GROUPS = 4096
-#: How far past the highest step of any quorum a group's claimed step may be (one committed round).
-MAX_STEP_ADVANCE = 1
 
 # The highest quorum id any lighthouse in this process handed out: one started in the same
 # millisecond as its predecessor (tests do that) still starts above it.
@@ -87,7 +84,7 @@ def _new_ids(wall_clock: Callable[[], float]) -> QuorumIdAllocator:
         return QuorumIdAllocator(int(wall_clock() * 1000), floor=_last_issued_id)
 
 
-class Membership(SparesMixin, StatusMixin, ResumeMixin, HungMixin):
+class Membership(AdmitMixin, SparesMixin, StatusMixin, ResumeMixin, HungMixin):
     """The replica groups of one lighthouse and their quorum requests (see the module docstring)."""
 
     def __init__(
@@ -332,84 +329,6 @@ class Membership(SparesMixin, StatusMixin, ResumeMixin, HungMixin):
         if replica_id in self._prev_ids:
             self._prev_broken = True
             self._lost_version += 1
-
-    def _check_holder(self, rid: str, now: float, incarnation: str) -> None:
-        """One incarnation holds an id at a time: while the holder is live, another is refused."""
-        g, info = self._groups.get(rid), self._info.get(rid)
-        if g is None or info is None or info.incarnation in (incarnation, ADOPTED):
-            return
-        if group_health(g, now, self._options) is Health.LIVE:
-            raise HeldElsewhere(
-                f"replica id {rid} is held by another live process of the group; it is released when that "
-                "process exits, leaves, fails or falls silent"
-            )
-
-    def _check_step(self, member: QuorumMember) -> None:
-        """The plausibility rule for healing sources (docs/security.md). A group's step advances by one
-        per committed quorum round, and a healer jumps to a step some quorum had: so no group can be
-        more than `MAX_STEP_ADVANCE` past the highest step any quorum of this lighthouse had. A claim
-        beyond it is refused; it would make the claimant every group's healing source (and its store
-        their meeting point). With no quorum yet (a new or restarted lighthouse) nothing is checked,
-        nor for a participant of the current quorum that reports having stepped on it while this
-        lighthouse was unreachable (`_stepped_through_outage`)."""
-        high = self._high_step
-        if high is not None and member.step > high + MAX_STEP_ADVANCE and not self._stepped_through_outage(member):
-            raise ImplausibleStep(
-                f"replica {member.replica_id} claims step {member.step}, but no quorum of this lighthouse got "
-                f"past step {high}: refused, it would become every group's healing source"
-            )
-
-    def _admit(self, rid: str, now: float, incarnation: str = ANONYMOUS) -> bool:
-        """Common start of a group's request: refuse while closed, tell an eviction once, refuse a
-        second incarnation, count a sign of life. Returns True if the group was not live before."""
-        if self._closed:
-            raise ShuttingDown("lighthouse shutting down")
-        reason = self._evicted.pop(rid, None)
-        if reason is not None:
-            raise Evicted(f"replica {rid} was evicted: {reason}")
-        fenced = self._spares.fenced(rid) if self._spares is not None else None
-        if fenced is not None:  # refused every time: the name is never valid again
-            raise Evicted(f"replica {rid} was replaced: {fenced}")
-        self._check_holder(rid, now, incarnation)
-        g = self._groups.get(rid)
-        if g is None:
-            if len(self._groups) >= self.max_groups:
-                self._forget_gone(now, force=True)
-                if len(self._groups) >= self.max_groups:
-                    raise TooManyGroups(f"the lighthouse tracks {self.max_groups} replica ids already")
-            self._info[rid] = GroupInfo(first_seen=self._wall())
-            self._record("joined", rid)
-            log.info("lighthouse: replica %s joined", rid)
-            self._mark_prev_broken(rid)
-            revived = True
-        else:
-            health = group_health(g, now, self._options)
-            revived = health is not Health.LIVE
-            if revived:
-                self._record("revived", rid, f"was {health.value}")
-                log.info("lighthouse: replica %s is back (was %s)", rid, health.value)
-                self._mark_prev_broken(rid)
-                info = self._info[rid]
-                info.reason, info.silent_noted, info.down_counted = "", False, False
-        self._groups[rid] = GroupState(rid, now, Connection.CONNECTED)
-        self._info[rid].incarnation = incarnation
-        return revived
-
-    def _forget_gone(self, now: float, *, force: bool = False) -> None:
-        """Drop ids that never joined a quorum and have not been live for `forget_after` (any time
-        since they stopped being live when ``force``): heartbeat-only ids that went away must not
-        stay listed, and walked by every tick, forever."""
-        gone = [
-            rid for rid, g in self._groups.items()
-            if not self._info[rid].in_a_quorum and rid not in self._requests
-            and group_health(g, now, self._options) is not Health.LIVE
-            and (force or now - g.last_seen > self.forget_after)
-        ]
-        for rid in gone:
-            del self._groups[rid], self._info[rid]
-        if gone:
-            self._record("forgotten", gone[0] if len(gone) == 1 else None, f"{len(gone)} id(s) that never joined a quorum")
-            log.info("lighthouse: forgot %d replica id(s) that never joined a quorum (e.g. %s)", len(gone), gone[0])
 
     def _prev_ids_now(self) -> frozenset[str]:
         """The ids of the quorum the next one is compared with (this lighthouse's, or the adopted one)."""

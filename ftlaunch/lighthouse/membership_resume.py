@@ -13,15 +13,12 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from ftlaunch.lighthouse.membership_status import GroupInfo
+from ftlaunch.lighthouse.membership_status import ADOPTED, GroupInfo
 from ftlaunch.lighthouse.protocol import RESUME_KEY, parse_resume_report
 from ftlaunch.lighthouse.quorum import Connection, GroupState, Quorum, QuorumIdAllocator, QuorumMember
 
 log = logging.getLogger("ftlaunch.lighthouse.membership")
 
-#: The holder of an id a restarted lighthouse only knows from a resume report: whichever process of
-#: the group comes back first takes it.
-ADOPTED = "<adopted>"
 
 
 class ResumeMixin:

@@ -41,6 +41,10 @@ from ftlaunch.lighthouse.tickets import MembershipError, QuorumTicket, TrainingF
 
 log = logging.getLogger("ftlaunch.lighthouse.membership")
 
+#: The holder of an id a restarted lighthouse only knows from a resume report: whichever process of
+#: the group comes back first takes it (`membership_resume`; `GroupInfo.incarnation`).
+ADOPTED = "<adopted>"
+
 
 @dataclass
 class GroupInfo:
