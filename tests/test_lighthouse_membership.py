@@ -274,6 +274,21 @@ def test_ids_that_never_joined_a_quorum_are_forgotten_once_gone() -> None:
     assert {g.replica_id for g in m.snapshot().groups} == {"real", "junk0"}
 
 
+def test_the_tick_looks_for_ids_to_forget_once_a_second(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 17 item 6: the look walks every id; with 1024 groups it ran every 0.1 s tick for ids
+    that are forgotten a minute after they went away at the earliest."""
+    from ftlaunch.lighthouse.membership import FORGET_CHECK_EVERY
+
+    m, clock = make()
+    walks = []
+    real = m._forget_gone
+    monkeypatch.setattr(m, "_forget_gone", lambda now, force=False: (walks.append(now), real(now, force=force)))
+    for _ in range(25):  # 2.5 s of ticks
+        m.tick()
+        clock.now += 0.1
+    assert FORGET_CHECK_EVERY == 1.0 and len(walks) == 3
+
+
 def test_tracked_ids_are_capped() -> None:
     from ftlaunch.lighthouse.membership import TooManyGroups
 

@@ -13,7 +13,7 @@ import pytest
 from ftlaunch.lighthouse.bodies import expect_fields as _expect
 from ftlaunch.lighthouse.bodies import loads as _loads
 from ftlaunch.lighthouse.connection import Connection
-from ftlaunch.lighthouse.http import HeadParser, HttpError, Request, Response
+from ftlaunch.lighthouse.http import HeadParser, HttpError, Request, Response, body_length, with_new_length
 from ftlaunch.lighthouse.membership import Membership
 from ftlaunch.lighthouse.quorum import QuorumOptions
 from ftlaunch.lighthouse.routes import Routes
@@ -190,3 +190,43 @@ def test_the_token_is_checked_on_every_request_of_a_reused_head() -> None:
     assert code("bearer   s3cret ") == 200
     assert code("Bearer s3cret2") == 403 and code("Bearer s3cre") == 403 and code("Basic s3cret") == 403
     assert code(None) == 401 and code("") == 401
+
+
+def _head(length: str, extra: str = "", name: str = "Content-Length") -> bytes:
+    return f"POST /v1/quorum HTTP/1.1\r\nHost: lh\r\n{name}: {length}\r\n{extra}Authorization: Bearer t\r\n\r\n".encode()
+
+
+@pytest.mark.parametrize(
+    ("raw", "reused"),
+    [
+        (_head("1234"), True),  # only the length's digits moved: the parse is reused
+        (_head("7"), True),
+        (_head("0012"), True),
+        (_head("12", extra="X-A: 1\r\n"), False),  # another header too
+        (_head("12 "), False),  # not bare digits
+        (_head("-1"), False),
+        (_head("12", extra="content-length: 99\r\n"), False),  # a second spelling: http.server reads the first
+        (_head("12", name="content-length"), False),
+        (_head("123").replace(b"POST", b"PUT "), False),
+    ],
+)
+def test_a_head_that_differs_only_in_its_length_reuses_the_parse(raw: bytes, reused: bool) -> None:
+    """`http.with_new_length` gives exactly what http.server's full parse gives, or nothing."""
+    parser = HeadParser()
+    last_raw = _head("99")
+    last = parser.parse(last_raw)
+    got = with_new_length(last_raw, last, raw)
+    assert (got is not None) == reused
+    if got is not None:
+        assert got == parser.parse(raw)
+        assert body_length(got, 1 << 20) == int(raw.split(b"Content-Length: ")[1].split(b"\r\n")[0])
+
+
+def test_a_connection_reads_bodies_whose_length_moves() -> None:
+    conn, handler, wire, loop = _connection()
+    try:
+        for body in (b"a" * 9, b"b" * 10, b"c" * 10, b"d" * 100, b"e" * 9):
+            _send(conn, _req(body))
+        assert [seen[2] for seen in handler.seen] == [b"a" * 9, b"b" * 10, b"c" * 10, b"d" * 100, b"e" * 9]
+    finally:
+        loop.close()

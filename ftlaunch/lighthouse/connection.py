@@ -30,6 +30,7 @@ from ftlaunch.lighthouse.http import (
     body_length,
     head_end,
     phrase,
+    with_new_length,
 )
 
 log = logging.getLogger("ftlaunch.lighthouse.transport")
@@ -258,10 +259,12 @@ class Connection(asyncio.BufferedProtocol):
             raw = bytes(buf[:end])
             del buf[:end]
             self._scan = 0
-            if raw == self._last_raw and self._last_head is not None:
-                head, self._body_len = self._last_head, self._last_len
+            last = self._last_head
+            if raw == self._last_raw and last is not None:
+                head, self._body_len = last, self._last_len
             else:
-                head = self._server.parser.parse(raw)
+                reused = with_new_length(self._last_raw, last, raw) if last is not None else None
+                head = reused if reused is not None else self._server.parser.parse(raw)
                 self._body_len = body_length(head, self._server.max_body)
                 self._last_raw, self._last_head, self._last_len = raw, head, self._body_len
             self._head = head

@@ -200,6 +200,33 @@ class HeadParser(BaseHTTPRequestHandler):
         return True
 
 
+_LENGTH_LINE = b"\r\nContent-Length: "
+
+
+def with_new_length(last_raw: bytes, last_head: Head, raw: bytes) -> Head | None:
+    """The parse of ``raw`` when it is ``last_raw`` (parsed as ``last_head``) with only the value of
+    its one ``Content-Length`` header changed to other ASCII digits; else None (parse it in full).
+
+    Why: a keep-alive client sends the same head request after request, but its body length moves
+    whenever a step, a revision or a progress report gains a digit; a full parse (http.server, the
+    email package) is most of a request's cost. Every other byte of the head is the same, and so is
+    everything http.server reads from them (method, path, version, the other headers, keep-alive,
+    ``Expect``)."""
+    i = raw.find(_LENGTH_LINE)
+    if i < 0 or last_raw.find(_LENGTH_LINE) != i or raw[:i] != last_raw[:i]:
+        return None
+    start = i + len(_LENGTH_LINE)
+    j, k = raw.find(b"\r\n", start), last_raw.find(b"\r\n", start)
+    value = raw[start:j]
+    if j < 0 or k < 0 or raw[j:] != last_raw[k:] or not value.isdigit() or len(value) > 18:
+        return None
+    if raw.lower().count(b"\ncontent-length:") != 1:  # another spelling too: http.server reads the first
+        return None
+    headers = dict(last_head.headers)
+    headers["content-length"] = value.decode("ascii")
+    return Head(last_head.method, last_head.path, last_head.version, headers, last_head.close, last_head.expect_continue)
+
+
 def head_end(buf: bytearray, start: int, limit: int | None = None) -> int:
     """Index just past the blank line that ends the head in ``buf`` (searched from ``start`` up to
     ``limit``), or -1.

@@ -18,6 +18,7 @@ injectable, so unit tests drive it in one process without sleeping (tests/test_l
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -72,6 +73,9 @@ HISTORY_LEN = 200
 #: Most replica ids tracked at once; a new id past it is refused (`TooManyGroups`) once every id that
 #: may be forgotten (see `forget_after`) was.
 MAX_GROUPS = 4096
+#: How often the tick looks for ids to forget (seconds); they are forgotten `forget_after` (>= 60 s) after
+#: they were last live, so a look per tick (0.1 s) only walked every id ten times a second for nothing.
+FORGET_CHECK_EVERY = 1.0
 
 # The highest quorum id any lighthouse in this process handed out: one started in the same
 # millisecond as its predecessor (tests do that) still starts above it.
@@ -103,6 +107,7 @@ class Membership(AdmitMixin, SparesMixin, StatusMixin, ResumeMixin, HungMixin):
         #: disconnected, failed): max(60 s, 4 x heartbeat_timeout) unless given.
         self.forget_after = forget_after if forget_after is not None else max(60.0, 4 * options.heartbeat_timeout)
         self.max_groups = max_groups
+        self._next_forget = -math.inf
         self._clock = clock
         self._wall = wall_clock
         self._ids = ids if ids is not None else _new_ids(wall_clock)
@@ -302,7 +307,9 @@ class Membership(AdmitMixin, SparesMixin, StatusMixin, ResumeMixin, HungMixin):
                     log.warning("lighthouse: replica %s silent: %s", rid, info.reason)
             if self._spares is not None:
                 self._spares.forget_idle(now, hb)
-            self._forget_gone(now)
+            if now >= self._next_forget:  # a walk of every id: once a second is soon enough (forget_after >= 60 s)
+                self._next_forget = now + FORGET_CHECK_EVERY
+                self._forget_gone(now)
             self._decide(now)
 
     def close(self) -> None:
