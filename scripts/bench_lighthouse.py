@@ -44,6 +44,8 @@ import sys
 import threading
 import time
 
+import bench_lighthouse_sim as sim  # scripts/: the floor server and the lean simulated groups
+
 TARGET_MS = {2: 1.0, 64: 5.0, 1024: 20.0}
 TORCHFT = {2: "~2 ms"}
 #: Every group's own heartbeat interval (the Manager's default); a large job's lighthouse advises a slower one.
@@ -53,9 +55,9 @@ HEARTBEAT_INTERVAL = 0.1
 def _start_lighthouse(groups: int, token: str | None, floor: bool = False) -> tuple[subprocess.Popen, str]:
     """As ``ftlaunch --replicas N`` hosts it: ``min_replicas`` 1 (the default), the N groups announced
     (the first quorum waits for them), the job's token (ftlaunch always makes one). ``floor``: the
-    do-nothing server of `_serve_floor` instead."""
+    do-nothing server of `bench_lighthouse_sim.serve_floor` instead."""
     if floor:
-        cmd = [sys.executable, os.path.abspath(__file__), "--serve-floor", str(groups)]
+        cmd = [sys.executable, sim.__file__, "floor", str(groups)]
     else:
         cmd = [sys.executable, "-m", "ftlaunch.lighthouse", "--min-replicas", "1", "--expected-replicas", str(groups),
                "--join-timeout", "30", "--heartbeat-timeout", "10", "--log-level", "WARNING"]
@@ -69,69 +71,6 @@ def _start_lighthouse(groups: int, token: str | None, floor: bool = False) -> tu
         proc.kill()
         raise SystemExit(f"lighthouse did not start: {line!r}")
     return proc, line.split("listening on", 1)[1].strip()
-
-
-def _serve_floor(groups: int) -> None:
-    """The harness's floor: an asyncio server that reads each request (head up to the blank line,
-    body by Content-Length) and nothing more -- no HTTP parse, no JSON, no token check, no
-    bookkeeping. Once ``groups`` quorum requests are parked it writes one fixed answer to each (a
-    delta of the size the lighthouse sends, or a whole-quorum kind to a request naming no revision);
-    a heartbeat gets the 1024-group pace at once. What the 1024-group row costs the same harness
-    with a server that does no work of its own: the system calls, asyncio's steps, the clients."""
-    import asyncio
-    import json
-    import re
-
-    length_re = re.compile(rb"content-length:\s*(\d+)", re.I)
-
-    def wire(payload: dict) -> bytes:
-        body = json.dumps(payload).encode()
-        return b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body
-
-    def answer(kind: str, size: int) -> bytes:  # padded to the size of the lighthouse's answer
-        payload = {kind: {"quorum_id": 1, "pad": ""}, "revision": "floor-1", "version": 1}
-        payload[kind]["pad"] = "x" * max(0, size - len(json.dumps(payload)))
-        return wire(payload)
-
-    delta, whole = answer("delta", 240), answer("quorum", 240)
-    beat = wire({"ok": True, "interval": 1.1, "version": 1})
-    left = wire({"left": True, "version": 1})
-    parked: list[tuple[asyncio.Transport, bytes]] = []
-
-    class Floor(asyncio.Protocol):
-        def connection_made(self, transport: asyncio.BaseTransport) -> None:
-            self.t = transport
-            self.buf = b""
-
-        def data_received(self, data: bytes) -> None:
-            self.buf += data
-            while (end := self.buf.find(b"\r\n\r\n")) >= 0:
-                m = length_re.search(self.buf, 0, end)
-                need = end + 4 + (int(m.group(1)) if m else 0)
-                if len(self.buf) < need:
-                    return
-                head, body, self.buf = self.buf[:end], self.buf[end + 4 : need], self.buf[need:]
-                if head.startswith(b"POST /v1/quorum"):
-                    parked.append((self.t, delta if b'"known"' in body else whole))  # type: ignore[arg-type]
-                    if len(parked) == groups:
-                        for t, wire in parked:
-                            t.write(wire)
-                        parked.clear()
-                elif head.startswith(b"POST /v1/heartbeat"):
-                    self.t.write(beat)  # type: ignore[attr-defined]
-                else:
-                    self.t.write(left)  # type: ignore[attr-defined]
-
-    async def serve() -> None:
-        server = await asyncio.get_running_loop().create_server(Floor, "127.0.0.1", 0, backlog=1024)
-        port = server.sockets[0].getsockname()[1]
-        print(f"floor server listening on http://127.0.0.1:{port}", flush=True)
-        await asyncio.Event().wait()
-
-    import signal
-
-    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
-    asyncio.run(serve())
 
 
 def _group_worker(addr: str, rids: list[str], rounds: int, warmup: int, barrier, out, token: str | None = None) -> None:
@@ -253,6 +192,7 @@ def _sim_worker(
 
     pace = heartbeats()
     barrier.wait()
+    cpu0 = time.process_time()
     last_beat = time.perf_counter()
     times: dict[str, list[tuple[float, float]]] = {rid: [] for rid in rids}
     ids = set()
@@ -290,6 +230,7 @@ def _sim_worker(
         if time.perf_counter() - last_beat >= pace:
             pace = heartbeats()
             last_beat = time.perf_counter()
+    cpu = time.process_time() - cpu0
     for rid, s in qsocks.items():
         s.sendall(post("/v1/leave", {"replica_id": rid}))
         while read_response(s, bufs[rid]) is None:
@@ -300,6 +241,7 @@ def _sim_worker(
         out.put((rid, times[rid]))
     out.put(("ids", sorted(ids)))
     out.put(("kinds", sorted(kinds)))
+    out.put(("cpu", cpu))
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -309,7 +251,7 @@ def _pct(values: list[float], q: float) -> float:
 
 def bench_quorum(
     groups: int, procs: int, rounds: int, *, simulated: bool, spread: float = 0.0, vary_head: bool = False,
-    warmup: int = 20, full: bool = False, token: str | None = None, floor: bool = False,
+    warmup: int = 20, full: bool = False, token: str | None = None, floor: bool = False, lean: bool = False,
 ) -> dict:
     import psutil
 
@@ -321,7 +263,12 @@ def bench_quorum(
         chunks = [rids[i::procs] for i in range(procs)]
         barrier = ctx.Barrier(procs + 1)  # the workers, and this process to start the CPU clock
         out = ctx.Queue()
-        if simulated:
+        if simulated and lean:
+            workers = [
+                ctx.Process(target=sim.lean_worker, args=(addr, c, rounds, warmup, barrier, out, full, token))
+                for c in chunks
+            ]
+        elif simulated:
             workers = [
                 ctx.Process(
                     target=_sim_worker, args=(addr, c, rounds, warmup, barrier, out, spread, vary_head, full, token)
@@ -340,9 +287,12 @@ def bench_quorum(
         results = {}
         ids: set[int] = set()
         kinds: set[str] = set()
-        for _ in range(groups + (2 * procs if simulated else 0)):
+        clients_cpu = 0.0
+        for _ in range(groups + (3 * procs if simulated else 0)):
             key, value = out.get(timeout=600)
-            if key == "ids":
+            if key == "cpu":
+                clients_cpu += value
+            elif key == "ids":
                 ids.update(value)
             elif key == "kinds":
                 kinds.update(value)
@@ -370,7 +320,8 @@ def bench_quorum(
     ms = 1000.0
     return {
         "kind": (
-            (f"sim, {spread * 1000:g} ms spread" if spread else "sim, burst") + (", heads vary" if vary_head else "")
+            ("lean" if lean else "sim") + (f", {spread * 1000:g} ms spread" if spread else ", burst")
+            + (", heads vary" if vary_head else "")
             + (", whole" if full else "") + (", FLOOR" if floor else "")
             if simulated else "LighthouseClient"
         ),
@@ -381,6 +332,7 @@ def bench_quorum(
         "p99": _pct(round_trips, 99) * ms,
         "last_p50": statistics.median(last_call) * ms,
         "cpu_per_round": cpu / (warmup + rounds) * ms,
+        "clients_cpu_per_round": clients_cpu / (warmup + rounds) * ms if simulated else None,
     }
 
 
@@ -445,11 +397,10 @@ def main() -> None:
                    help="job token every request carries (default: a fresh one, as ftlaunch makes; '' for none)")
     p.add_argument("--floor", action="store_true",
                    help="also run the --groups-large deltas row against a do-nothing server (the harness's floor)")
-    p.add_argument("--serve-floor", type=int, metavar="N", help=argparse.SUPPRESS)  # internal: be that server
+    p.add_argument("--clients", choices=("sim", "lean", "both"), default="sim",
+                   help="simulated groups of the small-job and large rows: the benchmark's own (sim), lean ones "
+                        "that spend less of the host's CPU (bench_lighthouse_sim.lean_worker), or both")
     args = p.parse_args()
-    if args.serve_floor is not None:
-        _serve_floor(args.serve_floor)
-        return
     token = secrets.token_hex(16) if args.token is None else args.token or None
     # Each simulated group holds two connections, and the lighthouse one per connection.
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -469,29 +420,34 @@ def main() -> None:
     # Answers as deltas (what LighthouseClient gets) beside whole quorums (what an older client, or
     # one naming no revision, gets): a small job must not get slower, a large one is the point.
     forms = {"both": (False, True), "deltas": (False,), "whole": (True,)}[args.answers]
+    kinds = {"sim": (False,), "lean": (True,), "both": (False, True)}[args.clients]
     if args.small:
-        for full in forms:
-            rows.append(bench_quorum(
-                args.small, min(args.small, args.procs64), args.rounds64, simulated=True, full=full, token=token
-            ))  # fmt: skip
-    large = [(full, False) for full in forms] + ([(False, True)] if args.floor else [])
+        for lean in kinds:
+            for full in forms:
+                rows.append(bench_quorum(
+                    args.small, min(args.small, args.procs64), args.rounds64, simulated=True, full=full, token=token,
+                    lean=lean,
+                ))  # fmt: skip
     if args.groups_large:
-        for full, floor in large:
-            rows.append(bench_quorum(
-                args.groups_large, args.procs64, args.rounds1024, simulated=True, warmup=5, full=full, token=token,
-                floor=floor,
-            ))  # fmt: skip
+        for lean in kinds:
+            for full, floor in [(full, False) for full in forms] + ([(False, True)] if args.floor else []):
+                rows.append(bench_quorum(
+                    args.groups_large, args.procs64, args.rounds1024, simulated=True, warmup=5, full=full,
+                    token=token, floor=floor, lean=lean,
+                ))  # fmt: skip
     if args.client64:
         rows.append(bench_quorum(64, args.procs64, args.rounds64, simulated=False, token=token))
     print("\nfast-quorum round trip (last request sent -> every group has the quorum)")
-    print(f"{'groups':>6} {'clients':>22} {'procs':>5} {'rounds':>6} {'p50 ms':>8} {'p99 ms':>8} "
-          f"{'last caller p50':>15} {'server CPU':>13} {'target p50':>10} {'met':>4} {'torchft p50':>11}")
+    print(f"{'groups':>6} {'clients':>26} {'procs':>5} {'rounds':>6} {'p50 ms':>8} {'p99 ms':>8} "
+          f"{'last caller p50':>15} {'server CPU':>13} {'clients CPU':>13} {'target p50':>10} {'met':>4} {'torchft p50':>11}")
     for r in rows:
         target = TARGET_MS.get(r["groups"])
         met = "-" if target is None else "yes" if r["p50"] <= target else "NO"
         goal = f"<= {target:g} ms" if target else "-"
-        print(f"{r['groups']:>6} {r['kind']:>22} {r['procs']:>5} {r['rounds']:>6} {r['p50']:>8.3f} {r['p99']:>8.3f} "
-              f"{r['last_p50']:>12.3f} ms {r['cpu_per_round']:>7.2f} ms/rd "
+        clients = r["clients_cpu_per_round"]
+        clients_text = f"{clients:>7.2f} ms/rd" if clients is not None else "-"
+        print(f"{r['groups']:>6} {r['kind']:>26} {r['procs']:>5} {r['rounds']:>6} {r['p50']:>8.3f} {r['p99']:>8.3f} "
+              f"{r['last_p50']:>12.3f} ms {r['cpu_per_round']:>7.2f} ms/rd {clients_text:>13} "
               f"{goal:>10} {met:>4} {TORCHFT.get(r['groups'], '-'):>11}")
     rate = bench_heartbeats(procs=2, threads=2, seconds=args.hb_seconds, token=token)
     print(f"\nheartbeat throughput: {rate:,.0f} req/s (2 processes x 2 threads, keep-alive connections)")

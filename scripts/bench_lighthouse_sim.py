@@ -1,0 +1,220 @@
+"""The lighthouse benchmark's lean parts (``scripts/bench_lighthouse.py`` imports them): the
+do-nothing server that measures the harness's floor, and lean simulated groups.
+
+Why apart: the benchmark's own simulated groups (``_sim_worker``) stay as they were, so that figures
+stay comparable with earlier runs; these are what a fairer split of the host's two cores needs --
+the clients are not the product, and every millisecond of CPU they spend is taken from the
+lighthouse on a 2-core machine. Both keep what is measured: the round trip from the moment the
+LAST group sends its quorum request until EVERY group holds its answer.
+
+    python scripts/bench_lighthouse_sim.py floor N    # serve as the floor server for N groups
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+
+def serve_floor(groups: int) -> None:
+    """The harness's floor: an asyncio server that reads each request (head up to the blank line,
+    body by Content-Length) and nothing more -- no HTTP parse, no JSON, no token check, no
+    bookkeeping. Once ``groups`` quorum requests are parked it writes one fixed answer to each (a
+    delta of the size the lighthouse sends, or a whole-quorum kind to a request naming no revision);
+    a heartbeat gets the 1024-group pace at once. What the 1024-group row costs the same harness
+    with a server that does no work of its own: the system calls, asyncio's steps, the clients."""
+    import asyncio
+    import json
+    import re
+
+    length_re = re.compile(rb"content-length:\s*(\d+)", re.I)
+
+    def wire(payload: dict) -> bytes:
+        body = json.dumps(payload).encode()
+        return b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body
+
+    def answer(kind: str, size: int) -> bytes:  # padded to the size of the lighthouse's answer
+        payload = {kind: {"quorum_id": 1, "pad": ""}, "revision": "floor-1", "version": 1}
+        payload[kind]["pad"] = "x" * max(0, size - len(json.dumps(payload)))
+        return wire(payload)
+
+    delta, whole = answer("delta", 240), answer("quorum", 240)
+    beat = wire({"ok": True, "interval": 1.1, "version": 1})
+    left = wire({"left": True, "version": 1})
+    parked: list[tuple[asyncio.Transport, bytes]] = []
+
+    class Floor(asyncio.Protocol):
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            self.t = transport
+            self.buf = b""
+
+        def data_received(self, data: bytes) -> None:
+            self.buf += data
+            while (end := self.buf.find(b"\r\n\r\n")) >= 0:
+                m = length_re.search(self.buf, 0, end)
+                need = end + 4 + (int(m.group(1)) if m else 0)
+                if len(self.buf) < need:
+                    return
+                head, body, self.buf = self.buf[:end], self.buf[end + 4 : need], self.buf[need:]
+                if head.startswith(b"POST /v1/quorum"):
+                    parked.append((self.t, delta if b'"known"' in body else whole))  # type: ignore[arg-type]
+                    if len(parked) == groups:
+                        for t, wire in parked:
+                            t.write(wire)
+                        parked.clear()
+                elif head.startswith(b"POST /v1/heartbeat"):
+                    self.t.write(beat)  # type: ignore[attr-defined]
+                else:
+                    self.t.write(left)  # type: ignore[attr-defined]
+
+    async def serve() -> None:
+        server = await asyncio.get_running_loop().create_server(Floor, "127.0.0.1", 0, backlog=1024)
+        port = server.sockets[0].getsockname()[1]
+        print(f"floor server listening on http://127.0.0.1:{port}", flush=True)
+        await asyncio.Event().wait()
+
+    import signal
+
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    asyncio.run(serve())
+
+
+def lean_worker(
+    addr: str, rids: list[str], rounds: int, warmup: int, barrier, out, full: bool = False, token: str | None = None,
+) -> None:
+    """Lean simulated groups: the same requests on the same connections as ``_sim_worker`` (a
+    quorum connection and a bound heartbeat connection per group, the job token, the process's
+    incarnation, the revision held as ``known``), with less of the clients' own CPU per round: the
+    requests are formatted as bytes from a template, the sockets are polled with ``select.epoll``
+    directly, an answer is taken as complete by its Content-Length without a regular expression,
+    and the first answer of a round is decoded while the others are only compared with it (they
+    must be the same bytes: the lighthouse answers every holder of a revision alike). Reports the
+    same (rid, [(send, recv), ...]) as ``_sim_worker``, and the process's CPU time."""
+    import json
+    import secrets
+    import select
+    import socket
+
+    from ftlaunch.addresses import parse_host_port
+
+    host, port = parse_host_port(addr)
+    fixed = f"X-Ftlaunch-Incarnation: {secrets.token_hex(8)}\r\n"
+    if token:
+        fixed += f"Authorization: Bearer {token}\r\n"
+    quorum_head = ("POST /v1/quorum HTTP/1.1\r\nHost: lh\r\nContent-Type: application/json\r\n" + fixed).encode()
+
+    def connect() -> socket.socket:
+        s = socket.create_connection((host, port))
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return s
+
+    def answer_of(buf: bytes) -> tuple[bytes, int] | None:
+        """(body, bytes used) of the response at the start of ``buf``, once it is whole."""
+        end = buf.find(b"\r\n\r\n")
+        if end < 0:
+            return None
+        i = buf.find(b"Content-Length: ", 0, end)
+        need = end + 4 + int(buf[i + 16 : buf.find(b"\r\n", i)])
+        if len(buf) < need:
+            return None
+        if not buf.startswith(b"HTTP/1.1 200"):
+            raise RuntimeError(buf[:200])
+        return buf[end + 4 : need], need
+
+    qsocks = [connect() for _ in rids]
+    hsocks = [connect() for _ in rids]
+    beats = []
+    for rid in rids:
+        body = json.dumps({"replica_id": rid}).encode()
+        beats.append(
+            (f"POST /v1/heartbeat HTTP/1.1\r\nHost: lh\r\nContent-Type: application/json\r\n"
+             f"Content-Length: {len(body)}\r\nX-Ftlaunch-Replica: {rid}\r\n{fixed}\r\n").encode() + body
+        )  # fmt: skip
+
+    def heartbeats() -> float:
+        for s, req in zip(hsocks, beats, strict=True):
+            s.sendall(req)
+        advised = 0.0
+        for s in hsocks:
+            buf = b""
+            while (got := answer_of(buf)) is None:
+                buf += s.recv(65536)
+            if not advised:
+                advised = float(json.loads(got[0]).get("interval", 0.0))
+        return max(0.1, advised)
+
+    poll = select.epoll()
+    index = {}
+    for i, s in enumerate(qsocks):
+        poll.register(s.fileno(), select.EPOLLIN)
+        index[s.fileno()] = i
+    pace = heartbeats()
+    barrier.wait()
+    cpu0 = time.process_time()
+    last_beat = time.perf_counter()
+    n = len(rids)
+    times: list[list[tuple[float, float]]] = [[] for _ in rids]
+    ids: set[int] = set()
+    kinds: set[str] = set()
+    known = b""
+    bufs = [b""] * n
+    for step in range(warmup + rounds):
+        tail = b', "known": "' + known + b'"}' if known and not full else b"}"
+        sent = [0.0] * n
+        for i, rid in enumerate(rids):
+            body = b'{"member": {"replica_id": "%s", "step": %d}, "timeout": 60%s' % (rid.encode(), step, tail)
+            req = quorum_head + b"Content-Length: %d\r\n\r\n" % len(body) + body
+            sent[i] = time.perf_counter()
+            qsocks[i].sendall(req)
+        got = [0.0] * n
+        left = n
+        first: bytes | None = None
+        while left:
+            for fd, _ in poll.poll():
+                i = index[fd]
+                buf = bufs[i] + qsocks[i].recv(65536)
+                whole = answer_of(buf)
+                if whole is None:
+                    bufs[i] = buf
+                    continue
+                got[i] = time.perf_counter()
+                bufs[i] = buf[whole[1] :]
+                left -= 1
+                if first is None:
+                    first = whole[0]
+                    answer = json.loads(first)
+                    kind = "delta" if "delta" in answer else "quorum"
+                    kinds.add(kind)
+                    ids.add(answer[kind]["quorum_id"])
+                    known = answer.get("revision", "").encode()
+                elif whole[0] != first:
+                    raise RuntimeError(f"round {step}: groups got different answers")
+        if step >= warmup:
+            for i in range(n):
+                times[i].append((sent[i], got[i]))
+        if time.perf_counter() - last_beat >= pace:
+            pace = heartbeats()
+            last_beat = time.perf_counter()
+    cpu = time.process_time() - cpu0
+    poll.close()
+    for rid, s in zip(rids, qsocks, strict=True):
+        body = json.dumps({"replica_id": rid}).encode()
+        s.sendall(quorum_head.replace(b"/v1/quorum", b"/v1/leave") + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        buf = b""
+        while answer_of(buf) is None:
+            buf += s.recv(65536)
+    for s in (*qsocks, *hsocks):
+        s.close()
+    for rid, t in zip(rids, times, strict=True):
+        out.put((rid, t))
+    out.put(("ids", sorted(ids)))
+    out.put(("kinds", sorted(kinds)))
+    out.put(("cpu", cpu))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "floor":
+        serve_floor(int(sys.argv[2]))
+    else:
+        raise SystemExit(__doc__)
