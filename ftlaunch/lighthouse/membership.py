@@ -410,12 +410,13 @@ class Membership(AdmitMixin, SparesMixin, StatusMixin, ResumeMixin, HungMixin):
         self._prev_missing = None
         self._prev_ids = frozenset(quorum.replica_ids)
         self._prev_broken = False
+        requests, tickets, infos = self._requests, self._tickets, self._info
         for member in quorum.participants:
             rid = member.replica_id
-            del self._requests[rid]
-            self._tickets.pop(rid)._resolve(quorum=quorum)
-            self._info[rid].step = member.step
-            self._info[rid].in_a_quorum = True
+            del requests[rid]
+            info = infos[rid]
+            info.step, info.in_a_quorum = member.step, True
+            tickets.pop(rid)._resolve(quorum=quorum)
         self._round_start = now if self._requests else None
         if changed:
             self._quorum_changes += 1

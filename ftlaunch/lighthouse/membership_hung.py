@@ -121,13 +121,14 @@ class HungMixin:
         if quorum is None or not (self._blocked or parked):
             return
         ids = quorum.replica_ids
+        members = frozenset(ids)  # `in` on the tuple, per parked request, was O(groups^2) a tick
         for rid in [rid for rid in self._blocked if rid not in self._groups]:
             del self._blocked[rid]  # left, evicted or forgotten
         # Reporters that said so themselves (no extrapolation) and still beat: a stale report of a
         # member that stopped since says nothing.
         waiting = [
             (rid, now - since) for rid, (qid, since) in self._blocked.items()
-            if qid == quorum.quorum_id and rid in ids and self._groups[rid].last_seen - since >= BLOCKED_FOR
+            if qid == quorum.quorum_id and rid in members and self._groups[rid].last_seen - since >= BLOCKED_FOR
             and now - self._groups[rid].last_seen < self.silence_limit(rid)
             and self._groups[rid].connection is Connection.CONNECTED
         ]  # fmt: skip
@@ -135,7 +136,7 @@ class HungMixin:
             assert start is not None
             waiting = [
                 (rid, now - start) for rid in self._requests
-                if rid in ids and (g := self._groups.get(rid)) is not None and now - g.last_seen < self.silence_limit(rid)
+                if rid in members and (g := self._groups.get(rid)) is not None and now - g.last_seen < self.silence_limit(rid)
             ]  # fmt: skip
         if not waiting:
             return

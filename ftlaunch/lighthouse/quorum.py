@@ -33,7 +33,9 @@ increase across restarts, and they stay below 2**53 (exact in JSON doubles) unti
 from __future__ import annotations
 
 import enum
+import functools
 import math
+import operator
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -137,8 +139,10 @@ class Quorum:
         if ids != sorted(ids) or len(set(ids)) != len(ids):
             raise ValueError("quorum participants must be unique and sorted by replica_id")
 
-    @property
+    @functools.cached_property
     def replica_ids(self) -> tuple[str, ...]:
+        """The participants' ids, in order (computed once: with 1024 groups the membership reads it
+        several times a round)."""
         return tuple(p.replica_id for p in self.participants)
 
     def member(self, replica_id: str) -> QuorumMember | None:
@@ -271,6 +275,9 @@ def live_groups(state: LighthouseState, now: float, options: QuorumOptions) -> s
     return {rid for rid, g in state.groups.items() if group_health(g, now, options) is Health.LIVE}
 
 
+_BY_ID = operator.attrgetter("replica_id")
+
+
 def _wait(reason: str, wake_at: float | None) -> QuorumDecision:
     return QuorumDecision(participants=None, quorum_id=None, new_id=False, reason=reason, wake_at=wake_at)
 
@@ -357,7 +364,8 @@ def decide_quorum(state: LighthouseState, now: float, options: QuorumOptions) ->
             return _wait(f"waiting for {n_live - n} straggler(s) until the join timeout ({counts})", wake)
         reason = f"join timeout passed, forming with those present ({counts})"
 
-    members = tuple(sorted((state.requests[rid] for rid in candidates), key=lambda m: m.replica_id))
+    requests = state.requests
+    members = tuple(sorted([requests[rid] for rid in candidates], key=_BY_ID))
     if prev is None:
         new_id, why = True, "first quorum"
     elif set(candidates) != prev_ids:
