@@ -108,6 +108,8 @@ class AdmitMixin:
             log.info("lighthouse: replica %s joined", rid)
             self._mark_prev_broken(rid)
             revived = True
+        elif g.connection is Connection.CONNECTED and now - g.last_seen <= self._options.heartbeat_timeout:
+            revived = False  # live (group_health's LIVE, without the call: once per request)
         else:
             health = group_health(g, now, self._options)
             revived = health is not Health.LIVE

@@ -157,6 +157,7 @@ class Routes:
         #: request path -> its route path and that route's endpoints (a client sends the same paths)
         self._paths: dict[str, tuple[str, dict[str, Callable[[Request], Response | LongPoll]] | None]] = {}
         self._paced: dict[float, Response] = {}  # advised heartbeat pace -> the plain heartbeat answer
+        self._last_pace: tuple[int, float | None] = (-1, None)  # (groups, the pace advised for them)
 
     # -- http.Handler
 
@@ -233,7 +234,7 @@ class Routes:
         if lost is None and blocked is not None:  # its peers left the step it waits in
             lost = self._membership.left_behind(rid)
         superseded = self._membership.superseded_for(rid) if lost is None else None
-        pace = advised_heartbeat_interval(self._membership.group_count, self._membership.options.heartbeat_timeout)
+        pace = self._pace(self._membership.group_count)
         if kill is None and lost is None and superseded is None:
             return _OK if pace is None else self._paced_ok(pace)
         answer: dict[str, Any] = {"ok": True}
@@ -246,6 +247,13 @@ class Routes:
         if superseded is not None:  # its quorum went on without it: abort a step of an older one
             answer["superseded"] = superseded
         return _json(200, answer)
+
+    def _pace(self, groups: int) -> float | None:
+        """`protocol.advised_heartbeat_interval` for ``groups``, computed once per count."""
+        last = self._last_pace
+        if last[0] != groups:
+            last = self._last_pace = (groups, advised_heartbeat_interval(groups, self._membership.options.heartbeat_timeout))
+        return last[1]
 
     def _paced_ok(self, pace: float) -> Response:
         """``{"ok": true, "interval": pace}``, encoded once per pace (a tenth of a second each)."""
@@ -418,7 +426,7 @@ class _QuorumPoll(_Poll):
     def answer(self) -> Response | None:
         ticket = self._ticket
         if ticket.quorum is not None:
-            return self._routes.quorum_response(ticket.quorum, self._known)
+            return self._routes._answers.response(ticket.quorum, self._known)
         if ticket.error is None or isinstance(ticket.error, Abandoned):
             return None
         error = HttpError(ERROR_STATUS[type(ticket.error)], str(ticket.error))
