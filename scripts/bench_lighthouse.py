@@ -25,10 +25,18 @@ rows (4 groups) are bursts, once with answers as deltas (as LighthouseClient get
 "whole" (every group gets the whole quorum, as an older client does): before and after, in one run.
 
 "server CPU" is the CPU time (user + system) the lighthouse process spent per round, heartbeats
-included: on a shared host it moves much less with the load than the round trip does.
+included: on a shared host it moves much less with the load than the round trip does. "clients
+CPU" is what the simulated groups' processes spent per round: on a 2-core host the round trip is
+about (server CPU + clients CPU) / 2. ``--floor`` runs the large deltas row once more against a
+server that does nothing (`bench_lighthouse_sim.serve_floor`): the harness's own floor, in the same
+run. ``--clients lean`` uses leaner simulated groups (`bench_lighthouse_sim.lean_worker`: the same
+requests and connections, less client CPU); the default keeps the groups earlier figures were
+measured with. Every request carries the job token (ftlaunch always makes one) and the process's
+incarnation, as LighthouseClient sends them.
 
     python scripts/bench_lighthouse.py [--rounds 500] [--rounds64 200] [--spread64 20] [--rounds1024 30]
-        [--groups-large 1024] [--small 4] [--scale-only] [--client64]
+        [--groups-large 1024] [--small 4] [--scale-only] [--client64] [--answers both|deltas|whole]
+        [--clients sim|lean|both] [--floor] [--token T]
 """
 
 from __future__ import annotations
