@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -230,3 +231,35 @@ def test_a_connection_reads_bodies_whose_length_moves() -> None:
         assert [seen[2] for seen in handler.seen] == [b"a" * 9, b"b" * 10, b"c" * 10, b"d" * 100, b"e" * 9]
     finally:
         loop.close()
+
+
+@pytest.mark.parametrize(
+    "d",
+    [
+        {"replica_id": "a"}, {"replica_id": "a", "step": 3, "data": {"ckpt": ["x"]}},
+        {"replica_id": "a", "address": "h:1", "store_address": "h:2/p", "step": 1, "world_size": 4, "shrink_only": True,
+         "commit_failures": 2, "data": {}},
+        {"replica_id": "a", "step": True}, {"replica_id": "a", "step": -1}, {"replica_id": ""}, {"replica_id": 5},
+        {"replica_id": "a", "world_size": 0}, {"replica_id": "a", "data": []}, {"replica_id": "a", "shrink_only": 1},
+    ],
+)
+def test_a_member_read_from_json_is_the_constructors(d: dict) -> None:
+    """`QuorumMember.from_json` fills the fields without the frozen __init__: the same member, or the
+    same refusal, as ``QuorumMember(**d)``; and its table of defaults is the dataclass's."""
+    import dataclasses
+
+    from ftlaunch.lighthouse.quorum import _MEMBER_DEFAULTS, QuorumMember
+
+    fields = {f.name: f for f in dataclasses.fields(QuorumMember)}
+    assert set(fields) == {*_MEMBER_DEFAULTS, "replica_id", "data"}
+    assert all(fields[k].default == v and type(fields[k].default) is type(v) for k, v in _MEMBER_DEFAULTS.items())
+    try:
+        expected = QuorumMember(**d)
+    except ValueError as e:
+        with pytest.raises(ValueError, match=re.escape(str(e))):
+            QuorumMember.from_json(d)
+        return
+    got = QuorumMember.from_json(d)
+    assert got == expected
+    if "data" not in d:  # a fresh default each time, as the dataclass's default_factory
+        assert got.data is not QuorumMember.from_json(d).data

@@ -59,6 +59,10 @@ _MEMBER_FIELDS: dict[str, tuple[type, ...]] = {
 
 
 _MEMBER_KEYS = frozenset(_MEMBER_FIELDS)
+#: The defaults of `QuorumMember`'s fields but ``data`` (a new dict each time).
+_MEMBER_DEFAULTS: dict[str, Any] = {
+    "address": "", "store_address": "", "step": 0, "world_size": 1, "shrink_only": False, "commit_failures": 0,
+}
 
 
 def _check_type(name: str, value: Any, types: tuple[type, ...]) -> None:
@@ -121,7 +125,15 @@ class QuorumMember:
             raise ValueError(f"unknown quorum member field(s): {', '.join(map(repr, unknown))}")
         if "replica_id" not in d:
             raise ValueError("quorum member needs 'replica_id'")
-        return cls(**d)
+        # What ``cls(**d)`` does, without the frozen __init__'s one object.__setattr__ per field (a
+        # member per quorum request): the defaults, then the given fields, then the same checks.
+        member = cls.__new__(cls)
+        fields = member.__dict__
+        fields.update(_MEMBER_DEFAULTS)
+        fields["data"] = {}
+        fields.update(d)
+        member.__post_init__()
+        return member
 
 
 @dataclass(frozen=True)
