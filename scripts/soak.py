@@ -174,6 +174,8 @@ def run_ftlaunch(args: argparse.Namespace, chaos: str | None, label: str) -> Run
          **({"process_start": r["process_start"] - wall_offset} if isinstance(r.get("process_start"), float) else {})}
         for r in phases.read(phase_log) if isinstance(r.get("t"), float)
     ]  # fmt: skip
+    if args.keep_output:  # the phases too, in this run's clock (--reanalyze reads them back)
+        Path(f"{args.keep_output}.{label}.phases").write_text("".join(json.dumps(r) + "\n" for r in run.phases))
     run.log_bytes += sum(f.stat().st_size for f in Path(log_dir).rglob("*") if f.is_file())
     shutil.rmtree(log_dir, ignore_errors=True)
     return run
@@ -336,6 +338,9 @@ def reanalyze(args: argparse.Namespace) -> int:
                     parse_line(run, line, float(stamp), False)
                 except ValueError:
                     continue
+        kept = Path(f"{args.reanalyze}.{label}.phases")
+        if kept.exists():
+            run.phases = [json.loads(line) for line in kept.read_text().splitlines() if line.strip()]
         m = re.search(r"summary: exit (\d+)", Path(f"{args.reanalyze}.{label}").read_text(errors="replace"))
         run.code = int(m.group(1)) if m else -1
         runs.append(run)
@@ -363,9 +368,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None, help="also write the report here")
     p.add_argument("--verbose", action="store_true", help="echo the launcher's own lines")
     p.add_argument("--keep-output", default=None, metavar="PREFIX",
-                   help="write each run's whole output, time-stamped, to PREFIX.baseline / PREFIX.chaos")
+                   help="write each run's whole output, time-stamped, to PREFIX.baseline / PREFIX.chaos "
+                        "(and its phase log to PREFIX.<run>.phases)")
     p.add_argument("--reanalyze", default=None, metavar="PREFIX",
-                   help="no runs: report again from the output a --keep-output PREFIX run kept (no phase log)")
+                   help="no runs: report again from the output (and phase log) a --keep-output PREFIX run kept")
     args = p.parse_args(argv)
     if args.reanalyze:
         return reanalyze(args)

@@ -403,6 +403,7 @@ def _supervisor_gone() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    phases.mark("agent_start", process_start=phases.process_start_time())
     if len(argv) != 1:
         print("usage: python -m ftlaunch.launcher.agent CONFIG.json", file=sys.stderr)
         return 2

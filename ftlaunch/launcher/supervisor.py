@@ -36,7 +36,7 @@ from typing import Any
 
 import psutil
 
-from ftlaunch import env
+from ftlaunch import env, phases
 from ftlaunch.launcher import procs
 from ftlaunch.launcher.agent_process import AgentProcess, News, start_agent
 from ftlaunch.launcher.chaos import Chaos
@@ -225,6 +225,7 @@ class Supervisor:
         )
         if not config_written:
             self._log_disk.poll(force=True)
+        phases.mark("agent_spawned", replica=str(group.gid), incarnation=group.incarnation)
 
     # --- main loop -----------------------------------------------------------------------------
 
@@ -364,13 +365,18 @@ class Supervisor:
         if agent is None or group.terminal:
             return
         code = agent.proc.poll()
-        if code is None or agent.last_words_pending(now):
+        if code is None:
+            return
+        if agent.exited_at is None:
+            phases.mark("agent_exit_seen", replica=str(group.gid), code=code)
+        if agent.last_words_pending(now):
             return
         if code == 0:  # whether the lighthouse ended it as a straggler (`Group.stopped_after_end`)
             self._read_progress(now, force=True)
         outcome = group.agent_exited(code, agent.result(), self.opts.max_agent_restarts, now)
         if outcome.kill_orphans:
             self._kill_orphans(group)
+            phases.mark("orphans_killed", replica=str(group.gid))
         if outcome.report is not None:
             self._report_failure(group, outcome.report)
         if outcome.message is not None:
