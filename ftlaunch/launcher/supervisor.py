@@ -66,6 +66,8 @@ EXIT_USAGE = 2
 
 #: How long the main loop waits for news before its periodic checks.
 _TICK_S = 0.05
+#: How soon a hosted lighthouse that stopped serving is restarted: at the main loop's next check.
+LIGHTHOUSE_CHECK_S = _TICK_S
 #: How long a finished job waits for the last output lines of its agents.
 _DRAIN_S = 2.0
 #: Seconds between two reads of the groups' progress from a lighthouse in this process / elsewhere.
