@@ -189,8 +189,11 @@ def run_ftlaunch(args: argparse.Namespace, chaos: str | None, label: str) -> Run
          **({"process_start": r["process_start"] - wall_offset} if isinstance(r.get("process_start"), float) else {})}
         for r in phases.read(phase_log) if isinstance(r.get("t"), float)
     ]  # fmt: skip
-    if args.keep_output:  # the phases too, in this run's clock (--reanalyze reads them back)
-        Path(f"{args.keep_output}.{label}.phases").write_text("".join(json.dumps(r) + "\n" for r in run.phases))
+    if args.keep_output:  # the phases too, timed as the kept output (--reanalyze reads them back)
+        kept = [{**r, "t": r["t"] - start, **({"process_start": r["process_start"] - start}
+                                               if isinstance(r.get("process_start"), float) else {})}
+                for r in run.phases]  # fmt: skip
+        Path(f"{args.keep_output}.{label}.phases").write_text("".join(json.dumps(r) + "\n" for r in kept))
     run.log_bytes += sum(f.stat().st_size for f in Path(log_dir).rglob("*") if f.is_file())
     shutil.rmtree(log_dir, ignore_errors=True)
     return run
