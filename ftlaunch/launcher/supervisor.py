@@ -371,7 +371,7 @@ class Supervisor:
             return
         if agent.exited_at is None:
             phases.mark("agent_exit_seen", replica=str(group.gid), code=code)
-        if agent.last_words_pending(now):
+        if agent.last_words_pending(now, code):
             return
         if code == 0:  # whether the lighthouse ended it as a straggler (`Group.stopped_after_end`)
             self._read_progress(now, force=True)
