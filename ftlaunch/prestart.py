@@ -167,7 +167,9 @@ def fork(backend: str, *, spare: bool = False) -> tuple[ChildProcess, socket.soc
     The forked child first waits for one byte. Right after the fork the parent counts its
     threads: one (itself) means no other thread was alive at the fork -- none could have held a
     lock the child inherits locked -- and the child is let go; more, and the child is killed
-    before it ran anything of its own."""
+    before it ran anything of its own. A ``spare`` is let go only when taken (`take`): until then
+    it waits, blocked, costing no CPU while the worker starts (and exits when the worker does:
+    its socket then reads EOF)."""
     if not hasattr(os, "fork") or not os.path.isdir("/proc/self/task"):
         return spawn(backend)
     parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -194,15 +196,25 @@ def fork(backend: str, *, spare: bool = False) -> tuple[ChildProcess, socket.soc
         proc.wait(timeout=5.0)
         phases.mark("baby_child_fork_refused", threads=threads)
         return spawn(backend)
+    if spare:
+        phases.mark("baby_child_spare", child=pid, forked=True)
+        return proc, parent_sock  # let go when taken
+    if not _let_go(proc, parent_sock):
+        return spawn(backend)
+    phases.mark("baby_child_spawn", child=pid, forked=True)
+    return proc, parent_sock
+
+
+def _let_go(proc: ChildProcess, parent_sock: socket.socket) -> bool:
+    """Send a forked child its go byte; False (and the child gone) when it cannot be sent."""
     try:
         parent_sock.sendall(_GO)
     except OSError:
         parent_sock.close()
         proc.kill()
         proc.wait(timeout=5.0)
-        return spawn(backend)
-    phases.mark("baby_child_spare" if spare else "baby_child_spawn", child=pid, forked=True)
-    return proc, parent_sock
+        return False
+    return True
 
 
 def _forked_child(
@@ -264,13 +276,16 @@ def take(backend: str) -> tuple[ChildProcess, socket.socket] | None:
     """The child started for ``backend``, once, then each spare forked with it, once (None when
     none is left alive)."""
     while True:
+        spare = False
         with _lock:
             started = _started.pop(backend, None)
             if started is None and _spares.get(backend):
-                started = _spares[backend].pop(0)
+                started, spare = _spares[backend].pop(0), True
         if started is None:
             return None
-        if started[0].poll() is None:
+        if started[0].poll() is None and (not spare or _let_go(*started)):
+            if spare:
+                phases.mark("baby_child_spawn", child=started[0].pid, forked=True, spare=True)
             return started
         _discard(*started)
 

@@ -113,6 +113,11 @@ def test_a_spare_child_forked_at_start_replaces_an_aborted_one(tmp_path: Path) -
     assert [r["child"] for r in spares] == out["spares"] and spares[0]["forked"]
     spawned = [r for r in recs if r["phase"] == "baby_child_spawn" and not r.get("forked")]
     assert [r["child"] for r in spawned] == [out["next_spare"]]  # the one after it: started, not waited for
+    # The forked spare waited, blocked, until taken: it started serving only then (no CPU of its own
+    # while the worker started).
+    taken = [r["t"] for r in recs if r["phase"] == "baby_child_spawn" and r.get("spare")]
+    ready = [r["t"] for r in recs if r["phase"] == "baby_child_ready" and r["pid"] == out["spares"][0]]
+    assert len(taken) == 1 and len(ready) == 1 and ready[0] >= taken[0]
 
 
 @pytest.mark.timeout(180)
