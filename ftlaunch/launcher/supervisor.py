@@ -50,6 +50,7 @@ from ftlaunch.launcher.lighthouse_host import (
 )
 from ftlaunch.launcher.logdisk import LogDiskWatch
 from ftlaunch.launcher.options import LaunchOptions
+from ftlaunch.launcher.outage_reports import UnreportedFailures
 from ftlaunch.launcher.output import WORKER_LINE, Console, without_repeated_tag
 from ftlaunch.launcher.report import StatusLine, summary_lines
 from ftlaunch.launcher.spares import Takeovers, holder_name
@@ -108,6 +109,7 @@ class Supervisor:
         self._status: StatusLine | None = None
         self._exit_root_cause: str | None = None
         self._progress_read_at = 0.0
+        self._unreported = UnreportedFailures()
 
     def run(self) -> int:
         """Run the job to the end; returns the process exit code."""
@@ -198,7 +200,9 @@ class Supervisor:
         return True
 
     def _report_failure(self, group: Group, reason: str) -> None:
-        """Tell the lighthouse off the main thread; it notices a lost connection anyway."""
+        """Tell the lighthouse off the main thread; it notices a lost connection anyway. A hosted
+        lighthouse that is down gets it again once restarted (`outage_reports`; not with spares,
+        whose slot names change hands)."""
         lighthouse, rid, spares = self._lighthouse, group.replica_id, self.opts.spares > 0
 
         def report() -> None:
@@ -209,6 +213,8 @@ class Supervisor:
                         lighthouse.report_failure(name, reason)
             except Exception as e:  # noqa: BLE001 - the lighthouse still notices the lost connection
                 logger.debug("report_failure(%s) failed: %s", rid, e)
+                if isinstance(lighthouse, HostedLighthouse) and not lighthouse.serving and not spares:
+                    self._unreported.failed(group.gid, reason, time.monotonic())
 
         self._reporter.submit(report)
 
@@ -257,6 +263,8 @@ class Supervisor:
             if self._chaos is not None:
                 self._chaos.tick(now, self._training_started, {g: a.proc.pid for g, a in self._agents.items()})
             self._watch_lighthouse(now)
+            for group, reason in self._unreported.resend(self._lighthouse, self.groups, now):  # missed while down
+                self._report_failure(group, f"{reason} (while the lighthouse was down)")
             code = self._finished()
             if code is not None:
                 return code
