@@ -120,6 +120,14 @@ ChildProcess = Union[subprocess.Popen[bytes], ForkedChild]  # noqa: UP007 - a ru
 
 _lock = threading.Lock()
 _started: dict[str, tuple[ChildProcess, socket.socket]] = {}
+#: Children forked beside the first (`start`), for the process group's later children to take.
+_spares: dict[str, list[tuple[ChildProcess, socket.socket]]] = {}
+#: How many spare children `start` forks beside the first. Why: an abort (a hung peer,
+#: worker/hang_abort.py) kills the child, and its replacement, spawned then, imported torch for
+#: seconds (3.5 s seen in the soak at load 4) while the group's peers waited for its configure. A
+#: fork of this process costs milliseconds and, idle, little memory (its pages are shared with the
+#: worker until written); later forks are not possible (the worker runs threads by then).
+FORKED_SPARES = 1
 
 
 def spawn(backend: str) -> tuple[subprocess.Popen[bytes], socket.socket]:
@@ -152,14 +160,16 @@ def _live_threads() -> int:
         return threading.active_count()
 
 
-def fork(backend: str) -> tuple[ChildProcess, socket.socket]:
+def fork(backend: str, *, spare: bool = False) -> tuple[ChildProcess, socket.socket]:
     """Fork a Baby child for ``backend`` from this process (which should have imported torch and
     run no thread); an interpreter of its own (`spawn`) where the fork is not provably safe.
 
     The forked child first waits for one byte. Right after the fork the parent counts its
     threads: one (itself) means no other thread was alive at the fork -- none could have held a
     lock the child inherits locked -- and the child is let go; more, and the child is killed
-    before it ran anything of its own."""
+    before it ran anything of its own. A ``spare`` is let go only when taken (`take`): until then
+    it waits, blocked, costing no CPU while the worker starts (and exits when the worker does:
+    its socket then reads EOF)."""
     if not hasattr(os, "fork") or not os.path.isdir("/proc/self/task"):
         return spawn(backend)
     parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -186,15 +196,25 @@ def fork(backend: str) -> tuple[ChildProcess, socket.socket]:
         proc.wait(timeout=5.0)
         phases.mark("baby_child_fork_refused", threads=threads)
         return spawn(backend)
+    if spare:
+        phases.mark("baby_child_spare", child=pid, forked=True)
+        return proc, parent_sock  # let go when taken
+    if not _let_go(proc, parent_sock):
+        return spawn(backend)
+    phases.mark("baby_child_spawn", child=pid, forked=True)
+    return proc, parent_sock
+
+
+def _let_go(proc: ChildProcess, parent_sock: socket.socket) -> bool:
+    """Send a forked child its go byte; False (and the child gone) when it cannot be sent."""
     try:
         parent_sock.sendall(_GO)
     except OSError:
         parent_sock.close()
         proc.kill()
         proc.wait(timeout=5.0)
-        return spawn(backend)
-    phases.mark("baby_child_spawn", child=pid, forked=True)
-    return proc, parent_sock
+        return False
+    return True
 
 
 def _forked_child(
@@ -235,31 +255,44 @@ def start(backend: str = "gloo", forked: bool = False) -> None:
         if backend in _started:
             return
     started = fork(backend) if forked else spawn(backend)  # outside the lock: a fork must not copy it held
+    spares = []
+    if isinstance(started[0], ForkedChild):  # still provably single-threaded: fork the spares too
+        spares = [fork(backend, spare=True) for _ in range(FORKED_SPARES)]
     with _lock:
         if backend in _started:
-            _discard(*started)
+            for extra in (started, *spares):
+                _discard(*extra)
             return
         _started[backend] = started
+        _spares.setdefault(backend, []).extend(s for s in spares if isinstance(s[0], ForkedChild))
         if len(_started) == 1:
             atexit.register(_discard_all)
+    for extra in spares:
+        if not isinstance(extra[0], ForkedChild):  # the fork was refused: no spare, not a spawn's import
+            _discard(*extra)
 
 
 def take(backend: str) -> tuple[ChildProcess, socket.socket] | None:
-    """The child started for ``backend``, once (None if none was, or it already died)."""
-    with _lock:
-        started = _started.pop(backend, None)
-    if started is None:
-        return None
-    if started[0].poll() is not None:
+    """The child started for ``backend``, once, then each spare forked with it, once (None when
+    none is left alive)."""
+    while True:
+        spare = False
+        with _lock:
+            started = _started.pop(backend, None)
+            if started is None and _spares.get(backend):
+                started, spare = _spares[backend].pop(0), True
+        if started is None:
+            return None
+        if started[0].poll() is None and (not spare or _let_go(*started)):
+            if spare:
+                phases.mark("baby_child_spawn", child=started[0].pid, forked=True, spare=True)
+            return started
         _discard(*started)
-        return None
-    return started
 
 
 def release(backend: str) -> None:
-    """Stop the child started for ``backend`` if nobody adopted it (the job chose another backend)."""
-    started = take(backend)
-    if started is not None:
+    """Stop the children started for ``backend`` that nobody adopted (the job chose another backend)."""
+    while (started := take(backend)) is not None:
         _discard(*started)
 
 
@@ -274,8 +307,9 @@ def _discard(proc: ChildProcess, sock: socket.socket) -> None:
 
 def _discard_all() -> None:
     with _lock:
-        left = list(_started.values())
+        left = [*_started.values(), *(s for spares in _spares.values() for s in spares)]
         _started.clear()
+        _spares.clear()
     for started in left:
         _discard(*started)
 

@@ -4,8 +4,11 @@ Why: from a worker's death to its replacement's first committed step, most of th
 new interpreter's imports -- ``import torch`` and, at the first optimizer, ``torch._dynamo`` -- not
 ftlaunch. The launcher's agent starts this process once (``python -u -m ftlaunch.zygote SOCKET
 --parent-pid AGENT``): it imports what every training script imports, then waits on a Unix socket.
-A worker started by torchelastic (``python -u -m ftlaunch.prestart SCRIPT ...``) connects
-(`ftlaunch.zygote_proxy`) and sends its argv, cwd, environment, ``sys.path`` and its fds 0/1/2;
+It listens from its first instant, so a worker that starts while it warms up (the group's first
+start, or the first after its agent was respawned) waits for it instead of importing torch beside it;
+the warm-up runs at a lower CPU priority where it can be raised back afterwards (`_lower_priority`:
+it competes with the groups that train). A worker started by torchelastic (``python -u -m
+ftlaunch.prestart SCRIPT ...``) connects (`ftlaunch.zygote_proxy`) and sends its argv, cwd, environment, ``sys.path`` and its fds 0/1/2;
 this process forks, and the child takes all of them over and runs the script exactly as
 ``python -u SCRIPT`` would (`ftlaunch.prestart.run`, which forks the Baby child from there too).
 The worker stays as the child's proxy.
@@ -31,6 +34,7 @@ import argparse
 import gc
 import importlib
 import os
+import resource
 import selectors
 import signal
 import socket
@@ -53,6 +57,8 @@ _POLL_S = 0.05
 PRELOAD = ("torch.distributed", "torch.nn.parallel", "torch.utils.data", "ftlaunch")
 #: The byte the forked child waits for before it runs anything of its own.
 _GO = b"g"
+#: How much lower the warm-up's CPU priority is (nice), where it can be raised back (`_lower_priority`).
+WARM_UP_NICE = 10
 
 
 def warm_up() -> None:
@@ -153,6 +159,9 @@ class Zygote:
         except FileNotFoundError:
             pass
         self._listener.bind(path)
+        # Listening before the warm-up: a worker that starts meanwhile connects and waits in the
+        # backlog for the fork (`zygote_proxy.hand_over`) instead of importing torch itself.
+        self._listener.listen(64)
         self._sel = selectors.DefaultSelector()
 
     def serve(self) -> Job | None:
@@ -160,7 +169,6 @@ class Zygote:
         signal.signal(signal.SIGTERM, self._stop)
         signal.signal(signal.SIGINT, self._stop)
         signal.set_wakeup_fd(self._wake_w)
-        self._listener.listen(64)  # from here on proxies connect: we are ready
         self._sel.register(self._listener, selectors.EVENT_READ)
         self._sel.register(self._wake_r, selectors.EVENT_READ)
         phases.mark("zygote_ready")
@@ -401,6 +409,23 @@ def _kill_group(pid: int) -> None:
         _signal(pid, signal.SIGKILL)
 
 
+def _lower_priority() -> int | None:
+    """Lower this process's CPU priority by `WARM_UP_NICE` for the warm-up, where it may raise it
+    back afterwards (root, or an ``RLIMIT_NICE`` that allows it): the warm-up is seconds of CPU (an
+    agent respawned mid-training starts it beside the groups that train) and nothing waits for it
+    but its group's own start, while a worker forked from here must train at the priority it would
+    have had. Returns the priority to restore, or None where it was left alone."""
+    try:
+        base = os.getpriority(os.PRIO_PROCESS, 0)
+        soft, _ = resource.getrlimit(resource.RLIMIT_NICE)
+        if not (os.geteuid() == 0 or soft == resource.RLIM_INFINITY or 20 - soft <= base):
+            return None
+        os.setpriority(os.PRIO_PROCESS, 0, min(19, base + WARM_UP_NICE))
+    except (OSError, AttributeError, ValueError):
+        return None
+    return base
+
+
 def main(argv: list[str] | None = None) -> NoReturn:
     ap = argparse.ArgumentParser(description="ftlaunch's warm standby interpreter (started by the agent)")
     ap.add_argument("socket")
@@ -408,25 +433,40 @@ def main(argv: list[str] | None = None) -> NoReturn:
     args = ap.parse_args(argv)
     if args.parent_pid is not None:
         die_with_parent(signal.SIGTERM, expected_parent=args.parent_pid)
-    t0 = time.monotonic()
-    try:
-        warm_up()
-    except Exception as e:  # noqa: BLE001 - no standby then: workers start cold
-        print(f"ftlaunch.zygote: cannot warm up ({type(e).__name__}: {e}); workers start cold",
-              file=sys.stderr, flush=True)
-        sys.exit(1)
-    # What is imported now lives as long as any worker: keep the cyclic GC off it (gc.freeze, made for
-    # fork servers), so a worker's collections neither walk torch's objects nor copy their pages.
-    gc.freeze()
-    phases.mark("zygote_warm", seconds=round(time.monotonic() - t0, 3))
     try:
         server = Zygote(args.socket, args.parent_pid)
     except OSError as e:
         print(f"ftlaunch.zygote: cannot listen on {args.socket} ({e}); workers start cold", file=sys.stderr, flush=True)
         sys.exit(1)
+    t0 = time.monotonic()
+    restore = _lower_priority()
+    try:
+        warm_up()
+    except Exception as e:  # noqa: BLE001 - no standby then: workers start cold (their connections are reset)
+        print(f"ftlaunch.zygote: cannot warm up ({type(e).__name__}: {e}); workers start cold",
+              file=sys.stderr, flush=True)
+        sys.exit(1)
+    if restore is not None:
+        try:
+            os.setpriority(os.PRIO_PROCESS, 0, restore)  # the workers forked from here train at full priority
+        except OSError as e:  # checked by _lower_priority; never fork workers at the lowered priority
+            print(f"ftlaunch.zygote: cannot restore its priority ({e}); workers start cold", file=sys.stderr, flush=True)
+            sys.exit(1)
+    # What is imported now lives as long as any worker: keep the cyclic GC off it (gc.freeze, made for
+    # fork servers), so a worker's collections neither walk torch's objects nor copy their pages.
+    gc.freeze()
+    phases.mark("zygote_warm", seconds=round(time.monotonic() - t0, 3), niced=restore is not None)
     job = server.serve()
     if job is None:
-        sys.exit(0)
+        # Stopped (its agent ended or died: PDEATHSIG): end without the interpreter's teardown, which
+        # takes 0.8-0.9 s with torch imported on a loaded 2-core machine -- while this process still
+        # holds the agent's stdout/stderr, which its supervisor waits on. Nothing is left to clean up.
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(0)
     # The forked child: run the script as `python SCRIPT` would -- an uncaught exception prints its
     # traceback and exits 1, SystemExit its code, atexit handlers run, buffers are flushed.
     job.run()

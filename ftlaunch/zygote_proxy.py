@@ -31,8 +31,12 @@ __all__ = ["FORWARDED", "announced", "enabled", "hand_over", "interpreter_identi
 
 #: Signals the proxy forwards to the real worker (what torchelastic and users send a worker).
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
-#: Seconds to connect and to get the zygote's answer (the fork takes milliseconds; it serves one at a time).
+#: Seconds to connect and to send the request (the fork takes milliseconds; it serves one at a time).
 HANDSHAKE_TIMEOUT_S = 5.0
+#: Seconds to wait for the zygote's answer: it listens while it warms up (seconds of imports, longer
+#: on a loaded machine), and a worker waiting for it costs less than one importing torch beside it.
+#: A zygote that dies meanwhile resets the connection at once (the worker then starts cold).
+ANSWER_TIMEOUT_S = 60.0
 #: The longest message on the wire (environments are a few KiB).
 MAX_MESSAGE = 1 << 20
 
@@ -100,7 +104,8 @@ def read_message(sock: socket.socket, buffer: bytearray, max_fds: int = 0) -> tu
 def hand_over(argv: list[str]) -> str | None:
     """Have the announced zygote run ``argv`` (prestart's arguments) and proxy for it: never returns
     then. Returns why it was not used (the caller starts cold and says so), or None where that is
-    nothing to report: no zygote announced, or a group's first start that found it still warming up."""
+    nothing to report: no zygote announced, or a group's first start that found it not listening yet.
+    A zygote still warming up is waited for (`ANSWER_TIMEOUT_S`)."""
     path = announced()
     if path is None:
         return None
@@ -114,6 +119,7 @@ def hand_over(argv: list[str]) -> str | None:
         request = {"argv": argv, "cwd": os.getcwd(), "env": dict(os.environ), "path": list(sys.path),
                    "interpreter": interpreter_identity()}
         send_message(sock, request, [0, 1, 2])
+        sock.settimeout(ANSWER_TIMEOUT_S)
         answer, _ = read_message(sock, buffer)
     except (OSError, ValueError) as e:
         sock.close()

@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 #: Restart phases reported per injection, in the order they happen (names of `ftlaunch.phases`).
-PHASES = ("worker_exit_seen", "rendezvous_start", "rendezvous_done", "worker_seen", "init", "manager_up",
+PHASES = ("worker_exit_seen", "agent_exit_seen", "orphans_killed", "agent_spawned", "agent_start", "zygote_warm",
+          "rendezvous_start", "rendezvous_done", "worker_seen", "init", "manager_up",
           "ready", "quorum", "configured", "healed", "first_commit")
 
 

@@ -188,8 +188,9 @@ def test_a_configure_waiting_on_a_dead_store_is_aborted_when_the_lighthouse_says
 ) -> None:
     """Quorum 2's rendezvous store belongs to rg1, which died right after the quorum formed: the
     configure waits on it (60 s and more before). The lighthouse's ``lost`` for quorum 2 aborts it
-    once it has waited SUSPECT_AFTER; the step is not committed and quorum 3 (without rg1) commits.
-    The collective timeout here is 120 s, above this test's own timeout."""
+    (the notice comes after SUSPECT_AFTER here, so the heartbeats said the step was blocked); the
+    step is not committed and quorum 3 (without rg1) commits. The collective timeout here is 120 s,
+    above this test's own timeout."""
     lighthouse = ScriptedLighthouse(in_step(1, "rg1"), in_step(2, "rg1"), in_step(3))
     g = make_group(lighthouse, init_sync=False, timeout=120.0)
     assert g.step()[0]
@@ -208,10 +209,41 @@ def test_a_configure_waiting_on_a_dead_store_is_aborted_when_the_lighthouse_says
         real_configure(store_addr, rank, world_size)
 
     g.pg._configure = configure  # type: ignore[method-assign]
-    threading.Timer(0.3, lighthouse.tell_lost, args=(2, "rg1")).start()
+    threading.Timer(SUSPECT_AFTER + 0.3, lighthouse.tell_lost, args=(2, "rg1")).start()
     t0 = time.monotonic()
     committed, _ = g.step()
     assert not committed and released.is_set() and time.monotonic() - t0 < 30
     assert blocked and blocked[0] is not None and blocked[0][0] == 2  # the heartbeats said so meanwhile
     assert g.step()[0]  # quorum 3, alone
     assert g.pg.configure_calls[-1][0].endswith("/q3/r0")
+
+
+def test_a_configure_of_a_quorum_that_lost_a_participant_is_aborted_at_once(
+    make_group: Callable[..., Group], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A configure cannot complete without every participant, so the lighthouse's ``lost`` aborts
+    one in flight at once -- not only after it waited SUSPECT_AFTER, as an allreduce must (a dead
+    peer makes that fail by itself). In the soak the store's host died as the quorum formed: the
+    joining group's configure waited a second for nothing, its peers in the next quorum with it.
+    (SUSPECT_AFTER is made longer than this test's timeout: only the at-once rule can release it.)"""
+    from ftlaunch.worker import manager
+
+    monkeypatch.setattr(manager, "SUSPECT_AFTER", 1000.0)
+    lighthouse = ScriptedLighthouse(in_step(1, "rg1"), in_step(2, "rg1"), in_step(3))
+    g = make_group(lighthouse, init_sync=False, timeout=120.0)
+    assert g.step()[0]
+    real_configure = g.pg._configure
+
+    def configure(store_addr: str, rank: int, world_size: int) -> None:
+        if "/q2/" in store_addr:
+            deadline = time.monotonic() + 40
+            while g.pg.aborts == 0 and time.monotonic() < deadline:  # only an abort ends this
+                time.sleep(0.02)
+            raise CommunicationError("configure aborted" if g.pg.aborts else "never aborted")
+        real_configure(store_addr, rank, world_size)
+
+    g.pg._configure = configure  # type: ignore[method-assign]
+    threading.Timer(0.3, lighthouse.tell_lost, args=(2, "rg1")).start()
+    committed, _ = g.step()
+    assert not committed and g.pg.aborts == 1
+    assert g.step()[0] and g.pg.configure_calls[-1][0].endswith("/q3/r0")

@@ -198,3 +198,28 @@ def test_managers_ride_out_a_sigkilled_lighthouse_and_its_successor_forms_one_qu
         assert since == list(range(since[0], 80)), f"rg{g.gid} lost a step across the outage: {since}"
         assert g.final()["step"] == 80  # type: ignore[index]
     assert len({g.final()["checksum"] for g in gs}) == 1  # type: ignore[index]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_group_that_died_while_the_hosted_lighthouse_was_down_is_reported_to_its_successor() -> None:
+    """Through ``ftlaunch`` with its hosted lighthouse: chaos crashes it 2 s into training for 6 s
+    and kills group 1's agent 4 s in, inside the outage, so the supervisor's failure report finds no
+    lighthouse; no respawn is allowed (``--max-agent-restarts 0``: group 1 is gone for good, which
+    makes the timing deterministic -- a respawned group's replacement may reach the new lighthouse
+    first, and is then never reported). The restarted lighthouse learns group 1 from the others'
+    resume reports and would count it live for its heartbeat timeout; the supervisor tells it the
+    failure again once it knows the group (`launcher/outage_reports.py`). The two others finish
+    with the same weights (the job itself fails: a group failed for good)."""
+    res = subprocess.run(
+        [*FTLAUNCH, "--no-status", "--replicas", "3", "--max-agent-restarts", "0",
+         "--chaos", "every=4,count=1,group=1,signal=KILL,target=agent,lighthouse=2,lighthouse_down=6",
+         TRAIN, "--steps", "300", "--step-sleep", "0.05"],
+        capture_output=True, text=True, timeout=280,
+    )  # fmt: skip
+    out = res.stdout + res.stderr
+    assert re.search(r"SIGKILL -> replica group 1 agent", out), out[-6000:]
+    assert re.search(r"replica rg1 failed: agent killed by SIGKILL \(while the lighthouse was down\)", out), out[-6000:]
+    sums = dict(re.findall(r"rg(\d+)[/\]][^\n]*?final_checksum=(\w+)", res.stdout))
+    assert set(sums) == {"0", "2"} and len(set(sums.values())) == 1, res.stdout[-3000:]
+    assert res.returncode == 1 and "replica group 1: agent killed by SIGKILL" in res.stderr, out[-3000:]

@@ -20,7 +20,7 @@ from ftlaunch import env
 from ftlaunch.errors import LighthouseUnavailableError, QuorumTimeoutError
 from ftlaunch.lighthouse.membership import ImplausibleStep, Membership
 from ftlaunch.lighthouse.protocol import RESUME_KEY
-from ftlaunch.lighthouse.quorum import QuorumIdAllocator, QuorumMember, QuorumOptions
+from ftlaunch.lighthouse.quorum import Quorum, QuorumIdAllocator, QuorumMember, QuorumOptions
 from ftlaunch.lighthouse.reconnect import OutageTolerantClient
 from ftlaunch.worker.outage import LastQuorumSteps, after_heal, enabled_from_env, healthy
 from ftlaunch.worker.plan import plan_step
@@ -103,14 +103,72 @@ def test_after_a_committed_heal_the_group_steps_on_the_quorum_at_the_reached_ste
                       ) is not None  # fmt: skip
 
 
+class TimedLighthouse(ScriptedLighthouse):
+    """The scripted lighthouse, also recording each request's timeout and counting failed
+    connections as `LighthouseClient.connection_failures` does (a scripted callable may add some)."""
+
+    def __init__(self, *answers: object) -> None:
+        super().__init__(*answers)  # type: ignore[arg-type]
+        self.timeouts: list[float] = []
+        self.connection_failures = 0
+
+    def quorum(self, member: QuorumMember, timeout: float) -> Quorum:
+        self.timeouts.append(timeout)
+        return super().quorum(member, timeout)
+
+
 def test_a_quorum_timeout_outside_an_outage_is_the_lighthouses_answer(make: Callable[..., Group]) -> None:
-    _, client = behind_outage_client(in_step(1, "rg1"), QuorumTimeoutError("no quorum"), in_step(1, "rg1"))
+    """No outage seen: a request unanswered within the short first wait is asked again for the rest
+    of the quorum timeout (the lighthouse may be waiting for a join or a hang), and the lighthouse's
+    timeout then is raised into the training loop, as before; nothing steps on the last quorum."""
+    scripted = TimedLighthouse(in_step(1, "rg1"), QuorumTimeoutError("no quorum within 1s"),
+                               QuorumTimeoutError("no quorum"), in_step(1, "rg1"))  # fmt: skip
+    client = OutageTolerantClient(scripted, 0.3)  # type: ignore[arg-type]
     g = make(client, init_sync=False)
     assert g.step()[0]
     g.m.start_quorum()
     with pytest.raises(QuorumTimeoutError):  # raised into the training loop, as before
         g.m.allreduce(torch.ones(1))
     assert g.m._outage.steps == 0
+    first, second = scripted.timeouts[1:]
+    assert first == g.m._outage.answer_wait and second == pytest.approx(scripted.timeouts[0] - first)
+
+
+def test_a_slow_quorum_outside_an_outage_is_waited_for(make: Callable[..., Group]) -> None:
+    """No outage seen, the lighthouse answers the second request: the group takes that quorum."""
+    scripted = TimedLighthouse(in_step(1, "rg1"), QuorumTimeoutError("no quorum within 1s"), in_step(2, "rg1"))
+    g = make(OutageTolerantClient(scripted, 0.3), init_sync=False)  # type: ignore[arg-type]
+    assert g.step()[0] and g.step()[0]
+    assert g.m._outage.steps == 0 and not g.m._outage.in_outage
+    assert [c[0] for c in g.pg.configure_calls] == [f"{OUR_STORE}/ftlaunch/q1/r0", f"{OUR_STORE}/ftlaunch/q2/r0"]
+
+
+def test_a_leader_that_met_the_outage_only_after_the_restart_steps_on_with_its_peers(
+    make: Callable[..., Group],
+) -> None:
+    """The soak's 60 s stall: the lighthouse died right after our step committed and we were
+    SIGSTOPped before noticing; our peers stepped on the last quorum and wait in its collective for
+    us. We wake up after the lighthouse came back: our request met refused connections, then parked
+    at the restarted lighthouse, which waits for the peers' requests -- that never come. Unanswered
+    within the short wait after an outage, we step on the last quorum too (before: we waited for the
+    quorum timeout, they for the collective timeout, 60 s)."""
+
+    def parked_after_refusals(member: QuorumMember) -> Quorum:
+        scripted.connection_failures += 2  # the dead lighthouse refused, the restarted one took it
+        raise QuorumTimeoutError("no quorum within 1s")
+
+    scripted = TimedLighthouse(in_step(1, "rg1"), parked_after_refusals, in_step(9, "rg1"))
+    g = make(OutageTolerantClient(scripted, 0.3), init_sync=False)  # type: ignore[arg-type]
+    g.m._outage.probe_every = 1
+    assert g.step()[0]
+    committed, out = g.step()  # on quorum 1 again, with the peers waiting in its collective
+    assert committed and out.tolist() == [6.0] * 4
+    assert g.m._outage.steps == 1 and g.m._outage.in_outage
+    assert scripted.timeouts[1] == g.m._outage.answer_wait
+    assert g.pg.configure_calls == [(f"{OUR_STORE}/ftlaunch/q1/r0", 0, 2)]  # the same process group
+    assert g.step()[0]  # the next probe reaches the lighthouse, with the resume report
+    assert scripted.asked[2].data[RESUME_KEY] == {"quorum_id": 1, "members": ["rg0", "rg1"]}
+    assert g.pg.configure_calls[-1] == (f"{OUR_STORE}/ftlaunch/q9/r0", 0, 2)
 
 
 def test_a_step_that_did_not_commit_waits_for_the_lighthouse(make: Callable[..., Group]) -> None:

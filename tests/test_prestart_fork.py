@@ -55,6 +55,17 @@ if early:
     t = torch.full((4,), 3.0)
     pg.allreduce([t], dist.ReduceOp.SUM).wait()
     out["sum"] = t.tolist()
+    if sys.argv[1] == "abort":  # a hung peer's abort kills the child: the spare takes over
+        out["spares"] = [c.pid for c, _ in prestart._spares.get("gloo", [])]
+        pg.abort()
+        t0 = time.monotonic()
+        pg.configure(f"127.0.0.1:{store.port}/probe2", 0, 1)
+        out["reconfigure_s"] = time.monotonic() - t0
+        out["after_abort"] = pg.child_pid
+        t = torch.full((4,), 2.0)
+        pg.allreduce([t], dist.ReduceOp.SUM).wait()
+        out["sum_after_abort"] = t.tolist()
+        out["next_spare"] = pg._spare.pid if pg._spare is not None else None
     pg.shutdown()
     out["child_alive_after_shutdown"] = os.path.exists(f"/proc/{early[0].pid}")
 print(json.dumps(out), flush=True)
@@ -87,6 +98,26 @@ def test_the_worker_imports_torch_once_and_forks_its_baby_child(tmp_path: Path) 
     spawned = [r for r in recs if r["phase"] == "baby_child_spawn"]
     assert len(spawned) == 1 and spawned[0]["forked"] and spawned[0]["child"] == out["early"]
     assert any(r["phase"] == "baby_child_ready" and r["pid"] == out["early"] for r in recs)
+
+
+@pytest.mark.timeout(180)
+def test_a_spare_child_forked_at_start_replaces_an_aborted_one(tmp_path: Path) -> None:
+    """Beside its child the worker forks a spare (`prestart.FORKED_SPARES`): the configure after an
+    abort (a hung peer) adopts it instead of waiting for a new interpreter to import torch (3.5 s
+    seen in the soak), and the next spare starts at once for a later abort."""
+    out, recs = run_probe(tmp_path, "abort")
+    assert out["kind"] == "ForkedChild" and len(out["spares"]) == 1
+    assert out["after_abort"] == out["spares"][0] != out["early"]  # the forked spare, not a spawn
+    assert out["sum_after_abort"] == [2.0] * 4
+    spares = [r for r in recs if r["phase"] == "baby_child_spare"]
+    assert [r["child"] for r in spares] == out["spares"] and spares[0]["forked"]
+    spawned = [r for r in recs if r["phase"] == "baby_child_spawn" and not r.get("forked")]
+    assert [r["child"] for r in spawned] == [out["next_spare"]]  # the one after it: started, not waited for
+    # The forked spare waited, blocked, until taken: it started serving only then (no CPU of its own
+    # while the worker started).
+    taken = [r["t"] for r in recs if r["phase"] == "baby_child_spawn" and r.get("spare")]
+    ready = [r["t"] for r in recs if r["phase"] == "baby_child_ready" and r["pid"] == out["spares"][0]]
+    assert len(taken) == 1 and len(ready) == 1 and ready[0] >= taken[0]
 
 
 @pytest.mark.timeout(180)
@@ -123,10 +154,13 @@ def test_a_killed_worker_leaves_no_forked_child(tmp_path: Path) -> None:
         assert out["kind"] == "ForkedChild"
         child = psutil.Process(out["early"])
         assert child.ppid() == proc.pid
+        forked = [p for p in psutil.Process(proc.pid).children() if p.pid != child.pid]
+        assert forked, "the spare forked beside the child"
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
-    deadline = time.monotonic() + 10
-    while child.is_running() and child.status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not child.is_running() or child.status() == psutil.STATUS_ZOMBIE
+    for p in (child, *forked):  # the child and the spare die with the worker
+        deadline = time.monotonic() + 10
+        while p.is_running() and p.status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not p.is_running() or p.status() == psutil.STATUS_ZOMBIE

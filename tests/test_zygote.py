@@ -32,7 +32,8 @@ from ftlaunch import env, phases, zygote_proxy
 SCRIPT = """
 import atexit, json, os, sys, time
 out = {"argv": sys.argv, "cwd": os.getcwd(), "var": os.environ.get("ZYGOTE_TEST_VAR"), "pid": os.getpid(),
-       "ppid": os.getppid(), "path0": sys.path[0], "had_torch": "torch" in sys.modules}
+       "ppid": os.getppid(), "path0": sys.path[0], "had_torch": "torch" in sys.modules,
+       "priority": os.getpriority(os.PRIO_PROCESS, 0)}
 import torch
 out["threads"] = torch.get_num_threads()
 print(json.dumps(out), flush=True)
@@ -205,6 +206,69 @@ def test_a_worker_handed_over_runs_as_python_script_would(tmp_path: Path) -> Non
         if zygote.poll() is None:
             zygote.kill()
             zygote.wait(timeout=30)
+
+
+@pytest.mark.timeout(300)
+def test_a_worker_that_starts_while_the_standby_warms_up_waits_for_it(tmp_path: Path) -> None:
+    """The standby listens from its first instant: a worker started while it still imports torch
+    (a group's first start, or the first after its agent was respawned mid-training) waits and is
+    forked from it, instead of importing torch beside it (before: refused, it started cold). The
+    warm-up runs at a lower priority where it can be raised back (root here), and the worker forked
+    afterwards runs at the priority it would have had."""
+    path = str(tmp_path / "z.sock")
+    run_env = {**os.environ, env.FTLAUNCH_PHASE_LOG: str(tmp_path / "ph.jsonl")}
+    zygote = subprocess.Popen([sys.executable, "-u", "-m", "ftlaunch.zygote", path], stdin=subprocess.DEVNULL,
+                              env=run_env)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(path):  # bound: from here on a worker may connect
+            assert zygote.poll() is None and time.monotonic() < deadline, "the standby never bound its socket"
+            time.sleep(0.01)
+        launched = time.time()
+        proxy = _worker(tmp_path, path, "0", FTLAUNCH_BACKEND="gloo")  # a first start (no restart count)
+        out, err = proxy.communicate(timeout=240)
+        assert proxy.returncode == 0, err
+        first = json.loads(out.splitlines()[0])
+        assert first["pid"] != proxy.pid and first["ppid"] == zygote.pid, err  # forked by the standby
+        assert first["had_torch"] and "ftlaunch.prestart" not in err
+        warm = [r for r in phases.read(tmp_path / "ph.jsonl") if r["phase"] == "zygote_warm"]
+        assert len(warm) == 1 and launched < warm[0]["t"], "precondition: the worker started during the warm-up"
+        mine = os.getpriority(os.PRIO_PROCESS, 0)
+        assert first["priority"] == mine  # the fork trains at the priority it would have had
+        assert psutil.Process(zygote.pid).nice() == mine  # restored after the warm-up
+        assert warm[0]["niced"] is (os.geteuid() == 0 or _nice_limit_allows(mine))
+    finally:
+        if zygote.poll() is None:
+            zygote.terminate()
+            zygote.wait(timeout=30)
+
+
+def _nice_limit_allows(priority: int) -> bool:
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_NICE)
+    return soft == resource.RLIM_INFINITY or 20 - soft <= priority
+
+
+def test_the_warm_up_is_niced_only_where_the_priority_can_be_raised_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An unprivileged process cannot raise its priority again (``RLIMIT_NICE`` 0, the usual
+    default): then the warm-up runs at the process's priority, since a worker forked from a niced
+    standby would train niced for good."""
+    import resource
+
+    from ftlaunch import zygote
+
+    set_calls: list[tuple[int, int, int]] = []
+    monkeypatch.setattr(os, "setpriority", lambda *a: set_calls.append(a))
+    monkeypatch.setattr(os, "getpriority", lambda which, who: 0)
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (0, 0))
+    assert zygote._lower_priority() is None and set_calls == []
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (20, 20))  # may go back to nice 0
+    assert zygote._lower_priority() == 0 and set_calls == [(os.PRIO_PROCESS, 0, zygote.WARM_UP_NICE)]
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (0, 0))
+    assert zygote._lower_priority() == 0  # root may
 
 
 @pytest.mark.slow

@@ -269,6 +269,17 @@ def _tail(path: str, lines: int = 5) -> list[str]:
 
 def run_agent(cfg: AgentConfig) -> int:
     """Run the group to completion; returns the agent's exit code (0 = workers succeeded)."""
+    # The standby first: it warms up while this process imports torchelastic (seconds), so that the
+    # workers find it ready, or nearly (they wait for it rather than import torch beside it).
+    standby = Standby.start(cfg.options)
+    try:
+        return _run_agent(cfg, standby)
+    finally:
+        if standby is not None:
+            standby.stop()
+
+
+def _run_agent(cfg: AgentConfig, standby: Standby | None) -> int:
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
@@ -281,7 +292,6 @@ def run_agent(cfg: AgentConfig) -> int:
     events = EventWriter(cfg.event_fd)
     watcher = WorkerWatcher(events)
     watcher.start()
-    standby = Standby.start(opts)
 
     rdzv_conf = {
         "replica_group_id": str(job.replica_group_id),
@@ -321,7 +331,7 @@ def run_agent(cfg: AgentConfig) -> int:
     finally:
         watcher.stop()
         if standby is not None:
-            standby.stop()
+            standby.stop()  # before the result file: the supervisor may act on that at once
     if cfg.result_file:
         tmp = cfg.result_file + ".tmp"
         try:
@@ -403,6 +413,7 @@ def _supervisor_gone() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    phases.mark("agent_start", process_start=phases.process_start_time())
     if len(argv) != 1:
         print("usage: python -m ftlaunch.launcher.agent CONFIG.json", file=sys.stderr)
         return 2

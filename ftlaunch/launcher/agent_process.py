@@ -51,10 +51,16 @@ class AgentProcess:
         except (OSError, ValueError):
             return self.piped or {}
 
-    def last_words_pending(self, now: float) -> bool:
-        """Whether its result may still be on its way through the event pipe (for up to 2 s)."""
+    def last_words_pending(self, now: float, code: int) -> bool:
+        """Whether its result may still be on its way through the event pipe (for up to 2 s), for an
+        agent that exited with ``code``. Not for one a signal ended (``code`` < 0: SIGKILL, chaos):
+        it said nothing more, and its pipes stay open while its standby interpreter, which inherited
+        them, winds down -- half a second in the soak, which the respawn and the failure report of
+        the group waited for."""
         if self.exited_at is None:
             self.exited_at = now
+        if code < 0:
+            return False
         return self.piped is None and self.open_streams > 0 and now - self.exited_at < 2.0 \
             and not os.path.exists(self.result_file)
 

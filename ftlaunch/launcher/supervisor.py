@@ -36,7 +36,7 @@ from typing import Any
 
 import psutil
 
-from ftlaunch import env
+from ftlaunch import env, phases
 from ftlaunch.launcher import procs
 from ftlaunch.launcher.agent_process import AgentProcess, News, start_agent
 from ftlaunch.launcher.chaos import Chaos
@@ -50,6 +50,7 @@ from ftlaunch.launcher.lighthouse_host import (
 )
 from ftlaunch.launcher.logdisk import LogDiskWatch
 from ftlaunch.launcher.options import LaunchOptions
+from ftlaunch.launcher.outage_reports import UnreportedFailures
 from ftlaunch.launcher.output import WORKER_LINE, Console, without_repeated_tag
 from ftlaunch.launcher.report import StatusLine, summary_lines
 from ftlaunch.launcher.spares import Takeovers, holder_name
@@ -66,6 +67,8 @@ EXIT_USAGE = 2
 
 #: How long the main loop waits for news before its periodic checks.
 _TICK_S = 0.05
+#: How soon a hosted lighthouse that stopped serving is restarted: at the main loop's next check.
+LIGHTHOUSE_CHECK_S = _TICK_S
 #: How long a finished job waits for the last output lines of its agents.
 _DRAIN_S = 2.0
 #: Seconds between two reads of the groups' progress from a lighthouse in this process / elsewhere.
@@ -106,6 +109,7 @@ class Supervisor:
         self._status: StatusLine | None = None
         self._exit_root_cause: str | None = None
         self._progress_read_at = 0.0
+        self._unreported = UnreportedFailures()
 
     def run(self) -> int:
         """Run the job to the end; returns the process exit code."""
@@ -196,7 +200,9 @@ class Supervisor:
         return True
 
     def _report_failure(self, group: Group, reason: str) -> None:
-        """Tell the lighthouse off the main thread; it notices a lost connection anyway."""
+        """Tell the lighthouse off the main thread; it notices a lost connection anyway. A hosted
+        lighthouse that is down gets it again once restarted (`outage_reports`; not with spares,
+        whose slot names change hands)."""
         lighthouse, rid, spares = self._lighthouse, group.replica_id, self.opts.spares > 0
 
         def report() -> None:
@@ -207,6 +213,8 @@ class Supervisor:
                         lighthouse.report_failure(name, reason)
             except Exception as e:  # noqa: BLE001 - the lighthouse still notices the lost connection
                 logger.debug("report_failure(%s) failed: %s", rid, e)
+                if isinstance(lighthouse, HostedLighthouse) and not lighthouse.serving and not spares:
+                    self._unreported.failed(group.gid, reason, time.monotonic())
 
         self._reporter.submit(report)
 
@@ -225,6 +233,7 @@ class Supervisor:
         )
         if not config_written:
             self._log_disk.poll(force=True)
+        phases.mark("agent_spawned", replica=str(group.gid), incarnation=group.incarnation)
 
     # --- main loop -----------------------------------------------------------------------------
 
@@ -254,6 +263,8 @@ class Supervisor:
             if self._chaos is not None:
                 self._chaos.tick(now, self._training_started, {g: a.proc.pid for g, a in self._agents.items()})
             self._watch_lighthouse(now)
+            for group, reason in self._unreported.resend(self._lighthouse, self.groups, now):  # missed while down
+                self._report_failure(group, f"{reason} (while the lighthouse was down)")
             code = self._finished()
             if code is not None:
                 return code
@@ -364,13 +375,18 @@ class Supervisor:
         if agent is None or group.terminal:
             return
         code = agent.proc.poll()
-        if code is None or agent.last_words_pending(now):
+        if code is None:
+            return
+        if agent.exited_at is None:
+            phases.mark("agent_exit_seen", replica=str(group.gid), code=code)
+        if agent.last_words_pending(now, code):
             return
         if code == 0:  # whether the lighthouse ended it as a straggler (`Group.stopped_after_end`)
             self._read_progress(now, force=True)
         outcome = group.agent_exited(code, agent.result(), self.opts.max_agent_restarts, now)
         if outcome.kill_orphans:
             self._kill_orphans(group)
+            phases.mark("orphans_killed", replica=str(group.gid))
         if outcome.report is not None:
             self._report_failure(group, outcome.report)
         if outcome.message is not None:

@@ -104,8 +104,16 @@ class OutageTolerantClient:
         return isinstance(self._client, LighthouseClient) and self._client.answered
 
     def _connection_failures(self) -> int:
-        # Only the real client counts failed connections (heartbeats included); a fake has none.
-        return self._client.connection_failures if isinstance(self._client, LighthouseClient) else 0
+        # The real client counts failed connections (heartbeats included); a fake may count its own.
+        failures = getattr(self._client, "connection_failures", 0)
+        return failures if isinstance(failures, int) else 0
+
+    @property
+    def lost_since_last_quorum(self) -> bool:
+        """Whether the lighthouse was unreachable (a refused or failed request, a failed connection
+        of any of the client's channels, heartbeats included) since this group's last quorum: a
+        lighthouse that answers now may have restarted since (worker/outage.py)."""
+        return self._last is not None and (self._report_due or self._connection_failures() != self._failures_seen)
 
     def quorum(self, member: QuorumMember, timeout: float, *, give_up_after: float | None = None) -> Quorum:
         """The quorum for ``member``, waiting out an outage (see the module docstring).

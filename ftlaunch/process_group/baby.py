@@ -127,6 +127,16 @@ class ProcessGroupBaby(ProcessGroup):
             if self._spare is None and not self._closed:
                 self._spare = self._spawn()
 
+    def _take_spare(self) -> Child | None:
+        """The spare, to become the current child; the next spare starts now, so that a later
+        abort finds one ready too (as the one before did: a spare forked at the worker's start,
+        `prestart.FORKED_SPARES`, or a spawn). None when no spare was started."""
+        with self._spare_lock:
+            child, self._spare = self._spare, None
+        if child is not None:
+            self._start_spare()
+        return child
+
     def _close_child(self, child: Child, graceful: bool) -> None:
         child.close(graceful=graceful)
         if child in self._children:
@@ -148,8 +158,7 @@ class ProcessGroupBaby(ProcessGroup):
             if child is None or not child.healthy or _exited(child.proc):
                 if child is not None:
                     self._close_child(child, graceful=False)
-                with self._spare_lock:
-                    child, self._spare = self._spare, None
+                child = self._take_spare()
                 if child is None or not child.healthy:
                     child = self._spawn()
                 self._child = child
@@ -168,8 +177,7 @@ class ProcessGroupBaby(ProcessGroup):
                 self._close_child(child, graceful=False)
                 child = self._child = None
             if child is None:
-                with self._spare_lock:
-                    child, self._spare = self._spare, None
+                child = self._take_spare()
                 if child is None or not child.healthy:
                     child = self._spawn()
                 self._child = child

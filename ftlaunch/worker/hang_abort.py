@@ -13,7 +13,8 @@ is ignored, and each quorum is aborted at most once. The abort comes only once a
 has been pending for a second -- seen by a wait of ours (`watch`), or by a thread the notice starts
 (DDP's backward waits for the allreduces itself) -- not from the notice alone: a crashed peer (also "lost") makes the
 collectives fail at once by itself, and aborting then would only replace a Baby child that is still
-usable. It runs on a thread of its own, never on the heartbeat thread: a plain Gloo abort can
+usable. A configure in flight is aborted at once (the Manager's `stuck`): it cannot complete
+without every participant. It runs on a thread of its own, never on the heartbeat thread: a plain Gloo abort can
 block, and a heartbeat that waited for it would make this group silent in turn. `use` (the Manager's reconfigure) and an abort
 exclude each other, so an abort never lands on the group built for the next quorum.
 A member that is slow but still heartbeats is live to the lighthouse: no abort.

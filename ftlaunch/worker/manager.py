@@ -336,10 +336,12 @@ class Manager(QuorumRound, ManagerStateApi):
         return self._work(fut)
 
     def _stuck(self) -> bool:
-        """An allreduce, or the configure, of this step has been pending for a second (a peer may
-        hang, or the rendezvous store died: hang_abort)."""
-        configuring = self._configuring_since
-        if configuring is not None and time.monotonic() - configuring >= SUSPECT_AFTER:
+        """After the lighthouse said the quorum in use lost a participant (hang_abort): whether to
+        abort now. A configure in flight, at once: it cannot complete without every participant
+        (nor at all when the lost one hosted the rendezvous store: it waited a second for nothing,
+        and its peers for it, in the soak); an allreduce, once it has been pending for a second (a
+        dead peer makes it fail by itself, and an abort would replace a usable Baby child)."""
+        if self._configuring_since is not None:
             return True
         pending = list(self._pending)
         return any(not f.done() for f in pending) and time.monotonic() - self._issued_at >= SUSPECT_AFTER

@@ -34,7 +34,10 @@ while others were refused a moment earlier and stepped on, waiting in a collecti
 ones. A group in outage mode (its last quorum came from here) therefore waits at most `ANSWER_WAIT`
 for a quorum answer before stepping on the last quorum again: the parked member joins the step, and
 at the next probe every member asks the lighthouse, which forms at once (it adopted their resume
-reports, lighthouse/membership_resume.py). In outage mode a group tries the lighthouse only every
+reports, lighthouse/membership_resume.py). The same short wait holds for a group that is not in
+outage mode yet whose lighthouse was unreachable since its last quorum: it met the outage only after
+the lighthouse came back (it was SIGSTOPped while its peers stepped on) and parks while they wait in
+a collective for it; with no outage seen it asks again for the rest of the quorum timeout. In outage mode a group tries the lighthouse only every
 `PROBE_EVERY` steps, with one connection attempt: all members are at the same step, so they try
 together, and the steps between cost nothing. Quorum ids stay above every reported one, and the step
 each group reports is the one it reached, so nothing is committed twice or lost.
@@ -132,25 +135,43 @@ class LastQuorumSteps:
         else:
             if self.in_outage and request.step % self.probe_every != 0:
                 return self._step_on(fallback, "", log)
-            wait = min(timeout, self.answer_wait) if self.in_outage else timeout
+            assert isinstance(client, OutageTolerantClient)  # noqa: S101 - checked for `fallback` above
+            # The first attempt waits at most `answer_wait` for an answer, in outage mode or not: a
+            # leader that met a dead lighthouse only after it came back (SIGSTOPped meanwhile) parks
+            # at the new one while its peers, which stepped on, wait in a collective for it.
+            wait = min(timeout, self.answer_wait)
+            # In outage mode one connection attempt: the lighthouse is known to have been down.
+            give_up = 0.0 if self.in_outage else self.unreachable_after
             try:
-                # In outage mode one connection attempt: the lighthouse is known to have been down.
-                give_up = 0.0 if self.in_outage else self.unreachable_after
-                final = (QuorumTimeoutError,) if self.in_outage else ()
                 quorum = quorum_request.ask_lighthouse(client, request, retries, wait, log, give_up_after=give_up,
-                                                       final=final)  # fmt: skip
+                                                       final=(QuorumTimeoutError,))  # fmt: skip
             except LighthouseUnavailableError as e:
                 return self._step_on(fallback, f"lighthouse unreachable ({e})", log)
             except QuorumTimeoutError:
-                if not self.in_outage:
+                if self.in_outage or client.lost_since_last_quorum:
+                    return self._step_on(fallback, f"no quorum answer within {wait:g}s after an outage", log)
+                if wait >= timeout:
                     raise
-                return self._step_on(fallback, f"no quorum answer within {wait:g}s", log)
+                quorum = self._ask_again(client, request, retries, timeout - wait, fallback, log)
             if self.in_outage:
                 log.info("lighthouse back: quorum %d after %d step(s) on quorum %d", quorum.quorum_id, self.steps,
                          fallback.quorum_id)  # fmt: skip
             self.in_outage = False
         self._current = quorum
         return quorum
+
+    def _ask_again(
+        self, client: OutageTolerantClient, request: QuorumMember, retries: int, timeout: float, fallback: Quorum,
+        log: logging.LoggerAdapter[Any],
+    ) -> Quorum:
+        """No answer within `answer_wait` and no outage seen: the lighthouse is taking its time (a
+        join, a hang being declared); wait for it as long as the caller allows -- stepping on
+        should the lighthouse die meanwhile, as in the first attempt."""
+        try:
+            return quorum_request.ask_lighthouse(client, request, retries, timeout, log,
+                                                 give_up_after=self.unreachable_after)  # fmt: skip
+        except LighthouseUnavailableError as e:
+            return self._step_on(fallback, f"lighthouse unreachable ({e})", log)
 
     def _step_on(self, quorum: Quorum, why: str, log: logging.LoggerAdapter[Any]) -> Quorum:
         if not self.in_outage:
