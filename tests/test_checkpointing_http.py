@@ -555,6 +555,20 @@ def test_fresh_receive_of_many_pieces(receiver: HTTPTransport) -> None:
     assert all(t.is_contiguous() for t in got.values())
 
 
+def failing_receive(receiver: HTTPTransport, behave: Callable[[BaseHTTPRequestHandler, str, bytes], bool],
+                    release: threading.Event, match: str, timeout: float) -> float:
+    """Seconds ``receiver`` took to fail (as ``match`` says) against a fake server misbehaving as
+    ``behave`` does until ``release`` is set (set once the receiver gave up)."""
+    with fake_server(behave) as srv:
+        t0 = time.monotonic()
+        try:
+            with pytest.raises(CheckpointTransportError, match=match):
+                receiver.recv_checkpoint(0, srv.url, 1, timedelta(seconds=timeout))
+            return time.monotonic() - t0
+        finally:
+            release.set()
+
+
 @pytest.mark.timeout(60)
 def test_stalled_body_times_out(receiver: HTTPTransport) -> None:
     release = threading.Event()
@@ -567,12 +581,7 @@ def test_stalled_body_times_out(receiver: HTTPTransport) -> None:
         release.wait(30)  # then go silent, connection open
         return True
 
-    with fake_server(stall) as srv:
-        t0 = time.monotonic()
-        with pytest.raises(CheckpointTransportError, match="timed out"):
-            receiver.recv_checkpoint(0, srv.url, 1, timedelta(seconds=2))
-        elapsed = time.monotonic() - t0
-        release.set()
+    elapsed = failing_receive(receiver, stall, release, "timed out", 2)
     assert 1.5 < elapsed < 20, elapsed
 
 
@@ -595,12 +604,7 @@ def test_a_poll_cut_by_the_deadline_still_says_the_step_was_not_served(receiver:
             release.wait(30)
         return True
 
-    with fake_server(not_yet_then_silent) as srv:
-        t0 = time.monotonic()
-        with pytest.raises(CheckpointTransportError, match="answered 503.*until the timeout"):
-            receiver.recv_checkpoint(0, srv.url, 1, timedelta(seconds=1))
-        elapsed = time.monotonic() - t0
-        release.set()
+    elapsed = failing_receive(receiver, not_yet_then_silent, release, "answered 503.*until the timeout", 1)
     assert len(polls) == 2 and 0.8 < elapsed < 15, (polls, elapsed)
 
 
@@ -624,12 +628,7 @@ def test_trickling_header_times_out(receiver: HTTPTransport) -> None:
                 break
         return True
 
-    with fake_server(trickle) as srv:
-        t0 = time.monotonic()
-        with pytest.raises(CheckpointTransportError, match="timed out"):
-            receiver.recv_checkpoint(0, srv.url, 1, timedelta(seconds=2))
-        elapsed = time.monotonic() - t0
-        release.set()
+    elapsed = failing_receive(receiver, trickle, release, "timed out", 2)
     assert 1.5 < elapsed < 20, elapsed
 
 
