@@ -420,18 +420,10 @@ def launcher_episode(tmp: Path, spares: int = 0, steps: int = 600, kill_at: int 
         m = re.match(STEP_LINE, line)
         if m and m.group(3) == "True":
             commits.setdefault(int(m.group(1)), []).append(float(m.group(4)))
-    replacement = min((t for g, ts in commits.items() if g != 0 for t in ts if t > t_kill), default=None)
-    survivor = sorted(commits.get(0, []))
-    before = [t for t in survivor if t <= t_kill]
-    end = (replacement if replacement is not None else t_kill) + 3.0
-    window = [before[-1]] if before else []
-    window += [t for t in survivor if t_kill < t <= end]
-    gaps = [(b - a, a - t_kill) for a, b in zip(window, window[1:], strict=False)]
-    gap, gap_at = max(gaps) if gaps else (float("inf"), 0.0)
-    if survivor and survivor[-1] < end:
-        gap_note = f"the survivor finished {end - survivor[-1]:.1f} s before the episode's end"
-    else:
-        gap_note = ""
+    # The victim's own last commit can be stamped a moment after the kill's record (the signal is
+    # sent after it): a commit of group 1 counts only from its restarted worker (its phase log),
+    # and with spares the replacement is the spare's group (2).
+    replacement = min((t for g, ts in commits.items() if g > 1 for t in ts if t > t_kill), default=None)
     # The restarted group's phases (first record of each after the kill, restart >= 1 for the worker's).
     seen: dict[str, float] = {}
     new_pids = {r["pid"] for r in recs if r["phase"] == "init" and r.get("replica") == "1" and r["t"] > t_kill}
@@ -452,6 +444,22 @@ def launcher_episode(tmp: Path, spares: int = 0, steps: int = 600, kill_at: int 
     for r in recs:
         if r["phase"] == "baby_child_ready" and r["pid"] in children and "baby_child_ready" not in seen:
             seen["baby_child_ready"] = r["t"] - t_kill
+    if replacement is None and "first_commit" in seen:
+        replacement = t_kill + seen["first_commit"]
+    if replacement is None and not spares:  # no phase log from the restarted worker: its lines after a gap
+        ones = sorted(t for t in commits.get(1, []) if t > t_kill + 0.05)
+        replacement = ones[0] if ones else None
+    survivor = sorted(commits.get(0, []))
+    before = [t for t in survivor if t <= t_kill]
+    end = (replacement if replacement is not None else t_kill) + 3.0
+    window = [before[-1]] if before else []
+    window += [t for t in survivor if t_kill < t <= end]
+    gaps = [(b - a, a - t_kill) for a, b in zip(window, window[1:], strict=False)]
+    gap, gap_at = max(gaps) if gaps else (float("inf"), 0.0)
+    if survivor and survivor[-1] < end:
+        gap_note = f"the survivor finished {end - survivor[-1]:.1f} s before the episode's end"
+    else:
+        gap_note = ""
     return {"gap": gap, "gap_at": gap_at, "gap_note": gap_note,
             "cold": (replacement - t_kill) if replacement is not None else float("inf"), "phases": seen}
 
