@@ -292,7 +292,10 @@ def take(backend: str) -> tuple[ChildProcess, socket.socket] | None:
 
 def release(backend: str) -> None:
     """Stop the children started for ``backend`` that nobody adopted (the job chose another backend)."""
-    while (started := take(backend)) is not None:
+    with _lock:
+        first = _started.pop(backend, None)
+        left = ([first] if first is not None else []) + _spares.pop(backend, [])
+    for started in left:  # a spare is never let go: it exits when its socket closes
         _discard(*started)
 
 

@@ -66,8 +66,11 @@ if early:
         pg.allreduce([t], dist.ReduceOp.SUM).wait()
         out["sum_after_abort"] = t.tolist()
         out["next_spare"] = pg._spare.pid if pg._spare is not None else None
+    unused = [c.pid for c, _ in prestart._spares.get("gloo", [])]  # forked beside it, never needed
     pg.shutdown()
     out["child_alive_after_shutdown"] = os.path.exists(f"/proc/{early[0].pid}")
+    out["unused_spares"] = unused
+    out["unused_spares_alive_after_shutdown"] = [p for p in unused if os.path.exists(f"/proc/{p}")]
 print(json.dumps(out), flush=True)
 """
 
@@ -95,6 +98,8 @@ def test_the_worker_imports_torch_once_and_forks_its_baby_child(tmp_path: Path) 
     assert out["adopted"] == out["early"]
     assert out["sum"] == [3.0] * 4  # the forked child runs the collective
     assert not out["child_alive_after_shutdown"]
+    # The spare forked beside the child, never needed (no abort), ends with the group (gang.close()).
+    assert len(out["unused_spares"]) == 1 and out["unused_spares_alive_after_shutdown"] == []
     spawned = [r for r in recs if r["phase"] == "baby_child_spawn"]
     assert len(spawned) == 1 and spawned[0]["forked"] and spawned[0]["child"] == out["early"]
     assert any(r["phase"] == "baby_child_ready" and r["pid"] == out["early"] for r in recs)

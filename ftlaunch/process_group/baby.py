@@ -251,6 +251,9 @@ class ProcessGroupBaby(ProcessGroup):
             for c in (child, spare):
                 if c is not None:
                     self._close_child(c, graceful=True)
+        # A spare child forked at the worker's start (prestart.FORKED_SPARES) that no abort needed:
+        # a closed group leaves no process behind (a later group of this backend spawns its own).
+        prestart.release(self._backend)
 
     def set_timeout(self, timeout: timedelta | float) -> None:
         self._timeout = as_timedelta(timeout).total_seconds()
