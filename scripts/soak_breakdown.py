@@ -10,8 +10,10 @@ fault-free run's mean interval:
   quorum after it), a SIGSTOPped group (the survivors are blocked in a collective with it until it
   resumes, or until their collective timeout when it outlasts ``stop_for``), a SIGKILL (the
   survivors' next quorum and reconfigure), a restarted group joining, or ``other``;
-* what the shorter intervals lose together is **slower steps**: the survivors share the 2 cores
-  with restarting processes that import torch;
+* a shorter pause (over 3 fault-free step intervals) while a group is SIGSTOPped counts for that
+  SIGSTOP: the lighthouse declares a stopped group hung on evidence within ~0.6 s, below a stall;
+* what the other shorter intervals lose together is **slower steps**: the survivors share the 2
+  cores with restarting processes that import torch;
 * **end of run**: from the last step to the last group's final line, beyond the fault-free run's;
 * **start**: whatever is left (the first committed step later or earlier than the first step line).
 
@@ -73,6 +75,17 @@ def stall_cause(a: float, b: float, tl: Timeline, stop_for: float, rejoins: list
     return cause
 
 
+#: A pause shorter than a stall counts for a SIGSTOP (not as slower steps) when it is this many fault-free
+#: step intervals long and begins while a group is stopped: the lighthouse declares a stopped group
+#: hung on evidence within ~0.6 s, below the stall threshold (1 s).
+SHORT_STALL_STEPS = 3.0
+STOP_CAUSE = "SIGSTOP: survivors blocked until the group is declared hung or resumes"
+
+
+def _after_a_stop(a: float, b: float, tl: Timeline, stop_for: float) -> bool:
+    return any(sig == "SIGSTOP" and t <= b and a <= t + stop_for for t, sig, _, _ in tl.injections)
+
+
 def _stall_cause(a: float, b: float, tl: Timeline, stop_for: float, rejoins: list[float]) -> str:
     if tl.lighthouse_down is not None:
         crash, back = tl.lighthouse_down
@@ -82,7 +95,7 @@ def _stall_cause(a: float, b: float, tl: Timeline, stop_for: float, rejoins: lis
         if sig == "SIGSTOP" and t <= b and t + stop_for + 1.0 >= a:
             if b - a > stop_for + 5.0:
                 return "SIGSTOP: survivors blocked past the stop (collective timeout)"
-            return "SIGSTOP: survivors blocked until the group is declared hung or resumes"
+            return STOP_CAUSE
     for t, sig, target, _ in tl.injections:
         if sig == "SIGKILL" and a - 2.0 <= t <= b:
             return f"SIGKILL {target}: survivors' next quorum and reconfigure"
@@ -119,6 +132,8 @@ def breakdown(
             causes[cause] = causes.get(cause, 0.0) + excess
             stalls.append({"at": round(a - chaos.first_step_at, 2), "seconds": round(b - a, 2), "step": step,
                            "cause": cause})
+        elif b - a > SHORT_STALL_STEPS * mean and _after_a_stop(a, b, chaos, stop_for):
+            causes[STOP_CAUSE] = causes.get(STOP_CAUSE, 0.0) + excess  # declared hung within ~0.6 s
         else:
             slower += excess
     causes["slower steps (CPU shared with restarting groups)"] = slower

@@ -58,3 +58,23 @@ def test_lost_time_adds_up_and_is_attributed() -> None:
 def test_no_breakdown_without_steps() -> None:
     empty = Timeline([], None, None)
     assert breakdown(empty, empty, stop_for=3.0) is None
+
+
+def test_a_short_pause_while_a_group_is_stopped_counts_for_the_stop() -> None:
+    """A stopped group declared hung within ~0.6 s pauses the job below the stall threshold (1 s):
+    that pause is the SIGSTOP's, not "slower steps"; a pause as long with no stop nearby stays there."""
+    base = Timeline(steady(0.0, range(1, 201)), first_step_at=0.0, last_final_at=19.9 + 0.5)
+    # Steps 1-50; group 3 SIGSTOPped at 5.0, the job pauses 0.6 s; steps 51-100; a pause of 0.6 s
+    # at 15.7 with no fault; steps 101-200.
+    commits = steady(0.0, range(1, 51))
+    commits += steady(5.5, range(51, 101))
+    commits += steady(10.5 + 0.5, range(101, 201))
+    chaos = Timeline(commits, first_step_at=0.0, last_final_at=20.9 + 0.5,
+                     injections=[(4.95, "SIGSTOP", "workers", 3)])  # fmt: skip
+    b = breakdown(chaos, base, stop_for=3.0)
+    assert b is not None
+    causes = b["lost_by_cause_s"]
+    assert sum(causes.values()) == pytest.approx(b["lost_s"], abs=0.05)
+    assert causes["SIGSTOP: survivors blocked until the group is declared hung or resumes"] == pytest.approx(0.5, abs=0.01)
+    assert causes["slower steps (CPU shared with restarting groups)"] == pytest.approx(0.5, abs=0.01)
+    assert not b["stalls"]  # both pauses are below the stall threshold
