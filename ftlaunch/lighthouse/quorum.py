@@ -37,7 +37,7 @@ import functools
 import math
 import operator
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 #: Bits of a quorum id that count quorum changes within one epoch (one millisecond).
@@ -59,10 +59,6 @@ _MEMBER_FIELDS: dict[str, tuple[type, ...]] = {
 
 
 _MEMBER_KEYS = frozenset(_MEMBER_FIELDS)
-#: The defaults of `QuorumMember`'s fields but ``data`` (a new dict each time).
-_MEMBER_DEFAULTS: dict[str, Any] = {
-    "address": "", "store_address": "", "step": 0, "world_size": 1, "shrink_only": False, "commit_failures": 0,
-}
 
 
 def _check_type(name: str, value: Any, types: tuple[type, ...]) -> None:
@@ -128,13 +124,18 @@ class QuorumMember:
         # What ``cls(**d)`` does, without the frozen __init__'s one object.__setattr__ per field (a
         # member per quorum request): the defaults, then the given fields, then the same checks.
         member = cls.__new__(cls)
-        fields = member.__dict__
-        fields.update(_MEMBER_DEFAULTS)
-        fields["data"] = {}
-        fields.update(d)
+        attrs = member.__dict__
+        attrs.update(_MEMBER_DEFAULTS)
+        attrs["data"] = {}
+        attrs.update(d)
         member.__post_init__()
         return member
 
+
+
+#: The defaults of `QuorumMember`'s fields, read from the class (``data``'s factory is not one: a new
+#: dict each time), for `QuorumMember.from_json`.
+_MEMBER_DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(QuorumMember) if f.default is not MISSING}
 
 @dataclass(frozen=True)
 class Quorum:
