@@ -25,9 +25,7 @@ import argparse
 import glob
 import logging
 import os
-import signal
 import sys
-import threading
 import time
 
 from ftlaunch import env
@@ -37,6 +35,7 @@ from ftlaunch.errors import ConfigurationError
 from ftlaunch.launcher import placement
 from ftlaunch.launcher.lighthouse_host import RemoteLighthouse
 from ftlaunch.launcher.placement import ADDRESS_FILE, TOKEN_FILE
+from ftlaunch.lifetime import StopSignals
 
 logger = logging.getLogger("ftlaunch.launcher.group_role")
 
@@ -140,7 +139,7 @@ def _live_groups(address: str) -> int:
         lighthouse.close()
 
 
-def hold(job_dir: str | None, expected: int, lighthouse: str, hold_timeout: float, stop: threading.Event) -> str:
+def hold(job_dir: str | None, expected: int, lighthouse: str, hold_timeout: float, stop: StopSignals) -> str:
     """Wait until the job ends (see the module docstring); returns why."""
     quiet_since: float | None = None
     while not stop.wait(_POLL_S):
@@ -189,13 +188,11 @@ def main(argv: list[str] | None = None) -> int:
         os.replace(path + ".tmp", path)
     if signaled:
         return code
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
     if code != 0:
         logger.warning("%s node %s: torchrun exited %d; this task waits for the other groups to finish "
                        "(its end must not end theirs)", rid, args.node, code)
-    why = hold(job_dir, (args.groups + args.spares) * args.nnodes, endpoint, args.hold_timeout, stop)
+    with StopSignals() as stop:  # SIGTERM (torchx cancel) / SIGINT (why not an Event set by a handler: see there)
+        why = hold(job_dir, (args.groups + args.spares) * args.nnodes, endpoint, args.hold_timeout, stop)
     logger.info("%s node %s: torchrun exited %d; job over (%s)", rid, args.node, code, why)
     return code
 

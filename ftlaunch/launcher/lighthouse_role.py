@@ -29,9 +29,7 @@ import logging
 import os
 import secrets
 import shutil
-import signal
 import sys
-import threading
 import time
 
 from ftlaunch import env
@@ -41,6 +39,7 @@ from ftlaunch.errors import ConfigurationError
 from ftlaunch.launcher import placement
 from ftlaunch.launcher.lighthouse_host import HostedLighthouse, LighthouseSettings
 from ftlaunch.launcher.placement import ADDRESS_FILE, TOKEN_FILE
+from ftlaunch.lifetime import StopSignals
 
 __all__ = ["ADDRESS_FILE", "build_parser", "finished_groups", "main"]
 
@@ -134,9 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigurationError as e:
         print(f"lighthouse role: error: {e}", file=sys.stderr)
         return 2
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    stop = StopSignals()  # SIGTERM (torchx cancel) / SIGINT (why not an Event set by a handler: see StopSignals)
     if token:
         _write(os.path.join(job_dir, TOKEN_FILE), token, mode=0o600)  # for the job's user (dashboard, evict)
     _write(os.path.join(job_dir, ADDRESS_FILE), lighthouse.address)
@@ -161,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
                                "nodes?); lighthouse role exits", len(done), args.groups, args.idle_exit)
                 break
     finally:
+        stop.close()
         lighthouse.stop()
         if args.cleanup:
             shutil.rmtree(job_dir, ignore_errors=True)

@@ -11,11 +11,11 @@ import logging
 import os
 import signal
 import sys
-import threading
 
 from ftlaunch import env
 from ftlaunch.cli_args import OneLineParser, nonnegative_number, positive_integer
 from ftlaunch.errors import ConfigurationError
+from ftlaunch.lifetime import StopSignals
 
 PROG = "ftlaunch-lighthouse"
 
@@ -80,22 +80,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)
         return 1
 
-    stop = threading.Event()
-
-    def _on_signal(signum: int, _frame: object) -> None:
-        logging.getLogger(__name__).info("lighthouse: %s received, shutting down", signal.Signals(signum).name)
-        stop.set()
-
-    signal.signal(signal.SIGINT, _on_signal)
-    signal.signal(signal.SIGTERM, _on_signal)
+    stop = StopSignals()  # SIGTERM / SIGINT (why not an Event set by a handler: see StopSignals)
     collect_less()  # this process only serves: see its docstring
-    server.start()
-    print(f"{PROG} listening on {server.address}", flush=True)
     try:
-        while not stop.wait(1.0):
-            pass
+        server.start()
+        print(f"{PROG} listening on {server.address}", flush=True)
+        stop.wait()
+        if stop.received is not None:
+            logging.getLogger(__name__).info("lighthouse: %s received, shutting down", signal.Signals(stop.received).name)
     finally:
         server.shutdown()
+        stop.close()
     return 0
 
 
