@@ -27,9 +27,11 @@ rows (4 groups) are bursts, once with answers as deltas (as LighthouseClient get
 "server CPU" is the CPU time (user + system) the lighthouse process spent per round, heartbeats
 included: on a shared host it moves much less with the load than the round trip does. "clients
 CPU" is what the simulated groups' processes spent per round: on a 2-core host the round trip is
-about (server CPU + clients CPU) / 2. ``--floor`` runs the large deltas row once more against a
-server that does nothing (`bench_lighthouse_sim.serve_floor`): the harness's own floor, in the same
-run. ``--clients lean`` uses leaner simulated groups (`bench_lighthouse_sim.lean_worker`: the same
+about (server CPU + clients CPU) / 2. ``--floor`` runs the large deltas row twice more: against a
+server that does nothing (`bench_lighthouse_sim.serve_floor`: the harness's own floor, "FLOOR"), and
+against the lighthouse's own transport under a handler that does nothing
+(`bench_lighthouse_sim.serve_transport_floor`, "TRANSPORT": what the lighthouse would cost if its
+routes, membership and answers were free), in the same run. ``--clients lean`` uses leaner simulated groups (`bench_lighthouse_sim.lean_worker`: the same
 requests and connections, less client CPU); the default keeps the groups earlier figures were
 measured with. Every request carries the job token (ftlaunch always makes one) and the process's
 incarnation, as LighthouseClient sends them.
@@ -60,12 +62,13 @@ TORCHFT = {2: "~2 ms"}
 HEARTBEAT_INTERVAL = 0.1
 
 
-def _start_lighthouse(groups: int, token: str | None, floor: bool = False) -> tuple[subprocess.Popen, str]:
+def _start_lighthouse(groups: int, token: str | None, floor: str | None = None) -> tuple[subprocess.Popen, str]:
     """As ``ftlaunch --replicas N`` hosts it: ``min_replicas`` 1 (the default), the N groups announced
     (the first quorum waits for them), the job's token (ftlaunch always makes one). ``floor``: the
-    do-nothing server of `bench_lighthouse_sim.serve_floor` instead."""
-    if floor:
-        cmd = [sys.executable, sim.__file__, "floor", str(groups)]
+    do-nothing server of `bench_lighthouse_sim.serve_floor` ("floor") or the lighthouse's transport
+    under a do-nothing handler (`bench_lighthouse_sim.serve_transport_floor`, "transport") instead."""
+    if floor is not None:
+        cmd = [sys.executable, sim.__file__, floor, str(groups)]
     else:
         cmd = [sys.executable, "-m", "ftlaunch.lighthouse", "--min-replicas", "1", "--expected-replicas", str(groups),
                "--join-timeout", "30", "--heartbeat-timeout", "10", "--log-level", "WARNING"]
@@ -259,7 +262,7 @@ def _pct(values: list[float], q: float) -> float:
 
 def bench_quorum(
     groups: int, procs: int, rounds: int, *, simulated: bool, spread: float = 0.0, vary_head: bool = False,
-    warmup: int = 20, full: bool = False, token: str | None = None, floor: bool = False, lean: bool = False,
+    warmup: int = 20, full: bool = False, token: str | None = None, floor: str | None = None, lean: bool = False,
 ) -> dict:
     import psutil
 
@@ -330,7 +333,7 @@ def bench_quorum(
         "kind": (
             ("lean" if lean else "sim") + (f", {spread * 1000:g} ms spread" if spread else ", burst")
             + (", heads vary" if vary_head else "")
-            + (", whole" if full else "") + (", FLOOR" if floor else "")
+            + (", whole" if full else "") + ({"floor": ", FLOOR", "transport": ", TRANSPORT"}.get(floor or "", ""))
             if simulated else "LighthouseClient"
         ),
         "groups": groups,
@@ -404,7 +407,8 @@ def main() -> None:
     p.add_argument("--token", default=None,
                    help="job token every request carries (default: a fresh one, as ftlaunch makes; '' for none)")
     p.add_argument("--floor", action="store_true",
-                   help="also run the --groups-large deltas row against a do-nothing server (the harness's floor)")
+                   help="also run the --groups-large deltas row against a do-nothing server (the harness's floor) "
+                        "and against the lighthouse's transport under a do-nothing handler")
     p.add_argument("--clients", choices=("sim", "lean", "both"), default="sim",
                    help="simulated groups of the small-job and large rows: the benchmark's own (sim), lean ones "
                         "that spend less of the host's CPU (bench_lighthouse_sim.lean_worker), or both")
@@ -438,7 +442,8 @@ def main() -> None:
                 ))  # fmt: skip
     if args.groups_large:
         for lean in kinds:
-            for full, floor in [(full, False) for full in forms] + ([(False, True)] if args.floor else []):
+            floors = [(False, "floor"), (False, "transport")] if args.floor else []
+            for full, floor in [(full, None) for full in forms] + floors:
                 rows.append(bench_quorum(
                     args.groups_large, args.procs64, args.rounds1024, simulated=True, warmup=5, full=full,
                     token=token, floor=floor, lean=lean,

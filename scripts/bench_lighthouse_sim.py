@@ -7,7 +7,8 @@ the clients are not the product, and every millisecond of CPU they spend is take
 lighthouse on a 2-core machine. Both keep what is measured: the round trip from the moment the
 LAST group sends its quorum request until EVERY group holds its answer.
 
-    python scripts/bench_lighthouse_sim.py floor N    # serve as the floor server for N groups
+    python scripts/bench_lighthouse_sim.py floor N      # serve as the floor server for N groups
+    python scripts/bench_lighthouse_sim.py transport N  # the lighthouse's transport, a handler doing nothing
 """
 
 from __future__ import annotations
@@ -86,6 +87,88 @@ def serve_floor(groups: int) -> None:
 
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     asyncio.run(serve())
+
+
+def serve_transport_floor(groups: int) -> None:
+    """The lighthouse's own transport (`transport.HttpServer`, `connection.Connection`: HTTP framing,
+    head reuse, long polls, timers, the fan-out) under a handler that does nothing: every quorum
+    request is parked, and once ``groups`` are parked each gets one fixed answer of the size of the
+    lighthouse's (as `serve_floor`); heartbeats and leaves get a fixed answer at once. No token
+    check, no JSON, no membership. Between `serve_floor` and the lighthouse, it says how much of a
+    round is the transport and how much the routes, the membership and the answers."""
+    import json
+    import signal
+    import socket
+    import threading
+
+    from ftlaunch.lighthouse.http import Request, Response
+    from ftlaunch.lighthouse.server import collect_less
+    from ftlaunch.lighthouse.transport import HttpServer
+
+    def answer(kind: str, size: int) -> Response:  # padded to the size of the lighthouse's answer
+        payload = {kind: {"quorum_id": 1, "pad": ""}, "revision": "floor-1", "version": 1}
+        payload[kind]["pad"] = "x" * max(0, size - len(json.dumps(payload)))
+        return Response(200, json.dumps(payload).encode())
+
+    delta, whole = answer("delta", 240), answer("quorum", 240)
+    beat = Response(200, json.dumps({"ok": True, "interval": 1.1, "version": 1}).encode())
+    left = Response(200, json.dumps({"left": True, "version": 1}).encode())
+
+    class Poll:
+        """A parked quorum request (`http.LongPoll`), answered once the round's last one arrives."""
+
+        __slots__ = ("timeout", "reply", "ready", "callback")
+
+        def __init__(self, reply: Response) -> None:
+            self.timeout, self.reply = 60.0, reply
+            self.ready: Response | None = None  # the answer, once the round is complete
+            self.callback = None
+
+        def on_ready(self, callback) -> None:  # noqa: ANN001
+            if self.ready is not None:
+                callback()
+            else:
+                self.callback = callback
+
+        def expire(self) -> None:
+            pass
+
+        def cancel(self) -> None:
+            pass
+
+        def answer(self) -> Response | None:
+            return self.ready
+
+    parked: list = []
+
+    class Handler:
+        def handle(self, request: Request):  # noqa: ANN201
+            path = request.head.path
+            if path == "/v1/quorum":
+                poll = Poll(delta if b'"known"' in request.body else whole)
+                parked.append(poll)
+                if len(parked) == groups:
+                    for p in parked:
+                        p.ready = p.reply
+                        if p.callback is not None:
+                            p.callback()
+                    parked.clear()
+                return poll
+            return beat if path == "/v1/heartbeat" else left
+
+        def error(self, error, head, peer) -> Response:  # noqa: ANN001
+            return Response(error.status, b"{}")
+
+        def identity_lost(self, identity: str) -> None:
+            pass
+
+    sock = socket.create_server(("127.0.0.1", 0), backlog=1024)
+    server = HttpServer(sock, Handler(), idle_timeout=120.0, read_timeout=10.0, max_body=1 << 20)  # type: ignore[arg-type]
+    collect_less()  # as the lighthouse process does
+    server.start()
+    print(f"transport floor listening on http://127.0.0.1:{sock.getsockname()[1]}", flush=True)
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    threading.Event().wait()
 
 
 def lean_worker(
@@ -224,5 +307,7 @@ def lean_worker(
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "floor":
         serve_floor(int(sys.argv[2]))
+    elif len(sys.argv) == 3 and sys.argv[1] == "transport":
+        serve_transport_floor(int(sys.argv[2]))
     else:
         raise SystemExit(__doc__)
