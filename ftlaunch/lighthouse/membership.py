@@ -141,6 +141,7 @@ class Membership(AdmitMixin, SparesMixin, StatusMixin, ResumeMixin, HungMixin):
         self._quorum_changes = 0
         self._kills: dict[str, str] = {}  # replica id -> reason, until its next heartbeat
         self._blocked: dict[str, tuple[int, float]] = {}  # who waits in a collective (membership_hung)
+        self._pace_cache = (-1, 0.0)  # (groups, the heartbeat pace advised for that many), membership_hung
         #: A restarted lighthouse forms its first quorum from the groups' resume reports; until this
         #: time (and without a report) it forms none, so that groups that held the job's state are
         #: back before a fresh group could start a quorum of its own from step 0.
@@ -338,9 +339,8 @@ class Membership(AdmitMixin, SparesMixin, StatusMixin, ResumeMixin, HungMixin):
             self._lost_version += 1
 
     def _prev_ids_now(self) -> frozenset[str]:
-        """The ids of the quorum the next one is compared with (this lighthouse's, or the adopted one)."""
-        if self._quorum is None and self._adopted is not None:
-            return frozenset(self._adopted.replica_ids)
+        """The ids of the quorum the next one is compared with (this lighthouse's, or the adopted one:
+        `adopt_resume_report` sets them too)."""
         return self._prev_ids
 
     def _state(self) -> LighthouseState:
