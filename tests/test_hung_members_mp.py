@@ -2,7 +2,8 @@
 
 Short: a real lighthouse, this process as one group leader whose step is blocked (it reports so in
 its heartbeats), and another leader in a subprocess that is SIGSTOPped; the heartbeat timeout is 30 s,
-so only the evidence rule can declare it within this test's 25 s. Slow: the real training
+so only the evidence rule can declare it within this test's 25 s; the same for a member of the quorum a
+restarted lighthouse adopted from a resume report. Slow: the real training
 (scripts/train_ddp.py) under ``ftlaunch`` with a group SIGSTOPped for 6 s: the other goes on without
 it, the stopped one rejoins when it wakes, all end bit-identical.
 """
