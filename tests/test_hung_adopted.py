@@ -80,6 +80,26 @@ def test_an_adopted_member_that_holds_its_peers_parked_requests_is_lost_at_once(
     assert q is not None and q.replica_ids == ("a", "b") and q.quorum_id > OLD
 
 
+def test_a_resume_report_on_a_heartbeat_is_adopted_when_nobody_asks_for_a_quorum() -> None:
+    """The lighthouse came back while a, b and c stepped on quorum OLD; c stopped before any of them
+    asked for a quorum (groups stepping through an outage ask only every few steps), and a and b
+    block in OLD's collective with it: no request will come. Their heartbeats carry the resume
+    report (LighthouseClient.report_resume): the lighthouse adopts OLD from them and declares c hung."""
+    m, clock = make(heartbeat_timeout=5.0)
+    beat(m, clock, "abc", 0.5)
+    report = {"quorum_id": OLD, "members": list("abc")}
+    m.heartbeat("a", resume=report)
+    assert "resumed" in events(m) and m.snapshot().pending == ()
+    since = clock.now
+    beat(m, clock, "ab", 1.1, blocked={"a": (OLD, since), "b": (OLD, since)})
+    assert m.lost_in_quorum("b") == (OLD, ("c",)) and "failed" in events(m, "c")
+    tickets = {rid: probe(m, rid) for rid in "ab"}
+    q = tickets["a"].quorum
+    assert q is not None and q.replica_ids == ("a", "b")
+    m.heartbeat("a", resume=report)  # a late report once this lighthouse formed a quorum: ignored
+    assert events(m).count("resumed") == 1
+
+
 @pytest.mark.parametrize("beats", [0, 1])
 def test_an_adopted_member_not_heard_twice_waits_for_the_heartbeat_timeout(beats: int) -> None:
     """c never reached the new lighthouse (it may be backing off before reconnecting), or reached

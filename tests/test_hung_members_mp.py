@@ -90,12 +90,14 @@ time.sleep(60)
 
 
 @pytest.mark.timeout(25)
-def test_a_restarted_lighthouse_declares_a_sigstopped_member_of_the_adopted_quorum_lost() -> None:
+@pytest.mark.parametrize("via", ["request", "heartbeat"])
+def test_a_restarted_lighthouse_declares_a_sigstopped_member_of_the_adopted_quorum_lost(via: str) -> None:
     """The lighthouse restarted (it never formed a quorum); rg0 and rg1 step on their last quorum
-    OLD through the outage. rg1 reconnected (its heartbeats reach the new lighthouse), rg0's quorum
-    request carried its resume report (OLD: rg0, rg1), was adopted, and timed out (a group stepping
-    through an outage waits a second for an answer). Then rg1 is SIGSTOPped while rg0 reports being
-    blocked on OLD: rg0 is told ``lost`` on OLD well before the 30 s heartbeat timeout."""
+    OLD through the outage. rg1 reconnected (its heartbeats reach the new lighthouse); rg0's resume
+    report (OLD: rg0, rg1) reached it on a quorum request that timed out (a group stepping through an
+    outage waits a second for an answer), or on its heartbeats (`LighthouseClient.report_resume`: no
+    request at all). Then rg1 is SIGSTOPped while rg0 reports being blocked on OLD: rg0 is told
+    ``lost`` on OLD well before the 30 s heartbeat timeout."""
     old_id = 1_699_000_000_000 << 20
     server = LighthouseServer("127.0.0.1:0", min_replicas=1, heartbeat_timeout=30.0, join_timeout=20.0).start()
     client = LighthouseClient(server.address, connect_timeout=5.0)
@@ -106,11 +108,18 @@ def test_a_restarted_lighthouse_declares_a_sigstopped_member_of_the_adopted_quor
         client.on_quorum_lost(lambda _rid, qid, ids: lost.append((qid, ids)))
         blocked_since: list[float] = []
         client.report_blocked(lambda: (old_id, time.monotonic() - blocked_since[0]) if blocked_since else None)
+        report = resume_report(Quorum(old_id, (QuorumMember("rg0"), QuorumMember("rg1")), created=0.0))
+        if via == "heartbeat":
+            client.report_resume(lambda: report)
         client.start_heartbeat("rg0", 0.1)
-        report = {RESUME_KEY: resume_report(Quorum(old_id, (QuorumMember("rg0"), QuorumMember("rg1")), created=0.0))}
-        with pytest.raises(QuorumTimeoutError):  # rg1 does not ask: it steps on OLD
-            client.quorum(QuorumMember("rg0", step=40, data=report), 1.0)
+        if via == "request":
+            with pytest.raises(QuorumTimeoutError):  # rg1 does not ask: it steps on OLD
+                client.quorum(QuorumMember("rg0", step=40, data={RESUME_KEY: report}), 1.0)
+        deadline = time.monotonic() + 10
+        while "resumed" not in [h.event for h in server.snapshot().history] and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert "resumed" in [h.event for h in server.snapshot().history]
+        time.sleep(0.3)  # rg1 beats on
         beats = {g.replica_id: g.heartbeats for g in server.snapshot().groups}
         assert beats["rg1"] >= 2, beats  # it reached the new lighthouse
         other.send_signal(signal.SIGSTOP)

@@ -192,13 +192,16 @@ class Membership(AdmitMixin, SparesMixin, StatusMixin, ResumeMixin, HungMixin):
 
     def heartbeat(
         self, replica_id: str, progress: ProgressReport | None = None, *, incarnation: str = ANONYMOUS,
-        blocked: tuple[int, float] | None = None,
+        blocked: tuple[int, float] | None = None, resume: object = None,
     ) -> str | None:
         """A sign of life (revives a silent, disconnected or failed group), maybe with a progress
-        report, and ``blocked``: (quorum id, seconds) its step has waited in a collective of that
-        quorum (`membership_hung`: a silent peer is then declared lost sooner). Returns the reason of
-        a pending `kill` (once), else None. Raises `ShuttingDown`, `Evicted` once, `HeldElsewhere` or
-        `TooManyGroups`."""
+        report, ``blocked``: (quorum id, seconds) its step has waited in a collective of that
+        quorum (`membership_hung`: a silent peer is then declared lost sooner), and ``resume``: a
+        resume report, adopted like one on a quorum request while this lighthouse formed no quorum
+        (groups stepping on their last quorum through an outage may all be blocked in a step with a
+        stopped member, and ask for no quorum: `membership_hung` then needs the quorum from here).
+        Returns the reason of a pending `kill` (once), else None. Raises `ShuttingDown`, `Evicted`
+        once, `HeldElsewhere` or `TooManyGroups`."""
         with self._lock:
             now = self._clock()
             if not self._closed:
@@ -206,7 +209,8 @@ class Membership(AdmitMixin, SparesMixin, StatusMixin, ResumeMixin, HungMixin):
             revived = self._admit(replica_id, now, incarnation)
             self._info[replica_id].heartbeats += 1
             self._report_progress(replica_id, progress)
-            if revived and replica_id in self._requests:
+            adopted = resume is not None and self._quorum is None and self.adopt_resume_report(replica_id, resume, now)
+            if (revived and replica_id in self._requests) or (adopted and self._requests):
                 self._decide(now)
             if blocked is not None:
                 self._declare_hung(now)
