@@ -205,8 +205,8 @@ class HungMixin:
         of the current quorum (or the adopted one: `_watched`) for `BLOCKED_FOR` while other
         participants of that quorum have had quorum requests parked for `PARKED_FOR` -- they left
         the quorum's step (they aborted it: this member was declared hung and woke before the next
-        quorum formed) -- the quorum's id
-        and theirs (answered as ``lost``: its step is aborted). Else None.
+        quorum formed) -- the quorum's id and theirs (answered as ``lost``: its step is aborted).
+        Else None.
 
         Why: without it the woken member waits in the old quorum's collective (or configure) for
         peers that will never come, until its collective timeout, while the lighthouse waits for

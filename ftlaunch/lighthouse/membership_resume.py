@@ -1,5 +1,6 @@
 """How a restarted lighthouse learns the job back (`membership.Membership` mixes it in): the groups'
-resume reports (docs/lighthouse.md, *When the lighthouse dies*).
+resume reports (docs/lighthouse.md, *When the lighthouse dies*), on quorum requests
+(`_take_resume_report`) and on heartbeats (`Membership.heartbeat`).
 
 Why apart: it runs only until a restarted lighthouse forms its first quorum, and the rules of a
 running job read without it. The report's format is parsed beside the protocol
