@@ -161,3 +161,20 @@ def test_the_silence_limit_is_several_of_the_advised_heartbeat_paces() -> None:
         m.heartbeat(f"g{i}")
     assert m.group_count == 300 and advised_heartbeat_interval(300, 5.0) == 0.3
     assert m.silence_limit("a") == pytest.approx(SILENCE_GAPS * 0.3)
+
+
+def test_with_hot_spares_an_adopted_member_declared_hung_keeps_its_slot_until_the_heartbeat_timeout() -> None:
+    """As for a quorum this lighthouse formed: a stop of a few seconds is cheaper waited out than
+    handed to a spare (the slot goes to the spare at the heartbeat timeout, as before the rule)."""
+    from test_spares import granted, start_job
+
+    m, clock = make(heartbeat_timeout=5.0)
+    spare = start_job(m)  # rg0 and rg1 hold the slots, a spare waits
+    beat(m, clock, ["rg0", "rg1"], 0.5)  # type: ignore[arg-type]
+    m.heartbeat("rg0", resume={"quorum_id": OLD, "members": ["rg0", "rg1"]})
+    since = clock.now
+    beat(m, clock, ["rg0"], 1.1, blocked={"rg0": (OLD, since)})  # type: ignore[arg-type]
+    assert "failed" in events(m, "rg1") and m.lost_in_quorum("rg0") == (OLD, ("rg1",))
+    assert not spare.done  # the slot waits
+    beat(m, clock, ["rg0"], 4.0, blocked={"rg0": (OLD, since)})  # type: ignore[arg-type]
+    assert granted(spare) == (1, "rg1.1")
