@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
+import queue
 import resource
 import secrets
 import statistics
@@ -255,6 +256,70 @@ def _sim_worker(
     out.put(("cpu", cpu))
 
 
+#: How often the parent looks at its workers while it waits for them (seconds).
+_POLL_S = 0.2
+
+
+def _dead_worker(workers: list, *, any_exit: bool) -> str | None:
+    """A message naming a worker that ended (``any_exit``: at all; else with a non-zero code), or None."""
+    for w in workers:
+        code = w.exitcode
+        if code is not None and (any_exit or code != 0):
+            how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+            return (
+                f"benchmark worker {w.name} (pid {w.pid}) ended with {how} before it was done (its traceback, if "
+                "any, is above: e.g. ftlaunch not importable in a spawned process)"
+            )
+    return None
+
+
+def _fail(workers: list, message: str) -> SystemExit:
+    """End the workers still running (the parent's exit would wait for them: they are not daemons,
+    and without the dead one's groups their quorum rounds never complete), for ``raise``."""
+    for w in workers:
+        if w.exitcode is None:
+            w.terminate()
+    for w in workers:
+        w.join(5)
+    return SystemExit(message)
+
+
+def _wait_ready(barrier, workers: list, timeout: float = 600.0) -> None:
+    """``barrier.wait`` with the workers, but exit at once when one of them ended first (it never
+    reaches the barrier: the wait would last the whole timeout). A barrier's wait cannot be sliced
+    (a timeout breaks it), so the parent joins only once every worker waits there."""
+    deadline = time.monotonic() + timeout
+    while barrier.n_waiting < barrier.parties - 1:
+        dead = _dead_worker(workers, any_exit=True)
+        if dead is not None:
+            barrier.abort()
+            raise _fail(workers, dead)
+        if time.monotonic() > deadline:
+            raise _fail(workers, f"benchmark workers not ready within {timeout:g}s")
+        time.sleep(_POLL_S / 4)
+    barrier.wait(timeout=timeout)
+
+
+def _get(out, workers: list, timeout: float = 600.0):
+    """``out.get`` in short slices, exiting at once when a worker ended with an error -- or when
+    all ended and nothing more comes -- instead of waiting out the whole timeout."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return out.get(timeout=_POLL_S)
+        except queue.Empty:
+            dead = _dead_worker(workers, any_exit=False)
+            if dead is None and all(w.exitcode is not None for w in workers):
+                try:
+                    return out.get(timeout=_POLL_S)  # the last items of a worker that just ended
+                except queue.Empty:
+                    dead = "benchmark workers all ended without sending every result"
+            if dead is not None:
+                raise _fail(workers, dead) from None
+            if time.monotonic() > deadline:
+                raise _fail(workers, f"no result from the benchmark workers within {timeout:g}s") from None
+
+
 def _pct(values: list[float], q: float) -> float:
     values = sorted(values)
     return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
@@ -293,14 +358,14 @@ def bench_quorum(
         for w in workers:
             w.start()
         lighthouse = psutil.Process(server.pid)
-        barrier.wait(timeout=600)
+        _wait_ready(barrier, workers)
         cpu_start = sum(lighthouse.cpu_times()[:2])
         results = {}
         ids: set[int] = set()
         kinds: set[str] = set()
         clients_cpu = 0.0
         for _ in range(groups + (3 * procs if simulated else 0)):
-            key, value = out.get(timeout=600)
+            key, value = _get(out, workers)
             if key == "cpu":
                 clients_cpu += value
             elif key == "ids":
@@ -378,7 +443,7 @@ def bench_heartbeats(procs: int, threads: int, seconds: float, token: str | None
         workers = [ctx.Process(target=_hb_worker, args=(addr, threads, seconds, out, token)) for _ in range(procs)]
         for w in workers:
             w.start()
-        total = sum(out.get(timeout=120) for _ in range(procs))
+        total = sum(_get(out, workers, 120) for _ in range(procs))
         for w in workers:
             w.join(30)
     finally:

@@ -2,7 +2,8 @@
 
 Short: a real lighthouse, this process as one group leader whose step is blocked (it reports so in
 its heartbeats), and another leader in a subprocess that is SIGSTOPped; the heartbeat timeout is 30 s,
-so only the evidence rule can declare it within this test's 25 s. Slow: the real training
+so only the evidence rule can declare it within this test's 25 s; the same for a member of the quorum a
+restarted lighthouse adopted from a resume report. Slow: the real training
 (scripts/train_ddp.py) under ``ftlaunch`` with a group SIGSTOPped for 6 s: the other goes on without
 it, the stopped one rejoins when it wakes, all end bit-identical.
 """
@@ -18,8 +19,11 @@ import time
 import pytest
 from workers.helpers import FTLAUNCH, run
 
+from ftlaunch.errors import QuorumTimeoutError
 from ftlaunch.lighthouse.client import LighthouseClient
+from ftlaunch.lighthouse.protocol import RESUME_KEY
 from ftlaunch.lighthouse.quorum import Quorum, QuorumMember
+from ftlaunch.lighthouse.reconnect import resume_report
 from ftlaunch.lighthouse.server import LighthouseServer
 
 _OTHER_LEADER = """
@@ -65,6 +69,67 @@ def test_a_sigstopped_leader_is_declared_lost_while_a_peer_reports_being_blocked
         while server.snapshot().live_count < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert server.snapshot().live_count == 2
+    finally:
+        other.send_signal(signal.SIGCONT)
+        other.kill()
+        other.wait(10)
+        if other.stdout is not None:
+            other.stdout.close()
+        client.close()
+        server.shutdown()
+
+
+_BEATING_LEADER = """
+import sys, time
+from ftlaunch.lighthouse.client import LighthouseClient
+c = LighthouseClient(sys.argv[1], connect_timeout=5.0)
+c.start_heartbeat("rg1", 0.1)
+print("beating", flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.timeout(25)
+@pytest.mark.parametrize("via", ["request", "heartbeat"])
+def test_a_restarted_lighthouse_declares_a_sigstopped_member_of_the_adopted_quorum_lost(via: str) -> None:
+    """The lighthouse restarted (it never formed a quorum); rg0 and rg1 step on their last quorum
+    OLD through the outage. rg1 reconnected (its heartbeats reach the new lighthouse); rg0's resume
+    report (OLD: rg0, rg1) reached it on a quorum request that timed out (a group stepping through an
+    outage waits a second for an answer), or on its heartbeats (`LighthouseClient.report_resume`: no
+    request at all). Then rg1 is SIGSTOPped while rg0 reports being blocked on OLD: rg0 is told
+    ``lost`` on OLD well before the 30 s heartbeat timeout."""
+    old_id = 1_699_000_000_000 << 20
+    server = LighthouseServer("127.0.0.1:0", min_replicas=1, heartbeat_timeout=30.0, join_timeout=20.0).start()
+    client = LighthouseClient(server.address, connect_timeout=5.0)
+    other = subprocess.Popen([sys.executable, "-c", _BEATING_LEADER, server.address], stdout=subprocess.PIPE, text=True)
+    try:
+        assert other.stdout is not None and other.stdout.readline().strip() == "beating"
+        lost: list[tuple[int, tuple[str, ...]]] = []
+        client.on_quorum_lost(lambda _rid, qid, ids: lost.append((qid, ids)))
+        blocked_since: list[float] = []
+        client.report_blocked(lambda: (old_id, time.monotonic() - blocked_since[0]) if blocked_since else None)
+        report = resume_report(Quorum(old_id, (QuorumMember("rg0"), QuorumMember("rg1")), created=0.0))
+        if via == "heartbeat":
+            client.report_resume(lambda: report)
+        client.start_heartbeat("rg0", 0.1)
+        if via == "request":
+            with pytest.raises(QuorumTimeoutError):  # rg1 does not ask: it steps on OLD
+                client.quorum(QuorumMember("rg0", step=40, data={RESUME_KEY: report}), 1.0)
+        deadline = time.monotonic() + 10
+        while "resumed" not in [h.event for h in server.snapshot().history] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "resumed" in [h.event for h in server.snapshot().history]
+        time.sleep(0.3)  # rg1 beats on
+        beats = {g.replica_id: g.heartbeats for g in server.snapshot().groups}
+        assert beats["rg1"] >= 2, beats  # it reached the new lighthouse
+        other.send_signal(signal.SIGSTOP)
+        blocked_since.append(time.monotonic())  # rg0's step now waits for it in OLD's collective
+        deadline = time.monotonic() + 15
+        while not lost and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert lost and lost[0] == (old_id, ("rg1",)), lost
+        hung = [h for h in server.snapshot().history if h.replica_id == "rg1" and h.event == "failed"]
+        assert hung and hung[0].detail.startswith("hung: no heartbeat"), hung
     finally:
         other.send_signal(signal.SIGCONT)
         other.kill()

@@ -299,3 +299,71 @@ def test_three_leaders_ride_out_a_lighthouse_restart_longer_than_the_connect_tim
         for c in clients:
             c.close()
         server.shutdown()
+
+
+class _CountingClient(ScriptedClient):
+    """Counts failed connections as LighthouseClient does, and takes the heartbeats' report probe."""
+
+    connection_failures = 0
+    probe = None
+
+    def quorum(self, member: QuorumMember, timeout: float) -> Quorum:
+        try:
+            return super().quorum(member, timeout)
+        except LighthouseUnavailableError:
+            self.connection_failures += 1
+            raise
+
+    def report_resume(self, probe) -> None:  # type: ignore[no-untyped-def]
+        self.probe = probe
+
+
+def test_the_heartbeats_report_the_last_quorum_while_the_lighthouse_may_have_restarted() -> None:
+    """Groups stepping on their last quorum through an outage ask for no quorum while a stopped peer
+    blocks their step: the report must reach a restarted lighthouse on their heartbeats too."""
+    inner = _CountingClient(down=0)
+    client = OutageTolerantClient(inner, outage_timeout=30.0)
+    assert inner.probe is not None and inner.probe() is None  # no quorum yet
+    q1 = client.quorum(QuorumMember("rg0", step=1), timeout=5.0)
+    assert inner.probe() is None  # the lighthouse answered since
+    inner.connection_failures += 1  # a heartbeat found the lighthouse gone
+    assert inner.probe() == resume_report(q1)
+    client.quorum(QuorumMember("rg0", step=2), timeout=5.0)
+    assert inner.probe() is None
+
+
+def test_a_heartbeat_delivers_the_resume_report_once_per_outage_and_an_older_lighthouse_is_beaten_without_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from ftlaunch.lighthouse import routes
+
+    server = LighthouseServer("127.0.0.1:0", heartbeat_timeout=5.0).start()
+    seen: list[object] = []
+    real = server._membership.heartbeat
+
+    def spy(replica_id: str, *args: object, **kwargs: object) -> str | None:
+        seen.append(kwargs.get("resume"))
+        return real(replica_id, *args, **kwargs)  # type: ignore[arg-type]
+
+    server._membership.heartbeat = spy  # type: ignore[method-assign]
+    client = LighthouseClient(server.address, connect_timeout=2.0)
+    old = LighthouseClient(server.address, connect_timeout=2.0)
+    try:
+        report = {"quorum_id": 77, "members": ["rg0", "rg1"]}
+        client.report_resume(lambda: report)
+        client.heartbeat("rg0")
+        client.heartbeat("rg0")
+        assert seen == [report, None], "delivered once"
+        assert "resumed" in [h.event for h in server.snapshot().history]
+        client.connection_failures += 1  # the lighthouse may have restarted again: tell it again
+        client.heartbeat("rg0")
+        assert seen[-1] == report
+        monkeypatch.delitem(routes._HEARTBEAT_OPTIONAL, "resume")  # a lighthouse older than the field
+        old.report_resume(lambda: report)
+        old.heartbeat("rg1")
+        old.heartbeat("rg1")
+        assert seen[-2:] == [None, None] and "resume" in old._refused
+    finally:
+        client.close()
+        old.close()
+        server.shutdown()

@@ -5,7 +5,8 @@ Layers, from the bottom:
 * each replica group is a torchelastic agent in its own process (`ftlaunch.launcher.agent`), which
   restarts the group's workers on failure exactly as ``torchrun`` would (``--max-restarts``);
 * the supervisor (this module) hosts the lighthouse or uses ``--lighthouse``
-  (`ftlaunch.launcher.lighthouse_host`), starts the agents, relays their output, and tells the
+  (`ftlaunch.launcher.lighthouse_host`; what it does with it, restarts and failure reports
+  included: `ftlaunch.launcher.lighthouse_keeper`), starts the agents, relays their output, and tells the
   lighthouse *at once* when a group's worker dies (the agent reports the death on its event pipe
   within milliseconds);
 * an agent that itself dies is respawned (``--max-agent-restarts``), after its orphaned workers are
@@ -31,7 +32,6 @@ import tempfile
 import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import psutil
@@ -41,22 +41,15 @@ from ftlaunch.launcher import procs
 from ftlaunch.launcher.agent_process import AgentProcess, News, start_agent
 from ftlaunch.launcher.chaos import Chaos
 from ftlaunch.launcher.group import FAILED, STARTING, SUCCEEDED, Group
-from ftlaunch.launcher.lighthouse_host import (
-    HostedLighthouse,
-    JobLighthouse,
-    LaunchError,
-    LighthouseSettings,
-    open_job_lighthouse,
-)
+from ftlaunch.launcher.lighthouse_host import HostedLighthouse, JobLighthouse, LaunchError
+from ftlaunch.launcher.lighthouse_keeper import LighthouseKeeper
 from ftlaunch.launcher.logdisk import LogDiskWatch
 from ftlaunch.launcher.options import LaunchOptions
-from ftlaunch.launcher.outage_reports import UnreportedFailures
 from ftlaunch.launcher.output import WORKER_LINE, Console, without_repeated_tag
 from ftlaunch.launcher.report import StatusLine, summary_lines
-from ftlaunch.launcher.spares import Takeovers, holder_name
+from ftlaunch.launcher.spares import Takeovers
 from ftlaunch.launcher.torchrun_flags import parse_signals
 from ftlaunch.lifetime import become_subreaper
-from ftlaunch.lighthouse.status import LighthouseStatus
 
 logger = logging.getLogger(__name__)
 
@@ -86,20 +79,18 @@ class Supervisor:
         self._events: queue.Queue[News] = queue.Queue()
         self._stop_signal: int | None = None
         self._signals_received = 0
-        self._lighthouse: JobLighthouse | None = None
         self._token = opts.token or os.environ.get(env.FTLAUNCH_TOKEN) or secrets.token_hex(16)
+        self._keeper = LighthouseKeeper(opts, self._token, self.console)
         self._run_id = opts.run_id or uuid.uuid4().hex[:8]
         self._own_log_dir = opts.log_dir is None
         self._log_dir = opts.log_dir or tempfile.mkdtemp(prefix="ftlaunch_")
         self._log_disk = LogDiskWatch(self._log_dir, self.console.err)
-        self._reporter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ftlaunch-report")
         self._started = time.monotonic()
         self._training_started: float | None = None
         self._chaos = (
-            Chaos(opts.chaos, self.groups, self.console, self._started, crash_lighthouse=self._crash_lighthouse)
+            Chaos(opts.chaos, self.groups, self.console, self._started, crash_lighthouse=self._keeper.crash)
             if opts.chaos else None
         )
-        self._lighthouse_back_at = 0.0  # a crashed hosted lighthouse is restarted from then on
         #: The lighthouse formed a quorum of two groups or more: the groups train together and heal
         #: from each other (fault-tolerant training, not independent scripts), see `_stop_stragglers`.
         self._trained_together = False
@@ -109,7 +100,11 @@ class Supervisor:
         self._status: StatusLine | None = None
         self._exit_root_cause: str | None = None
         self._progress_read_at = 0.0
-        self._unreported = UnreportedFailures()
+
+    @property
+    def _lighthouse(self) -> JobLighthouse | None:
+        """The job's lighthouse once opened (`LighthouseKeeper`)."""
+        return self._keeper.lighthouse
 
     def run(self) -> int:
         """Run the job to the end; returns the process exit code."""
@@ -117,7 +112,7 @@ class Supervisor:
         old_handlers = self._install_signal_handlers()
         try:
             try:
-                lighthouse = self._lighthouse = self._open_lighthouse()
+                lighthouse = self._keeper.open()
             except LaunchError:
                 if self._own_log_dir:  # nothing ran: leave nothing behind
                     shutil.rmtree(self._log_dir, ignore_errors=True)
@@ -133,12 +128,10 @@ class Supervisor:
             code = self._loop()
             self._read_progress(time.monotonic(), force=True)
             quorum_id = self._status.last_quorum_id()
-            final_status = self._final_status()
+            final_status = self._keeper.final_status()
         finally:
             self._stop_all()
-            if self._lighthouse is not None:
-                self._lighthouse.close()
-            self._reporter.shutdown(wait=True)
+            self._keeper.close()
             for sig, handler in old_handlers.items():
                 signal.signal(sig, handler)
         self.console.clear_status()
@@ -156,67 +149,6 @@ class Supervisor:
         if code == EXIT_OK and self._own_log_dir:
             shutil.rmtree(self._log_dir, ignore_errors=True)
         return code
-
-    # --- lighthouse ----------------------------------------------------------------------------
-
-    def _open_lighthouse(self) -> JobLighthouse:
-        opts = self.opts
-        settings = LighthouseSettings(
-            bind=opts.lighthouse_bind, min_replicas=opts.min_replicas, expected_replicas=opts.replicas,
-            join_timeout=opts.join_timeout, heartbeat_timeout=opts.heartbeat_timeout, token=self._token,
-        )
-        return open_job_lighthouse(opts.lighthouse, settings)
-
-    def _watch_lighthouse(self, now: float) -> None:
-        """Restart a hosted lighthouse that stopped serving, on the same address. The groups wait
-        for it (FTLAUNCH_LIGHTHOUSE_OUTAGE) and resume with one quorum of all of them
-        (docs/lighthouse.md, *When the lighthouse dies*)."""
-        lighthouse = self._lighthouse
-        if not isinstance(lighthouse, HostedLighthouse) or not lighthouse.needs_restart:
-            return
-        if now < self._lighthouse_back_at:
-            return
-        try:
-            lighthouse.restart()
-        except (OSError, ValueError) as e:  # ConfigurationError: the port is taken; try again later
-            self.console.err(f"[ftlaunch] cannot restart the lighthouse on {lighthouse.address}: {e}; retrying")
-            self._lighthouse_back_at = now + 1.0
-            return
-        self.console.err(
-            f"[ftlaunch] lighthouse {lighthouse.address} stopped serving; restarted on the same address "
-            f"(restart {lighthouse.restarts})"
-        )
-        if self._chaos is not None:
-            self._chaos.lighthouse_restarted(now)
-
-    def _crash_lighthouse(self, down_for: float) -> bool:
-        """``--chaos lighthouse=``: crash the hosted lighthouse; `_watch_lighthouse` restarts it
-        ``down_for`` seconds later."""
-        lighthouse = self._lighthouse
-        if not isinstance(lighthouse, HostedLighthouse):
-            return False
-        lighthouse.crash()
-        self._lighthouse_back_at = time.monotonic() + down_for
-        return True
-
-    def _report_failure(self, group: Group, reason: str) -> None:
-        """Tell the lighthouse off the main thread; it notices a lost connection anyway. A hosted
-        lighthouse that is down gets it again once restarted (`outage_reports`; not with spares,
-        whose slot names change hands)."""
-        lighthouse, rid, spares = self._lighthouse, group.replica_id, self.opts.spares > 0
-
-        def report() -> None:
-            try:
-                if lighthouse is not None:
-                    name = holder_name(lighthouse, group.gid) if spares else rid
-                    if name is not None:  # with spares: None while the group waits as a spare
-                        lighthouse.report_failure(name, reason)
-            except Exception as e:  # noqa: BLE001 - the lighthouse still notices the lost connection
-                logger.debug("report_failure(%s) failed: %s", rid, e)
-                if isinstance(lighthouse, HostedLighthouse) and not lighthouse.serving and not spares:
-                    self._unreported.failed(group.gid, reason, time.monotonic())
-
-        self._reporter.submit(report)
 
     # --- agents --------------------------------------------------------------------------------
 
@@ -262,9 +194,9 @@ class Supervisor:
             self._read_progress(now)
             if self._chaos is not None:
                 self._chaos.tick(now, self._training_started, {g: a.proc.pid for g, a in self._agents.items()})
-            self._watch_lighthouse(now)
-            for group, reason in self._unreported.resend(self._lighthouse, self.groups, now):  # missed while down
-                self._report_failure(group, f"{reason} (while the lighthouse was down)")
+            if self._keeper.watch(now) and self._chaos is not None:  # restarts a hosted one that stopped
+                self._chaos.lighthouse_restarted(now)
+            self._keeper.resend_missed(self.groups, now)  # failures a down lighthouse missed
             code = self._finished()
             if code is not None:
                 return code
@@ -291,12 +223,6 @@ class Supervisor:
             self.console.err(text)
         else:
             self.console.out(text)
-
-    def _final_status(self) -> LighthouseStatus | None:
-        try:
-            return self._lighthouse.snapshot() if self._lighthouse is not None else None
-        except Exception:  # noqa: BLE001 - the summary does without the lighthouse's figures
-            return None
 
     def _read_progress(self, now: float, force: bool = False) -> None:
         """Progress comes from the lighthouse (what the group leaders report), never from the
@@ -347,7 +273,7 @@ class Supervisor:
             pids = {int(r): int(p) for r, p in ev.get("pids", {}).items()}
             failure = group.workers_started(int(ev.get("restart", 0)), pids, now)
             if failure is not None:
-                self._report_failure(group, failure)
+                self._keeper.report_failure(group, failure)
         elif kind == "worker_stopped":
             stopped = f"rank {ev.get('rank')} (pid {ev.get('pid')}) stopped by {ev.get('signal')}"
             if not self.opts.kill_stopped:
@@ -364,7 +290,7 @@ class Supervisor:
             how = f"killed by {ev['signal']}" if "signal" in ev else f"exited with code {ev.get('exitcode')}"
             failure = group.worker_exited(int(ev.get("pid", -1)), ev.get("rank"), restart, ev.get("failed"), how, now)
             if failure is not None:
-                self._report_failure(group, failure)
+                self._keeper.report_failure(group, failure)
                 then = "its agent restarts the group" if self.opts.max_restarts > restart else "no restarts left"
                 if self.opts.max_restarts <= restart:
                     self._out_of_restarts.add(group.gid)  # it fails on its own: not a straggler to stop
@@ -388,7 +314,7 @@ class Supervisor:
             self._kill_orphans(group)
             phases.mark("orphans_killed", replica=str(group.gid))
         if outcome.report is not None:
-            self._report_failure(group, outcome.report)
+            self._keeper.report_failure(group, outcome.report)
         if outcome.message is not None:
             self.console.err(outcome.message)
         if outcome.respawn:

@@ -184,9 +184,14 @@ class LighthouseClient:
         #: Told when a heartbeat answer says a participant of the caller's quorum was lost.
         self._on_lost: Callable[[str, int, tuple[str, ...]], None] | None = None
         #: Asked at every heartbeat: (quorum id, seconds) while the caller's step waits in a
-        #: collective of that quorum (see `report_blocked`); False once a lighthouse refused the field.
+        #: collective of that quorum (see `report_blocked`).
         self._blocked: Callable[[], tuple[int, float] | None] | None = None
-        self._blocked_refused = False
+        #: Asked at every heartbeat: the group's resume report, if due (see `report_resume`); and
+        #: (its quorum id, `connection_failures`) when a heartbeat last delivered one.
+        self._resume: Callable[[], dict | None] | None = None
+        self._resume_told: tuple[object, int] | None = None
+        #: Optional heartbeat fields a lighthouse refused (one older than the field): sent no more.
+        self._refused: set[str] = set()
 
     def report_blocked(self, probe: Callable[[], tuple[int, float] | None] | None) -> None:
         """Call ``probe()`` (on the heartbeat thread; it must not block) at every heartbeat; while it
@@ -194,6 +199,15 @@ class LighthouseClient:
         that quorum -- the heartbeat says so (``blocked``): the lighthouse then declares a member of
         that quorum whose heartbeats stopped lost sooner (lighthouse/membership_hung.py)."""
         self._blocked = probe
+
+    def report_resume(self, probe: Callable[[], dict | None] | None) -> None:
+        """Call ``probe()`` (on the heartbeat thread; it must not block) at every heartbeat; a resume
+        report it returns (`reconnect.OutageTolerantClient`: while the lighthouse may have restarted
+        since the group's last quorum) rides on the heartbeats until one delivered it, again after
+        each connection failure. A restarted lighthouse adopts it even when the group asks for no
+        quorum -- its step is blocked with a stopped peer -- and can then declare that peer hung
+        (lighthouse/membership_hung.py)."""
+        self._resume = probe
 
     def on_quorum_lost(self, callback: Callable[[str, int, tuple[str, ...]], None] | None) -> None:
         """Call ``callback(replica_id, quorum_id, lost_replica_ids)`` (on a heartbeat thread; it
@@ -336,31 +350,38 @@ class LighthouseClient:
         progress = self._unsent_progress(replica_id)
         if progress is not None:
             body["progress"] = progress
-        blocked = self._blocked_now()
+        blocked = self._probe("blocked", self._blocked)
         if blocked is not None:
             body["blocked"] = {"quorum_id": blocked[0], "seconds": round(blocked[1], 3)}
+        failures, resume = self.connection_failures, self._probe("resume", self._resume)
+        if resume is not None and self._resume_told != (resume.get("quorum_id"), failures):
+            body["resume"] = resume
         status, obj = channel.call(
             "POST", PATH_PREFIX + "/heartbeat", body,
             bind_replica=replica_id if bind else None, read_timeout=self._connect_timeout, stop=stop,
         )
-        if status == 400 and blocked is not None and "'blocked'" in str(obj.get("error", "")):
-            self._blocked_refused = True  # a lighthouse older than the field: beat without it
-            del body["blocked"]
-            status, obj = channel.call(
-                "POST", PATH_PREFIX + "/heartbeat", body,
-                bind_replica=replica_id if bind else None, read_timeout=self._connect_timeout, stop=stop,
-            )
+        for field in ("blocked", "resume"):
+            if status == 400 and field in body and f"'{field}'" in str(obj.get("error", "")):
+                self._refused.add(field)  # a lighthouse older than the field: beat without it
+                del body[field]
+                status, obj = channel.call(
+                    "POST", PATH_PREFIX + "/heartbeat", body,
+                    bind_replica=replica_id if bind else None, read_timeout=self._connect_timeout, stop=stop,
+                )
         raise_for(status, obj, f"heartbeat of {replica_id}")
+        if "resume" in body:
+            self._resume_told = (body["resume"].get("quorum_id"), failures)
         return obj
 
-    def _blocked_now(self) -> tuple[int, float] | None:
-        probe = self._blocked
-        if probe is None or self._blocked_refused:
+    def _probe(self, field: str, probe: Callable[[], Any] | None) -> Any:
+        """What ``probe`` says for the heartbeat's optional ``field``; None when there is none, the
+        lighthouse refused the field, or the probe failed."""
+        if probe is None or field in self._refused:
             return None
         try:
             return probe()
         except Exception:  # noqa: BLE001 - the heartbeat must go on
-            log.exception("lighthouse client: the blocked probe failed")
+            log.exception("lighthouse client: the %s probe failed", field)
             return None
 
     def heartbeat(self, replica_id: str) -> None:

@@ -141,6 +141,7 @@ class Membership(AdmitMixin, SparesMixin, StatusMixin, ResumeMixin, HungMixin):
         self._quorum_changes = 0
         self._kills: dict[str, str] = {}  # replica id -> reason, until its next heartbeat
         self._blocked: dict[str, tuple[int, float]] = {}  # who waits in a collective (membership_hung)
+        self._pace_cache = (-1, 0.0)  # (groups, the heartbeat pace advised for that many), membership_hung
         #: A restarted lighthouse forms its first quorum from the groups' resume reports; until this
         #: time (and without a report) it forms none, so that groups that held the job's state are
         #: back before a fresh group could start a quorum of its own from step 0.
@@ -191,13 +192,16 @@ class Membership(AdmitMixin, SparesMixin, StatusMixin, ResumeMixin, HungMixin):
 
     def heartbeat(
         self, replica_id: str, progress: ProgressReport | None = None, *, incarnation: str = ANONYMOUS,
-        blocked: tuple[int, float] | None = None,
+        blocked: tuple[int, float] | None = None, resume: object = None,
     ) -> str | None:
         """A sign of life (revives a silent, disconnected or failed group), maybe with a progress
-        report, and ``blocked``: (quorum id, seconds) its step has waited in a collective of that
-        quorum (`membership_hung`: a silent peer is then declared lost sooner). Returns the reason of
-        a pending `kill` (once), else None. Raises `ShuttingDown`, `Evicted` once, `HeldElsewhere` or
-        `TooManyGroups`."""
+        report, ``blocked``: (quorum id, seconds) its step has waited in a collective of that
+        quorum (`membership_hung`: a silent peer is then declared lost sooner), and ``resume``: a
+        resume report, adopted like one on a quorum request while this lighthouse formed no quorum
+        (groups stepping on their last quorum through an outage may all be blocked in a step with a
+        stopped member, and ask for no quorum: `membership_hung` then needs the quorum from here).
+        Returns the reason of a pending `kill` (once), else None. Raises `ShuttingDown`, `Evicted`
+        once, `HeldElsewhere` or `TooManyGroups`."""
         with self._lock:
             now = self._clock()
             if not self._closed:
@@ -205,7 +209,8 @@ class Membership(AdmitMixin, SparesMixin, StatusMixin, ResumeMixin, HungMixin):
             revived = self._admit(replica_id, now, incarnation)
             self._info[replica_id].heartbeats += 1
             self._report_progress(replica_id, progress)
-            if revived and replica_id in self._requests:
+            adopted = resume is not None and self._quorum is None and self.adopt_resume_report(replica_id, resume, now)
+            if (revived and replica_id in self._requests) or (adopted and self._requests):
                 self._decide(now)
             if blocked is not None:
                 self._declare_hung(now)
@@ -338,9 +343,8 @@ class Membership(AdmitMixin, SparesMixin, StatusMixin, ResumeMixin, HungMixin):
             self._lost_version += 1
 
     def _prev_ids_now(self) -> frozenset[str]:
-        """The ids of the quorum the next one is compared with (this lighthouse's, or the adopted one)."""
-        if self._quorum is None and self._adopted is not None:
-            return frozenset(self._adopted.replica_ids)
+        """The ids of the quorum the next one is compared with (this lighthouse's, or the adopted one:
+        `adopt_resume_report` sets them too)."""
         return self._prev_ids
 
     def _state(self) -> LighthouseState:

@@ -19,6 +19,18 @@ spare, which must heal while the stopped group wakes fenced and restarts. A memb
 slow still beats, and peers that are not blocked report nothing: neither alone declares anything, and the heartbeat timeout applies
 as before.
 
+A restarted lighthouse watches the quorum it adopted from the groups' resume reports
+(`membership_resume`) until it forms its own, on the same two facts -- the groups step on that
+quorum through the outage (worker/outage.py) and report ``blocked`` on its id, and their quorum
+requests park until every member of it asked. It knows less, though: a reported member it has not
+heard from yet has a stand-in (``last_seen``: the adoption), and a member's pace is unknown until it
+beat twice. So only a member whose own heartbeats reached this lighthouse at least `MIN_BEATS`
+times can be declared hung: one never heard from may be backing off before reconnecting, and one
+heard once may just have been told a slower pace (`protocol.advised_heartbeat_interval`, which grows
+as the job's groups come back). Those wait for the heartbeat timeout. For every member the silence
+limit is also at least `SILENCE_GAPS` times the pace advised now: a group told to beat every S
+seconds is not silent before several S.
+
 Why apart: the rest of the membership reads without it; it runs under the membership's lock.
 """
 
@@ -30,7 +42,8 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from ftlaunch.lighthouse.membership_status import GroupInfo
+from ftlaunch.lighthouse.membership_status import ADOPTED, GroupInfo
+from ftlaunch.lighthouse.protocol import advised_heartbeat_interval
 from ftlaunch.lighthouse.quorum import (
     Connection,
     GroupState,
@@ -57,6 +70,9 @@ BLOCKED_FOR = 1.0
 PARKED_FOR = 0.5
 #: How fast a member's usual gap forgets a long one (per heartbeat): a decaying maximum.
 _GAP_DECAY = 0.9
+#: Heartbeats a member of an adopted quorum must have sent to this (restarted) lighthouse before its
+#: silence counts: two, so that one gap of its pace here was seen (see the module docstring).
+MIN_BEATS = 2
 
 
 def parse_blocked(value: object) -> tuple[int, float] | None:
@@ -81,10 +97,12 @@ class HungMixin:
     _groups: dict[str, GroupState]
     _info: dict[str, GroupInfo]
     _quorum: Quorum | None
+    _adopted: Quorum | None
     _requests: dict[str, QuorumMember]
     _round_start: float | None
     #: replica id -> (quorum id, since when, on this clock) its step waits in a collective of it.
     _blocked: dict[str, tuple[int, float]]
+    _pace_cache: tuple[int, float]  # (groups tracked, the pace advised for that many; 0: none)
 
     if TYPE_CHECKING:
 
@@ -94,7 +112,8 @@ class HungMixin:
         """A heartbeat of ``rid`` arrives (before it counts as a sign of life): learn its usual gap
         and whether it is blocked. Call under the lock."""
         g, info = self._groups.get(rid), self._info.get(rid)
-        if g is not None and info is not None and g.connection is Connection.CONNECTED:
+        # A stand-in's last_seen is the adoption of a resume report, not a beat: no gap to learn.
+        if g is not None and info is not None and g.connection is Connection.CONNECTED and info.incarnation != ADOPTED:
             gap = now - g.last_seen
             if gap < self._options.heartbeat_timeout:
                 info.beat_gap = max(gap, info.beat_gap * _GAP_DECAY)
@@ -107,15 +126,33 @@ class HungMixin:
         """How long ``rid``'s heartbeats must have stopped to count as evidence (see the module docstring)."""
         info = self._info.get(rid)
         gap = info.beat_gap if info is not None else 0.0
-        return max(QUICK_SILENCE, SILENCE_GAPS * gap)
+        return max(QUICK_SILENCE, SILENCE_GAPS * max(gap, self._advised_pace()))
+
+    def _advised_pace(self) -> float:
+        """The heartbeat pace advised to the groups now (0: none), computed once per group count."""
+        count = len(self._groups)
+        cached = self._pace_cache
+        if cached[0] != count:
+            pace = advised_heartbeat_interval(count, self._options.heartbeat_timeout)
+            cached = self._pace_cache = (count, pace or 0.0)
+        return cached[1]
+
+    def _watched(self) -> tuple[Quorum | None, bool]:
+        """The quorum whose members may be declared hung, and whether it is adopted: this
+        lighthouse's current quorum, or before it formed one, the quorum it adopted from resume
+        reports (its members step on it through the outage)."""
+        if self._quorum is not None:
+            return self._quorum, False
+        return self._adopted, self._adopted is not None
 
     def _declare_hung(self, now: float) -> None:
         """Mark failed every participant of the current quorum whose heartbeats stopped while another
         participant waits for it: blocked in a collective of that quorum, or parked in a quorum
         request that the stopped member's absence holds up (the fast path waits for every member of
         the quorum; a member stopped between two steps holds its peers there, not in a collective).
-        O(1) while nobody waits."""
-        quorum = self._quorum
+        O(1) while nobody waits. Before this lighthouse formed a quorum, the one it adopted, and
+        only its members heard `MIN_BEATS` times here (see the module docstring)."""
+        quorum, adopted = self._watched()
         start = self._round_start
         parked = start is not None and now - start >= PARKED_FOR
         if quorum is None or not (self._blocked or parked):
@@ -142,16 +179,21 @@ class HungMixin:
             return
         for rid in ids:
             g = self._groups.get(rid)
-            if g is None or g.connection is not Connection.CONNECTED or self._quorum is not quorum:
+            if g is None or g.connection is not Connection.CONNECTED or self._watched()[0] is not quorum:
                 continue
             if group_health(g, now, self._options) is not Health.LIVE:
                 continue
+            info = self._info[rid]
+            if adopted and info.heartbeats < MIN_BEATS:
+                continue  # a stand-in, or heard once: its silence says nothing yet
             silent = now - g.last_seen
             if silent < self.silence_limit(rid):
                 continue
             peer, waited = next((w for w in waiting if w[0] != rid), (None, 0.0))
             if peer is None:
                 continue
+            if adopted:  # it was in the job's quorum: told `superseded` on waking once the others went on
+                info.in_a_quorum = True
             self._mark_down(
                 rid, Connection.FAILED,
                 f"{HUNG_REASON}no heartbeat for {silent:.1f}s while {peer} waits {waited:.1f}s for it in quorum "
@@ -160,10 +202,11 @@ class HungMixin:
 
     def left_behind(self, replica_id: str) -> tuple[int, tuple[str, ...]] | None:
         """For the answer to ``replica_id``'s heartbeat: when it reports being blocked in a collective
-        of the current quorum (`BLOCKED_FOR`) while other participants of that quorum have had
-        quorum requests parked for `PARKED_FOR` -- they left the quorum's step (they aborted it:
-        this member was declared hung and woke before the next quorum formed) -- the quorum's id
-        and theirs (answered as ``lost``: its step is aborted). Else None.
+        of the current quorum (or the adopted one: `_watched`) for `BLOCKED_FOR` while other
+        participants of that quorum have had quorum requests parked for `PARKED_FOR` -- they left
+        the quorum's step (they aborted it: this member was declared hung and woke before the next
+        quorum formed) -- the quorum's id and theirs (answered as ``lost``: its step is aborted).
+        Else None.
 
         Why: without it the woken member waits in the old quorum's collective (or configure) for
         peers that will never come, until its collective timeout, while the lighthouse waits for
@@ -171,7 +214,7 @@ class HungMixin:
         still runs cannot be behind its peers' next request by that long: they would be in the
         collective with it."""
         with self._lock:
-            quorum, mine, start = self._quorum, self._blocked.get(replica_id), self._round_start
+            quorum, mine, start = self._watched()[0], self._blocked.get(replica_id), self._round_start
             g = self._groups.get(replica_id)
             if quorum is None or mine is None or g is None or start is None or mine[0] != quorum.quorum_id:
                 return None

@@ -1,5 +1,6 @@
 """How a restarted lighthouse learns the job back (`membership.Membership` mixes it in): the groups'
-resume reports (docs/lighthouse.md, *When the lighthouse dies*).
+resume reports (docs/lighthouse.md, *When the lighthouse dies*), on quorum requests
+(`_take_resume_report`) and on heartbeats (`Membership.heartbeat`).
 
 Why apart: it runs only until a restarted lighthouse forms its first quorum, and the rules of a
 running job read without it. The report's format is parsed beside the protocol
@@ -31,6 +32,8 @@ class ResumeMixin:
     _quorum: Quorum | None
     _adopted: Quorum | None
     _prev_missing: set[str] | None
+    _prev_ids: frozenset[str]
+    _prev_broken: bool
 
     if TYPE_CHECKING:
 
@@ -75,6 +78,9 @@ class ResumeMixin:
             return False
         self._adopted = Quorum(quorum_id, tuple(QuorumMember(rid) for rid in members), created=self._wall())
         self._prev_missing = None
+        # Its members are the previous quorum's until this lighthouse forms one: a member that goes
+        # down is then told to its peers (`lost_in_quorum`), which may step on it through the outage.
+        self._prev_ids, self._prev_broken = frozenset(members), True
         self._ids.ensure_above(quorum_id)
         for rid in members:
             if rid not in self._groups:

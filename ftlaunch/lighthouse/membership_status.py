@@ -78,6 +78,7 @@ class StatusMixin:
     _info: dict[str, GroupInfo]
     _requests: dict[str, QuorumMember]
     _quorum: Quorum | None
+    _adopted: Quorum | None
     _evicted: dict[str, str]
     _history: deque[HistoryEvent]
     _spares: SpareSlots | None
@@ -219,10 +220,12 @@ class StatusMixin:
         heartbeat timeout. Told in the answer to the heartbeats they send anyway, the live
         participants abort the quorum's step at once (worker/hang_abort.py). A member that is slow
         but still beats is live: never in the list. O(1) while the quorum is whole (every heartbeat
-        asks); the list is computed once per change of a member's liveness.
+        asks); the list is computed once per change of a member's liveness. Before this lighthouse
+        formed a quorum, the quorum it adopted from resume reports counts as the current one (its
+        members step on it through the outage, worker/outage.py; `_prev_ids` are its members).
         """
         with self._lock:
-            quorum = self._quorum
+            quorum = self._quorum if self._quorum is not None else self._adopted
             if not self._prev_broken or quorum is None or replica_id not in self._prev_ids:
                 return None
             cached = self._lost_cache

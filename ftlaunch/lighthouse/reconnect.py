@@ -92,6 +92,9 @@ class OutageTolerantClient:
         self._last: Quorum | None = None  # the last quorum this group got
         self._report_due = False  # the lighthouse was unreachable since then
         self._failures_seen = self._connection_failures()
+        report_resume = getattr(client, "report_resume", None)
+        if report_resume is not None:  # the heartbeats carry the report too (LighthouseClient.report_resume)
+            report_resume(self._resume_for_heartbeat)
 
     @property
     def inner(self) -> QuorumClient:
@@ -114,6 +117,11 @@ class OutageTolerantClient:
         of any of the client's channels, heartbeats included) since this group's last quorum: a
         lighthouse that answers now may have restarted since (worker/outage.py)."""
         return self._last is not None and (self._report_due or self._connection_failures() != self._failures_seen)
+
+    def _resume_for_heartbeat(self) -> dict | None:
+        """The resume report while the lighthouse may have restarted since this group's last quorum."""
+        last = self._last
+        return resume_report(last) if last is not None and self.lost_since_last_quorum else None
 
     def quorum(self, member: QuorumMember, timeout: float, *, give_up_after: float | None = None) -> Quorum:
         """The quorum for ``member``, waiting out an outage (see the module docstring).

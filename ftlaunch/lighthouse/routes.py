@@ -93,7 +93,7 @@ _ROUTINE = frozenset({408, 409, 410, 412, 503})
 _QUORUM_REQUIRED: _Fields = {"member": (dict,)}
 _QUORUM_OPTIONAL: _Fields = {"timeout": (float, int), "progress": (dict,), "known": (str,)}
 _REPLICA_REQUIRED: _Fields = {"replica_id": (str,)}
-_HEARTBEAT_OPTIONAL: _Fields = {"progress": (dict,), "blocked": (dict,)}
+_HEARTBEAT_OPTIONAL: _Fields = {"progress": (dict,), "blocked": (dict,), "resume": (dict,)}
 _LEAVE_OPTIONAL: _Fields = {"progress": (dict,)}
 _REPLICA_HEADER_KEY = REPLICA_HEADER.lower()
 _INCARNATION_HEADER_KEY = INCARNATION_HEADER.lower()
@@ -228,7 +228,9 @@ class Routes:
         _expect(obj, _REPLICA_REQUIRED, _HEARTBEAT_OPTIONAL)
         rid = self._replica_id(request, obj["replica_id"])
         blocked = parse_blocked(obj["blocked"]) if "blocked" in obj else None
-        kill = self._membership.heartbeat(rid, _progress(obj), incarnation=_incarnation(request), blocked=blocked)
+        kill = self._membership.heartbeat(
+            rid, _progress(obj), incarnation=_incarnation(request), blocked=blocked, resume=obj.get("resume")
+        )
         self._bind(request, rid)
         lost = self._membership.lost_in_quorum(rid)
         if lost is None and blocked is not None:  # its peers left the step it waits in
