@@ -11,9 +11,8 @@ replica header: the server ties the group's liveness to it, so a killed process 
 moment the kernel closes that socket. Only that connection carries the header: per-thread
 connections come and go with their threads, which says nothing about the process.
 
-One request's travel (keep-alive, retries, timeouts, headers) is `channel.Channel`'s. A quorum
-answer may be a delta from the quorum this client holds (`quorum_delta`); `quorum` always returns
-the whole `Quorum`.
+One request's travel is `channel.Channel`'s. A quorum answer may be a delta from the quorum this
+client holds (`quorum_delta`); `quorum` always returns the whole `Quorum`.
 """
 
 from __future__ import annotations
@@ -183,13 +182,11 @@ class LighthouseClient:
         self._deltas_refused = False
         #: Told when a heartbeat answer says a participant of the caller's quorum was lost.
         self._on_lost: Callable[[str, int, tuple[str, ...]], None] | None = None
-        #: Asked at every heartbeat: (quorum id, seconds) while the caller's step waits in a
-        #: collective of that quorum (see `report_blocked`).
+        #: Asked at every heartbeat: (quorum id, seconds) its step waits in a collective (`report_blocked`).
         self._blocked: Callable[[], tuple[int, float] | None] | None = None
-        #: Asked at every heartbeat: the group's resume report, if due (see `report_resume`); and
-        #: (its quorum id, `connection_failures`) when a heartbeat last delivered one.
+        #: Asked at every heartbeat: the resume report, if due (`report_resume`).
         self._resume: Callable[[], dict | None] | None = None
-        self._resume_told: tuple[object, int] | None = None
+        self._resume_told: tuple[object, int] | None = None  # (its quorum id, failures) last delivered
         #: Optional heartbeat fields a lighthouse refused (one older than the field): sent no more.
         self._refused: set[str] = set()
 
@@ -201,12 +198,10 @@ class LighthouseClient:
         self._blocked = probe
 
     def report_resume(self, probe: Callable[[], dict | None] | None) -> None:
-        """Call ``probe()`` (on the heartbeat thread; it must not block) at every heartbeat; a resume
-        report it returns (`reconnect.OutageTolerantClient`: while the lighthouse may have restarted
-        since the group's last quorum) rides on the heartbeats until one delivered it, again after
-        each connection failure. A restarted lighthouse adopts it even when the group asks for no
-        quorum -- its step is blocked with a stopped peer -- and can then declare that peer hung
-        (lighthouse/membership_hung.py)."""
+        """Call ``probe()`` (heartbeat thread; must not block) at every heartbeat; the resume report
+        it returns (`reconnect.OutageTolerantClient`) rides on heartbeats until one delivered it, and
+        again after each connection failure: a restarted lighthouse adopts it even from a group
+        blocked in a step with a stopped peer, which then can be declared hung (membership_hung.py)."""
         self._resume = probe
 
     def on_quorum_lost(self, callback: Callable[[str, int, tuple[str, ...]], None] | None) -> None:
