@@ -16,7 +16,7 @@ from test_hung_members import beat
 from test_lighthouse_membership import Clock, events, make
 
 from ftlaunch.lighthouse.membership import Membership, QuorumTicket
-from ftlaunch.lighthouse.membership_hung import MIN_BEATS, QUICK_SILENCE, SILENCE_GAPS
+from ftlaunch.lighthouse.membership_hung import BLOCKED_FOR, MIN_BEATS, QUICK_SILENCE, SILENCE_GAPS
 from ftlaunch.lighthouse.protocol import RESUME_KEY, advised_heartbeat_interval
 from ftlaunch.lighthouse.quorum import QuorumMember
 
@@ -46,12 +46,12 @@ def restarted(seen: str) -> tuple[Membership, Clock]:
 def test_an_adopted_member_that_beat_then_stopped_while_a_peer_is_blocked_is_lost_at_once() -> None:
     """c beat to the new lighthouse, then stopped (SIGSTOP); a and b, stepping on quorum OLD
     through the outage, block in its collective and say so (``blocked`` on OLD). Once a was blocked
-    1 s and c silent 0.5 s, c is lost: a and b are told so (``lost`` on OLD) and abort the step --
+    BLOCKED_FOR and c silent 0.5 s, c is lost: a and b are told so (``lost`` on OLD) and abort the step --
     not at the heartbeat timeout (5 s)."""
     m, clock = restarted("abc")
     since = clock.now
-    beat(m, clock, "ab", 0.9, blocked={"a": (OLD, since), "b": (OLD, since)})
-    assert m.lost_in_quorum("a") is None and "failed" not in events(m, "c")  # blocked 0.9 s: not yet
+    beat(m, clock, "ab", BLOCKED_FOR - 0.1, blocked={"a": (OLD, since), "b": (OLD, since)})
+    assert m.lost_in_quorum("a") is None and "failed" not in events(m, "c")  # blocked < BLOCKED_FOR: not yet
     beat(m, clock, "ab", 0.2, blocked={"a": (OLD, since), "b": (OLD, since)})
     assert m.lost_in_quorum("a") == (OLD, ("c",)) and m.lost_in_quorum("b") == (OLD, ("c",))
     assert "failed" in events(m, "c") and f"quorum {OLD}" in m.snapshot().history[0].detail

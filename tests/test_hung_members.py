@@ -59,8 +59,8 @@ def test_a_silent_member_that_a_peer_waits_for_is_lost_at_once() -> None:
     m, clock, q = formed("a", "b", "c")
     beat(m, clock, "abc", 0.5)  # learns their usual gap (0.1 s)
     since = clock.now  # type: ignore[attr-defined]
-    beat(m, clock, "ab", 0.9, blocked={"a": (q, since), "b": (q, since)})
-    assert m.lost_in_quorum("a") is None  # 0.9 s: not yet
+    beat(m, clock, "ab", BLOCKED_FOR - 0.1, blocked={"a": (q, since), "b": (q, since)})
+    assert m.lost_in_quorum("a") is None  # not yet: blocked less than BLOCKED_FOR
     beat(m, clock, "ab", 0.4, blocked={"a": (q, since), "b": (q, since)})
     assert m.lost_in_quorum("a") == (q, ("c",))
     assert "failed" in events(m, "c")
@@ -147,7 +147,7 @@ def test_a_stale_block_of_a_member_that_stopped_itself_is_no_evidence() -> None:
     """a reported being blocked, then stopped too: its report says nothing about b any more."""
     m, clock, q = formed("a", "b", "c")
     since = clock.now  # type: ignore[attr-defined]
-    beat(m, clock, "ab", 0.8, blocked={"a": (q, since)})  # c silent, a blocked (not long enough yet)
+    beat(m, clock, "ab", BLOCKED_FOR - 0.2, blocked={"a": (q, since)})  # c silent, a blocked (not long enough yet)
     beat(m, clock, "b", 1.5)  # then a stops too; b is not blocked
     assert m.lost_in_quorum("b") is None
 

@@ -278,7 +278,7 @@ class Supervisor:
             stopped = f"rank {ev.get('rank')} (pid {ev.get('pid')}) stopped by {ev.get('signal')}"
             if not self.opts.kill_stopped:
                 self.console.err(f"[ftlaunch] replica group {group.gid}: {stopped}; its peers go on once the lighthouse "
-                                 "declares it hung (about a second while they wait for it; else --heartbeat-timeout)")
+                                 "declares it hung (about half a second while they wait for it; else --heartbeat-timeout)")
                 return
             # --kill-stopped: a hang handled as a crash. The others' next quorum goes on without it
             # at once (a group merely told failed could continue after they finished and train alone).

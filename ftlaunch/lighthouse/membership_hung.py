@@ -64,8 +64,8 @@ QUICK_SILENCE = 0.5
 #: heartbeat thread is late sometimes; it is not declared lost for that).
 SILENCE_GAPS = 5.0
 #: How long a peer must report being blocked in a collective of the quorum (seconds; workers report
-#: it from worker/hang_abort.SUSPECT_AFTER on).
-BLOCKED_FOR = 1.0
+#: it from worker/hang_abort.SUSPECT_AFTER on): as long as a parked request must wait.
+BLOCKED_FOR = 0.5
 #: How long peers' quorum requests must have been parked, held up by the silent member (seconds).
 PARKED_FOR = 0.5
 #: How fast a member's usual gap forgets a long one (per heartbeat): a decaying maximum.
