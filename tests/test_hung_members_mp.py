@@ -70,14 +70,20 @@ def test_a_sigstopped_leader_is_declared_lost_while_a_peer_reports_being_blocked
             time.sleep(0.05)
         assert server.snapshot().live_count == 2
     finally:
-        other.send_signal(signal.SIGCONT)
-        other.kill()
-        other.wait(10)
-        if other.stdout is not None:
-            other.stdout.close()
-        client.close()
-        server.shutdown()
+        _end(other, client, server)
 
+
+
+def _end(other: subprocess.Popen, client: LighthouseClient, server: LighthouseServer) -> None:
+    """End the other leader (woken first: the test may have left it stopped), then this test's
+    client and lighthouse."""
+    other.send_signal(signal.SIGCONT)
+    other.kill()
+    other.wait(10)
+    if other.stdout is not None:
+        other.stdout.close()
+    client.close()
+    server.shutdown()
 
 _BEATING_LEADER = """
 import sys, time
@@ -131,13 +137,7 @@ def test_a_restarted_lighthouse_declares_a_sigstopped_member_of_the_adopted_quor
         hung = [h for h in server.snapshot().history if h.replica_id == "rg1" and h.event == "failed"]
         assert hung and hung[0].detail.startswith("hung: no heartbeat"), hung
     finally:
-        other.send_signal(signal.SIGCONT)
-        other.kill()
-        other.wait(10)
-        if other.stdout is not None:
-            other.stdout.close()
-        client.close()
-        server.shutdown()
+        _end(other, client, server)
 
 
 @pytest.mark.slow

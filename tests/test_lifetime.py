@@ -9,6 +9,7 @@ around ``event.wait(t)``) hung there about once in 1,000 signals: the handler, r
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import select
@@ -16,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 CHILD = r"""
 import os, signal, sys, threading
@@ -46,8 +48,19 @@ for i in range(int(sys.argv[1])):
 """
 
 
-def _child(rounds: int, wait: float) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", CHILD, str(rounds), str(wait)], stdout=subprocess.PIPE, bufsize=0)
+@contextlib.contextmanager
+def _child(rounds: int, wait: float) -> Iterator[subprocess.Popen]:
+    """The child above, waiting ``wait`` seconds at a time for ``rounds`` stop signals; killed on exit."""
+    proc = subprocess.Popen([sys.executable, "-c", CHILD, str(rounds), str(wait)], stdout=subprocess.PIPE, bufsize=0)
+    assert proc.stdout is not None
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(10)
+        _pending.pop(proc.stdout.fileno(), None)
+        proc.stdout.close()
 
 
 _pending: dict[int, bytes] = {}  # a child's output read but not yet split into lines
@@ -70,23 +83,17 @@ def _line(proc: subprocess.Popen, timeout: float) -> str:
 
 
 def test_a_stop_signal_ends_the_wait_at_once():
-    proc = _child(1, 30.0)
-    try:
+    with _child(1, 30.0) as proc:
         assert _line(proc, 20) == "ready"
         proc.send_signal(signal.SIGTERM)
         assert _line(proc, 5) == f"got {int(signal.SIGTERM)}"  # long before the 30 s wait would end
         assert proc.wait(10) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
 
 
 def test_no_stop_signal_hangs_the_process():
     rounds = int(os.environ.get("STOP_ROUNDS", "3000"))
-    proc = _child(rounds, 1e-5)
     rng = random.Random(int.from_bytes(os.urandom(4), "little"))
-    try:
+    with _child(rounds, 1e-5) as proc:
         for i in range(rounds):
             assert _line(proc, 20) == "ready"
             time.sleep(rng.uniform(0.0, 0.002))  # anywhere in the loop: in the wait, or between two
@@ -94,10 +101,6 @@ def test_no_stop_signal_hangs_the_process():
             proc.send_signal(sig)
             assert _line(proc, 5) == f"got {int(sig)}", f"signal {i + 1} of {rounds}"
         assert proc.wait(10) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
 
 
 def test_closing_puts_the_previous_handlers_back():
