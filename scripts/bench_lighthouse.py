@@ -31,8 +31,9 @@ about (server CPU + clients CPU) / 2. ``--floor`` runs the large deltas row twic
 server that does nothing (`bench_lighthouse_sim.serve_floor`: the harness's own floor, "FLOOR"), and
 against the lighthouse's own transport under a handler that does nothing
 (`bench_lighthouse_sim.serve_transport_floor`, "TRANSPORT": what the lighthouse would cost if its
-routes, membership and answers were free), in the same run. ``--clients lean`` uses leaner simulated groups (`bench_lighthouse_sim.lean_worker`: the same
-requests and connections, less client CPU); the default keeps the groups earlier figures were
+routes, membership and answers were free), in the same run. ``--clients lean`` uses leaner
+simulated groups (`bench_lighthouse_sim.lean_worker`: the same requests and connections, less
+client CPU); the default keeps the groups earlier figures were
 measured with. Every request carries the job token (ftlaunch always makes one) and the process's
 incarnation, as LighthouseClient sends them.
 

@@ -13,10 +13,25 @@ LAST group sends its quorum request until EVERY group holds its answer.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
 
+
+def _answer(kind: str, size: int) -> bytes:
+    """A quorum answer's body of ``kind`` ("delta", or "quorum" for a whole one) padded to ``size``
+    bytes, the size of the lighthouse's 1024-group delta."""
+    payload = {kind: {"quorum_id": 1, "pad": ""}, "revision": "floor-1", "version": 1}
+    payload[kind]["pad"] = "x" * max(0, size - len(json.dumps(payload)))
+    return json.dumps(payload).encode()
+
+
+#: The floors' fixed answer bodies: a delta, a whole quorum, a heartbeat's (the 1024-group pace), a leave's.
+_ANSWERS = (
+    _answer("delta", 240), _answer("quorum", 240),
+    json.dumps({"ok": True, "interval": 1.1, "version": 1}).encode(), json.dumps({"left": True, "version": 1}).encode(),
+)
 
 def serve_floor(groups: int) -> None:
     """The harness's floor: an asyncio server that reads each request (head up to the blank line,
@@ -26,23 +41,14 @@ def serve_floor(groups: int) -> None:
     a heartbeat gets the 1024-group pace at once. What the 1024-group row costs the same harness
     with a server that does no work of its own: the system calls, asyncio's steps, the clients."""
     import asyncio
-    import json
     import re
 
     length_re = re.compile(rb"content-length:\s*(\d+)", re.I)
 
-    def wire(payload: dict) -> bytes:
-        body = json.dumps(payload).encode()
+    def wire(body: bytes) -> bytes:
         return b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body
 
-    def answer(kind: str, size: int) -> bytes:  # padded to the size of the lighthouse's answer
-        payload = {kind: {"quorum_id": 1, "pad": ""}, "revision": "floor-1", "version": 1}
-        payload[kind]["pad"] = "x" * max(0, size - len(json.dumps(payload)))
-        return wire(payload)
-
-    delta, whole = answer("delta", 240), answer("quorum", 240)
-    beat = wire({"ok": True, "interval": 1.1, "version": 1})
-    left = wire({"left": True, "version": 1})
+    delta, whole, beat, left = (wire(body) for body in _ANSWERS)
     parked: list[tuple[asyncio.Transport, bytes]] = []
 
     scratch = memoryview(bytearray(65536))
@@ -96,7 +102,6 @@ def serve_transport_floor(groups: int) -> None:
     lighthouse's (as `serve_floor`); heartbeats and leaves get a fixed answer at once. No token
     check, no JSON, no membership. Between `serve_floor` and the lighthouse, it says how much of a
     round is the transport and how much the routes, the membership and the answers."""
-    import json
     import signal
     import socket
     import threading
@@ -105,14 +110,7 @@ def serve_transport_floor(groups: int) -> None:
     from ftlaunch.lighthouse.server import collect_less
     from ftlaunch.lighthouse.transport import HttpServer
 
-    def answer(kind: str, size: int) -> Response:  # padded to the size of the lighthouse's answer
-        payload = {kind: {"quorum_id": 1, "pad": ""}, "revision": "floor-1", "version": 1}
-        payload[kind]["pad"] = "x" * max(0, size - len(json.dumps(payload)))
-        return Response(200, json.dumps(payload).encode())
-
-    delta, whole = answer("delta", 240), answer("quorum", 240)
-    beat = Response(200, json.dumps({"ok": True, "interval": 1.1, "version": 1}).encode())
-    left = Response(200, json.dumps({"left": True, "version": 1}).encode())
+    delta, whole, beat, left = (Response(200, body) for body in _ANSWERS)
 
     class Poll:
         """A parked quorum request (`http.LongPoll`), answered once the round's last one arrives."""
@@ -182,7 +180,6 @@ def lean_worker(
     and the first answer of a round is decoded while the others are only compared with it (they
     must be the same bytes: the lighthouse answers every holder of a revision alike). Reports the
     same (rid, [(send, recv), ...]) as ``_sim_worker``, and the process's CPU time."""
-    import json
     import secrets
     import select
     import socket

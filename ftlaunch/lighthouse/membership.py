@@ -30,7 +30,7 @@ from ftlaunch.lighthouse.membership_resume import ResumeMixin
 from ftlaunch.lighthouse.membership_spares import SparesMixin
 from ftlaunch.lighthouse.membership_status import ADOPTED, GroupInfo, StatusMixin
 from ftlaunch.lighthouse.progress import ProgressBook, ProgressReport
-from ftlaunch.lighthouse.protocol import ANONYMOUS
+from ftlaunch.lighthouse.protocol import ANONYMOUS, advised_heartbeat_interval
 from ftlaunch.lighthouse.quorum import (
     Connection,
     GroupState,
@@ -141,7 +141,7 @@ class Membership(AdmitMixin, SparesMixin, StatusMixin, ResumeMixin, HungMixin):
         self._quorum_changes = 0
         self._kills: dict[str, str] = {}  # replica id -> reason, until its next heartbeat
         self._blocked: dict[str, tuple[int, float]] = {}  # who waits in a collective (membership_hung)
-        self._pace_cache = (-1, 0.0)  # (groups, the heartbeat pace advised for that many), membership_hung
+        self._pace_cache: tuple[int, float | None] = (-1, None)  # (groups, the pace advised for them)
         #: A restarted lighthouse forms its first quorum from the groups' resume reports; until this
         #: time (and without a report) it forms none, so that groups that held the job's state are
         #: back before a fresh group could start a quorum of its own from step 0.
@@ -155,6 +155,17 @@ class Membership(AdmitMixin, SparesMixin, StatusMixin, ResumeMixin, HungMixin):
     def group_count(self) -> int:
         """Replica ids tracked now (what the advised heartbeat pace scales with)."""
         return len(self._groups)
+
+    def advised_pace(self) -> float | None:
+        """The heartbeat pace advised to the groups now (`protocol.advised_heartbeat_interval`; None:
+        none), computed once per group count: the heartbeat answers carry it, and the hung rule's
+        silence limit is several of it (`membership_hung`). Any thread: a racing recount gives the
+        same value."""
+        count = len(self._groups)
+        cached = self._pace_cache
+        if cached[0] != count:
+            cached = self._pace_cache = (count, advised_heartbeat_interval(count, self._options.heartbeat_timeout))
+        return cached[1]
 
     # ------------------------------------------------------------------ what groups do
 

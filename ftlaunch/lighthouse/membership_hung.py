@@ -43,7 +43,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ftlaunch.lighthouse.membership_status import ADOPTED, GroupInfo
-from ftlaunch.lighthouse.protocol import advised_heartbeat_interval
 from ftlaunch.lighthouse.quorum import (
     Connection,
     GroupState,
@@ -102,11 +101,12 @@ class HungMixin:
     _round_start: float | None
     #: replica id -> (quorum id, since when, on this clock) its step waits in a collective of it.
     _blocked: dict[str, tuple[int, float]]
-    _pace_cache: tuple[int, float]  # (groups tracked, the pace advised for that many; 0: none)
 
     if TYPE_CHECKING:
 
         def _mark_down(self, rid: str, connection: Connection, reason: str) -> None: ...
+
+        def advised_pace(self) -> float | None: ...
 
     def _note_beat(self, rid: str, now: float, blocked: tuple[int, float] | None) -> None:
         """A heartbeat of ``rid`` arrives (before it counts as a sign of life): learn its usual gap
@@ -126,16 +126,7 @@ class HungMixin:
         """How long ``rid``'s heartbeats must have stopped to count as evidence (see the module docstring)."""
         info = self._info.get(rid)
         gap = info.beat_gap if info is not None else 0.0
-        return max(QUICK_SILENCE, SILENCE_GAPS * max(gap, self._advised_pace()))
-
-    def _advised_pace(self) -> float:
-        """The heartbeat pace advised to the groups now (0: none), computed once per group count."""
-        count = len(self._groups)
-        cached = self._pace_cache
-        if cached[0] != count:
-            pace = advised_heartbeat_interval(count, self._options.heartbeat_timeout)
-            cached = self._pace_cache = (count, pace or 0.0)
-        return cached[1]
+        return max(QUICK_SILENCE, SILENCE_GAPS * max(gap, self.advised_pace() or 0.0))
 
     def _watched(self) -> tuple[Quorum | None, bool]:
         """The quorum whose members may be declared hung, and whether it is adopted: this

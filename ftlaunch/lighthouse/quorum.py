@@ -132,10 +132,10 @@ class QuorumMember:
         return member
 
 
-
 #: The defaults of `QuorumMember`'s fields, read from the class (``data``'s factory is not one: a new
 #: dict each time), for `QuorumMember.from_json`.
 _MEMBER_DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(QuorumMember) if f.default is not MISSING}
+
 
 @dataclass(frozen=True)
 class Quorum:

@@ -57,7 +57,6 @@ from ftlaunch.lighthouse.protocol import (
     MAX_REPLICA_ID_LEN,
     PATH_PREFIX,
     REPLICA_HEADER,
-    advised_heartbeat_interval,
 )
 from ftlaunch.lighthouse.quorum import Quorum, QuorumMember
 from ftlaunch.lighthouse.spares import ClaimError, ClaimTicket
@@ -157,7 +156,6 @@ class Routes:
         #: request path -> its route path and that route's endpoints (a client sends the same paths)
         self._paths: dict[str, tuple[str, dict[str, Callable[[Request], Response | LongPoll]] | None]] = {}
         self._paced: dict[float, Response] = {}  # advised heartbeat pace -> the plain heartbeat answer
-        self._last_pace: tuple[int, float | None] = (-1, None)  # (groups, the pace advised for them)
 
     # -- http.Handler
 
@@ -236,7 +234,7 @@ class Routes:
         if lost is None and blocked is not None:  # its peers left the step it waits in
             lost = self._membership.left_behind(rid)
         superseded = self._membership.superseded_for(rid) if lost is None else None
-        pace = self._pace(self._membership.group_count)
+        pace = self._membership.advised_pace()
         if kill is None and lost is None and superseded is None:
             return _OK if pace is None else self._paced_ok(pace)
         answer: dict[str, Any] = {"ok": True}
@@ -249,13 +247,6 @@ class Routes:
         if superseded is not None:  # its quorum went on without it: abort a step of an older one
             answer["superseded"] = superseded
         return _json(200, answer)
-
-    def _pace(self, groups: int) -> float | None:
-        """`protocol.advised_heartbeat_interval` for ``groups``, computed once per count."""
-        last = self._last_pace
-        if last[0] != groups:
-            last = self._last_pace = (groups, advised_heartbeat_interval(groups, self._membership.options.heartbeat_timeout))
-        return last[1]
 
     def _paced_ok(self, pace: float) -> Response:
         """``{"ok": true, "interval": pace}``, encoded once per pace (a tenth of a second each)."""

@@ -10,7 +10,7 @@ changes -- forms without the lost group (or with a hot spare in its place).
 
 Only the quorum in use is aborted: a stale answer (an older quorum id: the group already moved on)
 is ignored, and each quorum is aborted at most once. The abort comes only once an op of the step
-has been pending for a second -- seen by a wait of ours (`watch`), or by a thread the notice starts
+has been pending for `SUSPECT_AFTER` -- seen by a wait of ours (`watch`), or by a thread the notice starts
 (DDP's backward waits for the allreduces itself) -- not from the notice alone: a crashed peer (also "lost") makes the
 collectives fail at once by itself, and aborting then would only replace a Baby child that is still
 usable. A configure in flight is aborted at once (the Manager's `stuck`): it cannot complete

@@ -339,7 +339,7 @@ class Manager(QuorumRound, ManagerStateApi):
         """After the lighthouse said the quorum in use lost a participant (hang_abort): whether to
         abort now. A configure in flight, at once: it cannot complete without every participant
         (nor at all when the lost one hosted the rendezvous store: it waited a second for nothing,
-        and its peers for it, in the soak); an allreduce, once it has been pending for a second (a
+        and its peers for it, in the soak); an allreduce, once it has been pending for `SUSPECT_AFTER` (a
         dead peer makes it fail by itself, and an abort would replace a usable Baby child)."""
         if self._configuring_since is not None:
             return True
