@@ -41,7 +41,12 @@ def train_ddp(
         job_dir: directory shared by all roles (default /tmp/ftlaunch-torchx/<app_id>)
     """
     return hsdp(
-        "--steps", str(steps), "--step-sleep", str(step_sleep), "--backend", backend,
+        "--steps",
+        str(steps),
+        "--step-sleep",
+        str(step_sleep),
+        "--backend",
+        backend,
         script="scripts/train_ddp.py",
         name="train_ddp",
         replicas=replicas,

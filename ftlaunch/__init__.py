@@ -170,12 +170,30 @@ def hsdp(
     from ftlaunch.launcher.torchx_components import hsdp_app
 
     return hsdp_app(
-        *script_args, script=script, m=m, replicas=replicas, workers_per_replica=workers_per_replica,
-        nnodes_per_replica=nnodes_per_replica, image=image, name=name, cpu=cpu, gpu=gpu, memMB=memMB, h=h,
-        max_restarts=max_restarts, min_replicas=min_replicas, join_timeout=join_timeout,
-        heartbeat_timeout=heartbeat_timeout, lighthouse=lighthouse, lighthouse_bind=lighthouse_bind,
-        job_dir=job_dir, env=env,
-        max_retries=max_retries, mounts=mounts, tee=tee, spares=spares,
+        *script_args,
+        script=script,
+        m=m,
+        replicas=replicas,
+        workers_per_replica=workers_per_replica,
+        nnodes_per_replica=nnodes_per_replica,
+        image=image,
+        name=name,
+        cpu=cpu,
+        gpu=gpu,
+        memMB=memMB,
+        h=h,
+        max_restarts=max_restarts,
+        min_replicas=min_replicas,
+        join_timeout=join_timeout,
+        heartbeat_timeout=heartbeat_timeout,
+        lighthouse=lighthouse,
+        lighthouse_bind=lighthouse_bind,
+        job_dir=job_dir,
+        env=env,
+        max_retries=max_retries,
+        mounts=mounts,
+        tee=tee,
+        spares=spares,
     )
 
 
@@ -229,10 +247,27 @@ def ddp(
         tee: tee worker streams to console and file (0 none, 1 stdout, 2 stderr, 3 both)
     """
     return hsdp(
-        *script_args, script=script, m=m, replicas=replicas, workers_per_replica=workers_per_replica,
-        nnodes_per_replica=1, image=image, name=name, cpu=cpu, gpu=gpu, memMB=memMB, h=h,
-        max_restarts=max_restarts, min_replicas=min_replicas, lighthouse=lighthouse,
-        lighthouse_bind=lighthouse_bind, job_dir=job_dir, env=env, max_retries=max_retries, tee=tee, spares=spares,
+        *script_args,
+        script=script,
+        m=m,
+        replicas=replicas,
+        workers_per_replica=workers_per_replica,
+        nnodes_per_replica=1,
+        image=image,
+        name=name,
+        cpu=cpu,
+        gpu=gpu,
+        memMB=memMB,
+        h=h,
+        max_restarts=max_restarts,
+        min_replicas=min_replicas,
+        lighthouse=lighthouse,
+        lighthouse_bind=lighthouse_bind,
+        job_dir=job_dir,
+        env=env,
+        max_retries=max_retries,
+        tee=tee,
+        spares=spares,
     )
 
 
@@ -299,13 +334,31 @@ def diloco(
     """
     from ftlaunch.launcher.torchx_components import diloco_environ
 
-    algorithm_env = diloco_environ(sync_every, fragments, fragment_sync_delay, fragment_update_alpha, quantize)
+    algorithm_env = diloco_environ(
+        sync_every, fragments, fragment_sync_delay, fragment_update_alpha, quantize
+    )
     return hsdp(
-        *script_args, script=script, m=m, replicas=replicas, workers_per_replica=workers_per_replica,
-        nnodes_per_replica=1, image=image, name=name, cpu=cpu, gpu=gpu, memMB=memMB, h=h,
-        max_restarts=max_restarts, min_replicas=min_replicas, lighthouse=lighthouse,
-        lighthouse_bind=lighthouse_bind, job_dir=job_dir, env={**algorithm_env, **(env or {})},
-        max_retries=max_retries, tee=tee, spares=spares,
+        *script_args,
+        script=script,
+        m=m,
+        replicas=replicas,
+        workers_per_replica=workers_per_replica,
+        nnodes_per_replica=1,
+        image=image,
+        name=name,
+        cpu=cpu,
+        gpu=gpu,
+        memMB=memMB,
+        h=h,
+        max_restarts=max_restarts,
+        min_replicas=min_replicas,
+        lighthouse=lighthouse,
+        lighthouse_bind=lighthouse_bind,
+        job_dir=job_dir,
+        env={**algorithm_env, **(env or {})},
+        max_retries=max_retries,
+        tee=tee,
+        spares=spares,
     )
 
 

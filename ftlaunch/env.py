@@ -233,10 +233,16 @@ class JobEnv:
         env = os.environ if environ is None else environ
         group = replica_group_id if replica_group_id is not None else get_int(REPLICA_GROUP_ID, environ=env)
         addr = lighthouse or lighthouse_address(env)
-        missing = [name for name, value in ((REPLICA_GROUP_ID, group), (FTLAUNCH_LIGHTHOUSE, addr)) if value is None]
+        missing = [
+            name for name, value in ((REPLICA_GROUP_ID, group), (FTLAUNCH_LIGHTHOUSE, addr)) if value is None
+        ]
         if missing:
-            raise ConfigurationError(f"found no ftlaunch job: {' and '.join(missing)} not set. {HOW_TO_LAUNCH}")
-        num = num_replica_groups if num_replica_groups is not None else get_int(NUM_REPLICA_GROUPS, environ=env)
+            raise ConfigurationError(
+                f"found no ftlaunch job: {' and '.join(missing)} not set. {HOW_TO_LAUNCH}"
+            )
+        num = (
+            num_replica_groups if num_replica_groups is not None else get_int(NUM_REPLICA_GROUPS, environ=env)
+        )
         if num is None:
             raise ConfigurationError(f"{NUM_REPLICA_GROUPS} is not set. {HOW_TO_LAUNCH}")
         assert group is not None and addr is not None  # narrowed by the checks above

@@ -249,7 +249,13 @@ class Timeouts:
         """
         env = os.environ if environ is None else environ
         problems: list[str] = []
-        args = {"collective": collective, "heal": heal, "commit": commit, "quorum": quorum, "connect": connect}
+        args = {
+            "collective": collective,
+            "heal": heal,
+            "commit": commit,
+            "quorum": quorum,
+            "connect": connect,
+        }
         values: dict[str, float | None] = {}
         sources: dict[str, str] = {}
 
@@ -388,7 +394,9 @@ def _check(values: Mapping[str, float | None], sources: Mapping[str, str]) -> li
             large_desc, large_fix = _fmt(rule.large), ""
         else:
             large_desc = f"{rule.large} timeout {_fmt(large)} ({sources[rule.large]})"
-            large_fix = f" or raise the {rule.large} timeout ({_how_to_change(rule.large, sources[rule.large])})"
+            large_fix = (
+                f" or raise the {rule.large} timeout ({_how_to_change(rule.large, sources[rule.large])})"
+            )
         problems.append(
             f"{rule.small} timeout {_fmt(small)} ({sources[rule.small]}) > {large_desc} "
             f"(rule: {rule.name}): {rule.why}. Fix: lower the {rule.small} timeout "

@@ -115,8 +115,11 @@ class Job:
             import torch
 
             torch.set_num_threads(int(threads))
-        phases.mark("zygote_forked", proxy=req.get("proxy_pid"),
-                    process_start=phases.process_start_time(req.get("proxy_pid")))
+        phases.mark(
+            "zygote_forked",
+            proxy=req.get("proxy_pid"),
+            process_start=phases.process_start_time(req.get("proxy_pid")),
+        )
         from ftlaunch import prestart
 
         prestart.run(list(req["argv"]), forked=True)
@@ -134,7 +137,7 @@ def _proc_state(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
-        return stat[stat.rindex(b")") + 2:][:1].decode()
+        return stat[stat.rindex(b")") + 2 :][:1].decode()
     except (OSError, ValueError):
         return ""
 
@@ -207,7 +210,10 @@ class Zygote:
                 conn.close()
                 return None
             pid_bytes = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
-            proxy_pid, uid = int.from_bytes(pid_bytes[0:4], sys.byteorder), int.from_bytes(pid_bytes[4:8], sys.byteorder)
+            proxy_pid, uid = (
+                int.from_bytes(pid_bytes[0:4], sys.byteorder),
+                int.from_bytes(pid_bytes[4:8], sys.byteorder),
+            )
             request["proxy_pid"] = proxy_pid
             refused = self._refusal(request, fds, uid)
             if refused:
@@ -231,7 +237,9 @@ class Zygote:
             return "the worker's interpreter or its flags differ from the standby's"
         return ""  # threads: checked right after the fork (OpenBLAS parks its pool at the fork)
 
-    def _fork(self, conn: socket.socket, request: dict[str, Any], fds: list[int], proxy_pid: int) -> Job | None:
+    def _fork(
+        self, conn: socket.socket, request: dict[str, Any], fds: list[int], proxy_pid: int
+    ) -> Job | None:
         go_r, go_w = os.pipe()
         for stream in (sys.stdout, sys.stderr):
             try:
@@ -265,8 +273,9 @@ class Zygote:
             self._proxy_gone(conn)
         return None
 
-    def _become_child(self, go_r: int, conn: socket.socket, request: dict[str, Any], fds: list[int],
-                      zygote_pid: int) -> Job:
+    def _become_child(
+        self, go_r: int, conn: socket.socket, request: dict[str, Any], fds: list[int], zygote_pid: int
+    ) -> Job:
         """In the forked child: drop everything of the server, wait for the go, own session."""
         self._child = True
         try:
@@ -335,8 +344,11 @@ class Zygote:
             else:
                 del self._pairs[pid]
                 _kill_group(pid)  # its Baby child and anything else it left in its group
-                message = ({"signal": os.WTERMSIG(status)} if os.WIFSIGNALED(status)
-                           else {"exit": os.waitstatus_to_exitcode(status)})
+                message = (
+                    {"signal": os.WTERMSIG(status)}
+                    if os.WIFSIGNALED(status)
+                    else {"exit": os.waitstatus_to_exitcode(status)}
+                )
                 if pair.conn in self._conns:
                     try:
                         send_message(pair.conn, message)
@@ -436,21 +448,32 @@ def main(argv: list[str] | None = None) -> NoReturn:
     try:
         server = Zygote(args.socket, args.parent_pid)
     except OSError as e:
-        print(f"ftlaunch.zygote: cannot listen on {args.socket} ({e}); workers start cold", file=sys.stderr, flush=True)
+        print(
+            f"ftlaunch.zygote: cannot listen on {args.socket} ({e}); workers start cold",
+            file=sys.stderr,
+            flush=True,
+        )
         sys.exit(1)
     t0 = time.monotonic()
     restore = _lower_priority()
     try:
         warm_up()
     except Exception as e:  # noqa: BLE001 - no standby then: workers start cold (their connections are reset)
-        print(f"ftlaunch.zygote: cannot warm up ({type(e).__name__}: {e}); workers start cold",
-              file=sys.stderr, flush=True)
+        print(
+            f"ftlaunch.zygote: cannot warm up ({type(e).__name__}: {e}); workers start cold",
+            file=sys.stderr,
+            flush=True,
+        )
         sys.exit(1)
     if restore is not None:
         try:
             os.setpriority(os.PRIO_PROCESS, 0, restore)  # the workers forked from here train at full priority
         except OSError as e:  # checked by _lower_priority; never fork workers at the lowered priority
-            print(f"ftlaunch.zygote: cannot restore its priority ({e}); workers start cold", file=sys.stderr, flush=True)
+            print(
+                f"ftlaunch.zygote: cannot restore its priority ({e}); workers start cold",
+                file=sys.stderr,
+                flush=True,
+            )
             sys.exit(1)
     # What is imported now lives as long as any worker: keep the cyclic GC off it (gc.freeze, made for
     # fork servers), so a worker's collections neither walk torch's objects nor copy their pages.

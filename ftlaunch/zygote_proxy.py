@@ -26,8 +26,15 @@ from typing import Any, NoReturn
 
 from ftlaunch import env, phases
 
-__all__ = ["FORWARDED", "announced", "enabled", "hand_over", "interpreter_identity", "read_message",
-           "send_message"]
+__all__ = [
+    "FORWARDED",
+    "announced",
+    "enabled",
+    "hand_over",
+    "interpreter_identity",
+    "read_message",
+    "send_message",
+]
 
 #: Signals the proxy forwards to the real worker (what torchelastic and users send a worker).
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
@@ -58,10 +65,21 @@ def interpreter_identity() -> dict[str, Any]:
     return {
         "executable": sys.executable,
         "version": list(sys.version_info),
-        "flags": [getattr(sys.flags, name) for name in ("optimize", "dont_write_bytecode", "no_user_site",
-                                                          "no_site", "ignore_environment", "isolated",
-                                                          "bytes_warning", "dev_mode", "safe_path")
-                  if hasattr(sys.flags, name)],
+        "flags": [
+            getattr(sys.flags, name)
+            for name in (
+                "optimize",
+                "dont_write_bytecode",
+                "no_user_site",
+                "no_site",
+                "ignore_environment",
+                "isolated",
+                "bytes_warning",
+                "dev_mode",
+                "safe_path",
+            )
+            if hasattr(sys.flags, name)
+        ],
         "warnoptions": list(sys.warnoptions),
         "xoptions": {str(k): str(v) for k, v in sys._xoptions.items()},
     }
@@ -77,7 +95,9 @@ def send_message(sock: socket.socket, message: dict[str, Any], fds: list[int] | 
         sock.sendall(data)
 
 
-def read_message(sock: socket.socket, buffer: bytearray, max_fds: int = 0) -> tuple[dict[str, Any] | None, list[int]]:
+def read_message(
+    sock: socket.socket, buffer: bytearray, max_fds: int = 0
+) -> tuple[dict[str, Any] | None, list[int]]:
     """The next JSON line from ``sock`` (None at EOF) and any descriptors that came with it.
     ``buffer`` keeps what was read past the line."""
     fds: list[int] = []
@@ -116,8 +136,13 @@ def hand_over(argv: list[str]) -> str | None:
     buffer = bytearray()
     try:
         sock.connect(path)
-        request = {"argv": argv, "cwd": os.getcwd(), "env": dict(os.environ), "path": list(sys.path),
-                   "interpreter": interpreter_identity()}
+        request = {
+            "argv": argv,
+            "cwd": os.getcwd(),
+            "env": dict(os.environ),
+            "path": list(sys.path),
+            "interpreter": interpreter_identity(),
+        }
         send_message(sock, request, [0, 1, 2])
         sock.settimeout(ANSWER_TIMEOUT_S)
         answer, _ = read_message(sock, buffer)

@@ -41,14 +41,29 @@ BASELINE_OF = {"sgd": "DDP (SGD)", "adamw": "DDP (AdamW)"}
 
 
 def configurations(sync_every: list[int]) -> list[tuple[str, list[str]]]:
-    found = [("DDP (SGD)", ["--algorithm", "ddp", "--lr", "0.02"]),
-             ("DDP (AdamW)", ["--algorithm", "ddp", "--inner", "adamw", "--lr", "3e-3"])]
+    found = [
+        ("DDP (SGD)", ["--algorithm", "ddp", "--lr", "0.02"]),
+        ("DDP (AdamW)", ["--algorithm", "ddp", "--inner", "adamw", "--lr", "3e-3"]),
+    ]
     for h in sync_every:
         found += [
             (f"LocalSGD H={h}", ["--algorithm", "local_sgd", "--lr", "0.02", "--sync-every", str(h)]),
             (f"DiLoCo H={h}", ["--algorithm", "diloco", "--sync-every", str(h)]),
-            (f"Streaming H={h}", ["--algorithm", "diloco", "--sync-every", str(h), "--fragments", "5",
-                                  "--fragment-sync-delay", "1", "--quantize", "4"]),
+            (
+                f"Streaming H={h}",
+                [
+                    "--algorithm",
+                    "diloco",
+                    "--sync-every",
+                    str(h),
+                    "--fragments",
+                    "5",
+                    "--fragment-sync-delay",
+                    "1",
+                    "--quantize",
+                    "4",
+                ],
+            ),
         ]
     return found
 
@@ -57,7 +72,11 @@ def run(args: list[str], groups: int, steps: int, width: int) -> dict[str, float
     from ftlaunch import env
     from ftlaunch.lighthouse.server import LighthouseServer
 
-    base = {k: v for k, v in os.environ.items() if k not in (env.RANK, env.WORLD_SIZE, env.MASTER_ADDR, env.MASTER_PORT)}
+    base = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in (env.RANK, env.WORLD_SIZE, env.MASTER_ADDR, env.MASTER_PORT)
+    }
     base["OMP_NUM_THREADS"] = "1"
     cmd = [*TRAIN, *args, "--steps", str(steps), "--width", str(width), "--count-bytes", "--same-init"]
     with LighthouseServer("127.0.0.1:0", min_replicas=groups, join_timeout=30.0, heartbeat_timeout=10.0,
@@ -92,9 +111,14 @@ def main() -> int:
     if any(args.steps % h for h in args.sync_every):
         raise SystemExit("--steps must be a multiple of every --sync-every")
     load = os.getloadavg()
-    print(f"# {args.groups} groups x 1 worker, MLP width {args.width}, {args.steps} inner steps; "
-          f"load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f} on {os.cpu_count()} CPUs", flush=True)
-    header = f"{'configuration':<18} {'bytes/step':>12} {'vs DDP':>9} {'ms/step':>9} {'loss':>9} {'DDP loss':>9}"
+    print(
+        f"# {args.groups} groups x 1 worker, MLP width {args.width}, {args.steps} inner steps; "
+        f"load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f} on {os.cpu_count()} CPUs",
+        flush=True,
+    )
+    header = (
+        f"{'configuration':<18} {'bytes/step':>12} {'vs DDP':>9} {'ms/step':>9} {'loss':>9} {'DDP loss':>9}"
+    )
     print("# DDP loss: DDP with the same inner optimizer (SGD for LocalSGD, AdamW for DiLoCo)")
     print(header)
     print("-" * len(header))
@@ -106,8 +130,11 @@ def main() -> int:
         inner = "adamw" if "diloco" in cfg or "adamw" in cfg else "sgd"
         baseline = done[BASELINE_OF[inner]]
         reduction = ddp["bytes"] / r["bytes"] if r["bytes"] else float("inf")
-        print(f"{name:<18} {r['bytes']:>12,.0f} {reduction:>8.1f}x {r['ms']:>9.2f} {r['loss']:>9.5f} "
-              f"{baseline['loss']:>9.5f}   ({time.perf_counter() - t0:.0f} s)", flush=True)
+        print(
+            f"{name:<18} {r['bytes']:>12,.0f} {reduction:>8.1f}x {r['ms']:>9.2f} {r['loss']:>9.5f} "
+            f"{baseline['loss']:>9.5f}   ({time.perf_counter() - t0:.0f} s)",
+            flush=True,
+        )
     return 0
 
 

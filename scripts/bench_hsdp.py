@@ -45,8 +45,9 @@ def _free_port() -> int:
 
 
 # ------------------------------------------------------------------------------------------ worker
-def worker(group: int, rank: int, port: int, lighthouse: str, store_port: int, rounds: int, out: str,
-           backend: str) -> None:
+def worker(
+    group: int, rank: int, port: int, lighthouse: str, store_port: int, rounds: int, out: str, backend: str
+) -> None:
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -62,7 +63,9 @@ def worker(group: int, rank: int, port: int, lighthouse: str, store_port: int, r
 
     torch.set_num_threads(1)
     args = th.parse_args([])
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=group * 2 + rank, world_size=4)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=group * 2 + rank, world_size=4
+    )
     intra = [dist.new_group([0, 1]), dist.new_group([2, 3])][group]  # every rank creates both, in order
 
     # plain torch HSDP: one 2-D mesh over the four processes
@@ -73,13 +76,36 @@ def worker(group: int, rank: int, port: int, lighthouse: str, store_port: int, r
     # ftlaunch: what ftlaunch.init() + ft.shard + ft.wrap build (init reads these from the launcher's env)
     timeouts = Timeouts.derive(30.0)
     pg = make_process_group(backend, timeouts.as_timedelta("collective"))
-    transport: PGTransport = PGTransport(pg, timeout=timeouts.as_timedelta("heal"), device=torch.device("cpu"))
-    manager = Manager(pg=pg, load_state_dict=None, state_dict=None, timeouts=timeouts, rank=rank, world_size=2,
-                      store_addr="127.0.0.1", store_port=store_port, lighthouse_addr=lighthouse,
-                      replica_id=f"rg{group}", checkpoint_transport=transport)
-    ft = FaultTolerance(manager=manager, pg=pg, replica_group_id=group, num_replica_groups=2, rank=rank,
-                        world_size=2, device=torch.device("cpu"), backend=backend, transport="pg",
-                        timeouts=timeouts, intra_group=intra, checkpoint_transport=transport)
+    transport: PGTransport = PGTransport(
+        pg, timeout=timeouts.as_timedelta("heal"), device=torch.device("cpu")
+    )
+    manager = Manager(
+        pg=pg,
+        load_state_dict=None,
+        state_dict=None,
+        timeouts=timeouts,
+        rank=rank,
+        world_size=2,
+        store_addr="127.0.0.1",
+        store_port=store_port,
+        lighthouse_addr=lighthouse,
+        replica_id=f"rg{group}",
+        checkpoint_transport=transport,
+    )
+    ft = FaultTolerance(
+        manager=manager,
+        pg=pg,
+        replica_group_id=group,
+        num_replica_groups=2,
+        rank=rank,
+        world_size=2,
+        device=torch.device("cpu"),
+        backend=backend,
+        transport="pg",
+        timeouts=timeouts,
+        intra_group=intra,
+        checkpoint_transport=transport,
+    )
     model = ft.shard(th.make_model(args))
     inner = torch.optim.AdamW(model.parameters(), lr=args.lr)
     model, _ = ft.wrap(model, inner)
@@ -125,29 +151,69 @@ def step_ratio(rounds: int, backend: str) -> dict[str, list[list[float]]]:
     from ftlaunch.lighthouse.server import LighthouseServer
 
     port = _free_port()
-    stores = [TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
-              for _ in range(2)]
-    with tempfile.TemporaryDirectory() as d, LighthouseServer(min_replicas=2, join_timeout=30.0).start() as lh:
+    stores = [
+        TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+        for _ in range(2)
+    ]
+    with (
+        tempfile.TemporaryDirectory() as d,
+        LighthouseServer(min_replicas=2, join_timeout=30.0).start() as lh,
+    ):
         out = Path(d) / "results.json"
-        procs = [subprocess.Popen([sys.executable, str(HERE), "--worker", str(g), str(r), str(port), lh.address,
-                                   str(stores[g].port), str(rounds), str(out), backend],
-                                  env=dict(os.environ, OMP_NUM_THREADS="1"))
-                 for g in range(2) for r in range(2)]
+        procs = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    str(HERE),
+                    "--worker",
+                    str(g),
+                    str(r),
+                    str(port),
+                    lh.address,
+                    str(stores[g].port),
+                    str(rounds),
+                    str(out),
+                    backend,
+                ],
+                env=dict(os.environ, OMP_NUM_THREADS="1"),
+            )
+            for g in range(2)
+            for r in range(2)
+        ]
         for p in procs:
             if p.wait(timeout=1800) != 0:
                 raise RuntimeError(f"a worker failed (exit {p.returncode})")
         results = json.loads(out.read_text())
-    return {k: v[rounds // 5:] for k, v in results.items()}  # the first fifth warms up
+    return {k: v[rounds // 5 :] for k, v in results.items()}  # the first fifth warms up
 
 
 # ------------------------------------------------------------------------------------------ kill -> commit
 def kill_to_commit(steps: int, kill_at: int, step_sleep: float) -> tuple[float, str]:
     """(seconds from the kill to group 1's next committed step line, the launcher's own figure)."""
-    cmd = [sys.executable, "-m", "ftlaunch.launcher.cli", "--replicas", "2", "--nproc-per-node", "2", "--no-status",
-           "--chaos", f"steps={kill_at},group=1", str(HERE.parent / "train_hsdp.py"), "--steps", str(steps),
-           "--step-sleep", str(step_sleep)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    cmd = [
+        sys.executable,
+        "-m",
+        "ftlaunch.launcher.cli",
+        "--replicas",
+        "2",
+        "--nproc-per-node",
+        "2",
+        "--no-status",
+        "--chaos",
+        f"steps={kill_at},group=1",
+        str(HERE.parent / "train_hsdp.py"),
+        "--steps",
+        str(steps),
+        "--step-sleep",
+        str(step_sleep),
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
     step_line = re.compile(r"^\[rg1/r0\] step=\d+ committed=True")
     t_kill = rejoin = None
     healing = False  # the restarted incarnation's heal: lines of the killed one may still arrive before it
@@ -176,8 +242,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=120, help="steps of each setup, taken in turn")
     ap.add_argument("--runs", type=int, default=1, help="repeat the step-time measurement (median of runs)")
-    ap.add_argument("--backend", choices=["baby-gloo", "gloo"], default="baby-gloo",
-                    help="ftlaunch's cross-group process group (default: ftlaunch.init's, Baby Gloo)")
+    ap.add_argument(
+        "--backend",
+        choices=["baby-gloo", "gloo"],
+        default="baby-gloo",
+        help="ftlaunch's cross-group process group (default: ftlaunch.init's, Baby Gloo)",
+    )
     ap.add_argument("--no-kill", action="store_true", help="skip the kill -> commit measurement")
     ap.add_argument("--kill-only", action="store_true", help="only the kill -> commit measurement")
     ap.add_argument("--worker", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
@@ -192,8 +262,10 @@ def main() -> int:
         step_times(args)
     if not args.no_kill:
         rejoin, told = kill_to_commit(steps=150, kill_at=30, step_sleep=0.05)
-        print(f"kill -> restarted group's first committed step {rejoin:6.2f} s through ftlaunch (its summary: "
-              f"{told}); includes the agent's restart, Python/torch start-up, FSDP sharding and the heal")
+        print(
+            f"kill -> restarted group's first committed step {rejoin:6.2f} s through ftlaunch (its summary: "
+            f"{told}); includes the agent's restart, Python/torch start-up, FSDP sharding and the heal"
+        )
         print(f"load after: {os.getloadavg()[0]:.2f}", flush=True)
     return 0
 
@@ -203,15 +275,23 @@ def step_times(args: argparse.Namespace) -> None:
     phases: dict[str, list[list[float]]] = {"plain": [], "ftlaunch": []}
     for i in range(args.runs):
         res = step_ratio(args.rounds, args.backend)
-        ratios.append(statistics.median(f[0] / p[0] for f, p in zip(res["ftlaunch"], res["plain"], strict=True)))
+        ratios.append(
+            statistics.median(f[0] / p[0] for f, p in zip(res["ftlaunch"], res["plain"], strict=True))
+        )
         for k in phases:
             phases[k].append([statistics.median(col) for col in zip(*res[k], strict=True)])
-        print(f"run {i + 1}: FT-HSDP / plain HSDP step time, median over rounds: {ratios[-1]:.3f}", flush=True)
-    print(f"setup: 2 groups x 2 workers, Gloo/loopback, train_hsdp.py's GPT, AdamW, clip 1.0; "
-          f"{args.rounds} interleaved rounds x {args.runs} run(s); ftlaunch backend {args.backend}")
+        print(
+            f"run {i + 1}: FT-HSDP / plain HSDP step time, median over rounds: {ratios[-1]:.3f}", flush=True
+        )
+    print(
+        f"setup: 2 groups x 2 workers, Gloo/loopback, train_hsdp.py's GPT, AdamW, clip 1.0; "
+        f"{args.rounds} interleaved rounds x {args.runs} run(s); ftlaunch backend {args.backend}"
+    )
     plain_ms = statistics.median(ph[0] for ph in phases["plain"]) * 1e3
     print(f"plain torch HSDP (fully_shard, 2-D mesh) step {plain_ms:8.2f} ms")
-    print(f"FT-HSDP / plain HSDP step time          ratio {statistics.median(ratios):5.3f}  (target {TARGET})")
+    print(
+        f"FT-HSDP / plain HSDP step time          ratio {statistics.median(ratios):5.3f}  (target {TARGET})"
+    )
     print("per-phase medians (ms)          " + "".join(f"{k:>12}" for k in phases))
     for j, name in enumerate(("step", *PHASES)):
         cols = [statistics.median(ph[j] for ph in phases[k]) * 1e3 for k in phases]

@@ -64,7 +64,9 @@ TORCHFT = {2: "~2 ms"}
 HEARTBEAT_INTERVAL = 0.1
 
 
-def _start_lighthouse(groups: int, token: str | None, floor: str | None = None) -> tuple[subprocess.Popen, str]:
+def _start_lighthouse(
+    groups: int, token: str | None, floor: str | None = None
+) -> tuple[subprocess.Popen, str]:
     """As ``ftlaunch --replicas N`` hosts it: ``min_replicas`` 1 (the default), the N groups announced
     (the first quorum waits for them), the job's token (ftlaunch always makes one). ``floor``: the
     do-nothing server of `bench_lighthouse_sim.serve_floor` ("floor") or the lighthouse's transport
@@ -72,8 +74,21 @@ def _start_lighthouse(groups: int, token: str | None, floor: str | None = None) 
     if floor is not None:
         cmd = [sys.executable, sim.__file__, floor, str(groups)]
     else:
-        cmd = [sys.executable, "-m", "ftlaunch.lighthouse", "--min-replicas", "1", "--expected-replicas", str(groups),
-               "--join-timeout", "30", "--heartbeat-timeout", "10", "--log-level", "WARNING"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "ftlaunch.lighthouse",
+            "--min-replicas",
+            "1",
+            "--expected-replicas",
+            str(groups),
+            "--join-timeout",
+            "30",
+            "--heartbeat-timeout",
+            "10",
+            "--log-level",
+            "WARNING",
+        ]
     env = dict(os.environ)
     env.pop("FTLAUNCH_TOKEN", None)
     if token:
@@ -86,7 +101,9 @@ def _start_lighthouse(groups: int, token: str | None, floor: str | None = None) 
     return proc, line.split("listening on", 1)[1].strip()
 
 
-def _group_worker(addr: str, rids: list[str], rounds: int, warmup: int, barrier, out, token: str | None = None) -> None:
+def _group_worker(
+    addr: str, rids: list[str], rounds: int, warmup: int, barrier, out, token: str | None = None
+) -> None:
     """One process running len(rids) groups, one thread each; reports (rid, [(send, recv), ...])."""
     from ftlaunch.lighthouse import LighthouseClient, QuorumMember
 
@@ -116,8 +133,16 @@ def _group_worker(addr: str, rids: list[str], rounds: int, warmup: int, barrier,
 
 
 def _sim_worker(
-    addr: str, rids: list[str], rounds: int, warmup: int, barrier, out, spread: float = 0.0, vary_head: bool = False,
-    full: bool = False, token: str | None = None,
+    addr: str,
+    rids: list[str],
+    rounds: int,
+    warmup: int,
+    barrier,
+    out,
+    spread: float = 0.0,
+    vary_head: bool = False,
+    full: bool = False,
+    token: str | None = None,
 ) -> None:
     """Lightweight simulated groups: raw keep-alive sockets driven by one selector loop.
 
@@ -327,8 +352,18 @@ def _pct(values: list[float], q: float) -> float:
 
 
 def bench_quorum(
-    groups: int, procs: int, rounds: int, *, simulated: bool, spread: float = 0.0, vary_head: bool = False,
-    warmup: int = 20, full: bool = False, token: str | None = None, floor: str | None = None, lean: bool = False,
+    groups: int,
+    procs: int,
+    rounds: int,
+    *,
+    simulated: bool,
+    spread: float = 0.0,
+    vary_head: bool = False,
+    warmup: int = 20,
+    full: bool = False,
+    token: str | None = None,
+    floor: str | None = None,
+    lean: bool = False,
 ) -> dict:
     import psutil
 
@@ -348,13 +383,15 @@ def bench_quorum(
         elif simulated:
             workers = [
                 ctx.Process(
-                    target=_sim_worker, args=(addr, c, rounds, warmup, barrier, out, spread, vary_head, full, token)
+                    target=_sim_worker,
+                    args=(addr, c, rounds, warmup, barrier, out, spread, vary_head, full, token),
                 )
                 for c in chunks
             ]
         else:
             workers = [
-                ctx.Process(target=_group_worker, args=(addr, c, rounds, warmup, barrier, out, token)) for c in chunks
+                ctx.Process(target=_group_worker, args=(addr, c, rounds, warmup, barrier, out, token))
+                for c in chunks
             ]
         for w in workers:
             w.start()
@@ -383,7 +420,9 @@ def bench_quorum(
         if simulated and len(ids) != 1:
             raise SystemExit(f"expected one quorum id for unchanged membership, got {sorted(ids)}")
         if simulated and ("delta" in kinds) == full:
-            raise SystemExit(f"expected {'whole quorums' if full else 'deltas'} as answers, got {sorted(kinds)}")
+            raise SystemExit(
+                f"expected {'whole quorums' if full else 'deltas'} as answers, got {sorted(kinds)}"
+            )
     finally:
         server.terminate()
         server.wait(10)
@@ -397,10 +436,13 @@ def bench_quorum(
     ms = 1000.0
     return {
         "kind": (
-            ("lean" if lean else "sim") + (f", {spread * 1000:g} ms spread" if spread else ", burst")
+            ("lean" if lean else "sim")
+            + (f", {spread * 1000:g} ms spread" if spread else ", burst")
             + (", heads vary" if vary_head else "")
-            + (", whole" if full else "") + ({"floor": ", FLOOR", "transport": ", TRANSPORT"}.get(floor or "", ""))
-            if simulated else "LighthouseClient"
+            + (", whole" if full else "")
+            + ({"floor": ", FLOOR", "transport": ", TRANSPORT"}.get(floor or "", ""))
+            if simulated
+            else "LighthouseClient"
         ),
         "groups": groups,
         "procs": procs,
@@ -441,7 +483,9 @@ def bench_heartbeats(procs: int, threads: int, seconds: float, token: str | None
     server, addr = _start_lighthouse(0, token)
     try:
         out = ctx.Queue()
-        workers = [ctx.Process(target=_hb_worker, args=(addr, threads, seconds, out, token)) for _ in range(procs)]
+        workers = [
+            ctx.Process(target=_hb_worker, args=(addr, threads, seconds, out, token)) for _ in range(procs)
+        ]
         for w in workers:
             w.start()
         total = sum(_get(out, workers, 120) for _ in range(procs))
@@ -458,43 +502,80 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=500, help="measured rounds with 2 groups")
     p.add_argument("--rounds64", type=int, default=200, help="measured rounds with 64 groups")
     p.add_argument("--procs64", type=int, default=8, help="processes hosting the 64 simulated groups")
-    p.add_argument("--spread64", type=float, default=20.0,
-                   help="ms over which the staggered 64-group run spreads each round's requests")
+    p.add_argument(
+        "--spread64",
+        type=float,
+        default=20.0,
+        help="ms over which the staggered 64-group run spreads each round's requests",
+    )
     p.add_argument("--rounds1024", type=int, default=30, help="measured rounds with --groups-large groups")
-    p.add_argument("--groups-large", type=int, default=1024, help="groups of the large burst row (0: skip it)")
+    p.add_argument(
+        "--groups-large", type=int, default=1024, help="groups of the large burst row (0: skip it)"
+    )
     p.add_argument("--hb-seconds", type=float, default=3.0)
     p.add_argument("--small", type=int, default=4, help="groups of the small-job rows (0: skip them)")
-    p.add_argument("--scale-only", action="store_true",
-                   help="only the rows that compare delta and whole answers (small job, --groups-large) and heartbeats")
-    p.add_argument("--answers", choices=("both", "deltas", "whole"), default="both",
-                   help="which answer forms the small-job and large rows run (both: deltas, then whole)")
-    p.add_argument("--client64", action="store_true",
-                   help="also run 64 groups as real LighthouseClient threads (measures client CPU on few cores)")
-    p.add_argument("--token", default=None,
-                   help="job token every request carries (default: a fresh one, as ftlaunch makes; '' for none)")
-    p.add_argument("--floor", action="store_true",
-                   help="also run the --groups-large deltas row against a do-nothing server (the harness's floor) "
-                        "and against the lighthouse's transport under a do-nothing handler")
-    p.add_argument("--clients", choices=("sim", "lean", "both"), default="sim",
-                   help="simulated groups of the small-job and large rows: the benchmark's own (sim), lean ones "
-                        "that spend less of the host's CPU (bench_lighthouse_sim.lean_worker), or both")
+    p.add_argument(
+        "--scale-only",
+        action="store_true",
+        help="only the rows that compare delta and whole answers (small job, --groups-large) and heartbeats",
+    )
+    p.add_argument(
+        "--answers",
+        choices=("both", "deltas", "whole"),
+        default="both",
+        help="which answer forms the small-job and large rows run (both: deltas, then whole)",
+    )
+    p.add_argument(
+        "--client64",
+        action="store_true",
+        help="also run 64 groups as real LighthouseClient threads (measures client CPU on few cores)",
+    )
+    p.add_argument(
+        "--token",
+        default=None,
+        help="job token every request carries (default: a fresh one, as ftlaunch makes; '' for none)",
+    )
+    p.add_argument(
+        "--floor",
+        action="store_true",
+        help="also run the --groups-large deltas row against a do-nothing server (the harness's floor) "
+        "and against the lighthouse's transport under a do-nothing handler",
+    )
+    p.add_argument(
+        "--clients",
+        choices=("sim", "lean", "both"),
+        default="sim",
+        help="simulated groups of the small-job and large rows: the benchmark's own (sim), lean ones "
+        "that spend less of the host's CPU (bench_lighthouse_sim.lean_worker), or both",
+    )
     args = p.parse_args()
     token = secrets.token_hex(16) if args.token is None else args.token or None
     # Each simulated group holds two connections, and the lighthouse one per connection.
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     want = 4 * args.groups_large + 256
     if soft != resource.RLIM_INFINITY and soft < want:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (want if hard == resource.RLIM_INFINITY else min(want, hard), hard))
+        resource.setrlimit(
+            resource.RLIMIT_NOFILE, (want if hard == resource.RLIM_INFINITY else min(want, hard), hard)
+        )
 
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    print(f"lighthouse benchmark on {os.cpu_count()} CPU(s), Python {sys.version.split()[0]}, "
-          f"load average {load} (other work on the host inflates every figure)", flush=True)
-    rows = [] if args.scale_only else [
-        bench_quorum(2, 2, args.rounds, simulated=False, token=token),
-        bench_quorum(64, args.procs64, args.rounds64, simulated=True, token=token),
-        bench_quorum(64, args.procs64, args.rounds64, simulated=True, spread=args.spread64 / 1000, token=token),
-        bench_quorum(64, args.procs64, args.rounds64, simulated=True, vary_head=True, token=token),
-    ]
+    print(
+        f"lighthouse benchmark on {os.cpu_count()} CPU(s), Python {sys.version.split()[0]}, "
+        f"load average {load} (other work on the host inflates every figure)",
+        flush=True,
+    )
+    rows = (
+        []
+        if args.scale_only
+        else [
+            bench_quorum(2, 2, args.rounds, simulated=False, token=token),
+            bench_quorum(64, args.procs64, args.rounds64, simulated=True, token=token),
+            bench_quorum(
+                64, args.procs64, args.rounds64, simulated=True, spread=args.spread64 / 1000, token=token
+            ),
+            bench_quorum(64, args.procs64, args.rounds64, simulated=True, vary_head=True, token=token),
+        ]
+    )
     # Answers as deltas (what LighthouseClient gets) beside whole quorums (what an older client, or
     # one naming no revision, gets): a small job must not get slower, a large one is the point.
     forms = {"both": (False, True), "deltas": (False,), "whole": (True,)}[args.answers]
@@ -517,17 +598,21 @@ def main() -> None:
     if args.client64:
         rows.append(bench_quorum(64, args.procs64, args.rounds64, simulated=False, token=token))
     print("\nfast-quorum round trip (last request sent -> every group has the quorum)")
-    print(f"{'groups':>6} {'clients':>26} {'procs':>5} {'rounds':>6} {'p50 ms':>8} {'p99 ms':>8} "
-          f"{'last caller p50':>15} {'server CPU':>13} {'clients CPU':>13} {'target p50':>10} {'met':>4} {'torchft p50':>11}")
+    print(
+        f"{'groups':>6} {'clients':>26} {'procs':>5} {'rounds':>6} {'p50 ms':>8} {'p99 ms':>8} "
+        f"{'last caller p50':>15} {'server CPU':>13} {'clients CPU':>13} {'target p50':>10} {'met':>4} {'torchft p50':>11}"
+    )
     for r in rows:
         target = TARGET_MS.get(r["groups"])
         met = "-" if target is None else "yes" if r["p50"] <= target else "NO"
         goal = f"<= {target:g} ms" if target else "-"
         clients = r["clients_cpu_per_round"]
         clients_text = f"{clients:>7.2f} ms/rd" if clients is not None else "-"
-        print(f"{r['groups']:>6} {r['kind']:>26} {r['procs']:>5} {r['rounds']:>6} {r['p50']:>8.3f} {r['p99']:>8.3f} "
-              f"{r['last_p50']:>12.3f} ms {r['cpu_per_round']:>7.2f} ms/rd {clients_text:>13} "
-              f"{goal:>10} {met:>4} {TORCHFT.get(r['groups'], '-'):>11}")
+        print(
+            f"{r['groups']:>6} {r['kind']:>26} {r['procs']:>5} {r['rounds']:>6} {r['p50']:>8.3f} {r['p99']:>8.3f} "
+            f"{r['last_p50']:>12.3f} ms {r['cpu_per_round']:>7.2f} ms/rd {clients_text:>13} "
+            f"{goal:>10} {met:>4} {TORCHFT.get(r['groups'], '-'):>11}"
+        )
     rate = bench_heartbeats(procs=2, threads=2, seconds=args.hb_seconds, token=token)
     print(f"\nheartbeat throughput: {rate:,.0f} req/s (2 processes x 2 threads, keep-alive connections)")
     print(f"every request carried the job token: {'yes' if token else 'no'}")

@@ -87,9 +87,13 @@ def _feed(conn: Connection, data: bytes) -> None:
 
 def run(groups: int, rounds: int, beats: float, token: str | None, whole: bool) -> dict[str, float]:
     loop = asyncio.new_event_loop()
-    membership = Membership(QuorumOptions(min_replicas=1, join_timeout=30, heartbeat_timeout=10, expected_replicas=groups))
+    membership = Membership(
+        QuorumOptions(min_replicas=1, join_timeout=30, heartbeat_timeout=10, expected_replicas=groups)
+    )
     routes = Routes(membership, token=token, snapshot=lambda: None)  # type: ignore[arg-type,return-value]
-    server = HttpServer(_unused_socket(), routes, idle_timeout=120.0, read_timeout=10.0, max_body=MAX_BODY_BYTES)
+    server = HttpServer(
+        _unused_socket(), routes, idle_timeout=120.0, read_timeout=10.0, max_body=MAX_BODY_BYTES
+    )
     server.loop = loop
     server._loop_ident = threading.get_ident()
     rids = [f"g{i:04d}" for i in range(groups)]
@@ -158,7 +162,9 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=100)
     p.add_argument("--beats", type=float, default=0.05, help="fraction of the groups that beat per round")
     p.add_argument("--token", default="bench-token", help="job token every request carries ('' for none)")
-    p.add_argument("--whole", action="store_true", help="no 'known' revision: every answer is the whole quorum")
+    p.add_argument(
+        "--whole", action="store_true", help="no 'known' revision: every answer is the whole quorum"
+    )
     p.add_argument("--repeat", type=int, default=3, help="runs; the best is printed")
     p.add_argument("--profile", help="write a cProfile of one run to this file")
     args = p.parse_args()
@@ -167,7 +173,9 @@ def main() -> None:
     if args.profile:
         import cProfile
 
-        cProfile.runctx("run(args.groups, args.rounds, args.beats, token, args.whole)", globals(), locals(), args.profile)
+        cProfile.runctx(
+            "run(args.groups, args.rounds, args.beats, token, args.whole)", globals(), locals(), args.profile
+        )
     best = min(
         (run(args.groups, args.rounds, args.beats, token, args.whole) for _ in range(args.repeat)),
         key=lambda r: r["round_ms"],

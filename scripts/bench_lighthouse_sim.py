@@ -29,9 +29,12 @@ def _answer(kind: str, size: int) -> bytes:
 
 #: The floors' fixed answer bodies: a delta, a whole quorum, a heartbeat's (the 1024-group pace), a leave's.
 _ANSWERS = (
-    _answer("delta", 240), _answer("quorum", 240),
-    json.dumps({"ok": True, "interval": 1.1, "version": 1}).encode(), json.dumps({"left": True, "version": 1}).encode(),
+    _answer("delta", 240),
+    _answer("quorum", 240),
+    json.dumps({"ok": True, "interval": 1.1, "version": 1}).encode(),
+    json.dumps({"left": True, "version": 1}).encode(),
 )
+
 
 def serve_floor(groups: int) -> None:
     """The harness's floor: an asyncio server that reads each request (head up to the blank line,
@@ -46,7 +49,10 @@ def serve_floor(groups: int) -> None:
     length_re = re.compile(rb"content-length:\s*(\d+)", re.I)
 
     def wire(body: bytes) -> bytes:
-        return b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body
+        return (
+            b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body)
+            + body
+        )
 
     delta, whole, beat, left = (wire(body) for body in _ANSWERS)
     parked: list[tuple[asyncio.Transport, bytes]] = []
@@ -170,7 +176,14 @@ def serve_transport_floor(groups: int) -> None:
 
 
 def lean_worker(
-    addr: str, rids: list[str], rounds: int, warmup: int, barrier, out, full: bool = False, token: str | None = None,
+    addr: str,
+    rids: list[str],
+    rounds: int,
+    warmup: int,
+    barrier,
+    out,
+    full: bool = False,
+    token: str | None = None,
 ) -> None:
     """Lean simulated groups: the same requests on the same connections as ``_sim_worker`` (a
     quorum connection and a bound heartbeat connection per group, the job token, the process's
@@ -190,7 +203,9 @@ def lean_worker(
     fixed = f"X-Ftlaunch-Incarnation: {secrets.token_hex(8)}\r\n"
     if token:
         fixed += f"Authorization: Bearer {token}\r\n"
-    quorum_head = ("POST /v1/quorum HTTP/1.1\r\nHost: lh\r\nContent-Type: application/json\r\n" + fixed).encode()
+    quorum_head = (
+        "POST /v1/quorum HTTP/1.1\r\nHost: lh\r\nContent-Type: application/json\r\n" + fixed
+    ).encode()
 
     def connect() -> socket.socket:
         s = socket.create_connection((host, port))
@@ -251,7 +266,11 @@ def lean_worker(
         tail = b', "known": "' + known + b'"}' if known and not full else b"}"
         sent = [0.0] * n
         for i, rid in enumerate(rids):
-            body = b'{"member": {"replica_id": "%s", "step": %d}, "timeout": 60%s' % (rid.encode(), step, tail)
+            body = b'{"member": {"replica_id": "%s", "step": %d}, "timeout": 60%s' % (
+                rid.encode(),
+                step,
+                tail,
+            )
             req = quorum_head + b"Content-Length: %d\r\n\r\n" % len(body) + body
             sent[i] = time.perf_counter()
             qsocks[i].sendall(req)
@@ -288,7 +307,11 @@ def lean_worker(
     poll.close()
     for rid, s in zip(rids, qsocks, strict=True):
         body = json.dumps({"replica_id": rid}).encode()
-        s.sendall(quorum_head.replace(b"/v1/quorum", b"/v1/leave") + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        s.sendall(
+            quorum_head.replace(b"/v1/quorum", b"/v1/leave")
+            + b"Content-Length: %d\r\n\r\n" % len(body)
+            + body
+        )
         buf = b""
         while answer_of(buf) is None:
             buf += s.recv(65536)

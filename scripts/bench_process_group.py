@@ -59,7 +59,7 @@ def _worker(rank: int, port: int, sizes: list[str], rounds: int, conn: Any) -> N
                 dist.all_reduce(tensors[name], group=g)
         order = list(groups)
         for r in range(rounds):
-            for name in order[r % len(order):] + order[: r % len(order)]:  # rotate the order
+            for name in order[r % len(order) :] + order[: r % len(order)]:  # rotate the order
                 g, t = groups[name], tensors[name]
                 dist.barrier()
                 start = time.perf_counter()
@@ -68,8 +68,7 @@ def _worker(rank: int, port: int, sizes: list[str], rounds: int, conn: Any) -> N
                 results[size][name].append((time.perf_counter() - start) / n)
 
     # Reconfigure latency (both ranks reconfigure together, as a Manager would).
-    reconf: dict[str, list[float]] = {"BabyGloo, child reused": [], "BabyGloo, new child": [],
-                                      "Gloo": []}
+    reconf: dict[str, list[float]] = {"BabyGloo, child reused": [], "BabyGloo, new child": [], "Gloo": []}
     pid = baby.child_pid
     for i in range(10):
         dist.barrier()
@@ -94,7 +93,9 @@ def _worker(rank: int, port: int, sizes: list[str], rounds: int, conn: Any) -> N
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--rounds", type=int, default=25)
     parser.add_argument("--sizes", default="4K,1M,16M,64M")
     args = parser.parse_args()
@@ -105,12 +106,14 @@ def main() -> None:
 
     import torch.distributed as dist
 
-    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                           timeout=timedelta(seconds=120))
+    server = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=120)
+    )
     ctx = mp.get_context("spawn")
     pipes = [ctx.Pipe(duplex=False) for _ in range(2)]
-    procs = [ctx.Process(target=_worker, args=(r, server.port, sizes, args.rounds, pipes[r][1]))
-             for r in range(2)]
+    procs = [
+        ctx.Process(target=_worker, args=(r, server.port, sizes, args.rounds, pipes[r][1])) for r in range(2)
+    ]
     for p in procs:
         p.start()
     results, reconf, reused = pipes[0][0].recv()
@@ -127,8 +130,10 @@ def main() -> None:
         for name, times in results[size].items():
             med = statistics.median(times)
             ratio = statistics.median(p / t for p, t in zip(plain, times, strict=True))
-            target = {"ftlaunch Gloo": 0.95,
-                      "ftlaunch BabyGloo": 0.85 if SIZES[size] >= 1 << 20 else None}.get(name)
+            target = {
+                "ftlaunch Gloo": 0.95,
+                "ftlaunch BabyGloo": 0.85 if SIZES[size] >= 1 << 20 else None,
+            }.get(name)
             mark = "" if target is None else f">= {target:.2f} {'ok' if ratio >= target else 'MISSED'}"
             gbs = SIZES[size] / med / 1e9
             print(f"{size:>5} {name:<18} {med * 1e3:>11.3f} ms {gbs:>7.3f} GB/s {ratio:>6.2f}x  {mark}")
@@ -136,7 +141,11 @@ def main() -> None:
     print(f"reconfigure latency (2 ranks), median [min..max]; Baby child reused across configure: {reused}")
     for name, times in reconf.items():
         med = statistics.median(times)
-        target = "  target <= 100 ms " + ("ok" if med <= 0.1 else "MISSED") if name == "BabyGloo, child reused" else ""
+        target = (
+            "  target <= 100 ms " + ("ok" if med <= 0.1 else "MISSED")
+            if name == "BabyGloo, child reused"
+            else ""
+        )
         print(f"  {name:<24} {med * 1e3:8.1f} ms  [{min(times) * 1e3:.1f}..{max(times) * 1e3:.1f}]{target}")
 
 

@@ -51,8 +51,13 @@ BASELINE = {  # torchft-nightly 2026.10.26, same machine class (BRIEF.md)
     "rejoin": "4.3-5.1 s",
     "transfer": "1.1 GB/s",
 }
-TARGET = {"ratio_gloo": "<= 1.10", "ratio_baby": "<= 1.25", "stall": "<= 0.5 s", "rejoin": "<= 2.5 s",
-          "transfer": ">= 2 GB/s"}
+TARGET = {
+    "ratio_gloo": "<= 1.10",
+    "ratio_baby": "<= 1.25",
+    "stall": "<= 0.5 s",
+    "rejoin": "<= 2.5 s",
+    "transfer": ">= 2 GB/s",
+}
 
 
 # ------------------------------------------------------------------------------------------ workers
@@ -61,8 +66,9 @@ def _model():  # noqa: ANN202
     from torch import nn
 
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.ReLU(), nn.Linear(WIDTH, WIDTH), nn.ReLU(),
-                         nn.Linear(WIDTH, WIDTH))
+    return nn.Sequential(
+        nn.Linear(WIDTH, WIDTH), nn.ReLU(), nn.Linear(WIDTH, WIDTH), nn.ReLU(), nn.Linear(WIDTH, WIDTH)
+    )
 
 
 def worker_plain(rank: int, port: int, steps: int, out: str) -> None:
@@ -105,9 +111,12 @@ def worker_ft(group: int, lighthouse: str, steps: int, out: str, backend: str, s
     model = _model()
     inner = torch.optim.SGD(model.parameters(), lr=1e-3)
     manager = Manager(
-        pg=pg, load_state_dict=lambda sd: (model.load_state_dict(sd["m"]), inner.load_state_dict(sd["o"])),
+        pg=pg,
+        load_state_dict=lambda sd: (model.load_state_dict(sd["m"]), inner.load_state_dict(sd["o"])),
         state_dict=lambda: {"m": model.state_dict(), "o": inner.state_dict()},
-        replica_id=f"rg{group}", lighthouse_addr=lighthouse, timeout=timedelta(seconds=10),
+        replica_id=f"rg{group}",
+        lighthouse_addr=lighthouse,
+        timeout=timedelta(seconds=10),
         quorum_timeout=timedelta(seconds=30),
     )
     ddp = DistributedDataParallel(manager, model)
@@ -130,8 +139,17 @@ def worker_ft(group: int, lighthouse: str, steps: int, out: str, backend: str, s
             if ok:
                 inner.step()
             t5 = clock()
-            f.write(json.dumps({"t": time.time(), "dt": t5 - t0, "ok": ok,
-                                "ph": [t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4]}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "t": time.time(),
+                        "dt": t5 - t0,
+                        "ok": ok,
+                        "ph": [t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4],
+                    }
+                )
+                + "\n"
+            )
             if step_sleep:
                 time.sleep(step_sleep)
     finally:
@@ -162,16 +180,26 @@ def worker_interleaved(group: int, port: int, lh_gloo: str, lh_baby: str, rounds
         configs[name] = (None, ddp, torch.optim.SGD(ddp.parameters(), lr=1e-3))
     for name, lighthouse in (("gloo", lh_gloo), ("baby", lh_baby)):
         pg = ProcessGroupBabyGloo(timeout=10.0) if name == "baby" else ProcessGroupGloo(timedelta(seconds=10))
-        manager = Manager(pg=pg, load_state_dict=None, state_dict=None, replica_id=f"rg{group}",
-                          lighthouse_addr=lighthouse, timeout=timedelta(seconds=10),
-                          quorum_timeout=timedelta(seconds=30))
+        manager = Manager(
+            pg=pg,
+            load_state_dict=None,
+            state_dict=None,
+            replica_id=f"rg{group}",
+            lighthouse_addr=lighthouse,
+            timeout=timedelta(seconds=10),
+            quorum_timeout=timedelta(seconds=30),
+        )
         model = _model()
-        configs[name] = (manager, DistributedDataParallel(manager, model), torch.optim.SGD(model.parameters(), lr=1e-3))
+        configs[name] = (
+            manager,
+            DistributedDataParallel(manager, model),
+            torch.optim.SGD(model.parameters(), lr=1e-3),
+        )
     x = torch.randn(BATCH, WIDTH)
     clock = time.perf_counter
     results: dict[str, list[list[float]]] = {name: [] for name in INTERLEAVED}
     for r in range(rounds):
-        for name in INTERLEAVED[r % 4:] + INTERLEAVED[:r % 4]:
+        for name in INTERLEAVED[r % 4 :] + INTERLEAVED[: r % 4]:
             manager, ddp, opt = configs[name]
             t0 = clock()
             if manager is not None:
@@ -200,14 +228,28 @@ def interleaved(rounds: int, tmp: Path) -> dict[str, list[list[float]]]:
     from ftlaunch.lighthouse.server import LighthouseServer
 
     port = _free_port()
-    with LighthouseServer(min_replicas=2, join_timeout=30.0).start() as lh_gloo, \
-            LighthouseServer(min_replicas=2, join_timeout=30.0).start() as lh_baby:
+    with (
+        LighthouseServer(min_replicas=2, join_timeout=30.0).start() as lh_gloo,
+        LighthouseServer(min_replicas=2, join_timeout=30.0).start() as lh_baby,
+    ):
         outs = [tmp / f"interleaved{g}.json" for g in range(2)]
-        procs = [_spawn(["interleaved", str(g), str(port), lh_gloo.address, lh_baby.address, str(rounds),
-                         str(outs[g])]) for g in range(2)]
+        procs = [
+            _spawn(
+                [
+                    "interleaved",
+                    str(g),
+                    str(port),
+                    lh_gloo.address,
+                    lh_baby.address,
+                    str(rounds),
+                    str(outs[g]),
+                ]
+            )
+            for g in range(2)
+        ]
         for p in procs:
             p.wait(timeout=1800)
-    return {k: v[rounds // 5:] for k, v in json.loads(outs[0].read_text()).items()}
+    return {k: v[rounds // 5 :] for k, v in json.loads(outs[0].read_text()).items()}
 
 
 # ------------------------------------------------------------------------------------------ driver
@@ -242,7 +284,7 @@ def plain_step_time(steps: int, tmp: Path) -> tuple[float, list[float]]:
     for p in procs:
         p.wait(timeout=600)
     data = json.loads(outs[0].read_text())
-    return statistics.median(data["times"][steps // 5:]), _phase_medians(data["phases"][steps // 5:])
+    return statistics.median(data["times"][steps // 5 :]), _phase_medians(data["phases"][steps // 5 :])
 
 
 def ft_step_time(steps: int, tmp: Path, backend: str) -> tuple[float, list[float]]:
@@ -254,7 +296,7 @@ def ft_step_time(steps: int, tmp: Path, backend: str) -> tuple[float, list[float
         procs = [_spawn(["ft", str(g), lh.address, str(steps), str(outs[g]), backend, "0"]) for g in range(2)]
         for p in procs:
             p.wait(timeout=600)
-    recs = [r for r in _records(outs[0]) if "dt" in r][steps // 5:]
+    recs = [r for r in _records(outs[0]) if "dt" in r][steps // 5 :]
     return statistics.median(r["dt"] for r in recs), _phase_medians([r["ph"] for r in recs])
 
 
@@ -265,7 +307,9 @@ def kill_and_rejoin(tmp: Path, backend: str = "gloo") -> tuple[float, float, flo
     steps = 400
     with LighthouseServer(min_replicas=1, join_timeout=30.0).start() as lh:
         outs = [tmp / f"kill{g}.jsonl" for g in range(2)]
-        procs = [_spawn(["ft", str(g), lh.address, str(steps), str(outs[g]), backend, "0.02"]) for g in range(2)]
+        procs = [
+            _spawn(["ft", str(g), lh.address, str(steps), str(outs[g]), backend, "0.02"]) for g in range(2)
+        ]
         deadline = time.monotonic() + 120
         while sum(1 for r in _records(outs[1]) if r.get("ok")) < 20:
             if time.monotonic() > deadline:
@@ -358,8 +402,9 @@ else:  # the survivor's load, as in the real episode: a training-sized matmul ev
 """
 
 
-def _ftlaunch(args: list[str], phase_log: Path, extra_env: dict[str, str] | None = None,
-              timeout: float = 300) -> list[tuple[float, str]]:
+def _ftlaunch(
+    args: list[str], phase_log: Path, extra_env: dict[str, str] | None = None, timeout: float = 300
+) -> list[tuple[float, str]]:
     """Run the `ftlaunch` command (defaults apart from ``args``); its output lines, timestamped."""
     cmd = [sys.executable, "-m", "ftlaunch.launcher.cli", "--no-status", *args]
     env = dict(os.environ, OMP_NUM_THREADS="1", FTLAUNCH_PHASE_LOG=str(phase_log), **(extra_env or {}))
@@ -386,16 +431,21 @@ def floor(tmp: Path) -> tuple[float, float]:
     script.write_text(FLOOR_SCRIPT)
     # No standby interpreter: the floor is a fresh interpreter's `import torch` (the standby forks one
     # that has imported it already, which is the point of it).
-    _ftlaunch(["--replicas", "2", str(script), str(done)], log, {"FTLAUNCH_BACKEND": "gloo", "FTLAUNCH_ZYGOTE": "0"},
-              timeout=180)
+    _ftlaunch(
+        ["--replicas", "2", str(script), str(done)],
+        log,
+        {"FTLAUNCH_BACKEND": "gloo", "FTLAUNCH_ZYGOTE": "0"},
+        timeout=180,
+    )
     recs = phases.read(log)
     kill = next(r["t"] for r in recs if r["phase"] == "floor_kill")
     at = {r["phase"]: r["t"] for r in recs}
     return at["floor_torch_imported"] - kill, at["floor_optimizer"] - kill
 
 
-def launcher_episode(tmp: Path, spares: int = 0, steps: int = 600, kill_at: int = 60,
-                     extra_env: dict[str, str] | None = None) -> dict:
+def launcher_episode(
+    tmp: Path, spares: int = 0, steps: int = 600, kill_at: int = 60, extra_env: dict[str, str] | None = None
+) -> dict:
     """One kill and rejoin through `ftlaunch --replicas 2 --chaos steps=K,group=1 train_ddp.py`:
     the survivor's (rg0) longest gap between committed steps, from its last commit before the
     kill until 3 s after the replacement's first commit; kill -> the replacement's first commit
@@ -406,9 +456,22 @@ def launcher_episode(tmp: Path, spares: int = 0, steps: int = 600, kill_at: int 
 
     log = tmp / f"phases_{spares}_{time.monotonic_ns()}.jsonl"
     script = HERE.parent / "train_ddp.py"
-    args = ["--replicas", "2", *(["--spares", str(spares)] if spares else []),
-            "--chaos", f"steps={kill_at},group=1", str(script), "--steps", str(steps), "--width", str(WIDTH),
-            "--batch-size", str(BATCH), "--step-sleep", "0.02"]
+    args = [
+        "--replicas",
+        "2",
+        *(["--spares", str(spares)] if spares else []),
+        "--chaos",
+        f"steps={kill_at},group=1",
+        str(script),
+        "--steps",
+        str(steps),
+        "--width",
+        str(WIDTH),
+        "--batch-size",
+        str(BATCH),
+        "--step-sleep",
+        "0.02",
+    ]
     lines = _ftlaunch(args, log, extra_env)
     recs = phases.read(log)
     kills = [r["t"] for r in recs if r["phase"] == "chaos_kill"]
@@ -426,7 +489,9 @@ def launcher_episode(tmp: Path, spares: int = 0, steps: int = 600, kill_at: int 
     replacement = min((t for g, ts in commits.items() if g > 1 for t in ts if t > t_kill), default=None)
     # The restarted group's phases (first record of each after the kill, restart >= 1 for the worker's).
     seen: dict[str, float] = {}
-    new_pids = {r["pid"] for r in recs if r["phase"] == "init" and r.get("replica") == "1" and r["t"] > t_kill}
+    new_pids = {
+        r["pid"] for r in recs if r["phase"] == "init" and r.get("replica") == "1" and r["t"] > t_kill
+    }
     for r in recs:
         if r["t"] < t_kill or r["phase"] in seen:
             continue
@@ -460,19 +525,33 @@ def launcher_episode(tmp: Path, spares: int = 0, steps: int = 600, kill_at: int 
         gap_note = f"the survivor finished {end - survivor[-1]:.1f} s before the episode's end"
     else:
         gap_note = ""
-    return {"gap": gap, "gap_at": gap_at, "gap_note": gap_note,
-            "cold": (replacement - t_kill) if replacement is not None else float("inf"), "phases": seen}
+    return {
+        "gap": gap,
+        "gap_at": gap_at,
+        "gap_note": gap_note,
+        "cold": (replacement - t_kill) if replacement is not None else float("inf"),
+        "phases": seen,
+    }
 
 
 def spares_supported() -> bool:
-    out = subprocess.run([sys.executable, "-m", "ftlaunch.launcher.cli", "--help"], capture_output=True,
-                         text=True, timeout=60).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "ftlaunch.launcher.cli", "--help"], capture_output=True, text=True, timeout=60
+    ).stdout
     return "--spares" in out
 
 
 def _run_line(r: dict) -> str:
     """One run's restarted-group phases, compact: seconds after the kill."""
-    keys = ("process_start", "zygote_handover", "baby_child_ready", "script_start", "init", "ready", "first_commit")
+    keys = (
+        "process_start",
+        "zygote_handover",
+        "baby_child_ready",
+        "script_start",
+        "init",
+        "ready",
+        "first_commit",
+    )
     return " ".join(f"{k}={r['phases'][k]:.2f}" for k in keys if k in r["phases"])
 
 
@@ -521,41 +600,60 @@ def main_launcher(args: argparse.Namespace) -> int:
             if with_spares:
                 spare_runs.append(launcher_episode(tmp, spares=1))
             r = runs[-1]
-            print(f"run {i + 1} (load {at:.1f}): survivor's longest gap {r['gap']:.3f} s (at kill{r['gap_at']:+.2f} s), "
-                  f"kill -> first commit {r['cold']:.2f} s, floor {floors[-1][0]:.2f} s (+ an optimizer: {floors[-1][1]:.2f} s)"
-                  + (f", with --spares 1: {spare_runs[-1]['cold']:.2f} s" if spare_runs else "")
-                  + (f" [{r['gap_note']}]" if r["gap_note"] else ""), flush=True)
+            print(
+                f"run {i + 1} (load {at:.1f}): survivor's longest gap {r['gap']:.3f} s (at kill{r['gap_at']:+.2f} s), "
+                f"kill -> first commit {r['cold']:.2f} s, floor {floors[-1][0]:.2f} s (+ an optimizer: {floors[-1][1]:.2f} s)"
+                + (f", with --spares 1: {spare_runs[-1]['cold']:.2f} s" if spare_runs else "")
+                + (f" [{r['gap_note']}]" if r["gap_note"] else ""),
+                flush=True,
+            )
             print(f"    phases: {_run_line(r)}", flush=True)
             if cmp_runs:
                 c = cmp_runs[-1]
-                print(f"    with {' '.join(args.compare_env)}: kill -> first commit {c['cold']:.2f} s; {_run_line(c)}",
-                      flush=True)
+                print(
+                    f"    with {' '.join(args.compare_env)}: kill -> first commit {c['cold']:.2f} s; {_run_line(c)}",
+                    flush=True,
+                )
     med = statistics.median
     gap, cold, fl = med(r["gap"] for r in runs), med(r["cold"] for r in runs), med(f[0] for f in floors)
-    print(f"\nthrough `ftlaunch --replicas 2 --chaos steps=60,group=1 scripts/train_ddp.py` (defaults: Baby Gloo, "
-          f"pg transport), MLP 3x{WIDTH}, batch {BATCH}, 20 ms sleep per step; {args.runs} run(s), medians; "
-          f"load average {load:.1f} -> {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; {note}")
+    print(
+        f"\nthrough `ftlaunch --replicas 2 --chaos steps=60,group=1 scripts/train_ddp.py` (defaults: Baby Gloo, "
+        f"pg transport), MLP 3x{WIDTH}, batch {BATCH}, 20 ms sleep per step; {args.runs} run(s), medians; "
+        f"load average {load:.1f} -> {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; {note}"
+    )
     print(f"{'figure':<58}{'ftlaunch':>10}   {'torchft':<34}{'before':<12}target")
     f_gap, f_cold, f_spare = ISSUE11["gap"], ISSUE11["cold"], ISSUE11["spare"]
-    print(f"{'(a) survivor longest gap, whole kill+rejoin episode':<58}{gap:>8.3f} s   {f_gap[0]:<34}{f_gap[1]:<12}{f_gap[2]}")
-    print(f"{'(b) kill -> first commit of the restarted group':<58}{cold:>8.2f} s   {f_cold[0]:<34}{f_cold[1]:<12}{f_cold[2]}")
-    print(f"{'    floor: kill -> bare `import torch` done, same agent':<58}{fl:>8.2f} s   "
-          f"(we are {cold - fl:+.2f} s from it)")
+    print(
+        f"{'(a) survivor longest gap, whole kill+rejoin episode':<58}{gap:>8.3f} s   {f_gap[0]:<34}{f_gap[1]:<12}{f_gap[2]}"
+    )
+    print(
+        f"{'(b) kill -> first commit of the restarted group':<58}{cold:>8.2f} s   {f_cold[0]:<34}{f_cold[1]:<12}{f_cold[2]}"
+    )
+    print(
+        f"{'    floor: kill -> bare `import torch` done, same agent':<58}{fl:>8.2f} s   "
+        f"(we are {cold - fl:+.2f} s from it)"
+    )
     fl_opt = med(f[1] for f in floors)
-    print(f"{'    ... and its first torch.optim optimizer (torch._dynamo)':<58}{fl_opt:>8.2f} s   "
-          f"(we are {cold - fl_opt:+.2f} s from it)")
+    print(
+        f"{'    ... and its first torch.optim optimizer (torch._dynamo)':<58}{fl_opt:>8.2f} s   "
+        f"(we are {cold - fl_opt:+.2f} s from it)"
+    )
     if cmp_runs:
         c_cold = med(c["cold"] for c in cmp_runs)
         ratios = [r["cold"] / c["cold"] for r, c in zip(runs, cmp_runs, strict=True) if c["cold"] > 0]
-        print(f"{'    the same with ' + ' '.join(args.compare_env):<58}{c_cold:>8.2f} s   "
-              f"(same run, interleaved: default / compared = {med(ratios):.2f}, per run "
-              f"{', '.join(f'{x:.2f}' for x in ratios)})")
+        print(
+            f"{'    the same with ' + ' '.join(args.compare_env):<58}{c_cold:>8.2f} s   "
+            f"(same run, interleaved: default / compared = {med(ratios):.2f}, per run "
+            f"{', '.join(f'{x:.2f}' for x in ratios)})"
+        )
     if args.cold_only:
         print(f"{'(c) kill -> first commit with --spares 1':<58}{'skipped':>10}   (--cold-only)")
     else:
         spare = f"{med(r['cold'] for r in spare_runs):>8.2f} s" if spare_runs else f"{'n/a':>10}"
-        print(f"{'(c) kill -> first commit with --spares 1':<58}{spare}   {f_spare[0]:<34}{f_spare[1]:<12}{f_spare[2]}"
-              + ("" if spare_runs else "   (this ftlaunch has no --spares)"))
+        print(
+            f"{'(c) kill -> first commit with --spares 1':<58}{spare}   {f_spare[0]:<34}{f_spare[1]:<12}{f_spare[2]}"
+            + ("" if spare_runs else "   (this ftlaunch has no --spares)")
+        )
     print("\n(b) phase breakdown, seconds after the kill (median over runs; delta from the previous phase):")
     _print_breakdown(runs)
     if cmp_runs:
@@ -568,8 +666,9 @@ def transfer_rate() -> str:
     bench = HERE.parent / "bench_transport.py"
     if not bench.exists():
         return "n/a (scripts/bench_transport.py missing)"
-    proc = subprocess.run([sys.executable, str(bench), "--runs", "3", "--no-pg"], capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run(
+        [sys.executable, str(bench), "--runs", "3", "--no-pg"], capture_output=True, text=True, timeout=600
+    )
     lines = [x for x in proc.stdout.splitlines() if "GB/s" in x]
     return lines[0].strip() if lines else f"n/a (bench_transport exit {proc.returncode})"
 
@@ -583,26 +682,40 @@ def main_interleaved(args: argparse.Namespace) -> int:
             res = interleaved(args.interleaved, Path(d))
             line = []
             for k in ratios:
-                ratios[k].append(statistics.median(a[0] / p[0] for a, p in zip(res[k], res["plain"], strict=True)))
+                ratios[k].append(
+                    statistics.median(a[0] / p[0] for a, p in zip(res[k], res["plain"], strict=True))
+                )
                 line.append(f"{k} {ratios[k][-1]:.3f}")
             for k in vs_views:
-                vs_views[k].append(statistics.median(
-                    a[0] / p[0] for a, p in zip(res[k], res["plain_views"], strict=True)))
+                vs_views[k].append(
+                    statistics.median(a[0] / p[0] for a, p in zip(res[k], res["plain_views"], strict=True))
+                )
             for k in INTERLEAVED:
                 phases[k].append(_phase_medians(res[k]))
-            print(f"run {i + 1}: step-time ratios to plain DDP (median over rounds): " + ", ".join(line), flush=True)
+            print(
+                f"run {i + 1}: step-time ratios to plain DDP (median over rounds): " + ", ".join(line),
+                flush=True,
+            )
     med = {k: statistics.median(v) for k, v in ratios.items()}
-    print(f"setup: 2 groups x 1 worker, gloo/loopback, MLP 3x{WIDTH}, batch {BATCH}, SGD; interleaved, "
-          f"{args.interleaved} rounds x {args.runs} runs (medians)")
+    print(
+        f"setup: 2 groups x 1 worker, gloo/loopback, MLP 3x{WIDTH}, batch {BATCH}, SGD; interleaved, "
+        f"{args.interleaved} rounds x {args.runs} runs (medians)"
+    )
     plain_ms = statistics.median(ph[0] for ph in phases["plain"]) * 1e3
     print(f"plain torch DDP step              {plain_ms:8.2f} ms")
-    print(f"ftlaunch Gloo                     ratio {med['gloo']:5.2f}  (torchft {BASELINE['ratio_gloo']}, "
-          f"target {TARGET['ratio_gloo']})")
-    print(f"ftlaunch BabyGloo                 ratio {med['baby']:5.2f}  (torchft {BASELINE['ratio_baby']}, "
-          f"target {TARGET['ratio_baby']})")
-    print(f"  (plain DDP with gradient_as_bucket_view, ftlaunch's default: ratio {med['plain_views']:.2f}; "
-          f"ftlaunch against it: Gloo {statistics.median(vs_views['gloo']):.2f}, "
-          f"Baby {statistics.median(vs_views['baby']):.2f})")
+    print(
+        f"ftlaunch Gloo                     ratio {med['gloo']:5.2f}  (torchft {BASELINE['ratio_gloo']}, "
+        f"target {TARGET['ratio_gloo']})"
+    )
+    print(
+        f"ftlaunch BabyGloo                 ratio {med['baby']:5.2f}  (torchft {BASELINE['ratio_baby']}, "
+        f"target {TARGET['ratio_baby']})"
+    )
+    print(
+        f"  (plain DDP with gradient_as_bucket_view, ftlaunch's default: ratio {med['plain_views']:.2f}; "
+        f"ftlaunch against it: Gloo {statistics.median(vs_views['gloo']):.2f}, "
+        f"Baby {statistics.median(vs_views['baby']):.2f})"
+    )
     print("per-phase medians (ms)                    " + "".join(f"{k:>12}" for k in INTERLEAVED))
     names = ("step", *PHASES)
     for j, name in enumerate(names):
@@ -616,28 +729,53 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--runs", type=int, default=2, help="repeat the step-time measurement (median taken)")
     ap.add_argument("--skip-transfer", action="store_true")
-    ap.add_argument("--overhead-only", action="store_true",
-                    help="only the step-time ratios (no kill/rejoin, no transfer)")
-    ap.add_argument("--breakdown", action="store_true",
-                    help="print each run and the per-phase step breakdown of plain DDP and ftlaunch")
-    ap.add_argument("--launcher", action="store_true",
-                    help="issue 11's figures, from the kill, through the `ftlaunch` command with defaults: the "
-                         "survivor's longest gap, kill -> first commit (phase breakdown, the floor), and with "
-                         "--spares 1 where the CLI has it; --runs repeats (default 2)")
-    ap.add_argument("--cold-only", action="store_true",
-                    help="with --launcher: skip the --spares 1 episodes (figures (a), (b) and the floor only)")
-    ap.add_argument("--no-precompile", action="store_true",
-                    help="with --launcher: do not compile ftlaunch's bytecode first (see precompile())")
-    ap.add_argument("--compare-env", action="append", metavar="VAR=VALUE",
-                    help="with --launcher: also run each kill episode with this in the environment (e.g. "
-                         "FTLAUNCH_PRESTART_FORK=0, the old start-up), interleaved with the default one")
-    ap.add_argument("--zygote-ab", action="store_true",
-                    help="with --launcher: the warm standby interpreter (ftlaunch.zygote) on (default) vs off, "
-                         "interleaved in the same run (--compare-env FTLAUNCH_ZYGOTE=0)")
-    ap.add_argument("--interleaved", type=int, metavar="ROUNDS", default=0,
-                    help="step-time ratios only, robust to a shared machine: plain DDP, plain DDP with "
-                         "gradient_as_bucket_view, ftlaunch Gloo and Baby take turns step by step in the "
-                         "same two processes, ROUNDS steps each; --runs repeats it")
+    ap.add_argument(
+        "--overhead-only", action="store_true", help="only the step-time ratios (no kill/rejoin, no transfer)"
+    )
+    ap.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="print each run and the per-phase step breakdown of plain DDP and ftlaunch",
+    )
+    ap.add_argument(
+        "--launcher",
+        action="store_true",
+        help="issue 11's figures, from the kill, through the `ftlaunch` command with defaults: the "
+        "survivor's longest gap, kill -> first commit (phase breakdown, the floor), and with "
+        "--spares 1 where the CLI has it; --runs repeats (default 2)",
+    )
+    ap.add_argument(
+        "--cold-only",
+        action="store_true",
+        help="with --launcher: skip the --spares 1 episodes (figures (a), (b) and the floor only)",
+    )
+    ap.add_argument(
+        "--no-precompile",
+        action="store_true",
+        help="with --launcher: do not compile ftlaunch's bytecode first (see precompile())",
+    )
+    ap.add_argument(
+        "--compare-env",
+        action="append",
+        metavar="VAR=VALUE",
+        help="with --launcher: also run each kill episode with this in the environment (e.g. "
+        "FTLAUNCH_PRESTART_FORK=0, the old start-up), interleaved with the default one",
+    )
+    ap.add_argument(
+        "--zygote-ab",
+        action="store_true",
+        help="with --launcher: the warm standby interpreter (ftlaunch.zygote) on (default) vs off, "
+        "interleaved in the same run (--compare-env FTLAUNCH_ZYGOTE=0)",
+    )
+    ap.add_argument(
+        "--interleaved",
+        type=int,
+        metavar="ROUNDS",
+        default=0,
+        help="step-time ratios only, robust to a shared machine: plain DDP, plain DDP with "
+        "gradient_as_bucket_view, ftlaunch Gloo and Baby take turns step by step in the "
+        "same two processes, ROUNDS steps each; --runs repeats it",
+    )
     ap.add_argument("--worker", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -668,8 +806,11 @@ def main() -> int:
             runs["baby"].append(ft_step_time(args.steps, tmp, "baby"))
             if args.breakdown:
                 p_i, g_i, b_i = (runs[k][i][0] for k in ("plain", "gloo", "baby"))
-                print(f"run {i + 1}: plain {p_i * 1e3:.2f} ms, Gloo {g_i * 1e3:.2f} ms ({g_i / p_i:.2f}), "
-                      f"Baby {b_i * 1e3:.2f} ms ({b_i / p_i:.2f})", flush=True)
+                print(
+                    f"run {i + 1}: plain {p_i * 1e3:.2f} ms, Gloo {g_i * 1e3:.2f} ms ({g_i / p_i:.2f}), "
+                    f"Baby {b_i * 1e3:.2f} ms ({b_i / p_i:.2f})",
+                    flush=True,
+                )
         p, g, b = (statistics.median(t for t, _ in runs[k]) for k in ("plain", "gloo", "baby"))
         rg = statistics.median(gt / pt for (gt, _), (pt, _) in zip(runs["gloo"], runs["plain"], strict=True))
         rb = statistics.median(bt / pt for (bt, _), (pt, _) in zip(runs["baby"], runs["plain"], strict=True))
@@ -679,22 +820,35 @@ def main() -> int:
 
     print(f"setup: 2 groups x 1 worker, gloo/loopback, MLP 3x{WIDTH}, batch {BATCH}, SGD; {args.runs} runs")
     print(f"plain torch DDP step              {p * 1e3:8.2f} ms")
-    print(f"ftlaunch Gloo step                {g * 1e3:8.2f} ms   ratio {rg:5.2f}  "
-          f"(torchft {BASELINE['ratio_gloo']}, target {TARGET['ratio_gloo']})")
-    print(f"ftlaunch BabyGloo step            {b * 1e3:8.2f} ms   ratio {rb:5.2f}  "
-          f"(torchft {BASELINE['ratio_baby']}, target {TARGET['ratio_baby']})")
+    print(
+        f"ftlaunch Gloo step                {g * 1e3:8.2f} ms   ratio {rg:5.2f}  "
+        f"(torchft {BASELINE['ratio_gloo']}, target {TARGET['ratio_gloo']})"
+    )
+    print(
+        f"ftlaunch BabyGloo step            {b * 1e3:8.2f} ms   ratio {rb:5.2f}  "
+        f"(torchft {BASELINE['ratio_baby']}, target {TARGET['ratio_baby']})"
+    )
     if args.breakdown:
-        print("per-phase medians (ms; median over runs)   " + "  ".join(f"{k:>8}" for k in ("plain", "Gloo", "Baby")))
+        print(
+            "per-phase medians (ms; median over runs)   "
+            + "  ".join(f"{k:>8}" for k in ("plain", "Gloo", "Baby"))
+        )
         for j, name in enumerate(PHASES):
             cols = [statistics.median(ph[j] for _, ph in runs[k]) * 1e3 for k in ("plain", "gloo", "baby")]
             print(f"  {name:<40} " + "  ".join(f"{c:8.2f}" for c in cols))
     if args.overhead_only:
         return 0
-    print(f"survivor's longest stall on kill  {stall:8.3f} s    (step incl. 20 ms sleep {step:.3f} s; "
-          f"torchft {BASELINE['stall']}, target {TARGET['stall']})")
-    print(f"restart -> first committed step   {rejoin:8.3f} s    (torchft {BASELINE['rejoin']}, "
-          f"target {TARGET['rejoin']})")
-    print(f"live recovery transfer (256 MB)   {transfer}   (torchft {BASELINE['transfer']}, target {TARGET['transfer']})")
+    print(
+        f"survivor's longest stall on kill  {stall:8.3f} s    (step incl. 20 ms sleep {step:.3f} s; "
+        f"torchft {BASELINE['stall']}, target {TARGET['stall']})"
+    )
+    print(
+        f"restart -> first committed step   {rejoin:8.3f} s    (torchft {BASELINE['rejoin']}, "
+        f"target {TARGET['rejoin']})"
+    )
+    print(
+        f"live recovery transfer (256 MB)   {transfer}   (torchft {BASELINE['transfer']}, target {TARGET['transfer']})"
+    )
     return 0
 
 

@@ -48,8 +48,13 @@ STEP_LINE = re.compile(r"^\[rg(\d+)/r0\] step=(\d+) committed=(True|False)")
 
 
 def one_run(
-    kill_at: int, steps: int, hang: bool, heartbeat_timeout: float | None, script_timeout: float | None = None,
-    spares: int = 1, stop_for: float = 30.0,
+    kill_at: int,
+    steps: int,
+    hang: bool,
+    heartbeat_timeout: float | None,
+    script_timeout: float | None = None,
+    spares: int = 1,
+    stop_for: float = 30.0,
 ) -> tuple[float, float]:
     """(kill -> the spare's first committed step (nan without spares), the survivor's longest gap) in seconds."""
     script = HERE.parent / "train_ddp.py"
@@ -93,8 +98,14 @@ def one_run(
 
 
 def bench_spares(
-    runs: int, kill_at: int, steps: int, hang: bool, heartbeat_timeout: float | None,
-    script_timeout: float | None = None, spares: int = 1, stop_for: float = 30.0,
+    runs: int,
+    kill_at: int,
+    steps: int,
+    hang: bool,
+    heartbeat_timeout: float | None,
+    script_timeout: float | None = None,
+    spares: int = 1,
+    stop_for: float = 30.0,
 ) -> list[tuple[float, float]]:
     """The spare's takeover, ``runs`` times (the function bench_recovery.py's --spares could call)."""
     results = []
@@ -112,10 +123,18 @@ def main() -> int:
     p.add_argument("--kill-at", type=int, default=40, help="step at which group 1 is killed")
     p.add_argument("--steps", type=int, default=120)
     p.add_argument("--hang", action="store_true", help="SIGSTOP instead of SIGKILL")
-    p.add_argument("--heartbeat-timeout", type=float, default=None, help="the lighthouse's (default: ftlaunch's 5 s)")
-    p.add_argument("--script-timeout", type=float, default=None, help="the script's timeout knob (default: its 60 s)")
-    p.add_argument("--spares", type=int, default=1, choices=(0, 1), help="0: the survivor's gap alone (with --hang)")
-    p.add_argument("--stop-for", type=float, default=30.0, help="with --hang: seconds until SIGCONT (default 30)")
+    p.add_argument(
+        "--heartbeat-timeout", type=float, default=None, help="the lighthouse's (default: ftlaunch's 5 s)"
+    )
+    p.add_argument(
+        "--script-timeout", type=float, default=None, help="the script's timeout knob (default: its 60 s)"
+    )
+    p.add_argument(
+        "--spares", type=int, default=1, choices=(0, 1), help="0: the survivor's gap alone (with --hang)"
+    )
+    p.add_argument(
+        "--stop-for", type=float, default=30.0, help="with --hang: seconds until SIGCONT (default 30)"
+    )
     args = p.parse_args()
     if args.spares == 0 and not args.hang:
         p.error("--spares 0 needs --hang (a killed group without spares: bench_recovery.py)")
@@ -126,13 +145,17 @@ def main() -> int:
                            args.script_timeout, args.spares, args.stop_for)  # fmt: skip
     replaced = [r for r, _ in results]
     gaps = [g for _, g in results]
-    target, baseline = (HANG_TARGET, HANG_BASELINE) if args.hang else (TARGET, {"replaced": BASELINE, "gap": "-"})
+    target, baseline = (
+        (HANG_TARGET, HANG_BASELINE) if args.hang else (TARGET, {"replaced": BASELINE, "gap": "-"})
+    )
     if args.spares:
         print(f"{'SIGSTOP' if args.hang else 'kill'} -> first committed step of the replacement: median "
               f"{statistics.median(replaced):.3f} s (min {min(replaced):.3f}, max {max(replaced):.3f}); "
               f"target {target}; baseline: {baseline['replaced']}")  # fmt: skip
-    print(f"survivor's longest gap over the episode: median {statistics.median(gaps):.3f} s (max {max(gaps):.3f})"
-          + (f"; target {HANG_TARGET}; baseline: {HANG_BASELINE['gap']}" if args.hang else ""))
+    print(
+        f"survivor's longest gap over the episode: median {statistics.median(gaps):.3f} s (max {max(gaps):.3f})"
+        + (f"; target {HANG_TARGET}; baseline: {HANG_BASELINE['gap']}" if args.hang else "")
+    )
     return 0
 
 

@@ -117,8 +117,14 @@ class Run:
         return self.last_final_at - self.first_step_at
 
     def timeline(self) -> Timeline:
-        down = (self.lighthouse_crash_at, self.lighthouse_back_at) if self.lighthouse_crash_at is not None else None
-        return Timeline(self.commits, self.first_step_at, self.last_final_at, self.injected, down, self.phases)
+        down = (
+            (self.lighthouse_crash_at, self.lighthouse_back_at)
+            if self.lighthouse_crash_at is not None
+            else None
+        )
+        return Timeline(
+            self.commits, self.first_step_at, self.last_final_at, self.injected, down, self.phases
+        )
 
     def longest_stall(self) -> float:
         """Longest time, during training, in which no group committed a step."""
@@ -130,22 +136,42 @@ def run_ftlaunch(args: argparse.Namespace, chaos: str | None, label: str) -> Run
     run = Run()
     log_dir = tempfile.mkdtemp(prefix=f"ftlaunch_soak_{label}_")
     marker = uuid.uuid4().hex
-    cmd = [sys.executable, "-m", "ftlaunch.launcher.cli", "--replicas", str(args.groups),
-           "--max-restarts", "1000", "--max-agent-restarts", "1000", "--log-dir", log_dir, "--no-status"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "ftlaunch.launcher.cli",
+        "--replicas",
+        str(args.groups),
+        "--max-restarts",
+        "1000",
+        "--max-agent-restarts",
+        "1000",
+        "--log-dir",
+        log_dir,
+        "--no-status",
+    ]
     if args.spares:
         cmd += ["--spares", str(args.spares)]
     cmd += args.ftlaunch_arg
     if chaos:
         cmd += ["--chaos", chaos]
-    cmd += [str(TRAIN), "--steps", str(args.steps), "--step-sleep", str(args.step_sleep),
-            "--max-seconds", str(args.max_seconds)]
+    cmd += [
+        str(TRAIN),
+        "--steps",
+        str(args.steps),
+        "--step-sleep",
+        str(args.step_sleep),
+        "--max-seconds",
+        str(args.max_seconds),
+    ]
     phase_log = os.path.join(log_dir, "phases.jsonl")  # where each restart's seconds go (ftlaunch.phases)
     env = dict(os.environ, **{MARKER: marker, "FTLAUNCH_PHASE_LOG": phase_log})
     print(f"soak: {label}: {' '.join(cmd[2:])}", file=sys.stderr, flush=True)
     start = time.monotonic()
     wall_offset = time.time() - start
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            errors="replace")
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace"
+    )
     lock = threading.Lock()
     tail: list[str] = []
     keep = open(f"{args.keep_output}.{label}", "w") if args.keep_output else None  # noqa: SIM115
@@ -262,7 +288,9 @@ def orphans(marker: str, grace: float) -> list[str]:
 
 def report(args: argparse.Namespace, chaos_run: Run, baseline: Run | None) -> dict:
     sums = {c for c, _ in chaos_run.finals.values()}
-    majority = max(sums, key=lambda s: sum(1 for c, _ in chaos_run.finals.values() if c == s)) if sums else None
+    majority = (
+        max(sums, key=lambda s: sum(1 for c, _ in chaos_run.finals.values() if c == s)) if sums else None
+    )
     divergent = sum(1 for c, _ in chaos_run.finals.values() if c != majority)
     missing = args.groups - len(chaos_run.finals) - len(chaos_run.stopped_groups)  # unexplained
     crashes = len(chaos_run.error_exits) + (0 if chaos_run.code == 0 else 1) + max(missing, 0)
@@ -276,7 +304,9 @@ def report(args: argparse.Namespace, chaos_run: Run, baseline: Run | None) -> di
         "ftlaunch_args": args.ftlaunch_arg,
         "cpus": os.cpu_count(),
         "load_avg_chaos": round(sum(chaos_run.load) / len(chaos_run.load), 2) if chaos_run.load else None,
-        "load_avg_baseline": round(sum(baseline.load) / len(baseline.load), 2) if baseline and baseline.load else None,
+        "load_avg_baseline": round(sum(baseline.load) / len(baseline.load), 2)
+        if baseline and baseline.load
+        else None,
         "steps_target": args.steps,
         "chaos": chaos_spec(args),
         "exit_code": chaos_run.code,
@@ -304,7 +334,8 @@ def report(args: argparse.Namespace, chaos_run: Run, baseline: Run | None) -> di
         "wall_s": chaos_run.wall,
         "breakdown": (
             breakdown(chaos_run.timeline(), baseline.timeline(), args.stop_for, args.lighthouse_down)
-            if baseline else None
+            if baseline
+            else None
         ),
     }
     out["targets"] = TARGETS
@@ -330,11 +361,37 @@ def print_report(r: dict) -> None:
         return f"{v:.3f}" if isinstance(v, float) else str(v)
 
     print("soak report (scripts/soak.py, through the ftlaunch command)")
-    for key in ("groups", "spares", "cpus", "load_avg_baseline", "load_avg_chaos", "steps_target", "chaos", "exit_code", "committed_steps", "committed_group_steps",
-                "injections_total", "injections", "lighthouse_restarts", "quorum_changes", "baseline_quorum_changes", "crashes", "tracebacks_in_output",
-                "divergent_groups", "groups_stopped_after_the_end", "final_checksums", "training_time_s", "baseline_training_time_s", "goodput",
-                "longest_survivor_stall_s", "baseline_longest_stall_s", "orphans", "log_bytes",
-                "baseline_log_bytes", "wall_s"):
+    for key in (
+        "groups",
+        "spares",
+        "cpus",
+        "load_avg_baseline",
+        "load_avg_chaos",
+        "steps_target",
+        "chaos",
+        "exit_code",
+        "committed_steps",
+        "committed_group_steps",
+        "injections_total",
+        "injections",
+        "lighthouse_restarts",
+        "quorum_changes",
+        "baseline_quorum_changes",
+        "crashes",
+        "tracebacks_in_output",
+        "divergent_groups",
+        "groups_stopped_after_the_end",
+        "final_checksums",
+        "training_time_s",
+        "baseline_training_time_s",
+        "goodput",
+        "longest_survivor_stall_s",
+        "baseline_longest_stall_s",
+        "orphans",
+        "log_bytes",
+        "baseline_log_bytes",
+        "wall_s",
+    ):
         print(f"  {key:28s} {fmt(r[key])}")
     print(f"  {'targets':28s} 0 crashes, 0 divergence, 0 orphans, goodput >= {TARGETS['goodput_min']:.0%}")
     print(f"  {'met':28s} {r['met']}")
@@ -358,17 +415,21 @@ def long_outage_args(args: argparse.Namespace) -> argparse.Namespace | None:
 def print_long_outage(r: dict, r_long: dict) -> None:
     """The long-outage run's report, then both goodputs side by side (neither is shown alone)."""
     print()
-    print(f"--- variant: the lighthouse kept down {r_long['chaos'].rsplit('lighthouse_down=', 1)[-1]} s "
-          "(longer than the workers' connect timeout; faults inside it wait for the lighthouse) ---")
+    print(
+        f"--- variant: the lighthouse kept down {r_long['chaos'].rsplit('lighthouse_down=', 1)[-1]} s "
+        "(longer than the workers' connect timeout; faults inside it wait for the lighthouse) ---"
+    )
     print_report(r_long)
     print()
 
     def pct(v: object) -> str:
         return f"{v:.1%}" if isinstance(v, float) else "n/a"
 
-    print(f"soak goodput: {pct(r['goodput'])} with the launcher's own lighthouse restart (target >= "
-          f"{TARGETS['goodput_min']:.0%}); {pct(r_long['goodput'])} with the long outage "
-          f"(lighthouse_down={r_long['chaos'].rsplit('lighthouse_down=', 1)[-1]})")
+    print(
+        f"soak goodput: {pct(r['goodput'])} with the launcher's own lighthouse restart (target >= "
+        f"{TARGETS['goodput_min']:.0%}); {pct(r_long['goodput'])} with the long outage "
+        f"(lighthouse_down={r_long['chaos'].rsplit('lighthouse_down=', 1)[-1]})"
+    )
 
 
 def read_kept(path: str) -> Run:
@@ -406,28 +467,58 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=500)
     p.add_argument("--every", type=float, default=5.0, help="seconds between injections")
     p.add_argument("--stop-for", type=float, default=3.0, help="seconds a SIGSTOPped group stays stopped")
-    p.add_argument("--lighthouse-at", type=float, default=60.0,
-                   help="crash the hosted lighthouse this long into training (negative: never)")
-    p.add_argument("--lighthouse-down", type=float, default=LIGHTHOUSE_CHECK_S,
-                   help="seconds before the launcher restarts it (default: the supervisor's check interval, "
-                        "what the launcher does when its lighthouse dies)")
-    p.add_argument("--long-outage", type=float, default=12.0, metavar="SECONDS",
-                   help="also run the chaos with the lighthouse kept down this long, reported beside (0: skip)")
+    p.add_argument(
+        "--lighthouse-at",
+        type=float,
+        default=60.0,
+        help="crash the hosted lighthouse this long into training (negative: never)",
+    )
+    p.add_argument(
+        "--lighthouse-down",
+        type=float,
+        default=LIGHTHOUSE_CHECK_S,
+        help="seconds before the launcher restarts it (default: the supervisor's check interval, "
+        "what the launcher does when its lighthouse dies)",
+    )
+    p.add_argument(
+        "--long-outage",
+        type=float,
+        default=12.0,
+        metavar="SECONDS",
+        help="also run the chaos with the lighthouse kept down this long, reported beside (0: skip)",
+    )
     p.add_argument("--step-sleep", type=float, default=0.1)
-    p.add_argument("--spares", type=int, default=0,
-                   help="hot spares (ftlaunch --spares K) in both runs: a failed group's slot is taken over by a spare")
+    p.add_argument(
+        "--spares",
+        type=int,
+        default=0,
+        help="hot spares (ftlaunch --spares K) in both runs: a failed group's slot is taken over by a spare",
+    )
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--ftlaunch-arg", action="append", default=[], metavar="ARG",
-                   help="one more ftlaunch option for both runs, e.g. --ftlaunch-arg=--heartbeat-timeout=1 (repeatable)")
+    p.add_argument(
+        "--ftlaunch-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="one more ftlaunch option for both runs, e.g. --ftlaunch-arg=--heartbeat-timeout=1 (repeatable)",
+    )
     p.add_argument("--max-seconds", type=float, default=3000.0, help="give up after this long per run")
     p.add_argument("--no-baseline", action="store_true", help="skip the fault-free run (no goodput)")
     p.add_argument("--json", default=None, help="also write the report here")
     p.add_argument("--verbose", action="store_true", help="echo the launcher's own lines")
-    p.add_argument("--keep-output", default=None, metavar="PREFIX",
-                   help="write each run's whole output, time-stamped, to PREFIX.baseline / PREFIX.chaos "
-                        "(and its phase log to PREFIX.<run>.phases)")
-    p.add_argument("--reanalyze", default=None, metavar="PREFIX",
-                   help="no runs: report again from the output (and phase log) a --keep-output PREFIX run kept")
+    p.add_argument(
+        "--keep-output",
+        default=None,
+        metavar="PREFIX",
+        help="write each run's whole output, time-stamped, to PREFIX.baseline / PREFIX.chaos "
+        "(and its phase log to PREFIX.<run>.phases)",
+    )
+    p.add_argument(
+        "--reanalyze",
+        default=None,
+        metavar="PREFIX",
+        help="no runs: report again from the output (and phase log) a --keep-output PREFIX run kept",
+    )
     args = p.parse_args(argv)
     if args.reanalyze:
         return reanalyze(args)
@@ -443,7 +534,10 @@ def main(argv: list[str] | None = None) -> int:
     out = {**r, "tail": chaos_run.tail}
     ok = all(r["met"].values())
     if chaos_run.code != 0:
-        print(f"soak: the chaos run failed (exit {chaos_run.code}); its last lines:\n{chaos_run.tail}", file=sys.stderr)
+        print(
+            f"soak: the chaos run failed (exit {chaos_run.code}); its last lines:\n{chaos_run.tail}",
+            file=sys.stderr,
+        )
     long_args = long_outage_args(args)
     if long_args is not None:
         long_run = run_ftlaunch(long_args, chaos_spec(long_args), LONG)
@@ -452,8 +546,10 @@ def main(argv: list[str] | None = None) -> int:
         out["long_outage"] = {**r_long, "tail": long_run.tail}
         ok = ok and all(v for k, v in r_long["met"].items() if k != "goodput")
         if long_run.code != 0:
-            print(f"soak: the long-outage run failed (exit {long_run.code}); its last lines:\n{long_run.tail}",
-                  file=sys.stderr)
+            print(
+                f"soak: the long-outage run failed (exit {long_run.code}); its last lines:\n{long_run.tail}",
+                file=sys.stderr,
+            )
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2))
     return 0 if ok else 1

@@ -29,9 +29,24 @@ from dataclasses import dataclass, field
 from typing import Any
 
 #: Restart phases reported per injection, in the order they happen (names of `ftlaunch.phases`).
-PHASES = ("worker_exit_seen", "agent_exit_seen", "orphans_killed", "agent_spawned", "agent_start", "zygote_warm",
-          "rendezvous_start", "rendezvous_done", "worker_seen", "init", "manager_up",
-          "ready", "quorum", "configured", "healed", "first_commit")
+PHASES = (
+    "worker_exit_seen",
+    "agent_exit_seen",
+    "orphans_killed",
+    "agent_spawned",
+    "agent_start",
+    "zygote_warm",
+    "rendezvous_start",
+    "rendezvous_done",
+    "worker_seen",
+    "init",
+    "manager_up",
+    "ready",
+    "quorum",
+    "configured",
+    "healed",
+    "first_commit",
+)
 
 
 @dataclass
@@ -114,8 +129,11 @@ def breakdown(
     lighthouse's ``lighthouse_down`` -- and lost nothing else. It was the design's limit before a
     hung group was declared on evidence and an outage stepped through; a run above it shows those."""
     cf, bf = frontier(chaos.commits), frontier(base.commits)
-    if len(cf) < 2 or len(bf) < 2 or None in (chaos.first_step_at, chaos.last_final_at, base.first_step_at,
-                                               base.last_final_at):
+    if (
+        len(cf) < 2
+        or len(bf) < 2
+        or None in (chaos.first_step_at, chaos.last_final_at, base.first_step_at, base.last_final_at)
+    ):
         return None
     assert chaos.first_step_at is not None and chaos.last_final_at is not None  # noqa: S101 - checked
     assert base.first_step_at is not None and base.last_final_at is not None  # noqa: S101 - checked
@@ -130,8 +148,14 @@ def breakdown(
         if b - a > threshold:
             cause = stall_cause(a, b, chaos, stop_for, rejoins)
             causes[cause] = causes.get(cause, 0.0) + excess
-            stalls.append({"at": round(a - chaos.first_step_at, 2), "seconds": round(b - a, 2), "step": step,
-                           "cause": cause})
+            stalls.append(
+                {
+                    "at": round(a - chaos.first_step_at, 2),
+                    "seconds": round(b - a, 2),
+                    "step": step,
+                    "cause": cause,
+                }
+            )
         elif b - a > SHORT_STALL_STEPS * mean and _after_a_stop(a, b, chaos, stop_for):
             causes[STOP_CAUSE] = causes.get(STOP_CAUSE, 0.0) + excess  # declared hung within ~0.6 s
         else:
@@ -170,9 +194,18 @@ def per_injection(tl: Timeline) -> list[dict[str, Any]]:
         # the supervisor ends them, are not a return. None: it never committed again (with hot
         # spares, a spare took its slot and it stayed a spare).
         own = sorted(c for c, grp, _ in tl.commits if grp == g)
-        back = next((b for a, b in zip(own, own[1:], strict=False) if b > t and b - a > 1.0 and b - t > 0.0), None)
-        out.append({"at": round(t - origin, 1), "signal": sig, "target": target, "group": g,
-                    "victim_back_after_s": None if back is None else round(back - t, 2)})
+        back = next(
+            (b for a, b in zip(own, own[1:], strict=False) if b > t and b - a > 1.0 and b - t > 0.0), None
+        )
+        out.append(
+            {
+                "at": round(t - origin, 1),
+                "signal": sig,
+                "target": target,
+                "group": g,
+                "victim_back_after_s": None if back is None else round(back - t, 2),
+            }
+        )
     return out
 
 
@@ -184,7 +217,7 @@ def phase_medians(tl: Timeline) -> dict[str, dict[str, float]]:
     for i, (t, sig, target, g) in enumerate(kills):
         if sig != "SIGKILL":
             continue
-        until = min((u for u, _, _, h in kills[i + 1:] if h == g), default=float("inf"))
+        until = min((u for u, _, _, h in kills[i + 1 :] if h == g), default=float("inf"))
         seen: dict[str, float] = {}
         for rec in sorted(tl.phases, key=lambda r: r["t"]):
             if str(rec.get("replica")) != str(g) or not t <= rec["t"] < until:
@@ -204,24 +237,34 @@ def phase_medians(tl: Timeline) -> dict[str, dict[str, float]]:
     order = {name: i for i, name in enumerate(("worker_process_start", *PHASES))}
     order["worker_process_start"] = order["init"] - 0.5
     return {
-        kind: {name: round(statistics.median(v), 2) for name, v in sorted(phases.items(), key=lambda kv: order[kv[0]])}
+        kind: {
+            name: round(statistics.median(v), 2)
+            for name, v in sorted(phases.items(), key=lambda kv: order[kv[0]])
+        }
         for kind, phases in by_kind.items()
     }
 
 
 def print_breakdown(b: dict[str, Any]) -> None:
     if b.get("design_bound_goodput") is not None:
-        print(f"  waiting bound: {b['imposed_by_the_faults_s']:.1f} s are the faults' own (stop_for per SIGSTOP, "
-              f"the lighthouse's downtime); survivors that waited them out would reach at most "
-              f"{b['design_bound_goodput']:.1%} (they no longer do: a hung group is declared on evidence, "
-              f"an outage is stepped through on the last quorum)")
-    print(f"  where the {b['lost_s']:.1f} s lost went (fault-free step interval {b['baseline_step_interval_s']:.3f} s; "
-          f"a stall: no group committed for > {b['stall_threshold_s']:.1f} s):")
+        print(
+            f"  waiting bound: {b['imposed_by_the_faults_s']:.1f} s are the faults' own (stop_for per SIGSTOP, "
+            f"the lighthouse's downtime); survivors that waited them out would reach at most "
+            f"{b['design_bound_goodput']:.1%} (they no longer do: a hung group is declared on evidence, "
+            f"an outage is stepped through on the last quorum)"
+        )
+    print(
+        f"  where the {b['lost_s']:.1f} s lost went (fault-free step interval {b['baseline_step_interval_s']:.3f} s; "
+        f"a stall: no group committed for > {b['stall_threshold_s']:.1f} s):"
+    )
     for cause, seconds in b["lost_by_cause_s"].items():
         print(f"    {seconds:8.1f} s  {cause}")
     longest = sorted(b["stalls"], key=lambda s: -s["seconds"])[:8]
     if longest:
-        print("  longest stalls: " + "; ".join(f"{s['seconds']:.1f}s at t={s['at']:.0f}s ({s['cause']})" for s in longest))
+        print(
+            "  longest stalls: "
+            + "; ".join(f"{s['seconds']:.1f}s at t={s['at']:.0f}s ({s['cause']})" for s in longest)
+        )
     for kind, phases in b["restart_phases_median_s"].items():
         if not phases:
             continue

@@ -16,8 +16,9 @@ if [ "$rc" -eq 5 ]; then
   echo "[test] pytest collected no tests: failing on purpose" >&2
   exit 1
 fi
-if [ "$#" -eq 0 ]; then  # the whole suite (CI): lint and types too
+if [ "$#" -eq 0 ]; then  # the whole suite (CI): lint, format and types too
   "$PY" -m ruff check . || rc=1
+  "$PY" -m ruff format --check . || rc=1
   "$PY" -m mypy ftlaunch || rc=1
 fi
 exit "$rc"

@@ -48,23 +48,40 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--width", type=int, default=256, help="hidden width of the 3-layer MLP")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--lr", type=float, default=0.01)
-    p.add_argument("--backend", choices=["baby-gloo", "gloo", "baby-nccl", "nccl"], default=None,
-                   help="cross-group process group (default: ftlaunch.init's choice, Baby Gloo on CPU)")
-    p.add_argument("--transport", choices=["pg", "http"], default=None,
-                   help="live-recovery transport (default: ftlaunch.init's choice, pg)")
-    p.add_argument("--timeout", type=float, default=None,
-                   help="the one timeout knob in seconds (default: FTLAUNCH_TIMEOUT, else 60)")
+    p.add_argument(
+        "--backend",
+        choices=["baby-gloo", "gloo", "baby-nccl", "nccl"],
+        default=None,
+        help="cross-group process group (default: ftlaunch.init's choice, Baby Gloo on CPU)",
+    )
+    p.add_argument(
+        "--transport",
+        choices=["pg", "http"],
+        default=None,
+        help="live-recovery transport (default: ftlaunch.init's choice, pg)",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help="the one timeout knob in seconds (default: FTLAUNCH_TIMEOUT, else 60)",
+    )
     p.add_argument("--dataset-size", type=int, default=4096, help="samples in the synthetic dataset")
     p.add_argument("--step-sleep", type=float, default=0.0, help="extra seconds per step (demos, chaos)")
     p.add_argument("--max-seconds", type=float, default=600.0, help="give up after this long (safety net)")
-    p.add_argument("--long-form", action="store_true",
-                   help="torchft-style explicit Manager/process group/transport instead of ftlaunch.init")
+    p.add_argument(
+        "--long-form",
+        action="store_true",
+        help="torchft-style explicit Manager/process group/transport instead of ftlaunch.init",
+    )
     return p.parse_args(argv)
 
 
 def make_model(width: int) -> nn.Module:
     torch.manual_seed(int(os.environ.get(env.REPLICA_GROUP_ID, "0")) + 1000)  # groups start different
-    return nn.Sequential(nn.Linear(64, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 8))
+    return nn.Sequential(
+        nn.Linear(64, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 8)
+    )
 
 
 def make_dataset(size: int) -> torch.utils.data.TensorDataset:
@@ -84,8 +101,12 @@ def checksum(model: nn.Module) -> str:
     return h.hexdigest()[:16]
 
 
-def long_form(args: argparse.Namespace, model: nn.Module, inner: torch.optim.Optimizer,
-              dataset: torch.utils.data.Dataset) -> tuple:
+def long_form(
+    args: argparse.Namespace,
+    model: nn.Module,
+    inner: torch.optim.Optimizer,
+    dataset: torch.utils.data.Dataset,
+) -> tuple:
     """torchft-style plumbing: every piece spelled out (what ``ftlaunch.init`` does for you)."""
     from ftlaunch import (
         DistributedDataParallel,
@@ -102,7 +123,11 @@ def long_form(args: argparse.Namespace, model: nn.Module, inner: torch.optim.Opt
     if (env.get_int(env.WORLD_SIZE, 1) or 1) > 1:
         dist.init_process_group("gloo", timeout=timeout)
         intra = dist.group.WORLD
-    pg = ProcessGroupBabyGloo(timeout=timeout) if args.backend == "baby-gloo" else ProcessGroupGloo(timeout=timeout)
+    pg = (
+        ProcessGroupBabyGloo(timeout=timeout)
+        if args.backend == "baby-gloo"
+        else ProcessGroupGloo(timeout=timeout)
+    )
 
     def load_state(sd: dict) -> None:
         model.load_state_dict(sd["model"])
@@ -111,12 +136,27 @@ def long_form(args: argparse.Namespace, model: nn.Module, inner: torch.optim.Opt
     def save_state() -> dict:
         return {"model": model.state_dict(), "optim": inner.state_dict()}
 
-    transport = PGTransport(pg, timeout=timeout, device=torch.device("cpu")) if args.transport == "pg" else None
-    manager = Manager(pg=pg, load_state_dict=load_state, state_dict=save_state, min_replica_size=1,
-                      timeout=timeout, quorum_timeout=2 * timeout, checkpoint_transport=transport)
+    transport = (
+        PGTransport(pg, timeout=timeout, device=torch.device("cpu")) if args.transport == "pg" else None
+    )
+    manager = Manager(
+        pg=pg,
+        load_state_dict=load_state,
+        state_dict=save_state,
+        min_replica_size=1,
+        timeout=timeout,
+        quorum_timeout=2 * timeout,
+        checkpoint_transport=transport,
+    )
     sampler = DistributedSampler(dataset)
     manager.register_state_dict_fn("sampler", sampler.load_state_dict, sampler.state_dict)
-    return manager, DistributedDataParallel(manager, model, intra_group=intra), Optimizer(manager, inner), sampler, intra
+    return (
+        manager,
+        DistributedDataParallel(manager, model, intra_group=intra),
+        Optimizer(manager, inner),
+        sampler,
+        intra,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -134,7 +174,9 @@ def main(argv: list[str] | None = None) -> int:
         manager, ddp, opt, sampler, intra = long_form(args, model, inner, dataset)
     else:
         try:
-            ft = ftlaunch.init(model, inner, timeout=args.timeout, backend=args.backend, transport=args.transport)
+            ft = ftlaunch.init(
+                model, inner, timeout=args.timeout, backend=args.backend, transport=args.transport
+            )
         except ftlaunch.ConfigurationError as e:
             print(f"train_ddp.py: {e}", file=sys.stderr)
             return 2

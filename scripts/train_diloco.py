@@ -45,35 +45,56 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--algorithm", choices=["diloco", "local_sgd", "ddp"], default="diloco")
     p.add_argument("--steps", type=int, default=2000, help="inner steps of the job (default 2000)")
-    p.add_argument("--sync-every", type=int, default=None,
-                   help="inner steps per sync of a fragment (default: FTLAUNCH_SYNC_EVERY, else 20)")
+    p.add_argument(
+        "--sync-every",
+        type=int,
+        default=None,
+        help="inner steps per sync of a fragment (default: FTLAUNCH_SYNC_EVERY, else 20)",
+    )
     p.add_argument("--fragments", type=int, default=None, help="Streaming DiLoCo fragments (default 1)")
     p.add_argument("--fragment-sync-delay", type=int, default=None, help="inner steps a sync overlaps (tau)")
     p.add_argument("--fragment-update-alpha", type=float, default=None, help="mixing of local and global")
-    p.add_argument("--quantize", type=int, choices=[0, 4, 8], default=None, help="pseudo-gradient bits (0: off)")
+    p.add_argument(
+        "--quantize", type=int, choices=[0, 4, 8], default=None, help="pseudo-gradient bits (0: off)"
+    )
     p.add_argument("--width", type=int, default=128, help="hidden width of the 3-layer MLP")
     p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--lr", type=float, default=3e-3, help="inner learning rate (AdamW; SGD for ddp/local_sgd)")
-    p.add_argument("--inner", choices=["adamw", "sgd"], default=None,
-                   help="inner optimizer (default: adamw for diloco, sgd with momentum otherwise)")
+    p.add_argument(
+        "--lr", type=float, default=3e-3, help="inner learning rate (AdamW; SGD for ddp/local_sgd)"
+    )
+    p.add_argument(
+        "--inner",
+        choices=["adamw", "sgd"],
+        default=None,
+        help="inner optimizer (default: adamw for diloco, sgd with momentum otherwise)",
+    )
     p.add_argument("--outer-lr", type=float, default=0.7)
     p.add_argument("--outer-momentum", type=float, default=0.9, help="outer Nesterov momentum (0: plain SGD)")
-    p.add_argument("--same-init", action="store_true",
-                   help="every group starts from the same seed (and init_sync=False): for equivalence tests")
+    p.add_argument(
+        "--same-init",
+        action="store_true",
+        help="every group starts from the same seed (and init_sync=False): for equivalence tests",
+    )
     p.add_argument("--backend", choices=["baby-gloo", "gloo", "baby-nccl", "nccl"], default=None)
     p.add_argument("--transport", choices=["pg", "http"], default=None)
     p.add_argument("--timeout", type=float, default=None, help="the one timeout knob in seconds")
     p.add_argument("--dataset-size", type=int, default=8192)
-    p.add_argument("--step-sleep", type=float, default=0.0, help="extra seconds per inner step (demos, chaos)")
+    p.add_argument(
+        "--step-sleep", type=float, default=0.0, help="extra seconds per inner step (demos, chaos)"
+    )
     p.add_argument("--max-seconds", type=float, default=900.0, help="give up after this long (safety net)")
     p.add_argument("--dump", default=None, help="directory: save the parameters after every sync (tests)")
-    p.add_argument("--count-bytes", action="store_true", help="count the bytes this worker sends (benchmarks)")
+    p.add_argument(
+        "--count-bytes", action="store_true", help="count the bytes this worker sends (benchmarks)"
+    )
     return p.parse_args(argv)
 
 
 def make_model(width: int, seed: int) -> nn.Module:
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(32, width), nn.GELU(), nn.Linear(width, width), nn.GELU(), nn.Linear(width, 8))
+    return nn.Sequential(
+        nn.Linear(32, width), nn.GELU(), nn.Linear(width, width), nn.GELU(), nn.Linear(width, 8)
+    )
 
 
 def teacher() -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,8 +137,11 @@ class ByteCounter:
 
     def __init__(self, pg: Any) -> None:
         self.sent = 0.0
-        for name, factor in (("allreduce", lambda w: 2 * (w - 1) / w), ("all_to_all_single", lambda w: (w - 1) / w),
-                             ("all_gather_single", lambda w: float(w - 1))):
+        for name, factor in (
+            ("allreduce", lambda w: 2 * (w - 1) / w),
+            ("all_to_all_single", lambda w: (w - 1) / w),
+            ("all_gather_single", lambda w: float(w - 1)),
+        ):
             self._wrap(pg, name, factor)
 
     def _wrap(self, pg: Any, name: str, factor: Any) -> None:
@@ -137,7 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     group = env.get_int(env.REPLICA_GROUP_ID, 0) or 0
     rank = env.get_int(env.RANK, 0) or 0
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s [rg{group}/r{rank}] %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format=f"%(asctime)s %(levelname)s [rg{group}/r{rank}] %(message)s"
+    )
     log = logging.getLogger("train_diloco")
 
     model = make_model(args.width, seed=1000 if args.same_init else 1000 + group)
@@ -150,7 +176,9 @@ def main(argv: list[str] | None = None) -> int:
     dataset = make_dataset(args.dataset_size)
     extra = {"init_sync": False} if args.same_init else {}
     try:
-        ft = ftlaunch.init(model, inner, timeout=args.timeout, backend=args.backend, transport=args.transport, **extra)
+        ft = ftlaunch.init(
+            model, inner, timeout=args.timeout, backend=args.backend, transport=args.transport, **extra
+        )
     except ftlaunch.ConfigurationError as e:
         print(f"train_diloco.py: {e}", file=sys.stderr)
         return 2
@@ -161,12 +189,22 @@ def main(argv: list[str] | None = None) -> int:
     net = model
     opt: torch.optim.Optimizer = inner
     if args.algorithm == "diloco":
-        outer = torch.optim.SGD(model.parameters(), lr=args.outer_lr, momentum=args.outer_momentum,
-                                nesterov=args.outer_momentum > 0)
-        diloco = ft.diloco(model, inner, outer, sync_every, fragments=args.fragments,
-                           fragment_sync_delay=args.fragment_sync_delay,
-                           fragment_update_alpha=args.fragment_update_alpha,
-                           should_quantize=None if args.quantize is None else (args.quantize or False))
+        outer = torch.optim.SGD(
+            model.parameters(),
+            lr=args.outer_lr,
+            momentum=args.outer_momentum,
+            nesterov=args.outer_momentum > 0,
+        )
+        diloco = ft.diloco(
+            model,
+            inner,
+            outer,
+            sync_every,
+            fragments=args.fragments,
+            fragment_sync_delay=args.fragment_sync_delay,
+            fragment_update_alpha=args.fragment_update_alpha,
+            should_quantize=None if args.quantize is None else (args.quantize or False),
+        )
         interval = diloco.sync_interval
     elif args.algorithm == "local_sgd":
         local_sgd = ft.local_sgd(model, inner, sync_every)
@@ -212,7 +250,9 @@ def main(argv: list[str] | None = None) -> int:
                     report_sync(job_step(), committed, manager.num_participants(), losses, diloco, sampler)
                     losses = []
                     if args.dump is not None and committed:
-                        params = diloco.global_parameters().values() if diloco is not None else model.parameters()
+                        params = (
+                            diloco.global_parameters().values() if diloco is not None else model.parameters()
+                        )
                         dumps.append(torch.cat([p.detach().reshape(-1) for p in params]).tolist())
                 if args.step_sleep:
                     time.sleep(args.step_sleep)
@@ -220,9 +260,12 @@ def main(argv: list[str] | None = None) -> int:
                 break
         wall = time.perf_counter() - t_start
         final = list(diloco.global_parameters().values()) if diloco is not None else list(model.parameters())
-        print(f"eval_loss={eval_loss(model, final):.6f} inner_steps={inner_steps} "
-              f"ms_per_inner_step={wall / max(inner_steps, 1) * 1e3:.2f}"
-              + (f" bytes_sent={counter.sent:.0f}" if counter is not None else ""), flush=True)
+        print(
+            f"eval_loss={eval_loss(model, final):.6f} inner_steps={inner_steps} "
+            f"ms_per_inner_step={wall / max(inner_steps, 1) * 1e3:.2f}"
+            + (f" bytes_sent={counter.sent:.0f}" if counter is not None else ""),
+            flush=True,
+        )
         print(f"final_checksum={checksum(final)} step={job_step()}", flush=True)
         if args.dump is not None:
             os.makedirs(args.dump, exist_ok=True)
@@ -232,18 +275,27 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def report_sync(step: int, committed: bool, participants: int, losses: list[float], diloco: Any,
-                sampler: Any) -> None:
+def report_sync(
+    step: int, committed: bool, participants: int, losses: list[float], diloco: Any, sampler: Any
+) -> None:
     """One line per sync point; with DiLoCo the checksums of the global parameters and the outer
     optimizer state, which every group that committed the sync holds bit-identical."""
     info = ""
     if diloco is not None:
-        outer = [t for sd in diloco.state_dict()["outer_optimizers"] for s in sd["state"].values()
-                 for t in s.values() if isinstance(t, torch.Tensor)]
+        outer = [
+            t
+            for sd in diloco.state_dict()["outer_optimizers"]
+            for s in sd["state"].values()
+            for t in s.values()
+            if isinstance(t, torch.Tensor)
+        ]
         info = f" syncs={diloco.syncs} global={checksum(diloco.global_parameters().values())} outer={checksum(outer)}"
     loss = sum(losses) / len(losses) if losses else float("nan")
-    print(f"step={step} committed={committed} participants={participants} loss={loss:.5f}{info} "
-          f"data={sampler.epoch}:{sampler.position}", flush=True)
+    print(
+        f"step={step} committed={committed} participants={participants} loss={loss:.5f}{info} "
+        f"data={sampler.epoch}:{sampler.position}",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -51,7 +51,15 @@ import ftlaunch
 from ftlaunch import env
 
 #: Standard-library modules whose source is the corpus (sorted, fixed: every worker reads the same bytes).
-CORPUS_MODULES = ("argparse", "dataclasses", "functools", "json/decoder", "json/encoder", "textwrap", "typing")
+CORPUS_MODULES = (
+    "argparse",
+    "dataclasses",
+    "functools",
+    "json/decoder",
+    "json/encoder",
+    "textwrap",
+    "typing",
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -64,22 +72,45 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=8, help="samples per worker and step")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--clip-grad-norm", type=float, default=1.0, help="max gradient norm (0: no clipping)")
-    p.add_argument("--mixed-precision", choices=["none", "bf16"], default="none",
-                   help="bf16: FSDP2 computes in bfloat16 and reduces gradients in float32")
+    p.add_argument(
+        "--mixed-precision",
+        choices=["none", "bf16"],
+        default="none",
+        help="bf16: FSDP2 computes in bfloat16 and reduces gradients in float32",
+    )
     p.add_argument("--activation-checkpointing", action="store_true", help="recompute each block in backward")
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
-                   help="cuda: one GPU per worker (LOCAL_RANK), NCCL inside and across groups")
-    p.add_argument("--backend", choices=["baby-gloo", "gloo", "baby-nccl", "nccl"], default=None,
-                   help="cross-group process group (default: ftlaunch.init's choice: Baby Gloo on CPU, Baby NCCL on GPU)")
-    p.add_argument("--timeout", type=float, default=None,
-                   help="the one timeout knob in seconds (default: FTLAUNCH_TIMEOUT, else 60)")
+    p.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="cuda: one GPU per worker (LOCAL_RANK), NCCL inside and across groups",
+    )
+    p.add_argument(
+        "--backend",
+        choices=["baby-gloo", "gloo", "baby-nccl", "nccl"],
+        default=None,
+        help="cross-group process group (default: ftlaunch.init's choice: Baby Gloo on CPU, Baby NCCL on GPU)",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help="the one timeout knob in seconds (default: FTLAUNCH_TIMEOUT, else 60)",
+    )
     p.add_argument("--step-sleep", type=float, default=0.0, help="extra seconds per step (demos, chaos)")
     p.add_argument("--max-seconds", type=float, default=600.0, help="give up after this long (safety net)")
-    p.add_argument("--long-form", action="store_true",
-                   help="torchft-style explicit Manager/process group/transport/2-D mesh instead of ftlaunch.init")
-    p.add_argument("--reference", metavar="GROUPSxWORKERS", default=None,
-                   help="print the losses a run of GROUPS groups x WORKERS workers must log, computed in one "
-                        "process without distribution (e.g. 2x2), and exit")
+    p.add_argument(
+        "--long-form",
+        action="store_true",
+        help="torchft-style explicit Manager/process group/transport/2-D mesh instead of ftlaunch.init",
+    )
+    p.add_argument(
+        "--reference",
+        metavar="GROUPSxWORKERS",
+        default=None,
+        help="print the losses a run of GROUPS groups x WORKERS workers must log, computed in one "
+        "process without distribution (e.g. 2x2), and exit",
+    )
     return p.parse_args(argv)
 
 
@@ -100,7 +131,9 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
         q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, d // self.heads).unbind(2)
-        a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        a = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
         x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
         return x + self.down(F.gelu(self.up(self.norm2(x))))
 
@@ -135,7 +168,9 @@ def make_dataset(seq_len: int) -> torch.utils.data.TensorDataset:
     data = torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
     n = (len(data) - 1) // seq_len
     windows = data[: n * seq_len + 1].unfold(0, seq_len + 1, seq_len)[:n]
-    return torch.utils.data.TensorDataset(torch.arange(n), windows[:, :-1].contiguous(), windows[:, 1:].contiguous())
+    return torch.utils.data.TensorDataset(
+        torch.arange(n), windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+    )
 
 
 def loss_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -200,17 +235,34 @@ def long_form(args: argparse.Namespace, model: nn.Module, dataset: torch.utils.d
     timeout = timedelta(seconds=args.timeout or 60.0)
     device = device_of(args)
     gpu = device.type == "cuda"
-    dist.init_process_group("nccl" if gpu else "gloo", timeout=timeout)  # the replica group's own (torchelastic's env)
-    kinds = {"gloo": ProcessGroupGloo, "baby-gloo": ProcessGroupBabyGloo, "nccl": ProcessGroupNCCL,
-             "baby-nccl": ProcessGroupBabyNCCL}
+    dist.init_process_group(
+        "nccl" if gpu else "gloo", timeout=timeout
+    )  # the replica group's own (torchelastic's env)
+    kinds = {
+        "gloo": ProcessGroupGloo,
+        "baby-gloo": ProcessGroupBabyGloo,
+        "nccl": ProcessGroupNCCL,
+        "baby-nccl": ProcessGroupBabyNCCL,
+    }
     pg = kinds[args.backend or ("baby-nccl" if gpu else "baby-gloo")](timeout=timeout)
     transport: PGTransport = PGTransport(pg, timeout=timeout, device=device)
     # The model's and optimizer's state is registered once they are sharded (below).
-    manager = Manager(pg=pg, load_state_dict=None, state_dict=None, min_replica_size=1,
-                      timeout=timeout, quorum_timeout=2 * timeout, checkpoint_transport=transport)
-    mesh = ft_init_device_mesh(device_type=device.type, mesh_shape=(env.get_int(env.NUM_REPLICA_GROUPS, 1) or 1,
-                                                              dist.get_world_size()),
-                               mesh_dim_names=("dp_replicate", "dp_shard"), replicate_dim=0, manager=manager)
+    manager = Manager(
+        pg=pg,
+        load_state_dict=None,
+        state_dict=None,
+        min_replica_size=1,
+        timeout=timeout,
+        quorum_timeout=2 * timeout,
+        checkpoint_transport=transport,
+    )
+    mesh = ft_init_device_mesh(
+        device_type=device.type,
+        mesh_shape=(env.get_int(env.NUM_REPLICA_GROUPS, 1) or 1, dist.get_world_size()),
+        mesh_dim_names=("dp_replicate", "dp_shard"),
+        replicate_dim=0,
+        manager=manager,
+    )
     transport.device_mesh = mesh  # received shards are rebuilt on it
     for block in model.layers:
         fully_shard(block, mesh=mesh, mp_policy=mp_policy(args))
@@ -267,7 +319,9 @@ def main(argv: list[str] | None = None) -> int:
         return reference(args, groups, workers)
     group = env.get_int(env.REPLICA_GROUP_ID, 0) or 0
     rank = env.get_int(env.RANK, 0) or 0
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s [rg{group}/r{rank}] %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format=f"%(asctime)s %(levelname)s [rg{group}/r{rank}] %(message)s"
+    )
     log = logging.getLogger("train_hsdp")
     torch.set_num_threads(1)  # workers share the machine's cores
 
@@ -276,7 +330,9 @@ def main(argv: list[str] | None = None) -> int:
     dataset = make_dataset(args.seq_len)
     ft = None
     try:
-        ft, manager, model, optimizer, sampler = (long_form if args.long_form else short_form)(args, model, dataset)
+        ft, manager, model, optimizer, sampler = (long_form if args.long_form else short_form)(
+            args, model, dataset
+        )
     except ftlaunch.ConfigurationError as e:
         print(f"train_hsdp.py: {e}", file=sys.stderr)
         return 2
@@ -295,8 +351,11 @@ def main(argv: list[str] | None = None) -> int:
                 optimizer.zero_grad()  # starts the step's quorum
                 loss = loss_of(model, x, y)
                 loss.backward()  # gradient shards averaged in the group, then across groups
-                norm = nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad_norm) if args.clip_grad_norm \
+                norm = (
+                    nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad_norm)
+                    if args.clip_grad_norm
                     else torch.zeros(())
+                )
                 committed = optimizer.step()  # applied only if every group and rank committed
                 print(
                     f"step={manager.current_step()} committed={committed} participants={manager.num_participants()} "
@@ -310,8 +369,11 @@ def main(argv: list[str] | None = None) -> int:
             if manager.current_step() >= args.steps:
                 break
         checksum = full_checksum(model)
-        print(f"final_checksum={checksum} step={manager.current_step()} "
-              f"loss_ppl={math.exp(min(loss.item(), 20)):.2f}", flush=True)
+        print(
+            f"final_checksum={checksum} step={manager.current_step()} "
+            f"loss_ppl={math.exp(min(loss.item(), 20)):.2f}",
+            flush=True,
+        )
     except ftlaunch.ConfigurationError as e:  # e.g. this group shards differently from the others
         print(f"train_hsdp.py: {e}", file=sys.stderr)
         return 2

@@ -53,7 +53,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--min-replica-size", type=int, default=2)
     p.add_argument("--timeout", type=float, default=30.0)
-    p.add_argument("--shared-dir", default="", help="a directory every group can read (enables the side demos)")
+    p.add_argument(
+        "--shared-dir", default="", help="a directory every group can read (enables the side demos)"
+    )
     return p.parse_args()
 
 
@@ -118,12 +120,16 @@ def side_demos(shared: Path, group: int, groups: int, timeout: timedelta) -> Non
     gathered = [torch.zeros(1) for _ in range(groups)] if group == 0 else None
     dist.gather(torch.tensor([float(group)]), gathered, group=pg, group_dst=0)
     part = torch.zeros(1)
-    dist.scatter(part, [torch.tensor([10.0 * k]) for k in range(groups)] if group == 0 else None,
-                 group=pg, group_src=0)
+    dist.scatter(
+        part, [torch.tensor([10.0 * k]) for k in range(groups)] if group == 0 else None, group=pg, group_src=0
+    )
     reduced = torch.ones(1)
     dist.reduce(reduced, group=pg, group_dst=0)
-    print(f"reconfigure: rank={pg.rank()} size={pg.size()} sum={total.item():g} scatter={part.item():g} "
-          f"global_ranks={pg.global_ranks}", flush=True)
+    print(
+        f"reconfigure: rank={pg.rank()} size={pg.size()} sum={total.item():g} scatter={part.item():g} "
+        f"global_ranks={pg.global_ranks}",
+        flush=True,
+    )
     if gathered is not None:
         print(f"reconfigure: gathered={[t.item() for t in gathered]} reduced={reduced.item():g}", flush=True)
     pg.shutdown()
@@ -192,8 +198,15 @@ def main() -> int:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(512, 8, generator=g)
     dataset = torch.utils.data.TensorDataset(x, x.sum(dim=1, keepdim=True))
-    sampler = DistributedSampler(dataset, replica_rank=group, num_replica_groups=groups, group_rank=0,
-                                 num_replicas=1, shuffle=True, seed=0)
+    sampler = DistributedSampler(
+        dataset,
+        replica_rank=group,
+        num_replica_groups=groups,
+        group_rank=0,
+        num_replicas=1,
+        shuffle=True,
+        seed=0,
+    )
     manager.register_state_dict_fn("sampler", sampler.load_state_dict, sampler.state_dict)
     loader = torch.utils.data.DataLoader(dataset, batch_size=16, sampler=sampler)
 
@@ -215,9 +228,12 @@ def main() -> int:
                     for e, p in zip(ema, model.parameters(), strict=True):
                         e.mul_(0.9).add_(p.detach(), alpha=0.1)
                     manager.allow_state_dict_read()
-                print(f"step={manager.current_step()} committed={committed} participants={manager.num_participants()} "
-                      f"participating_rank={manager.participating_rank()} ok={ok} "
-                      f"loss={float(mean_loss.wait().reshape(-1)[0]):.5f}", flush=True)
+                print(
+                    f"step={manager.current_step()} committed={committed} participants={manager.num_participants()} "
+                    f"participating_rank={manager.participating_rank()} ok={ok} "
+                    f"loss={float(mean_loss.wait().reshape(-1)[0]):.5f}",
+                    flush=True,
+                )
         params = list(model.parameters())
         print(f"final_checksum={checksum(*params, *ema)} step={manager.current_step()}", flush=True)
     finally:

@@ -43,7 +43,9 @@ def out(t: torch.Tensor) -> list[Any]:
     return [str(t.dtype).removeprefix("torch."), t.tolist()]
 
 
-def _reduce(values: list[float] | list[int], dtype: torch.dtype, op: ReduceOperation) -> Callable[[Gang], Any]:
+def _reduce(
+    values: list[float] | list[int], dtype: torch.dtype, op: ReduceOperation
+) -> Callable[[Gang], Any]:
     def case(g: Gang) -> Any:
         t = torch.tensor(values, dtype=dtype)
         g.all_reduce(t, op)
@@ -273,7 +275,9 @@ def init_default(rank: int, size: int, port: int) -> dict[str, Any]:
     before = resources()
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(size), "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": str(port)})  # fmt: skip
-    STATE["root"] = ProcessGroupGang.create_default_process_group(torch.device("cpu"), timeout=timedelta(seconds=30))
+    STATE["root"] = ProcessGroupGang.create_default_process_group(
+        torch.device("cpu"), timeout=timedelta(seconds=30)
+    )
     again = attempt(lambda: ProcessGroupGang.create_default_process_group(torch.device("cpu")))
     bad_device = attempt(lambda: ProcessGroupGang.create_default_process_group(torch.device("meta")))
     return {"before": before, "again": again, "bad_device": bad_device}

@@ -23,8 +23,15 @@ class Group:
     """One replica group of ``nworkers`` worker processes; the test plays torchelastic's agent
     (hosts the group's store, restarts the whole group with a new attempt number)."""
 
-    def __init__(self, gid: int, nworkers: int, lighthouse: str, tmp: Path, args: list[str] | None = None,
-                 env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        gid: int,
+        nworkers: int,
+        lighthouse: str,
+        tmp: Path,
+        args: list[str] | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.gid = gid
         self.nworkers = nworkers
         self.lighthouse = lighthouse
@@ -43,20 +50,30 @@ class Group:
         if self.nworkers > 1:
             # A fresh store per attempt, as ftlaunch's rendezvous hosts one per round (torch's
             # gloo rendezvous does not prefix its keys per restart attempt).
-            self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                                       timeout=timedelta(seconds=60))
+            self.store = dist.TCPStore(
+                "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
+            )
         for rank in range(self.nworkers):
             env = dict(os.environ)
             env.update(self.extra_env)
-            env.update({
-                "REPLICA_GROUP_ID": str(self.gid),
-                "FTLAUNCH_LIGHTHOUSE": self.lighthouse,
-                "TORCHELASTIC_RESTART_COUNT": str(self.attempt),
-                "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(self.nworkers),
-            })
+            env.update(
+                {
+                    "REPLICA_GROUP_ID": str(self.gid),
+                    "FTLAUNCH_LIGHTHOUSE": self.lighthouse,
+                    "TORCHELASTIC_RESTART_COUNT": str(self.attempt),
+                    "RANK": str(rank),
+                    "LOCAL_RANK": str(rank),
+                    "WORLD_SIZE": str(self.nworkers),
+                }
+            )
             if self.store is not None:
-                env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(self.store.port),
-                            "TORCHELASTIC_USE_AGENT_STORE": "True"})
+                env.update(
+                    {
+                        "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": str(self.store.port),
+                        "TORCHELASTIC_USE_AGENT_STORE": "True",
+                    }
+                )
             else:
                 for k in ("MASTER_ADDR", "MASTER_PORT"):
                     env.pop(k, None)
@@ -84,7 +101,9 @@ class Group:
             try:
                 codes.append(p.wait(timeout=max(0.1, deadline - time.monotonic())))
             except subprocess.TimeoutExpired:
-                raise AssertionError(f"group rg{self.gid} did not finish in {timeout}s: {self.log_tail()}") from None
+                raise AssertionError(
+                    f"group rg{self.gid} did not finish in {timeout}s: {self.log_tail()}"
+                ) from None
         return codes
 
     def log_tail(self, n: int = 3000) -> str:
@@ -123,4 +142,3 @@ class Group:
             if p.poll() is None:
                 kill_tree(p.pid)
         self.store = None
-

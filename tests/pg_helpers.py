@@ -101,8 +101,13 @@ class WorkerPool:
             raise WorkerError(f"worker {i} failed: {value}")
         return value
 
-    def run(self, ranks: Sequence[int], fn: Callable[..., Any], args: Sequence[tuple[Any, ...]],
-            timeout: float = 60.0) -> list[Any]:
+    def run(
+        self,
+        ranks: Sequence[int],
+        fn: Callable[..., Any],
+        args: Sequence[tuple[Any, ...]],
+        timeout: float = 60.0,
+    ) -> list[Any]:
         """Run `fn(*args[k])` on worker `ranks[k]` concurrently; return the results in order."""
         for i, a in zip(ranks, args, strict=True):
             self.submit(i, fn, *a)

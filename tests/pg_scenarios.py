@@ -53,8 +53,13 @@ def configure(store_addr: str, rank: int, world_size: int) -> dict[str, Any]:
     pg = STATE["pg"]
     start = time.monotonic()
     pg.configure(store_addr, rank, world_size)
-    return {"pid": os.getpid(), "child": getattr(pg, "child_pid", None),
-            "seconds": time.monotonic() - start, "size": pg.size(), "rank": pg.rank()}
+    return {
+        "pid": os.getpid(),
+        "child": getattr(pg, "child_pid", None),
+        "seconds": time.monotonic() - start,
+        "size": pg.size(),
+        "rank": pg.rank(),
+    }
 
 
 def allreduce_sum(rank: int) -> list[float]:
@@ -71,7 +76,11 @@ def allreduce_sum(rank: int) -> list[float]:
 
 def _inp(shape: tuple[int, ...], rank: int, salt: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     n = int(np.prod(shape))
-    return ((torch.arange(n, dtype=torch.float64) * (rank + 1) + salt * 7 + rank * 3) % 97).to(dtype).reshape(shape)
+    return (
+        ((torch.arange(n, dtype=torch.float64) * (rank + 1) + salt * 7 + rank * 3) % 97)
+        .to(dtype)
+        .reshape(shape)
+    )
 
 
 def _same(ours: Any, ref: Any, what: str) -> None:
@@ -80,8 +89,12 @@ def _same(ours: Any, ref: Any, what: str) -> None:
         for i, (a, b) in enumerate(zip(ours, ref, strict=True)):
             _same(a, b, f"{what}[{i}]")
         return
-    assert ours.dtype == ref.dtype and ours.shape == ref.shape, f"{what}: {ours.dtype}{tuple(ours.shape)} vs {ref.dtype}{tuple(ref.shape)}"
-    assert torch.equal(ours, ref), f"{what}: ftlaunch {ours.flatten()[:8].tolist()} != torch {ref.flatten()[:8].tolist()}"
+    assert ours.dtype == ref.dtype and ours.shape == ref.shape, (
+        f"{what}: {ours.dtype}{tuple(ours.shape)} vs {ref.dtype}{tuple(ref.shape)}"
+    )
+    assert torch.equal(ours, ref), (
+        f"{what}: ftlaunch {ours.flatten()[:8].tolist()} != torch {ref.flatten()[:8].tolist()}"
+    )
 
 
 def init_reference(ref_addr: str, rank: int, world: int) -> None:
@@ -111,8 +124,13 @@ def check_collectives(rank: int, world: int) -> int:
     checks = 0
     W, r = world, rank
     # all_reduce: sum/max, float/int, async + future, views, numpy-backed memory
-    for salt, (dtype, op) in enumerate([(torch.float32, dist.ReduceOp.SUM), (torch.int64, dist.ReduceOp.MAX),
-                                        (torch.float64, dist.ReduceOp.MIN)]):
+    for salt, (dtype, op) in enumerate(
+        [
+            (torch.float32, dist.ReduceOp.SUM),
+            (torch.int64, dist.ReduceOp.MAX),
+            (torch.float64, dist.ReduceOp.MIN),
+        ]
+    ):
         a, b = _inp((5, 3), r, salt, dtype), _inp((5, 3), r, salt, dtype)
         dist.all_reduce(a, op=op, group=pg)
         dist.all_reduce(b, op=op, group=ref)
@@ -197,8 +215,8 @@ def check_collectives(rank: int, world: int) -> int:
     dist.all_to_all_single(oa, x, group=pg)
     dist.all_to_all_single(ob, x, group=ref)
     _same(oa, ob, "all_to_all_single")
-    in_splits = [(r + k) % 3 + 1 for k in range(W)]          # what I send to rank k
-    out_splits = [(k + r) % 3 + 1 for k in range(W)]         # what rank k sends me
+    in_splits = [(r + k) % 3 + 1 for k in range(W)]  # what I send to rank k
+    out_splits = [(k + r) % 3 + 1 for k in range(W)]  # what rank k sends me
     x = _inp((sum(in_splits),), r, 24)
     oa, ob = torch.zeros(sum(out_splits)), torch.zeros(sum(out_splits))
     dist.all_to_all_single(oa, x, out_splits, in_splits, group=pg)
@@ -327,9 +345,15 @@ def allreduce_until_error(rank: int, max_seconds: float) -> dict[str, Any]:
         try:
             dist.all_reduce(t, group=pg)
         except Exception as e:
-            return {"type": type(e).__name__, "comm": isinstance(e, CommunicationError), "msg": str(e),
-                    "op_seconds": time.monotonic() - start, "ops": n,
-                    "errored": repr(pg.errored()), "errored_is_comm": isinstance(pg.errored(), CommunicationError)}
+            return {
+                "type": type(e).__name__,
+                "comm": isinstance(e, CommunicationError),
+                "msg": str(e),
+                "op_seconds": time.monotonic() - start,
+                "ops": n,
+                "errored": repr(pg.errored()),
+                "errored_is_comm": isinstance(pg.errored(), CommunicationError),
+            }
         n += 1
         if isinstance(pg, ErrorSwallowingProcessGroupWrapper) and pg.error() is not None:
             # Swallowed: the op "succeeded"; later ops must complete at once without touching data.
@@ -337,10 +361,17 @@ def allreduce_until_error(rank: int, max_seconds: float) -> dict[str, Any]:
             w = pg.allreduce([t])
             w.wait()
             fut_val = pg.allreduce([t]).get_future().wait()
-            return {"type": "swallowed", "comm": isinstance(pg.error(), CommunicationError),
-                    "msg": str(pg.error()), "ops": n, "op_seconds": time.monotonic() - start,
-                    "untouched": bool(torch.equal(before, t)), "future_is_tensors": fut_val[0] is t,
-                    "errored": repr(pg.errored()), "errored_is_comm": isinstance(pg.errored(), CommunicationError)}
+            return {
+                "type": "swallowed",
+                "comm": isinstance(pg.error(), CommunicationError),
+                "msg": str(pg.error()),
+                "ops": n,
+                "op_seconds": time.monotonic() - start,
+                "untouched": bool(torch.equal(before, t)),
+                "future_is_tensors": fut_val[0] is t,
+                "errored": repr(pg.errored()),
+                "errored_is_comm": isinstance(pg.errored(), CommunicationError),
+            }
     return {"type": None, "ops": n}
 
 
@@ -407,8 +438,11 @@ def teardown_cycle(kind: str, store: str, rank: int, world: int, destroy: bool) 
         pg.shutdown()
     del pg, t, out
     res = _resources()
-    res["child_alive"] = child is not None and psutil.pid_exists(child) and \
-        psutil.Process(child).status() != psutil.STATUS_ZOMBIE
+    res["child_alive"] = (
+        child is not None
+        and psutil.pid_exists(child)
+        and psutil.Process(child).status() != psutil.STATUS_ZOMBIE
+    )
     return res
 
 
@@ -446,9 +480,14 @@ def mesh_collective(local_addr: str, ft_addr: str, rank: int, world: int) -> dic
         dist.all_reduce(t2, group=ext.get_group("dp"))
         shard = torch.tensor([float(rank + 1)])
         dist.all_reduce(shard, group=ext.get_group("shard"))
-        out = {"names": list(ext.mesh_dim_names), "shape": list(ext.mesh.shape),
-               "fc": summed.tolist(), "dist": t2.tolist(), "shard": shard.tolist(),
-               "dp_is_pg": ext.get_group("dp") is pg}
+        out = {
+            "names": list(ext.mesh_dim_names),
+            "shape": list(ext.mesh.shape),
+            "fc": summed.tolist(),
+            "dist": t2.tolist(),
+            "shard": shard.tolist(),
+            "dp_is_pg": ext.get_group("dp") is pg,
+        }
         out["fsdp_grad"], out["local_grad"] = _fsdp2_hsdp_grads(ext, rank)
         pg.shutdown()
         return out
@@ -487,8 +526,14 @@ def reconfigure_via_store(store_addr: str, rank: int, world: int, global_rank: i
     reconfigure_with_store(pg, store_addr, rank, world, timedelta(seconds=30))
     t = torch.tensor([float(pg.rank() + 1)])
     dist.all_reduce(t, group=pg)
-    return {"rank": pg.rank(), "size": pg.size(), "sum": t.item(), "global_ranks": pg.global_ranks,
-            "child": getattr(pg, "child_pid", None), "errored": pg.errored() is not None}
+    return {
+        "rank": pg.rank(),
+        "size": pg.size(),
+        "sum": t.item(),
+        "global_ranks": pg.global_ranks,
+        "child": getattr(pg, "child_pid", None),
+        "errored": pg.errored() is not None,
+    }
 
 
 def abort_pg() -> None:

@@ -53,8 +53,15 @@ def test_split_then_join_rebuilds_the_dtensors_on_the_mesh(mesh: DeviceMesh) -> 
     state = _state(mesh)
     plain, specs = dtensors.split(state)
     assert isinstance(state["model"]["w"], DTensor)  # the caller's state is not modified
-    assert not any(isinstance(t, DTensor) for t in (plain["model"]["w"], plain["optim"]["state"][0]["exp_avg"]))
-    assert [s.path for s in specs] == [("model", "w"), ("model", "b"), ("optim", "state", 0, "exp_avg"), ("pair", 0)]
+    assert not any(
+        isinstance(t, DTensor) for t in (plain["model"]["w"], plain["optim"]["state"][0]["exp_avg"])
+    )
+    assert [s.path for s in specs] == [
+        ("model", "w"),
+        ("model", "b"),
+        ("optim", "state", 0, "exp_avg"),
+        ("pair", 0),
+    ]
     wire = dtensors.specs_to_json(specs)  # plain JSON values: what the serialization carries
     back = dtensors.join(plain, dtensors.specs_from_json(wire), mesh)
     assert type(back["model"]) is collections.OrderedDict and type(back["pair"]) is tuple
@@ -75,7 +82,9 @@ def test_without_a_mesh_the_template_gives_it(mesh: DeviceMesh) -> None:
     plain, specs = dtensors.split(_state(mesh))
     back = dtensors.join(plain, specs, None, template=_state(mesh))
     assert back["model"]["w"].device_mesh is mesh
-    with pytest.raises(CheckpointTransportError, match=r"at state_dict\['model'\]\['w'\] but know no device mesh"):
+    with pytest.raises(
+        CheckpointTransportError, match=r"at state_dict\['model'\]\['w'\] but know no device mesh"
+    ):
         dtensors.join(plain, specs, None)
 
 
@@ -83,17 +92,22 @@ def test_a_different_sharding_is_refused(mesh: DeviceMesh) -> None:
     plain, specs = dtensors.split(_state(mesh))
     template = _state(mesh)
     template["model"]["w"] = distribute_tensor(torch.zeros(4, 3), mesh, [Replicate()])
-    with pytest.raises(CheckpointTransportError, match=r"refusing the DTensor at state_dict\['model'\]\['w'\]: the "
-                       r"replica groups shard it differently \(sender: mesh \[1\] \['dp_shard'\] at \[0\], "
-                       r"placements \[Shard\(dim=0\)\].*here: .*placements \[Replicate\(\)\]"):
+    with pytest.raises(
+        CheckpointTransportError,
+        match=r"refusing the DTensor at state_dict\['model'\]\['w'\]: the "
+        r"replica groups shard it differently \(sender: mesh \[1\] \['dp_shard'\] at \[0\], "
+        r"placements \[Shard\(dim=0\)\].*here: .*placements \[Replicate\(\)\]",
+    ):
         dtensors.join(plain, specs, mesh, template=template)
 
 
 @pytest.mark.parametrize(
     "change, what",
-    [({"mesh_shape": [2], "coordinate": [0]}, r"mesh \[1\] \['dp_shard'\] at \[0\]\)"),
-     ({"mesh_dim_names": ["tp"]}, r"mesh \[1\] \['dp_shard'\] at \[0\]\)"),
-     ({"shape": [6, 3], "stride": [3, 1]}, r"mesh .*, local shard \[6, 3\] \(received \[4, 3\]\)")],
+    [
+        ({"mesh_shape": [2], "coordinate": [0]}, r"mesh \[1\] \['dp_shard'\] at \[0\]\)"),
+        ({"mesh_dim_names": ["tp"]}, r"mesh \[1\] \['dp_shard'\] at \[0\]\)"),
+        ({"shape": [6, 3], "stride": [3, 1]}, r"mesh .*, local shard \[6, 3\] \(received \[4, 3\]\)"),
+    ],
     ids=["mesh shape", "dimension names", "global shape"],
 )
 def test_a_spec_from_another_layout_is_refused(mesh: DeviceMesh, change: dict, what: str) -> None:
@@ -106,8 +120,12 @@ def test_a_spec_from_another_layout_is_refused(mesh: DeviceMesh, change: dict, w
 
 def test_malformed_specs_are_transport_errors(mesh: DeviceMesh) -> None:
     plain, specs = dtensors.split(_state(mesh))
-    for bad in ({"path": ["model", "w"]}, {**specs[0].to_json(), "placements": [["partial"]]},
-                {**specs[0].to_json(), "coordinate": [-1]}, {**specs[0].to_json(), "path": ["nowhere"]}):
+    for bad in (
+        {"path": ["model", "w"]},
+        {**specs[0].to_json(), "placements": [["partial"]]},
+        {**specs[0].to_json(), "coordinate": [-1]},
+        {**specs[0].to_json(), "path": ["nowhere"]},
+    ):
         with pytest.raises(CheckpointTransportError):
             dtensors.join(plain, dtensors.specs_from_json([bad]), mesh)
     with pytest.raises(CheckpointTransportError, match="not a list of objects"):
@@ -118,7 +136,11 @@ def test_a_pending_reduction_cannot_be_sent(mesh: DeviceMesh) -> None:
     partial = DTensor.from_local(torch.ones(2), mesh, [Partial()])
     with pytest.raises(TypeError, match=r"state_dict\['g'\]: placement P\(sum\) is not Shard or Replicate"):
         dtensors.split({"g": partial})
-    assert ShardSpec.of(distribute_tensor(torch.ones(2), mesh, [Shard(0)]), ("x",)).describe().startswith("mesh [1]")
+    assert (
+        ShardSpec.of(distribute_tensor(torch.ones(2), mesh, [Shard(0)]), ("x",))
+        .describe()
+        .startswith("mesh [1]")
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -130,7 +152,9 @@ def _model(seed: int) -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.ReLU(), torch.nn.Linear(10, 5))
 
 
-def _trained(mesh: DeviceMesh, seed: int, shard_dim: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def _trained(
+    mesh: DeviceMesh, seed: int, shard_dim: int = 0
+) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     from torch.distributed.fsdp import fully_shard
 
     model = _model(seed)
@@ -190,7 +214,8 @@ def _heal_worker(rank: int, port: int, q: Any) -> None:
             theirs = {"model": other.state_dict(), "optim": opt.state_dict()}
             try:
                 PGTransport(cross, timeout, torch.device("cpu"), state_dict=lambda: theirs).recv_checkpoint(
-                    0, "<pg>", 4, timeout)
+                    0, "<pg>", 4, timeout
+                )
                 out["mismatch"] = "accepted"
             except CheckpointTransportError as e:
                 out["mismatch"] = str(e)
@@ -217,9 +242,13 @@ def test_fsdp2_shards_heal_rank_by_rank_over_pg_transport() -> None:
             with_timeout_join(p)
     for rank, out in res.items():
         assert "error" not in out, (rank, out["error"])
-    assert res[0]["digest"] == res[1]["digest"] == res[2]["digest"] == res[3]["digest"]  # full weights + Adam state
+    assert (
+        res[0]["digest"] == res[1]["digest"] == res[2]["digest"] == res[3]["digest"]
+    )  # full weights + Adam state
     assert res[2]["fresh_is_dtensor"] == res[3]["fresh_is_dtensor"] == "True"
     assert res[2]["in_place"] == res[3]["in_place"] == "True"
     for rank in (2, 3):
         assert "the replica groups shard it differently" in res[rank]["mismatch"], res[rank]["mismatch"]
-        assert "placements [Shard(dim=0)]" in res[rank]["mismatch"] and "Shard(dim=1)" in res[rank]["mismatch"]
+        assert (
+            "placements [Shard(dim=0)]" in res[rank]["mismatch"] and "Shard(dim=1)" in res[rank]["mismatch"]
+        )

@@ -555,8 +555,13 @@ def test_fresh_receive_of_many_pieces(receiver: HTTPTransport) -> None:
     assert all(t.is_contiguous() for t in got.values())
 
 
-def failing_receive(receiver: HTTPTransport, behave: Callable[[BaseHTTPRequestHandler, str, bytes], bool],
-                    release: threading.Event, match: str, timeout: float) -> float:
+def failing_receive(
+    receiver: HTTPTransport,
+    behave: Callable[[BaseHTTPRequestHandler, str, bytes], bool],
+    release: threading.Event,
+    match: str,
+    timeout: float,
+) -> float:
     """Seconds ``receiver`` took to fail (as ``match`` says) against a fake server misbehaving as
     ``behave`` does until ``release`` is set (set once the receiver gave up)."""
     with fake_server(behave) as srv:
@@ -656,7 +661,9 @@ def test_torchft_forms_no_chunking_and_the_default_timeout() -> None:
         assert receiver._num_chunks == 1
         sender.send_checkpoint([1], 3, make_state(4, 300_000))
         assert_state_equal(receiver.recv_checkpoint(0, sender.metadata(), 3), make_state(4, 300_000))
-        assert_state_equal(receiver.recv_checkpoint(0, sender.metadata(), 3, timedelta(0)), make_state(4, 300_000))
+        assert_state_equal(
+            receiver.recv_checkpoint(0, sender.metadata(), 3, timedelta(0)), make_state(4, 300_000)
+        )
         t0 = time.monotonic()
         with pytest.raises(CheckpointTransportError, match="until the timeout"):
             receiver.recv_checkpoint(0, sender.metadata(), 4)  # not served: bounded by the 1 s default
@@ -706,7 +713,10 @@ def test_a_hostile_header_is_refused_before_it_is_read_by_a_receiver_that_expect
     """The healer's own state says what to expect (`expect_like`): a header far larger is refused
     from its length alone, with almost no memory, whatever the timeout."""
     frame, body = hostile_frame(400_000)
-    own = {"model": {"w": torch.zeros(64, 64), "b": torch.zeros(64)}, "optim": {"state": {}, "param_groups": []}}
+    own = {
+        "model": {"w": torch.zeros(64, 64), "b": torch.zeros(64)},
+        "optim": {"state": {}, "param_groups": []},
+    }
     with HTTPTransport(TIMEOUT) as rx, fake_server(_honest, frame=frame, body=body) as srv:
         rx.expect_like(own)
         tracemalloc.start()
@@ -732,8 +742,10 @@ def test_a_hostile_header_costs_a_receiver_no_more_than_its_timeout() -> None:
     of a hostile header stop at the transfer's deadline with the transport's error."""
     frame, body = hostile_frame(400_000)
     with HTTPTransport(TIMEOUT) as rx, fake_server(_honest, frame=frame, body=body) as srv:
-        with pytest.raises(CheckpointTransportError,
-                           match=r"timed out after 1\.0s (parsing|validating|allocating|preparing|laying)"):
+        with pytest.raises(
+            CheckpointTransportError,
+            match=r"timed out after 1\.0s (parsing|validating|allocating|preparing|laying)",
+        ):
             rx.recv_checkpoint(0, srv.url, 1, timedelta(seconds=1))
 
 

@@ -77,7 +77,9 @@ def _main_scenario(rank: int, pg: dist.ProcessGroup, ready: Any) -> dict[str, st
         # torchft's forms: no timeout (the transport's own), and timedelta(0) (no deadline of the call's own)
         out["send default timeout"] = _outcome(lambda: transport.send_checkpoint([1], 6, make_state(6, 10)))
         barrier()
-        out["send no deadline"] = _outcome(lambda: transport.send_checkpoint([2], 6, make_state(6, 10), timedelta(0)))
+        out["send no deadline"] = _outcome(
+            lambda: transport.send_checkpoint([2], 6, make_state(6, 10), timedelta(0))
+        )
         barrier()
         quick = timedelta(seconds=3)  # the receiver refuses this one: our sends may be left unmatched
         out["wrong step"] = _outcome(lambda: transport.send_checkpoint([1], 7, {"w": torch.ones(3)}, quick))
@@ -96,7 +98,9 @@ def _main_scenario(rank: int, pg: dist.ProcessGroup, ready: Any) -> dict[str, st
         out["corrupt body"] = _outcome(lambda: transport.recv_checkpoint(0, "<pg>", 5, TIMEOUT))
         barrier()
         out["recv no deadline"] = _outcome(
-            lambda: assert_state_equal(transport.recv_checkpoint(0, "<pg>", 6, timedelta(0)), make_state(6, 10))
+            lambda: assert_state_equal(
+                transport.recv_checkpoint(0, "<pg>", 6, timedelta(0)), make_state(6, 10)
+            )
         )
         barrier()
         barrier()
@@ -116,7 +120,9 @@ def _main_scenario(rank: int, pg: dist.ProcessGroup, ready: Any) -> dict[str, st
         for _ in range(5):
             barrier()
         out["recv default timeout"] = _outcome(
-            lambda: assert_state_equal(PGTransport(pg, TIMEOUT, CPU).recv_checkpoint(0, "<pg>", 6), make_state(6, 10))
+            lambda: assert_state_equal(
+                PGTransport(pg, TIMEOUT, CPU).recv_checkpoint(0, "<pg>", 6), make_state(6, 10)
+            )
         )
         barrier()
     return out

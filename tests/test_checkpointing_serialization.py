@@ -128,9 +128,7 @@ def frame_json(doc: Any) -> bytes:
 
 def split_payload(data: bytes) -> tuple[dict, bytes]:
     length = parse_frame_prefix(data)
-    return json.loads(data[FRAME_PREFIX_LEN : FRAME_PREFIX_LEN + length]), data[
-        FRAME_PREFIX_LEN + length :
-    ]
+    return json.loads(data[FRAME_PREFIX_LEN : FRAME_PREFIX_LEN + length]), data[FRAME_PREFIX_LEN + length :]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -354,9 +352,7 @@ def test_truncation_and_extension_are_detected() -> None:
 
 
 def _valid_doc() -> tuple[dict, bytes]:
-    return split_payload(
-        dumps({"a": torch.arange(4, dtype=torch.int32), "b": [1.5, torch.ones(2)]}, step=2)
-    )
+    return split_payload(dumps({"a": torch.arange(4, dtype=torch.int32), "b": [1.5, torch.ones(2)]}, step=2))
 
 
 def _mutations() -> list[tuple[str, Any]]:

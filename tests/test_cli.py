@@ -24,9 +24,26 @@ def test_defaults_and_torchrun_style_command() -> None:
 
 def test_torchrun_flag_spellings() -> None:
     opts = options_from_args(
-        ["--nproc_per_node", "3", "--max_restarts", "5", "--monitor_interval", "0.5", "--rdzv_id", "job7",
-         "--rdzv_conf", "join_timeout=30,read_timeout=9", "--standalone", "--role", "trainer",
-         "--replicas", "4", "--min-replicas", "2", WORKER]
+        [
+            "--nproc_per_node",
+            "3",
+            "--max_restarts",
+            "5",
+            "--monitor_interval",
+            "0.5",
+            "--rdzv_id",
+            "job7",
+            "--rdzv_conf",
+            "join_timeout=30,read_timeout=9",
+            "--standalone",
+            "--role",
+            "trainer",
+            "--replicas",
+            "4",
+            "--min-replicas",
+            "2",
+            WORKER,
+        ]
     )
     assert (opts.nproc_per_node, opts.max_restarts, opts.monitor_interval) == (3, 5, 0.5)
     assert opts.run_id == "job7" and opts.role == "trainer"
@@ -58,7 +75,10 @@ def test_lighthouse_alias_rdzv_endpoint() -> None:
     [
         ("5", ChaosSpec(every=5.0)),
         ("every=2.5,count=3,seed=1", ChaosSpec(every=2.5, count=3, seed=1)),
-        ("steps=40/20,group=1,signal=sigstop,stop_for=2", ChaosSpec(steps=(20, 40), group=1, signal="STOP", stop_for=2)),
+        (
+            "steps=40/20,group=1,signal=sigstop,stop_for=2",
+            ChaosSpec(steps=(20, 40), group=1, signal="STOP", stop_for=2),
+        ),
         ("every=1,target=agent,start=0", ChaosSpec(every=1, target="agent", start=0.0)),
     ],
 )
@@ -134,20 +154,42 @@ def test_port_in_use_is_one_line() -> None:
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        _one_line_error(["--lighthouse-bind", f"127.0.0.1:{port}", WORKER], f"cannot start the lighthouse on 127.0.0.1:{port}")
+        _one_line_error(
+            ["--lighthouse-bind", f"127.0.0.1:{port}", WORKER],
+            f"cannot start the lighthouse on 127.0.0.1:{port}",
+        )
 
 
 @pytest.mark.timeout(120)
 def test_unreachable_lighthouse_is_one_line() -> None:
     port = free_port()  # nothing listens there
-    _one_line_error(["--lighthouse", f"127.0.0.1:{port}", WORKER], f"no lighthouse answers at http://127.0.0.1:{port}")
+    _one_line_error(
+        ["--lighthouse", f"127.0.0.1:{port}", WORKER], f"no lighthouse answers at http://127.0.0.1:{port}"
+    )
 
 
 @pytest.mark.timeout(60)
 def test_help_names_the_flags() -> None:
     res = run([*FTLAUNCH, "--help"], timeout=30)
     assert res.returncode == 0
-    for flag in ("--replicas", "--nproc-per-node", "--max-restarts", "--chaos", "--lighthouse", "--min-replicas",
-                 "--join-timeout", "--heartbeat-timeout", "--lighthouse-bind", "--tee", "--redirects", "--log-dir",
-                 "--run-path", "--no-python", "--standalone", "--rdzv-conf", "REPLICA_GROUP_ID", "exit status"):
+    for flag in (
+        "--replicas",
+        "--nproc-per-node",
+        "--max-restarts",
+        "--chaos",
+        "--lighthouse",
+        "--min-replicas",
+        "--join-timeout",
+        "--heartbeat-timeout",
+        "--lighthouse-bind",
+        "--tee",
+        "--redirects",
+        "--log-dir",
+        "--run-path",
+        "--no-python",
+        "--standalone",
+        "--rdzv-conf",
+        "REPLICA_GROUP_ID",
+        "exit status",
+    ):
         assert flag in res.stdout, flag

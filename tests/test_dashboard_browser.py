@@ -42,10 +42,19 @@ def chromium() -> str:
     apt = shutil.which("apt-get")
     if apt is None or os.geteuid() != 0:
         pytest.skip("chromium is not installed and apt-get is not usable here (needs apt-get as root)")
-    for cmd in ([apt, "install", "-y", "-q", "chromium"], [apt, "update", "-q"], [apt, "install", "-y", "-q", "chromium"]):
+    for cmd in (
+        [apt, "install", "-y", "-q", "chromium"],
+        [apt, "update", "-q"],
+        [apt, "install", "-y", "-q", "chromium"],
+    ):
         try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
-                                  env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
+            done = subprocess.run(
+                cmd,
+                capture_output=True,
+                text=True,
+                timeout=600,
+                env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"},
+            )
         except subprocess.TimeoutExpired:
             pytest.skip(f"{' '.join(cmd)} did not finish within 600 s")
         if done.returncode == 0 and _find_chromium():
@@ -60,9 +69,20 @@ def _browser(chromium: str, *args: str, timeout: float = 120) -> subprocess.Comp
     profile = tempfile.mkdtemp(prefix="ftlaunch_chromium_")
     try:
         return subprocess.run(
-            [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-             "--no-first-run", f"--user-data-dir={profile}", "--virtual-time-budget=3000", *args],
-            capture_output=True, text=True, timeout=timeout,
+            [
+                chromium,
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-dev-shm-usage",
+                "--no-first-run",
+                f"--user-data-dir={profile}",
+                "--virtual-time-budget=3000",
+                *args,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
         )
     finally:
         shutil.rmtree(profile, ignore_errors=True)
@@ -80,7 +100,9 @@ def live_lighthouse():
 
             answers: dict[int, object] = {}
             threads = [
-                threading.Thread(target=lambda i=i, c=c: answers.__setitem__(i, c.quorum(QuorumMember(f"rg{i}"), 10)))
+                threading.Thread(
+                    target=lambda i=i, c=c: answers.__setitem__(i, c.quorum(QuorumMember(f"rg{i}"), 10))
+                )
                 for i, c in enumerate(clients)
             ]
             for t in threads:
@@ -90,9 +112,19 @@ def live_lighthouse():
             assert len(answers) == 2
             for i, c in enumerate(clients):
                 for step in range(1, 6):
-                    c.set_progress(f"rg{i}", ProgressReport(
-                        f"s{i}", step=step, commits=step, heals=i, heal_seconds=0.125 * i, step_seconds=0.031,
-                        quorum_seconds=0.004, commit_seconds=0.002))
+                    c.set_progress(
+                        f"rg{i}",
+                        ProgressReport(
+                            f"s{i}",
+                            step=step,
+                            commits=step,
+                            heals=i,
+                            heal_seconds=0.125 * i,
+                            step_seconds=0.031,
+                            quorum_seconds=0.004,
+                            commit_seconds=0.002,
+                        ),
+                    )
                     c.heartbeat(f"rg{i}")
                     time.sleep(0.05)  # a plausible step rate for the screenshot
             yield server
@@ -111,7 +143,10 @@ def test_dashboard_in_headless_chromium(chromium, live_lighthouse, tmp_path) -> 
     for rid in ("rg0", "rg1"):
         row = re.search(rf"<tr data-replica=\"{rid}\">(.*?)</tr>", page, re.S)
         assert row, page[:3000]
-        cells = [html.unescape(re.sub(r"<[^>]+>", "", c)).strip() for c in re.findall(r"<td[^>]*>(.*?)</td>", row.group(1), re.S)]
+        cells = [
+            html.unescape(re.sub(r"<[^>]+>", "", c)).strip()
+            for c in re.findall(r"<td[^>]*>(.*?)</td>", row.group(1), re.S)
+        ]
         assert cells[0] == rid and cells[1] == "live" and cells[2] == "5"  # step: the reports are newer
         assert cells[3] == "5"  # committed steps, from the progress reports
         assert float(cells[4]) >= 0  # steps/s column
@@ -178,12 +213,29 @@ class _DevTools:
         self._profile = tempfile.mkdtemp(prefix="ftlaunch_chromium_")
 
         # The shell puts our pipe ends on chromium's fds 3 (commands in) and 4 (answers out).
-        args = [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
-                f"--user-data-dir={self._profile}", "--remote-debugging-pipe", "about:blank"]
+        args = [
+            chromium,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-dev-shm-usage",
+            "--no-first-run",
+            f"--user-data-dir={self._profile}",
+            "--remote-debugging-pipe",
+            "about:blank",
+        ]
         self.proc = subprocess.Popen(
             # bash: dash's redirections take single-digit fds only.
-            [shutil.which("bash") or "/bin/bash", "-c", f'exec "$@" 3<&{to_chrome_r} 4>&{from_chrome_w}', "sh", *args],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            [
+                shutil.which("bash") or "/bin/bash",
+                "-c",
+                f'exec "$@" 3<&{to_chrome_r} 4>&{from_chrome_w}',
+                "sh",
+                *args,
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
             pass_fds=(to_chrome_r, from_chrome_w),
         )
         os.close(to_chrome_r)
@@ -191,7 +243,9 @@ class _DevTools:
         self._buf = b""
         self._next_id = 0
 
-    def call(self, method: str, params: dict | None = None, session: str | None = None, timeout: float = 30) -> dict:
+    def call(
+        self, method: str, params: dict | None = None, session: str | None = None, timeout: float = 30
+    ) -> dict:
         import select
 
         self._next_id += 1
@@ -232,12 +286,15 @@ def test_evict_button_sends_the_token_the_user_types(chromium, live_lighthouse) 
         session = tools.call("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
 
         def evaluate(expr: str) -> object:
-            res = tools.call("Runtime.evaluate", {"expression": expr, "awaitPromise": True, "returnByValue": True},
-                             session)
+            res = tools.call(
+                "Runtime.evaluate", {"expression": expr, "awaitPromise": True, "returnByValue": True}, session
+            )
             return res["result"].get("value")
 
         deadline = time.monotonic() + 30
-        while evaluate("document.readyState === 'complete' && !!document.getElementById('token')") is not True:
+        while (
+            evaluate("document.readyState === 'complete' && !!document.getElementById('token')") is not True
+        ):
             assert time.monotonic() < deadline, "the dashboard did not load"
             time.sleep(0.1)
         click = """new Promise(done => {
@@ -254,6 +311,8 @@ def test_evict_button_sends_the_token_the_user_types(chromium, live_lighthouse) 
         assert evaluate(click % repr(TOKEN)) == "evict rg0: done"
         assert server.snapshot().group("rg0") is None
         assert any(h.event == "evicted" and h.replica_id == "rg0" for h in server.snapshot().history)
-        assert TOKEN not in str(evaluate("document.documentElement.outerHTML.replace(document.getElementById('token').value, '')"))
+        assert TOKEN not in str(
+            evaluate("document.documentElement.outerHTML.replace(document.getElementById('token').value, '')")
+        )
     finally:
         tools.close()

@@ -120,17 +120,26 @@ def test_torchft_keywords_and_attributes() -> None:
     num_replicas=, **torch's kwargs) shards as torch's sampler at rank group_rank + num_replicas *
     replica_rank of num_replicas * num_replica_groups."""
     data = cast(Any, range(50))
-    s = DistributedSampler(data, replica_rank=2, num_replica_groups=3, group_rank=1, num_replicas=4,
-                           shuffle=True, seed=5)
+    s = DistributedSampler(
+        data, replica_rank=2, num_replica_groups=3, group_rank=1, num_replicas=4, shuffle=True, seed=5
+    )
     assert (s.global_rank, s.global_world_size) == (9, 12)
-    ref: TorchDistributedSampler[int] = TorchDistributedSampler(data, num_replicas=12, rank=9, shuffle=True, seed=5)
+    ref: TorchDistributedSampler[int] = TorchDistributedSampler(
+        data, num_replicas=12, rank=9, shuffle=True, seed=5
+    )
     assert list(s) == list(ref)
     positional = DistributedSampler(data, 2, 3, 1, 4, seed=5)  # torchft's positional order
     assert (positional.global_rank, list(positional)) == (9, list(ref))
-    assert DistributedSampler(data, replica_group_id=2, replica_rank=2, num_replica_groups=3, rank=1,
-                              num_replicas=4).shard_index == 9  # the same value under both names is fine
+    assert (
+        DistributedSampler(
+            data, replica_group_id=2, replica_rank=2, num_replica_groups=3, rank=1, num_replicas=4
+        ).shard_index
+        == 9
+    )  # the same value under both names is fine
     with pytest.raises(TypeError, match="name the same argument"):
-        DistributedSampler(data, replica_group_id=1, replica_rank=2, num_replica_groups=3, rank=0, num_replicas=1)
+        DistributedSampler(
+            data, replica_group_id=1, replica_rank=2, num_replica_groups=3, rank=0, num_replicas=1
+        )
     with pytest.raises(TypeError, match="name the same argument"):
         DistributedSampler(data, replica_rank=0, num_replica_groups=1, rank=0, group_rank=1, num_replicas=2)
 

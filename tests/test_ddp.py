@@ -65,13 +65,14 @@ def test_gradients_pass_through_the_manager_unchanged_when_alone() -> None:
         assert torch.allclose(pa.grad, pb.grad)
 
 
-
 def _mlp() -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 512))
 
 
-def _named_layouts(model: nn.Module, iterations: int, monkeypatch: pytest.MonkeyPatch, **kwargs: Any) -> list[list[Any]]:
+def _named_layouts(
+    model: nn.Module, iterations: int, monkeypatch: pytest.MonkeyPatch, **kwargs: Any
+) -> list[list[Any]]:
     """For each iteration, each allreduced bucket in launch order: (its size, its parameter names)."""
     import ftlaunch.worker.data_parallel as dp
 
@@ -93,7 +94,9 @@ def _named_layouts(model: nn.Module, iterations: int, monkeypatch: pytest.Monkey
 @pytest.mark.parametrize(
     "kwargs", [{}, {"bucket_cap_mb": 1}, {"static_graph": True}, {"find_unused_parameters": True}]
 )
-def test_fresh_and_long_running_instances_use_the_same_layout(monkeypatch: pytest.MonkeyPatch, kwargs: dict) -> None:
+def test_fresh_and_long_running_instances_use_the_same_layout(
+    monkeypatch: pytest.MonkeyPatch, kwargs: dict
+) -> None:
     """A restarted group (fresh DDP) must allreduce exactly the buckets its long-running peers do."""
     long_running = _named_layouts(_mlp(), 5, monkeypatch, **kwargs)
     fresh = _named_layouts(_mlp(), 1, monkeypatch, **kwargs)
@@ -106,7 +109,9 @@ def test_fresh_and_long_running_instances_use_the_same_layout(monkeypatch: pytes
     assert sorted(n for _, b in named[0] for n in b) == sorted(n for n, _ in _mlp().named_parameters())
 
 
-def test_buckets_are_in_backward_order_so_communication_overlaps_backward(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_buckets_are_in_backward_order_so_communication_overlaps_backward(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     # A 1 MB cap: each 512x512 float weight (1 MB) closes a bucket.
     (layout,) = _named_layouts(_mlp(), 1, monkeypatch, bucket_cap_mb=1)
     assert len(layout) == 3, layout
@@ -138,9 +143,18 @@ def test_a_step_whose_cross_group_pg_failed_is_not_committed(monkeypatch: pytest
         monkeypatch.delenv(var, raising=False)
     with LighthouseServer("127.0.0.1:0", min_replicas=2, join_timeout=5.0, quorum_tick=0.05).start() as lh:
         pgs = [FailingDummy(0, 1), FailingDummy(0, 1)]
-        managers = [Manager(pg=pg, load_state_dict=None, state_dict=None, replica_id=f"rg{i}",
-                            lighthouse_addr=lh.address, init_sync=False, timeout=timedelta(seconds=10))
-                    for i, pg in enumerate(pgs)]
+        managers = [
+            Manager(
+                pg=pg,
+                load_state_dict=None,
+                state_dict=None,
+                replica_id=f"rg{i}",
+                lighthouse_addr=lh.address,
+                init_sync=False,
+                timeout=timedelta(seconds=10),
+            )
+            for i, pg in enumerate(pgs)
+        ]
         try:
             for step in range(2):
                 if step == 1:

@@ -33,7 +33,8 @@ def test_ftlaunch_three_groups_with_chaos_end_bit_identical() -> None:
 
 
 needs_torchx = pytest.mark.skipif(
-    importlib.util.find_spec("torchx") is None, reason="torchx is an optional dependency (pip install ftlaunch[torchx])"
+    importlib.util.find_spec("torchx") is None,
+    reason="torchx is an optional dependency (pip install ftlaunch[torchx])",
 )
 
 
@@ -46,8 +47,27 @@ def _app(args: list[str]):
 
 @needs_torchx
 def test_diloco_component_passes_the_algorithm_settings_to_every_group() -> None:
-    app = _app(["--replicas", "3", "--sync_every", "60", "--fragments", "3", "--fragment_sync_delay", "2",
-                "--quantize", "4", "--env", "FTLAUNCH_TIMEOUT=30", "--script", TRAIN, "--", "--steps", "600"])
+    app = _app(
+        [
+            "--replicas",
+            "3",
+            "--sync_every",
+            "60",
+            "--fragments",
+            "3",
+            "--fragment_sync_delay",
+            "2",
+            "--quantize",
+            "4",
+            "--env",
+            "FTLAUNCH_TIMEOUT=30",
+            "--script",
+            TRAIN,
+            "--",
+            "--steps",
+            "600",
+        ]
+    )
     assert [r.name for r in app.roles] == ["lighthouse", "rg0", "rg1", "rg2"]
     for g, role in enumerate(app.roles[1:]):
         assert role.env["REPLICA_GROUP_ID"] == str(g) and role.env["NUM_REPLICA_GROUPS"] == "3"

@@ -36,7 +36,11 @@ SYNC_LINE = re.compile(
 
 
 def _env(lh: LighthouseServer, group: int, groups: int) -> dict[str, str]:
-    e = {k: v for k, v in os.environ.items() if k not in (env.RANK, env.WORLD_SIZE, env.MASTER_ADDR, env.MASTER_PORT)}
+    e = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in (env.RANK, env.WORLD_SIZE, env.MASTER_ADDR, env.MASTER_PORT)
+    }
     e.update({env.REPLICA_GROUP_ID: str(group), env.NUM_REPLICA_GROUPS: str(groups),
               env.FTLAUNCH_LIGHTHOUSE: lh.address})  # fmt: skip
     return e
@@ -106,7 +110,9 @@ EQUIV = ["--same-init", "--inner", "sgd", "--lr", "0.05", "--width", "32", "--da
 def test_local_sgd_every_step_equals_ddp_step_for_step(tmp_path: Path) -> None:
     runs = {}
     for algo, extra in (("ddp", []), ("local_sgd", ["--sync-every", "1"])):
-        res = run_groups(["--algorithm", algo, *extra, *EQUIV, "--steps", "30", "--dump", str(tmp_path / algo)], 2)
+        res = run_groups(
+            ["--algorithm", algo, *extra, *EQUIV, "--steps", "30", "--dump", str(tmp_path / algo)], 2
+        )
         for r in res:
             ok(r)
         runs[algo] = res
@@ -127,7 +133,9 @@ def test_diloco_with_outer_sgd_lr_1_equals_local_sgd_over_two_groups(tmp_path: P
             ok(r)
     d, ls = dumps(tmp_path / "diloco", "rg0_r0.pt"), dumps(tmp_path / "local_sgd", "rg0_r0.pt")
     assert d.shape == ls.shape and d.shape[0] == 6
-    torch.testing.assert_close(d, ls, rtol=0, atol=1e-5)  # global - 1 x mean(global - local_i) = mean(local_i)
+    torch.testing.assert_close(
+        d, ls, rtol=0, atol=1e-5
+    )  # global - 1 x mean(global - local_i) = mean(local_i)
 
 
 @pytest.mark.timeout(200)
@@ -155,7 +163,9 @@ def test_a_group_killed_mid_inner_loop_is_left_out_and_its_restart_heals_bit_ide
         g1 = start(args, env=_env(lh, 1, 2))
         procs = [g0, g1]
         try:
-            wait_for(lambda: _step(lh, "rg0") >= 4 and _step(lh, "rg1") >= 4, 120, "both groups synced 3 times")
+            wait_for(
+                lambda: _step(lh, "rg0") >= 4 and _step(lh, "rg1") >= 4, 120, "both groups synced 3 times"
+            )
             time.sleep(0.15)  # a sync point was just passed: now in the middle of the inner loop
             g1.send_signal(signal.SIGKILL)
             killed = finish(g1, 30)
@@ -186,15 +196,33 @@ def test_a_group_killed_mid_inner_loop_is_left_out_and_its_restart_heals_bit_ide
 def test_streaming_quantized_a_group_killed_during_a_sync_fails_it_everywhere_then_heals() -> None:
     """Three groups, two fragments with one overlap step and 4-bit pseudo-gradients; rg2 dies inside
     its 4th sync point with its all-reduce in flight."""
-    common = ["--steps", "240", "--sync-every", "20", "--fragments", "2", "--fragment-sync-delay", "3",
-              "--quantize", "4", "--fragment-update-alpha", "0.5", "--step-sleep", "0.02", "--width", "64"]
+    common = [
+        "--steps",
+        "240",
+        "--sync-every",
+        "20",
+        "--fragments",
+        "2",
+        "--fragment-sync-delay",
+        "3",
+        "--quantize",
+        "4",
+        "--fragment-update-alpha",
+        "0.5",
+        "--step-sleep",
+        "0.02",
+        "--width",
+        "64",
+    ]
     with _lighthouse().start() as lh:
         procs = [start([*TRAIN, *common], env=_env(lh, g, 3)) for g in range(2)]
         victim = start([*VARIANTS, "die-in-sync", "4", *common], env=_env(lh, 2, 3))
         procs.append(victim)
         try:
             died = finish(victim, 150)
-            assert died.returncode == -signal.SIGKILL and "die-in-sync: SIGKILL" in died.stdout, died.stderr[-3000:]
+            assert died.returncode == -signal.SIGKILL and "die-in-sync: SIGKILL" in died.stdout, died.stderr[
+                -3000:
+            ]
             again = start([*TRAIN, *common], env=_env(lh, 2, 3))
             procs.append(again)
             r0, r1, r2 = finish(procs[0], 200), finish(procs[1], 200), finish(again, 200)
@@ -223,7 +251,10 @@ def test_two_sets_of_groups_that_started_apart_are_reconciled(tmp_path: Path) ->
         procs = [start([*VARIANTS, "gate-after-join", str(gate0), *common], env=_env(lh, 0, 3))]
         try:
             wait_for(lambda: Path(f"{gate0}.joined").exists(), 120, "rg0 joined alone")
-            procs += [start([*VARIANTS, "gate-after-join", str(gate12), *common], env=_env(lh, g, 3)) for g in (1, 2)]
+            procs += [
+                start([*VARIANTS, "gate-after-join", str(gate12), *common], env=_env(lh, g, 3))
+                for g in (1, 2)
+            ]
             wait_for(lambda: Path(f"{gate12}.joined").exists(), 120, "rg1 and rg2 joined without rg0")
             gate0.touch()  # rg0 trains to its first sync point and waits there
             wait_for(lambda: _step(lh, "rg0") >= 1, 60, "rg0 asking at its first sync point")

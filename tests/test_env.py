@@ -17,7 +17,11 @@ def test_round_trip() -> None:
 
 
 def test_explicit_values_win_and_torchft_name_is_accepted() -> None:
-    environ = {env.REPLICA_GROUP_ID: "0", env.NUM_REPLICA_GROUPS: "2", env.TORCHFT_LIGHTHOUSE: "http://[::1]:5"}
+    environ = {
+        env.REPLICA_GROUP_ID: "0",
+        env.NUM_REPLICA_GROUPS: "2",
+        env.TORCHFT_LIGHTHOUSE: "http://[::1]:5",
+    }
     job = JobEnv.from_environ(environ, replica_group_id=1)
     assert (job.replica_group_id, job.num_replica_groups, job.lighthouse) == (1, 2, "http://[::1]:5")
 
@@ -27,9 +31,18 @@ def test_explicit_values_win_and_torchft_name_is_accepted() -> None:
     [
         ({}, "(?s)REPLICA_GROUP_ID and FTLAUNCH_LIGHTHOUSE not set.*ftlaunch --replicas"),
         ({env.REPLICA_GROUP_ID: "0", env.FTLAUNCH_LIGHTHOUSE: "h:1"}, "NUM_REPLICA_GROUPS is not set"),
-        ({env.REPLICA_GROUP_ID: "abc", env.NUM_REPLICA_GROUPS: "2", env.FTLAUNCH_LIGHTHOUSE: "h:1"}, "not an integer"),
-        ({env.REPLICA_GROUP_ID: "2", env.NUM_REPLICA_GROUPS: "2", env.FTLAUNCH_LIGHTHOUSE: "h:1"}, r"outside 0\.\.1"),
-        ({env.REPLICA_GROUP_ID: "0", env.NUM_REPLICA_GROUPS: "0", env.FTLAUNCH_LIGHTHOUSE: "h:1"}, "must be >= 1"),
+        (
+            {env.REPLICA_GROUP_ID: "abc", env.NUM_REPLICA_GROUPS: "2", env.FTLAUNCH_LIGHTHOUSE: "h:1"},
+            "not an integer",
+        ),
+        (
+            {env.REPLICA_GROUP_ID: "2", env.NUM_REPLICA_GROUPS: "2", env.FTLAUNCH_LIGHTHOUSE: "h:1"},
+            r"outside 0\.\.1",
+        ),
+        (
+            {env.REPLICA_GROUP_ID: "0", env.NUM_REPLICA_GROUPS: "0", env.FTLAUNCH_LIGHTHOUSE: "h:1"},
+            "must be >= 1",
+        ),
         (
             {env.REPLICA_GROUP_ID: "0", env.NUM_REPLICA_GROUPS: "1", env.FTLAUNCH_LIGHTHOUSE: "ftp://x"},
             "FTLAUNCH_LIGHTHOUSE='ftp://x' is not a lighthouse address",
@@ -43,7 +56,13 @@ def test_bad_environment_is_a_configuration_error(environ: dict[str, str], messa
 
 def test_group_env() -> None:
     g = GroupEnv.from_environ(
-        {env.RANK: "1", env.WORLD_SIZE: "2", env.MASTER_ADDR: "h", env.MASTER_PORT: "5", env.TORCHELASTIC_RESTART_COUNT: "3"}
+        {
+            env.RANK: "1",
+            env.WORLD_SIZE: "2",
+            env.MASTER_ADDR: "h",
+            env.MASTER_PORT: "5",
+            env.TORCHELASTIC_RESTART_COUNT: "3",
+        }
     )
     assert g == GroupEnv(rank=1, world_size=2, master_addr="h", master_port=5, restart_count=3)
     assert GroupEnv.from_environ({}) == GroupEnv()
@@ -62,16 +81,28 @@ _MANAGER_SCRIPT = (
 @pytest.mark.parametrize(
     ("script", "environ", "message"),
     [
-        (_INIT_SCRIPT, {env.REPLICA_GROUP_ID: "0", env.NUM_REPLICA_GROUPS: "1", env.FTLAUNCH_LIGHTHOUSE: "ftp://x"},
-         "FTLAUNCH_LIGHTHOUSE='ftp://x' is not a lighthouse address"),
-        (_INIT_SCRIPT, {env.REPLICA_GROUP_ID: "abc", env.NUM_REPLICA_GROUPS: "1", env.FTLAUNCH_LIGHTHOUSE: "h:1"},
-         "REPLICA_GROUP_ID='abc' is not an integer"),
+        (
+            _INIT_SCRIPT,
+            {env.REPLICA_GROUP_ID: "0", env.NUM_REPLICA_GROUPS: "1", env.FTLAUNCH_LIGHTHOUSE: "ftp://x"},
+            "FTLAUNCH_LIGHTHOUSE='ftp://x' is not a lighthouse address",
+        ),
+        (
+            _INIT_SCRIPT,
+            {env.REPLICA_GROUP_ID: "abc", env.NUM_REPLICA_GROUPS: "1", env.FTLAUNCH_LIGHTHOUSE: "h:1"},
+            "REPLICA_GROUP_ID='abc' is not an integer",
+        ),
         # torchft's path: the Manager builds its own client (a plain ValueError escaped here before).
-        (_MANAGER_SCRIPT, {env.FTLAUNCH_LIGHTHOUSE: "ftp://x"}, "FTLAUNCH_LIGHTHOUSE='ftp://x' is not a lighthouse address"),
+        (
+            _MANAGER_SCRIPT,
+            {env.FTLAUNCH_LIGHTHOUSE: "ftp://x"},
+            "FTLAUNCH_LIGHTHOUSE='ftp://x' is not a lighthouse address",
+        ),
     ],
     ids=["init-bad-lighthouse", "init-bad-group-id", "manager-bad-lighthouse"],
 )
-def test_bad_environment_ends_a_worker_with_one_line(script: str, environ: dict[str, str], message: str) -> None:
+def test_bad_environment_ends_a_worker_with_one_line(
+    script: str, environ: dict[str, str], message: str
+) -> None:
     """Issue 17: a bad environment value is one line on stderr and exit 1, not a traceback wall."""
     import os
     import subprocess

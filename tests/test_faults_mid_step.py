@@ -29,14 +29,25 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 # Slow enough that a survivor is still training when a restarted group is back (a process start takes
 # tens of seconds on a loaded 2-core machine; a group that comes back after the others finished has
 # nobody to heal from).
-ARGS = ["--step-sleep", "0.2", "--timeout", "10", "--quorum-timeout", "20", "--connect-timeout", "2",
-        "--max-seconds", "250"]
+ARGS = [
+    "--step-sleep",
+    "0.2",
+    "--timeout",
+    "10",
+    "--quorum-timeout",
+    "20",
+    "--connect-timeout",
+    "2",
+    "--max-seconds",
+    "250",
+]
 
 
 @pytest.fixture
 def lighthouse() -> Iterator[LighthouseServer]:
-    with LighthouseServer("127.0.0.1:0", min_replicas=1, join_timeout=2.0, heartbeat_timeout=3.0,
-                          quorum_tick=0.05).start() as lh:
+    with LighthouseServer(
+        "127.0.0.1:0", min_replicas=1, join_timeout=2.0, heartbeat_timeout=3.0, quorum_tick=0.05
+    ).start() as lh:
         yield lh
 
 
@@ -62,10 +73,14 @@ def assert_all_identical(gs: list[Group], steps: int) -> None:
     assert len({f["checksum"] for f in finals if f is not None}) == 1, finals
 
 
-def test_a_receiver_killed_while_it_heals(tmp_path: Path, lighthouse: LighthouseServer, groups: list[Group]) -> None:
+def test_a_receiver_killed_while_it_heals(
+    tmp_path: Path, lighthouse: LighthouseServer, groups: list[Group]
+) -> None:
     steps = 250
-    gs = [Group(i, 1, lighthouse.address, tmp_path, ["--steps", str(steps), "--heal-delay", "2", *ARGS])
-          for i in range(2)]
+    gs = [
+        Group(i, 1, lighthouse.address, tmp_path, ["--steps", str(steps), "--heal-delay", "2", *ARGS])
+        for i in range(2)
+    ]
     groups.extend(gs)
     for g in gs:
         g.start()
@@ -86,8 +101,10 @@ def test_the_source_killed_while_it_serves_a_heal(
     tmp_path: Path, lighthouse: LighthouseServer, groups: list[Group]
 ) -> None:
     steps = 250
-    gs = [Group(i, 1, lighthouse.address, tmp_path, ["--steps", str(steps), "--heal-delay", "2", *ARGS])
-          for i in range(3)]
+    gs = [
+        Group(i, 1, lighthouse.address, tmp_path, ["--steps", str(steps), "--heal-delay", "2", *ARGS])
+        for i in range(3)
+    ]
     groups.extend(gs)
     for g in gs:
         g.start()
@@ -137,8 +154,10 @@ def test_a_baby_child_killed_costs_steps_not_the_worker(
     tmp_path: Path, lighthouse: LighthouseServer, groups: list[Group]
 ) -> None:
     steps = 80
-    gs = [Group(i, 1, lighthouse.address, tmp_path, ["--steps", str(steps), "--backend", "baby-gloo", *ARGS])
-          for i in range(2)]
+    gs = [
+        Group(i, 1, lighthouse.address, tmp_path, ["--steps", str(steps), "--backend", "baby-gloo", *ARGS])
+        for i in range(2)
+    ]
     groups.extend(gs)
     for g in gs:
         g.start()
@@ -165,8 +184,20 @@ def test_one_rank_of_a_two_rank_group_sigstopped(
     finds a rank missing from the group's commit vote and ends (CommunicationError), its agent
     (here: the test) restarts the whole group, rg0 goes on meanwhile, and rg1 heals."""
     steps = 150
-    args = ["--steps", str(steps), "--step-sleep", "0.2", "--timeout", "4", "--quorum-timeout", "8",
-            "--connect-timeout", "2", "--max-seconds", "250"]
+    args = [
+        "--steps",
+        str(steps),
+        "--step-sleep",
+        "0.2",
+        "--timeout",
+        "4",
+        "--quorum-timeout",
+        "8",
+        "--connect-timeout",
+        "2",
+        "--max-seconds",
+        "250",
+    ]
     g0 = Group(0, 2, lighthouse.address, tmp_path, args)  # ranks pair up across groups: same size
     g1 = Group(1, 2, lighthouse.address, tmp_path, args)
     groups.extend([g0, g1])
@@ -194,10 +225,27 @@ def test_a_sigkilled_supervisor_leaves_no_process_behind(tmp_path: Path) -> None
     children with their workers; also a SIGSTOPped worker, which cannot act on torchelastic's SIGTERM:
     the agent watches the supervisor's pid and ends its tree within 2 s (before: 30 s, torchelastic's
     SIGKILL). The bound is generous for a loaded machine, and under the old 30 s."""
-    proc = start([*FTLAUNCH, "--replicas", "2", "--nproc-per-node", "2", "--no-status",
-                  "--chaos", "steps=15,group=1,signal=STOP,stop_for=100", "--log-dir", str(tmp_path / "logs"),
-                  "scripts/train_ddp.py", "--steps", "100000", "--step-sleep", "0.05"])
+    proc = start(
+        [
+            *FTLAUNCH,
+            "--replicas",
+            "2",
+            "--nproc-per-node",
+            "2",
+            "--no-status",
+            "--chaos",
+            "steps=15,group=1,signal=STOP,stop_for=100",
+            "--log-dir",
+            str(tmp_path / "logs"),
+            "scripts/train_ddp.py",
+            "--steps",
+            "100000",
+            "--step-sleep",
+            "0.05",
+        ]
+    )
     try:
+
         def tree() -> list[psutil.Process]:
             try:
                 return psutil.Process(proc.pid).children(recursive=True)
@@ -208,8 +256,9 @@ def test_a_sigkilled_supervisor_leaves_no_process_behind(tmp_path: Path) -> None
             return sum(1 for p in tree() if "_baby_child" in " ".join(p.cmdline()))
 
         wait_for(lambda: babies() >= 4, 150, "4 workers with their Baby children", interval=0.5)
-        wait_for(lambda: any(p.status() == psutil.STATUS_STOPPED for p in tree()), 120, "the SIGSTOP",
-                 interval=0.5)
+        wait_for(
+            lambda: any(p.status() == psutil.STATUS_STOPPED for p in tree()), 120, "the SIGSTOP", interval=0.5
+        )
         pids = [p.pid for p in tree()]
         proc.send_signal(signal.SIGKILL)
         finish(proc, 30)
@@ -220,4 +269,3 @@ def test_a_sigkilled_supervisor_leaves_no_process_behind(tmp_path: Path) -> None
     finally:
         kill_tree(proc.pid)
     assert len(pids) >= 10 and not left, f"{len(left)} of {len(pids)} processes outlived the supervisor"
-

@@ -167,7 +167,9 @@ def test_names_and_signatures_are_fairseq2s() -> None:
         g.all_sum: "gang, value",
         g.raise_operational_gang_error: "cause",
     }
-    assert {fn.__qualname__: _params(fn) for fn in expected} == {fn.__qualname__: v for fn, v in expected.items()}
+    assert {fn.__qualname__: _params(fn) for fn in expected} == {
+        fn.__qualname__: v for fn, v in expected.items()
+    }
     for name in ("rank", "size", "device", "supports_process_group"):
         assert isinstance(getattr(g.Gang, name), property)
 

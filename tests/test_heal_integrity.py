@@ -21,15 +21,26 @@ from tests.mp_harness import Group
 
 pytestmark = pytest.mark.timeout(300)
 
-ARGS = ["--step-sleep", "0.1", "--timeout", "10", "--quorum-timeout", "20", "--connect-timeout", "2",
-        "--max-seconds", "200"]
+ARGS = [
+    "--step-sleep",
+    "0.1",
+    "--timeout",
+    "10",
+    "--quorum-timeout",
+    "20",
+    "--connect-timeout",
+    "2",
+    "--max-seconds",
+    "200",
+]
 
 
 @pytest.fixture
 def lighthouse() -> Iterator[LighthouseServer]:
     """Two groups make the first quorum: the sources never train alone into the end."""
-    with LighthouseServer("127.0.0.1:0", min_replicas=2, join_timeout=2.0, heartbeat_timeout=3.0,
-                          quorum_tick=0.05).start() as lh:
+    with LighthouseServer(
+        "127.0.0.1:0", min_replicas=2, join_timeout=2.0, heartbeat_timeout=3.0, quorum_tick=0.05
+    ).start() as lh:
         yield lh
 
 
@@ -100,8 +111,13 @@ def test_a_corrupted_or_truncated_heal_payload_is_rejected_and_healed_again(
     commits nowhere, and the next quorum's heal (served honestly) makes the healer bit-identical
     to its peer."""
     steps = 10
-    src = Group(0, 1, lighthouse.address, tmp_path,
-                ["--steps", str(steps), "--tamper", mode, "--tamper-from-step", "0", *ARGS])
+    src = Group(
+        0,
+        1,
+        lighthouse.address,
+        tmp_path,
+        ["--steps", str(steps), "--tamper", mode, "--tamper-from-step", "0", *ARGS],
+    )
     healer = Group(1, 1, lighthouse.address, tmp_path, ["--steps", str(steps), *ARGS])
     groups.extend([src, healer])
     src.start()

@@ -93,11 +93,18 @@ def test_the_hook_averages_each_units_gradient_shard_over_the_up_to_date_groups(
     assert g.m.should_commit()
 
 
-def test_the_long_form_mesh_gives_fsdp_the_managers_divisor(mesh: DeviceMesh, make: Callable[..., Group]) -> None:
+def test_the_long_form_mesh_gives_fsdp_the_managers_divisor(
+    mesh: DeviceMesh, make: Callable[..., Group]
+) -> None:
     g = make(ScriptedLighthouse(quorum(2, peer("rg1", 3), peer("rg2", 1))))
     behind_peers(g)
-    mesh2 = hsdp.ft_init_device_mesh(device_type="cpu", mesh_shape=(3, 1), mesh_dim_names=("dp_replicate", "dp_shard"),
-                                     replicate_dim=0, manager=g.m)
+    mesh2 = hsdp.ft_init_device_mesh(
+        device_type="cpu",
+        mesh_shape=(3, 1),
+        mesh_dim_names=("dp_replicate", "dp_shard"),
+        replicate_dim=0,
+        manager=g.m,
+    )
     assert mesh2.mesh_dim_names == ("dp_replicate", "dp_shard") and hsdp.replicates_across_groups(mesh2)
     net = hsdp.shard(Net(), mesh2)  # torch's native HSDP, replicating over the Manager
     g.m.start_quorum()
@@ -131,14 +138,21 @@ def test_the_layout_names_what_differs_between_groups(mesh: DeviceMesh) -> None:
 
 
 def test_a_group_laid_out_unlike_its_sources_refuses_after_reconfiguring(make: Callable[..., Group]) -> None:
-    theirs = QuorumMember(replica_id="rg1", store_address="store-rg1:1", step=3,
-                          data={"ckpt": ["mem://rg1"], "layout": {"digest": "aaaa", "text": "2 parameters on [4]"}})
+    theirs = QuorumMember(
+        replica_id="rg1",
+        store_address="store-rg1:1",
+        step=3,
+        data={"ckpt": ["mem://rg1"], "layout": {"digest": "aaaa", "text": "2 parameters on [4]"}},
+    )
     lighthouse = ScriptedLighthouse(quorum(5, theirs))
     g = make(lighthouse)
     g.m.require_same_layout("bbbb", "2 parameters on [2]")
     g.m.start_quorum()
-    with pytest.raises(ConfigurationError, match=r"rg0 lays out its state differently from rg1: here 2 parameters on "
-                                                 r"\[2\]; there 2 parameters on \[4\]"):
+    with pytest.raises(
+        ConfigurationError,
+        match=r"rg0 lays out its state differently from rg1: here 2 parameters on "
+        r"\[2\]; there 2 parameters on \[4\]",
+    ):
         g.m.allreduce(torch.ones(2))
     assert lighthouse.asked[0].data["layout"] == {"digest": "bbbb", "text": "2 parameters on [2]"}
     assert len(g.pg.configure_calls) == 1  # the others' rendezvous did not wait for us
@@ -146,7 +160,9 @@ def test_a_group_laid_out_unlike_its_sources_refuses_after_reconfiguring(make: C
         g.m.should_commit()
 
 
-def test_gradient_accumulation_averages_across_groups_once(mesh: DeviceMesh, make: Callable[..., Group]) -> None:
+def test_gradient_accumulation_averages_across_groups_once(
+    mesh: DeviceMesh, make: Callable[..., Group]
+) -> None:
     """Micro-batches without gradient sync skip the reduce-scatter and so the cross-group average;
     the last one averages the accumulated gradient once."""
     g = make(ScriptedLighthouse(quorum(2, peer("rg1", 3), peer("rg2", 1))))
@@ -178,7 +194,9 @@ def test_the_sharded_state_is_read_without_resharding_what_the_forward_pass_uses
     assert not isinstance(gathered, DTensor)
     snap = state.state_dict()
     assert net.embed.weight is gathered  # untouched
-    assert set(snap["model"]) == set(Net().state_dict()) and isinstance(snap["model"]["embed.weight"], DTensor)
+    assert set(snap["model"]) == set(Net().state_dict()) and isinstance(
+        snap["model"]["embed.weight"], DTensor
+    )
     assert torch.equal(snap["model"]["embed.weight"].full_tensor(), gathered)
     assert snap["optim"]["state"][0]["step"] == 1
     net.state_dict()

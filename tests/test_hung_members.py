@@ -147,7 +147,9 @@ def test_a_stale_block_of_a_member_that_stopped_itself_is_no_evidence() -> None:
     """a reported being blocked, then stopped too: its report says nothing about b any more."""
     m, clock, q = formed("a", "b", "c")
     since = clock.now  # type: ignore[attr-defined]
-    beat(m, clock, "ab", BLOCKED_FOR - 0.2, blocked={"a": (q, since)})  # c silent, a blocked (not long enough yet)
+    beat(
+        m, clock, "ab", BLOCKED_FOR - 0.2, blocked={"a": (q, since)}
+    )  # c silent, a blocked (not long enough yet)
     beat(m, clock, "b", 1.5)  # then a stops too; b is not blocked
     assert m.lost_in_quorum("b") is None
 
@@ -163,7 +165,9 @@ def test_the_blocked_field_is_parsed_strictly() -> None:
 # ------------------------------------------------------------------ the worker's side
 
 
-def test_the_leaders_heartbeats_report_a_step_blocked_in_a_collective(make_group: Callable[..., Group]) -> None:
+def test_the_leaders_heartbeats_report_a_step_blocked_in_a_collective(
+    make_group: Callable[..., Group],
+) -> None:
     lighthouse = ScriptedLighthouse(in_step(1, "rg1"), in_step(1, "rg1"))
     probes: list[Callable[[], tuple[int, float] | None]] = []
     lighthouse.report_blocked = probes.append  # type: ignore[attr-defined]
@@ -219,7 +223,8 @@ def test_a_configure_waiting_on_a_dead_store_is_aborted_when_the_lighthouse_says
 
 
 def test_a_configure_of_a_quorum_that_lost_a_participant_is_aborted_at_once(
-    make_group: Callable[..., Group], monkeypatch: pytest.MonkeyPatch,
+    make_group: Callable[..., Group],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A configure cannot complete without every participant, so the lighthouse's ``lost`` aborts
     one in flight at once -- not only after it waited SUSPECT_AFTER, as an allreduce must (a dead

@@ -40,15 +40,21 @@ time.sleep(60)
 
 @pytest.mark.timeout(25)
 def test_a_sigstopped_leader_is_declared_lost_while_a_peer_reports_being_blocked() -> None:
-    server = LighthouseServer("127.0.0.1:0", min_replicas=2, heartbeat_timeout=30.0, join_timeout=20.0).start()
+    server = LighthouseServer(
+        "127.0.0.1:0", min_replicas=2, heartbeat_timeout=30.0, join_timeout=20.0
+    ).start()
     client = LighthouseClient(server.address, connect_timeout=5.0)
-    other = subprocess.Popen([sys.executable, "-c", _OTHER_LEADER, server.address], stdout=subprocess.PIPE, text=True)
+    other = subprocess.Popen(
+        [sys.executable, "-c", _OTHER_LEADER, server.address], stdout=subprocess.PIPE, text=True
+    )
     try:
         blocked_since: list[float] = []
         lost: list[tuple[int, tuple[str, ...]]] = []
         client.on_quorum_lost(lambda _rid, qid, ids: lost.append((qid, ids)))
         got: list[Quorum] = []
-        client.report_blocked(lambda: (got[0].quorum_id, time.monotonic() - blocked_since[0]) if blocked_since else None)
+        client.report_blocked(
+            lambda: (got[0].quorum_id, time.monotonic() - blocked_since[0]) if blocked_since else None
+        )
         client.start_heartbeat("rg0", 0.1)
         got.append(client.quorum(QuorumMember("rg0", step=1), 20.0))
         assert other.stdout is not None
@@ -73,7 +79,6 @@ def test_a_sigstopped_leader_is_declared_lost_while_a_peer_reports_being_blocked
         _end(other, client, server)
 
 
-
 def _end(other: subprocess.Popen, client: LighthouseClient, server: LighthouseServer) -> None:
     """End the other leader (woken first: the test may have left it stopped), then this test's
     client and lighthouse."""
@@ -84,6 +89,7 @@ def _end(other: subprocess.Popen, client: LighthouseClient, server: LighthouseSe
         other.stdout.close()
     client.close()
     server.shutdown()
+
 
 _BEATING_LEADER = """
 import sys, time
@@ -105,15 +111,21 @@ def test_a_restarted_lighthouse_declares_a_sigstopped_member_of_the_adopted_quor
     request at all). Then rg1 is SIGSTOPped while rg0 reports being blocked on OLD: rg0 is told
     ``lost`` on OLD well before the 30 s heartbeat timeout."""
     old_id = 1_699_000_000_000 << 20
-    server = LighthouseServer("127.0.0.1:0", min_replicas=1, heartbeat_timeout=30.0, join_timeout=20.0).start()
+    server = LighthouseServer(
+        "127.0.0.1:0", min_replicas=1, heartbeat_timeout=30.0, join_timeout=20.0
+    ).start()
     client = LighthouseClient(server.address, connect_timeout=5.0)
-    other = subprocess.Popen([sys.executable, "-c", _BEATING_LEADER, server.address], stdout=subprocess.PIPE, text=True)
+    other = subprocess.Popen(
+        [sys.executable, "-c", _BEATING_LEADER, server.address], stdout=subprocess.PIPE, text=True
+    )
     try:
         assert other.stdout is not None and other.stdout.readline().strip() == "beating"
         lost: list[tuple[int, tuple[str, ...]]] = []
         client.on_quorum_lost(lambda _rid, qid, ids: lost.append((qid, ids)))
         blocked_since: list[float] = []
-        client.report_blocked(lambda: (old_id, time.monotonic() - blocked_since[0]) if blocked_since else None)
+        client.report_blocked(
+            lambda: (old_id, time.monotonic() - blocked_since[0]) if blocked_since else None
+        )
         report = resume_report(Quorum(old_id, (QuorumMember("rg0"), QuorumMember("rg1")), created=0.0))
         if via == "heartbeat":
             client.report_resume(lambda: report)

@@ -30,8 +30,22 @@ def summary_row(stdout: str, group: int) -> list[str]:
 def test_environment_prefixes_and_summary(tmp_path) -> None:
     out = str(tmp_path)
     res = run(
-        [*FTLAUNCH, "--replicas", "2", "--nproc-per-node", "2", WORKER, "--out", out, "--steps", "3",
-         "--check-torch", "--probe-lighthouse", "--checksum", "c0ffee"],
+        [
+            *FTLAUNCH,
+            "--replicas",
+            "2",
+            "--nproc-per-node",
+            "2",
+            WORKER,
+            "--out",
+            out,
+            "--steps",
+            "3",
+            "--check-torch",
+            "--probe-lighthouse",
+            "--checksum",
+            "c0ffee",
+        ],
         timeout=100,
     )
     assert res.returncode == 0, res.stderr
@@ -44,7 +58,9 @@ def test_environment_prefixes_and_summary(tmp_path) -> None:
         assert r["is_torchelastic_launched"] is True
         assert e["WORLD_SIZE"] == "2" and e["LOCAL_WORLD_SIZE"] == "2" and e["GROUP_RANK"] == "0"
         assert e["LOCAL_RANK"] == e["RANK"]
-        assert e["TORCHELASTIC_RESTART_COUNT"] == "0" and e["TORCHELASTIC_RUN_ID"].endswith(f"-rg{r['group']}")
+        assert e["TORCHELASTIC_RESTART_COUNT"] == "0" and e["TORCHELASTIC_RUN_ID"].endswith(
+            f"-rg{r['group']}"
+        )
         assert e["MASTER_ADDR"] and e["MASTER_PORT"].isdigit()
         # ... plus ftlaunch's.
         assert e["NUM_REPLICA_GROUPS"] == "2"
@@ -72,9 +88,29 @@ def test_failed_group_restarts_alone_and_lighthouse_is_told(tmp_path) -> None:
     out = str(tmp_path)
     with LighthouseServer("127.0.0.1:0", token="sekrit", heartbeat_timeout=10).start() as server:
         res = run(
-            [*FTLAUNCH, "--replicas", "2", "--lighthouse", server.address, "--token", "sekrit", WORKER,
-             "--out", out, "--steps", "30", "--step-time", "0.05", "--heartbeat",
-             "--fail-group", "1", "--fail-step", "3", "--exit-code", "7"],
+            [
+                *FTLAUNCH,
+                "--replicas",
+                "2",
+                "--lighthouse",
+                server.address,
+                "--token",
+                "sekrit",
+                WORKER,
+                "--out",
+                out,
+                "--steps",
+                "30",
+                "--step-time",
+                "0.05",
+                "--heartbeat",
+                "--fail-group",
+                "1",
+                "--fail-step",
+                "3",
+                "--exit-code",
+                "7",
+            ],
             timeout=100,
         )
         history = server.status()["history"]
@@ -95,9 +131,29 @@ def test_root_cause_and_min_replicas_stop_the_job(tmp_path) -> None:
     """rg1 fails on every attempt: once it is out of restarts, fewer than --min-replicas groups are
     left, so the supervisor stops rg0 (which would run for minutes) and exits 1 with the root cause."""
     res = run(
-        [*FTLAUNCH, "--replicas", "2", "--min-replicas", "2", "--max-restarts", "1", "--log-dir", str(tmp_path),
-         WORKER, "--steps", "100000",
-         "--step-time", "0.05", "--fail-group", "1", "--fail-step", "2", "--fail-restarts", "all", "--raise-error"],
+        [
+            *FTLAUNCH,
+            "--replicas",
+            "2",
+            "--min-replicas",
+            "2",
+            "--max-restarts",
+            "1",
+            "--log-dir",
+            str(tmp_path),
+            WORKER,
+            "--steps",
+            "100000",
+            "--step-time",
+            "0.05",
+            "--fail-group",
+            "1",
+            "--fail-step",
+            "2",
+            "--fail-restarts",
+            "all",
+            "--raise-error",
+        ],
         timeout=100,
     )
     assert res.returncode == 1, res.stderr
@@ -116,8 +172,24 @@ def test_chaos_kills_groups_and_training_finishes(tmp_path) -> None:
         # Each incarnation trains 10 s on its own (this stand-in worker does not heal): long enough
         # for three kills, each waiting for the last victim to step again, and the chaos stops once
         # a group finished.
-        [*FTLAUNCH, "--replicas", "2", "--max-restarts", "6", "--chaos", "every=0.7,count=3,seed=3",
-         WORKER, "--out", out, "--steps", "200", "--step-time", "0.05", "--checksum", "same"],
+        [
+            *FTLAUNCH,
+            "--replicas",
+            "2",
+            "--max-restarts",
+            "6",
+            "--chaos",
+            "every=0.7,count=3,seed=3",
+            WORKER,
+            "--out",
+            out,
+            "--steps",
+            "200",
+            "--step-time",
+            "0.05",
+            "--checksum",
+            "same",
+        ],
         timeout=100,
     )
     assert res.returncode == 0, res.stderr
@@ -130,7 +202,9 @@ def test_chaos_kills_groups_and_training_finishes(tmp_path) -> None:
         hits = sum(1 for grp, _ in injected if int(grp) == g)
         row = summary_row(res.stdout, g)
         assert row[0] == "succeeded" and row[3:5] == [str(hits), str(hits)], (g, row)
-        assert len([r for r in recs if r["group"] == g]) == hits + 1  # one incarnation per kill, plus the first
+        assert (
+            len([r for r in recs if r["group"] == g]) == hits + 1
+        )  # one incarnation per kill, plus the first
     assert "[ftlaunch] chaos: 3 injection(s)" in res.stdout
     assert res.stdout.count("group committed again") == 3
     assert "training finished despite 3 failure(s)" in res.stdout
@@ -140,8 +214,20 @@ def test_chaos_kills_groups_and_training_finishes(tmp_path) -> None:
 def test_dead_agent_is_respawned_and_its_workers_killed(tmp_path) -> None:
     out = str(tmp_path)
     proc = start(
-        [*FTLAUNCH, "--replicas", "2", "--chaos", "every=0.5,count=1,group=1,target=agent",
-         WORKER, "--out", out, "--steps", "80", "--step-time", "0.05"]
+        [
+            *FTLAUNCH,
+            "--replicas",
+            "2",
+            "--chaos",
+            "every=0.5,count=1,group=1,target=agent",
+            WORKER,
+            "--out",
+            out,
+            "--steps",
+            "80",
+            "--step-time",
+            "0.05",
+        ]
     )
     res = finish(proc, timeout=100)
     assert res.returncode == 0, res.stderr
@@ -158,8 +244,18 @@ def test_dead_agent_is_respawned_and_its_workers_killed(tmp_path) -> None:
 
 def test_sigstop_chaos_pauses_a_group_then_it_continues(tmp_path) -> None:
     res = run(
-        [*FTLAUNCH, "--replicas", "2", "--chaos", "steps=5,group=0,signal=STOP,stop_for=1",
-         WORKER, "--steps", "40", "--step-time", "0.05"],
+        [
+            *FTLAUNCH,
+            "--replicas",
+            "2",
+            "--chaos",
+            "steps=5,group=0,signal=STOP,stop_for=1",
+            WORKER,
+            "--steps",
+            "40",
+            "--step-time",
+            "0.05",
+        ],
         timeout=100,
     )
     assert res.returncode == 0, res.stderr
@@ -177,9 +273,25 @@ def test_signal_stops_everything(tmp_path, sig: int) -> None:
     out = str(tmp_path)
     chaos = ["--chaos", "steps=20,group=1,signal=STOP,stop_for=100"] if sig == signal.SIGINT else []
     proc = start(
-        [*FTLAUNCH, "--replicas", "2", "--nproc-per-node", "2", "--grace-period", "5", *chaos,
-         "--log-dir", str(tmp_path / "logs"),
-         WORKER, "--out", out, "--steps", "100000", "--step-time", "0.05"]
+        [
+            *FTLAUNCH,
+            "--replicas",
+            "2",
+            "--nproc-per-node",
+            "2",
+            "--grace-period",
+            "5",
+            *chaos,
+            "--log-dir",
+            str(tmp_path / "logs"),
+            WORKER,
+            "--out",
+            out,
+            "--steps",
+            "100000",
+            "--step-time",
+            "0.05",
+        ]
     )
     try:
         wait_for(lambda: len(_workers(proc.pid)) == 4, timeout=60, what="all 4 workers to start")
@@ -224,8 +336,11 @@ def test_torchrun_entrypoint_modes(tmp_path, mode: str) -> None:
         target = ["worker"]
     else:
         target = [WORKER]
-    res = run([*FTLAUNCH, "--replicas", "1", mode, *target, "--out", out, "--steps", "2"], timeout=60,
-              cwd=os.path.dirname(WORKER))
+    res = run(
+        [*FTLAUNCH, "--replicas", "1", mode, *target, "--out", out, "--steps", "2"],
+        timeout=60,
+        cwd=os.path.dirname(WORKER),
+    )
     assert res.returncode == 0, res.stderr
     assert "[rg0/r0] step=1 committed=True" in res.stdout
     assert [r["group"] for r in records(out)] == [0]

@@ -45,7 +45,10 @@ def assert_data_positions_agree(per_group: dict[int, dict[int, str]]) -> None:
     common = set.intersection(*(set(v) for v in per_group.values()))
     assert len(common) >= 20, f"too few common committed steps: {sorted(common)}"
     for step in sorted(common):
-        assert len({v[step] for v in per_group.values()}) == 1, (step, {g: v[step] for g, v in per_group.items()})
+        assert len({v[step] for v in per_group.values()}) == 1, (
+            step,
+            {g: v[step] for g, v in per_group.items()},
+        )
     for v in per_group.values():
         pos = [tuple(map(int, v[s].split(":"))) for s in sorted(v)]
         assert all(a < b for a, b in zip(pos, pos[1:], strict=False)), pos
@@ -62,15 +65,27 @@ def summary_row(stdout: str, group: int) -> list[str]:
 def failure_story(res) -> str:
     """The supervisor's own lines about failures, injections and agents, and the summary."""
     told = [line for line in res.stderr.splitlines() if line.startswith("[ftlaunch] ") or "/agent]" in line]
-    summary = res.stdout[res.stdout.find("[ftlaunch] summary"):]
+    summary = res.stdout[res.stdout.find("[ftlaunch] summary") :]
     return "\n".join(told[-60:]) + "\n" + summary
 
 
 @pytest.mark.timeout(170)
 def test_ftlaunch_two_groups_with_chaos_end_identical() -> None:
     res = run(
-        [*FTLAUNCH, "--replicas", "2", "--max-restarts", "5", "--chaos", "steps=10/30,seed=1",
-         TRAIN, "--steps", "200", "--step-sleep", "0.1"],
+        [
+            *FTLAUNCH,
+            "--replicas",
+            "2",
+            "--max-restarts",
+            "5",
+            "--chaos",
+            "steps=10/30,seed=1",
+            TRAIN,
+            "--steps",
+            "200",
+            "--step-sleep",
+            "0.1",
+        ],
         timeout=160,
     )
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
@@ -82,14 +97,31 @@ def test_ftlaunch_two_groups_with_chaos_end_identical() -> None:
     assert sum(int(summary_row(res.stdout, g)[3]) for g in (0, 1)) == 2, failure_story(res)
     assert "training finished despite 2 failure(s)" in res.stdout
     assert_data_positions_agree(data_positions(res.stdout))
-    assert "ftlaunch.init: replica group 1 of 2, rank 0 of 1, backend baby-gloo, transport pg" in res.stdout + res.stderr
+    assert (
+        "ftlaunch.init: replica group 1 of 2, rank 0 of 1, backend baby-gloo, transport pg"
+        in res.stdout + res.stderr
+    )
 
 
 @pytest.mark.timeout(200)
 def test_ftlaunch_three_groups_of_two_with_chaos_end_identical() -> None:
     res = run(
-        [*FTLAUNCH, "--replicas", "3", "--nproc-per-node", "2", "--max-restarts", "5",
-         "--chaos", "steps=10/30/50,seed=7", TRAIN, "--steps", "200", "--step-sleep", "0.1"],
+        [
+            *FTLAUNCH,
+            "--replicas",
+            "3",
+            "--nproc-per-node",
+            "2",
+            "--max-restarts",
+            "5",
+            "--chaos",
+            "steps=10/30/50,seed=7",
+            TRAIN,
+            "--steps",
+            "200",
+            "--step-sleep",
+            "0.1",
+        ],
         timeout=190,
     )
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
@@ -107,10 +139,23 @@ def test_torchrun_per_group_with_a_killed_group(tmp_path) -> None:
     lighthouse (it is on the endpoint host). We SIGKILL group 1's worker: torchelastic restarts it,
     it heals from group 0, and both end identical."""
     port = free_port()
-    common = [sys.executable, "-m", "torch.distributed.run", "--rdzv-backend", "ftlaunch",
-              "--rdzv-endpoint", f"127.0.0.1:{port}", "--nproc-per-node", "1", "--max-restarts", "2"]
+    common = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--rdzv-backend",
+        "ftlaunch",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--nproc-per-node",
+        "1",
+        "--max-restarts",
+        "2",
+    ]
     train = [TRAIN, "--steps", "150", "--step-sleep", "0.1"]
-    g0 = start([*common, "--rdzv-conf", "replica_group_id=0,num_replica_groups=2,lighthouse_linger=60", *train])
+    g0 = start(
+        [*common, "--rdzv-conf", "replica_group_id=0,num_replica_groups=2,lighthouse_linger=60", *train]
+    )
     wait_for(lambda: _worker_of(g0.pid) is not None, 60, "group 0's worker")
     g1 = start([*common, "--rdzv-conf", "replica_group_id=1,num_replica_groups=2", *train])
     try:
@@ -149,8 +194,26 @@ def _worker_of(agent_pid: int):
 @pytest.mark.timeout(170)
 def test_torchx_local_cwd_train_ddp_end_identical() -> None:
     res = run(
-        [sys.executable, "-m", "torchx.cli.main", "run", "-s", "local_cwd", "ftlaunch:hsdp", "--replicas", "2",
-         "--workers_per_replica", "2", "--script", TRAIN, "--", "--steps", "60", "--step-sleep", "0.05"],
+        [
+            sys.executable,
+            "-m",
+            "torchx.cli.main",
+            "run",
+            "-s",
+            "local_cwd",
+            "ftlaunch:hsdp",
+            "--replicas",
+            "2",
+            "--workers_per_replica",
+            "2",
+            "--script",
+            TRAIN,
+            "--",
+            "--steps",
+            "60",
+            "--step-sleep",
+            "0.05",
+        ],
         timeout=160,
         cwd=REPO,
     )
@@ -165,8 +228,24 @@ def test_torchx_local_cwd_train_ddp_end_identical() -> None:
 def test_sigterm_during_training_with_baby_gloo_leaves_nothing(tmp_path) -> None:
     """Baby process groups run the backend in a child of each worker: SIGTERM to the launcher must
     take those grandchildren down too (the autouse fixture fails the test on any survivor)."""
-    proc = start([*FTLAUNCH, "--replicas", "2", "--grace-period", "10", "--log-dir", str(tmp_path), TRAIN, "--steps", "100000",
-                  "--backend", "baby-gloo", "--step-sleep", "0.05"])
+    proc = start(
+        [
+            *FTLAUNCH,
+            "--replicas",
+            "2",
+            "--grace-period",
+            "10",
+            "--log-dir",
+            str(tmp_path),
+            TRAIN,
+            "--steps",
+            "100000",
+            "--backend",
+            "baby-gloo",
+            "--step-sleep",
+            "0.05",
+        ]
+    )
     wait_for(lambda: len(_tree(proc.pid)) >= 6, 90, "agents, workers and baby children")
     pids = [p.pid for p in _tree(proc.pid)]
     proc.send_signal(signal.SIGTERM)

@@ -76,13 +76,18 @@ def test_agent_respawn_budget() -> None:
         g.workers_started(0, {0: 300 + n}, now=float(n))
     outcome = g.agent_exited(1, {}, max_agent_restarts=2, now=9.0)
     assert not outcome.respawn and g.state == FAILED and g.failures == 3
-    assert g.root_cause == "replica group 0: agent exited with code 1; respawn budget (--max-agent-restarts 2) exhausted"
+    assert (
+        g.root_cause
+        == "replica group 0: agent exited with code 1; respawn budget (--max-agent-restarts 2) exhausted"
+    )
 
 
 def test_agent_error_before_any_worker_fails_the_group() -> None:
     g = Group(0)
     g.agent_started()
-    outcome = g.agent_exited(1, {"status": "error", "message": "ValueError: bad"}, max_agent_restarts=3, now=1.0)
+    outcome = g.agent_exited(
+        1, {"status": "error", "message": "ValueError: bad"}, max_agent_restarts=3, now=1.0
+    )
     assert not outcome.respawn and g.state == FAILED
     assert g.root_cause == "replica group 0: agent exited with code 1: ValueError: bad"
 
@@ -137,17 +142,32 @@ def test_stopped_by_launcher_keeps_terminal_states() -> None:
 
 def test_describe_root_cause() -> None:
     assert describe_root_cause({}) == "workers failed (no details)"
-    cause = {"rank": 1, "pid": 7, "exitcode": -9, "signal": "SIGKILL", "stderr_tail": ["a", "OOM"], "error_file": "/e"}
+    cause = {
+        "rank": 1,
+        "pid": 7,
+        "exitcode": -9,
+        "signal": "SIGKILL",
+        "stderr_tail": ["a", "OOM"],
+        "error_file": "/e",
+    }
     assert describe_root_cause(cause) == "rank 1 (pid 7) killed by SIGKILL: OOM (error file /e)"
 
 
 # -- progress read from the lighthouse (Group.lighthouse_progress)
 
+
 def _progress(session: str, committed: int, first: float | None = None, **kw: object):
     from ftlaunch.lighthouse.progress import GroupProgress
 
-    return GroupProgress("rg0", step=committed, committed=committed, sessions=1, session=session,
-                         session_first_commit=first, **kw)  # type: ignore[arg-type]
+    return GroupProgress(
+        "rg0",
+        step=committed,
+        committed=committed,
+        sessions=1,
+        session=session,
+        session_first_commit=first,
+        **kw,
+    )  # type: ignore[arg-type]
 
 
 def test_rejoin_from_the_lighthouse_is_the_new_process_first_commit() -> None:
@@ -168,7 +188,9 @@ def test_a_hang_rejoins_when_the_same_process_commits_again() -> None:
     g = running()
     g.lighthouse_progress(_progress("s1", 2, first=1.0), now=1.0, wall_offset=0.0)
     g.hung(now=2.0)
-    assert g.lighthouse_progress(_progress("s1", 3, first=1.0), now=2.5, wall_offset=0.0) is None  # still stopped
+    assert (
+        g.lighthouse_progress(_progress("s1", 3, first=1.0), now=2.5, wall_offset=0.0) is None
+    )  # still stopped
     g.resumed()
     assert g.lighthouse_progress(_progress("s1", 4, first=1.0), now=5.0, wall_offset=0.0) == 5.0
     assert g.rejoin_times == [3.0]
@@ -178,7 +200,9 @@ def test_checksum_and_unsynced_come_only_from_the_lighthouse() -> None:
     g = running()
     g.lighthouse_progress(_progress("s1", 9, checksum="abc", checksum_step=9, finished=False), 1.0, 0.0)
     assert g.checksum is None  # not a clean exit: nothing claimed
-    g.lighthouse_progress(_progress("s1", 9, checksum="abc", checksum_step=9, finished=True, unsynced_sessions=1), 2.0, 0.0)
+    g.lighthouse_progress(
+        _progress("s1", 9, checksum="abc", checksum_step=9, finished=True, unsynced_sessions=1), 2.0, 0.0
+    )
     assert (g.checksum, g.checksum_step, g.unsynced_sessions) == ("abc", 9, 1)
 
 
@@ -188,6 +212,9 @@ def test_a_finished_report_marks_the_training_ending_before_the_worker_exits() -
     g = running()
     g.lighthouse_progress(_progress("s1", 9, first=1.0), now=1.0, wall_offset=0.0)
     assert not g.finishing
-    g.lighthouse_progress(_progress("s1", 10, first=1.0, finished=True, checksum="abc", checksum_step=10),
-                          now=2.0, wall_offset=0.0)
+    g.lighthouse_progress(
+        _progress("s1", 10, first=1.0, finished=True, checksum="abc", checksum_step=10),
+        now=2.0,
+        wall_offset=0.0,
+    )
     assert g.finishing and g.checksum == "abc"

@@ -75,20 +75,33 @@ def test_status_reading() -> None:
     """The launcher reads the typed status (the dict readers quorum_id_of/live_groups it replaced)."""
     assert LighthouseStatus(quorum=Quorum(3, (), 0.0)).quorum_id == 3
     assert LighthouseStatus().quorum_id is None
-    groups = tuple(GroupStatus(f"rg{i}", health) for i, health in enumerate([Health.LIVE, Health.SILENT, Health.LIVE]))
+    groups = tuple(
+        GroupStatus(f"rg{i}", health) for i, health in enumerate([Health.LIVE, Health.SILENT, Health.LIVE])
+    )
     assert LighthouseStatus(groups=groups).live_count == 2 and LighthouseStatus().live_count == 0
     with pytest.raises(ValueError):
         LighthouseStatus.from_json("junk")
     with pytest.raises(ValueError, match="health"):
-        LighthouseStatus.from_json({**LighthouseStatus().to_json(), "groups": [{"replica_id": "rg0", "health": "asleep"}]})
+        LighthouseStatus.from_json(
+            {**LighthouseStatus().to_json(), "groups": [{"replica_id": "rg0", "health": "asleep"}]}
+        )
 
 
 def test_agent_config_carries_the_options_but_no_secret() -> None:
-    opts = LaunchOptions(entrypoint="python", args=["-u", "t.py"], nproc_per_node=2, token="secret",
-                         chaos=ChaosSpec(every=1), rdzv_conf={"join_timeout": "9"}, grace_period=10)
+    opts = LaunchOptions(
+        entrypoint="python",
+        args=["-u", "t.py"],
+        nproc_per_node=2,
+        token="secret",
+        chaos=ChaosSpec(every=1),
+        rdzv_conf={"join_timeout": "9"},
+        grace_period=10,
+    )
     cfg = AgentConfig.for_group(opts, run_id="r", log_dir="/l", event_fd=5, result_file="/l/res.json")
     text = cfg.to_json()
     assert "secret" not in text and json.loads(text)["options"]["chaos"] is None
     back = AgentConfig.from_json(text)
-    assert back == cfg and back.options.nproc_per_node == 2 and back.options.rdzv_conf == {"join_timeout": "9"}
+    assert (
+        back == cfg and back.options.nproc_per_node == 2 and back.options.rdzv_conf == {"join_timeout": "9"}
+    )
     assert back.options.agent_shutdown_timeout == 8  # --grace-period 10 minus 2

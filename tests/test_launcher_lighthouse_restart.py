@@ -62,9 +62,14 @@ def test_mix_picks_every_kind_and_the_lighthouse_crashes_once() -> None:
     groups, kills = training(4), Kills()
     crashes: list[float] = []
     err = io.StringIO()
-    c = Chaos(ChaosSpec(every=1, signal="MIX", seed=7, lighthouse=20, lighthouse_down=4, stop_for=0.5), groups,
-              Console(io.StringIO(), err, status=False), started=100.0, kill=kills,
-              crash_lighthouse=lambda down: crashes.append(down) or True)
+    c = Chaos(
+        ChaosSpec(every=1, signal="MIX", seed=7, lighthouse=20, lighthouse_down=4, stop_for=0.5),
+        groups,
+        Console(io.StringIO(), err, status=False),
+        started=100.0,
+        kill=kills,
+        crash_lighthouse=lambda down: crashes.append(down) or True,
+    )
     now = 105.0
     for _ in range(40):
         now += 1.0
@@ -81,8 +86,14 @@ def test_mix_picks_every_kind_and_the_lighthouse_crashes_once() -> None:
 
 def test_lighthouse_chaos_without_a_hosted_lighthouse_says_so() -> None:
     err = io.StringIO()
-    c = Chaos(ChaosSpec(lighthouse=0), training(2), Console(io.StringIO(), err, status=False), started=0.0,
-              kill=Kills(), crash_lighthouse=lambda down: False)
+    c = Chaos(
+        ChaosSpec(lighthouse=0),
+        training(2),
+        Console(io.StringIO(), err, status=False),
+        started=0.0,
+        kill=Kills(),
+        crash_lighthouse=lambda down: False,
+    )
     c.tick(1.0, 0.5, {})
     assert "not injected" in err.getvalue() and c.injections == []
 

@@ -36,7 +36,9 @@ time.sleep(120)
 
 def test_a_stopped_worker_dies_soon_after_the_supervisor() -> None:
     supervisor = subprocess.Popen(["sleep", "120"])
-    agent = subprocess.Popen([sys.executable, "-c", AGENT, str(supervisor.pid)], stdout=subprocess.PIPE, text=True)
+    agent = subprocess.Popen(
+        [sys.executable, "-c", AGENT, str(supervisor.pid)], stdout=subprocess.PIPE, text=True
+    )
     try:
         assert agent.stdout is not None
         worker = psutil.Process(int(agent.stdout.readline()))

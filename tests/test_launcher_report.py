@@ -43,7 +43,9 @@ def test_status_text() -> None:
 
 def test_summary_table_identical_weights_and_chaos() -> None:
     groups = groups_after_a_kill()
-    injections = [Injection(at=102.0, group=1, signal="SIGKILL", target="workers", step=2, rejoined_after=2.5)]
+    injections = [
+        Injection(at=102.0, group=1, signal="SIGKILL", target="workers", step=2, rejoined_after=2.5)
+    ]
     lines = summary_lines(0, 30.0, groups, 42, injections, started=100.0, log_dir="/logs")
     assert lines[1] == "[ftlaunch] summary: exit 0 after 30.0s, last quorum id 42"
     assert row(lines, 0) == ["running", "3", "2", "0", "0", "-", "c0ffee"]
@@ -91,7 +93,9 @@ def test_status_line_is_throttled_and_keeps_the_last_quorum_id() -> None:
     line = StatusLine(Console(out, io.StringIO(), status=True), lh, started=0.0)
     groups = groups_after_a_kill()
     line.tick(1.0, groups)
-    assert out.getvalue().endswith("[ftlaunch] quorum 5 | step 3 | groups up 2/2 | failures 1 | restarts 1 | 1s")
+    assert out.getvalue().endswith(
+        "[ftlaunch] quorum 5 | step 3 | groups up 2/2 | failures 1 | restarts 1 | 1s"
+    )
     lh.doc = {"quorum": {"quorum_id": 6}}
     line.tick(1.2, groups)  # too soon: not redrawn
     assert "quorum 6" not in out.getvalue()
@@ -112,11 +116,18 @@ def test_equal_checksums_at_different_steps_are_not_bit_identical() -> None:
 def test_summary_prints_the_lighthouse_figures() -> None:
     from ftlaunch.lighthouse.progress import GroupProgress
 
-    status = LighthouseStatus(quorum_changes=3, progress=(
-        GroupProgress("rg0", heals=0, step_seconds=0.05, quorum_seconds=0.01, commit_seconds=0.002, step_rate=19.5),
-        GroupProgress("rg1", heals=2, heal_seconds=1.25),
-    ))
-    lines = summary_lines(0, 5.0, groups_after_a_kill(), None, None, started=0.0, log_dir="/logs", lighthouse=status)
+    status = LighthouseStatus(
+        quorum_changes=3,
+        progress=(
+            GroupProgress(
+                "rg0", heals=0, step_seconds=0.05, quorum_seconds=0.01, commit_seconds=0.002, step_rate=19.5
+            ),
+            GroupProgress("rg1", heals=2, heal_seconds=1.25),
+        ),
+    )
+    lines = summary_lines(
+        0, 5.0, groups_after_a_kill(), None, None, started=0.0, log_dir="/logs", lighthouse=status
+    )
     assert any(line.startswith("[ftlaunch] lighthouse: 3 quorum change(s)") for line in lines)
     assert "[ftlaunch]   rg0    0      0.00s      50.0ms     10.0ms       2.0ms   19.5" in lines
     assert any(line.split()[1:4] == ["rg1", "2", "1.25s"] for line in lines)

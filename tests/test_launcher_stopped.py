@@ -47,8 +47,10 @@ def read_events(fd: int, want: str, timeout: float) -> list[dict]:
 def test_the_watcher_reports_a_stopped_worker_and_then_its_exit() -> None:
     read_fd, write_fd = os.pipe()
     watcher = WorkerWatcher(EventWriter(write_fd))
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
-                             env={**os.environ, env.TORCHELASTIC_RUN_ID: "t", env.RANK: "0"})
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)"],
+        env={**os.environ, env.TORCHELASTIC_RUN_ID: "t", env.RANK: "0"},
+    )
     watcher.start()
     try:
         events = read_events(read_fd, "workers", 30)
@@ -75,12 +77,30 @@ def test_the_watcher_reports_a_stopped_worker_and_then_its_exit() -> None:
 @pytest.mark.timeout(400)
 def test_kill_stopped_restarts_a_stopped_group_and_the_job_finishes(tmp_path) -> None:
     res = run(
-        [*FTLAUNCH, "--replicas", "2", "--max-restarts", "3", "--kill-stopped", "--no-status",
-         "--chaos", "every=2,count=1,group=1,signal=STOP,stop_for=100",
-         WORKER, "--out", str(tmp_path), "--steps", "80", "--step-time", "0.1", "--checksum", "same"],
+        [
+            *FTLAUNCH,
+            "--replicas",
+            "2",
+            "--max-restarts",
+            "3",
+            "--kill-stopped",
+            "--no-status",
+            "--chaos",
+            "every=2,count=1,group=1,signal=STOP,stop_for=100",
+            WORKER,
+            "--out",
+            str(tmp_path),
+            "--steps",
+            "80",
+            "--step-time",
+            "0.1",
+            "--checksum",
+            "same",
+        ],
         timeout=350,
     )
     assert res.returncode == 0, res.stderr
-    assert re.search(r"replica group 1: rank 0 \(pid \d+\) stopped by SIGSTOP; killed \(--kill-stopped\)", res.stderr), \
-        res.stderr
+    assert re.search(
+        r"replica group 1: rank 0 \(pid \d+\) stopped by SIGSTOP; killed \(--kill-stopped\)", res.stderr
+    ), res.stderr
     assert "2/2 groups ended bit-identical (same)" in res.stdout, res.stdout

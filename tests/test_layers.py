@@ -35,7 +35,12 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "launcher": ("ftlaunch.launcher",),
     # The public face: the package itself and torchft's module paths (one-line re-exports).
     "api": (
-        "ftlaunch", "ftlaunch.manager", "ftlaunch.optim", "ftlaunch.data", "ftlaunch.parameter_server", "ftlaunch.local_sgd",
+        "ftlaunch",
+        "ftlaunch.manager",
+        "ftlaunch.optim",
+        "ftlaunch.data",
+        "ftlaunch.parameter_server",
+        "ftlaunch.local_sgd",
         "ftlaunch.coordination",
     ),
 }
@@ -70,7 +75,9 @@ def layer_of(module: str) -> str:
             if (module == p or (p != "ftlaunch" and module.startswith(p + "."))) and len(p) > length:
                 best, length = layer, len(p)
     if best is None:
-        raise AssertionError(f"module {module} belongs to no layer: add it to LAYERS (and docs/architecture.md)")
+        raise AssertionError(
+            f"module {module} belongs to no layer: add it to LAYERS (and docs/architecture.md)"
+        )
     return best
 
 
@@ -178,8 +185,20 @@ LIGHTHOUSE_RANKS: dict[str, int] = {
 
 #: Lighthouse modules that do no I/O: they may not import sockets, event loops or HTTP.
 LIGHTHOUSE_NO_IO = {
-    "protocol", "quorum", "quorum_delta", "progress", "slots", "status", "spares", "tickets",
-    "membership_spares", "membership_status", "membership_resume", "membership_hung", "membership_admit", "membership",
+    "protocol",
+    "quorum",
+    "quorum_delta",
+    "progress",
+    "slots",
+    "status",
+    "spares",
+    "tickets",
+    "membership_spares",
+    "membership_status",
+    "membership_resume",
+    "membership_hung",
+    "membership_admit",
+    "membership",
     "dashboard",
 }
 _IO_MODULES = {"socket", "selectors", "select", "asyncio", "http", "urllib", "ssl"}
@@ -187,7 +206,9 @@ _IO_MODULES = {"socket", "selectors", "select", "asyncio", "http", "urllib", "ss
 
 def test_lighthouse_inner_layers() -> None:
     folder = PACKAGE / "lighthouse"
-    assert {p.stem for p in folder.glob("*.py")} == set(LIGHTHOUSE_RANKS), "place every lighthouse module in LIGHTHOUSE_RANKS"
+    assert {p.stem for p in folder.glob("*.py")} == set(LIGHTHOUSE_RANKS), (
+        "place every lighthouse module in LIGHTHOUSE_RANKS"
+    )
     violations = []
     for path in sorted(folder.glob("*.py")):
         mine = path.stem
@@ -197,13 +218,20 @@ def test_lighthouse_inner_layers() -> None:
                 continue
             theirs = target.split(".")[2]
             if LIGHTHOUSE_RANKS[theirs] >= LIGHTHOUSE_RANKS[mine]:
-                violations.append(f"lighthouse/{mine} (rank {LIGHTHOUSE_RANKS[mine]}) imports {theirs} (rank {LIGHTHOUSE_RANKS[theirs]})")
+                violations.append(
+                    f"lighthouse/{mine} (rank {LIGHTHOUSE_RANKS[mine]}) imports {theirs} (rank {LIGHTHOUSE_RANKS[theirs]})"
+                )
         if mine in LIGHTHOUSE_NO_IO:
             tree = ast.parse(path.read_text())
             for node in ast.walk(tree):
                 names = (
-                    [a.name for a in node.names] if isinstance(node, ast.Import)
-                    else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+                    [a.name for a in node.names]
+                    if isinstance(node, ast.Import)
+                    else [node.module or ""]
+                    if isinstance(node, ast.ImportFrom) and not node.level
+                    else []
                 )
-                violations += [f"lighthouse/{mine} imports {n}" for n in names if n.split(".")[0] in _IO_MODULES]
+                violations += [
+                    f"lighthouse/{mine} imports {n}" for n in names if n.split(".")[0] in _IO_MODULES
+                ]
     assert not violations, "imports against the lighthouse's inner layers:\n" + "\n".join(violations)

@@ -51,7 +51,9 @@ for i in range(int(sys.argv[1])):
 @contextlib.contextmanager
 def _child(rounds: int, wait: float) -> Iterator[subprocess.Popen]:
     """The child above, waiting ``wait`` seconds at a time for ``rounds`` stop signals; killed on exit."""
-    proc = subprocess.Popen([sys.executable, "-c", CHILD, str(rounds), str(wait)], stdout=subprocess.PIPE, bufsize=0)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CHILD, str(rounds), str(wait)], stdout=subprocess.PIPE, bufsize=0
+    )
     assert proc.stdout is not None
     try:
         yield proc

@@ -48,7 +48,10 @@ def test_changed_fields_and_data_keys_travel_and_only_they():
     delta = encode_delta(base, new, "r")
     assert delta is not None
     assert delta["steps"] == [[4, 1], [3, 2]]
-    assert delta["changed"] == [[0, {"data": {"c": "x"}, "data_drop": ["b"]}], [2, {"address": "new:1", "commit_failures": 2}]]
+    assert delta["changed"] == [
+        [0, {"data": {"c": "x"}, "data_drop": ["b"]}],
+        [2, {"address": "new:1", "commit_failures": 2}],
+    ]
     rebuilt = apply_delta(base, json.loads(json.dumps(delta)))
     assert rebuilt == new
     assert rebuilt.participants[1] is base.participants[1], "an unchanged member is the held object"
@@ -136,11 +139,15 @@ def test_new_client_gets_deltas_and_the_whole_quorum(server, monkeypatch):
     client = LighthouseClient(server.address)
     seen: list[dict] = []
     take = client._take_quorum
-    monkeypatch.setattr(client, "_take_quorum", lambda answer, held: seen.append(answer) or take(answer, held))
+    monkeypatch.setattr(
+        client, "_take_quorum", lambda answer, held: seen.append(answer) or take(answer, held)
+    )
     data = {"ckpt": [{"rank": 0, "addr": "x"}]}
     try:
         for step in range(4):
-            q = client.quorum(QuorumMember("g0", address="a:1", store_address="s:2", step=step, data=data), timeout=10)
+            q = client.quorum(
+                QuorumMember("g0", address="a:1", store_address="s:2", step=step, data=data), timeout=10
+            )
             assert q == server.snapshot().quorum, "the client returns the quorum the lighthouse formed, whole"
             assert q.participants[0].step == step and q.participants[0].data == data
     finally:
@@ -152,7 +159,9 @@ def test_new_client_gets_deltas_and_the_whole_quorum(server, monkeypatch):
 def test_old_client_gets_the_whole_quorum_as_before(server):
     obj = _raw_quorum(server.address, {"member": {"replica_id": "g0", "step": 1}, "timeout": 10})
     assert Quorum.from_json(obj["quorum"]).replica_ids == ("g0",), "an old client's strict parse still works"
-    obj = _raw_quorum(server.address, {"member": {"replica_id": "g0", "step": 2}, "timeout": 10, "known": obj["revision"]})
+    obj = _raw_quorum(
+        server.address, {"member": {"replica_id": "g0", "step": 2}, "timeout": 10, "known": obj["revision"]}
+    )
     assert "delta" in obj and "quorum" not in obj
 
 

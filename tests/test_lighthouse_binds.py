@@ -95,14 +95,22 @@ def test_torchft_form_serves_on_construction_in_milliseconds(monkeypatch: pytest
     monkeypatch.setenv("FTLAUNCH_TOKEN", TOKEN)  # workers read the same variable
     lh = TorchftLighthouseServer(
         bind="[::]:0" if socket.has_dualstack_ipv6() else "0.0.0.0:0",
-        min_replicas=1, join_timeout_ms=1500, quorum_tick_ms=50, heartbeat_timeout_ms=2500,
+        min_replicas=1,
+        join_timeout_ms=1500,
+        quorum_tick_ms=50,
+        heartbeat_timeout_ms=2500,
     )
     try:
         address = lh.address()
         assert isinstance(address, str) and address.startswith("http://")
         options = lh.server.status()["options"]
-        assert options == {"min_replicas": 1, "join_timeout": 1.5, "heartbeat_timeout": 2.5, "quorum_tick": 0.05,
-                           "admin": True}
+        assert options == {
+            "min_replicas": 1,
+            "join_timeout": 1.5,
+            "heartbeat_timeout": 2.5,
+            "quorum_tick": 0.05,
+            "admin": True,
+        }
         _works(address)
     finally:
         lh.shutdown()
@@ -116,7 +124,11 @@ def test_torchft_form_defaults_and_bad_values(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.delenv("FTLAUNCH_TOKEN", raising=False)
     with TorchftLighthouseServer("127.0.0.1:0", 2) as lh:  # torchft's defaults: 60 s, 100 ms, 5 s
         assert lh.server.status()["options"] == {
-            "min_replicas": 2, "join_timeout": 60.0, "heartbeat_timeout": 5.0, "quorum_tick": 0.1, "admin": False,
+            "min_replicas": 2,
+            "join_timeout": 60.0,
+            "heartbeat_timeout": 5.0,
+            "quorum_tick": 0.1,
+            "admin": False,
         }
     with pytest.raises(ConfigurationError, match="join_timeout_ms"):
         TorchftLighthouseServer("127.0.0.1:0", 1, join_timeout_ms=-5)

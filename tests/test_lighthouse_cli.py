@@ -62,15 +62,28 @@ def _stop(proc: subprocess.Popen, sig: int) -> int:
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_module_starts_serves_and_stops_cleanly(sig):
     proc, addr = _start(
-        MODULE_CMD, "--min-replicas", "2", "--join-timeout", "1.5", "--quorum-tick", "0.05",
-        "--heartbeat-timeout", "2.5", "--log-level", "warning",
+        MODULE_CMD,
+        "--min-replicas",
+        "2",
+        "--join-timeout",
+        "1.5",
+        "--quorum-tick",
+        "0.05",
+        "--heartbeat-timeout",
+        "2.5",
+        "--log-level",
+        "warning",
     )
     try:
         assert addr.startswith("http://127.0.0.1:") and not addr.endswith(":0")
         status = _get(addr + "/v1/status")
         assert status["version"] == 1
         assert status["options"] == {
-            "min_replicas": 2, "join_timeout": 1.5, "heartbeat_timeout": 2.5, "quorum_tick": 0.05, "admin": False,
+            "min_replicas": 2,
+            "join_timeout": 1.5,
+            "heartbeat_timeout": 2.5,
+            "quorum_tick": 0.05,
+            "admin": False,
         }
     finally:
         code = _stop(proc, sig)
@@ -120,7 +133,9 @@ def test_port_in_use_is_a_clean_error():
     proc, addr = _start(MODULE_CMD)
     try:
         port = addr.rsplit(":", 1)[1]
-        second = subprocess.run([*MODULE_CMD, "--bind", f"127.0.0.1:{port}"], capture_output=True, text=True, timeout=60)
+        second = subprocess.run(
+            [*MODULE_CMD, "--bind", f"127.0.0.1:{port}"], capture_output=True, text=True, timeout=60
+        )
         assert second.returncode == 1 and "cannot bind" in second.stderr
         assert len(second.stderr.strip().splitlines()) == 1
     finally:
@@ -130,19 +145,34 @@ def test_port_in_use_is_a_clean_error():
 def test_torchft_flags_are_aliases_with_their_units():
     """Issue 15/16: torchft README's command (underscores, milliseconds) starts the same lighthouse."""
     proc, addr = _start(
-        MODULE_CMD, "--min_replicas", "2", "--quorum_tick_ms", "100", "--join_timeout_ms", "10000",
-        "--heartbeat_timeout_ms", "2500", "--log-level", "error",
+        MODULE_CMD,
+        "--min_replicas",
+        "2",
+        "--quorum_tick_ms",
+        "100",
+        "--join_timeout_ms",
+        "10000",
+        "--heartbeat_timeout_ms",
+        "2500",
+        "--log-level",
+        "error",
     )
     try:
         assert _get(addr + "/v1/status")["options"] == {
-            "min_replicas": 2, "join_timeout": 10.0, "heartbeat_timeout": 2.5, "quorum_tick": 0.1, "admin": False,
+            "min_replicas": 2,
+            "join_timeout": 10.0,
+            "heartbeat_timeout": 2.5,
+            "quorum_tick": 0.1,
+            "admin": False,
         }
     finally:
         assert _stop(proc, signal.SIGTERM) == 0
 
 
 def test_torchft_millisecond_flag_is_validated():
-    proc = subprocess.run([*MODULE_CMD, "--join_timeout_ms", "soon"], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [*MODULE_CMD, "--join_timeout_ms", "soon"], capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 2 and "--join_timeout_ms" in proc.stderr and "milliseconds" in proc.stderr
 
 

@@ -46,7 +46,9 @@ def _member_main(addr: str, rid: str, mode: str, hb_interval: float, out: mp.Que
     time.sleep(600)
 
 
-def _start_member(addr: str, rid: str, mode: str = "idle", hb_interval: float = 0.1) -> tuple[mp.Process, mp.Queue]:
+def _start_member(
+    addr: str, rid: str, mode: str = "idle", hb_interval: float = 0.1
+) -> tuple[mp.Process, mp.Queue]:
     q: mp.Queue = CTX.Queue()
     p = CTX.Process(target=_member_main, args=(addr, rid, mode, hb_interval, q), daemon=True)
     p.start()
@@ -114,7 +116,9 @@ def test_two_processes_fast_quorum_rounds(make_server):
     s = make_server(min_replicas=2)
     procs = [_start_member(s.address, rid, "rounds") for rid in ("g0", "g1")]
     try:
-        rows = [procs[0][1].get(timeout=60) for _ in range(20)] + [procs[1][1].get(timeout=60) for _ in range(20)]
+        rows = [procs[0][1].get(timeout=60) for _ in range(20)] + [
+            procs[1][1].get(timeout=60) for _ in range(20)
+        ]
         for p, _ in procs:
             p.join(30)
             assert p.exitcode == 0
@@ -138,7 +142,9 @@ def test_sigkilled_member_is_gone_within_a_fraction_of_a_second(make_server):
         client.heartbeat("survivor")
         t0 = time.monotonic()
         os.kill(p.pid, signal.SIGKILL)
-        elapsed = wait_for(lambda: health(s, "victim") == "disconnected", timeout=3.0, what="victim disconnected")
+        elapsed = wait_for(
+            lambda: health(s, "victim") == "disconnected", timeout=3.0, what="victim disconnected"
+        )
         log.info("SIGKILLed member noticed after %.1f ms", elapsed * 1000)
         print(f"\nSIGKILL -> disconnected after {elapsed * 1000:.1f} ms")
         # The survivor is not held up by the dead group (join_timeout is 60 s).
@@ -157,7 +163,9 @@ def test_sigkill_while_parked_in_a_long_poll(make_server):
         assert q.get(timeout=60) == ("victim", "ready")
         wait_for(lambda: s.status()["pending"] == ["victim"] and beating(s, "victim"), what="victim parked")
         os.kill(p.pid, signal.SIGKILL)
-        elapsed = wait_for(lambda: health(s, "victim") == "disconnected", timeout=3.0, what="victim disconnected")
+        elapsed = wait_for(
+            lambda: health(s, "victim") == "disconnected", timeout=3.0, what="victim disconnected"
+        )
         log.info("SIGKILLed parked member noticed after %.1f ms", elapsed * 1000)
         wait_for(lambda: s.status()["pending"] == [], what="parked request withdrawn")
     finally:
@@ -309,7 +317,9 @@ def test_hung_lighthouse_times_out_instead_of_hanging():
         client = LighthouseClient(addr, connect_timeout=1.0)
         client.heartbeat("a")
         proc.send_signal(signal.SIGSTOP)
-        wait_for(lambda: psutil.Process(proc.pid).status() == psutil.STATUS_STOPPED, what="lighthouse stopped")
+        wait_for(
+            lambda: psutil.Process(proc.pid).status() == psutil.STATUS_STOPPED, what="lighthouse stopped"
+        )
         t0 = time.monotonic()
         with pytest.raises(LighthouseUnavailableError, match="did not answer"):
             client.heartbeat("a")

@@ -90,7 +90,11 @@ def test_a_late_group_with_a_healer_in_its_quorum_still_forms() -> None:
     behind = ask(m, "c", 3)  # c restarted; b is still at the finished step and heals it
     assert not behind.done
     healer = ask(m, "b", 12)
-    assert behind.quorum is not None and behind.quorum.replica_ids == ("b", "c") and healer.quorum is behind.quorum
+    assert (
+        behind.quorum is not None
+        and behind.quorum.replica_ids == ("b", "c")
+        and healer.quorum is behind.quorum
+    )
 
 
 def test_normal_quorums_without_a_finished_group_are_unaffected() -> None:
@@ -104,7 +108,9 @@ def test_normal_quorums_without_a_finished_group_are_unaffected() -> None:
 def test_the_refusal_reads_412_and_the_client_raises_training_finished() -> None:
     assert ERROR_STATUS[TrainingFinished] == 412
     with pytest.raises(TrainingFinishedError, match="nothing left to heal from"):
-        raise_for(412, {"error": "the training finished at step 12; nothing left to heal from"}, "quorum request")
+        raise_for(
+            412, {"error": "the training finished at step 12; nothing left to heal from"}, "quorum request"
+        )
 
 
 def test_a_group_the_lighthouse_ended_after_the_finish_is_stopped_not_succeeded() -> None:
@@ -112,7 +118,9 @@ def test_a_group_the_lighthouse_ended_after_the_finish_is_stopped_not_succeeded(
         g = Group(1)
         g.agent_started()
         g.workers_started(0, {0: 100}, now=0.0)
-        g.lighthouse_progress(GroupProgress("rg1", session="s", stopped_after_end=stopped_after_end), 1.0, 0.0)
+        g.lighthouse_progress(
+            GroupProgress("rg1", session="s", stopped_after_end=stopped_after_end), 1.0, 0.0
+        )
         g.worker_exited(100, 0, 0, False, "exited with code 0", now=2.0)
         outcome = g.agent_exited(0, {"status": "succeeded"}, max_agent_restarts=3, now=2.0)
         assert not outcome.respawn and outcome.report is None
@@ -131,8 +139,9 @@ def test_a_group_starting_after_the_training_finished_ends_cleanly(tmp_path: Pat
     from ftlaunch.lighthouse.server import LighthouseServer
     from tests.mp_harness import Group as Workers
 
-    with LighthouseServer("127.0.0.1:0", min_replicas=1, join_timeout=5.0, heartbeat_timeout=5.0,
-                          quorum_tick=0.05).start() as lh:
+    with LighthouseServer(
+        "127.0.0.1:0", min_replicas=1, join_timeout=5.0, heartbeat_timeout=5.0, quorum_tick=0.05
+    ).start() as lh:
         first = Workers(0, 1, lh.address, tmp_path, ["--steps", "3"])
         late = Workers(1, 2, lh.address, tmp_path, ["--steps", "3"])
         try:

@@ -41,7 +41,9 @@ def test_the_client_bounds_what_it_is_advised() -> None:
 
 
 def _beat(conn: http.client.HTTPConnection, rid: str) -> dict:
-    conn.request("POST", "/v1/heartbeat", json.dumps({"replica_id": rid}), {"Content-Type": "application/json"})
+    conn.request(
+        "POST", "/v1/heartbeat", json.dumps({"replica_id": rid}), {"Content-Type": "application/json"}
+    )
     response = conn.getresponse()
     assert response.status == 200
     return json.loads(response.read())

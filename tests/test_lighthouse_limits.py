@@ -54,7 +54,9 @@ def _post(path: str, body: bytes) -> bytes:
 
 def _nested_member(depth: int) -> bytes:
     data = "[" * depth + "]" * depth
-    return ('{"member": {"replica_id": "deep", "step": 1, "data": {"x": ' + data + '}}, "timeout": 5}').encode()
+    return (
+        '{"member": {"replica_id": "deep", "step": 1, "data": {"x": ' + data + '}}, "timeout": 5}'
+    ).encode()
 
 
 # ---------------------------------------------------------------------------------- JSON depth
@@ -93,7 +95,9 @@ def test_moderate_nesting_is_accepted(server: LighthouseServer) -> None:
 # ---------------------------------------------------------------------------------- log volume
 
 
-def test_a_fuzzing_client_writes_a_bounded_log(server: LighthouseServer, caplog: pytest.LogCaptureFixture) -> None:
+def test_a_fuzzing_client_writes_a_bounded_log(
+    server: LighthouseServer, caplog: pytest.LogCaptureFixture
+) -> None:
     """One warning per bad request used to write tens of MB of log during a fuzz run."""
     per_connection, connections = 10, 200
     with caplog.at_level(logging.INFO, logger="ftlaunch.lighthouse"):
@@ -116,7 +120,10 @@ def _limited_lighthouse(nofile: int) -> tuple[subprocess.Popen, str]:
 
     proc = subprocess.Popen(
         [sys.executable, "-m", "ftlaunch.lighthouse", "--log-level", "warning", "--heartbeat-timeout", "30"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=limit,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=limit,
         env={k: v for k, v in os.environ.items() if k != "FTLAUNCH_TOKEN"},
     )
     assert proc.stdout is not None

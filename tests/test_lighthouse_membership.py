@@ -29,9 +29,13 @@ class Clock:
         return self.now
 
 
-def make(min_replicas: int = 1, join_timeout: float = 60.0, heartbeat_timeout: float = 5.0) -> tuple[Membership, Clock]:
+def make(
+    min_replicas: int = 1, join_timeout: float = 60.0, heartbeat_timeout: float = 5.0
+) -> tuple[Membership, Clock]:
     clock = Clock()
-    options = QuorumOptions(min_replicas=min_replicas, join_timeout=join_timeout, heartbeat_timeout=heartbeat_timeout)
+    options = QuorumOptions(
+        min_replicas=min_replicas, join_timeout=join_timeout, heartbeat_timeout=heartbeat_timeout
+    )
     return Membership(options, ids=QuorumIdAllocator(1_700_000_000_000), clock=clock, wall_clock=clock), clock
 
 
@@ -66,7 +70,10 @@ def test_fast_quorum_keeps_the_id_and_changes_it_when_it_must() -> None:
     assert q1 is not None and members(first["a"]) == ("a", "b")
     same = ask(m, "a", "b")
     assert same["a"].quorum is same["b"].quorum and same["a"].quorum.quorum_id == q1.quorum_id  # type: ignore[union-attr]
-    failed = {"a": m.request_quorum(QuorumMember("a", commit_failures=1)), "b": m.request_quorum(QuorumMember("b"))}
+    failed = {
+        "a": m.request_quorum(QuorumMember("a", commit_failures=1)),
+        "b": m.request_quorum(QuorumMember("b")),
+    }
     q2 = failed["a"].quorum
     assert q2 is not None and q2.quorum_id > q1.quorum_id
     m.heartbeat("c")  # a newcomer does not hold up a fast quorum of the previous members
@@ -142,7 +149,9 @@ def test_a_revived_member_forces_a_new_id() -> None:
     m.heartbeat("b")  # back: may be a new incarnation under the same name
     assert events(m, "b")[-2:] == ["failed", "revived"]
     q2 = ask(m, "a", "b")["b"].quorum
-    assert q1 is not None and q2 is not None and q2.replica_ids == q1.replica_ids and q2.quorum_id > q1.quorum_id
+    assert (
+        q1 is not None and q2 is not None and q2.replica_ids == q1.replica_ids and q2.quorum_id > q1.quorum_id
+    )
 
 
 def test_time_alone_silences_a_group_and_ends_the_join_wait() -> None:
@@ -179,7 +188,11 @@ def test_expire_says_why_and_withdraws() -> None:
     m, _ = make(min_replicas=2)
     t = m.request_quorum(QuorumMember("a"))
     m.expire(t, 0.5)
-    assert isinstance(t.error, QuorumTimeout) and "within 0.5s" in str(t.error) and "min_replicas" in str(t.error)
+    assert (
+        isinstance(t.error, QuorumTimeout)
+        and "within 0.5s" in str(t.error)
+        and "min_replicas" in str(t.error)
+    )
     assert m.snapshot().pending == ()
     m.expire(t, 0.5)  # a second expiry changes nothing
     assert isinstance(t.error, QuorumTimeout)
@@ -235,13 +248,21 @@ def test_snapshot_is_the_status_document() -> None:
     clock.now += 1.0
     ask(m, "a", "b", step=2)
     m.request_quorum(QuorumMember("a", step=3, address="host:1"))
-    snap = m.snapshot(address="http://x:1", quorum_tick=0.1, admin=True, connections=lambda rid: 2 if rid == "a" else 0)
+    snap = m.snapshot(
+        address="http://x:1", quorum_tick=0.1, admin=True, connections=lambda rid: 2 if rid == "a" else 0
+    )
     a = snap.group("a")
     assert a is not None and a.requesting and a.in_quorum and a.step == 3 and a.address == "host:1"
-    assert a.connections == 2 and snap.pending == ("a",) and snap.options.admin and snap.address == "http://x:1"
+    assert (
+        a.connections == 2 and snap.pending == ("a",) and snap.options.admin and snap.address == "http://x:1"
+    )
     assert snap.history[0].event == "quorum" and snap.history[0].participants == ("a", "b")
     doc = snap.to_json()
-    assert doc["version"] == 1 and doc["groups"][0]["health"] == "live" and doc["quorum"]["quorum_id"] == snap.quorum_id
+    assert (
+        doc["version"] == 1
+        and doc["groups"][0]["health"] == "live"
+        and doc["quorum"]["quorum_id"] == snap.quorum_id
+    )
     assert LighthouseStatus.from_json(doc) == snap
 
 
@@ -282,7 +303,9 @@ def test_the_tick_looks_for_ids_to_forget_once_a_second(monkeypatch: pytest.Monk
     m, clock = make()
     walks = []
     real = m._forget_gone
-    monkeypatch.setattr(m, "_forget_gone", lambda now, force=False: (walks.append(now), real(now, force=force)))
+    monkeypatch.setattr(
+        m, "_forget_gone", lambda now, force=False: (walks.append(now), real(now, force=force))
+    )
     for _ in range(25):  # 2.5 s of ticks
         m.tick()
         clock.now += 0.1

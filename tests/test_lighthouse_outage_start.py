@@ -33,8 +33,11 @@ CONNECT_TIMEOUT = 2.0
 
 
 def start_lighthouse(port: int) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-m", "ftlaunch.lighthouse", "--bind", f"127.0.0.1:{port}",
-                             "--min-replicas", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ftlaunch.lighthouse", "--bind", f"127.0.0.1:{port}", "--min-replicas", "1"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     client = LighthouseClient(f"127.0.0.1:{port}", connect_timeout=1.0)
 
     def answers() -> bool:
@@ -54,15 +57,24 @@ def start_lighthouse(port: int) -> subprocess.Popen:
 def start_worker(port: int, log: Path, reached: bool, spares: int) -> subprocess.Popen:
     job_env = {
         **os.environ,
-        env.REPLICA_GROUP_ID: "0", env.NUM_REPLICA_GROUPS: "1", env.FTLAUNCH_LIGHTHOUSE: f"http://127.0.0.1:{port}",
-        env.FTLAUNCH_CONNECT_TIMEOUT: str(CONNECT_TIMEOUT), env.FTLAUNCH_LIGHTHOUSE_OUTAGE: "120",
-        env.FTLAUNCH_SPARES: str(spares), "PYTHONUNBUFFERED": "1",
+        env.REPLICA_GROUP_ID: "0",
+        env.NUM_REPLICA_GROUPS: "1",
+        env.FTLAUNCH_LIGHTHOUSE: f"http://127.0.0.1:{port}",
+        env.FTLAUNCH_CONNECT_TIMEOUT: str(CONNECT_TIMEOUT),
+        env.FTLAUNCH_LIGHTHOUSE_OUTAGE: "120",
+        env.FTLAUNCH_SPARES: str(spares),
+        "PYTHONUNBUFFERED": "1",
     }
     if reached:
         job_env[env.FTLAUNCH_LIGHTHOUSE_REACHED] = "1"  # what the supervisor gives a respawned agent
     with open(log, "w") as f:
-        return subprocess.Popen([sys.executable, "scripts/train_ddp.py", "--steps", "5", "--max-seconds", "200"],
-                                cwd=REPO, env=job_env, stdout=f, stderr=subprocess.STDOUT)
+        return subprocess.Popen(
+            [sys.executable, "scripts/train_ddp.py", "--steps", "5", "--max-seconds", "200"],
+            cwd=REPO,
+            env=job_env,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+        )
 
 
 def waits_for_the_lighthouse(log: Path) -> bool:
@@ -76,8 +88,12 @@ def run_with_outage(tmp_path: Path, reached: bool, spares: int = 0) -> tuple[int
     worker = start_worker(port, log, reached, spares)
     lighthouse: subprocess.Popen | None = None
     try:
-        wait_for(lambda: waits_for_the_lighthouse(log) or worker.poll() is not None, 150,
-                 "the worker to notice the outage", interval=0.2)
+        wait_for(
+            lambda: waits_for_the_lighthouse(log) or worker.poll() is not None,
+            150,
+            "the worker to notice the outage",
+            interval=0.2,
+        )
         if worker.poll() is None:
             time.sleep(CONNECT_TIMEOUT + 1.0)  # past the connect timeout: the old failure point
             lighthouse = start_lighthouse(port)

@@ -44,12 +44,16 @@ def progress(m: Membership, rid: str):
 def test_reports_ride_on_quorum_requests_heartbeats_and_leave_and_add_up_over_sessions() -> None:
     m, clock = make()
     m.request_quorum(QuorumMember("a"), rep("s1", 0, heals=0))
-    m.heartbeat("a", rep("s1", 5, heal_seconds=0.0, step_seconds=0.02, quorum_seconds=0.005, commit_seconds=0.001))
+    m.heartbeat(
+        "a", rep("s1", 5, heal_seconds=0.0, step_seconds=0.02, quorum_seconds=0.005, commit_seconds=0.001)
+    )
     p = progress(m, "a")
     assert (p.step, p.committed, p.sessions, p.restarts, p.step_seconds) == (5, 5, 1, 0, 0.02)
     clock.now += 1
     m.connection_lost("a")  # the process died ...
-    m.request_quorum(QuorumMember("a"), rep("s2", 6, commits=1, heals=1, heal_seconds=0.25))  # ... its restart healed
+    m.request_quorum(
+        QuorumMember("a"), rep("s2", 6, commits=1, heals=1, heal_seconds=0.25)
+    )  # ... its restart healed
     p = progress(m, "a")
     assert (p.committed, p.sessions, p.restarts, p.failures, p.heals, p.heal_seconds) == (6, 2, 1, 1, 1, 0.25)
     assert p.session == "s2" and p.session_first_commit == clock.now and not p.finished
@@ -125,8 +129,14 @@ def test_kill_is_told_once_in_a_heartbeat_answer() -> None:
 
 @pytest.mark.parametrize(
     "bad",
-    [{"step": 1}, {"session": "", "step": 1}, {"session": "s", "step": -1}, {"session": "s", "steps": 1},
-     {"session": "s", "step": True}, {"session": "s", "heal_seconds": float("nan")}],
+    [
+        {"step": 1},
+        {"session": "", "step": 1},
+        {"session": "s", "step": -1},
+        {"session": "s", "steps": 1},
+        {"session": "s", "step": True},
+        {"session": "s", "heal_seconds": float("nan")},
+    ],
 )
 def test_reports_are_checked(bad: dict) -> None:
     with pytest.raises(ValueError):
@@ -153,7 +163,8 @@ def test_metrics_families_from_a_status() -> None:
     m.leave("b", rep("t", 2, finished=True))
     samples = {
         (s.name, tuple(sorted(s.labels.items()))): s.value
-        for fam in families(m.snapshot()) for s in fam.samples
+        for fam in families(m.snapshot())
+        for s in fam.samples
     }
     a, b = (("replica_id", "a"),), (("replica_id", "b"),)
     assert samples[("ftlaunch_group_committed_steps_total", a)] == 7
@@ -173,7 +184,10 @@ def test_metrics_families_from_a_status() -> None:
 
 def test_progress_and_metrics_over_http() -> None:
     """A client's progress rides on its quorum request and its leave; ``/metrics`` serves it."""
-    with LighthouseServer("127.0.0.1:0") as server, LighthouseClient(server.address, connect_timeout=5) as client:
+    with (
+        LighthouseServer("127.0.0.1:0") as server,
+        LighthouseClient(server.address, connect_timeout=5) as client,
+    ):
         client.set_progress("rg0", rep("s", 3))
         client.quorum(QuorumMember("rg0"), timeout=5)
         assert server.progress()[0].committed == 3
@@ -213,7 +227,9 @@ def test_admin_kill_kills_the_group_leaders_process() -> None:
         "time.sleep(60)\n"
     )
     with LighthouseServer("127.0.0.1:0", token="t") as server:
-        proc = subprocess.Popen([sys.executable, "-c", code, server.address], stdout=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", code, server.address], stdout=subprocess.PIPE, text=True
+        )
         try:
             assert proc.stdout is not None and proc.stdout.readline().strip() == "up"
             deadline = time.monotonic() + 20

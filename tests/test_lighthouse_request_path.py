@@ -57,7 +57,9 @@ def test_collect_less_freezes_and_raises_the_threshold_in_its_process_only() -> 
         "import gc; from ftlaunch.lighthouse.server import collect_less; collect_less(); "
         "print(gc.get_threshold(), gc.get_freeze_count() > 0)"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    ).stdout
     assert out.split() == [f"({GC_THRESHOLDS[0]},", f"{GC_THRESHOLDS[1]},", f"{GC_THRESHOLDS[2]})", "True"]
     import gc
 
@@ -70,9 +72,20 @@ def test_collect_less_freezes_and_raises_the_threshold_in_its_process_only() -> 
 @pytest.mark.parametrize(
     "body",
     [
-        b'{"member": {"replica_id": "a", "step": 1}, "timeout": 60}', b' {"a": 1} ', b'{"a": 1}\n', b"[1, 2]",
-        b'"s"', b'{"a": NaN}', b'{"a": "\\ud800"}', b'{"a": 1}x', b'{"a": 1}{"b": 2}', b"", b"  ", b"\xff{}",
-        b'{"a": 1', b"nul",
+        b'{"member": {"replica_id": "a", "step": 1}, "timeout": 60}',
+        b' {"a": 1} ',
+        b'{"a": 1}\n',
+        b"[1, 2]",
+        b'"s"',
+        b'{"a": NaN}',
+        b'{"a": "\\ud800"}',
+        b'{"a": 1}x',
+        b'{"a": 1}{"b": 2}',
+        b"",
+        b"  ",
+        b"\xff{}",
+        b'{"a": 1',
+        b"nul",
     ],
 )
 def test_loads_reads_what_json_loads_reads(body: bytes) -> None:
@@ -154,7 +167,8 @@ def test_a_repeated_head_read_whole_is_served_as_the_long_way_serves_it() -> Non
             _req(b"aaaa"),  # parsed in full: the head to reuse
             _req(b"bbbb"),  # the same head, read whole: the shortcut
             _req(b"cccc", a="2"),  # a head of the same length that differs: parsed again
-            _req(b"dddd", a="2")[:10], _req(b"dddd", a="2")[10:],  # one request in two reads
+            _req(b"dddd", a="2")[:10],
+            _req(b"dddd", a="2")[10:],  # one request in two reads
             _req(b"eeee", a="2") + _req(b"ffff", a="2"),  # two requests in one read
             _req(b"gggggg", a="2"),  # another body length: another head
             _req(b"hhhhhh", a="2"),
@@ -181,7 +195,9 @@ def test_the_token_is_checked_on_every_request_of_a_reused_head() -> None:
     def code(authorization: str | None) -> int:
         auth = f"Authorization: {authorization}\r\n" if authorization is not None else ""
         body = b'{"replica_id": "a"}'
-        head = parser.parse(f"POST /v1/heartbeat HTTP/1.1\r\n{auth}Content-Length: {len(body)}\r\n\r\n".encode())
+        head = parser.parse(
+            f"POST /v1/heartbeat HTTP/1.1\r\n{auth}Content-Length: {len(body)}\r\n\r\n".encode()
+        )
         try:
             return routes.handle(Request(head, body, "127.0.0.1:1", lambda _rid: None)).status  # type: ignore[union-attr]
         except HttpError as e:
@@ -206,7 +222,10 @@ def _head(length: str, extra: str = "", name: str = "Content-Length") -> bytes:
         (_head("12", extra="X-A: 1\r\n"), False),  # another header too
         (_head("12 "), False),  # not bare digits
         (_head("-1"), False),
-        (_head("12", extra="content-length: 99\r\n"), False),  # a second spelling: http.server reads the first
+        (
+            _head("12", extra="content-length: 99\r\n"),
+            False,
+        ),  # a second spelling: http.server reads the first
         (_head("12", name="content-length"), False),
         (_head("123").replace(b"POST", b"PUT "), False),
     ],
@@ -236,11 +255,25 @@ def test_a_connection_reads_bodies_whose_length_moves() -> None:
 @pytest.mark.parametrize(
     "d",
     [
-        {"replica_id": "a"}, {"replica_id": "a", "step": 3, "data": {"ckpt": ["x"]}},
-        {"replica_id": "a", "address": "h:1", "store_address": "h:2/p", "step": 1, "world_size": 4, "shrink_only": True,
-         "commit_failures": 2, "data": {}},
-        {"replica_id": "a", "step": True}, {"replica_id": "a", "step": -1}, {"replica_id": ""}, {"replica_id": 5},
-        {"replica_id": "a", "world_size": 0}, {"replica_id": "a", "data": []}, {"replica_id": "a", "shrink_only": 1},
+        {"replica_id": "a"},
+        {"replica_id": "a", "step": 3, "data": {"ckpt": ["x"]}},
+        {
+            "replica_id": "a",
+            "address": "h:1",
+            "store_address": "h:2/p",
+            "step": 1,
+            "world_size": 4,
+            "shrink_only": True,
+            "commit_failures": 2,
+            "data": {},
+        },
+        {"replica_id": "a", "step": True},
+        {"replica_id": "a", "step": -1},
+        {"replica_id": ""},
+        {"replica_id": 5},
+        {"replica_id": "a", "world_size": 0},
+        {"replica_id": "a", "data": []},
+        {"replica_id": "a", "shrink_only": 1},
     ],
 )
 def test_a_member_read_from_json_is_the_constructors(d: dict) -> None:
@@ -252,7 +285,9 @@ def test_a_member_read_from_json_is_the_constructors(d: dict) -> None:
 
     fields = {f.name: f for f in dataclasses.fields(QuorumMember)}
     assert set(fields) == {*_MEMBER_DEFAULTS, "replica_id", "data"}
-    assert all(fields[k].default == v and type(fields[k].default) is type(v) for k, v in _MEMBER_DEFAULTS.items())
+    assert all(
+        fields[k].default == v and type(fields[k].default) is type(v) for k, v in _MEMBER_DEFAULTS.items()
+    )
     try:
         expected = QuorumMember(**d)
     except ValueError as e:

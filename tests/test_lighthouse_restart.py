@@ -110,8 +110,13 @@ def test_a_restarted_lighthouse_forms_no_quorum_of_fresh_groups_during_its_grace
     """A group restarted from scratch must not start a lineage of its own before the groups that
     hold the job's state are back (they were waiting out the outage with backoff)."""
     clock = Clock()
-    m = Membership(QuorumOptions(heartbeat_timeout=5.0), ids=QuorumIdAllocator(1_700_000_000_000), clock=clock,
-                   wall_clock=clock, startup_grace=5.0)
+    m = Membership(
+        QuorumOptions(heartbeat_timeout=5.0),
+        ids=QuorumIdAllocator(1_700_000_000_000),
+        clock=clock,
+        wall_clock=clock,
+        startup_grace=5.0,
+    )
     fresh_group = m.request_quorum(QuorumMember("rg2", step=0))
     m.tick()
     assert not fresh_group.done and "resume reports" in m.snapshot().decision
@@ -132,9 +137,17 @@ def test_a_restarted_lighthouse_forms_no_quorum_of_fresh_groups_during_its_grace
 
 @pytest.mark.parametrize(
     "bad",
-    [None, 3, {"quorum_id": "1", "members": ["a"]}, {"quorum_id": 1, "members": []},
-     {"quorum_id": 1, "members": [""]}, {"quorum_id": True, "members": ["a"]}, {"quorum_id": -1, "members": ["a"]},
-     {"quorum_id": 1, "members": "rg0"}, {"quorum_id": 1, "members": ["x" * 300]}],
+    [
+        None,
+        3,
+        {"quorum_id": "1", "members": ["a"]},
+        {"quorum_id": 1, "members": []},
+        {"quorum_id": 1, "members": [""]},
+        {"quorum_id": True, "members": ["a"]},
+        {"quorum_id": -1, "members": ["a"]},
+        {"quorum_id": 1, "members": "rg0"},
+        {"quorum_id": 1, "members": ["x" * 300]},
+    ],
 )
 def test_a_malformed_report_is_ignored_and_stripped(bad: object) -> None:
     m, _ = fresh()
@@ -213,7 +226,10 @@ def test_the_client_gives_up_after_the_outage_timeout() -> None:
 
 
 def test_outage_timeout_zero_raises_at_once_and_other_errors_are_not_retried() -> None:
-    for outage, error, exc in ((0, None, LighthouseUnavailableError), (30, QuorumTimeoutError("408"), QuorumTimeoutError)):
+    for outage, error, exc in (
+        (0, None, LighthouseUnavailableError),
+        (30, QuorumTimeoutError("408"), QuorumTimeoutError),
+    ):
         inner = ScriptedClient(down=0, error=error)
         client = OutageTolerantClient(inner, outage_timeout=outage)
         client.quorum(QuorumMember("rg0"), timeout=5.0)
@@ -268,7 +284,9 @@ def test_three_leaders_ride_out_a_lighthouse_restart_longer_than_the_connect_tim
 
         def ask_all(step: int) -> None:
             threads = [
-                threading.Thread(target=lambda c=c, r=r: results.__setitem__(r, c.quorum(QuorumMember(r, step=step), 60.0)))
+                threading.Thread(
+                    target=lambda c=c, r=r: results.__setitem__(r, c.quorum(QuorumMember(r, step=step), 60.0))
+                )
                 for c, r in zip(clients, rids, strict=True)
             ]
             for t in threads:

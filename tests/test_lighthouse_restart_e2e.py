@@ -32,8 +32,19 @@ STEPS = 120
 
 
 def start_lighthouse(port: int) -> subprocess.Popen:
-    proc = start([sys.executable, "-m", "ftlaunch.lighthouse", "--bind", f"127.0.0.1:{port}",
-                  "--heartbeat-timeout", "5", "--log-level", "INFO"])
+    proc = start(
+        [
+            sys.executable,
+            "-m",
+            "ftlaunch.lighthouse",
+            "--bind",
+            f"127.0.0.1:{port}",
+            "--heartbeat-timeout",
+            "5",
+            "--log-level",
+            "INFO",
+        ]
+    )
     client = LighthouseClient(f"127.0.0.1:{port}", connect_timeout=1.0)
     try:
         wait_for(lambda: _answers(client), 60, "the lighthouse to answer")
@@ -78,7 +89,9 @@ def assert_every_step_once_and_same_weights(res: Any, steps: int) -> None:
     sums = dict(re.findall(r"rg(\d+)[/\]][^\n]*?final_checksum=(\w+)", res.stdout))
     assert set(sums) == {"0", "1", "2"} and len(set(sums.values())) == 1, sums
     for group, done in committed_steps(res.stdout).items():
-        assert all(a < b for a, b in zip(done, done[1:], strict=False)), f"rg{group} committed a step twice: {done}"
+        assert all(a < b for a, b in zip(done, done[1:], strict=False)), (
+            f"rg{group} committed a step twice: {done}"
+        )
         assert [s for s in done if s >= 20] == list(range(20, steps + 1)), f"rg{group} lost a step: {done}"
 
 
@@ -90,9 +103,21 @@ def test_training_survives_a_lighthouse_restart_longer_than_the_connect_timeout(
     # outage on the last quorum, the default, is the next test.
     port = free_port()
     lighthouse = start_lighthouse(port)
-    job = start([*FTLAUNCH, "--replicas", "3", "--lighthouse", f"http://127.0.0.1:{port}",
-                 TRAIN, "--steps", str(STEPS), "--step-sleep", "0.1"],
-                env={**os.environ, env.FTLAUNCH_OUTAGE_STEPS: "0"})
+    job = start(
+        [
+            *FTLAUNCH,
+            "--replicas",
+            "3",
+            "--lighthouse",
+            f"http://127.0.0.1:{port}",
+            TRAIN,
+            "--steps",
+            str(STEPS),
+            "--step-sleep",
+            "0.1",
+        ],
+        env={**os.environ, env.FTLAUNCH_OUTAGE_STEPS: "0"},
+    )
     new_lighthouse: subprocess.Popen | None = None
     try:
         wait_for(lambda: min_step(port, 3) >= 20, 150, "20 steps before the lighthouse dies", interval=0.5)
@@ -123,8 +148,20 @@ def test_training_steps_through_a_lighthouse_outage_on_the_last_quorum() -> None
     steps = 400
     port = free_port()
     lighthouse = start_lighthouse(port)
-    job = start([*FTLAUNCH, "--replicas", "3", "--lighthouse", f"http://127.0.0.1:{port}",
-                 TRAIN, "--steps", str(steps), "--step-sleep", "0.1"])
+    job = start(
+        [
+            *FTLAUNCH,
+            "--replicas",
+            "3",
+            "--lighthouse",
+            f"http://127.0.0.1:{port}",
+            TRAIN,
+            "--steps",
+            str(steps),
+            "--step-sleep",
+            "0.1",
+        ]
+    )
     new_lighthouse: subprocess.Popen | None = None
     try:
         wait_for(lambda: min_step(port, 3) >= 20, 150, "20 steps before the lighthouse dies", interval=0.5)
@@ -149,19 +186,35 @@ def test_training_steps_through_a_lighthouse_outage_on_the_last_quorum() -> None
 
 @pytest.mark.slow
 @pytest.mark.timeout(200)
-def test_managers_ride_out_a_sigkilled_lighthouse_and_its_successor_forms_one_quorum_of_all(tmp_path: Path) -> None:
+def test_managers_ride_out_a_sigkilled_lighthouse_and_its_successor_forms_one_quorum_of_all(
+    tmp_path: Path,
+) -> None:
     """Three one-worker groups (tests/workers/manager_worker.py, connect timeout 2 s); the lighthouse
     process is SIGKILLed, stays down 8 s (4x the connect timeout) and comes back on the same port.
     Its first quorum holds all three groups under a higher id; every group commits each step exactly
     once and all end with the same weights."""
     port = free_port()
     lighthouse = start_lighthouse(port)
-    args = ["--steps", "80", "--step-sleep", "0.05", "--timeout", "20", "--quorum-timeout", "40",
-            "--connect-timeout", "2", "--max-seconds", "150"]
+    args = [
+        "--steps",
+        "80",
+        "--step-sleep",
+        "0.05",
+        "--timeout",
+        "20",
+        "--quorum-timeout",
+        "40",
+        "--connect-timeout",
+        "2",
+        "--max-seconds",
+        "150",
+    ]
     # The groups wait for the lighthouse (the path this test pins down): stepping through the
     # outage on the last quorum, the default, would finish the 80 steps inside the 8 s outage.
-    gs = [Group(i, 1, f"http://127.0.0.1:{port}", tmp_path, args, env={env.FTLAUNCH_OUTAGE_STEPS: "0"})
-          for i in range(3)]
+    gs = [
+        Group(i, 1, f"http://127.0.0.1:{port}", tmp_path, args, env={env.FTLAUNCH_OUTAGE_STEPS: "0"})
+        for i in range(3)
+    ]
     new_lighthouse: subprocess.Popen | None = None
     try:
         for g in gs:
@@ -177,7 +230,12 @@ def test_managers_ride_out_a_sigkilled_lighthouse_and_its_successor_forms_one_qu
         assert all(p.poll() is None for g in gs for p in g.procs), "a worker ended during the outage"
         new_lighthouse = start_lighthouse(port)
         client = LighthouseClient(f"127.0.0.1:{port}", connect_timeout=1.0)
-        wait_for(lambda: client.snapshot().quorum is not None, 60, "the new lighthouse's first quorum", interval=0.2)
+        wait_for(
+            lambda: client.snapshot().quorum is not None,
+            60,
+            "the new lighthouse's first quorum",
+            interval=0.2,
+        )
         first = next(h for h in reversed(client.snapshot().history) if h.event == "quorum")
         client.close()
         for g in gs:
@@ -193,7 +251,9 @@ def test_managers_ride_out_a_sigkilled_lighthouse_and_its_successor_forms_one_qu
     assert old_id is not None and first.quorum_id is not None and first.quorum_id > old_id
     for g in gs:
         steps = [r["step"] for r in g.steps() if r["committed"]]
-        assert all(a < b for a, b in zip(steps, steps[1:], strict=False)), f"rg{g.gid} committed a step twice: {steps}"
+        assert all(a < b for a, b in zip(steps, steps[1:], strict=False)), (
+            f"rg{g.gid} committed a step twice: {steps}"
+        )
         since = [r["step"] for r in g.steps() if r["committed"] and r["t"] > t_kill]
         assert since == list(range(since[0], 80)), f"rg{g.gid} lost a step across the outage: {since}"
         assert g.final()["step"] == 80  # type: ignore[index]
@@ -219,7 +279,9 @@ def test_a_group_that_died_while_the_hosted_lighthouse_was_down_is_reported_to_i
     )  # fmt: skip
     out = res.stdout + res.stderr
     assert re.search(r"SIGKILL -> replica group 1 agent", out), out[-6000:]
-    assert re.search(r"replica rg1 failed: agent killed by SIGKILL \(while the lighthouse was down\)", out), out[-6000:]
+    assert re.search(r"replica rg1 failed: agent killed by SIGKILL \(while the lighthouse was down\)", out), (
+        out[-6000:]
+    )
     sums = dict(re.findall(r"rg(\d+)[/\]][^\n]*?final_checksum=(\w+)", res.stdout))
     assert set(sums) == {"0", "2"} and len(set(sums.values())) == 1, res.stdout[-3000:]
     assert res.returncode == 1 and "replica group 1: agent killed by SIGKILL" in res.stderr, out[-3000:]

@@ -66,7 +66,11 @@ def request(
         conn.request(method, path, body=data, headers=headers or {})
         resp = conn.getresponse()
         raw = resp.read()
-        payload = json.loads(raw) if resp.getheader("Content-Type", "").startswith("application/json") and raw else {}
+        payload = (
+            json.loads(raw)
+            if resp.getheader("Content-Type", "").startswith("application/json") and raw
+            else {}
+        )
         return resp.status, payload, resp
     finally:
         conn.close()
@@ -152,7 +156,9 @@ def test_bad_constructor_arguments_raise_configuration_error():
 def test_dashboard_escapes_client_supplied_text(server):
     client = LighthouseClient(server.address)
     evil = "<script>alert(1)</script>"
-    q = client.quorum(QuorumMember(evil, address="<img src=x onerror=alert(2)>", data={"x": "<b>"}), timeout=10)
+    q = client.quorum(
+        QuorumMember(evil, address="<img src=x onerror=alert(2)>", data={"x": "<b>"}), timeout=10
+    )
     assert q.replica_ids == (evil,)
     _, _, _ = request(server, "GET", "/status")
     host, port = parse_host_port(server.address)
@@ -219,7 +225,9 @@ def test_split_brain_guard_needs_more_than_half(make_server):
     res = ask_all(client, [QuorumMember("a"), QuorumMember("b")], timeout=1.5)  # 2 of 4 live: no
     assert isinstance(res["a"], QuorumTimeoutError) and isinstance(res["b"], QuorumTimeoutError)
     assert "split brain" in str(res["a"])
-    res = ask_all(client, [QuorumMember("a"), QuorumMember("b"), QuorumMember("c")], timeout=20)  # 3 of 4: yes
+    res = ask_all(
+        client, [QuorumMember("a"), QuorumMember("b"), QuorumMember("c")], timeout=20
+    )  # 3 of 4: yes
     assert res["a"].replica_ids == ("a", "b", "c")
     client.close()
 
@@ -276,7 +284,11 @@ def test_superseded_request_gets_409(make_server):
 
     def first() -> None:  # the same process (incarnation) asks again, e.g. after a lost answer
         status, payload, _ = request(
-            s, "POST", "/quorum", {"member": {"replica_id": "a"}, "timeout": 20}, {INCARNATION_HEADER: client.incarnation}
+            s,
+            "POST",
+            "/quorum",
+            {"member": {"replica_id": "a"}, "timeout": 20},
+            {INCARNATION_HEADER: client.incarnation},
         )
         results["first"] = (status, payload)
 
@@ -303,8 +315,11 @@ def test_a_replica_id_is_held_by_one_incarnation(make_server):
     t.start()
     try:
         wait_for(lambda: "a" in s.status()["pending"], what="holder's request parked")
-        for call in (lambda: other.quorum(QuorumMember("a", step=1), 5), lambda: other.heartbeat("a"),
-                     lambda: other.leave("a")):
+        for call in (
+            lambda: other.quorum(QuorumMember("a", step=1), 5),
+            lambda: other.heartbeat("a"),
+            lambda: other.leave("a"),
+        ):
             with pytest.raises(LighthouseError, match="409.*held by another live process"):
                 call()
         assert "a" in s.status()["pending"] and group(s, "a")["health"] == "live"
@@ -343,8 +358,12 @@ def _bound_connection(server: LighthouseServer, rid: str) -> socket.socket:
     sock = socket.create_connection((host, port), timeout=10)
     body = json.dumps({"replica_id": rid}).encode()
     sock.sendall(
-        b"POST /v1/heartbeat HTTP/1.1\r\nHost: x\r\nX-Ftlaunch-Replica: " + rid.encode()
-        + b"\r\nContent-Type: application/json\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+        b"POST /v1/heartbeat HTTP/1.1\r\nHost: x\r\nX-Ftlaunch-Replica: "
+        + rid.encode()
+        + b"\r\nContent-Type: application/json\r\nContent-Length: "
+        + str(len(body)).encode()
+        + b"\r\n\r\n"
+        + body
     )
     assert b"200" in sock.recv(65536).split(b"\r\n")[0]
     return sock
@@ -373,7 +392,9 @@ def test_disconnect_of_a_straggler_wakes_waiters(make_server):
     client.heartbeat("a")
     client.heartbeat("b")
     results = {}
-    t = threading.Thread(target=lambda: results.update(ask_all(client, [QuorumMember("a"), QuorumMember("b")], 20)))
+    t = threading.Thread(
+        target=lambda: results.update(ask_all(client, [QuorumMember("a"), QuorumMember("b")], 20))
+    )
     t.start()
     wait_for(lambda: set(s.status()["pending"]) == {"a", "b"}, what="a, b pending")
     sock.close()  # c's process "dies": a and b must not wait for the 60 s join timeout
@@ -389,7 +410,9 @@ def test_connection_closed_while_parked_in_a_long_poll(make_server):
     body = json.dumps({"member": {"replica_id": "a"}, "timeout": 30}).encode()
     sock.sendall(
         b"POST /quorum HTTP/1.1\r\nHost: x\r\nX-Ftlaunch-Replica: a\r\nContent-Length: "
-        + str(len(body)).encode() + b"\r\n\r\n" + body
+        + str(len(body)).encode()
+        + b"\r\n\r\n"
+        + body
     )
     wait_for(lambda: s.status()["pending"] == ["a"], what="a parked")
     sock.close()
@@ -403,7 +426,9 @@ def test_report_failure_in_process_and_admin(make_server):
     for rid in "abc":
         client.heartbeat(rid)
     results = {}
-    t = threading.Thread(target=lambda: results.update(ask_all(client, [QuorumMember("a"), QuorumMember("b")], 20)))
+    t = threading.Thread(
+        target=lambda: results.update(ask_all(client, [QuorumMember("a"), QuorumMember("b")], 20))
+    )
     t.start()
     wait_for(lambda: set(s.status()["pending"]) == {"a", "b"}, what="a, b pending")
     s.report_failure("c", "agent saw exit code -9")  # in-process, as the supervisor does
@@ -421,7 +446,9 @@ def test_report_failure_in_process_and_admin(make_server):
 def test_leave_is_not_a_failure(server):
     client = LighthouseClient(server.address)
     handle = client.start_heartbeat("a", 0.01)
-    wait_for(lambda: group(server, "a") is not None and group(server, "a")["heartbeats"] > 3, what="a beating")
+    wait_for(
+        lambda: group(server, "a") is not None and group(server, "a")["heartbeats"] > 3, what="a beating"
+    )
     client.leave("a")  # also stops the heartbeat, closing its connection after the leave
     assert not handle.running
     handle.stop()  # harmless afterwards
@@ -545,7 +572,9 @@ def test_reads_stay_open_and_the_client_sends_the_token(token_server):
 def test_admin_refused_without_server_token(make_server):
     s = make_server()
     request(s, "POST", "/heartbeat", {"replica_id": "a"})
-    code, payload, _ = request(s, "POST", "/admin/report_failure", {"replica_id": "a"}, {"Authorization": "Bearer x"})
+    code, payload, _ = request(
+        s, "POST", "/admin/report_failure", {"replica_id": "a"}, {"Authorization": "Bearer x"}
+    )
     assert code == 403 and "without a token" in payload["error"]
     assert group(s, "a")["health"] == "live"
 
@@ -611,19 +640,28 @@ def _json_body(raw: bytes) -> tuple[int, dict]:
 
 def test_oversized_body_rejected_without_reading_it(server):
     # Only the headers are sent: the 413 must come back without the server waiting for 2 MiB.
-    raw = _raw(server, b"POST /quorum HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % (2 * MAX_BODY_BYTES))
+    raw = _raw(
+        server, b"POST /quorum HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % (2 * MAX_BODY_BYTES)
+    )
     code, payload = _json_body(raw)
     assert code == 413 and "exceeds" in payload["error"] and payload["version"] == 1
     assert b"Connection: close" in raw
 
 
 def test_length_required_and_chunked_refused(server):
-    code, payload = _json_body(_raw(server, b"POST /heartbeat HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"))
+    code, payload = _json_body(
+        _raw(server, b"POST /heartbeat HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    )
     assert code == 411 and "Content-Length" in payload["error"]
-    raw = _raw(server, b"POST /heartbeat HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n")
+    raw = _raw(
+        server,
+        b"POST /heartbeat HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n",
+    )
     code, payload = _json_body(raw)
     assert code == 411 and "chunked" in payload["error"]
-    code, payload = _json_body(_raw(server, b"POST /heartbeat HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\n\r\n"))
+    code, payload = _json_body(
+        _raw(server, b"POST /heartbeat HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\n\r\n")
+    )
     assert code == 400 and "Content-Length" in payload["error"]
 
 
@@ -669,7 +707,7 @@ def test_slow_client_is_cut_off_but_idle_keepalive_is_not(server):
     assert code == 408 and "not received within" in payload["error"]
     # Slow body too.
     slow = socket.create_connection((host, port), timeout=20)
-    slow.sendall(b"POST /heartbeat HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"repl")
+    slow.sendall(b'POST /heartbeat HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{"repl')
     data = b"".join(iter(lambda: slow.recv(65536), b""))
     slow.close()
     assert _json_body(data)[0] == 408
@@ -697,7 +735,11 @@ def test_http10_and_connection_close_clients_get_their_quorum(server):
     raw = _raw(server, b"POST /quorum HTTP/1.0\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
     code, payload = _json_body(raw)
     assert code == 200 and payload["quorum"]["participants"][0]["replica_id"] == "old"
-    raw = _raw(server, b"POST /quorum HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+    raw = _raw(
+        server,
+        b"POST /quorum HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: %d\r\n\r\n" % len(body)
+        + body,
+    )
     assert _json_body(raw)[0] == 200 and b"Connection: close" in raw
 
 
@@ -708,7 +750,9 @@ def test_a_dead_process_with_a_parked_and_a_heartbeat_connection(make_server):
     beat = _bound_connection(s, "a")
     host, port = parse_host_port(s.address)
     parked = socket.create_connection((host, port), timeout=10)
-    parked.sendall(_post("/quorum", {"member": {"replica_id": "a"}, "timeout": 30}, b"X-Ftlaunch-Replica: a\r\n"))
+    parked.sendall(
+        _post("/quorum", {"member": {"replica_id": "a"}, "timeout": 30}, b"X-Ftlaunch-Replica: a\r\n")
+    )
     wait_for(lambda: s.status()["pending"] == ["a"] and group(s, "a")["connections"] == 2, what="a parked")
     parked.close()
     beat.close()
@@ -735,7 +779,13 @@ def _read_responses(sock: socket.socket, n: int) -> list[tuple[int, dict]]:
         head_end = buf.find(b"\r\n\r\n")
         if head_end >= 0:
             head = buf[:head_end].decode("latin-1")
-            length = int(next(line.split(":", 1)[1] for line in head.split("\r\n") if line.lower().startswith("content-length")))
+            length = int(
+                next(
+                    line.split(":", 1)[1]
+                    for line in head.split("\r\n")
+                    if line.lower().startswith("content-length")
+                )
+            )
             if len(buf) >= head_end + 4 + length:
                 status = int(head.split(" ", 2)[1])
                 out.append((status, json.loads(buf[head_end + 4 : head_end + 4 + length])))
@@ -762,7 +812,8 @@ def test_pipelined_requests_are_answered_in_order(server):
     host, port = parse_host_port(server.address)
     with socket.create_connection((host, port), timeout=10) as sock:
         sock.sendall(
-            _post("/heartbeat", {"replica_id": "p"}) + _post("/heartbeat", {"replica_id": 7})
+            _post("/heartbeat", {"replica_id": "p"})
+            + _post("/heartbeat", {"replica_id": 7})
             + _post("/leave", {"replica_id": "p"})
         )
         got = _read_responses(sock, 3)
@@ -773,7 +824,10 @@ def test_bytes_sent_while_parked_wait_for_the_answer(make_server):
     s = make_server(min_replicas=2)
     host, port = parse_host_port(s.address)
     with socket.create_connection((host, port), timeout=10) as sock:
-        sock.sendall(_post("/quorum", {"member": {"replica_id": "a"}, "timeout": 20}) + _post("/heartbeat", {"replica_id": "a"}))
+        sock.sendall(
+            _post("/quorum", {"member": {"replica_id": "a"}, "timeout": 20})
+            + _post("/heartbeat", {"replica_id": "a"})
+        )
         wait_for(lambda: s.status()["pending"] == ["a"], what="a parked")
         time.sleep(0.05)
         assert group(s, "a")["heartbeats"] == 0  # the pipelined heartbeat waits behind the long poll
@@ -790,7 +844,8 @@ def test_expect_100_continue(server):
     body = json.dumps({"replica_id": "e"}).encode()
     with socket.create_connection((host, port), timeout=10) as sock:
         sock.sendall(
-            b"POST /heartbeat HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nContent-Length: %d\r\n\r\n" % len(body)
+            b"POST /heartbeat HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nContent-Length: %d\r\n\r\n"
+            % len(body)
         )
         interim = sock.recv(65536)
         assert interim.startswith(b"HTTP/1.1 100"), interim
@@ -807,7 +862,9 @@ def test_many_groups_asking_at_once_share_one_quorum(make_server):
     try:
         for step in range(2):
             for i, sock in enumerate(socks):
-                sock.sendall(_post("/quorum", {"member": {"replica_id": f"g{i:02d}", "step": step}, "timeout": 20}))
+                sock.sendall(
+                    _post("/quorum", {"member": {"replica_id": f"g{i:02d}", "step": step}, "timeout": 20})
+                )
             answers = [_read_responses(sock, 1)[0] for sock in socks]
             assert {code for code, _ in answers} == {200}
             assert len({json.dumps(payload, sort_keys=True) for _, payload in answers}) == 1

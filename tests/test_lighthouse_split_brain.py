@@ -224,7 +224,9 @@ def test_joiner_never_gets_a_quorum_without_a_live_stepping_group(make_server, p
     first_b = res.quorums["rgB"][0][2]
     for _, _step, qid, members, *_ in res.quorums["rgA"]:
         if qid >= first_b:
-            assert "rgB" in members, f"A got quorum {qid} without B after B's first quorum {first_b}: {members}"
+            assert "rgB" in members, (
+                f"A got quorum {qid} without B after B's first quorum {first_b}: {members}"
+            )
     # One id, one membership: both groups saw the same participants under every shared id.
     seen: dict[int, tuple] = {}
     for rid in ("rgA", "rgB"):
@@ -251,7 +253,9 @@ def test_frozen_group_blocks_others_until_it_goes_silent(make_server, procs):
         res.pump(lambda: res.count("rgB") >= 1, 60, "B's first quorum")
         assert _health(server, "rgA") == "silent"
         history = server.status()["history"][::-1]  # oldest first
-        silent_at = next(i for i, h in enumerate(history) if h["event"] == "silent" and h["replica_id"] == "rgA")
+        silent_at = next(
+            i for i, h in enumerate(history) if h["event"] == "silent" and h["replica_id"] == "rgA"
+        )
         b_alone = next(
             i for i, h in enumerate(history) if h["event"] == "quorum" and h["participants"] == ["rgB"]
         )

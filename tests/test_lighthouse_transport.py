@@ -73,7 +73,12 @@ class Toy:
 
     def error(self, error: HttpError, head: Head | None, peer: str) -> Response:
         self.errors.append(error.status)
-        return Response(error.status, json.dumps({"error": error.message}).encode(), headers=error.headers, close=error.close)
+        return Response(
+            error.status,
+            json.dumps({"error": error.message}).encode(),
+            headers=error.headers,
+            close=error.close,
+        )
 
     def identity_lost(self, identity: str) -> None:
         self.lost.append(identity)
@@ -95,7 +100,9 @@ _buffers: dict[int, bytes] = {}  # bytes received past the response read, per so
 
 
 def send(sock: socket.socket, method: str, path: str, body: bytes = b"", extra: str = "") -> None:
-    sock.sendall(f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n{extra}\r\n".encode() + body)
+    sock.sendall(
+        f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n{extra}\r\n".encode() + body
+    )
 
 
 def read(sock: socket.socket, *, head_only: bool = False) -> tuple[int, bytes, bytes]:
@@ -106,8 +113,16 @@ def read(sock: socket.socket, *, head_only: bool = False) -> tuple[int, bytes, b
         assert chunk, f"closed before a response: {buf!r}"
         buf += chunk
     head, _, rest = buf.partition(b"\r\n\r\n")
-    length = 0 if head_only else int(
-        next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length"))
+    length = (
+        0
+        if head_only
+        else int(
+            next(
+                line.split(b":")[1]
+                for line in head.split(b"\r\n")
+                if line.lower().startswith(b"content-length")
+            )
+        )
     )
     while len(rest) < length:
         rest += sock.recv(65536)
@@ -138,7 +153,10 @@ def test_keepalive_responses_in_order_and_head_without_body(served) -> None:
 
 def test_a_long_poll_is_answered_from_another_thread_and_blocks_nothing(served) -> None:
     _, toy, address = served
-    with socket.create_connection(address, timeout=10) as parked, socket.create_connection(address, timeout=10) as other:
+    with (
+        socket.create_connection(address, timeout=10) as parked,
+        socket.create_connection(address, timeout=10) as other,
+    ):
         send(parked, "GET", "/wait/30")
         send(parked, "POST", "/echo", b"after")  # pipelined: answered after the poll
         wait_for(lambda: len(toy.polls) == 1, "parked")

@@ -34,12 +34,22 @@ MAX, SUM, MIN = dist.ReduceOp.MAX, dist.ReduceOp.SUM, dist.ReduceOp.MIN
 
 @pytest.fixture
 def manager(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., tuple[Manager, FakeProcessGroup]]]:
-    for var in (env.RANK, env.WORLD_SIZE, env.MASTER_ADDR, env.MASTER_PORT, env.TORCHELASTIC_RESTART_COUNT,
-                env.REPLICA_GROUP_ID, env.FTLAUNCH_LIGHTHOUSE, env.TORCHFT_LIGHTHOUSE):
+    for var in (
+        env.RANK,
+        env.WORLD_SIZE,
+        env.MASTER_ADDR,
+        env.MASTER_PORT,
+        env.TORCHELASTIC_RESTART_COUNT,
+        env.REPLICA_GROUP_ID,
+        env.FTLAUNCH_LIGHTHOUSE,
+        env.TORCHFT_LIGHTHOUSE,
+    ):
         monkeypatch.delenv(var, raising=False)
     made: list[tuple[Manager, FakeProcessGroup]] = []
 
-    def make(client: ScriptedLighthouse, replica_id: str = "rg0", **kwargs: Any) -> tuple[Manager, FakeProcessGroup]:
+    def make(
+        client: ScriptedLighthouse, replica_id: str = "rg0", **kwargs: Any
+    ) -> tuple[Manager, FakeProcessGroup]:
         pg = FakeProcessGroup()
         m = Manager(
             pg=pg, load_state_dict=None, state_dict=None, replica_id=replica_id, rank=0, world_size=1,
@@ -66,7 +76,9 @@ def batches(n: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(torch.randn(5, 8, generator=g), torch.randn(5, 4, generator=g)) for _ in range(n)]
 
 
-def inner_step(model: nn.Module, opt: torch.optim.Optimizer, batch: tuple[torch.Tensor, torch.Tensor]) -> None:
+def inner_step(
+    model: nn.Module, opt: torch.optim.Optimizer, batch: tuple[torch.Tensor, torch.Tensor]
+) -> None:
     opt.zero_grad()
     nn.functional.mse_loss(model(batch[0]), batch[1]).backward()
     opt.step()
@@ -76,8 +88,16 @@ def flat(params: Any) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in params])
 
 
-def reference_diloco(model: nn.Module, fragments: list[list[nn.Parameter]], inner: torch.optim.Optimizer,
-                     outer: torch.optim.Optimizer, data: list, sync_every: int, delay: int, alpha: float) -> int:
+def reference_diloco(
+    model: nn.Module,
+    fragments: list[list[nn.Parameter]],
+    inner: torch.optim.Optimizer,
+    outer: torch.optim.Optimizer,
+    data: list,
+    sync_every: int,
+    delay: int,
+    alpha: float,
+) -> int:
     """Streaming DiLoCo written out plainly for one group: no Manager, no buckets, no hooks."""
     interval = sync_every // len(fragments)
     global_ = [[p.detach().clone() for p in f] for f in fragments]
@@ -110,9 +130,14 @@ def reference_diloco(model: nn.Module, fragments: list[list[nn.Parameter]], inne
 # ------------------------------------------------------------------------------ the arithmetic
 
 
-@pytest.mark.parametrize("sync_every, n_fragments, delay, alpha", [(6, 1, 0, 0.0), (6, 2, 1, 0.0), (12, 3, 2, 0.5)])
+@pytest.mark.parametrize(
+    "sync_every, n_fragments, delay, alpha", [(6, 1, 0, 0.0), (6, 2, 1, 0.0), (12, 3, 2, 0.5)]
+)
 def test_diloco_alone_equals_the_single_process_reference_bit_for_bit(
-    manager: Callable[..., tuple[Manager, FakeProcessGroup]], sync_every: int, n_fragments: int, delay: int,
+    manager: Callable[..., tuple[Manager, FakeProcessGroup]],
+    sync_every: int,
+    n_fragments: int,
+    delay: int,
     alpha: float,
 ) -> None:
     data = batches(37)
@@ -135,7 +160,9 @@ def test_diloco_alone_equals_the_single_process_reference_bit_for_bit(
     assert m.current_step() == d.syncs + 1  # the join committed a step too
 
 
-def test_diloco_with_outer_sgd_lr_1_is_local_sgd(manager: Callable[..., tuple[Manager, FakeProcessGroup]]) -> None:
+def test_diloco_with_outer_sgd_lr_1_is_local_sgd(
+    manager: Callable[..., tuple[Manager, FakeProcessGroup]],
+) -> None:
     """global - 1 x (global - local) = local: the outer step hands back the inner loop's result."""
     data = batches(20)
     m1, _ = manager(ScriptedLighthouse(in_step(1)))
@@ -197,7 +224,9 @@ def test_each_sync_point_is_one_quorum_one_agreement_the_fragment_buckets_and_on
         assert pg.ops[0].reduce_op == MAX and pg.ops[0].inputs[0].tolist()[:2] == [1, 0]  # SYNC, 0 syncs
         nbuckets = len(pg.ops) - 1
         assert nbuckets > 1 and all(op.reduce_op == SUM for op in pg.ops[1:])  # small buckets: several
-        assert sum(op.inputs[0].numel() for op in pg.ops[1:]) == sum(p.numel() for p in d._fragments[0].params)
+        assert sum(op.inputs[0].numel() for op in pg.ops[1:]) == sum(
+            p.numel() for p in d._fragments[0].params
+        )
         assert d.syncs == 0
         inner_step(model, inner, next(data))  # step 4: the outer step, after the vote
         assert pg.ops[-1].reduce_op == MIN and d.syncs == 1
@@ -206,7 +235,9 @@ def test_each_sync_point_is_one_quorum_one_agreement_the_fragment_buckets_and_on
             inner_step(model, inner, next(data))
         # fragment 1 (the agreement carries the sync count: 1)
         assert pg.ops[0].inputs[0].tolist()[:2] == [1, 1]
-        assert sum(op.inputs[0].numel() for op in pg.ops[1:-1]) == sum(p.numel() for p in d._fragments[1].params)
+        assert sum(op.inputs[0].numel() for op in pg.ops[1:-1]) == sum(
+            p.numel() for p in d._fragments[1].params
+        )
         assert d.syncs == 2 and m.current_step() == 3 and len(lighthouse.asked) == 3
 
 
@@ -264,7 +295,9 @@ def test_a_quorum_timeout_at_a_sync_point_is_asked_again(
     manager: Callable[..., tuple[Manager, FakeProcessGroup]],
 ) -> None:
     """Peers may still be in their inner loop for longer than the quorum timeout: not a failure."""
-    lighthouse = ScriptedLighthouse(QuorumTimeoutError("no quorum in 1s"), QuorumTimeoutError("again"), in_step(1))
+    lighthouse = ScriptedLighthouse(
+        QuorumTimeoutError("no quorum in 1s"), QuorumTimeoutError("again"), in_step(1)
+    )
     m, _ = manager(lighthouse)
     model = mlp()
     with LocalSGD(m, model, torch.optim.SGD(model.parameters(), lr=0.1), sync_every=2):
@@ -286,7 +319,10 @@ def test_a_joining_group_heals_the_global_parameters_outer_state_and_schedule_af
         for batch in batches(4):
             inner_step(src_model, src_inner, batch)
     assert src.syncs == 2 and src_outer.state
-    served = {MANAGER_STATE_KEY: {"step": 5, "batches_committed": 5}, STATE_KEY: copy.deepcopy(src.state_dict())}
+    served = {
+        MANAGER_STATE_KEY: {"step": 5, "batches_committed": 5},
+        STATE_KEY: copy.deepcopy(src.state_dict()),
+    }
 
     lighthouse = ScriptedLighthouse(quorum(3, peer("rg0", 5), us="rg1"))
     m, pg = manager(lighthouse, replica_id="rg1")
@@ -297,7 +333,12 @@ def test_a_joining_group_heals_the_global_parameters_outer_state_and_schedule_af
     d = DiLoCo(m, split_fragments(model, 2), inner, outer, sync_every=4)
     with d:
         pass
-    assert pg.ops[0].reduce_op == MAX and pg.ops[0].inputs[0].tolist() == [0, 0, 0, 0]  # a healer contributes zeros
+    assert pg.ops[0].reduce_op == MAX and pg.ops[0].inputs[0].tolist() == [
+        0,
+        0,
+        0,
+        0,
+    ]  # a healer contributes zeros
     assert d.syncs == 2 and m.current_step() == 6
     # It starts its inner loop from the healed global parameters, with the source's outer state.
     assert torch.equal(flat(model.parameters()), flat(src.global_parameters().values()))
@@ -347,7 +388,9 @@ def test_split_histories_are_never_committed_and_the_older_lineage_heals_at_the_
         assert d.state_dict()["lineage"] == 12345 and m.current_step() == 2
 
 
-def test_a_join_that_does_not_commit_is_asked_again(manager: Callable[..., tuple[Manager, FakeProcessGroup]]) -> None:
+def test_a_join_that_does_not_commit_is_asked_again(
+    manager: Callable[..., tuple[Manager, FakeProcessGroup]],
+) -> None:
     lighthouse = ScriptedLighthouse(in_step(1, "rg1"), in_step(2, "rg1"))
     m, pg = manager(lighthouse, init_sync=False)
     pg.fail_next("allreduce")
@@ -444,7 +487,13 @@ def test_ft_diloco_takes_what_is_not_passed_from_the_environment(
     model = mlp()
     inner = torch.optim.SGD(model.parameters(), lr=0.1)
     d = ft.diloco(model, inner, torch.optim.SGD(model.parameters(), lr=0.7))
-    assert (d.sync_interval, len(d._fragments), d._prepare_at, d._alpha, d._should_quantize) == (4, 3, 3, 0.25, 4)
+    assert (d.sync_interval, len(d._fragments), d._prepare_at, d._alpha, d._should_quantize) == (
+        4,
+        3,
+        3,
+        0.25,
+        4,
+    )
     assert m.current_step() == 1  # entered: it has joined
     d2 = ft.local_sgd(model, torch.optim.SGD(model.parameters(), lr=0.1), sync_every=5)  # an argument wins
     assert d2._sync_every == 5 and m.current_step() == 2

@@ -55,7 +55,9 @@ def test_a_guarded_stream_drops_what_a_full_disk_refuses_and_says_so_once_it_can
     s.write("after\n")
     s.write("more\n")
     text = inner.getvalue()
-    assert text.startswith("before\n[ftlaunch] 14 characters of output were dropped here: No space left on device")
+    assert text.startswith(
+        "before\n[ftlaunch] 14 characters of output were dropped here: No space left on device"
+    )
     assert text.endswith("training went on\nafter\nmore\n") and text.count("[ftlaunch]") == 1
     assert s.episodes == 1
     inner.failing = errno.EBADF  # anything else still raises
@@ -69,13 +71,27 @@ def test_a_worker_whose_stdout_is_a_full_disk_trains_on(tmp_path: Path) -> None:
     script = "import sys\nfor i in range(200): print('step', i, flush=True)\nsys.stderr.write('done\\n')\n"
     env = {**os.environ, "FTLAUNCH_BACKEND": "nccl"}  # no Baby child needed here
     with open("/dev/full", "w") as full:
-        done = subprocess.run([sys.executable, "-u", "-m", "ftlaunch.prestart", "-c-unused"], stdout=full,
-                              stderr=subprocess.PIPE, env=env, timeout=60, check=False, cwd=REPO)
+        done = subprocess.run(
+            [sys.executable, "-u", "-m", "ftlaunch.prestart", "-c-unused"],
+            stdout=full,
+            stderr=subprocess.PIPE,
+            env=env,
+            timeout=60,
+            check=False,
+            cwd=REPO,
+        )
         assert done.returncode != 0  # (a missing script is still an error)
         path = tmp_path / "full_disk_script.py"
         path.write_text(script)
-        ok = subprocess.run([sys.executable, "-u", "-m", "ftlaunch.prestart", str(path)], stdout=full,
-                            stderr=full, env=env, timeout=60, check=False, cwd=REPO)
+        ok = subprocess.run(
+            [sys.executable, "-u", "-m", "ftlaunch.prestart", str(path)],
+            stdout=full,
+            stderr=full,
+            env=env,
+            timeout=60,
+            check=False,
+            cwd=REPO,
+        )
     assert ok.returncode == 0
 
 
@@ -98,8 +114,13 @@ def full_disk(tmp_path: Path) -> Iterator[Path]:
     """A 2 MiB tmpfs (root and mount(2) needed: skipped otherwise)."""
     mnt = tmp_path / "logs"
     mnt.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)],
-                                           capture_output=True, check=False).returncode != 0:
+    if (
+        os.geteuid() != 0
+        or subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], capture_output=True, check=False
+        ).returncode
+        != 0
+    ):
         pytest.skip("cannot mount a tmpfs here (needs root and CAP_SYS_ADMIN)")
     try:
         yield mnt
@@ -124,17 +145,37 @@ def test_ftlaunch_trains_on_when_its_log_dir_fills_up(full_disk: Path) -> None:
     one group's agent (its respawn needs a config file the disk cannot take). The job still ends
     with exit 0, the full disk is reported once, and no ftlaunch process dies with a traceback."""
     logs = full_disk / "job"
-    proc = start([*FTLAUNCH, "--nproc-per-node", "1", "--replicas", "2", "--max-restarts", "3",
-                  "--log-dir", str(logs), WORKER, "--steps", "150", "--step-time", "0.1"])
+    proc = start(
+        [
+            *FTLAUNCH,
+            "--nproc-per-node",
+            "1",
+            "--replicas",
+            "2",
+            "--max-restarts",
+            "3",
+            "--log-dir",
+            str(logs),
+            WORKER,
+            "--steps",
+            "150",
+            "--step-time",
+            "0.1",
+        ]
+    )
     try:
+
         def printing() -> bool:
             files = glob.glob(str(logs / "rg*" / "workers" / "*" / "attempt_*" / "0" / "stdout.log"))
             return len(files) == 2 and all(os.path.getsize(f) > 200 for f in files)
 
         wait_for(printing, 120, "both groups printing to the log dir")
         fill(full_disk)
-        agent = next(p for p in psutil.Process(proc.pid).children()
-                     if "ftlaunch.launcher.agent" in " ".join(p.cmdline()) and "/rg1/" in " ".join(p.cmdline()))
+        agent = next(
+            p
+            for p in psutil.Process(proc.pid).children()
+            if "ftlaunch.launcher.agent" in " ".join(p.cmdline()) and "/rg1/" in " ".join(p.cmdline())
+        )
         time.sleep(1.0)  # a few steps print into the full disk first
         agent.send_signal(signal.SIGKILL)
         result = finish(proc, 240)

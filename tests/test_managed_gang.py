@@ -36,7 +36,9 @@ SIMULATED = [name for name in sc.CASES if not name.startswith("broadcast_objects
 
 
 def test_membership_is_the_quorums_and_changes_from_step_to_step(make_group: Callable[..., Group]) -> None:
-    lighthouse = ScriptedLighthouse(in_step(1, "rg0", us="rg1"), in_step(2, "rg0", "rg2", us="rg1"), in_step(3, us="rg1"))
+    lighthouse = ScriptedLighthouse(
+        in_step(1, "rg0", us="rg1"), in_step(2, "rg0", "rg2", us="rg1"), in_step(3, us="rg1")
+    )
     g = make_group(lighthouse, replica_id="rg1", init_sync=False)
     gang = ManagedGang(g.m, CPU)
     with pytest.raises(InvalidOperationError, match="begin_step"):
@@ -66,7 +68,10 @@ def test_the_table_in_a_quorum_of_identical_peers(make_group: Callable[..., Grou
 
 def test_a_healing_group_contributes_nothing_to_any_reduction(make_group: Callable[..., Group]) -> None:
     g = make_group(ScriptedLighthouse(quorum(3, peer("rg0", 5), peer("rg2", 5), us="rg1")), replica_id="rg1")
-    g.transport.inbox[("mem://rg0", 5)] = {MANAGER_STATE_KEY: {"step": 5, "batches_committed": 5}, "default": {"w": 1}}
+    g.transport.inbox[("mem://rg0", 5)] = {
+        MANAGER_STATE_KEY: {"step": 5, "batches_committed": 5},
+        "default": {"w": 1},
+    }
     gang = ManagedGang(g.m, CPU)
     gang.begin_step()
     contributed = {}
@@ -119,7 +124,9 @@ def test_a_failed_collective_is_reported_not_raised_and_the_step_committed_nowhe
     assert gang.should_commit()
 
 
-def test_a_failed_object_broadcast_leaves_the_objects_and_fails_the_step(make_group: Callable[..., Group]) -> None:
+def test_a_failed_object_broadcast_leaves_the_objects_and_fails_the_step(
+    make_group: Callable[..., Group],
+) -> None:
     g = make_group(ScriptedLighthouse(in_step(1, "rg1"), in_step(2, "rg1")), init_sync=False)
     gang = ManagedGang(g.m, CPU)
     gang.begin_step()
@@ -177,7 +184,9 @@ def test_fault_tolerant_gangs_span_the_replica_groups(make_group: Callable[..., 
     released = []
     gangs = fault_tolerant_gangs(g.m, group_root, tp_size=2, release=lambda: released.append(True))
     assert isinstance(gangs.rdp, ManagedGang) and gangs.rdp.in_step  # the first step has begun
-    ranks = {f: (getattr(gangs, f).rank, getattr(gangs, f).size) for f in ("root", "dp", "rdp", "sdp", "tp", "pp")}
+    ranks = {
+        f: (getattr(gangs, f).rank, getattr(gangs, f).size) for f in ("root", "dp", "rdp", "sdp", "tp", "pp")
+    }
     # group rank 3 = dp 1 x tp 1 inside the group; replica rank 1 of 3 across groups
     assert ranks == {"root": (1 * 4 + 3, 12), "dp": (1 * 2 + 1, 6), "rdp": (1, 3), "sdp": (1, 2), "tp": (1, 2),
                      "pp": (0, 1)}  # fmt: skip
@@ -234,7 +243,9 @@ class _Exploit:
         return (print, ("code from the network ran",))
 
 
-def test_objects_crossing_replica_groups_are_decoded_without_running_code(capsys: pytest.CaptureFixture[str]) -> None:
+def test_objects_crossing_replica_groups_are_decoded_without_running_code(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     from ftlaunch.gang.base import broadcast_pickled
 
     wire = _Wire()

@@ -18,8 +18,9 @@ pytestmark = pytest.mark.timeout(240)
 
 
 def lighthouse(min_replicas: int) -> LighthouseServer:
-    return LighthouseServer("127.0.0.1:0", min_replicas=min_replicas, join_timeout=5.0,
-                            heartbeat_timeout=5.0, quorum_tick=0.05).start()
+    return LighthouseServer(
+        "127.0.0.1:0", min_replicas=min_replicas, join_timeout=5.0, heartbeat_timeout=5.0, quorum_tick=0.05
+    ).start()
 
 
 def committed_checksums(g: Group, rank: int = 0, since: float = 0.0) -> dict[int, str]:
@@ -36,7 +37,9 @@ def assert_identical_every_step(gs: list[Group], ranks: int = 1, since: float = 
 
 
 @pytest.mark.parametrize("nworkers", [1, 2])
-def test_healthy_groups_have_identical_weights_every_step(tmp_path: Path, groups: list[Group], nworkers: int) -> None:
+def test_healthy_groups_have_identical_weights_every_step(
+    tmp_path: Path, groups: list[Group], nworkers: int
+) -> None:
     with lighthouse(min_replicas=2) as lh:
         gs = [Group(i, nworkers, lh.address, tmp_path, ["--steps", "8"]) for i in range(2)]
         groups.extend(gs)
@@ -64,7 +67,9 @@ def test_managed_process_group_averages_through_the_manager(tmp_path: Path, grou
     assert gs[0].final()["checksum"] == gs[1].final()["checksum"]  # type: ignore[index]
 
 
-def test_sigkilled_group_survivors_continue_and_restarted_group_heals(tmp_path: Path, groups: list[Group]) -> None:
+def test_sigkilled_group_survivors_continue_and_restarted_group_heals(
+    tmp_path: Path, groups: list[Group]
+) -> None:
     with lighthouse(min_replicas=1) as lh:
         gs = [Group(i, 1, lh.address, tmp_path, ["--steps", "70", "--step-sleep", "0.1"]) for i in range(3)]
         groups.extend(gs)
@@ -147,8 +152,12 @@ def test_unreachable_lighthouse_is_a_clear_error_not_a_hang(tmp_path: Path) -> N
     out = tmp_path / "w.jsonl"
     env = dict(os.environ, REPLICA_GROUP_ID="0", FTLAUNCH_LIGHTHOUSE=f"http://127.0.0.1:{port}")
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, str(WORKER), "--out", str(out), "--connect-timeout", "2"],
-                          env=env, capture_output=True, timeout=90)
+    proc = subprocess.run(
+        [sys.executable, str(WORKER), "--out", str(out), "--connect-timeout", "2"],
+        env=env,
+        capture_output=True,
+        timeout=90,
+    )
     assert proc.returncode != 0
     recs = [json.loads(x) for x in out.read_text().splitlines()]
     assert recs[-1]["exception"] == "LighthouseUnavailableError", recs
@@ -168,10 +177,23 @@ def test_survivor_of_a_sigstopped_peer_goes_on_without_waiting_out_the_collectiv
     the paused group (the same process) rejoins, heals and ends bit-identical."""
     import signal
 
-    with LighthouseServer("127.0.0.1:0", min_replicas=1, join_timeout=1.0, heartbeat_timeout=2.0,
-                          quorum_tick=0.05).start() as lh:
-        args = ["--steps", "120", "--step-sleep", "0.1", "--timeout", "600", "--quorum-timeout", "1200",
-                "--max-seconds", "200", "--backend", backend]
+    with LighthouseServer(
+        "127.0.0.1:0", min_replicas=1, join_timeout=1.0, heartbeat_timeout=2.0, quorum_tick=0.05
+    ).start() as lh:
+        args = [
+            "--steps",
+            "120",
+            "--step-sleep",
+            "0.1",
+            "--timeout",
+            "600",
+            "--quorum-timeout",
+            "1200",
+            "--max-seconds",
+            "200",
+            "--backend",
+            backend,
+        ]
         # rg1 pauses after its step-40 gradients went out and before its commit vote: the survivor
         # then waits in that vote for it, and the SIGSTOP lands there (not between steps, where the
         # survivor would wait at the lighthouse, which drops a silent group by itself). By step 40
@@ -206,7 +228,9 @@ def test_survivor_of_a_sigstopped_peer_goes_on_without_waiting_out_the_collectiv
     back = [r for r in gs[1].steps() if r["t"] > t_cont and r["committed"]]
     before = max(r["after"] for r in gs[1].steps() if r["t"] < t_stop and r["committed"])
     assert back and back[0]["after"] > before + 1, back[:3]  # it healed to the survivor's step
-    assert any(r["participants"] == 2 for r in back), "the stopped group never trained with the survivor again"
+    assert any(r["participants"] == 2 for r in back), (
+        "the stopped group never trained with the survivor again"
+    )
     assert gs[0].final()["checksum"] == gs[1].final()["checksum"]  # type: ignore[index]
 
 
@@ -219,10 +243,21 @@ def test_sigstopped_group_survivor_continues_after_the_timeouts_and_the_group_he
     step fails, it rejoins, heals and ends bit-identical."""
     import signal
 
-    with LighthouseServer("127.0.0.1:0", min_replicas=1, join_timeout=1.0, heartbeat_timeout=2.0,
-                          quorum_tick=0.05).start() as lh:
-        args = ["--steps", "150", "--step-sleep", "0.1", "--timeout", "3", "--quorum-timeout", "6",
-                "--connect-timeout", "2"]
+    with LighthouseServer(
+        "127.0.0.1:0", min_replicas=1, join_timeout=1.0, heartbeat_timeout=2.0, quorum_tick=0.05
+    ).start() as lh:
+        args = [
+            "--steps",
+            "150",
+            "--step-sleep",
+            "0.1",
+            "--timeout",
+            "3",
+            "--quorum-timeout",
+            "6",
+            "--connect-timeout",
+            "2",
+        ]
         gs = [Group(i, 1, lh.address, tmp_path, args) for i in range(2)]
         groups.extend(gs)
         for g in gs:
@@ -242,5 +277,7 @@ def test_sigstopped_group_survivor_continues_after_the_timeouts_and_the_group_he
     assert len({r["pid"] for r in gs[1].steps()}) == 1  # no restart: the stopped process itself rejoined
     back = [r for r in gs[1].steps() if r["t"] > t_cont and r["committed"]]
     assert back and back[0]["after"] > 20, back[:3]  # it healed to the survivor's step, not from step 5
-    assert any(r["participants"] == 2 for r in back), "the stopped group never trained with the survivor again"
+    assert any(r["participants"] == 2 for r in back), (
+        "the stopped group never trained with the survivor again"
+    )
     assert gs[0].final()["checksum"] == gs[1].final()["checksum"]  # type: ignore[index]

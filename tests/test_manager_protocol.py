@@ -48,7 +48,10 @@ Answer = Quorum | Exception | Callable[[QuorumMember], Quorum]
 def peer(replica_id: str, step: int = 0) -> QuorumMember:
     """Another replica group as the lighthouse lists it: its store and its transport metadata."""
     return QuorumMember(
-        replica_id=replica_id, store_address=f"store-{replica_id}:1", step=step, data={"ckpt": [f"mem://{replica_id}"]}
+        replica_id=replica_id,
+        store_address=f"store-{replica_id}:1",
+        step=step,
+        data={"ckpt": [f"mem://{replica_id}"]},
     )
 
 
@@ -165,7 +168,9 @@ class UserState:
 class Group:
     """One replica group's worker: a Manager on fakes."""
 
-    def __init__(self, manager: Manager, pg: FakeProcessGroup, transport: MemoryTransport, user: UserState) -> None:
+    def __init__(
+        self, manager: Manager, pg: FakeProcessGroup, transport: MemoryTransport, user: UserState
+    ) -> None:
         self.m, self.pg, self.transport, self.user = manager, pg, transport, user
 
     def step(self, grad: float = 6.0, error: Exception | None = None) -> tuple[bool, torch.Tensor]:
@@ -179,8 +184,16 @@ class Group:
 
 @pytest.fixture
 def make(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., Group]]:
-    for var in (env.RANK, env.WORLD_SIZE, env.MASTER_ADDR, env.MASTER_PORT, env.TORCHELASTIC_RESTART_COUNT,
-                env.REPLICA_GROUP_ID, env.FTLAUNCH_LIGHTHOUSE, env.TORCHFT_LIGHTHOUSE):
+    for var in (
+        env.RANK,
+        env.WORLD_SIZE,
+        env.MASTER_ADDR,
+        env.MASTER_PORT,
+        env.TORCHELASTIC_RESTART_COUNT,
+        env.REPLICA_GROUP_ID,
+        env.FTLAUNCH_LIGHTHOUSE,
+        env.TORCHFT_LIGHTHOUSE,
+    ):
         monkeypatch.delenv(var, raising=False)
     made: list[Group] = []
 
@@ -222,7 +235,9 @@ def test_an_unchanged_quorum_does_not_reconfigure(make: Callable[..., Group]) ->
     assert g.pg.configure_calls == [(f"{OUR_STORE}/ftlaunch/q1/r0", 0, 2)]
     assert g.m.current_step() == 3 and g.m.batches_committed() == 6
     assert [m.step for m in lighthouse.asked] == [0, 1, 2]
-    assert lighthouse.asked[0].store_address == OUR_STORE and lighthouse.asked[0].data["ckpt"] == ["mem://rg0/r0"]
+    assert lighthouse.asked[0].store_address == OUR_STORE and lighthouse.asked[0].data["ckpt"] == [
+        "mem://rg0/r0"
+    ]
     # ... and its heal claim: a checksum of the state it would offer (tests below: its use).
     assert set(lighthouse.asked[0].data) == {"ckpt", "claim"}
     assert lighthouse.heartbeats == ["rg0"]
@@ -237,7 +252,10 @@ def test_a_new_quorum_id_reconfigures_on_a_fresh_prefix_with_the_new_rank_and_si
     for _ in range(3):
         assert g.step()[0]
     # The rendezvous is on the store of the first up-to-date group (rg0), under a prefix per quorum.
-    assert g.pg.configure_calls == [("store-rg0:1/ftlaunch/q1/r0", 1, 2), ("store-rg0:1/ftlaunch/q7/r0", 1, 3)]
+    assert g.pg.configure_calls == [
+        ("store-rg0:1/ftlaunch/q1/r0", 1, 2),
+        ("store-rg0:1/ftlaunch/q7/r0", 1, 3),
+    ]
     assert (g.pg.rank(), g.pg.size()) == (1, 3)
 
 
@@ -249,13 +267,18 @@ def test_a_failed_reconfigure_skips_the_step_and_the_next_quorum_retries(make: C
     assert not committed and out.tolist() == [6.0] * 4  # nothing to talk to: the tensor as is
     assert isinstance(g.m.errored(), CommunicationError) and "configure failed" in str(g.m.errored())
     assert g.step()[0]
-    assert [c[0] for c in g.pg.configure_calls] == [f"{OUR_STORE}/ftlaunch/q1/r0", f"{OUR_STORE}/ftlaunch/q2/r0"]
+    assert [c[0] for c in g.pg.configure_calls] == [
+        f"{OUR_STORE}/ftlaunch/q1/r0",
+        f"{OUR_STORE}/ftlaunch/q2/r0",
+    ]
 
 
 # ------------------------------------------------------------------------------ heal
 
 
-def test_a_group_behind_heals_zeroes_its_gradient_and_loads_only_after_the_vote(make: Callable[..., Group]) -> None:
+def test_a_group_behind_heals_zeroes_its_gradient_and_loads_only_after_the_vote(
+    make: Callable[..., Group],
+) -> None:
     lighthouse = ScriptedLighthouse(quorum(3, peer("rg0", 5), us="rg1"))
     g = make(lighthouse, replica_id="rg1")
     served = {MANAGER_STATE_KEY: {"step": 5, "batches_committed": 9}, "default": {"w": 42}}
@@ -277,7 +300,9 @@ def test_a_group_behind_heals_zeroes_its_gradient_and_loads_only_after_the_vote(
 
 @pytest.mark.parametrize("served", [None, {MANAGER_STATE_KEY: {"step": 5, "batches_committed": 5}}],
                          ids=["transfer-fails", "state-lacks-a-key"])  # fmt: skip
-def test_a_failed_heal_is_not_committed_and_loads_nothing(make: Callable[..., Group], served: dict | None) -> None:
+def test_a_failed_heal_is_not_committed_and_loads_nothing(
+    make: Callable[..., Group], served: dict | None
+) -> None:
     g = make(ScriptedLighthouse(quorum(3, peer("rg0", 5), us="rg1")), replica_id="rg1")
     if served is not None:
         g.transport.inbox[("mem://rg0", 5)] = served
@@ -290,8 +315,12 @@ def test_a_failed_heal_is_not_committed_and_loads_nothing(make: Callable[..., Gr
 def claiming(replica_id: str, step: int, state: dict) -> QuorumMember:
     """A peer at ``step`` that claims (honestly or not) the checksum of ``state``."""
     member = peer(replica_id, step)
-    return QuorumMember(replica_id=replica_id, store_address=member.store_address, step=step,
-                        data={**member.data, "claim": [state_checksum(state)]})
+    return QuorumMember(
+        replica_id=replica_id,
+        store_address=member.store_address,
+        step=step,
+        data={**member.data, "claim": [state_checksum(state)]},
+    )
 
 
 HONEST = {MANAGER_STATE_KEY: {"step": 5, "batches_committed": 9}, "default": {"w": torch.ones(3)}}
@@ -301,8 +330,12 @@ POISONED = {MANAGER_STATE_KEY: {"step": 5, "batches_committed": 9}, "default": {
 def on_demand(replica_id: str, step: int) -> QuorumMember:
     """A peer at ``step`` that, like us, claims on demand (an empty claim: `plan.claims_wanted`)."""
     member = peer(replica_id, step)
-    return QuorumMember(replica_id=replica_id, store_address=member.store_address, step=step,
-                        data={**member.data, "claim": []})
+    return QuorumMember(
+        replica_id=replica_id,
+        store_address=member.store_address,
+        step=step,
+        data={**member.data, "claim": []},
+    )
 
 
 def test_a_request_claims_on_demand_and_no_checksum_is_made_while_nobody_heals(
@@ -358,26 +391,36 @@ def test_a_healer_rejects_state_that_is_not_what_its_source_claimed(make: Callab
     g.transport.inbox[("mem://rg0", 5)] = POISONED
     committed, _ = g.step()
     assert not committed and g.user.loaded_after == [] and g.m.current_step() == 0
-    assert isinstance(g.m.errored(), CommunicationError) and "does not match the checksum" in str(g.m.errored())
+    assert isinstance(g.m.errored(), CommunicationError) and "does not match the checksum" in str(
+        g.m.errored()
+    )
     g.transport.inbox[("mem://rg0", 5)] = HONEST
     assert g.step()[0] and g.m.current_step() == 6 and torch.equal(g.user.value["w"], torch.ones(3))
 
 
 def test_a_healer_rejects_state_at_another_step_than_its_source_claimed(make: Callable[..., Group]) -> None:
     g = make(ScriptedLighthouse(quorum(3, peer("rg0", 5), us="rg1")), replica_id="rg1")
-    g.transport.inbox[("mem://rg0", 5)] = {MANAGER_STATE_KEY: {"step": 10**9, "batches_committed": 9},
-                                           "default": {"w": 1}}
+    g.transport.inbox[("mem://rg0", 5)] = {
+        MANAGER_STATE_KEY: {"step": 10**9, "batches_committed": 9},
+        "default": {"w": 1},
+    }
     assert not g.step()[0] and g.m.current_step() == 0 and "claimed step 5" in str(g.m.errored())
 
 
-def test_when_the_sources_claims_tie_a_healer_checks_its_own_sources_claim(make: Callable[..., Group]) -> None:
+def test_when_the_sources_claims_tie_a_healer_checks_its_own_sources_claim(
+    make: Callable[..., Group],
+) -> None:
     """No majority: the healer heals from its source (rg0), checked against rg0's own claim."""
-    g = make(ScriptedLighthouse(quorum(3, claiming("rg0", 5, HONEST), claiming("rg2", 5, POISONED), us="rg1")),
-             replica_id="rg1")
+    g = make(
+        ScriptedLighthouse(quorum(3, claiming("rg0", 5, HONEST), claiming("rg2", 5, POISONED), us="rg1")),
+        replica_id="rg1",
+    )
     g.transport.inbox[("mem://rg0", 5)] = POISONED  # not what rg0 claimed: rejected
     assert not g.step()[0] and g.m.current_step() == 0 and "does not match" in str(g.m.errored())
     g.transport.inbox[("mem://rg0", 5)] = HONEST
-    g.transport.inbox[("mem://rg2", 5)] = POISONED  # the next try goes to rg2 (commit_failures 1): as it claimed
+    g.transport.inbox[("mem://rg2", 5)] = (
+        POISONED  # the next try goes to rg2 (commit_failures 1): as it claimed
+    )
     assert g.step()[0] and g.m.current_step() == 6
 
 
@@ -451,7 +494,9 @@ def test_a_managed_process_group_reduces_through_the_manager(make: Callable[...,
 # ------------------------------------------------------------------------------ errors and commit
 
 
-def test_an_allreduce_error_is_committed_nowhere_and_the_next_step_commits(make: Callable[..., Group]) -> None:
+def test_an_allreduce_error_is_committed_nowhere_and_the_next_step_commits(
+    make: Callable[..., Group],
+) -> None:
     lighthouse = ScriptedLighthouse(in_step(1, "rg1"), in_step(2, "rg1"))  # the failure changes the id
     g = make(lighthouse, init_sync=False)
     g.pg.fail_next("allreduce", RuntimeError("connection reset by peer"))
@@ -464,7 +509,9 @@ def test_an_allreduce_error_is_committed_nowhere_and_the_next_step_commits(make:
     assert g.m.current_step() == 1 and g.m.errored() is None
 
 
-def test_a_reported_error_still_takes_part_with_zeros_and_refuses_the_commit(make: Callable[..., Group]) -> None:
+def test_a_reported_error_still_takes_part_with_zeros_and_refuses_the_commit(
+    make: Callable[..., Group],
+) -> None:
     g = make(ScriptedLighthouse(in_step(1, "rg1")), init_sync=False)
     g.m.start_quorum()
     g.m.report_error(RuntimeError("NaN loss"))
@@ -603,7 +650,9 @@ def test_quorum_retries_absorb_a_lighthouse_error_and_a_synchronous_quorum_raise
 ) -> None:
     g = make(ScriptedLighthouse(QuorumTimeoutError("no quorum"), in_step(1)), quorum_retries=1)
     assert g.step()[0]
-    g2 = make(ScriptedLighthouse(LighthouseError("lighthouse said no")), replica_id="rg9", use_async_quorum=False)
+    g2 = make(
+        ScriptedLighthouse(LighthouseError("lighthouse said no")), replica_id="rg9", use_async_quorum=False
+    )
     with pytest.raises(LighthouseError, match="lighthouse said no"):
         g2.m.start_quorum()
 
@@ -611,7 +660,9 @@ def test_quorum_retries_absorb_a_lighthouse_error_and_a_synchronous_quorum_raise
 # ------------------------------------------------------------------------------ a group of two ranks
 
 
-def test_a_two_rank_group_shares_the_leaders_quorum_and_votes_through_its_store(make: Callable[..., Group]) -> None:
+def test_a_two_rank_group_shares_the_leaders_quorum_and_votes_through_its_store(
+    make: Callable[..., Group],
+) -> None:
     lighthouse = ScriptedLighthouse(in_step(1, "rg1"), in_step(2, "rg1"), LighthouseError("lighthouse gone"))
     store = dist.HashStore()
     ranks = [make(lighthouse, rank=0, world_size=2, store=store, init_sync=False),
@@ -657,7 +708,9 @@ def test_in_a_two_rank_group_every_rank_claims_when_a_heal_is_due(make: Callable
     assert all(g.m.current_step() == 6 for g in ranks)
 
 
-def test_the_leader_passes_a_lost_quorum_on_to_the_other_ranks_of_its_group(make: Callable[..., Group]) -> None:
+def test_the_leader_passes_a_lost_quorum_on_to_the_other_ranks_of_its_group(
+    make: Callable[..., Group],
+) -> None:
     """Only the leader heartbeats, but every rank's cross-group group waits on the hung group: the
     leader writes the loss to the group's store and rank 1, waiting in its own hung allreduce, reads
     it there and aborts too (commit timeout 120 s, above this test's 60 s)."""
@@ -687,9 +740,13 @@ def test_a_restarted_incarnation_never_reads_its_predecessors_keys() -> None:
     old = GroupStore(store, address="h:1", replica_id="rg0", attempt=0, rank=0, world_size=2, timeout=5)
     q = Quorum(quorum_id=1, participants=(QuorumMember("rg0"),), created=0.0)
     assert old.relay_quorum(1, lambda: q) == q
-    old_follower = GroupStore(store, address="h:1", replica_id="rg0", attempt=0, rank=1, world_size=2, timeout=5)
+    old_follower = GroupStore(
+        store, address="h:1", replica_id="rg0", attempt=0, rank=1, world_size=2, timeout=5
+    )
     assert old_follower.relay_quorum(1, lambda: q) == q
-    new_follower = GroupStore(store, address="h:1", replica_id="rg0", attempt=1, rank=1, world_size=2, timeout=0.2)
+    new_follower = GroupStore(
+        store, address="h:1", replica_id="rg0", attempt=1, rank=1, world_size=2, timeout=0.2
+    )
     with pytest.raises(dist.DistStoreError):
         new_follower.relay_quorum(1, lambda: q)
 

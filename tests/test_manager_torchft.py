@@ -51,12 +51,22 @@ def test_world_size_mode_is_torchfts_enum_at_torchfts_path() -> None:
     ],
 )
 def test_world_size_mode_decides_who_counts_and_the_divisor(
-    make: Callable[..., Group], us: str, mode: WorldSizeMode, sent: float, received: float,
-    rank: int | None, participants: int,
+    make: Callable[..., Group],
+    us: str,
+    mode: WorldSizeMode,
+    sent: float,
+    received: float,
+    rank: int | None,
+    participants: int,
 ) -> None:
     others = [r for r in ("rg0", "rg1", "rg2") if r != us]
-    g = make(ScriptedLighthouse(in_step(1, *others, us=us)), replica_id=us, init_sync=False,
-             min_replica_size=2, world_size_mode=mode)
+    g = make(
+        ScriptedLighthouse(in_step(1, *others, us=us)),
+        replica_id=us,
+        init_sync=False,
+        min_replica_size=2,
+        world_size_mode=mode,
+    )
     g.m.start_quorum()
     assert g.m.num_participants() == participants and g.m.participating_rank() == rank
     assert g.m.is_participating() is (rank is not None)
@@ -68,8 +78,12 @@ def test_world_size_mode_decides_who_counts_and_the_divisor(
 
 
 def test_fixed_with_spares_still_needs_min_replica_size_up_to_date_groups(make: Callable[..., Group]) -> None:
-    g = make(ScriptedLighthouse(in_step(1, "rg1")), min_replica_size=3, init_sync=False,
-             world_size_mode=WorldSizeMode.FIXED_WITH_SPARES)
+    g = make(
+        ScriptedLighthouse(in_step(1, "rg1")),
+        min_replica_size=3,
+        init_sync=False,
+        world_size_mode=WorldSizeMode.FIXED_WITH_SPARES,
+    )
     assert g.step()[0] is False and g.m.num_participants() == 2
 
 

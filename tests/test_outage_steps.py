@@ -34,12 +34,16 @@ OUR_STORE = test_manager_protocol.OUR_STORE
 DOWN = LighthouseUnavailableError("lighthouse unreachable for 0.5s: connection refused")
 
 
-def behind_outage_client(*answers: object, outage_timeout: float = 0.3) -> tuple[ScriptedLighthouse, OutageTolerantClient]:
+def behind_outage_client(
+    *answers: object, outage_timeout: float = 0.3
+) -> tuple[ScriptedLighthouse, OutageTolerantClient]:
     scripted = ScriptedLighthouse(*answers)  # type: ignore[arg-type]
     return scripted, OutageTolerantClient(scripted, outage_timeout)  # type: ignore[arg-type]
 
 
-def test_a_healthy_group_steps_on_its_last_quorum_while_the_lighthouse_is_down(make: Callable[..., Group]) -> None:
+def test_a_healthy_group_steps_on_its_last_quorum_while_the_lighthouse_is_down(
+    make: Callable[..., Group],
+) -> None:
     """Quorum 1 (both groups up to date) committed; the lighthouse dies: the next two steps commit on
     quorum 1 without reconfiguring (the same process group, the same peers); the request that
     reaches the lighthouse again carries the resume report, and its new quorum reconfigures."""
@@ -71,7 +75,10 @@ def test_in_outage_mode_an_unanswered_request_steps_on_again(make: Callable[...,
     g.m._outage.probe_every = 1
     assert [g.step()[0] for _ in range(4)] == [True] * 4
     assert g.m._outage.steps == 2
-    assert [c[0] for c in g.pg.configure_calls] == [f"{OUR_STORE}/ftlaunch/q1/r0", f"{OUR_STORE}/ftlaunch/q9/r0"]
+    assert [c[0] for c in g.pg.configure_calls] == [
+        f"{OUR_STORE}/ftlaunch/q1/r0",
+        f"{OUR_STORE}/ftlaunch/q9/r0",
+    ]
 
 
 def test_in_outage_mode_the_lighthouse_is_tried_every_few_steps_by_all_members_together(
@@ -79,20 +86,30 @@ def test_in_outage_mode_the_lighthouse_is_tried_every_few_steps_by_all_members_t
 ) -> None:
     """Every member is at the same step, so each tries the lighthouse at the same steps (multiples of
     PROBE_EVERY), once; the steps between ask nobody."""
-    scripted, client = behind_outage_client(in_step(1, "rg1"), in_step(1, "rg1"), DOWN, DOWN, in_step(9, "rg1"))
+    scripted, client = behind_outage_client(
+        in_step(1, "rg1"), in_step(1, "rg1"), DOWN, DOWN, in_step(9, "rg1")
+    )
     g = make(client, init_sync=False)
     assert [g.step()[0] for _ in range(10)] == [True] * 10
     assert [m.step for m in scripted.asked] == [0, 1, 2, 4, 8, 9]  # down at 2, probed at 4 and 8
     assert g.m._outage.steps == 6  # steps 2..7 on quorum 1; 8 got quorum 9
-    assert [c[0] for c in g.pg.configure_calls] == [f"{OUR_STORE}/ftlaunch/q1/r0", f"{OUR_STORE}/ftlaunch/q9/r0"]
+    assert [c[0] for c in g.pg.configure_calls] == [
+        f"{OUR_STORE}/ftlaunch/q1/r0",
+        f"{OUR_STORE}/ftlaunch/q9/r0",
+    ]
 
 
-def test_after_a_committed_heal_the_group_steps_on_the_quorum_at_the_reached_step(make: Callable[..., Group]) -> None:
+def test_after_a_committed_heal_the_group_steps_on_the_quorum_at_the_reached_step(
+    make: Callable[..., Group],
+) -> None:
     """We healed from rg0 (step 5) on quorum 3 and committed (now at 6); the lighthouse dies: the
     next step runs on quorum 3 with both members at step 6 -- nobody heals again, no reconfigure."""
     _, client = behind_outage_client(quorum(3, peer("rg0", 5), us="rg1"), DOWN)
     g = make(client, replica_id="rg1")
-    g.transport.inbox[("mem://rg0", 5)] = {MANAGER_STATE_KEY: {"step": 5, "batches_committed": 9}, "default": {"w": 42}}
+    g.transport.inbox[("mem://rg0", 5)] = {
+        MANAGER_STATE_KEY: {"step": 5, "batches_committed": 9},
+        "default": {"w": 42},
+    }
     assert g.step()[0] and g.m.current_step() == 6
     committed, out = g.step()
     assert committed and g.m.current_step() == 7 and g.m._outage.steps == 1
@@ -136,11 +153,16 @@ def test_a_quorum_timeout_outside_an_outage_is_the_lighthouses_answer(make: Call
 
 def test_a_slow_quorum_outside_an_outage_is_waited_for(make: Callable[..., Group]) -> None:
     """No outage seen, the lighthouse answers the second request: the group takes that quorum."""
-    scripted = TimedLighthouse(in_step(1, "rg1"), QuorumTimeoutError("no quorum within 1s"), in_step(2, "rg1"))
+    scripted = TimedLighthouse(
+        in_step(1, "rg1"), QuorumTimeoutError("no quorum within 1s"), in_step(2, "rg1")
+    )
     g = make(OutageTolerantClient(scripted, 0.3), init_sync=False)  # type: ignore[arg-type]
     assert g.step()[0] and g.step()[0]
     assert g.m._outage.steps == 0 and not g.m._outage.in_outage
-    assert [c[0] for c in g.pg.configure_calls] == [f"{OUR_STORE}/ftlaunch/q1/r0", f"{OUR_STORE}/ftlaunch/q2/r0"]
+    assert [c[0] for c in g.pg.configure_calls] == [
+        f"{OUR_STORE}/ftlaunch/q1/r0",
+        f"{OUR_STORE}/ftlaunch/q2/r0",
+    ]
 
 
 def test_a_leader_that_met_the_outage_only_after_the_restart_steps_on_with_its_peers(
@@ -240,16 +262,22 @@ def test_a_live_lighthouse_its_groups_could_not_reach_accepts_the_steps_they_too
     group that was not in Q, or reports another quorum, is refused as before (docs/security.md)."""
     now = [1000.0]
     options = QuorumOptions(min_replicas=2, join_timeout=60.0, heartbeat_timeout=5.0)
-    m = Membership(options, ids=QuorumIdAllocator(1_700_000_000_000), clock=lambda: now[0], wall_clock=lambda: now[0])
+    m = Membership(
+        options, ids=QuorumIdAllocator(1_700_000_000_000), clock=lambda: now[0], wall_clock=lambda: now[0]
+    )
     a, b = m.request_quorum(QuorumMember("rg0", step=4)), m.request_quorum(QuorumMember("rg1", step=4))
     assert a.quorum is not None and b.quorum is not None
     q = a.quorum.quorum_id
     with pytest.raises(ImplausibleStep):
         m.request_quorum(QuorumMember("rg0", step=30))
     with pytest.raises(ImplausibleStep):
-        m.request_quorum(QuorumMember("rg0", step=30, data={RESUME_KEY: {"quorum_id": q - 1, "members": ["rg0"]}}))
+        m.request_quorum(
+            QuorumMember("rg0", step=30, data={RESUME_KEY: {"quorum_id": q - 1, "members": ["rg0"]}})
+        )
     with pytest.raises(ImplausibleStep):
-        m.request_quorum(QuorumMember("rg9", step=30, data={RESUME_KEY: {"quorum_id": q, "members": ["rg9"]}}))
+        m.request_quorum(
+            QuorumMember("rg9", step=30, data={RESUME_KEY: {"quorum_id": q, "members": ["rg9"]}})
+        )
     report = {RESUME_KEY: {"quorum_id": q, "members": ["rg0", "rg1"]}}
     ta = m.request_quorum(QuorumMember("rg0", step=30, data=report))
     tb = m.request_quorum(QuorumMember("rg1", step=30, data=report))

@@ -51,7 +51,9 @@ def test_sessions_from_client_processes_and_a_killed_client() -> None:
             assert _wait_for(lambda: server.num_sessions() == 0, 30), "the dead client's session did not end"
             assert len(server.ended) == 3  # it ended by the error, not by the protocol
             before = server.total
-            assert pool.run([1], sc.ps_client, [(address, 2, 7.0)], timeout=60) == [[before + 7.0, before + 14.0]]
+            assert pool.run([1], sc.ps_client, [(address, 2, 7.0)], timeout=60) == [
+                [before + 7.0, before + 14.0]
+            ]
     finally:
         server.shutdown()
     assert not [t for t in threading.enumerate() if t.name == "ftlaunch-ps-http" and t.is_alive()]

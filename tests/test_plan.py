@@ -60,16 +60,22 @@ def test_fixed_with_spares_counts_the_first_min_replica_size_sources() -> None:
     """torchft's FIXED_WITH_SPARES: participants are capped at min_replica_size; the other sources
     are spares (not healers: they are up to date and heal nobody differently)."""
     q = quorum({"rg0": 5, "rg1": 2, "rg2": 5, "rg3": 5})
-    plans = {r: plan_step(q, r, world_size_mode=WorldSizeMode.FIXED_WITH_SPARES, min_replica_size=2)
-             for r in ("rg0", "rg1", "rg2", "rg3")}
+    plans = {
+        r: plan_step(q, r, world_size_mode=WorldSizeMode.FIXED_WITH_SPARES, min_replica_size=2)
+        for r in ("rg0", "rg1", "rg2", "rg3")
+    }
     assert {r: p.participant_rank for r, p in plans.items()} == {"rg0": 0, "rg1": None, "rg2": 1, "rg3": None}
     assert all(p.num_participants == 2 and p.num_sources == 3 for p in plans.values())
     spare = plans["rg3"]
     assert not spare.heal and not spare.participates and spare.source_rank == 2
     assert plans["rg1"].heal and plans["rg1"].recover_src_id == "rg0"  # healing is unchanged
     # Fewer sources than min_replica_size: all of them count (the commit then refuses the step).
-    small = plan_step(quorum({"rg0": 5, "rg1": 2}), "rg0", world_size_mode=WorldSizeMode.FIXED_WITH_SPARES,
-                      min_replica_size=3)
+    small = plan_step(
+        quorum({"rg0": 5, "rg1": 2}),
+        "rg0",
+        world_size_mode=WorldSizeMode.FIXED_WITH_SPARES,
+        min_replica_size=3,
+    )
     assert small.num_participants == 1 and small.participant_rank == 0
 
 
@@ -86,8 +92,10 @@ def test_unknown_replica_is_a_clear_error() -> None:
         plan_step(quorum({"rg0": 1}), "rg9")
 
 
-@given(st.dictionaries(st.sampled_from([f"rg{i}" for i in range(8)]), st.integers(0, 5), min_size=1),
-       st.booleans())
+@given(
+    st.dictionaries(st.sampled_from([f"rg{i}" for i in range(8)]), st.integers(0, 5), min_size=1),
+    st.booleans(),
+)
 def test_plans_are_mutually_consistent(steps: dict[str, int], init_sync: bool) -> None:
     q = quorum(steps)
     plans = {r: plan_step(q, r, init_sync=init_sync) for r in steps}
@@ -150,12 +158,20 @@ def test_groups_without_a_layout_are_not_compared() -> None:
 # ---- heal claims (issue 17: heal sources must agree on a checksum of their state) -------------------
 
 
-def claimed(steps: dict[str, int], claims: dict[str, list[str] | None], failures: dict[str, int] | None = None,
-            qid: int = 7) -> Quorum:
+def claimed(
+    steps: dict[str, int],
+    claims: dict[str, list[str] | None],
+    failures: dict[str, int] | None = None,
+    qid: int = 7,
+) -> Quorum:
     members = tuple(
-        QuorumMember(replica_id=rid, store_address=f"h{rid}:1", step=s,
-                     commit_failures=(failures or {}).get(rid, 0),
-                     data={} if claims.get(rid) is None else {"claim": claims[rid]})
+        QuorumMember(
+            replica_id=rid,
+            store_address=f"h{rid}:1",
+            step=s,
+            commit_failures=(failures or {}).get(rid, 0),
+            data={} if claims.get(rid) is None else {"claim": claims[rid]},
+        )
         for rid, s in sorted(steps.items())
     )
     return Quorum(quorum_id=qid, participants=members, created=0.0)
@@ -164,8 +180,10 @@ def claimed(steps: dict[str, int], claims: dict[str, list[str] | None], failures
 def test_a_lone_dissenter_is_no_heal_source() -> None:
     """rg0 (the lowest rank: everyone's source and store host by step alone) claims other state
     than the two groups beside it at the top step: nobody heals from it."""
-    q = claimed({"rg0": 9, "rg1": 9, "rg2": 9, "rg3": 2, "rg4": 0},
-                {"rg0": ["bad"], "rg1": ["good"], "rg2": ["good"], "rg3": ["old"]})
+    q = claimed(
+        {"rg0": 9, "rg1": 9, "rg2": 9, "rg3": 2, "rg4": 0},
+        {"rg0": ["bad"], "rg1": ["good"], "rg2": ["good"], "rg3": ["old"]},
+    )
     plans = {r: plan_step(q, r) for r in ("rg0", "rg1", "rg2", "rg3", "rg4")}
     assert plans["rg3"].recover_src_id == "rg1" and plans["rg4"].recover_src_id == "rg2"
     assert plans["rg3"].recover_claim == ("good",) and not plans["rg3"].contested
@@ -220,12 +238,16 @@ def test_a_healer_whose_heal_failed_moves_to_the_next_agreeing_source() -> None:
 
 @pytest.mark.parametrize("bad", [[], "s", [1], ["x" * 200], None])
 def test_a_malformed_claim_is_no_claim(bad: object) -> None:
-    q = Quorum(quorum_id=1, participants=(
-        QuorumMember(replica_id="a", store_address="a:1", step=5, data={"claim": bad}),
-        QuorumMember(replica_id="b", store_address="b:1", step=5, data={}),
-        QuorumMember(replica_id="c", store_address="c:1", step=5, data={"claim": ["s"]}),
-        QuorumMember(replica_id="d", store_address="d:1", step=1, data={}),
-    ), created=0.0)
+    q = Quorum(
+        quorum_id=1,
+        participants=(
+            QuorumMember(replica_id="a", store_address="a:1", step=5, data={"claim": bad}),
+            QuorumMember(replica_id="b", store_address="b:1", step=5, data={}),
+            QuorumMember(replica_id="c", store_address="c:1", step=5, data={"claim": ["s"]}),
+            QuorumMember(replica_id="d", store_address="d:1", step=1, data={}),
+        ),
+        created=0.0,
+    )
     assert plan_step(q, "d").recover_src_id == "c" and plan_step(q, "d").untrusted_ids == ("a", "b")
 
 

@@ -40,8 +40,9 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 @pytest.fixture
 def store() -> Any:
     """A TCPStore server in the test process; workers connect to it with unique prefixes."""
-    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                           timeout=timedelta(seconds=30))
+    server = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30)
+    )
     yield server
     del server
     gc.collect()
@@ -313,7 +314,9 @@ def test_baby_abort_while_the_child_starts_keeps_the_child(store: dist.TCPStore)
 
 @pytest.mark.slow  # ~15-50 s (two Baby children import torch); the abort decision has fast tests on the fake
 @pytest.mark.timeout(120)
-def test_baby_prepare_abort_starts_the_replacement_child_that_the_abort_then_uses(store: dist.TCPStore) -> None:
+def test_baby_prepare_abort_starts_the_replacement_child_that_the_abort_then_uses(
+    store: dist.TCPStore,
+) -> None:
     """`prepare_abort` (a step has waited long: worker/hang_abort.py) starts the replacement child
     at once; a healthy child keeps being used, and after an abort the next configure takes the
     child started then, not a fresh spawn."""
@@ -366,8 +369,9 @@ def test_teardown_releases_threads_sockets_children(store: dist.TCPStore) -> Non
             before = pool.run([0, 1], sc.resources, [(), ()])
             for destroy in (False, True):
                 n += 1
-                after = pool.run([0, 1], sc.teardown_cycle,
-                                 [(kind, addr(store, f"t{n}"), k, 2, destroy) for k in range(2)])
+                after = pool.run(
+                    [0, 1], sc.teardown_cycle, [(kind, addr(store, f"t{n}"), k, 2, destroy) for k in range(2)]
+                )
                 for b, a in zip(before, after, strict=True):
                     how = f"{kind} {'destroy_process_group' if destroy else 'shutdown'}"
                     assert not a["child_alive"], how
@@ -386,8 +390,12 @@ def test_teardown_releases_threads_sockets_children(store: dist.TCPStore) -> Non
 @pytest.mark.timeout(180)
 def test_extend_device_mesh_runs_collective_through_new_dim(store: dist.TCPStore) -> None:
     with WorkerPool(2) as pool:
-        out = pool.run([0, 1], sc.mesh_collective,
-                       [(addr(store, f"local{k}"), addr(store, "dp1"), k, 2) for k in range(2)], timeout=120)
+        out = pool.run(
+            [0, 1],
+            sc.mesh_collective,
+            [(addr(store, f"local{k}"), addr(store, "dp1"), k, 2) for k in range(2)],
+            timeout=120,
+        )
         for res in out:
             assert res["names"] == ["dp", "shard"] and res["shape"] == [1, 1], res
             assert res["dp_is_pg"], res
@@ -576,8 +584,20 @@ def test_parse_store_addr() -> None:
     b = parse_store_addr("[::1]:29500/q/7")
     assert (b.host, b.port, b.prefix, str(b)) == ("::1", 29500, "q/7", "[::1]:29500/q/7")
     assert parse_store_addr("10.0.0.1:80").prefix == ""
-    for bad in ["", "localhost", "localhost:", "localhost:abc/p", ":1234/p", "::1:1234/p", "[::1/p",
-                "[::1]1234/p", "host:0/p", "host:70000/p", "host:12/", "a:b:c/p"]:
+    for bad in [
+        "",
+        "localhost",
+        "localhost:",
+        "localhost:abc/p",
+        ":1234/p",
+        "::1:1234/p",
+        "[::1/p",
+        "[::1]1234/p",
+        "host:0/p",
+        "host:70000/p",
+        "host:12/",
+        "a:b:c/p",
+    ]:
         with pytest.raises(ValueError, match="bad store address"):
             parse_store_addr(bad)
 

@@ -51,7 +51,9 @@ pytestmark = pytest.mark.timeout(120)
 
 @pytest.fixture
 def store() -> Any:
-    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    server = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30)
+    )
     yield server
     del server
     gc.collect()
@@ -76,14 +78,17 @@ def options(uuid: int, handles: list[str], timeout: timedelta | None = None) -> 
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("kind", ["gloo", "baby"])
-def test_reconfigure_with_store_resizes_and_recovers_across_processes(kind: str, store: dist.TCPStore) -> None:
+def test_reconfigure_with_store_resizes_and_recovers_across_processes(
+    kind: str, store: dist.TCPStore
+) -> None:
     """torchft's resize test: members [0,1,2] -> [2,0] -> [1,2,0], then abort and recover."""
     with WorkerPool(3) as pool:
         children = pool.run([0, 1, 2], sc.make_pg, [(kind,)] * 3)
         for generation, members in enumerate(([0, 1, 2], [2, 0], [1, 2, 0])):
             world = len(members)
             results = pool.run(
-                members, sc.reconfigure_via_store,
+                members,
+                sc.reconfigure_via_store,
                 [(addr(store, f"resize/{generation}"), k, world, 10 + w) for k, w in enumerate(members)],
                 timeout=120,
             )
@@ -96,8 +101,12 @@ def test_reconfigure_with_store_resizes_and_recovers_across_processes(kind: str,
                 assert [r["child"] for r in results] == [children[w] for w in members]
         # An abort does not lose the group or its handle: the next reconfigure rebuilds it.
         pool.run([0, 1, 2], sc.abort_pg, [()] * 3)
-        results = pool.run([0, 1, 2], sc.reconfigure_via_store,
-                           [(addr(store, "recovery"), k, 3, k) for k in range(3)], timeout=120)
+        results = pool.run(
+            [0, 1, 2],
+            sc.reconfigure_via_store,
+            [(addr(store, "recovery"), k, 3, k) for k in range(3)],
+            timeout=120,
+        )
         assert [r["sum"] for r in results] == [6.0] * 3
         pool.run([0, 1, 2], sc.shutdown_pg, [()] * 3)
 
@@ -109,7 +118,9 @@ def test_reconfigure_between_threads_of_one_process(store: dist.TCPStore) -> Non
     def run(rank: int) -> float:
         value = 0.0
         for generation in range(2):
-            reconfigure_with_store(pgs[rank], addr(store, f"threads/{generation}"), rank, 2, timedelta(seconds=20))
+            reconfigure_with_store(
+                pgs[rank], addr(store, f"threads/{generation}"), rank, 2, timedelta(seconds=20)
+            )
             t = torch.tensor([float(rank + 1)])
             pgs[rank].allreduce([t], dist.ReduceOp.SUM).wait()
             value = t.item()
@@ -144,7 +155,11 @@ def test_handles_identify_groups_and_fix_the_rendezvous() -> None:
 
         rdv = rendezvous_of(options(7, handles), pgs[1]._reconfigure_id)
         assert (rdv.store_addr, rdv.rank, rdv.world_size, rdv.global_ranks) == (
-            f"{store}/ftlaunch/reconfigure/7", 1, 2, [3, 5])
+            f"{store}/ftlaunch/reconfigure/7",
+            1,
+            2,
+            [3, 5],
+        )
 
         # A handle names the group whatever its rank info; the order of the handles is the ranks.
         pgs[0].set_rank_info("0", 1, 2, None)
@@ -232,13 +247,19 @@ def test_reconfigure_work_gives_up_after_the_options_timeout(store: dist.TCPStor
 
 def test_configure_accepts_torchfts_forms() -> None:
     pg = ProcessGroupDummy(0, 1)
-    pg.configure("127.0.0.1:1/a", 0, 2)                                    # documented
-    pg.configure("127.0.0.1:1/b", "replica_7", 1, 2)                       # 2025: with replica_id
-    pg.configure("127.0.0.1:1/c", replica_id="0", rank=0, world_size=3)    # parameter_server style
+    pg.configure("127.0.0.1:1/a", 0, 2)  # documented
+    pg.configure("127.0.0.1:1/b", "replica_7", 1, 2)  # 2025: with replica_id
+    pg.configure("127.0.0.1:1/c", replica_id="0", rank=0, world_size=3)  # parameter_server style
     pg.configure("127.0.0.1:1/d", rank=1, world_size=2)
     assert (pg.configure_count, pg.rank(), pg.size(), pg._replica_id) == (4, 1, 2, "0")
-    for bad_args, bad_kwargs in [((0,), {}), ((0, 1, 2), {}), (("r", "s", 1, 2), {}), ((0, 1), {"rank": 0}),
-                                 ((0, 1), {"quorum_id": 3}), (("r", 0, 1), {"replica_id": "r"})]:
+    for bad_args, bad_kwargs in [
+        ((0,), {}),
+        ((0, 1, 2), {}),
+        (("r", "s", 1, 2), {}),
+        ((0, 1), {"rank": 0}),
+        ((0, 1), {"quorum_id": 3}),
+        (("r", 0, 1), {"replica_id": "r"}),
+    ]:
         with pytest.raises(TypeError):
             pg.configure("127.0.0.1:1/e", *bad_args, **bad_kwargs)
     with pytest.raises(ValueError):

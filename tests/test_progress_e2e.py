@@ -51,8 +51,20 @@ def test_summary_of_a_script_that_prints_nothing_comes_from_the_lighthouse() -> 
 @pytest.mark.slow
 def test_a_killed_group_rejoins_and_the_summary_says_so() -> None:
     res = run(
-        [*FTLAUNCH, "--replicas", "2", "--max-restarts", "3", "--chaos", "steps=6,group=1",
-         SILENT, "--steps", "500", "--step-sleep", "0.05"],
+        [
+            *FTLAUNCH,
+            "--replicas",
+            "2",
+            "--max-restarts",
+            "3",
+            "--chaos",
+            "steps=6,group=1",
+            SILENT,
+            "--steps",
+            "500",
+            "--step-sleep",
+            "0.05",
+        ],
         timeout=220,
     )
     assert res.returncode == 0, res.stderr
@@ -73,8 +85,20 @@ def test_a_group_that_restarts_after_its_peers_finished_is_stopped_not_trained_a
     groups' state") nor pass that off as a rejoin: the lighthouse refuses it a quorum (412) or the
     supervisor stops it first, and the job ends 0 with rg1 stopped after the end."""
     res = run(
-        [*FTLAUNCH, "--replicas", "2", "--max-restarts", "2", SILENT, "--steps", "8",
-         "--die-after-group", "1", "--marker-dir", str(tmp_path)],
+        [
+            *FTLAUNCH,
+            "--replicas",
+            "2",
+            "--max-restarts",
+            "2",
+            SILENT,
+            "--steps",
+            "8",
+            "--die-after-group",
+            "1",
+            "--marker-dir",
+            str(tmp_path),
+        ],
         timeout=220,
     )
     assert res.returncode == 0, res.stdout + res.stderr

@@ -24,8 +24,13 @@ class Clock:
 
 def make(limit: float = 10.0, waiting: bool = False) -> tuple[ProgressWatchdog, Clock, list[str]]:
     clock, calls = Clock(), []
-    w = ProgressWatchdog(0.0, on_stall=lambda age: calls.append(f"stall {age:g}"),
-                         on_resume=lambda: calls.append("resume"), waiting=lambda: waiting, clock=clock)
+    w = ProgressWatchdog(
+        0.0,
+        on_stall=lambda age: calls.append(f"stall {age:g}"),
+        on_resume=lambda: calls.append("resume"),
+        waiting=lambda: waiting,
+        clock=clock,
+    )
     w.limit = limit  # no thread: the test drives check()
     return w, clock, calls
 
@@ -66,7 +71,9 @@ def test_progress_timeout_default_env_and_off(monkeypatch: pytest.MonkeyPatch) -
 
 def test_a_thread_watchdog_fires_and_close_stops_it() -> None:
     calls: list[str] = []
-    w = ProgressWatchdog(0.2, on_stall=lambda age: calls.append("stall"), on_resume=lambda: calls.append("resume"))
+    w = ProgressWatchdog(
+        0.2, on_stall=lambda age: calls.append("stall"), on_resume=lambda: calls.append("resume")
+    )
     try:
         w.touch()
         deadline = time.monotonic() + 10
@@ -86,10 +93,23 @@ def test_a_group_hung_with_live_heartbeats_is_left_behind_and_heals_when_it_resu
     Without the watchdog rg0 could never form a quorum alone (the split-brain guard needs more than
     half of the live groups, and rg1 stays live) and its quorum request would give up. With it, rg1
     leaves after 1.5x the collective timeout, rg0 trains alone, and rg1 heals when it steps again."""
-    with LighthouseServer("127.0.0.1:0", min_replicas=1, join_timeout=2.0, heartbeat_timeout=3.0,
-                          quorum_tick=0.05).start() as lh:
-        args = ["--steps", "250", "--step-sleep", "0.1", "--timeout", "4", "--quorum-timeout", "8",
-                "--connect-timeout", "2", "--max-seconds", "200"]
+    with LighthouseServer(
+        "127.0.0.1:0", min_replicas=1, join_timeout=2.0, heartbeat_timeout=3.0, quorum_tick=0.05
+    ).start() as lh:
+        args = [
+            "--steps",
+            "250",
+            "--step-sleep",
+            "0.1",
+            "--timeout",
+            "4",
+            "--quorum-timeout",
+            "8",
+            "--connect-timeout",
+            "2",
+            "--max-seconds",
+            "200",
+        ]
         g0 = Group(0, 1, lh.address, tmp_path, args)
         g1 = Group(1, 1, lh.address, tmp_path, [*args, "--hang-at-step", "8", "--hang-seconds", "15"])
         try:
@@ -104,7 +124,9 @@ def test_a_group_hung_with_live_heartbeats_is_left_behind_and_heals_when_it_resu
     t_hang, t_back = hang["t"], hang["t"] + 15
     alone = [r for r in g0.steps() if t_hang < r["t"] < t_back and r["committed"]]
     assert len(alone) >= 5, "rg0 did not go on while rg1 hung"
-    assert g0.final()["step"] == 250 and g0.steps()[-1]["participants"] == 2, "rg1 never trained with rg0 again"
+    assert g0.final()["step"] == 250 and g0.steps()[-1]["participants"] == 2, (
+        "rg1 never trained with rg0 again"
+    )
     assert alone[0]["t"] - t_hang < 20, "rg0 waited longer than the progress timeout and its quorum"
     back = [r for r in g1.steps() if r["t"] > t_back and r["committed"]]
     assert back and back[0]["after"] > 12, "rg1 did not heal to rg0's step"

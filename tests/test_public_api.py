@@ -65,7 +65,11 @@ def test_nothing_in_the_package_imports_the_torchft_shims() -> None:
     from pathlib import Path
 
     shims = {
-        "ftlaunch.manager", "ftlaunch.optim", "ftlaunch.data", "ftlaunch.parameter_server", "ftlaunch.local_sgd",
+        "ftlaunch.manager",
+        "ftlaunch.optim",
+        "ftlaunch.data",
+        "ftlaunch.parameter_server",
+        "ftlaunch.local_sgd",
         "ftlaunch.coordination",
     }
     root = Path(ftlaunch.__file__).parent

@@ -111,7 +111,11 @@ def test_a_failed_collective_fails_the_future_and_leaves_the_tensor() -> None:
 
 
 def _join(kind: str, store_addr: str, rank: int, world: int) -> None:
-    pg: Any = ProcessGroupGloo(timeout=timedelta(seconds=30)) if kind == "gloo" else ProcessGroupBabyGloo(timeout=30)
+    pg: Any = (
+        ProcessGroupGloo(timeout=timedelta(seconds=30))
+        if kind == "gloo"
+        else ProcessGroupBabyGloo(timeout=30)
+    )
     pg.configure(store_addr, rank, world)
     STATE["pg"] = pg
 
@@ -125,7 +129,9 @@ def _reduce(rank: int, bits: q.Bits, n: int) -> tuple[list[float], list[float]]:
 
 @pytest.mark.parametrize("kind", ["baby", pytest.param("gloo", marks=pytest.mark.slow)])
 def test_allreduce_on_real_gloo_is_bit_identical_everywhere_and_within_the_bound(kind: str) -> None:
-    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    server = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30)
+    )
     try:
         with WorkerPool(3) as pool:
             addr = f"127.0.0.1:{server.port}/quant-{kind}"

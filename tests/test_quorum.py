@@ -27,7 +27,9 @@ NOW = 1000.0
 OPTS = QuorumOptions(min_replicas=1, join_timeout=10.0, heartbeat_timeout=5.0)
 
 
-def groups(*ids: str, last_seen: float = NOW, connection: Connection = Connection.CONNECTED) -> dict[str, GroupState]:
+def groups(
+    *ids: str, last_seen: float = NOW, connection: Connection = Connection.CONNECTED
+) -> dict[str, GroupState]:
     return {rid: GroupState(rid, last_seen, connection) for rid in ids}
 
 
@@ -41,7 +43,12 @@ def quorum(qid: int, *ids: str) -> Quorum:
 
 def state(g, r, *, round_start=NOW, prev=None, broken=False, next_id=100) -> LighthouseState:
     return LighthouseState(
-        groups=g, requests=r, round_start=round_start, prev_quorum=prev, prev_quorum_broken=broken, next_quorum_id=next_id
+        groups=g,
+        requests=r,
+        round_start=round_start,
+        prev_quorum=prev,
+        prev_quorum_broken=broken,
+        next_quorum_id=next_id,
     )
 
 
@@ -67,7 +74,11 @@ def test_silent_group_neither_counts_nor_blocks():
 
 
 def test_disconnected_and_failed_groups_are_not_live():
-    g = {**groups("a"), **groups("b", connection=Connection.DISCONNECTED), **groups("c", connection=Connection.FAILED)}
+    g = {
+        **groups("a"),
+        **groups("b", connection=Connection.DISCONNECTED),
+        **groups("c", connection=Connection.FAILED),
+    }
     d = decide_quorum(state(g, requests("a", "b", "c")), NOW, OPTS)
     assert d.formed and ids(d) == ["a"]
 
@@ -100,10 +111,14 @@ def test_min_replicas_applies_to_fast_quorum_too():
 def test_join_timeout_waits_for_stragglers_then_forms_with_those_present():
     g = groups("a", "b", "c")
     r = requests("a", "b")
-    d = decide_quorum(state(g, r, round_start=NOW), NOW + 9.9, QuorumOptions(join_timeout=10.0, heartbeat_timeout=60.0))
+    d = decide_quorum(
+        state(g, r, round_start=NOW), NOW + 9.9, QuorumOptions(join_timeout=10.0, heartbeat_timeout=60.0)
+    )
     assert not d.formed and "straggler" in d.reason
     assert d.wake_at == pytest.approx(NOW + 10.0)
-    d = decide_quorum(state(g, r, round_start=NOW), NOW + 10.0, QuorumOptions(join_timeout=10.0, heartbeat_timeout=60.0))
+    d = decide_quorum(
+        state(g, r, round_start=NOW), NOW + 10.0, QuorumOptions(join_timeout=10.0, heartbeat_timeout=60.0)
+    )
     assert d.formed and ids(d) == ["a", "b"] and "join timeout" in d.reason
 
 
@@ -206,7 +221,9 @@ def test_commit_failures_get_new_id():
 
 
 def test_member_that_lost_liveness_gets_new_id_even_with_same_members():
-    d = decide_quorum(state(groups("a", "b"), requests("a", "b"), prev=quorum(5, "a", "b"), broken=True), NOW, OPTS)
+    d = decide_quorum(
+        state(groups("a", "b"), requests("a", "b"), prev=quorum(5, "a", "b"), broken=True), NOW, OPTS
+    )
     assert d.new_id and d.quorum_id == 100
 
 
@@ -270,7 +287,9 @@ def test_ids_stay_exact_in_json_doubles_until_2089():
 
 
 def test_member_json_round_trip_and_strictness():
-    m = QuorumMember("r0", address="h:1", store_address="h:2", step=3, world_size=2, commit_failures=1, data={"k": [1]})
+    m = QuorumMember(
+        "r0", address="h:1", store_address="h:2", step=3, world_size=2, commit_failures=1, data={"k": [1]}
+    )
     assert QuorumMember.from_json(m.to_json()) == m
     with pytest.raises(ValueError, match="unknown"):
         QuorumMember.from_json({"replica_id": "a", "bogus": 1})
@@ -318,13 +337,17 @@ def scenarios(draw):
     g = {}
     for rid in known:
         age = draw(st.sampled_from([0.0, 0.0, 1.0, 4.9, 5.1, 30.0]))  # mostly live
-        conn = draw(st.sampled_from([Connection.CONNECTED] * 4 + [Connection.DISCONNECTED, Connection.FAILED]))
+        conn = draw(
+            st.sampled_from([Connection.CONNECTED] * 4 + [Connection.DISCONNECTED, Connection.FAILED])
+        )
         g[rid] = GroupState(rid, NOW - age, conn)
     # Mostly known groups ask (and then usually not all of them), sometimes anyone.
     ask_pool = known if known and draw(st.integers(0, 3)) else NAMES
     askers = draw(st.lists(st.sampled_from(ask_pool), unique=True, max_size=8))
     r = {
-        rid: QuorumMember(rid, shrink_only=draw(st.booleans()), commit_failures=draw(st.sampled_from([0, 0, 1])))
+        rid: QuorumMember(
+            rid, shrink_only=draw(st.booleans()), commit_failures=draw(st.sampled_from([0, 0, 1]))
+        )
         for rid in askers
     }
     # Often a previous quorum whose members all asked again (the fast-quorum case).
@@ -379,7 +402,11 @@ def test_property_no_two_disjoint_quorums_from_the_same_live_set(scenario, data)
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.tuples(st.lists(st.sampled_from(NAMES[:5]), unique=True, min_size=1), st.booleans()), max_size=30))
+@given(
+    st.lists(
+        st.tuples(st.lists(st.sampled_from(NAMES[:5]), unique=True, min_size=1), st.booleans()), max_size=30
+    )
+)
 def test_property_ids_strictly_increase_and_repeat_only_for_same_members(rounds):
     """Drive decide_quorum round after round as the server does; ids never go back."""
     alloc = QuorumIdAllocator(ID_EPOCH_BASE_MS + 1000)
@@ -458,7 +485,9 @@ def test_first_quorum_forms_without_the_missing_group_after_the_join_timeout():
 
 def test_announced_groups_do_not_matter_after_the_first_quorum():
     # min_replicas keeps its meaning: a survivor of a 2-group job forms alone at once.
-    d = decide_quorum(state(groups("a"), requests("a"), prev=quorum(7, "a", "b"), broken=True), NOW + 1, ANNOUNCED)
+    d = decide_quorum(
+        state(groups("a"), requests("a"), prev=quorum(7, "a", "b"), broken=True), NOW + 1, ANNOUNCED
+    )
     assert d.formed and ids(d) == ["a"]
 
 

@@ -18,7 +18,7 @@ from ftlaunch.launcher.output import without_repeated_tag
 #: Makes NumPy absent exactly as in an environment without it: the path finder does not see it, so
 #: ``import numpy`` raises ModuleNotFoundError and ``importlib.util.find_spec("numpy")`` is None
 #: (torch probes both). Loaded by every Python process of the job through PYTHONPATH.
-NO_NUMPY = '''
+NO_NUMPY = """
 import importlib.machinery as _m
 
 _find_spec = _m.PathFinder.find_spec
@@ -31,10 +31,10 @@ def _without_numpy(fullname, path=None, target=None):
 
 
 _m.PathFinder.find_spec = staticmethod(_without_numpy)
-'''
+"""
 
 #: README's "Two lines in your training script", as written there: no ``shutdown()`` call.
-TWO_LINES = '''
+TWO_LINES = """
 import os
 import sys
 
@@ -54,7 +54,7 @@ for step in range(3):
 if os.environ["REPLICA_GROUP_ID"] == sys.argv[1]:
     raise RuntimeError("this group crashes after training")
 print("done", flush=True)
-'''
+"""
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -69,8 +69,15 @@ def _no_numpy_env(tmp_path: Path) -> dict[str, str]:
 
 
 def test_the_shim_really_hides_numpy(tmp_path) -> None:
-    res = run([sys.executable, "-c", "import importlib.util, torch; print(importlib.util.find_spec('numpy'));"
-               "import numpy"], timeout=60, env=_no_numpy_env(tmp_path))
+    res = run(
+        [
+            sys.executable,
+            "-c",
+            "import importlib.util, torch; print(importlib.util.find_spec('numpy'));import numpy",
+        ],
+        timeout=60,
+        env=_no_numpy_env(tmp_path),
+    )
     assert res.stdout.strip() == "None" and "No module named 'numpy'" in res.stderr
 
 
@@ -78,8 +85,11 @@ def test_the_shim_really_hides_numpy(tmp_path) -> None:
 def test_demo_trains_without_numpy_and_tags_each_line_once(tmp_path) -> None:
     """README's demo (scripts/train_ddp.py under ftlaunch) without NumPy: it finishes, the groups end
     bit-identical, nothing crashes; the only trace of the missing NumPy is torch's own warning."""
-    res = run([*FTLAUNCH, "--replicas", "2", "--no-status", "scripts/train_ddp.py", "--steps", "5"],
-              timeout=140, env=_no_numpy_env(tmp_path))
+    res = run(
+        [*FTLAUNCH, "--replicas", "2", "--no-status", "scripts/train_ddp.py", "--steps", "5"],
+        timeout=140,
+        env=_no_numpy_env(tmp_path),
+    )
     out = res.stdout + res.stderr
     assert res.returncode == 0, out[-4000:]
     assert re.search(r"2/2 groups ended bit-identical", res.stdout), res.stdout
@@ -97,7 +107,10 @@ def test_demo_trains_without_numpy_and_tags_each_line_once(tmp_path) -> None:
 def test_repeated_tags_are_dropped_behind_the_prefix() -> None:
     line = "[rg1/r0] 2026-01-01 INFO [rg1/r0] [rg1/r0 step 42] healed"
     assert without_repeated_tag(line) == "[rg1/r0] 2026-01-01 INFO [step 42] healed"
-    assert without_repeated_tag("[rg1/r0] peer [rg0/r0 step 3] differs") == "[rg1/r0] peer [rg0/r0 step 3] differs"
+    assert (
+        without_repeated_tag("[rg1/r0] peer [rg0/r0 step 3] differs")
+        == "[rg1/r0] peer [rg0/r0 step 3] differs"
+    )
     assert without_repeated_tag("[rg1/r0] step=3 committed=True") == "[rg1/r0] step=3 committed=True"
     assert without_repeated_tag("no prefix [rg1/r0]") == "no prefix [rg1/r0]"
 
@@ -109,8 +122,21 @@ def test_two_line_script_leaves_once_without_calling_shutdown(tmp_path) -> None:
     connection is what tells the lighthouse it failed."""
     script = tmp_path / "two_lines.py"
     script.write_text(TWO_LINES)
-    res = run([*FTLAUNCH, "--replicas", "2", "--max-restarts", "0", "--no-status", "--no-summary", str(script), "1"],
-              timeout=140, env=_env(LOGLEVEL="INFO"))
+    res = run(
+        [
+            *FTLAUNCH,
+            "--replicas",
+            "2",
+            "--max-restarts",
+            "0",
+            "--no-status",
+            "--no-summary",
+            str(script),
+            "1",
+        ],
+        timeout=140,
+        env=_env(LOGLEVEL="INFO"),
+    )
     err = res.stderr
     assert res.returncode == 1, err[-4000:]  # group 1 crashed for good
     assert "[rg0/r0] done" in res.stdout
@@ -122,8 +148,11 @@ def test_two_line_script_leaves_once_without_calling_shutdown(tmp_path) -> None:
 def test_no_numpy_in_the_package_or_the_scripts() -> None:
     """NumPy is not something ftlaunch needs: no import of it and no ``.numpy()`` in what README runs."""
     offenders = []
-    for path in [*Path(REPO, "ftlaunch").rglob("*.py"), *Path(REPO, "scripts").glob("*.py"),
-                 *Path(REPO, "components").glob("*.py")]:
+    for path in [
+        *Path(REPO, "ftlaunch").rglob("*.py"),
+        *Path(REPO, "scripts").glob("*.py"),
+        *Path(REPO, "components").glob("*.py"),
+    ]:
         for node in ast.walk(ast.parse(path.read_text())):
             names = []
             if isinstance(node, ast.Import):

@@ -53,13 +53,28 @@ class SlowToStart(FakeProcessGroup):
 
 @pytest.fixture
 def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for var in (env.RANK, env.WORLD_SIZE, env.MASTER_ADDR, env.MASTER_PORT, env.TORCHELASTIC_RESTART_COUNT,
-                env.REPLICA_GROUP_ID, env.FTLAUNCH_LIGHTHOUSE, env.TORCHFT_LIGHTHOUSE, env.FTLAUNCH_PHASE_LOG):
+    for var in (
+        env.RANK,
+        env.WORLD_SIZE,
+        env.MASTER_ADDR,
+        env.MASTER_PORT,
+        env.TORCHELASTIC_RESTART_COUNT,
+        env.REPLICA_GROUP_ID,
+        env.FTLAUNCH_LIGHTHOUSE,
+        env.TORCHFT_LIGHTHOUSE,
+        env.FTLAUNCH_PHASE_LOG,
+    ):
         monkeypatch.delenv(var, raising=False)
 
 
-def manager(pg: FakeProcessGroup, client: ScriptedLighthouse | None, *, rank: int = 0, world_size: int = 1,
-            store: dist.Store | None = None) -> Manager:
+def manager(
+    pg: FakeProcessGroup,
+    client: ScriptedLighthouse | None,
+    *,
+    rank: int = 0,
+    world_size: int = 1,
+    store: dist.Store | None = None,
+) -> Manager:
     user = UserState(pg)
     return Manager(
         pg=pg, load_state_dict=user.load, state_dict=user.save, replica_id="rg0", rank=rank,
@@ -159,7 +174,9 @@ def test_group_leader_asks_only_once_every_rank_is_ready() -> None:
     store = dist.HashStore()
     lighthouse = ScriptedLighthouse(in_step(1, "rg1"))
     pgs = [SlowToStart(), SlowToStart()]
-    ms = [manager(pgs[r], lighthouse if r == 0 else None, rank=r, world_size=2, store=store) for r in range(2)]
+    ms = [
+        manager(pgs[r], lighthouse if r == 0 else None, rank=r, world_size=2, store=store) for r in range(2)
+    ]
     try:
         pgs[0].go.set()  # the leader is ready, rank 1 is not
         with_threads = [threading.Thread(target=lambda m=m: results.append(one_step(m))) for m in ms]
@@ -175,7 +192,10 @@ def test_group_leader_asks_only_once_every_rank_is_ready() -> None:
         for t in with_threads:
             t.join(30)
         assert results == [True, True]
-        assert len(lighthouse.asked) == 1 and lighthouse.asked[0].data["ckpt"] == ["mem://rg0/r0", "mem://rg0/r1"]
+        assert len(lighthouse.asked) == 1 and lighthouse.asked[0].data["ckpt"] == [
+            "mem://rg0/r0",
+            "mem://rg0/r1",
+        ]
     finally:
         for m in ms:
             m.shutdown()
@@ -232,13 +252,21 @@ print(json.dumps(out))
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("backend", ["", "gloo"])
-def test_prestart_runs_the_script_as_python_would_and_hands_its_child_over(tmp_path: Path, backend: str) -> None:
+def test_prestart_runs_the_script_as_python_would_and_hands_its_child_over(
+    tmp_path: Path, backend: str
+) -> None:
     (tmp_path / "pkg").mkdir()
     script = tmp_path / "pkg" / "probe.py"
     script.write_text(PRESTART_PROBE)
     run_env = {**os.environ, env.FTLAUNCH_BACKEND: backend, "CUDA_VISIBLE_DEVICES": ""}
-    res = subprocess.run([sys.executable, "-u", "-m", "ftlaunch.prestart", str(script), "a", "--b"],
-                         capture_output=True, text=True, timeout=150, env=run_env, cwd=tmp_path)
+    res = subprocess.run(
+        [sys.executable, "-u", "-m", "ftlaunch.prestart", str(script), "a", "--b"],
+        capture_output=True,
+        text=True,
+        timeout=150,
+        env=run_env,
+        cwd=tmp_path,
+    )
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert out["name"] == "__main__" and out["argv"] == [str(script), "a", "--b"]
@@ -246,10 +274,18 @@ def test_prestart_runs_the_script_as_python_would_and_hands_its_child_over(tmp_p
     if backend == "gloo":  # the job chose plain Gloo: no Baby child was started
         assert out["early"] is None
     else:
-        assert out["early"] is not None and out["adopted"] == out["early"] and out["ready"] and out["left"] == []
+        assert (
+            out["early"] is not None and out["adopted"] == out["early"] and out["ready"] and out["left"] == []
+        )
     # -m MODULE: run as `python -m` would
-    res = subprocess.run([sys.executable, "-m", "ftlaunch.prestart", "-m", "pkg.probe", "x"], capture_output=True,
-                         text=True, timeout=150, env={**run_env, env.FTLAUNCH_BACKEND: "gloo"}, cwd=tmp_path)
+    res = subprocess.run(
+        [sys.executable, "-m", "ftlaunch.prestart", "-m", "pkg.probe", "x"],
+        capture_output=True,
+        text=True,
+        timeout=150,
+        env={**run_env, env.FTLAUNCH_BACKEND: "gloo"},
+        cwd=tmp_path,
+    )
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert out["name"] == "__main__" and out["argv"] == [str(script), "x"]
@@ -273,7 +309,9 @@ def test_survivor_keeps_committing_while_a_restarted_group_is_slow_to_start(
     log = tmp_path / "phases.jsonl"
     args = ["--steps", "400", "--step-sleep", "0.1", "--backend", "baby-gloo", "--transport", "pg"]
     with LighthouseServer(min_replicas=1, join_timeout=30.0).start() as lh:
-        gs = [Group(i, 1, lh.address, tmp_path, args, env={env.FTLAUNCH_PHASE_LOG: str(log)}) for i in range(2)]
+        gs = [
+            Group(i, 1, lh.address, tmp_path, args, env={env.FTLAUNCH_PHASE_LOG: str(log)}) for i in range(2)
+        ]
         groups.extend(gs)
         for g in gs:
             g.start()
@@ -300,6 +338,14 @@ def test_the_launcher_runs_python_workers_through_prestart_and_other_programs_as
     py = sys.executable
     assert _worker_args(LaunchOptions(py, ["-u", "train.py", "--x"])) == [
         "-u", "-m", "ftlaunch.prestart", "train.py", "--x"]  # fmt: skip
-    assert _worker_args(LaunchOptions(py, ["-u", "-m", "pkg.train"])) == ["-u", "-m", "ftlaunch.prestart", "-m", "pkg.train"]
-    assert _worker_args(LaunchOptions("run_script_path", ["/abs/train.py"], run_path=True)) == ["/abs/train.py"]
+    assert _worker_args(LaunchOptions(py, ["-u", "-m", "pkg.train"])) == [
+        "-u",
+        "-m",
+        "ftlaunch.prestart",
+        "-m",
+        "pkg.train",
+    ]
+    assert _worker_args(LaunchOptions("run_script_path", ["/abs/train.py"], run_path=True)) == [
+        "/abs/train.py"
+    ]
     assert _worker_args(LaunchOptions("/usr/bin/env", ["-u", "x"])) == ["-u", "x"]  # --no-python: a program

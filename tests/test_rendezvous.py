@@ -48,8 +48,15 @@ def test_config_from_environment_and_passthrough_keys(monkeypatch: pytest.Monkey
     monkeypatch.setenv("REPLICA_GROUP_ID", "1")
     monkeypatch.setenv("NUM_REPLICA_GROUPS", "3")
     monkeypatch.setenv("FTLAUNCH_TOKEN", "tok")
-    cfg = FtRendezvousConfig.from_params(_params({"join_timeout": "30", "timeout": "900", "start_lighthouse": "no"}))
-    assert (cfg.replica_group_id, cfg.num_replica_groups, cfg.token, cfg.start_lighthouse) == (1, 3, "tok", False)
+    cfg = FtRendezvousConfig.from_params(
+        _params({"join_timeout": "30", "timeout": "900", "start_lighthouse": "no"})
+    )
+    assert (cfg.replica_group_id, cfg.num_replica_groups, cfg.token, cfg.start_lighthouse) == (
+        1,
+        3,
+        "tok",
+        False,
+    )
 
 
 def test_multi_node_group_needs_a_meeting_point() -> None:
@@ -66,10 +73,15 @@ def test_is_local_host() -> None:
 def test_no_lighthouse_is_a_clear_rendezvous_error() -> None:
     # Not the endpoint host (so it must not start one) and nothing answers: a bounded, clear failure.
     handler = create_rdzv_handler(
-        _params({"replica_group_id": "0", "num_replica_groups": "2", "lighthouse_timeout": "1"}, endpoint="192.0.2.1:29999")
+        _params(
+            {"replica_group_id": "0", "num_replica_groups": "2", "lighthouse_timeout": "1"},
+            endpoint="192.0.2.1:29999",
+        )
     )
     try:
-        with pytest.raises(RendezvousConnectionError, match="no lighthouse answered at http://192.0.2.1:29999"):
+        with pytest.raises(
+            RendezvousConnectionError, match="no lighthouse answered at http://192.0.2.1:29999"
+        ):
             handler.next_rendezvous()
     finally:
         handler.shutdown()
@@ -84,8 +96,12 @@ def test_hosting_a_reachable_lighthouse_without_token_is_refused(monkeypatch: py
     port = free_port()
     handler = create_rdzv_handler(
         _params(
-            {"replica_group_id": "0", "num_replica_groups": "2", "lighthouse_timeout": "5",
-             "lighthouse_bind": f"0.0.0.0:{port}"},
+            {
+                "replica_group_id": "0",
+                "num_replica_groups": "2",
+                "lighthouse_timeout": "5",
+                "lighthouse_bind": f"0.0.0.0:{port}",
+            },
             endpoint=f"127.0.0.1:{port}",
         )
     )
@@ -128,19 +144,61 @@ def test_torchrun_groups_one_of_them_two_nodes(tmp_path) -> None:
     endpoint = f"127.0.0.1:{lighthouse_port}"
     # Group 0 lingers until all 5 records exist (2 + 2 restarted in group 1, 1 of its own), so the
     # lighthouse, whoever hosts it, is up while every worker probes it.
-    common = ["--rdzv-backend", "ftlaunch", "--rdzv-endpoint", endpoint, "--rdzv-id", "rdzvtest",
-              "--nproc-per-node", "1", "--max-restarts", "1", "--monitor-interval", "0.1"]
+    common = [
+        "--rdzv-backend",
+        "ftlaunch",
+        "--rdzv-endpoint",
+        endpoint,
+        "--rdzv-id",
+        "rdzvtest",
+        "--nproc-per-node",
+        "1",
+        "--max-restarts",
+        "1",
+        "--monitor-interval",
+        "0.1",
+    ]
     worker_args = [WORKER, "--out", out, "--probe-lighthouse", "--check-torch", "--step-time", "0.05"]
     # The job token (token= in --rdzv-conf): the hosted lighthouse requires it, every worker gets it.
-    g0 = start([*TORCHRUN, *common, "--rdzv-conf", "replica_group_id=0,num_replica_groups=2,lighthouse_linger=30,token=tok",
-                *worker_args, "--steps", "3", "--wait-records", "5"])
+    g0 = start(
+        [
+            *TORCHRUN,
+            *common,
+            "--rdzv-conf",
+            "replica_group_id=0,num_replica_groups=2,lighthouse_linger=30,token=tok",
+            *worker_args,
+            "--steps",
+            "3",
+            "--wait-records",
+            "5",
+        ]
+    )
     g1 = [
-        start([*TORCHRUN, *common, "--nnodes", "2",
-               "--rdzv-conf", f"replica_group_id=1,num_replica_groups=2,group_endpoint=127.0.0.1:{group_port},"
-               # rank 0 outlives rank 1's failure (as it would, blocked in a collective), so its
-               # agent sees the new round and restarts too instead of finishing alone
-               "lighthouse_linger=30,token=tok", *worker_args, "--steps", "40",
-               "--fail-group", "1", "--fail-rank", "1", "--fail-step", "1", "--fail-restarts", "all", "--fail-once"])
+        start(
+            [
+                *TORCHRUN,
+                *common,
+                "--nnodes",
+                "2",
+                "--rdzv-conf",
+                f"replica_group_id=1,num_replica_groups=2,group_endpoint=127.0.0.1:{group_port},"
+                # rank 0 outlives rank 1's failure (as it would, blocked in a collective), so its
+                # agent sees the new round and restarts too instead of finishing alone
+                "lighthouse_linger=30,token=tok",
+                *worker_args,
+                "--steps",
+                "40",
+                "--fail-group",
+                "1",
+                "--fail-rank",
+                "1",
+                "--fail-step",
+                "1",
+                "--fail-restarts",
+                "all",
+                "--fail-once",
+            ]
+        )
         for _ in range(2)
     ]
     results = [finish(p, timeout=100) for p in (g0, *g1)]
@@ -175,7 +233,9 @@ def test_torchrun_groups_one_of_them_two_nodes(tmp_path) -> None:
 
 @pytest.mark.slow  # ~30 s; a group started during an outage: tests/test_lighthouse_outage_start.py runs in CI
 @pytest.mark.timeout(60)
-def test_an_agent_the_supervisor_respawned_waits_out_a_lighthouse_outage(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_agent_the_supervisor_respawned_waits_out_a_lighthouse_outage(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """``FTLAUNCH_LIGHTHOUSE_REACHED=1`` (the supervisor reached the lighthouse before): an
     unreachable lighthouse is waited for up to ``FTLAUNCH_LIGHTHOUSE_OUTAGE``, not ``lighthouse_timeout``."""
     import threading
@@ -186,7 +246,12 @@ def test_an_agent_the_supervisor_respawned_waits_out_a_lighthouse_outage(monkeyp
     port = free_port()
     monkeypatch.setenv("FTLAUNCH_LIGHTHOUSE_REACHED", "1")
     monkeypatch.setenv("FTLAUNCH_LIGHTHOUSE_OUTAGE", "30")
-    conf = {"replica_group_id": "0", "num_replica_groups": "1", "lighthouse_timeout": "1", "start_lighthouse": "false"}
+    conf = {
+        "replica_group_id": "0",
+        "num_replica_groups": "1",
+        "lighthouse_timeout": "1",
+        "start_lighthouse": "false",
+    }
     handler = create_rdzv_handler(_params(conf, endpoint=f"127.0.0.1:{port}"))
     servers: list[LighthouseServer] = []
     later = threading.Timer(3.0, lambda: servers.append(LighthouseServer(f"127.0.0.1:{port}").start()))

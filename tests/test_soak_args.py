@@ -45,7 +45,10 @@ def test_the_default_outage_is_the_launchers_own_restart_and_the_long_one_runs_b
 
 
 def test_both_goodputs_are_printed_side_by_side(capsys: pytest.CaptureFixture[str]) -> None:
-    short, long_ = {"goodput": 0.93, "chaos": "x,lighthouse_down=0.05"}, {"goodput": 0.79, "chaos": "x,lighthouse_down=12"}
+    short, long_ = (
+        {"goodput": 0.93, "chaos": "x,lighthouse_down=0.05"},
+        {"goodput": 0.79, "chaos": "x,lighthouse_down=12"},
+    )
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(soak, "print_report", lambda r: None)
         soak.print_long_outage(short, long_)

@@ -34,7 +34,9 @@ def test_lost_time_adds_up_and_is_attributed() -> None:
     commits += [(43.0, 2, 180)]
     last_step_at = 30.2 + 50 * 0.1
     chaos = Timeline(
-        commits, first_step_at=0.0, last_final_at=last_step_at + 1.5,
+        commits,
+        first_step_at=0.0,
+        last_final_at=last_step_at + 1.5,
         injections=[(22.2, "SIGSTOP", "workers", 3), (30.15, "SIGKILL", "workers", 2)],
         lighthouse_down=(5.0, 17.0),
     )
@@ -75,6 +77,8 @@ def test_a_short_pause_while_a_group_is_stopped_counts_for_the_stop() -> None:
     assert b is not None
     causes = b["lost_by_cause_s"]
     assert sum(causes.values()) == pytest.approx(b["lost_s"], abs=0.05)
-    assert causes["SIGSTOP: survivors blocked until the group is declared hung or resumes"] == pytest.approx(0.5, abs=0.01)
+    assert causes["SIGSTOP: survivors blocked until the group is declared hung or resumes"] == pytest.approx(
+        0.5, abs=0.01
+    )
     assert causes["slower steps (CPU shared with restarting groups)"] == pytest.approx(0.5, abs=0.01)
     assert not b["stalls"]  # both pauses are below the stall threshold

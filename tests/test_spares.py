@@ -226,7 +226,9 @@ def test_the_dashboard_shows_slots_and_waiting_spares() -> None:
     m.connection_lost("rg1")
     assert spare.done
     page = dashboard.render(m.snapshot())
-    assert "(0 waiting, 1 promoted)" in page and "rg1.1" in page and "Replaced (refused if heard again)" in page
+    assert (
+        "(0 waiting, 1 promoted)" in page and "rg1.1" in page and "Replaced (refused if heard again)" in page
+    )
 
 
 def test_a_spare_between_two_polls_keeps_its_place_and_one_that_stops_asking_is_forgotten() -> None:
@@ -289,7 +291,9 @@ def test_every_launch_path_knows_the_spares() -> None:
         env.JobEnv(2, 2, "http://127.0.0.1:1")
 
     def conf(**kw: str) -> FtRendezvousConfig:
-        params = RendezvousParameters(backend="ftlaunch", endpoint="127.0.0.1:1", run_id="t", min_nodes=1, max_nodes=1, **kw)
+        params = RendezvousParameters(
+            backend="ftlaunch", endpoint="127.0.0.1:1", run_id="t", min_nodes=1, max_nodes=1, **kw
+        )
         return FtRendezvousConfig.from_params(params, environ={})
 
     assert conf(replica_group_id="2", num_replica_groups="2", spares="1").spares == 1
@@ -304,14 +308,17 @@ def test_the_torchx_components_add_spare_group_roles() -> None:
     app = ftlaunch.ddp(script="train.py", replicas=2, spares=1)
     assert [r.name for r in app.roles] == ["lighthouse", "rg0", "rg1", "rg2"]
     spare = app.roles[3]
-    assert spare.args[spare.args.index("--group") + 1] == "2" and spare.args[spare.args.index("--spares") + 1] == "1"
+    assert (
+        spare.args[spare.args.index("--group") + 1] == "2"
+        and spare.args[spare.args.index("--spares") + 1] == "1"
+    )
     assert spare.env["FTLAUNCH_SPARES"] == "1"
     lighthouse = app.roles[0].args
     assert lighthouse[lighthouse.index("--groups") + 1] == "3"  # exit files of every group role
 
     from ftlaunch.launcher.group_role import build_parser, torchrun_argv
 
-    args = build_parser().parse_args(spare.args[2:spare.args.index("--")] + ["--"])
+    args = build_parser().parse_args(spare.args[2 : spare.args.index("--")] + ["--"])
     assert "spares=1" in torchrun_argv(args, "127.0.0.1:1", None)[3]
 
 
@@ -320,7 +327,9 @@ def test_a_group_restarted_after_the_end_is_told_done_not_given_a_slot_to_train_
 
     assert all_done([SlotView(0, "g0.0", Holder.LEFT), SlotView(1, "g1.0", Holder.DOWN)])
     assert not all_done([SlotView(0, "g0.0", Holder.LEFT), SlotView(1, "g1.0", Holder.LIVE)])
-    assert not all_done([SlotView(0, "g0.0", Holder.DOWN), SlotView(1, "g1.0", Holder.DOWN)])  # a crash, not the end
+    assert not all_done(
+        [SlotView(0, "g0.0", Holder.DOWN), SlotView(1, "g1.0", Holder.DOWN)]
+    )  # a crash, not the end
     m, _ = make()
     start_job(m)
     m.connection_lost("rg1")  # the spare takes slot 1 ...
@@ -360,4 +369,6 @@ def test_a_script_failing_through_finally_does_not_leave_so_its_slot_goes_to_a_s
         raise SystemExit(0)  # a clean exit: leave
     ft2, manager2 = make_ft()
     ft2.shutdown()
-    assert manager.shutdown.call_args_list == [mock.call()] and manager2.shutdown.call_args_list == [mock.call()]
+    assert manager.shutdown.call_args_list == [mock.call()] and manager2.shutdown.call_args_list == [
+        mock.call()
+    ]

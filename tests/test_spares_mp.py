@@ -28,7 +28,9 @@ TOKEN = "spares-test-token"
 DATASET, BATCH = 4096, 32
 STEP = re.compile(r"^\[rg(\d+)/r0\] step=(\d+) committed=True .*?data=(\d+):(\d+) first=(\d+)")
 CHECKSUM = re.compile(r"^\[rg(\d+)/r0\] final_checksum=(\w+)")
-TOOK_OVER = re.compile(r"^\[rg(\d+)/r0\] .*\[(g\d+\.\d+)\] took over replica group (\d+) .*\(as (\S+), replacing (\S+)\)")
+TOOK_OVER = re.compile(
+    r"^\[rg(\d+)/r0\] .*\[(g\d+\.\d+)\] took over replica group (\d+) .*\(as (\S+), replacing (\S+)\)"
+)
 
 
 class Job:
@@ -91,7 +93,9 @@ class Job:
         except subprocess.TimeoutExpired:
             kill_tree(self.proc.pid)
             self.proc.wait()
-            raise AssertionError(f"ftlaunch did not finish within {timeout}s:\n{self.text()[-8000:]}") from None
+            raise AssertionError(
+                f"ftlaunch did not finish within {timeout}s:\n{self.text()[-8000:]}"
+            ) from None
         finally:
             self._reader.join(timeout=10)
         assert self.proc.returncode == 0, self.text()[-8000:]
@@ -123,7 +127,11 @@ def train(steps: int, *extra: str) -> list[str]:
 
 def takeovers(text: str) -> list[tuple[int, str, int, str, str]]:
     """(agent, claimant, slot, new lighthouse name, replaced name) per takeover, in order."""
-    return [(int(m[1]), m[2], int(m[3]), m[4], m[5]) for m in (TOOK_OVER.match(line) for line in text.splitlines()) if m]
+    return [
+        (int(m[1]), m[2], int(m[3]), m[4], m[5])
+        for m in (TOOK_OVER.match(line) for line in text.splitlines())
+        if m
+    ]
 
 
 def checksums(text: str) -> dict[int, str]:
@@ -136,7 +144,9 @@ def check_data(text: str, replicas: int) -> None:
     group at that step. A group's first step after it healed read its batch before the position
     arrived (its gradient is zeroed), so that step's batch is not checked."""
     shards = {
-        s: DistributedSampler(range(DATASET), replica_group_id=s, num_replica_groups=replicas, rank=0, num_replicas=1)
+        s: DistributedSampler(
+            range(DATASET), replica_group_id=s, num_replica_groups=replicas, rank=0, num_replicas=1
+        )
         for s in range(replicas)
     }
     slot_of = {a: a for a in range(replicas)}
@@ -189,7 +199,9 @@ def test_a_spare_replaces_a_killed_group_bit_identical(jobs) -> None:
     assert "2 replica group(s) + 1 hot spare(s)" in text
     assert takeovers(text)[0] == (2, "g2.0", 1, "rg1.1", "rg1"), takeovers(text)
     # The killed group, restarted by its agent, came back as a spare and went home at the end.
-    assert re.search(r"^\[rg1/r0\] .*the job finished while g1\.\d waited as a spare", text, re.M), text[-4000:]
+    assert re.search(r"^\[rg1/r0\] .*the job finished while g1\.\d waited as a spare", text, re.M), text[
+        -4000:
+    ]
     slots = final_slots(text, 2)
     assert slots == {0: 0, 2: 1}
     assert_bit_identical(text, slots)
@@ -221,7 +233,9 @@ def test_two_failures_one_spare_the_second_group_restarts_and_rejoins(jobs) -> N
     # The spare takes the slot whose death the lighthouse noticed first; the other one waits for a
     # restarted group (no spare left): restart-and-rejoin, under the slot's next name.
     first = moves[0]
-    assert first[:2] == (3, "g3.0") and first[2] in (1, 2) and first[3:] == (f"rg{first[2]}.1", f"rg{first[2]}"), moves
+    assert (
+        first[:2] == (3, "g3.0") and first[2] in (1, 2) and first[3:] == (f"rg{first[2]}.1", f"rg{first[2]}")
+    ), moves
     other = 3 - first[2]
     back = [m for m in moves if m[2] == other]
     assert back and back[0][0] in (1, 2) and back[0][3:] == (f"rg{other}.1", f"rg{other}"), moves
@@ -297,8 +311,16 @@ def test_a_spare_replaces_a_group_hung_mid_step_before_the_collective_timeout(jo
     text = job.finish(280)
     lines = text.splitlines()
     stop = next(i for i, line in enumerate(lines) if "[ftlaunch] chaos: SIGSTOP" in line)
-    spare = [i for i, line in enumerate(lines) if i > stop and re.match(r"^\[rg2/r0\] step=\d+ committed=True", line)]
-    woke = [i for i, line in enumerate(lines) if re.match(r"^\[rg1/r0\] .*HTTP 410: replica rg1 was replaced", line)]
+    spare = [
+        i
+        for i, line in enumerate(lines)
+        if i > stop and re.match(r"^\[rg2/r0\] step=\d+ committed=True", line)
+    ]
+    woke = [
+        i
+        for i, line in enumerate(lines)
+        if re.match(r"^\[rg1/r0\] .*HTTP 410: replica rg1 was replaced", line)
+    ]
     assert spare and woke, text[-4000:]
     assert spare[0] < woke[0], "the spare stepped only after the hung group woke up"
     assert takeovers(text)[0] == (2, "g2.0", 1, "rg1.1", "rg1"), takeovers(text)

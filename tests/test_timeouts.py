@@ -145,7 +145,10 @@ def test_message_has_values_sources_reason_and_fix():
     with pytest.raises(ConfigurationError) as e:
         derive(heal=120)
     msg = str(e.value)
-    assert "heal timeout 120 s (argument heal=) > collective timeout 60 s (derived from timeout=60 s, the default)" in msg
+    assert (
+        "heal timeout 120 s (argument heal=) > collective timeout 60 s (derived from timeout=60 s, the default)"
+        in msg
+    )
     assert "(rule: heal <= collective)" in msg
     assert "healing group receives its state" in msg  # why
     assert "lower the heal timeout (the heal= argument)" in msg  # fix, side 1
@@ -201,7 +204,9 @@ def test_limit_matches_the_lighthouse_protocol():
 
 
 # ------------------------------------------------------------------------------------ bad values
-@pytest.mark.parametrize("bad", [0, 0.0, -1, -0.5, float("inf"), float("-inf"), float("nan"), timedelta(seconds=-3)])
+@pytest.mark.parametrize(
+    "bad", [0, 0.0, -1, -0.5, float("inf"), float("-inf"), float("nan"), timedelta(seconds=-3)]
+)
 @pytest.mark.parametrize("name", FIELDS)
 def test_non_positive_or_non_finite_override(name, bad):
     with pytest.raises(ConfigurationError) as e:
@@ -248,7 +253,9 @@ def test_parse_duration(text, seconds):
     assert parse_duration(text, "X") == seconds
 
 
-@pytest.mark.parametrize("text", ["abc", "30 sec", "1h", "1.5ms", "inf", "nan", "", " ", "5m5s", "1,5", "s", "--5"])
+@pytest.mark.parametrize(
+    "text", ["abc", "30 sec", "1h", "1.5ms", "inf", "nan", "", " ", "5m5s", "1,5", "s", "--5"]
+)
 def test_parse_duration_rejects_garbage(text):
     with pytest.raises(ConfigurationError, match=r"environment variable X=.* is not a duration"):
         parse_duration(text, "X")
@@ -281,7 +288,13 @@ def test_env(environ, expected):
 
 @pytest.mark.parametrize(
     ("name", "env_value", "arg_value"),  # with timeout=100: each keeps every rule
-    [("collective", 150, 180), ("heal", 90, 80), ("commit", 150, 180), ("quorum", 150, 180), ("connect", 5, 3)],
+    [
+        ("collective", 150, 180),
+        ("heal", 90, 80),
+        ("commit", 150, 180),
+        ("quorum", 150, 180),
+        ("connect", 5, 3),
+    ],
 )
 def test_precedence_argument_over_env_over_derived(name, env_value, arg_value):
     var = ENV_VARS[name]
@@ -367,7 +380,9 @@ def test_frozen_and_equality_ignores_sources():
 def test_describe_lists_every_value_and_source():
     line = derive(environ={FTLAUNCH_TIMEOUT: "30"}, heal=20).describe()
     assert "\n" not in line
-    assert line.startswith("ftlaunch timeouts: collective=30 s [derived from timeout=30 s, set by env FTLAUNCH_TIMEOUT]")
+    assert line.startswith(
+        "ftlaunch timeouts: collective=30 s [derived from timeout=30 s, set by env FTLAUNCH_TIMEOUT]"
+    )
     assert "heal=20 s [argument heal=]" in line
     assert "quorum=60 s [derived: min(2 x timeout, 24 h), timeout=30 s" in line
     assert "connect=10 s [derived: min(10 s, timeout / 2)" in line

@@ -14,8 +14,21 @@ from workers.helpers import FTLAUNCH, run
 
 @pytest.mark.timeout(240)
 def test_ported_torchft_script_runs_under_ftlaunch(tmp_path) -> None:
-    res = run([*FTLAUNCH, "--replicas", "3", "--min-replicas", "2", "scripts/train_torchft_port.py",
-               "--steps", "15", "--shared-dir", str(tmp_path)], timeout=230)
+    res = run(
+        [
+            *FTLAUNCH,
+            "--replicas",
+            "3",
+            "--min-replicas",
+            "2",
+            "scripts/train_torchft_port.py",
+            "--steps",
+            "15",
+            "--shared-dir",
+            str(tmp_path),
+        ],
+        timeout=230,
+    )
     out, text = res.stdout, res.stdout + res.stderr
     assert res.returncode == 0, out[-4000:] + res.stderr[-4000:]
 
@@ -23,7 +36,9 @@ def test_ported_torchft_script_runs_under_ftlaunch(tmp_path) -> None:
     sums = checksums(out)
     assert set(sums) == {0, 1, 2} and len(set(sums.values())) == 1, sums
     assert "3/3 groups ended bit-identical" in out
-    steps = re.findall(r"\[rg(\d)/r0\] step=(\d+) committed=True participants=(\d) participating_rank=(\w+) ok=(\w+)", out)
+    steps = re.findall(
+        r"\[rg(\d)/r0\] step=(\d+) committed=True participants=(\d) participating_rank=(\w+) ok=(\w+)", out
+    )
     late = [(g, int(s), int(n), r, ok) for g, s, n, r, ok in steps if int(s) >= 8]
     assert late and all(n == 2 and ok == "True" for _, _, n, _, ok in late), late
     spares = {g for g, _, _, r, _ in late if r == "None"}

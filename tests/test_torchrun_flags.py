@@ -156,10 +156,18 @@ def test_lighthouse_and_rdzv_endpoint_must_agree(capsys) -> None:
 
 def test_logs_specs_entry_point_is_loaded_by_the_agent(logs_specs_entry_point: str) -> None:
     opts = options_from_args(["--logs-specs", logs_specs_entry_point, WORKER])
-    config = launch_config(opts, run_id="j", log_dir="/tmp/x", lighthouse="http://127.0.0.1:1",
-                           rdzv_configs={}, log_line_prefix_template="")
+    config = launch_config(
+        opts,
+        run_id="j",
+        log_dir="/tmp/x",
+        lighthouse="http://127.0.0.1:1",
+        rdzv_configs={},
+        log_line_prefix_template="",
+    )
     specs = config.logs_specs
-    assert type(specs).__qualname__ == "Specs" and specs.root_log_dir == "/tmp/x"  # loaded by torch's own code
+    assert (
+        type(specs).__qualname__ == "Specs" and specs.root_log_dir == "/tmp/x"
+    )  # loaded by torch's own code
 
 
 def test_an_unknown_future_flag_is_refused_unless_default() -> None:
@@ -167,7 +175,9 @@ def test_an_unknown_future_flag_is_refused_unless_default() -> None:
     p = argparse.ArgumentParser()
     future = p.add_argument("--future-flag", default="off")
     torchrun_flags.check(argparse.Namespace(future_flag="off"), [future])
-    with pytest.raises(ConfigurationError, match="--future-flag: this torch's torchrun flag is not supported"):
+    with pytest.raises(
+        ConfigurationError, match="--future-flag: this torch's torchrun flag is not supported"
+    ):
         torchrun_flags.check(argparse.Namespace(future_flag="on"), [future])
 
 
@@ -192,23 +202,50 @@ def test_agent_launch_config_carries_every_flag(caplog, monkeypatch) -> None:
     from torch.numa.binding import AffinityMode
 
     opts = LaunchOptions(
-        entrypoint=sys.executable, args=["-u", WORKER], nproc_per_node=2, max_restarts=4, monitor_interval=0.3,
-        start_method="forkserver", role="trainer", event_log_handler="console", tee="2", redirects="1",
-        local_ranks_filter="1", duplicate_stdout_filters=["loss"], duplicate_stderr_filters=["Err"],
-        local_addr="127.0.0.1", numa_binding="socket", signals_to_handle="SIGTERM,SIGUSR2",
-        virtual_local_rank=True, shutdown_timeout=9,
+        entrypoint=sys.executable,
+        args=["-u", WORKER],
+        nproc_per_node=2,
+        max_restarts=4,
+        monitor_interval=0.3,
+        start_method="forkserver",
+        role="trainer",
+        event_log_handler="console",
+        tee="2",
+        redirects="1",
+        local_ranks_filter="1",
+        duplicate_stdout_filters=["loss"],
+        duplicate_stderr_filters=["Err"],
+        local_addr="127.0.0.1",
+        numa_binding="socket",
+        signals_to_handle="SIGTERM,SIGUSR2",
+        virtual_local_rank=True,
+        shutdown_timeout=9,
     )
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # launch_config sets it, as torchrun does
     with caplog.at_level(logging.WARNING):
-        config = launch_config(opts, run_id="job-rg1", log_dir="/tmp/x", lighthouse="http://127.0.0.1:1",
-                               rdzv_configs={"replica_group_id": "1"}, log_line_prefix_template="[rg1/r${rank}] ")
+        config = launch_config(
+            opts,
+            run_id="job-rg1",
+            log_dir="/tmp/x",
+            lighthouse="http://127.0.0.1:1",
+            rdzv_configs={"replica_group_id": "1"},
+            log_line_prefix_template="[rg1/r${rank}] ",
+        )
     assert "master_addr is only used" not in caplog.text  # torchrun's warning for an empty endpoint
     assert "Setting OMP_NUM_THREADS" not in caplog.text  # set quietly, once per group
     assert os.environ["OMP_NUM_THREADS"] == "1"
     assert (config.min_nodes, config.max_nodes, config.nproc_per_node) == (1, 1, 2)
     assert (config.max_restarts, config.monitor_interval, config.start_method, config.role) == (
-        4, 0.3, "forkserver", "trainer")
-    assert (config.rdzv_backend, config.rdzv_endpoint, config.run_id) == ("ftlaunch", "http://127.0.0.1:1", "job-rg1")
+        4,
+        0.3,
+        "forkserver",
+        "trainer",
+    )
+    assert (config.rdzv_backend, config.rdzv_endpoint, config.run_id) == (
+        "ftlaunch",
+        "http://127.0.0.1:1",
+        "job-rg1",
+    )
     assert config.rdzv_configs["replica_group_id"] == "1"
     assert config.log_line_prefix_template == "[rg1/r${rank}] "
     assert config.event_log_handler == "console" and config.local_addr == "127.0.0.1"
@@ -219,22 +256,44 @@ def test_agent_launch_config_carries_every_flag(caplog, monkeypatch) -> None:
     specs = config.logs_specs
     assert isinstance(specs, DefaultLogsSpecs) and specs.root_log_dir == "/tmp/x"
     # Nothing of LaunchConfig is left unset by accident: every field is what torchrun would set or ours.
-    assert {f.name for f in dataclasses.fields(config)} >= {"numa_options", "virtual_local_rank", "signals_to_handle"}
+    assert {f.name for f in dataclasses.fields(config)} >= {
+        "numa_options",
+        "virtual_local_rank",
+        "signals_to_handle",
+    }
 
 
 @pytest.mark.timeout(120)
 def test_signals_to_handle_stop_the_job_and_reach_the_workers(tmp_path) -> None:
     """``--signals-to-handle SIGTERM,SIGUSR1``: SIGUSR1 to ftlaunch stops the job (exit 128+10), the
     agents forward it and every process is gone."""
-    proc = start([*FTLAUNCH, "--replicas", "2", "--grace-period", "5", "--signals-to-handle", "SIGTERM,SIGUSR1",
-                  "--no-summary", WORKER, "--steps", "100000", "--step-time", "0.05"])
+    proc = start(
+        [
+            *FTLAUNCH,
+            "--replicas",
+            "2",
+            "--grace-period",
+            "5",
+            "--signals-to-handle",
+            "SIGTERM,SIGUSR1",
+            "--no-summary",
+            WORKER,
+            "--steps",
+            "100000",
+            "--step-time",
+            "0.05",
+        ]
+    )
     try:
         import psutil
 
         def workers() -> list[int]:
             try:
-                return [p.pid for p in psutil.Process(proc.pid).children(recursive=True)
-                        if "worker.py" in " ".join(p.cmdline())]
+                return [
+                    p.pid
+                    for p in psutil.Process(proc.pid).children(recursive=True)
+                    if "worker.py" in " ".join(p.cmdline())
+                ]
             except psutil.Error:
                 return []
 

@@ -10,7 +10,9 @@ import sys
 import pytest
 from workers.helpers import REPO, records, run
 
-torchx = pytest.importorskip("torchx", reason="torchx is an optional dependency (pip install ftlaunch[torchx])")
+torchx = pytest.importorskip(
+    "torchx", reason="torchx is an optional dependency (pip install ftlaunch[torchx])"
+)
 
 from torchx.specs.builders import materialize_appdef  # noqa: E402
 from torchx.specs.finder import get_component  # noqa: E402
@@ -26,7 +28,7 @@ def _group_args(role) -> tuple[list[str], list[str]]:
     """A group role's (group_role options, torchrun arguments)."""
     assert role.entrypoint == "python" and role.args[:2] == ["-m", "ftlaunch.launcher.group_role"], role.args
     split = role.args.index("--")
-    return role.args[2:split], role.args[split + 1:]
+    return role.args[2:split], role.args[split + 1 :]
 
 
 def _flat(text: str) -> str:
@@ -39,12 +41,38 @@ def _opt(args: list[str], name: str) -> str:
 
 
 def test_hsdp_spec_roles_env_resources_and_no_fixed_ports() -> None:
-    app = _app("ftlaunch:hsdp", ["--replicas", "3", "--workers_per_replica", "2", "--nnodes_per_replica", "2",
-                                  "--gpu", "2", "--max_restarts", "5", "--script", "train.py", "--", "--lr", "0.1"])
-    assert [r.name for r in app.roles] == ["lighthouse", "rg0", "rg1", "rg2"]  # lighthouse first: ${rank0_env}
+    app = _app(
+        "ftlaunch:hsdp",
+        [
+            "--replicas",
+            "3",
+            "--workers_per_replica",
+            "2",
+            "--nnodes_per_replica",
+            "2",
+            "--gpu",
+            "2",
+            "--max_restarts",
+            "5",
+            "--script",
+            "train.py",
+            "--",
+            "--lr",
+            "0.1",
+        ],
+    )
+    assert [r.name for r in app.roles] == [
+        "lighthouse",
+        "rg0",
+        "rg1",
+        "rg2",
+    ]  # lighthouse first: ${rank0_env}
     lighthouse, *groups = app.roles
     assert lighthouse.resource.gpu == 0 and lighthouse.num_replicas == 1
-    assert lighthouse.entrypoint == "python" and lighthouse.args[:2] == ["-m", "ftlaunch.launcher.lighthouse_role"]
+    assert lighthouse.entrypoint == "python" and lighthouse.args[:2] == [
+        "-m",
+        "ftlaunch.launcher.lighthouse_role",
+    ]
     assert _opt(lighthouse.args, "--bind") == "auto" and _opt(lighthouse.args, "--job-dir") == "auto"
     assert _opt(lighthouse.args, "--groups") == "6"  # 3 groups x 2 nodes report back
     assert _opt(lighthouse.args, "--rank0-env") == "${rank0_env}" and "--cleanup" in lighthouse.args
@@ -55,8 +83,11 @@ def test_hsdp_spec_roles_env_resources_and_no_fixed_ports() -> None:
         assert (_opt(ours, "--group"), _opt(ours, "--groups"), _opt(ours, "--nnodes")) == (str(g), "3", "2")
         assert _opt(ours, "--node") == "${replica_id}" and _opt(ours, "--rank0-env") == "${rank0_env}"
         assert torchrun[:2] == ["--rdzv-backend", "ftlaunch"] and _opt(torchrun, "--rdzv-id") == "${app_id}"
-        assert (_opt(torchrun, "--nnodes"), _opt(torchrun, "--nproc-per-node"), _opt(torchrun, "--max-restarts")) == (
-            "2", "2", "5")
+        assert (
+            _opt(torchrun, "--nnodes"),
+            _opt(torchrun, "--nproc-per-node"),
+            _opt(torchrun, "--max-restarts"),
+        ) == ("2", "2", "5")
         assert torchrun[-3:] == ["train.py", "--lr", "0.1"]
     # Nothing binds a fixed port.
     text = " ".join(" ".join(r.args) for r in app.roles)
@@ -106,11 +137,32 @@ def test_builtins_are_not_hidden() -> None:
 )
 def test_dryrun_from_the_command_line(scheduler: str, extra: list[str], tmp_path) -> None:
     # Outside the repository (its .torchxconfig must not apply), no workspace image build.
-    res = run([*TORCHX, "run", "-s", scheduler, "--workspace", "", "--dryrun", "ftlaunch:hsdp", "--replicas", "2",
-               "--workers_per_replica", "3", "--script", "train.py", *extra], timeout=100, cwd=str(tmp_path))
+    res = run(
+        [
+            *TORCHX,
+            "run",
+            "-s",
+            scheduler,
+            "--workspace",
+            "",
+            "--dryrun",
+            "ftlaunch:hsdp",
+            "--replicas",
+            "2",
+            "--workers_per_replica",
+            "3",
+            "--script",
+            "train.py",
+            *extra,
+        ],
+        timeout=100,
+        cwd=str(tmp_path),
+    )
     assert res.returncode == 0, res.stderr
     text = _flat(res.stdout + res.stderr)
-    assert "ftlaunch.launcher.group_role" in text and "--rdzv-backend ftlaunch" in text and "--group 1" in text
+    assert (
+        "ftlaunch.launcher.group_role" in text and "--rdzv-backend ftlaunch" in text and "--group 1" in text
+    )
     # One role per replica group, each running workers_per_replica workers.
     raw = res.stdout + res.stderr
     assert "'name': 'rg0'" in raw and "'name': 'rg1'" in raw and text.count("--nproc-per-node 3") >= 2
@@ -136,9 +188,34 @@ def test_local_cwd_run_with_a_group_restart(tmp_path) -> None:
     out = str(tmp_path / "records")
     (tmp_path / "records").mkdir()
     res = run(
-        [*TORCHX, "run", "-s", "local_cwd", "ftlaunch:hsdp", "--replicas", "2", "--workers_per_replica", "2",
-         "--script", "tests/workers/worker.py", "--", "--out", out, "--steps", "20", "--step-time", "0.05",
-         "--check-torch", "--probe-lighthouse", "--fail-group", "1", "--fail-rank", "1", "--fail-step", "2"],
+        [
+            *TORCHX,
+            "run",
+            "-s",
+            "local_cwd",
+            "ftlaunch:hsdp",
+            "--replicas",
+            "2",
+            "--workers_per_replica",
+            "2",
+            "--script",
+            "tests/workers/worker.py",
+            "--",
+            "--out",
+            out,
+            "--steps",
+            "20",
+            "--step-time",
+            "0.05",
+            "--check-torch",
+            "--probe-lighthouse",
+            "--fail-group",
+            "1",
+            "--fail-rank",
+            "1",
+            "--fail-step",
+            "2",
+        ],
         timeout=140,
         cwd=REPO,
     )
@@ -149,7 +226,12 @@ def test_local_cwd_run_with_a_group_restart(tmp_path) -> None:
     assert "master_addr is only used" not in res.stdout + res.stderr
     recs = records(out)
     assert sorted((r["rank"], r["restart"]) for r in recs if r["group"] == 0) == [(0, 0), (1, 0)]
-    assert sorted((r["rank"], r["restart"]) for r in recs if r["group"] == 1) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert sorted((r["rank"], r["restart"]) for r in recs if r["group"] == 1) == [
+        (0, 0),
+        (0, 1),
+        (1, 0),
+        (1, 1),
+    ]
     lighthouses = {r["env"]["FTLAUNCH_LIGHTHOUSE"] for r in recs}
     assert len(lighthouses) == 1 and {r["lighthouse_status_address"] for r in recs} == lighthouses
     for r in recs:
@@ -157,4 +239,6 @@ def test_local_cwd_run_with_a_group_restart(tmp_path) -> None:
         assert r["env"]["NUM_REPLICA_GROUPS"] == "2" and r["env"]["WORLD_SIZE"] == "2"
         assert r["lighthouse_token_accepted"] is True  # a group request went through
     app_ids = set(re.findall(r"local_cwd://torchx/(\S+)", res.stdout + res.stderr))
-    assert app_ids and all(not shutil.os.path.exists(f"/tmp/ftlaunch-torchx/{a}") for a in app_ids)  # cleaned up
+    assert app_ids and all(
+        not shutil.os.path.exists(f"/tmp/ftlaunch-torchx/{a}") for a in app_ids
+    )  # cleaned up

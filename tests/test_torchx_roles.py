@@ -33,8 +33,11 @@ K8S_GROUP_POD = {"KUBERNETES_SERVICE_HOST": "10.0.0.1", "VC_LIGHTHOUSE_0_HOSTS":
         ("TORCHX_RANK0_HOST", LOCAL_CWD, Placement(LOCAL)),
         ("TORCHX_RANK0_HOST", LOCAL_DOCKER, Placement(REMOTE, "ftjob-lighthouse-0")),
         ("SLURM_JOB_NODELIST_HET_GROUP_0", SLURM_ENV, Placement(SLURM, "gpu-node-17")),
-        ("SLURM_JOB_NODELIST_HET_GROUP_0", {**SLURM_ENV, "SLURM_JOB_NODELIST_HET_GROUP_0": "gpu[1-2]"},
-         Placement(SLURM)),  # a node list is no host name: the address file's host is used
+        (
+            "SLURM_JOB_NODELIST_HET_GROUP_0",
+            {**SLURM_ENV, "SLURM_JOB_NODELIST_HET_GROUP_0": "gpu[1-2]"},
+            Placement(SLURM),
+        ),  # a node list is no host name: the address file's host is used
         ("TORCHX_RANK0_HOST", K8S_LIGHTHOUSE_POD, Placement(KUBERNETES)),
         ("VC_LIGHTHOUSE_0_HOSTS", K8S_GROUP_POD, Placement(KUBERNETES, "ftjob-lighthouse-0.ftjob")),
         ("${rank0_env}", {}, Placement(LOCAL)),  # not substituted (run by hand): one machine
@@ -48,10 +51,16 @@ def test_job_dir_and_bind_per_scheduler(tmp_path, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)
     local, slurm, k8s = Placement(LOCAL), Placement(SLURM, "n1"), Placement(KUBERNETES, "lh")
     assert placement.job_dir("auto", "app1", local, needed=True) == "/tmp/ftlaunch-torchx/app1"
-    assert placement.job_dir("auto", "4242", slurm, needed=True) == str(tmp_path / ".ftlaunch-torchx" / "4242")
+    assert placement.job_dir("auto", "4242", slurm, needed=True) == str(
+        tmp_path / ".ftlaunch-torchx" / "4242"
+    )
     assert placement.job_dir("/mnt/ft/job", "x", k8s, needed=True) == "/mnt/ft/job"
-    assert placement.job_dir("auto", "x", k8s, needed=False) is None  # an external lighthouse, one-node groups
-    with pytest.raises(ConfigurationError, match=r"Kubernetes pods share no directory: pass --job_dir .*--mounts"):
+    assert (
+        placement.job_dir("auto", "x", k8s, needed=False) is None
+    )  # an external lighthouse, one-node groups
+    with pytest.raises(
+        ConfigurationError, match=r"Kubernetes pods share no directory: pass --job_dir .*--mounts"
+    ):
         placement.job_dir("auto", "x", k8s, needed=True)
     assert placement.lighthouse_bind("auto", local) == "127.0.0.1:0"
     assert placement.lighthouse_bind("auto", slurm) == "0.0.0.0:0" == placement.lighthouse_bind("auto", k8s)
@@ -61,23 +70,35 @@ def test_job_dir_and_bind_per_scheduler(tmp_path, monkeypatch) -> None:
 def test_group_role_torchrun_arguments() -> None:
     from ftlaunch.launcher.group_role import build_parser, torchrun_argv
 
-    args = build_parser().parse_args(["--group", "1", "--groups", "3", "--nnodes", "2", "--", "--nnodes", "2", "t.py"])
+    args = build_parser().parse_args(
+        ["--group", "1", "--groups", "3", "--nnodes", "2", "--", "--nnodes", "2", "t.py"]
+    )
     argv = torchrun_argv(args, "http://lh:1234", "/shared/job")
     assert argv[:2] == ["--rdzv-endpoint", "http://lh:1234"] and argv[-3:] == ["--nnodes", "2", "t.py"]
     conf = dict(kv.split("=", 1) for kv in argv[3].split(","))
-    assert conf == {"replica_group_id": "1", "num_replica_groups": "3", "start_lighthouse": "false",
-                    "group_endpoint": "file:/shared/job/rg1.store"}
+    assert conf == {
+        "replica_group_id": "1",
+        "num_replica_groups": "3",
+        "start_lighthouse": "false",
+        "group_endpoint": "file:/shared/job/rg1.store",
+    }
 
 
 def test_group_roles_connect_to_the_schedulers_name_for_the_lighthouse() -> None:
-    assert resolve_endpoint("http://lighthouse-node:41234", Placement(SLURM, "gpu-node-17")) == \
-        "http://gpu-node-17:41234"
+    assert (
+        resolve_endpoint("http://lighthouse-node:41234", Placement(SLURM, "gpu-node-17"))
+        == "http://gpu-node-17:41234"
+    )
     assert resolve_endpoint("http://127.0.0.1:41234", Placement(LOCAL)) == "http://127.0.0.1:41234"
 
 
 def _env(**extra: str) -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]),
-            "LOGLEVEL": "INFO", **extra}
+    return {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]),
+        "LOGLEVEL": "INFO",
+        **extra,
+    }
 
 
 @pytest.mark.timeout(180)
@@ -96,16 +117,61 @@ def test_slurm_like_job_a_failed_group_holds_its_task_until_the_others_finish(tm
     job_dir = str(cwd / ".ftlaunch-torchx" / "4242")
 
     def group(g: int, *worker_args: str) -> list[str]:
-        return [sys.executable, "-m", "ftlaunch.launcher.group_role", *where, "--group", str(g), "--groups", "2",
-                "--node", "0", "--hold-timeout", "60", "--", "--rdzv-backend", "ftlaunch", "--rdzv-id", "4242",
-                "--nnodes", "1", "--nproc-per-node", "1", "--max-restarts", "0", "--tee", "3",
-                WORKER, "--out", str(out), *worker_args]
+        return [
+            sys.executable,
+            "-m",
+            "ftlaunch.launcher.group_role",
+            *where,
+            "--group",
+            str(g),
+            "--groups",
+            "2",
+            "--node",
+            "0",
+            "--hold-timeout",
+            "60",
+            "--",
+            "--rdzv-backend",
+            "ftlaunch",
+            "--rdzv-id",
+            "4242",
+            "--nnodes",
+            "1",
+            "--nproc-per-node",
+            "1",
+            "--max-restarts",
+            "0",
+            "--tee",
+            "3",
+            WORKER,
+            "--out",
+            str(out),
+            *worker_args,
+        ]
 
-    lighthouse = start([sys.executable, "-m", "ftlaunch.launcher.lighthouse_role", *where, "--groups", "2",
-                        "--bind", "auto", "--join-timeout", "1", "--cleanup"], cwd=str(cwd), env=env)
+    lighthouse = start(
+        [
+            sys.executable,
+            "-m",
+            "ftlaunch.launcher.lighthouse_role",
+            *where,
+            "--groups",
+            "2",
+            "--bind",
+            "auto",
+            "--join-timeout",
+            "1",
+            "--cleanup",
+        ],
+        cwd=str(cwd),
+        env=env,
+    )
     rg0 = start(group(0, "--steps", "100", "--step-time", "0.1"), cwd=str(cwd), env=env)
-    rg1 = start(group(1, "--steps", "100", "--step-time", "0.1", "--fail-group", "1", "--fail-step", "2"),
-                cwd=str(cwd), env=env)
+    rg1 = start(
+        group(1, "--steps", "100", "--step-time", "0.1", "--fail-group", "1", "--fail-step", "2"),
+        cwd=str(cwd),
+        env=env,
+    )
     procs = [lighthouse, rg0, rg1]
     try:
         token_file = os.path.join(job_dir, "lighthouse.token")
@@ -122,7 +188,9 @@ def test_slurm_like_job_a_failed_group_holds_its_task_until_the_others_finish(tm
         held_from = time.monotonic()
         while not os.path.exists(rg0_exit) and os.path.isdir(job_dir):
             if rg1.poll() is not None:
-                raise AssertionError(f"rg1's task ended while rg0 was still training:\n{finish(rg1, 10).stderr[-3000:]}")
+                raise AssertionError(
+                    f"rg1's task ended while rg0 was still training:\n{finish(rg1, 10).stderr[-3000:]}"
+                )
             time.sleep(0.05)
         assert time.monotonic() - held_from > 3.0  # it really held while rg0 trained
         res1, res0, res_lh = finish(rg1, 60), finish(rg0, 60), finish(lighthouse, 60)

@@ -6,14 +6,35 @@ from __future__ import annotations
 
 import pytest
 
-torchx = pytest.importorskip("torchx", reason="torchx is an optional dependency (pip install ftlaunch[torchx])")
+torchx = pytest.importorskip(
+    "torchx", reason="torchx is an optional dependency (pip install ftlaunch[torchx])"
+)
 
 from torchx.runner import get_runner  # noqa: E402
 from torchx.specs.builders import materialize_appdef  # noqa: E402
 from torchx.specs.finder import get_component  # noqa: E402
 
-ARGS = ["--replicas", "2", "--workers_per_replica", "4", "--nnodes_per_replica", "2", "--gpu", "8", "--cpu", "32",
-        "--memMB", "65536", "--max_restarts", "5", "--script", "train.py", "--", "--lr", "0.1"]
+ARGS = [
+    "--replicas",
+    "2",
+    "--workers_per_replica",
+    "4",
+    "--nnodes_per_replica",
+    "2",
+    "--gpu",
+    "8",
+    "--cpu",
+    "32",
+    "--memMB",
+    "65536",
+    "--max_restarts",
+    "5",
+    "--script",
+    "train.py",
+    "--",
+    "--lr",
+    "0.1",
+]
 GROUP_ROLE = ["-m", "ftlaunch.launcher.group_role"]
 LIGHTHOUSE_ROLE = ["-m", "ftlaunch.launcher.lighthouse_role"]
 TORCHRUN = ["--rdzv-backend", "ftlaunch"]
@@ -29,7 +50,7 @@ def _opt(args: list[str], name: str) -> str:
 
 def _check_group_args(args: list[str], group: int, node: int, rank0_env: str) -> None:
     split = args.index("--")
-    ours, torchrun = args[:split], args[split + 1:]
+    ours, torchrun = args[:split], args[split + 1 :]
     assert ours[:2] == GROUP_ROLE
     assert (_opt(ours, "--group"), _opt(ours, "--groups"), _opt(ours, "--nnodes")) == (str(group), "2", "2")
     assert _opt(ours, "--node") == str(node)  # torchx's ${replica_id}
@@ -68,7 +89,9 @@ def test_slurm(runner) -> None:
     assert list(req.replicas) == ["lighthouse-0", "rg0-0", "rg0-1", "rg1-0", "rg1-1"]
     lh = req.replicas["lighthouse-0"]
     assert lh.entrypoint == "python" and lh.args[:2] == LIGHTHOUSE_ROLE
-    assert _opt(lh.args, "--rank0-env") == "SLURM_JOB_NODELIST_HET_GROUP_0" and _opt(lh.args, "--bind") == "auto"
+    assert (
+        _opt(lh.args, "--rank0-env") == "SLURM_JOB_NODELIST_HET_GROUP_0" and _opt(lh.args, "--bind") == "auto"
+    )
     assert _opt(lh.args, "--groups") == "4" and lh.sbatch_opts["cpus-per-task"] == "1"
     assert "gpus-per-node" not in lh.sbatch_opts and "gpus-per-task" not in lh.sbatch_opts
     for g in (0, 1):
@@ -102,7 +125,9 @@ def test_kubernetes() -> None:
         for node in (0, 1):
             c = tasks[f"rg{g}-{node}"].spec.containers[0]
             assert c.command[0] == "python"
-            _check_group_args(c.command[1:], g, node, "VC_LIGHTHOUSE_0_HOSTS")  # the lighthouse pod's DNS name
+            _check_group_args(
+                c.command[1:], g, node, "VC_LIGHTHOUSE_0_HOSTS"
+            )  # the lighthouse pod's DNS name
             env = {e.name: e.value for e in c.env}
             assert env["REPLICA_GROUP_ID"] == str(g) and env["NUM_REPLICA_GROUPS"] == "2"
             limits = c.resources.limits
@@ -114,14 +139,26 @@ def test_kubernetes_with_a_shared_volume_and_job_dir() -> None:
     pytest.importorskip("kubernetes", reason="torchx's Kubernetes pod specs need the kubernetes client")
     from torchx.schedulers.kubernetes_scheduler import app_to_resource
 
-    app = materialize_appdef(get_component("ftlaunch:hsdp").fn, [
-        "--replicas", "2", "--mounts", "type=volume,src=ftjob-pvc,dst=/mnt/ft", "--job_dir", "/mnt/ft/job",
-        "--script", "train.py"])
+    app = materialize_appdef(
+        get_component("ftlaunch:hsdp").fn,
+        [
+            "--replicas",
+            "2",
+            "--mounts",
+            "type=volume,src=ftjob-pvc,dst=/mnt/ft",
+            "--job_dir",
+            "/mnt/ft/job",
+            "--script",
+            "train.py",
+        ],
+    )
     job = app_to_resource(app, queue="default", service_account=None)
     for task in job["spec"]["tasks"]:
         pod = task["template"]
         c = pod.spec.containers[0]
         assert _opt(c.command, "--job-dir") == "/mnt/ft/job"
-        assert any(v.persistent_volume_claim and v.persistent_volume_claim.claim_name == "ftjob-pvc"
-                   for v in pod.spec.volumes)
+        assert any(
+            v.persistent_volume_claim and v.persistent_volume_claim.claim_name == "ftjob-pvc"
+            for v in pod.spec.volumes
+        )
         assert any(m.mount_path == "/mnt/ft" for m in c.volume_mounts)

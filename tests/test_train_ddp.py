@@ -22,8 +22,14 @@ TRAIN = [sys.executable, "scripts/train_ddp.py"]
 
 
 def _env(lh: LighthouseServer, group: int) -> dict[str, str]:
-    e = {k: v for k, v in os.environ.items() if k not in (env.RANK, env.WORLD_SIZE, env.MASTER_ADDR, env.MASTER_PORT)}
-    e.update({env.REPLICA_GROUP_ID: str(group), env.NUM_REPLICA_GROUPS: "2", env.FTLAUNCH_LIGHTHOUSE: lh.address})
+    e = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in (env.RANK, env.WORLD_SIZE, env.MASTER_ADDR, env.MASTER_PORT)
+    }
+    e.update(
+        {env.REPLICA_GROUP_ID: str(group), env.NUM_REPLICA_GROUPS: "2", env.FTLAUNCH_LIGHTHOUSE: lh.address}
+    )
     return e
 
 
@@ -38,14 +44,16 @@ def _checksum(text: str) -> str:
     return m.group(1)
 
 
-@pytest.mark.parametrize("form", [[], ["--long-form", "--backend", "gloo", "--transport", "http"]],
-                         ids=["two-line", "long-form"])
+@pytest.mark.parametrize(
+    "form", [[], ["--long-form", "--backend", "gloo", "--transport", "http"]], ids=["two-line", "long-form"]
+)
 def test_by_hand_two_groups_one_killed_and_restarted(form: list[str]) -> None:
     # 200 steps: at the load of a shared 2-core CI machine the restarted group needs several seconds to
     # import torch and start its Baby child; group 0 must still be training when it comes back.
     args = [*TRAIN, *form, "--steps", "200", "--step-sleep", "0.05", "--timeout", "20"]
-    with LighthouseServer("127.0.0.1:0", min_replicas=1, join_timeout=1.0, heartbeat_timeout=5.0,
-                          quorum_tick=0.05).start() as lh:
+    with LighthouseServer(
+        "127.0.0.1:0", min_replicas=1, join_timeout=1.0, heartbeat_timeout=5.0, quorum_tick=0.05
+    ).start() as lh:
         g0 = start(args, env=_env(lh, 0))
         g1 = start(args, env=_env(lh, 1))
         procs = [g0, g1]

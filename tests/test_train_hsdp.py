@@ -60,13 +60,30 @@ def assert_identical_groups(text: str, groups: int = 2) -> None:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
     "form",
-    [pytest.param(["--activation-checkpointing"], id="short-form"),
-     pytest.param(["--long-form"], id="long-form", marks=pytest.mark.slow)],
+    [
+        pytest.param(["--activation-checkpointing"], id="short-form"),
+        pytest.param(["--long-form"], id="long-form", marks=pytest.mark.slow),
+    ],
 )
 def test_two_groups_of_two_match_the_single_process_reference(form: list[str]) -> None:
     steps = 6
-    res = run([*FTLAUNCH, "--replicas", "2", "--nproc-per-node", "2", "--min-replicas", "2", "--no-status",
-               TRAIN, "--steps", str(steps), *form], timeout=280)
+    res = run(
+        [
+            *FTLAUNCH,
+            "--replicas",
+            "2",
+            "--nproc-per-node",
+            "2",
+            "--min-replicas",
+            "2",
+            "--no-status",
+            TRAIN,
+            "--steps",
+            str(steps),
+            *form,
+        ],
+        timeout=280,
+    )
     text = res.stdout + res.stderr
     assert res.returncode == 0, text[-5000:]
     got = logged_losses(res.stdout)
@@ -79,15 +96,38 @@ def test_two_groups_of_two_match_the_single_process_reference(form: list[str]) -
         assert got[key][0] == pytest.approx(loss, rel=1e-4, abs=1e-5), key
     assert "2/2 groups ended bit-identical" in res.stdout
     assert text.count("healing from rg0 at step 0") == 2  # both ranks of group 1, each from its peer rank
-    assert re.search(r"fault-tolerant HSDP: 53 parameters \(\d+ elements\) on mesh \[2\] \['dp_shard'\], "
-                     r"placements S\(0\) x53", text) or "--long-form" in form
+    assert (
+        re.search(
+            r"fault-tolerant HSDP: 53 parameters \(\d+ elements\) on mesh \[2\] \['dp_shard'\], "
+            r"placements S\(0\) x53",
+            text,
+        )
+        or "--long-form" in form
+    )
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_mixed_precision_trains_and_ends_identical() -> None:
-    res = run([*FTLAUNCH, "--replicas", "2", "--nproc-per-node", "2", "--min-replicas", "2", "--no-status",
-               TRAIN, "--steps", "6", "--mixed-precision", "bf16", "--activation-checkpointing"], timeout=280)
+    res = run(
+        [
+            *FTLAUNCH,
+            "--replicas",
+            "2",
+            "--nproc-per-node",
+            "2",
+            "--min-replicas",
+            "2",
+            "--no-status",
+            TRAIN,
+            "--steps",
+            "6",
+            "--mixed-precision",
+            "bf16",
+            "--activation-checkpointing",
+        ],
+        timeout=280,
+    )
     assert res.returncode == 0, (res.stdout + res.stderr)[-5000:]
     got, want = logged_losses(res.stdout), reference_losses(6)
     for key, loss in want.items():  # bf16 compute: close to the float32 reference, not equal
@@ -100,7 +140,9 @@ class Following:
     """A command whose output lines are collected as they arrive (to act in the middle of a run)."""
 
     def __init__(self, cmd: list[str]) -> None:
-        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.proc = subprocess.Popen(
+            cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
         self.lines: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -133,8 +175,11 @@ def worker_of(launcher_pid: int, group: int, rank: int) -> psutil.Process | None
     for p in psutil.Process(launcher_pid).children(recursive=True):
         try:
             e = p.environ()
-            if TRAIN in " ".join(p.cmdline()) and e.get(env.REPLICA_GROUP_ID) == str(group) \
-                    and e.get(env.RANK) == str(rank):
+            if (
+                TRAIN in " ".join(p.cmdline())
+                and e.get(env.REPLICA_GROUP_ID) == str(group)
+                and e.get(env.RANK) == str(rank)
+            ):
                 return p
         except psutil.Error:
             continue
@@ -144,8 +189,23 @@ def worker_of(launcher_pid: int, group: int, rank: int) -> psutil.Process | None
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_killed_worker_restarts_its_group_which_heals_its_shards() -> None:
-    run_ = Following([*FTLAUNCH, "--replicas", "2", "--nproc-per-node", "2", "--max-restarts", "3", "--no-status",
-                      TRAIN, "--steps", "60", "--step-sleep", "0.1"])
+    run_ = Following(
+        [
+            *FTLAUNCH,
+            "--replicas",
+            "2",
+            "--nproc-per-node",
+            "2",
+            "--max-restarts",
+            "3",
+            "--no-status",
+            TRAIN,
+            "--steps",
+            "60",
+            "--step-sleep",
+            "0.1",
+        ]
+    )
     try:
         run_.wait_line(r"\[rg1/r0\] step=10 committed=True", 200)
         victim = worker_of(run_.proc.pid, 1, 1)
@@ -168,13 +228,34 @@ def test_a_killed_worker_restarts_its_group_which_heals_its_shards() -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_stopped_group_is_dropped_and_heals_on_sigcont() -> None:
-    res = run([*FTLAUNCH, "--replicas", "2", "--nproc-per-node", "2", "--heartbeat-timeout", "2", "--no-status",
-               "--chaos", "steps=10,group=1,signal=STOP,stop_for=8",
-               TRAIN, "--steps", "80", "--step-sleep", "0.1", "--timeout", "10"], timeout=280)
+    res = run(
+        [
+            *FTLAUNCH,
+            "--replicas",
+            "2",
+            "--nproc-per-node",
+            "2",
+            "--heartbeat-timeout",
+            "2",
+            "--no-status",
+            "--chaos",
+            "steps=10,group=1,signal=STOP,stop_for=8",
+            TRAIN,
+            "--steps",
+            "80",
+            "--step-sleep",
+            "0.1",
+            "--timeout",
+            "10",
+        ],
+        timeout=280,
+    )
     text = res.stdout + res.stderr
     assert res.returncode == 0, text[-5000:]
     assert "chaos: SIGSTOP -> replica group 1 workers" in text
-    assert re.search(r"SIGSTOP rg1 workers at step \d+: group committed again", res.stdout), res.stdout[-3000:]
+    assert re.search(r"SIGSTOP rg1 workers at step \d+: group committed again", res.stdout), res.stdout[
+        -3000:
+    ]
     assert re.search(r"\[rg0/r0\] step=\d+ committed=True participants=1 ", res.stdout)  # rg0 went on alone
     healed = re.findall(r"\[rg1/r(\d)\] .*healing from rg0 at step (\d+)", text)
     assert {r for r, s in healed if int(s) > 10} == {"0", "1"}, healed
@@ -185,8 +266,26 @@ def test_a_stopped_group_is_dropped_and_heals_on_sigcont() -> None:
 @pytest.mark.timeout(300)
 def test_torchx_local_cwd_runs_train_hsdp_by_default() -> None:
     pytest.importorskip("torchx", reason="torchx is an optional dependency (pip install ftlaunch[torchx])")
-    res = run([sys.executable, "-m", "torchx.cli.main", "run", "-s", "local_cwd", "ftlaunch:hsdp", "--replicas", "2",
-               "--workers_per_replica", "2", "--", "--steps", "5"], timeout=280, cwd=REPO)
+    res = run(
+        [
+            sys.executable,
+            "-m",
+            "torchx.cli.main",
+            "run",
+            "-s",
+            "local_cwd",
+            "ftlaunch:hsdp",
+            "--replicas",
+            "2",
+            "--workers_per_replica",
+            "2",
+            "--",
+            "--steps",
+            "5",
+        ],
+        timeout=280,
+        cwd=REPO,
+    )
     text = res.stdout + res.stderr
     assert res.returncode == 0 and "SUCCEEDED" in text, text[-5000:]
     assert_identical_groups(text)
@@ -196,14 +295,25 @@ def test_torchx_local_cwd_runs_train_hsdp_by_default() -> None:
 # ------------------------------------------------------------------------------------------ refusal
 def _start_group(gid: int, nworkers: int, lighthouse: str, args: list[str]) -> tuple[dist.TCPStore, list]:
     """A replica group by hand: the test plays torchelastic's agent (hosts the store, sets the env)."""
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    store = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
+    )
     procs = []
     for rank in range(nworkers):
         e = dict(os.environ)
-        e.update({env.REPLICA_GROUP_ID: str(gid), env.NUM_REPLICA_GROUPS: "2", env.FTLAUNCH_LIGHTHOUSE: lighthouse,
-                  env.RANK: str(rank), env.LOCAL_RANK: str(rank), env.WORLD_SIZE: str(nworkers),
-                  env.MASTER_ADDR: "127.0.0.1", env.MASTER_PORT: str(store.port),
-                  "TORCHELASTIC_USE_AGENT_STORE": "True"})
+        e.update(
+            {
+                env.REPLICA_GROUP_ID: str(gid),
+                env.NUM_REPLICA_GROUPS: "2",
+                env.FTLAUNCH_LIGHTHOUSE: lighthouse,
+                env.RANK: str(rank),
+                env.LOCAL_RANK: str(rank),
+                env.WORLD_SIZE: str(nworkers),
+                env.MASTER_ADDR: "127.0.0.1",
+                env.MASTER_PORT: str(store.port),
+                "TORCHELASTIC_USE_AGENT_STORE": "True",
+            }
+        )
         procs.append(start([sys.executable, TRAIN, *args], env=e))
     return store, procs
 
@@ -214,11 +324,16 @@ def test_a_group_sharded_differently_refuses_to_join() -> None:
     refuses (exit 2, a message naming both layouts) instead of averaging unrelated shards; group 0
     trains on alone."""
     common = ["--steps", "8", "--timeout", "20"]
-    with LighthouseServer("127.0.0.1:0", min_replicas=1, join_timeout=30.0, heartbeat_timeout=5.0,
-                          quorum_tick=0.05).start() as lh:
+    with LighthouseServer(
+        "127.0.0.1:0", min_replicas=1, join_timeout=30.0, heartbeat_timeout=5.0, quorum_tick=0.05
+    ).start() as lh:
         # Group 0 steps slowly: it must still be training when group 1 (starting only now) asks.
         s0, g0 = _start_group(0, 2, lh.address, [*common, "--step-sleep", "1.5"])
-        wait_for(lambda: any(g["replica_id"] == "rg0" for g in lh.status()["groups"]), 90, "group 0 at the lighthouse")
+        wait_for(
+            lambda: any(g["replica_id"] == "rg0" for g in lh.status()["groups"]),
+            90,
+            "group 0 at the lighthouse",
+        )
         s1, g1 = _start_group(1, 2, lh.address, [*common, "--layers", "3"])
         try:
             r1 = [finish(p, 150) for p in g1]
@@ -229,7 +344,10 @@ def test_a_group_sharded_differently_refuses_to_join() -> None:
             del s0, s1
     for r in r1:
         assert r.returncode == 2, r.stderr[-3000:]
-        assert "train_hsdp.py: replica group rg1 lays out its state differently from rg0: here 41 parameters" in r.stderr
+        assert (
+            "train_hsdp.py: replica group rg1 lays out its state differently from rg0: here 41 parameters"
+            in r.stderr
+        )
         assert "there 53 parameters" in r.stderr and "Refusing to take part" in r.stderr
     for r in r0:
         assert r.returncode == 0, r.stderr[-3000:]
@@ -241,8 +359,25 @@ def test_a_group_sharded_differently_refuses_to_join() -> None:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("form", [[], ["--long-form"]], ids=["short-form", "long-form"])
 def test_nccl_two_groups_of_two_gpus_end_identical(form: list[str]) -> None:
-    res = run([*FTLAUNCH, "--replicas", "2", "--nproc-per-node", "2", "--min-replicas", "2", "--no-status",
-               TRAIN, "--device", "cuda", "--steps", "20", *form], timeout=280)
+    res = run(
+        [
+            *FTLAUNCH,
+            "--replicas",
+            "2",
+            "--nproc-per-node",
+            "2",
+            "--min-replicas",
+            "2",
+            "--no-status",
+            TRAIN,
+            "--device",
+            "cuda",
+            "--steps",
+            "20",
+            *form,
+        ],
+        timeout=280,
+    )
     assert res.returncode == 0, (res.stdout + res.stderr)[-5000:]
     assert_identical_groups(res.stdout)
     assert "backend baby-nccl" in res.stdout + res.stderr or "--long-form" in form
@@ -252,9 +387,27 @@ def test_nccl_two_groups_of_two_gpus_end_identical(form: list[str]) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_nccl_a_killed_group_heals_its_gpu_shards() -> None:
-    res = run([*FTLAUNCH, "--replicas", "2", "--nproc-per-node", "2", "--max-restarts", "3", "--no-status",
-               "--chaos", "steps=20,group=1", TRAIN, "--device", "cuda", "--steps", "100", "--step-sleep", "0.05"],
-              timeout=280)
+    res = run(
+        [
+            *FTLAUNCH,
+            "--replicas",
+            "2",
+            "--nproc-per-node",
+            "2",
+            "--max-restarts",
+            "3",
+            "--no-status",
+            "--chaos",
+            "steps=20,group=1",
+            TRAIN,
+            "--device",
+            "cuda",
+            "--steps",
+            "100",
+            "--step-sleep",
+            "0.05",
+        ],
+        timeout=280,
+    )
     assert res.returncode == 0, (res.stdout + res.stderr)[-5000:]
     assert "2/2 groups ended bit-identical" in res.stdout and "group committed again" in res.stdout
-

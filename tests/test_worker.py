@@ -19,9 +19,19 @@ from ftlaunch.worker.entry import BACKENDS, default_backend, model_device
 pytestmark = pytest.mark.timeout(120)
 
 _JOB_VARS = (
-    env.REPLICA_GROUP_ID, env.NUM_REPLICA_GROUPS, env.FTLAUNCH_LIGHTHOUSE, env.TORCHFT_LIGHTHOUSE,
-    env.FTLAUNCH_BACKEND, env.FTLAUNCH_TRANSPORT, env.FTLAUNCH_TIMEOUT, env.RANK, env.WORLD_SIZE,
-    env.MASTER_ADDR, env.MASTER_PORT, env.FTLAUNCH_HEAL_TIMEOUT, env.FTLAUNCH_QUORUM_TIMEOUT,
+    env.REPLICA_GROUP_ID,
+    env.NUM_REPLICA_GROUPS,
+    env.FTLAUNCH_LIGHTHOUSE,
+    env.TORCHFT_LIGHTHOUSE,
+    env.FTLAUNCH_BACKEND,
+    env.FTLAUNCH_TRANSPORT,
+    env.FTLAUNCH_TIMEOUT,
+    env.RANK,
+    env.WORLD_SIZE,
+    env.MASTER_ADDR,
+    env.MASTER_PORT,
+    env.FTLAUNCH_HEAL_TIMEOUT,
+    env.FTLAUNCH_QUORUM_TIMEOUT,
 )
 
 
@@ -35,8 +45,9 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
 @pytest.fixture
 def job(clean_env: pytest.MonkeyPatch) -> Iterator[LighthouseServer]:
     """A one-group job: what the launcher would publish, against a real lighthouse."""
-    with LighthouseServer("127.0.0.1:0", min_replicas=1, join_timeout=1.0, heartbeat_timeout=5.0,
-                          quorum_tick=0.05).start() as lh:
+    with LighthouseServer(
+        "127.0.0.1:0", min_replicas=1, join_timeout=1.0, heartbeat_timeout=5.0, quorum_tick=0.05
+    ).start() as lh:
         clean_env.setenv(env.REPLICA_GROUP_ID, "0")
         clean_env.setenv(env.NUM_REPLICA_GROUPS, "1")
         clean_env.setenv(env.FTLAUNCH_LIGHTHOUSE, lh.address)
@@ -63,10 +74,22 @@ def test_outside_any_launcher_says_how_to_launch(clean_env: pytest.MonkeyPatch) 
         ({env.REPLICA_GROUP_ID: "0", env.NUM_REPLICA_GROUPS: "2"}, env.FTLAUNCH_LIGHTHOUSE),
         ({env.FTLAUNCH_LIGHTHOUSE: "http://127.0.0.1:1", env.NUM_REPLICA_GROUPS: "2"}, env.REPLICA_GROUP_ID),
         ({env.FTLAUNCH_LIGHTHOUSE: "http://127.0.0.1:1", env.REPLICA_GROUP_ID: "0"}, env.NUM_REPLICA_GROUPS),
-        ({env.FTLAUNCH_LIGHTHOUSE: "http://127.0.0.1:1", env.REPLICA_GROUP_ID: "2",
-          env.NUM_REPLICA_GROUPS: "2"}, "outside 0..1"),
-        ({env.FTLAUNCH_LIGHTHOUSE: "http://127.0.0.1:1", env.REPLICA_GROUP_ID: "x",
-          env.NUM_REPLICA_GROUPS: "2"}, "not an integer"),
+        (
+            {
+                env.FTLAUNCH_LIGHTHOUSE: "http://127.0.0.1:1",
+                env.REPLICA_GROUP_ID: "2",
+                env.NUM_REPLICA_GROUPS: "2",
+            },
+            "outside 0..1",
+        ),
+        (
+            {
+                env.FTLAUNCH_LIGHTHOUSE: "http://127.0.0.1:1",
+                env.REPLICA_GROUP_ID: "x",
+                env.NUM_REPLICA_GROUPS: "2",
+            },
+            "not an integer",
+        ),
     ],
 )
 def test_incomplete_environment_is_named(clean_env: pytest.MonkeyPatch, environ: dict, message: str) -> None:
@@ -130,7 +153,9 @@ def test_inconsistent_timeouts_rejected_at_start(
         ftlaunch.init(_model(), backend="gloo", **kwargs)
 
 
-def _train(ft: ftlaunch.FaultTolerance, model: nn.Module, opt: torch.optim.Optimizer, steps: int) -> list[bool]:
+def _train(
+    ft: ftlaunch.FaultTolerance, model: nn.Module, opt: torch.optim.Optimizer, steps: int
+) -> list[bool]:
     ddp, fopt = ft.wrap(model, opt)
     out = []
     for _ in range(steps):
@@ -177,8 +202,9 @@ def test_backend_and_transport_from_environment(job: LighthouseServer, clean_env
 
 def test_explicit_state_functions_and_more_state(job: LighthouseServer) -> None:
     box = {"x": 1}
-    with ftlaunch.init(load_state_dict=lambda sd: box.update(sd), state_dict=lambda: dict(box),
-                       backend="gloo") as ft:
+    with ftlaunch.init(
+        load_state_dict=lambda sd: box.update(sd), state_dict=lambda: dict(box), backend="gloo"
+    ) as ft:
         ft.manager.register_state_dict_fn("extra", lambda sd: None, lambda: {"y": 2})
         assert ft.manager._state.snapshot()["default"] == {"x": 1}
         assert ft.manager._state.snapshot()["extra"] == {"y": 2}

@@ -232,7 +232,9 @@ def test_a_worker_that_starts_while_the_standby_warms_up_waits_for_it(tmp_path: 
         assert first["pid"] != proxy.pid and first["ppid"] == zygote.pid, err  # forked by the standby
         assert first["had_torch"] and "ftlaunch.prestart" not in err
         warm = [r for r in phases.read(tmp_path / "ph.jsonl") if r["phase"] == "zygote_warm"]
-        assert len(warm) == 1 and launched < warm[0]["t"], "precondition: the worker started during the warm-up"
+        assert len(warm) == 1 and launched < warm[0]["t"], (
+            "precondition: the worker started during the warm-up"
+        )
         mine = os.getpriority(os.PRIO_PROCESS, 0)
         assert first["priority"] == mine  # the fork trains at the priority it would have had
         assert psutil.Process(zygote.pid).nice() == mine  # restored after the warm-up
@@ -250,7 +252,9 @@ def _nice_limit_allows(priority: int) -> bool:
     return soft == resource.RLIM_INFINITY or 20 - soft <= priority
 
 
-def test_the_warm_up_is_niced_only_where_the_priority_can_be_raised_back(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_warm_up_is_niced_only_where_the_priority_can_be_raised_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """An unprivileged process cannot raise its priority again (``RLIMIT_NICE`` 0, the usual
     default): then the warm-up runs at the process's priority, since a worker forked from a niced
     standby would train niced for good."""
@@ -288,8 +292,11 @@ def test_a_restarted_group_goes_through_the_standby(tmp_path: Path) -> None:
     )  # fmt: skip
     assert res.returncode == 0, res.stderr[-3000:]
     recs = phases.read(log)
-    handed = [r for r in recs if r["phase"] == "zygote_handover" and r.get("replica") == "1"
-              and r.get("restart") not in (None, "0")]
+    handed = [
+        r
+        for r in recs
+        if r["phase"] == "zygote_handover" and r.get("replica") == "1" and r.get("restart") not in (None, "0")
+    ]
     assert handed, "the restarted worker did not go through the standby"
     assert "2/2 groups ended bit-identical" in res.stdout, res.stdout
     assert re.search(r"SIGKILL rg1 workers at step \d+: group committed again", res.stdout), res.stdout

@@ -100,7 +100,13 @@ class Fetch:
     """One `recv_checkpoint`: header, then the body over parallel ranged connections."""
 
     def __init__(
-        self, url: str, step: int, timeout: float, num_chunks: int, template: Any, limits: ReceiveLimits | None = None
+        self,
+        url: str,
+        step: int,
+        timeout: float,
+        num_chunks: int,
+        template: Any,
+        limits: ReceiveLimits | None = None,
     ) -> None:
         try:
             if not url.startswith("http://"):

@@ -41,6 +41,7 @@ def _is_dtensor(t: Any) -> TypeGuard[DTensor]:
     module = sys.modules.get("torch.distributed.tensor")
     return module is not None and isinstance(t, module.DTensor)
 
+
 __all__ = ["ShardSpec", "join", "split"]
 
 #: A value's position in a state dict: the keys and indices leading to it.
@@ -139,7 +140,9 @@ class ShardSpec:
         except (KeyError, TypeError) as e:
             raise CheckpointTransportError(f"received a malformed DTensor spec: {e!r}") from None
         ints = (*spec.mesh_shape, *spec.coordinate, *spec.shape, *spec.stride)
-        if not all(_is_int(x) and x >= 0 for x in ints) or not all(isinstance(k, (str, int)) for k in spec.path):
+        if not all(_is_int(x) and x >= 0 for x in ints) or not all(
+            isinstance(k, (str, int)) for k in spec.path
+        ):
             raise CheckpointTransportError(f"received a malformed DTensor spec for {_show(spec.path)}")
         if len(spec.placements) != len(spec.mesh_shape) or len(spec.coordinate) != len(spec.mesh_shape):
             raise CheckpointTransportError(f"received an inconsistent DTensor spec for {_show(spec.path)}")
@@ -167,7 +170,9 @@ def _map(x: Any, path: Path, leaf: Callable[[Any, Path], Any]) -> Any:
     if isinstance(x, torch.Tensor):
         return leaf(x, path)
     if type(x) is collections.defaultdict:
-        return collections.defaultdict(x.default_factory, {k: _map(v, (*path, k), leaf) for k, v in x.items()})
+        return collections.defaultdict(
+            x.default_factory, {k: _map(v, (*path, k), leaf) for k, v in x.items()}
+        )
     if type(x) in (dict, collections.OrderedDict):
         return type(x)((k, _map(v, (*path, k), leaf)) for k, v in x.items())
     if type(x) in (list, tuple):
@@ -220,7 +225,9 @@ def join(state: Any, specs: list[ShardSpec], mesh: DeviceMesh | None, template: 
     out = _map(state, (), leaf)
     missing = [s.path for s in specs if s.path not in done]
     if missing:
-        raise CheckpointTransportError(f"received DTensor specs for {_show(missing[0])}, which holds no tensor")
+        raise CheckpointTransportError(
+            f"received DTensor specs for {_show(missing[0])}, which holds no tensor"
+        )
     return out
 
 
@@ -252,19 +259,28 @@ def _rebuild(local: torch.Tensor, spec: ShardSpec, mesh: DeviceMesh | None, mine
         mesh = mine.device_mesh
     names = tuple(mesh.mesh_dim_names) if mesh.mesh_dim_names else None
     coord = mesh.get_coordinate()
-    ours = (
-        f"mesh {list(mesh.shape)} {list(names) if names else None} at {list(coord) if coord else None}"
-    )
-    if tuple(mesh.shape) != spec.mesh_shape or names != spec.mesh_dim_names or coord is None \
-            or tuple(coord) != spec.coordinate:
+    ours = f"mesh {list(mesh.shape)} {list(names) if names else None} at {list(coord) if coord else None}"
+    if (
+        tuple(mesh.shape) != spec.mesh_shape
+        or names != spec.mesh_dim_names
+        or coord is None
+        or tuple(coord) != spec.coordinate
+    ):
         raise _differs(where, spec, ours)
     if mine is not None and (tuple(mine.placements) != spec.placements or tuple(mine.shape) != spec.shape):
-        raise _differs(where, spec, f"{ours}, placements {list(mine.placements)}, global shape {list(mine.shape)}")
+        raise _differs(
+            where, spec, f"{ours}, placements {list(mine.placements)}, global shape {list(mine.shape)}"
+        )
     expected, _ = compute_local_shape_and_global_offset(spec.shape, mesh, spec.placements)
     if tuple(local.shape) != tuple(expected):
         raise _differs(where, spec, f"{ours}, local shard {list(expected)} (received {list(local.shape)})")
     out = DTensor.from_local(
-        local.detach(), mesh, spec.placements, run_check=False, shape=torch.Size(spec.shape), stride=spec.stride
+        local.detach(),
+        mesh,
+        spec.placements,
+        run_check=False,
+        shape=torch.Size(spec.shape),
+        stride=spec.stride,
     )
     out.requires_grad_(local.requires_grad)
     return out

@@ -155,7 +155,9 @@ class HTTPTransport(CheckpointTransport[T]):
         t0 = time.perf_counter()
         template = self._state_dict() if self._state_dict is not None else None
         seconds = (timeout or self._timeout).total_seconds()
-        limits = self._limits if self._limits is not None or template is None else ReceiveLimits.like(template)
+        limits = (
+            self._limits if self._limits is not None or template is None else ReceiveLimits.like(template)
+        )
         result = Fetch(metadata, step, seconds, self._num_chunks, template, limits).run()
         logger.info(
             "checkpoint transport: received step %d from rank %d (%s) in %.3fs",

@@ -160,7 +160,9 @@ class PGTransport(CheckpointTransport[T]):
         n = int(length.item())
         limits = self._limits or ReceiveLimits()
         if not FRAME_PREFIX_LEN <= n <= min(MAX_FRAME_BYTES, limits.max_header_bytes):
-            raise invalid(f"header length {n} from rank {src_rank} (this receiver accepts {limits.max_header_bytes})")
+            raise invalid(
+                f"header length {n} from rank {src_rank} (this receiver accepts {limits.max_header_bytes})"
+            )
         frame = torch.empty(n, dtype=torch.uint8, device=self._device)
         self._wait(self._post(self._pg.recv, frame, src_rank, TAG_BASE + 1, what), deadline, what)
         # Parsing and allocating obey the deadline too (a header of many tiny tensors costs CPU).

@@ -256,7 +256,9 @@ def _dumps(objects: list[object], safe: bool) -> bytes:
     try:  # refuse at the source what the receivers' weights-only loader would refuse
         torch.load(io.BytesIO(out.getvalue()), weights_only=True)
     except pickle.UnpicklingError as e:
-        raise TypeError(f"only tensors, numbers, strings and containers of them cross replica groups ({e})") from None
+        raise TypeError(
+            f"only tensors, numbers, strings and containers of them cross replica groups ({e})"
+        ) from None
     return out.getvalue()
 
 

@@ -22,7 +22,13 @@ import torch
 from ftlaunch.gang.base import Gang
 from ftlaunch.gang.fake import FakeGang
 
-__all__ = ["Gangs", "create_fake_gangs", "create_fsdp_gangs", "create_parallel_gangs", "maybe_get_current_gangs"]
+__all__ = [
+    "Gangs",
+    "create_fake_gangs",
+    "create_fsdp_gangs",
+    "create_parallel_gangs",
+    "maybe_get_current_gangs",
+]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -124,7 +130,9 @@ def create_parallel_gangs(root_gang: Gang, *, tp_size: int = 1) -> Gangs:
     """
     root = root_gang
     if not isinstance(tp_size, int) or tp_size < 1 or root.size % tp_size:
-        raise ValueError(f"tp_size must be a positive divisor of the root gang's size {root.size}, got {tp_size!r}")
+        raise ValueError(
+            f"tp_size must be a positive divisor of the root gang's size {root.size}, got {tp_size!r}"
+        )
     fake = FakeGang(root.device)
     dp_size = root.size // tp_size
     # Process d * tp_size + t is data parallel rank d of dp gang t, tensor parallel rank t of tp gang d.
@@ -162,9 +170,13 @@ def create_fsdp_gangs(gangs: Gangs, intra_node_size: int | None = None) -> Gangs
     def root_rank(i: int, j: int, t: int) -> int:  # inter index i, intra index j, tp index t
         return (i * n + j) * tp_size + t
 
-    rdp = _split(root, ([root_rank(i, j, t) for i in range(inter)] for t in range(tp_size) for j in range(n)), fake)
+    rdp = _split(
+        root, ([root_rank(i, j, t) for i in range(inter)] for t in range(tp_size) for j in range(n)), fake
+    )
     if n == dp.size:
         sdp = dp
     else:
-        sdp = _split(root, ([root_rank(i, j, t) for j in range(n)] for t in range(tp_size) for i in range(inter)), fake)
+        sdp = _split(
+            root, ([root_rank(i, j, t) for j in range(n)] for t in range(tp_size) for i in range(inter)), fake
+        )
     return Gangs(root=root, dp=dp, rdp=rdp, sdp=sdp, tp=tp, pp=gangs.pp)

@@ -72,7 +72,9 @@ def _as_gang_error(op: str) -> Iterator[None]:
 class ProcessGroupGang(Gang):
     """``ProcessGroupGang(pg, device)``: the gang of torch's process group ``pg``."""
 
-    def __init__(self, pg: dist.ProcessGroup, device: torch.device, *, timeout: timedelta | None = None) -> None:
+    def __init__(
+        self, pg: dist.ProcessGroup, device: torch.device, *, timeout: timedelta | None = None
+    ) -> None:
         """``timeout`` is given to the sub-groups `create_gang` makes (torch's default otherwise)."""
         self._pg: dist.ProcessGroup | None = pg
         self._device = torch.device(device)
@@ -158,7 +160,9 @@ class ProcessGroupGang(Gang):
 
     def barrier(self) -> None:
         pg = self._group("barrier")
-        device_ids = [self._device.index] if self._device.type == "cuda" and self._device.index is not None else None
+        device_ids = (
+            [self._device.index] if self._device.type == "cuda" and self._device.index is not None else None
+        )
         with _as_gang_error("barrier"):
             dist.barrier(group=pg, device_ids=device_ids)
 

@@ -39,7 +39,9 @@ class ProductGang(Gang):
 
     def __init__(self, outer: Gang, inner: Gang) -> None:
         if outer.device != inner.device:
-            raise ValueError(f"outer and inner gangs are on different devices: {outer.device}, {inner.device}")
+            raise ValueError(
+                f"outer and inner gangs are on different devices: {outer.device}, {inner.device}"
+            )
         self.outer = outer
         self.inner = inner
 
@@ -56,7 +58,9 @@ class ProductGang(Gang):
         )
 
     def as_process_group(self) -> dist.ProcessGroup:
-        raise NotSupportedError("a product gang is two process groups, not one: use its outer and inner gangs")
+        raise NotSupportedError(
+            "a product gang is two process groups, not one: use its outer and inner gangs"
+        )
 
     def barrier(self) -> None:
         self.inner.barrier()
@@ -70,13 +74,17 @@ class ProductGang(Gang):
 
     def all_gather(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor) -> None:
         check_all_gather(output_tensor, input_tensor, self.size)
-        part = torch.empty((self.inner.size, *input_tensor.shape), dtype=input_tensor.dtype, device=input_tensor.device)
+        part = torch.empty(
+            (self.inner.size, *input_tensor.shape), dtype=input_tensor.dtype, device=input_tensor.device
+        )
         self.inner.all_gather(part, input_tensor)
         self.outer.all_gather(output_tensor.view(self.outer.size, *part.shape), part)
 
     def all_gather_to_list(self, output_tensors: list[torch.Tensor], input_tensor: torch.Tensor) -> None:
         check_all_gather_list(output_tensors, input_tensor, self.size)
-        whole = torch.empty((self.size, *input_tensor.shape), dtype=input_tensor.dtype, device=input_tensor.device)
+        whole = torch.empty(
+            (self.size, *input_tensor.shape), dtype=input_tensor.dtype, device=input_tensor.device
+        )
         self.all_gather(whole, input_tensor)
         for out, row in zip(output_tensors, whole.unbind(0), strict=True):
             out.copy_(row)

@@ -342,8 +342,11 @@ def _run_agent(cfg: AgentConfig, standby: Standby | None) -> int:
             if not is_full_disk(e):
                 raise
             # The supervisor reports the full log disk (once); this is its detail.
-            logger.info("cannot write the result file %s (%s): sending the result through the event pipe",
-                           cfg.result_file, e)
+            logger.info(
+                "cannot write the result file %s (%s): sending the result through the event pipe",
+                cfg.result_file,
+                e,
+            )
             events.emit("result", result=result)
     return code
 
@@ -367,7 +370,9 @@ class Standby:
         if args[:3] != ["-u", "-m", "ftlaunch.prestart"]:
             return None
         # A Unix socket's path has at most 107 bytes: a long TMPDIR falls back to /tmp.
-        directory = tempfile.mkdtemp(prefix="ftlaunch-zygote-", dir="/tmp" if len(tempfile.gettempdir()) > 60 else None)
+        directory = tempfile.mkdtemp(
+            prefix="ftlaunch-zygote-", dir="/tmp" if len(tempfile.gettempdir()) > 60 else None
+        )
         path = os.path.join(directory, "sock")
         try:
             proc = subprocess.Popen(

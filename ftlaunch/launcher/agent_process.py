@@ -61,13 +61,23 @@ class AgentProcess:
             self.exited_at = now
         if code < 0:
             return False
-        return self.piped is None and self.open_streams > 0 and now - self.exited_at < 2.0 \
+        return (
+            self.piped is None
+            and self.open_streams > 0
+            and now - self.exited_at < 2.0
             and not os.path.exists(self.result_file)
+        )
 
 
 def start_agent(
-    opts: LaunchOptions, job: env.JobEnv, *, run_id: str, group_dir: str, incarnation: int,
-    news: queue.Queue[News], extra_env: dict[str, str] | None = None,
+    opts: LaunchOptions,
+    job: env.JobEnv,
+    *,
+    run_id: str,
+    group_dir: str,
+    incarnation: int,
+    news: queue.Queue[News],
+    extra_env: dict[str, str] | None = None,
 ) -> tuple[AgentProcess, bool]:
     """Start incarnation ``incarnation`` of the agent of ``job``'s replica group; its output and
     events arrive on ``news``. Also says whether its configuration file could be written (on a full
@@ -80,7 +90,11 @@ def start_agent(
         os.unlink(result_file)
     read_fd, write_fd = os.pipe()
     cfg = AgentConfig.for_group(
-        opts, run_id=run_id, log_dir=os.path.join(group_dir, "workers"), event_fd=write_fd, result_file=result_file,
+        opts,
+        run_id=run_id,
+        log_dir=os.path.join(group_dir, "workers"),
+        event_fd=write_fd,
+        result_file=result_file,
     )
     config_file = write_or_none(os.path.join(group_dir, f"agent{incarnation}.json"), cfg.to_json())
     child_env = {**os.environ, **job.to_environ(), **(extra_env or {}), "PYTHONUNBUFFERED": "1"}
@@ -105,11 +119,16 @@ def start_agent(
     assert proc.stdout is not None and proc.stderr is not None  # noqa: S101 - Popen(PIPE) contract
     for name, stream in (("out", proc.stdout), ("err", proc.stderr)):
         threading.Thread(
-            target=_read_lines, args=(news, name, gid, incarnation, stream), daemon=True,
+            target=_read_lines,
+            args=(news, name, gid, incarnation, stream),
+            daemon=True,
             name=f"ftlaunch-{job.replica_id}-{name}",
         ).start()
     threading.Thread(
-        target=_read_events, args=(news, gid, incarnation, read_fd), daemon=True, name=f"ftlaunch-{job.replica_id}-ev",
+        target=_read_events,
+        args=(news, gid, incarnation, read_fd),
+        daemon=True,
+        name=f"ftlaunch-{job.replica_id}-ev",
     ).start()
     return AgentProcess(proc, result_file), config_file is not None
 

@@ -153,10 +153,13 @@ class Chaos:
         step = max((g.last_step for g in self._groups if g.last_step is not None), default=None)
         self.lighthouse_crash = LighthouseCrash(now, step)
         if self._crash_lighthouse is None or not self._crash_lighthouse(spec.lighthouse_down):
-            self._console.err("[ftlaunch] chaos: lighthouse= needs the lighthouse the launcher hosts; not injected")
+            self._console.err(
+                "[ftlaunch] chaos: lighthouse= needs the lighthouse the launcher hosts; not injected"
+            )
             return
         self._console.err(
-            "[ftlaunch] chaos: lighthouse crashed" + (f" at step {step}" if step is not None else "")
+            "[ftlaunch] chaos: lighthouse crashed"
+            + (f" at step {step}" if step is not None else "")
             + f"; the launcher restarts it in {spec.lighthouse_down:g}s"
         )
 

@@ -56,42 +56,102 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ft = p.add_argument_group("fault tolerance")
     ft.add_argument("--replicas", type=integer, default=2, help="number of replica groups (default 2)")
-    ft.add_argument("--spares", type=integer, default=0,
-                    help="hot spares: extra groups that start, build their process groups and wait; one replaces "
-                         "a failed group at the next quorum, with its replica-group id (default 0)")
-    ft.add_argument("--min-replicas", "--min_replicas", type=integer, default=1,
-                    help="groups needed for a step to commit; the job stops when fewer can run (default 1)")
-    ft.add_argument("--join-timeout", "--join_timeout", type=number, default=60.0,
-                    help="seconds the lighthouse waits for stragglers before forming a quorum (default 60)")
-    ft.add_argument("--heartbeat-timeout", "--heartbeat_timeout", type=number, default=5.0,
-                    help="seconds after which a silent (hung) group leaves the quorum (default 5)")
-    ft.add_argument("--kill-stopped", "--kill_stopped", action="store_true",
-                    help="a worker stopped by a signal (SIGSTOP, SIGTSTP: a hang) is killed at once and its group "
-                         "restarted, as after a crash; the others go on without waiting for it (default: it stays "
-                         "in the quorum until --heartbeat-timeout and goes on where it was when continued)")
-    ft.add_argument("--lighthouse", dest="lighthouse", default=None, metavar="ADDR",
-                    help="use the lighthouse at http://HOST:PORT instead of starting one (= --rdzv-endpoint)")
-    ft.add_argument("--lighthouse-bind", "--lighthouse_bind", default="127.0.0.1:0", metavar="HOST:PORT",
-                    help="where the embedded lighthouse listens (default 127.0.0.1:0, a free loopback port)")
-    ft.add_argument("--token", default=None,
-                    help="job token every lighthouse request carries (default: $FTLAUNCH_TOKEN or a random one)")
-    ft.add_argument("--max-agent-restarts", "--max_agent_restarts", type=integer, default=3,
-                    help="times the supervisor respawns a group whose agent died (default 3)")
-    ft.add_argument("--grace-period", "--grace_period", type=number, default=15.0,
-                    help="seconds SIGTERM/SIGINT gives groups to stop before SIGKILL (default 15)")
+    ft.add_argument(
+        "--spares",
+        type=integer,
+        default=0,
+        help="hot spares: extra groups that start, build their process groups and wait; one replaces "
+        "a failed group at the next quorum, with its replica-group id (default 0)",
+    )
+    ft.add_argument(
+        "--min-replicas",
+        "--min_replicas",
+        type=integer,
+        default=1,
+        help="groups needed for a step to commit; the job stops when fewer can run (default 1)",
+    )
+    ft.add_argument(
+        "--join-timeout",
+        "--join_timeout",
+        type=number,
+        default=60.0,
+        help="seconds the lighthouse waits for stragglers before forming a quorum (default 60)",
+    )
+    ft.add_argument(
+        "--heartbeat-timeout",
+        "--heartbeat_timeout",
+        type=number,
+        default=5.0,
+        help="seconds after which a silent (hung) group leaves the quorum (default 5)",
+    )
+    ft.add_argument(
+        "--kill-stopped",
+        "--kill_stopped",
+        action="store_true",
+        help="a worker stopped by a signal (SIGSTOP, SIGTSTP: a hang) is killed at once and its group "
+        "restarted, as after a crash; the others go on without waiting for it (default: it stays "
+        "in the quorum until --heartbeat-timeout and goes on where it was when continued)",
+    )
+    ft.add_argument(
+        "--lighthouse",
+        dest="lighthouse",
+        default=None,
+        metavar="ADDR",
+        help="use the lighthouse at http://HOST:PORT instead of starting one (= --rdzv-endpoint)",
+    )
+    ft.add_argument(
+        "--lighthouse-bind",
+        "--lighthouse_bind",
+        default="127.0.0.1:0",
+        metavar="HOST:PORT",
+        help="where the embedded lighthouse listens (default 127.0.0.1:0, a free loopback port)",
+    )
+    ft.add_argument(
+        "--token",
+        default=None,
+        help="job token every lighthouse request carries (default: $FTLAUNCH_TOKEN or a random one)",
+    )
+    ft.add_argument(
+        "--max-agent-restarts",
+        "--max_agent_restarts",
+        type=integer,
+        default=3,
+        help="times the supervisor respawns a group whose agent died (default 3)",
+    )
+    ft.add_argument(
+        "--grace-period",
+        "--grace_period",
+        type=number,
+        default=15.0,
+        help="seconds SIGTERM/SIGINT gives groups to stop before SIGKILL (default 15)",
+    )
     ft.add_argument("--chaos", type=_chaos, default=None, metavar="SPEC", help=CHAOS_HELP)
-    ft.add_argument("--status", dest="status_line", action="store_true", default=None,
-                    help="force the live status line (default: only on a terminal)")
-    ft.add_argument("--no-status", dest="status_line", action="store_false", help="never draw the status line")
-    ft.add_argument("--no-summary", dest="summary", action="store_false", default=True,
-                    help="do not print the summary table at exit")
+    ft.add_argument(
+        "--status",
+        dest="status_line",
+        action="store_true",
+        default=None,
+        help="force the live status line (default: only on a terminal)",
+    )
+    ft.add_argument(
+        "--no-status", dest="status_line", action="store_false", help="never draw the status line"
+    )
+    ft.add_argument(
+        "--no-summary",
+        dest="summary",
+        action="store_false",
+        default=True,
+        help="do not print the summary table at exit",
+    )
 
     tr = p.add_argument_group(
         "torchrun's flags (torch's own definitions: every flag of this torch's torchrun, applied to each "
         "replica group, or refused with a reason)"
     )
     p.set_defaults(_torchrun_actions=add_torchrun_flags(tr))
-    p.add_argument("training_script", help="the training script (or module with -m, program with --no-python)")
+    p.add_argument(
+        "training_script", help="the training script (or module with -m, program with --no-python)"
+    )
     p.add_argument("training_script_args", nargs=argparse.REMAINDER, help="arguments of the training script")
     return p
 
@@ -229,7 +289,10 @@ def options_from_args(argv: list[str] | None = None) -> LaunchOptions:
 def main(argv: list[str] | None = None) -> int:
     from ftlaunch.launcher.supervisor import EXIT_USAGE, LaunchError, Supervisor
 
-    logging.basicConfig(level=os.environ.get("LOGLEVEL", "WARNING").upper(), format="[ftlaunch] %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=os.environ.get("LOGLEVEL", "WARNING").upper(),
+        format="[ftlaunch] %(levelname)s %(name)s: %(message)s",
+    )
     opts = options_from_args(argv)
     try:
         return Supervisor(opts).run()

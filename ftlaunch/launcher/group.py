@@ -176,15 +176,19 @@ class Group:
         if code == 0 and status == "succeeded":
             if self.stopped_after_end:  # not a result of the job: ended like a straggler the launcher stops
                 self.state = STOPPED
-                return AgentExit(message=(
-                    f"[ftlaunch] replica group {self.gid}: the training finished while it was recovering "
-                    "(nobody left to heal it from); it ended (the lighthouse refused it a quorum)"
-                ))
+                return AgentExit(
+                    message=(
+                        f"[ftlaunch] replica group {self.gid}: the training finished while it was recovering "
+                        "(nobody left to heal it from); it ended (the lighthouse refused it a quorum)"
+                    )
+                )
             self.state = SUCCEEDED
             return AgentExit()
         if status == "failed":  # torchelastic gave up: restarts exhausted
             self.state = FAILED
-            self.root_cause = f"replica group {self.gid} failed: {describe_root_cause(result.get('root_cause', {}))}"
+            self.root_cause = (
+                f"replica group {self.gid} failed: {describe_root_cause(result.get('root_cause', {}))}"
+            )
             return AgentExit(report="workers failed, no restarts left")
         # The agent itself died (killed, crashed, or an exception outside the workers).
         how = f"killed by {_signal_name(-code)}" if code < 0 else f"exited with code {code}"
@@ -230,6 +234,7 @@ class Group:
         self.rejoin_times.append(elapsed)
         self.failure_at = None
         return elapsed
+
     def lighthouse_progress(self, p: GroupProgress, now: float, wall_offset: float) -> float | None:
         """What the lighthouse knows of the group's training (its leader's reports), read at ``now``.
 

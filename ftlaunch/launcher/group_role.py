@@ -47,17 +47,29 @@ def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="python -m ftlaunch.launcher.group_role", description=__doc__.splitlines()[0])
     p.add_argument("--group", type=int, required=True, help="this replica group's id")
     p.add_argument("--groups", type=int, required=True, help="number of replica groups")
-    p.add_argument("--spares", type=int, default=0, help="hot spares of the job (group ids --groups.. are spares)")
+    p.add_argument(
+        "--spares", type=int, default=0, help="hot spares of the job (group ids --groups.. are spares)"
+    )
     p.add_argument("--nnodes", type=int, default=1, help="nodes of each replica group (torchrun --nnodes)")
     p.add_argument("--node", default="0", help="this node's index in the group (torchx's ${replica_id})")
     p.add_argument("--app-id", default="", help="torchx's ${app_id}")
-    p.add_argument("--rank0-env", default="", help="torchx's ${rank0_env}: where the lighthouse role's host is")
+    p.add_argument(
+        "--rank0-env", default="", help="torchx's ${rank0_env}: where the lighthouse role's host is"
+    )
     p.add_argument("--job-dir", default=placement.AUTO, help="directory shared by all roles, or auto")
     p.add_argument("--lighthouse", default="", help="HOST:PORT of a lighthouse you run (no lighthouse role)")
-    p.add_argument("--lighthouse-timeout", type=float, default=300.0,
-                   help="seconds to wait for the lighthouse role's address")
-    p.add_argument("--hold-timeout", type=float, default=60.0,
-                   help="after torchrun ended, stop waiting once no group was live for this long")
+    p.add_argument(
+        "--lighthouse-timeout",
+        type=float,
+        default=300.0,
+        help="seconds to wait for the lighthouse role's address",
+    )
+    p.add_argument(
+        "--hold-timeout",
+        type=float,
+        default=60.0,
+        help="after torchrun ended, stop waiting once no group was live for this long",
+    )
     p.add_argument("torchrun_args", nargs=argparse.REMAINDER, help="-- then torchrun's arguments")
     return p
 
@@ -158,12 +170,16 @@ def hold(job_dir: str | None, expected: int, lighthouse: str, hold_timeout: floa
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=os.environ.get("LOGLEVEL", "INFO").upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=os.environ.get("LOGLEVEL", "INFO").upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     rid = env.replica_id(args.group)
     where = placement.detect(args.rank0_env)
     try:
-        job_dir = placement.job_dir(args.job_dir, args.app_id, where, needed=not args.lighthouse or args.nnodes > 1)
+        job_dir = placement.job_dir(
+            args.job_dir, args.app_id, where, needed=not args.lighthouse or args.nnodes > 1
+        )
         if job_dir is not None:
             os.makedirs(job_dir, exist_ok=True)
         if args.lighthouse:
@@ -189,9 +205,16 @@ def main(argv: list[str] | None = None) -> int:
     if signaled:
         return code
     if code != 0:
-        logger.warning("%s node %s: torchrun exited %d; this task waits for the other groups to finish "
-                       "(its end must not end theirs)", rid, args.node, code)
-    with StopSignals() as stop:  # SIGTERM (torchx cancel) / SIGINT (why not an Event set by a handler: see there)
+        logger.warning(
+            "%s node %s: torchrun exited %d; this task waits for the other groups to finish "
+            "(its end must not end theirs)",
+            rid,
+            args.node,
+            code,
+        )
+    with (
+        StopSignals() as stop
+    ):  # SIGTERM (torchx cancel) / SIGINT (why not an Event set by a handler: see there)
         why = hold(job_dir, (args.groups + args.spares) * args.nnodes, endpoint, args.hold_timeout, stop)
     logger.info("%s node %s: torchrun exited %d; job over (%s)", rid, args.node, code, why)
     return code

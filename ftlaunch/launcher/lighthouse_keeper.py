@@ -47,8 +47,12 @@ class LighthouseKeeper:
         """Host the lighthouse, or connect to ``--lighthouse``. Raises `LaunchError`."""
         opts = self._opts
         settings = LighthouseSettings(
-            bind=opts.lighthouse_bind, min_replicas=opts.min_replicas, expected_replicas=opts.replicas,
-            join_timeout=opts.join_timeout, heartbeat_timeout=opts.heartbeat_timeout, token=self._token,
+            bind=opts.lighthouse_bind,
+            min_replicas=opts.min_replicas,
+            expected_replicas=opts.replicas,
+            join_timeout=opts.join_timeout,
+            heartbeat_timeout=opts.heartbeat_timeout,
+            token=self._token,
         )
         self.lighthouse = open_job_lighthouse(opts.lighthouse, settings)
         return self.lighthouse
@@ -65,7 +69,9 @@ class LighthouseKeeper:
         try:
             lighthouse.restart()
         except (OSError, ValueError) as e:  # ConfigurationError: the port is taken; try again later
-            self._console.err(f"[ftlaunch] cannot restart the lighthouse on {lighthouse.address}: {e}; retrying")
+            self._console.err(
+                f"[ftlaunch] cannot restart the lighthouse on {lighthouse.address}: {e}; retrying"
+            )
             self._back_at = now + 1.0
             return False
         self._console.err(

@@ -50,15 +50,26 @@ def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="python -m ftlaunch.launcher.lighthouse_role", description=__doc__.splitlines()[0])
     p.add_argument("--job-dir", required=True, help="directory shared with the group roles, or auto")
     p.add_argument("--groups", type=int, required=True, help="exit files to wait for (group roles x nodes)")
-    p.add_argument("--bind", default=placement.AUTO,
-                   help="HOST:PORT to listen on (default auto: 127.0.0.1:0 on one machine, else 0.0.0.0:0)")
+    p.add_argument(
+        "--bind",
+        default=placement.AUTO,
+        help="HOST:PORT to listen on (default auto: 127.0.0.1:0 on one machine, else 0.0.0.0:0)",
+    )
     p.add_argument("--app-id", default="", help="torchx's ${app_id} (names the automatic job directory)")
     p.add_argument("--rank0-env", default="", help="torchx's ${rank0_env} (tells one machine from a cluster)")
-    p.add_argument("--idle-exit", type=float, default=300.0,
-                   help="after a group finished, exit when no group was live for this long (lost nodes)")
+    p.add_argument(
+        "--idle-exit",
+        type=float,
+        default=300.0,
+        help="after a group finished, exit when no group was live for this long (lost nodes)",
+    )
     p.add_argument("--min-replicas", type=int, default=1)
-    p.add_argument("--expected-replicas", type=int, default=0,
-                   help="replica groups of the job: the first quorum waits for them (up to --join-timeout)")
+    p.add_argument(
+        "--expected-replicas",
+        type=int,
+        default=0,
+        help="replica groups of the job: the first quorum waits for them (up to --join-timeout)",
+    )
     p.add_argument("--join-timeout", type=float, default=60.0)
     p.add_argument("--heartbeat-timeout", type=float, default=5.0)
     p.add_argument("--cleanup", action="store_true", help="remove --job-dir when every group has finished")
@@ -104,8 +115,10 @@ def _same_port_as_before(bind: str, job_dir: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=os.environ.get("LOGLEVEL", "INFO").upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=os.environ.get("LOGLEVEL", "INFO").upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     where = placement.detect(args.rank0_env)
     try:
         job_dir = placement.job_dir(args.job_dir, args.app_id, where, needed=True)
@@ -117,7 +130,9 @@ def main(argv: list[str] | None = None) -> int:
     assert job_dir is not None  # noqa: S101 - needed=True: a directory or ConfigurationError
     os.makedirs(job_dir, exist_ok=True)
     previous_token = _read(os.path.join(job_dir, TOKEN_FILE))
-    token = os.environ.get(env.FTLAUNCH_TOKEN) or previous_token or (None if loopback else secrets.token_hex(16))
+    token = (
+        os.environ.get(env.FTLAUNCH_TOKEN) or previous_token or (None if loopback else secrets.token_hex(16))
+    )
     restarted = _read(os.path.join(job_dir, ADDRESS_FILE)) is not None  # a previous incarnation served
     bind = _same_port_as_before(bind, job_dir)
     settings = LighthouseSettings(
@@ -133,12 +148,17 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigurationError as e:
         print(f"lighthouse role: error: {e}", file=sys.stderr)
         return 2
-    stop = StopSignals()  # SIGTERM (torchx cancel) / SIGINT (why not an Event set by a handler: see StopSignals)
+    stop = (
+        StopSignals()
+    )  # SIGTERM (torchx cancel) / SIGINT (why not an Event set by a handler: see StopSignals)
     if token:
         _write(os.path.join(job_dir, TOKEN_FILE), token, mode=0o600)  # for the job's user (dashboard, evict)
     _write(os.path.join(job_dir, ADDRESS_FILE), lighthouse.address)
-    print(f"ftlaunch lighthouse role listening on {lighthouse.address} ({where.scheduler}; job directory "
-          f"{job_dir}{'; job token in ' + TOKEN_FILE if token else ''})", flush=True)
+    print(
+        f"ftlaunch lighthouse role listening on {lighthouse.address} ({where.scheduler}; job directory "
+        f"{job_dir}{'; job token in ' + TOKEN_FILE if token else ''})",
+        flush=True,
+    )
     idle_since: float | None = None
     try:
         while not stop.wait(0.2):
@@ -154,8 +174,13 @@ def main(argv: list[str] | None = None) -> int:
             now = time.monotonic()
             idle_since = (idle_since or now) if done and lighthouse.live_groups() == 0 else None
             if idle_since is not None and now - idle_since > args.idle_exit:
-                logger.warning("%d of %d group role(s) finished and no group was live for %.0fs (lost "
-                               "nodes?); lighthouse role exits", len(done), args.groups, args.idle_exit)
+                logger.warning(
+                    "%d of %d group role(s) finished and no group was live for %.0fs (lost "
+                    "nodes?); lighthouse role exits",
+                    len(done),
+                    args.groups,
+                    args.idle_exit,
+                )
                 break
     finally:
         stop.close()

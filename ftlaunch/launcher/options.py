@@ -59,9 +59,13 @@ class ChaosSpec:
         if any(s < 0 for s in self.steps):
             raise ConfigurationError("--chaos steps must be >= 0")
         if self.signal not in CHAOS_SIGNALS:
-            raise ConfigurationError(f"--chaos signal={self.signal} must be one of {', '.join(CHAOS_SIGNALS)}")
+            raise ConfigurationError(
+                f"--chaos signal={self.signal} must be one of {', '.join(CHAOS_SIGNALS)}"
+            )
         if self.target not in CHAOS_TARGETS:
-            raise ConfigurationError(f"--chaos target={self.target} must be one of {', '.join(CHAOS_TARGETS)}")
+            raise ConfigurationError(
+                f"--chaos target={self.target} must be one of {', '.join(CHAOS_TARGETS)}"
+            )
         if self.count is not None and self.count < 1:
             raise ConfigurationError(f"--chaos count={self.count} must be >= 1")
         if self.group is not None and self.group < 0:
@@ -106,7 +110,9 @@ class ChaosSpec:
                 try:
                     kwargs[key] = tuple(sorted(int(s) for s in value.replace(":", "/").split("/") if s))
                 except ValueError:
-                    raise ConfigurationError(f"--chaos steps={value!r}: expected integers like 20/40/60") from None
+                    raise ConfigurationError(
+                        f"--chaos steps={value!r}: expected integers like 20/40/60"
+                    ) from None
             elif key in ("group", "count", "seed"):
                 try:
                     kwargs[key] = int(value)
@@ -199,11 +205,17 @@ class LaunchOptions:
         for ok, message in checks:
             if not ok:
                 raise ConfigurationError(message)
-        if self.local_ranks_filter and not all(r.strip().isdigit() for r in self.local_ranks_filter.split(",")):
+        if self.local_ranks_filter and not all(
+            r.strip().isdigit() for r in self.local_ranks_filter.split(",")
+        ):
             raise ConfigurationError(
                 f"--local-ranks-filter {self.local_ranks_filter!r}: expected local ranks like 0 or 0,1"
             )
-        if self.chaos is not None and self.chaos.group is not None and self.chaos.group >= self.replicas + self.spares:
+        if (
+            self.chaos is not None
+            and self.chaos.group is not None
+            and self.chaos.group >= self.replicas + self.spares
+        ):
             raise ConfigurationError(
                 f"--chaos group={self.chaos.group} but there are only {self.replicas + self.spares} groups"
             )

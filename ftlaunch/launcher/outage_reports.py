@@ -64,7 +64,9 @@ class UnreportedFailures:
                     out.append((group, reason))
         return out
 
-    def resend(self, lighthouse: JobLighthouse | None, groups: Sequence[Group], now: float) -> list[tuple[Group, str]]:
+    def resend(
+        self, lighthouse: JobLighthouse | None, groups: Sequence[Group], now: float
+    ) -> list[tuple[Group, str]]:
         """`due` against a hosted lighthouse that serves again (every `LOOK_S`; nothing otherwise)."""
         if not len(self) or not isinstance(lighthouse, HostedLighthouse) or not lighthouse.serving:
             return []

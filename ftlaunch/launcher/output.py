@@ -28,14 +28,18 @@ def without_repeated_tag(line: str) -> str:
     if m is None:
         return line
     tag = re.escape(f"rg{m.group('group')}/r{m.group('rank')}")
-    rest = re.sub(rf"\[{tag}(?: (step \d+))?\] ?", lambda t: f"[{t.group(1)}] " if t.group(1) else "", line[m.end():])
+    rest = re.sub(
+        rf"\[{tag}(?: (step \d+))?\] ?", lambda t: f"[{t.group(1)}] " if t.group(1) else "", line[m.end() :]
+    )
     return line[: m.end()] + rest
 
 
 class Console:
     """Line output with an optional status line kept at the bottom of a terminal."""
 
-    def __init__(self, out: TextIO | None = None, err: TextIO | None = None, status: bool | None = None) -> None:
+    def __init__(
+        self, out: TextIO | None = None, err: TextIO | None = None, status: bool | None = None
+    ) -> None:
         # A full disk under a redirected console drops lines instead of ending the job (streams.py).
         self._out = FullDiskTolerantStream(out or sys.stdout)
         self._err = FullDiskTolerantStream(err or sys.stderr)

@@ -48,7 +48,9 @@ def kill_procs(procs: list[psutil.Process], timeout: float = 5.0) -> list[psutil
 
 
 def terminate_tree(
-    roots: list[psutil.Process], grace: float, extra: list[psutil.Process] | None = None,
+    roots: list[psutil.Process],
+    grace: float,
+    extra: list[psutil.Process] | None = None,
     sig: int = signal.SIGTERM,
 ) -> list[psutil.Process]:
     """Send ``sig`` (SIGTERM) to the roots, wait up to ``grace`` for them to exit, then SIGKILL every

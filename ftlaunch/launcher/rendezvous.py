@@ -120,7 +120,9 @@ class FtRendezvousConfig:
     token: str | None = None
 
     @classmethod
-    def from_params(cls, params: RendezvousParameters, environ: Mapping[str, str] | None = None) -> FtRendezvousConfig:
+    def from_params(
+        cls, params: RendezvousParameters, environ: Mapping[str, str] | None = None
+    ) -> FtRendezvousConfig:
         """Validate ``params.config``; every problem is a `ConfigurationError` naming the key."""
         environ = os.environ if environ is None else environ
         unknown = sorted(k for k in params.config if k not in _OUR_KEYS and k not in _INNER_KEYS)
@@ -165,7 +167,9 @@ class FtRendezvousConfig:
             try:
                 value = params.get_as_bool(key, default)
             except ValueError:
-                raise ConfigurationError(f"ftlaunch rendezvous: {key}={params.get(key)!r} is not a boolean") from None
+                raise ConfigurationError(
+                    f"ftlaunch rendezvous: {key}={params.get(key)!r} is not a boolean"
+                ) from None
             return default if value is None else value
 
         def as_str(key: str, env_name: str | None = None) -> str:
@@ -191,7 +195,9 @@ class FtRendezvousConfig:
         min_replicas = as_int("lighthouse_min_replicas", default=1)
         assert min_replicas is not None  # noqa: S101 - has a default
         if min_replicas < 1:
-            raise ConfigurationError(f"ftlaunch rendezvous: lighthouse_min_replicas={min_replicas} must be >= 1")
+            raise ConfigurationError(
+                f"ftlaunch rendezvous: lighthouse_min_replicas={min_replicas} must be >= 1"
+            )
         return cls(
             replica_group_id=group,
             num_replica_groups=num,
@@ -282,11 +288,17 @@ class FtlaunchRendezvousHandler(RendezvousHandler):
         if info.rank == 0:
             self._worker_store = None
             self._worker_store = TCPStore(
-                self._local_addr or socket.getfqdn(), 0, is_master=True, multi_tenant=True,
-                wait_for_workers=False, timeout=timedelta(seconds=_STORE_TIMEOUT_S),
+                self._local_addr or socket.getfqdn(),
+                0,
+                is_master=True,
+                multi_tenant=True,
+                wait_for_workers=False,
+                timeout=timedelta(seconds=_STORE_TIMEOUT_S),
             )
             port = self._worker_store.port
-        bootstrap = RendezvousStoreInfo.build(info.rank, info.store, local_addr=self._local_addr, server_port=port)
+        bootstrap = RendezvousStoreInfo.build(
+            info.rank, info.store, local_addr=self._local_addr, server_port=port
+        )
         return RendezvousInfo(info.store, info.rank, info.world_size, bootstrap)
 
     def is_closed(self) -> bool:
@@ -334,7 +346,12 @@ class FtlaunchRendezvousHandler(RendezvousHandler):
         while True:
             if RemoteLighthouse.answers(addr, timeout=min(2.0, cfg.lighthouse_timeout)):
                 break
-            if not attempted_start and cfg.start_lighthouse and not cfg.lighthouse_file and is_local_host(host):
+            if (
+                not attempted_start
+                and cfg.start_lighthouse
+                and not cfg.lighthouse_file
+                and is_local_host(host)
+            ):
                 attempted_start = True
                 if port == 0 and cfg.num_replica_groups > 1:
                     raise ConfigurationError(
@@ -388,7 +405,9 @@ class FtlaunchRendezvousHandler(RendezvousHandler):
             ) from None
         except (OSError, ConfigurationError) as e:
             # Typically "address in use": another node on this machine won the race; use theirs.
-            logger.info("ftlaunch rendezvous: could not host the lighthouse on %s (%s); connecting", settings.bind, e)
+            logger.info(
+                "ftlaunch rendezvous: could not host the lighthouse on %s (%s); connecting", settings.bind, e
+            )
             return None
         logger.warning(
             "ftlaunch rendezvous: no lighthouse answered at %s:%d, so this agent (pid %d) hosts one at %s. "
@@ -408,8 +427,9 @@ class FtlaunchRendezvousHandler(RendezvousHandler):
     def _publish_env(self, addr: str) -> None:
         cfg = self.config
         # Published once `_ensure_lighthouse` found it answering: the workers wait out an outage.
-        job = env.JobEnv(cfg.replica_group_id, cfg.num_replica_groups, addr, cfg.token, cfg.spares,
-                         lighthouse_reached=True)
+        job = env.JobEnv(
+            cfg.replica_group_id, cfg.num_replica_groups, addr, cfg.token, cfg.spares, lighthouse_reached=True
+        )
         os.environ.update(job.to_environ())
 
 
@@ -417,7 +437,7 @@ def _inner_params(params: RendezvousParameters, cfg: FtRendezvousConfig, run_id:
     conf = {k: v for k, v in params.config.items() if k in _INNER_KEYS and k != "rank"}
     local_addr = params.local_addr
     if cfg.group_endpoint.startswith("file:"):
-        endpoint = cfg.group_endpoint[len("file:"):]
+        endpoint = cfg.group_endpoint[len("file:") :]
         conf["store_type"] = "file"
     elif cfg.group_endpoint:
         endpoint = cfg.group_endpoint

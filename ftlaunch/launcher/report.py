@@ -23,7 +23,14 @@ from ftlaunch.lighthouse.status import LighthouseStatus
 STATUS_INTERVAL_S = 0.5
 
 SUMMARY_HEADERS = [
-    "group", "state", "steps committed", "last step", "failures", "restarts", "time to rejoin", "final checksum",
+    "group",
+    "state",
+    "steps committed",
+    "last step",
+    "failures",
+    "restarts",
+    "time to rejoin",
+    "final checksum",
 ]
 
 
@@ -155,8 +162,13 @@ def lighthouse_lines(status: LighthouseStatus) -> list[str]:
     ]
     rows = [
         [
-            p.replica_id, str(p.heals), f"{p.heal_seconds:.2f}s", f"{p.step_seconds * 1e3:.1f}ms",
-            f"{p.quorum_seconds * 1e3:.1f}ms", f"{p.commit_seconds * 1e3:.1f}ms", f"{p.step_rate:.1f}",
+            p.replica_id,
+            str(p.heals),
+            f"{p.heal_seconds:.2f}s",
+            f"{p.step_seconds * 1e3:.1f}ms",
+            f"{p.quorum_seconds * 1e3:.1f}ms",
+            f"{p.commit_seconds * 1e3:.1f}ms",
+            f"{p.step_rate:.1f}",
         ]
         for p in status.progress
     ]

@@ -89,7 +89,8 @@ class Supervisor:
         self._training_started: float | None = None
         self._chaos = (
             Chaos(opts.chaos, self.groups, self.console, self._started, crash_lighthouse=self._keeper.crash)
-            if opts.chaos else None
+            if opts.chaos
+            else None
         )
         #: The lighthouse formed a quorum of two groups or more: the groups train together and heal
         #: from each other (fault-tolerant training, not independent scripts), see `_stop_stragglers`.
@@ -137,13 +138,27 @@ class Supervisor:
         self.console.clear_status()
         if self.opts.summary:
             injections = self._chaos.injections if self._chaos is not None else None
-            for line in summary_lines(code, time.monotonic() - self._started, self.groups, quorum_id,
-                                      injections, self._started, self._log_dir, final_status):
+            for line in summary_lines(
+                code,
+                time.monotonic() - self._started,
+                self.groups,
+                quorum_id,
+                injections,
+                self._started,
+                self._log_dir,
+                final_status,
+            ):
                 self.console.out(line)
             crash = self._chaos.lighthouse_crash if self._chaos is not None else None
             if crash is not None:
-                back = f"restarted {crash.down_for:.1f}s later" if crash.down_for is not None else "never restarted"
-                self.console.out(f"[ftlaunch] chaos: lighthouse crashed at t={crash.at - self._started:.1f}s: {back}")
+                back = (
+                    f"restarted {crash.down_for:.1f}s later"
+                    if crash.down_for is not None
+                    else "never restarted"
+                )
+                self.console.out(
+                    f"[ftlaunch] chaos: lighthouse crashed at t={crash.at - self._started:.1f}s: {back}"
+                )
         if code != EXIT_OK and self._exit_root_cause:
             self.console.err(f"ftlaunch: error: {self._exit_root_cause}")
         if code == EXIT_OK and self._own_log_dir:
@@ -157,11 +172,21 @@ class Supervisor:
         group.agent_started()
         # The lighthouse answered (we host it, or connected to it): a group (re)started while it is
         # down waits for it like the running ones (FTLAUNCH_LIGHTHOUSE_OUTAGE), not 10 s.
-        job = env.JobEnv(group.gid, self.opts.replicas, self._lighthouse.address, self._token, self.opts.spares,
-                         lighthouse_reached=True)
+        job = env.JobEnv(
+            group.gid,
+            self.opts.replicas,
+            self._lighthouse.address,
+            self._token,
+            self.opts.spares,
+            lighthouse_reached=True,
+        )
         self._agents[group.gid], config_written = start_agent(
-            self.opts, job, run_id=self._run_id, group_dir=os.path.join(self._log_dir, group.replica_id),
-            incarnation=group.incarnation, news=self._events,
+            self.opts,
+            job,
+            run_id=self._run_id,
+            group_dir=os.path.join(self._log_dir, group.replica_id),
+            incarnation=group.incarnation,
+            news=self._events,
         )
         if not config_written:
             self._log_disk.poll(force=True)
@@ -193,7 +218,9 @@ class Supervisor:
             procs.reap_zombies({a.proc.pid for a in self._agents.values()})
             self._read_progress(now)
             if self._chaos is not None:
-                self._chaos.tick(now, self._training_started, {g: a.proc.pid for g, a in self._agents.items()})
+                self._chaos.tick(
+                    now, self._training_started, {g: a.proc.pid for g, a in self._agents.items()}
+                )
             if self._keeper.watch(now) and self._chaos is not None:  # restarts a hosted one that stopped
                 self._chaos.lighthouse_restarted(now)
             self._keeper.resend_missed(self.groups, now)  # failures a down lighthouse missed
@@ -255,7 +282,9 @@ class Supervisor:
                 continue
             before = group.committed
             rejoined_at = group.lighthouse_progress(p, now, wall_offset)
-            replaced = self._takeovers.committed(group.gid) if self._takeovers and group.committed > before else None
+            replaced = (
+                self._takeovers.committed(group.gid) if self._takeovers and group.committed > before else None
+            )
             if replaced is not None:  # the spare that took a failed group's slot committed: recovered
                 if self.groups[replaced].slot_taken_over(now) is not None and self._chaos is not None:
                     self._chaos.rejoined(replaced, now)
@@ -277,8 +306,10 @@ class Supervisor:
         elif kind == "worker_stopped":
             stopped = f"rank {ev.get('rank')} (pid {ev.get('pid')}) stopped by {ev.get('signal')}"
             if not self.opts.kill_stopped:
-                self.console.err(f"[ftlaunch] replica group {group.gid}: {stopped}; its peers go on once the lighthouse "
-                                 "declares it hung (about half a second while they wait for it; else --heartbeat-timeout)")
+                self.console.err(
+                    f"[ftlaunch] replica group {group.gid}: {stopped}; its peers go on once the lighthouse "
+                    "declares it hung (about half a second while they wait for it; else --heartbeat-timeout)"
+                )
                 return
             # --kill-stopped: a hang handled as a crash. The others' next quorum goes on without it
             # at once (a group merely told failed could continue after they finished and train alone).
@@ -288,10 +319,14 @@ class Supervisor:
         elif kind == "worker_exit":
             restart = int(ev.get("restart", group.generation))
             how = f"killed by {ev['signal']}" if "signal" in ev else f"exited with code {ev.get('exitcode')}"
-            failure = group.worker_exited(int(ev.get("pid", -1)), ev.get("rank"), restart, ev.get("failed"), how, now)
+            failure = group.worker_exited(
+                int(ev.get("pid", -1)), ev.get("rank"), restart, ev.get("failed"), how, now
+            )
             if failure is not None:
                 self._keeper.report_failure(group, failure)
-                then = "its agent restarts the group" if self.opts.max_restarts > restart else "no restarts left"
+                then = (
+                    "its agent restarts the group" if self.opts.max_restarts > restart else "no restarts left"
+                )
                 if self.opts.max_restarts <= restart:
                     self._out_of_restarts.add(group.gid)  # it fails on its own: not a straggler to stop
                 self.console.err(f"[ftlaunch] replica group {group.gid}: {failure}; lighthouse told; {then}")
@@ -434,5 +469,9 @@ class Supervisor:
         extra = [p for g in self.groups for p in self._group_processes(g)]
         for group in self.groups:
             group.stopped_by_launcher()
-        procs.stop_job([a.proc for a in self._agents.values()], extra, self.opts.grace_period,
-                       self._stop_signal or signal.SIGTERM)
+        procs.stop_job(
+            [a.proc for a in self._agents.values()],
+            extra,
+            self.opts.grace_period,
+            self._stop_signal or signal.SIGTERM,
+        )

@@ -43,7 +43,9 @@ if TYPE_CHECKING:
 #: here: that module imports torch's rendezvous at import time).
 BACKEND = "ftlaunch"
 
-_MULTI_NODE = "for multi-node groups run one `torchrun --rdzv-backend ftlaunch` per node (see docs/launcher.md)"
+_MULTI_NODE = (
+    "for multi-node groups run one `torchrun --rdzv-backend ftlaunch` per node (see docs/launcher.md)"
+)
 
 
 def _nnodes(value: Any) -> str | None:
@@ -139,10 +141,13 @@ TORCHRUN_FLAGS: dict[str, Flag] = {
     "rdzv_id": Flag("ftlaunch: the job id; group G's rendezvous is <id>-rgG (default: a random id)"),
     "rdzv_conf": Flag("ftlaunch: passed to every group's rendezvous (keys: docs/launcher.md)"),
     "standalone": Flag("ftlaunch: accepted, no effect: every group already has its own local store"),
-    "max_restarts": _ours(3, "ftlaunch: restarts of one group's workers by its agent (default 3; torchrun's is 0)"),
+    "max_restarts": _ours(
+        3, "ftlaunch: restarts of one group's workers by its agent (default 3; torchrun's is 0)"
+    ),
     "monitor_interval": _ours(
-        0.02, "ftlaunch: the agent looks at its workers every 20 ms (torchrun's 0.1 s): a dead worker is "
-        "restarted sooner; the cost is one waitpid per tick"
+        0.02,
+        "ftlaunch: the agent looks at its workers every 20 ms (torchrun's 0.1 s): a dead worker is "
+        "restarted sooner; the cost is one waitpid per tick",
     ),
     "start_method": Flag(),
     "event_log_handler": Flag("applies to every group's agent", refuse=_event_log_handler),
@@ -150,14 +155,18 @@ TORCHRUN_FLAGS: dict[str, Flag] = {
     "module": Flag(),
     "no_python": Flag(),
     "run_path": Flag(),
-    "log_dir": Flag("ftlaunch: one sub-directory per group (default: a temporary directory, removed after success)"),
+    "log_dir": Flag(
+        "ftlaunch: one sub-directory per group (default: a temporary directory, removed after success)"
+    ),
     "redirects": Flag(),
     "tee": _ours("3", "ftlaunch: default 3, both streams teed with a [rgG/rR] prefix"),
     "local_ranks_filter": Flag("applies to every group"),
     "duplicate_stdout_filters": Flag("applies to every group (the copies are under --log-dir)"),
     "duplicate_stderr_filters": Flag("applies to every group (the copies are under --log-dir)"),
     "node_rank": Flag("ftlaunch: only 0 (each replica group is a single node)", refuse=_node_rank),
-    "master_addr": Flag("ftlaunch: only this machine (each group's store is on this machine)", refuse=_master_addr),
+    "master_addr": Flag(
+        "ftlaunch: only this machine (each group's store is on this machine)", refuse=_master_addr
+    ),
     "master_port": Flag("ftlaunch: refused (each group's store binds a free port)", refuse=_master_port),
     "local_addr": Flag("address each group's stores bind and advertise (default loopback)"),
     "logs_specs": Flag("applies to every group", refuse=_logs_specs),
@@ -184,7 +193,8 @@ def torchrun_actions(parser: argparse.ArgumentParser | None = None) -> list[argp
     """torchrun's optional flags (no help, no positionals), in the order of its parser."""
     parser = parser or torchrun_parser()
     return [
-        a for a in parser._actions  # noqa: SLF001 - argparse exposes no public list of a parser's actions
+        a
+        for a in parser._actions  # noqa: SLF001 - argparse exposes no public list of a parser's actions
         if a.option_strings and a.dest not in ("help", *_POSITIONALS)
     ]
 

@@ -110,8 +110,12 @@ def hsdp_app(
         raise ConfigurationError("give --script or -m, not both")
     if script is None and m is None:
         script = DEFAULT_SCRIPT
-    for value, what in ((replicas, "replicas"), (workers_per_replica, "workers_per_replica"),
-                        (nnodes_per_replica, "nnodes_per_replica"), (min_replicas, "min_replicas")):
+    for value, what in (
+        (replicas, "replicas"),
+        (workers_per_replica, "workers_per_replica"),
+        (nnodes_per_replica, "nnodes_per_replica"),
+        (min_replicas, "min_replicas"),
+    ):
         if value < 1:
             raise ConfigurationError(f"--{what} must be >= 1 (got {value})")
     if spares < 0:
@@ -139,13 +143,21 @@ def hsdp_app(
                 image=image,
                 entrypoint="python",
                 args=[
-                    "-m", "ftlaunch.launcher.lighthouse_role", *where,
-                    "--groups", str((replicas + spares) * nnodes_per_replica),
-                    "--min-replicas", str(min_replicas),
-                    "--expected-replicas", str(replicas),
-                    "--join-timeout", str(join_timeout),
-                    "--heartbeat-timeout", str(heartbeat_timeout),
-                    "--bind", lighthouse_bind or AUTO,
+                    "-m",
+                    "ftlaunch.launcher.lighthouse_role",
+                    *where,
+                    "--groups",
+                    str((replicas + spares) * nnodes_per_replica),
+                    "--min-replicas",
+                    str(min_replicas),
+                    "--expected-replicas",
+                    str(replicas),
+                    "--join-timeout",
+                    str(join_timeout),
+                    "--heartbeat-timeout",
+                    str(heartbeat_timeout),
+                    "--bind",
+                    lighthouse_bind or AUTO,
                     *(["--cleanup"] if own_job_dir else []),
                 ],
                 env=dict(base_env),
@@ -161,12 +173,18 @@ def hsdp_app(
 
     for group in range(replicas + spares):  # groups replicas.. start as hot spares
         torchrun = [
-            "--rdzv-backend", "ftlaunch",
-            "--rdzv-id", macros.app_id,
-            "--nnodes", str(nnodes_per_replica),
-            "--nproc-per-node", str(workers_per_replica),
-            "--max-restarts", str(max_restarts),
-            "--tee", str(tee),
+            "--rdzv-backend",
+            "ftlaunch",
+            "--rdzv-id",
+            macros.app_id,
+            "--nnodes",
+            str(nnodes_per_replica),
+            "--nproc-per-node",
+            str(workers_per_replica),
+            "--max-restarts",
+            str(max_restarts),
+            "--tee",
+            str(tee),
         ]
         torchrun += [script] if script is not None else ["-m", m or ""]
         torchrun += list(script_args)
@@ -176,14 +194,21 @@ def hsdp_app(
                 image=image,
                 entrypoint="python",
                 args=[
-                    "-m", "ftlaunch.launcher.group_role", *where,
-                    "--group", str(group),
-                    "--groups", str(replicas),
+                    "-m",
+                    "ftlaunch.launcher.group_role",
+                    *where,
+                    "--group",
+                    str(group),
+                    "--groups",
+                    str(replicas),
                     *(["--spares", str(spares)] if spares else []),
-                    "--nnodes", str(nnodes_per_replica),
-                    "--node", macros.replica_id,
+                    "--nnodes",
+                    str(nnodes_per_replica),
+                    "--node",
+                    macros.replica_id,
                     *(["--lighthouse", lighthouse] if lighthouse else []),
-                    "--", *torchrun,
+                    "--",
+                    *torchrun,
                 ],
                 num_replicas=nnodes_per_replica,
                 env={**base_env, **_job_environ(group, replicas, lighthouse, spares)},
@@ -204,7 +229,9 @@ def diloco_environ(
     from ftlaunch.errors import ConfigurationError
 
     if fragments < 1 or sync_every < fragments or sync_every % fragments:
-        raise ConfigurationError(f"--sync_every {sync_every} must be a multiple of --fragments {fragments} (>= 1)")
+        raise ConfigurationError(
+            f"--sync_every {sync_every} must be a multiple of --fragments {fragments} (>= 1)"
+        )
     if not 0 <= fragment_sync_delay < sync_every // fragments:
         raise ConfigurationError(
             f"--fragment_sync_delay {fragment_sync_delay} must be >= 0 and < sync_every / fragments"

@@ -41,7 +41,9 @@ class _Entry:
     @property
     def full(self) -> Response:
         if self._full is None:
-            self._full = _encode({"quorum": self.quorum.to_json(), "revision": self.revision, "version": API_VERSION})
+            self._full = _encode(
+                {"quorum": self.quorum.to_json(), "revision": self.revision, "version": API_VERSION}
+            )
         return self._full
 
 

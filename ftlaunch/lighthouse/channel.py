@@ -36,7 +36,12 @@ class Channel:
     """One persistent HTTP connection with retry-on-connection-error. Used by one thread at a time."""
 
     def __init__(
-        self, host: str, port: int, connect_timeout: float, token: str | None, incarnation: str,
+        self,
+        host: str,
+        port: int,
+        connect_timeout: float,
+        token: str | None,
+        incarnation: str,
         on_connection: Callable[[bool], None] | None = None,
     ) -> None:
         self._host, self._port = host, port
@@ -162,12 +167,16 @@ def decode(status: int, data: bytes, url: str) -> dict:
     try:
         obj = json.loads(data) if data else {}
     except ValueError:
-        raise LighthouseError(f"lighthouse {url} answered HTTP {status} with a non-JSON body: {data[:200]!r}") from None
+        raise LighthouseError(
+            f"lighthouse {url} answered HTTP {status} with a non-JSON body: {data[:200]!r}"
+        ) from None
     if not isinstance(obj, dict):
         raise LighthouseError(f"lighthouse {url} answered HTTP {status} with JSON that is not an object")
     version = obj.get("version")
     if version != API_VERSION:
-        raise LighthouseError(f"lighthouse {url} speaks protocol version {version!r}, this client {API_VERSION}")
+        raise LighthouseError(
+            f"lighthouse {url} speaks protocol version {version!r}, this client {API_VERSION}"
+        )
     return obj
 
 

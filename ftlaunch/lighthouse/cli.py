@@ -30,33 +30,68 @@ def _milliseconds(text: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = OneLineParser(prog=PROG, description="ftlaunch quorum server (lighthouse). Protocol: docs/lighthouse.md.")
-    p.add_argument("--bind", default="127.0.0.1:0", help="HOST:PORT to listen on; port 0 picks a free port (default %(default)s)")
+    p = OneLineParser(
+        prog=PROG, description="ftlaunch quorum server (lighthouse). Protocol: docs/lighthouse.md."
+    )
+    p.add_argument(
+        "--bind",
+        default="127.0.0.1:0",
+        help="HOST:PORT to listen on; port 0 picks a free port (default %(default)s)",
+    )
     # torchft's flag spellings (--min_replicas, *_ms in milliseconds) are aliases: its README's command
     # works unchanged. Each pair writes the same destination, in seconds.
-    p.add_argument("--min-replicas", "--min_replicas", type=positive_integer, default=1, help="smallest quorum (default %(default)s)")
-    p.add_argument("--expected-replicas", type=int, default=0,
-                   help="replica groups of the job: the first quorum waits for them, up to --join-timeout "
-                   "(default %(default)s: form with whoever asks)")
+    p.add_argument(
+        "--min-replicas",
+        "--min_replicas",
+        type=positive_integer,
+        default=1,
+        help="smallest quorum (default %(default)s)",
+    )
+    p.add_argument(
+        "--expected-replicas",
+        type=int,
+        default=0,
+        help="replica groups of the job: the first quorum waits for them, up to --join-timeout "
+        "(default %(default)s: form with whoever asks)",
+    )
     for name, default, what in (
         ("join-timeout", 60.0, "seconds to wait for stragglers"),
         ("quorum-tick", 0.1, "timer period in seconds for time-based rules"),
         ("heartbeat-timeout", 5.0, "seconds of silence before a group is out"),
     ):
         dest = name.replace("-", "_")
-        p.add_argument(f"--{name}", dest=dest, type=_seconds, default=default, metavar="SECONDS", help=f"{what} (default %(default)s)")
-        p.add_argument(f"--{dest}_ms", dest=dest, type=_milliseconds, default=argparse.SUPPRESS, metavar="MS",
-                       help=f"torchft's spelling of --{name}, in milliseconds")
-    p.add_argument("--startup-grace", type=_seconds, default=0.0,
-                   help="when restarting the lighthouse of a running job: form no first quorum for this many "
-                        "seconds unless the groups report their last one (use the heartbeat timeout; default 0)")
+        p.add_argument(
+            f"--{name}",
+            dest=dest,
+            type=_seconds,
+            default=default,
+            metavar="SECONDS",
+            help=f"{what} (default %(default)s)",
+        )
+        p.add_argument(
+            f"--{dest}_ms",
+            dest=dest,
+            type=_milliseconds,
+            default=argparse.SUPPRESS,
+            metavar="MS",
+            help=f"torchft's spelling of --{name}, in milliseconds",
+        )
+    p.add_argument(
+        "--startup-grace",
+        type=_seconds,
+        default=0.0,
+        help="when restarting the lighthouse of a running job: form no first quorum for this many "
+        "seconds unless the groups report their last one (use the heartbeat timeout; default 0)",
+    )
     p.add_argument(
         "--token",
         default=os.environ.get(env.FTLAUNCH_TOKEN) or None,
         help=f"job token every group and admin request must carry (default: ${env.FTLAUNCH_TOKEN}); "
         "without one the lighthouse serves loopback only and its admin endpoints are disabled",
     )
-    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], type=str.upper)
+    p.add_argument(
+        "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], type=str.upper
+    )
     return p
 
 
@@ -87,7 +122,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG} listening on {server.address}", flush=True)
         stop.wait()
         if stop.received is not None:
-            logging.getLogger(__name__).info("lighthouse: %s received, shutting down", signal.Signals(stop.received).name)
+            logging.getLogger(__name__).info(
+                "lighthouse: %s received, shutting down", signal.Signals(stop.received).name
+            )
     finally:
         server.shutdown()
         stop.close()

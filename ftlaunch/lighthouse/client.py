@@ -59,7 +59,9 @@ class HeartbeatHandle:
         self._client = client
         self._channel = client._new_channel()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"ftlaunch-heartbeat-{replica_id}", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, name=f"ftlaunch-heartbeat-{replica_id}", daemon=True
+        )
         self._thread.start()
 
     @property
@@ -76,7 +78,9 @@ class HeartbeatHandle:
                 if answer.get("lost") or answer.get("superseded") is not None:
                     self._client._tell_lost(self.replica_id, answer)
                 if failing:
-                    log.info("lighthouse client: heartbeat of %s reaches the lighthouse again", self.replica_id)
+                    log.info(
+                        "lighthouse client: heartbeat of %s reaches the lighthouse again", self.replica_id
+                    )
                 failing = False
                 self.advised = _advised_pace(answer.get("interval"))
             except EvictedError as e:
@@ -87,7 +91,9 @@ class HeartbeatHandle:
                 if self._stop.is_set():
                     return
                 if not failing:  # log once per outage, not once per beat
-                    log.warning("lighthouse client: heartbeat of %s failed: %s (retrying)", self.replica_id, e)
+                    log.warning(
+                        "lighthouse client: heartbeat of %s failed: %s (retrying)", self.replica_id, e
+                    )
                 failing = True
             self._stop.wait(max(self.interval, self.advised))
 
@@ -105,7 +111,12 @@ class HeartbeatHandle:
 def _advised_pace(value: object) -> float:
     """A heartbeat answer's ``interval`` (seconds), bounded by `MAX_ADVISED_INTERVAL`; 0 when absent
     or not a number (an older lighthouse advises nothing: the client's own interval applies)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value <= 0
+    ):
         return 0.0
     return min(float(value), MAX_ADVISED_INTERVAL)
 
@@ -246,7 +257,12 @@ class LighthouseClient:
 
     def _new_channel(self) -> Channel:
         channel = Channel(
-            self._host, self._port, self._connect_timeout, self._token, self.incarnation, self._note_connection
+            self._host,
+            self._port,
+            self._connect_timeout,
+            self._token,
+            self.incarnation,
+            self._note_connection,
         )
         with self._lock:
             self._channels.add(channel)
@@ -279,11 +295,15 @@ class LighthouseClient:
         with self._lock:
             if replica_id in self._evicted:
                 self._evicted.discard(replica_id)
-                raise EvictedError(f"replica {replica_id} was evicted by the lighthouse (noticed by its heartbeat)")
+                raise EvictedError(
+                    f"replica {replica_id} was evicted by the lighthouse (noticed by its heartbeat)"
+                )
 
     # -- API
 
-    def quorum(self, member: QuorumMember, timeout: float, *, unreachable_after: float | None = None) -> Quorum:
+    def quorum(
+        self, member: QuorumMember, timeout: float, *, unreachable_after: float | None = None
+    ) -> Quorum:
         """Block until a quorum containing ``member`` forms (long poll) and return it.
         ``unreachable_after``: retry failed connections for that long instead of the connect timeout."""
         if timeout <= 0:
@@ -301,17 +321,27 @@ class LighthouseClient:
         read_timeout = timeout + min(self._connect_timeout, LONG_POLL_GRACE)
         try:
             status, obj = self._channel().call(
-                "POST", PATH_PREFIX + "/quorum", body, read_timeout=read_timeout, connect_timeout=unreachable_after
+                "POST",
+                PATH_PREFIX + "/quorum",
+                body,
+                read_timeout=read_timeout,
+                connect_timeout=unreachable_after,
             )
             if status == 400 and held is not None and "'known'" in str(obj.get("error", "")):
                 # A lighthouse older than answer deltas (restarted from an older install): ask as before.
-                log.info("lighthouse client: the lighthouse does not know quorum deltas; asking for whole quorums")
+                log.info(
+                    "lighthouse client: the lighthouse does not know quorum deltas; asking for whole quorums"
+                )
                 with self._lock:
                     self._deltas_refused = True
                 del body["known"]
                 held = None
                 status, obj = self._channel().call(
-                    "POST", PATH_PREFIX + "/quorum", body, read_timeout=read_timeout, connect_timeout=unreachable_after
+                    "POST",
+                    PATH_PREFIX + "/quorum",
+                    body,
+                    read_timeout=read_timeout,
+                    connect_timeout=unreachable_after,
                 )
             raise_for(status, obj, what)
         except EvictedError:
@@ -352,16 +382,24 @@ class LighthouseClient:
         if resume is not None and self._resume_told != (resume.get("quorum_id"), failures):
             body["resume"] = resume
         status, obj = channel.call(
-            "POST", PATH_PREFIX + "/heartbeat", body,
-            bind_replica=replica_id if bind else None, read_timeout=self._connect_timeout, stop=stop,
+            "POST",
+            PATH_PREFIX + "/heartbeat",
+            body,
+            bind_replica=replica_id if bind else None,
+            read_timeout=self._connect_timeout,
+            stop=stop,
         )
         for field in ("blocked", "resume"):
             if status == 400 and field in body and f"'{field}'" in str(obj.get("error", "")):
                 self._refused.add(field)  # a lighthouse older than the field: beat without it
                 del body[field]
                 status, obj = channel.call(
-                    "POST", PATH_PREFIX + "/heartbeat", body,
-                    bind_replica=replica_id if bind else None, read_timeout=self._connect_timeout, stop=stop,
+                    "POST",
+                    PATH_PREFIX + "/heartbeat",
+                    body,
+                    bind_replica=replica_id if bind else None,
+                    read_timeout=self._connect_timeout,
+                    stop=stop,
                 )
         raise_for(status, obj, f"heartbeat of {replica_id}")
         if "resume" in body:
@@ -444,7 +482,8 @@ class LighthouseClient:
 
     def report_failure(self, replica_id: str, reason: str = "") -> None:
         self._call(
-            "/admin/report_failure", {"replica_id": replica_id, "reason": reason},
+            "/admin/report_failure",
+            {"replica_id": replica_id, "reason": reason},
             f"report_failure of {replica_id}",
         )
 

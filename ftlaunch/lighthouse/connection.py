@@ -164,7 +164,9 @@ class Connection(asyncio.BufferedProtocol):
         self._buf += self._server.recv_buffer[:nbytes]
         if self._poll is not None:
             if len(self._buf) > MAX_PIPELINED_BYTES:
-                log.warning("lighthouse: %s sent %d bytes while parked; dropping it", self.peer, len(self._buf))
+                log.warning(
+                    "lighthouse: %s sent %d bytes while parked; dropping it", self.peer, len(self._buf)
+                )
                 self.close()
             return
         self._serve()
@@ -298,8 +300,12 @@ class Connection(asyncio.BufferedProtocol):
                 return
             self._errors += 1
             if self._errors >= MAX_ERRORS_PER_CONNECTION and not e.close:
-                e = HttpError(e.status, f"{e.message} (and closing: {self._errors} bad requests on this connection)",
-                              close=True, headers=e.headers)
+                e = HttpError(
+                    e.status,
+                    f"{e.message} (and closing: {self._errors} bad requests on this connection)",
+                    close=True,
+                    headers=e.headers,
+                )
             result = handler.error(e, request.head, self.peer)
         if isinstance(result, Response):
             self._respond(result, close=request.head.close, head_only=request.method == "HEAD")
@@ -396,7 +402,9 @@ class Connection(asyncio.BufferedProtocol):
                 self._poll.expire()
             elif self._reading_since is not None:  # a slow (or stalled) client
                 self._timed_out = True
-                self._refuse(HttpError(408, f"request not received within {self._server.read_timeout:g}s", close=True))
+                self._refuse(
+                    HttpError(408, f"request not received within {self._server.read_timeout:g}s", close=True)
+                )
             else:  # idle keep-alive, or a peer that does not read its answers: not a death
                 self.close()
         except Exception:

@@ -75,7 +75,11 @@ def when(ts: float | None) -> str:
     if not ts:
         return ""
     dt = datetime.fromtimestamp(ts).astimezone()
-    return dt.strftime("%Y-%m-%d %H:%M:%S") + f".{dt.microsecond // 1000:03d} " + (dt.strftime("%Z") or dt.strftime("%z"))
+    return (
+        dt.strftime("%Y-%m-%d %H:%M:%S")
+        + f".{dt.microsecond // 1000:03d} "
+        + (dt.strftime("%Z") or dt.strftime("%z"))
+    )
 
 
 def quorum_label(quorum_id: int | None) -> str:
@@ -124,8 +128,10 @@ def render(status: LighthouseStatus) -> str:
 
 def _admin_form(enabled: bool) -> str:
     if not enabled:
-        return ("<p id='admin' class='muted'>Evict/Kill are disabled: the lighthouse was started without a "
-                "job token.</p>")
+        return (
+            "<p id='admin' class='muted'>Evict/Kill are disabled: the lighthouse was started without a "
+            "job token.</p>"
+        )
     return (
         "<form id='admin' autocomplete='off' onsubmit='return false'>"
         "<label>Job token (for Evict/Kill; sent with the request, never stored in the page) "
@@ -158,7 +164,9 @@ def _quorum_section(status: LighthouseStatus) -> list[str]:
         out.append("<p class='muted'>none yet</p>")
     out.append(f"<p>Decision: {_e(status.decision)}</p>")
     pending = status.pending
-    out.append(f"<p>Waiting for a quorum: {_e(', '.join(pending)) if pending else '<span class=muted>nobody</span>'}</p>")
+    out.append(
+        f"<p>Waiting for a quorum: {_e(', '.join(pending)) if pending else '<span class=muted>nobody</span>'}</p>"
+    )
     return out
 
 
@@ -181,7 +189,8 @@ def _groups_section(status: LighthouseStatus) -> list[str]:
     out = ["<h2>Replica groups</h2>"]
     if status.groups:
         out.append(
-            "<table id='groups'><tr><th>replica</th><th>health</th><th>step</th>" + _PROGRESS_HEADERS
+            "<table id='groups'><tr><th>replica</th><th>health</th><th>step</th>"
+            + _PROGRESS_HEADERS
             + "<th>last heard</th><th>first seen</th><th>connections</th><th>in quorum</th><th>requesting</th>"
             "<th>heartbeats</th><th>address</th><th>note</th><th>actions</th></tr>"
         )
@@ -208,8 +217,11 @@ def _groups_section(status: LighthouseStatus) -> list[str]:
     known = {g.replica_id for g in status.groups}
     gone = [p for p in status.progress if p.replica_id not in known]
     if gone:
-        out.append("<h3>Groups that left</h3><table id='left'><tr><th>replica</th><th>step</th>"
-                   + _PROGRESS_HEADERS + "<th>finished</th><th>checksum</th></tr>")
+        out.append(
+            "<h3>Groups that left</h3><table id='left'><tr><th>replica</th><th>step</th>"
+            + _PROGRESS_HEADERS
+            + "<th>finished</th><th>checksum</th></tr>"
+        )
         for p in gone:
             out.append(
                 f"<tr><td class='mono'>{_e(p.replica_id)}</td><td>{_e(p.step)}</td>{_progress_cells(p)}"
@@ -240,8 +252,10 @@ def _history_section(status: LighthouseStatus) -> list[str]:
 
 def _spares_html(spares: SparesStatus) -> list[str]:
     """The slot table of a job with hot spares: who holds each replica-group slot, who waits."""
-    out = [f"<h2>Slots and hot spares ({len(spares.waiting)} waiting, {spares.promotions} promoted)</h2>",
-           "<table id='spares'><tr><th>slot</th><th>held as</th><th>holder</th><th>state</th><th>held for</th></tr>"]
+    out = [
+        f"<h2>Slots and hot spares ({len(spares.waiting)} waiting, {spares.promotions} promoted)</h2>",
+        "<table id='spares'><tr><th>slot</th><th>held as</th><th>holder</th><th>state</th><th>held for</th></tr>",
+    ]
     for s in spares.slots:
         held = f"{s.held_for:.1f}s" if s.held_for is not None else ""
         out.append(
@@ -255,5 +269,7 @@ def _spares_html(spares: SparesStatus) -> list[str]:
     else:
         out.append("<p class='muted'>no spare waiting: the next failure restarts and rejoins</p>")
     if spares.fenced:
-        out.append(f"<p>Replaced (refused if heard again): <span class='mono'>{_e(', '.join(spares.fenced))}</span></p>")
+        out.append(
+            f"<p>Replaced (refused if heard again): <span class='mono'>{_e(', '.join(spares.fenced))}</span></p>"
+        )
     return out

@@ -30,7 +30,9 @@ class HttpError(Exception):
     """An error answer: ``status`` (0: close without answering), message, extra headers, and
     whether the connection closes after it."""
 
-    def __init__(self, status: int, message: str, *, close: bool = False, headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, status: int, message: str, *, close: bool = False, headers: dict[str, str] | None = None
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -190,7 +192,14 @@ class HeadParser(BaseHTTPRequestHandler):
         headers: dict[str, str] = {}
         for name, value in self.headers.items():
             headers.setdefault(name.lower(), value)
-        return Head(self.command, self.path, self.request_version, headers, self.close_connection, self._expect_continue)
+        return Head(
+            self.command,
+            self.path,
+            self.request_version,
+            headers,
+            self.close_connection,
+            self._expect_continue,
+        )
 
     def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
         self._error = (code, message or phrase(code))
@@ -224,7 +233,14 @@ def with_new_length(last_raw: bytes, last_head: Head, raw: bytes) -> Head | None
         return None
     headers = dict(last_head.headers)
     headers["content-length"] = value.decode("ascii")
-    return Head(last_head.method, last_head.path, last_head.version, headers, last_head.close, last_head.expect_continue)
+    return Head(
+        last_head.method,
+        last_head.path,
+        last_head.version,
+        headers,
+        last_head.close,
+        last_head.expect_continue,
+    )
 
 
 def head_end(buf: bytearray, start: int, limit: int | None = None) -> int:
@@ -260,4 +276,3 @@ def body_length(head: Head, max_body: int) -> int:
     if length > max_body:
         raise HttpError(413, f"request body of {length} bytes exceeds the limit of {max_body}", close=True)
     return length
-

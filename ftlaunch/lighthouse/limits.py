@@ -43,7 +43,11 @@ class WarningLimiter:
     """
 
     def __init__(
-        self, burst: int = 5, window: float = 60.0, max_hosts: int = 1024, clock: Callable[[], float] = time.monotonic
+        self,
+        burst: int = 5,
+        window: float = 60.0,
+        max_hosts: int = 1024,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.burst, self.window, self.max_hosts = burst, window, max_hosts
         self._clock = clock

@@ -61,8 +61,21 @@ from ftlaunch.lighthouse.tickets import (
 
 # The tickets and domain errors are part of this module's interface (routes.py, tests import them here).
 __all__ = [
-    "ADOPTED", "ANONYMOUS", "Abandoned", "Evicted", "HeldElsewhere", "ImplausibleStep", "Left", "MAX_GROUPS",
-    "Membership", "MembershipError", "QuorumTicket", "QuorumTimeout", "ShuttingDown", "Superseded", "TooManyGroups",
+    "ADOPTED",
+    "ANONYMOUS",
+    "Abandoned",
+    "Evicted",
+    "HeldElsewhere",
+    "ImplausibleStep",
+    "Left",
+    "MAX_GROUPS",
+    "Membership",
+    "MembershipError",
+    "QuorumTicket",
+    "QuorumTimeout",
+    "ShuttingDown",
+    "Superseded",
+    "TooManyGroups",
     "TrainingFinished",
 ]
 
@@ -105,7 +118,9 @@ class Membership(AdmitMixin, SparesMixin, StatusMixin, ResumeMixin, HungMixin):
         self._options = options
         #: Seconds an id that never joined a quorum is kept once it is no longer live (silent,
         #: disconnected, failed): max(60 s, 4 x heartbeat_timeout) unless given.
-        self.forget_after = forget_after if forget_after is not None else max(60.0, 4 * options.heartbeat_timeout)
+        self.forget_after = (
+            forget_after if forget_after is not None else max(60.0, 4 * options.heartbeat_timeout)
+        )
         self.max_groups = max_groups
         self._next_forget = -math.inf
         self._clock = clock
@@ -164,7 +179,10 @@ class Membership(AdmitMixin, SparesMixin, StatusMixin, ResumeMixin, HungMixin):
         count = len(self._groups)
         cached = self._pace_cache
         if cached[0] != count:
-            cached = self._pace_cache = (count, advised_heartbeat_interval(count, self._options.heartbeat_timeout))
+            cached = self._pace_cache = (
+                count,
+                advised_heartbeat_interval(count, self._options.heartbeat_timeout),
+            )
         return cached[1]
 
     # ------------------------------------------------------------------ what groups do
@@ -202,8 +220,13 @@ class Membership(AdmitMixin, SparesMixin, StatusMixin, ResumeMixin, HungMixin):
         return ticket
 
     def heartbeat(
-        self, replica_id: str, progress: ProgressReport | None = None, *, incarnation: str = ANONYMOUS,
-        blocked: tuple[int, float] | None = None, resume: object = None,
+        self,
+        replica_id: str,
+        progress: ProgressReport | None = None,
+        *,
+        incarnation: str = ANONYMOUS,
+        blocked: tuple[int, float] | None = None,
+        resume: object = None,
     ) -> str | None:
         """A sign of life (revives a silent, disconnected or failed group), maybe with a progress
         report, ``blocked``: (quorum id, seconds) its step has waited in a collective of that
@@ -220,7 +243,11 @@ class Membership(AdmitMixin, SparesMixin, StatusMixin, ResumeMixin, HungMixin):
             revived = self._admit(replica_id, now, incarnation)
             self._info[replica_id].heartbeats += 1
             self._report_progress(replica_id, progress)
-            adopted = resume is not None and self._quorum is None and self.adopt_resume_report(replica_id, resume, now)
+            adopted = (
+                resume is not None
+                and self._quorum is None
+                and self.adopt_resume_report(replica_id, resume, now)
+            )
             if (revived and replica_id in self._requests) or (adopted and self._requests):
                 self._decide(now)
             if blocked is not None:
@@ -299,7 +326,9 @@ class Membership(AdmitMixin, SparesMixin, StatusMixin, ResumeMixin, HungMixin):
             if ticket.done:
                 return
             reason = self._waiting_reason(self._clock())
-            self._drop_request(rid, ticket, QuorumTimeout(f"no quorum containing {rid} within {timeout:g}s: {reason}"))
+            self._drop_request(
+                rid, ticket, QuorumTimeout(f"no quorum containing {rid} within {timeout:g}s: {reason}")
+            )
 
     def abandon(self, ticket: QuorumTicket) -> None:
         """Nobody waits for the answer any more (the connection closed): withdraw the request."""
@@ -323,7 +352,9 @@ class Membership(AdmitMixin, SparesMixin, StatusMixin, ResumeMixin, HungMixin):
                     log.warning("lighthouse: replica %s silent: %s", rid, info.reason)
             if self._spares is not None:
                 self._spares.forget_idle(now, hb)
-            if now >= self._next_forget:  # a walk of every id: once a second is soon enough (forget_after >= 60 s)
+            if (
+                now >= self._next_forget
+            ):  # a walk of every id: once a second is soon enough (forget_after >= 60 s)
                 self._next_forget = now + FORGET_CHECK_EVERY
                 self._forget_gone(now)
             self._decide(now)
@@ -339,10 +370,15 @@ class Membership(AdmitMixin, SparesMixin, StatusMixin, ResumeMixin, HungMixin):
 
     # ------------------------------------------------------------------ under the lock
 
-    def _record(self, event: str, replica_id: str | None, detail: str = "", quorum: Quorum | None = None) -> None:
+    def _record(
+        self, event: str, replica_id: str | None, detail: str = "", quorum: Quorum | None = None
+    ) -> None:
         self._history.append(
             HistoryEvent(
-                time=self._wall(), event=event, replica_id=replica_id, detail=detail,
+                time=self._wall(),
+                event=event,
+                replica_id=replica_id,
+                detail=detail,
                 quorum_id=quorum.quorum_id if quorum is not None else None,
                 participants=quorum.replica_ids if quorum is not None else None,
             )
@@ -437,12 +473,17 @@ class Membership(AdmitMixin, SparesMixin, StatusMixin, ResumeMixin, HungMixin):
             self._quorum_changes += 1
             self._record("quorum", None, decision.reason, quorum)
             log.info(
-                "lighthouse: quorum %d formed with %s (%s)", quorum.quorum_id, ", ".join(quorum.replica_ids), decision.reason
+                "lighthouse: quorum %d formed with %s (%s)",
+                quorum.quorum_id,
+                ", ".join(quorum.replica_ids),
+                decision.reason,
             )
         elif log.isEnabledFor(logging.DEBUG):
             log.debug("lighthouse: quorum %d re-formed (%s)", quorum.quorum_id, decision.reason)
 
-    def _drop_request(self, rid: str, ticket: QuorumTicket | None = None, error: MembershipError | None = None) -> bool:
+    def _drop_request(
+        self, rid: str, ticket: QuorumTicket | None = None, error: MembershipError | None = None
+    ) -> bool:
         """Withdraw ``rid``'s waiting request (only if it is ``ticket``, when given) and answer it
         ``error``. Returns True if there was one."""
         current = self._tickets.get(rid)

@@ -79,7 +79,11 @@ class AdmitMixin:
         nor for a participant of the current quorum that reports having stepped on it while this
         lighthouse was unreachable (`_stepped_through_outage`)."""
         high = self._high_step
-        if high is not None and member.step > high + MAX_STEP_ADVANCE and not self._stepped_through_outage(member):
+        if (
+            high is not None
+            and member.step > high + MAX_STEP_ADVANCE
+            and not self._stepped_through_outage(member)
+        ):
             raise ImplausibleStep(
                 f"replica {member.replica_id} claims step {member.step}, but no quorum of this lighthouse got "
                 f"past step {high}: refused, it would become every group's healing source"
@@ -128,13 +132,21 @@ class AdmitMixin:
         since they stopped being live when ``force``): heartbeat-only ids that went away must not
         stay listed, and walked by every tick, forever."""
         gone = [
-            rid for rid, g in self._groups.items()
-            if not self._info[rid].in_a_quorum and rid not in self._requests
+            rid
+            for rid, g in self._groups.items()
+            if not self._info[rid].in_a_quorum
+            and rid not in self._requests
             and group_health(g, now, self._options) is not Health.LIVE
             and (force or now - g.last_seen > self.forget_after)
         ]
         for rid in gone:
             del self._groups[rid], self._info[rid]
         if gone:
-            self._record("forgotten", gone[0] if len(gone) == 1 else None, f"{len(gone)} id(s) that never joined a quorum")
-            log.info("lighthouse: forgot %d replica id(s) that never joined a quorum (e.g. %s)", len(gone), gone[0])
+            self._record(
+                "forgotten",
+                gone[0] if len(gone) == 1 else None,
+                f"{len(gone)} id(s) that never joined a quorum",
+            )
+            log.info(
+                "lighthouse: forgot %d replica id(s) that never joined a quorum (e.g. %s)", len(gone), gone[0]
+            )

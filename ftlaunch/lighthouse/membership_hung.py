@@ -113,7 +113,12 @@ class HungMixin:
         and whether it is blocked. Call under the lock."""
         g, info = self._groups.get(rid), self._info.get(rid)
         # A stand-in's last_seen is the adoption of a resume report, not a beat: no gap to learn.
-        if g is not None and info is not None and g.connection is Connection.CONNECTED and info.incarnation != ADOPTED:
+        if (
+            g is not None
+            and info is not None
+            and g.connection is Connection.CONNECTED
+            and info.incarnation != ADOPTED
+        ):
             gap = now - g.last_seen
             if gap < self._options.heartbeat_timeout:
                 info.beat_gap = max(gap, info.beat_gap * _GAP_DECAY)

@@ -21,7 +21,6 @@ from ftlaunch.lighthouse.quorum import Connection, GroupState, Quorum, QuorumIdA
 log = logging.getLogger("ftlaunch.lighthouse.membership")
 
 
-
 class ResumeMixin:
     """`Membership`'s adoption of resume reports; the attributes and helpers below are the membership's."""
 
@@ -60,7 +59,9 @@ class ResumeMixin:
         if quorum is None or RESUME_KEY not in member.data:
             return False
         parsed = parse_resume_report(member.data[RESUME_KEY])
-        return parsed is not None and parsed[0] == quorum.quorum_id and member.replica_id in quorum.replica_ids
+        return (
+            parsed is not None and parsed[0] == quorum.quorum_id and member.replica_id in quorum.replica_ids
+        )
 
     def adopt_resume_report(self, reporter: str, report: object, now: float) -> bool:
         """A lighthouse that restarted knows nothing of the job; its groups do. Adopt the newest
@@ -86,7 +87,9 @@ class ResumeMixin:
             if rid not in self._groups:
                 self._groups[rid] = GroupState(rid, now, Connection.CONNECTED)
                 self._info[rid] = GroupInfo(
-                    first_seen=self._wall(), reason=f"expected: member of quorum {quorum_id}", incarnation=ADOPTED
+                    first_seen=self._wall(),
+                    reason=f"expected: member of quorum {quorum_id}",
+                    incarnation=ADOPTED,
                 )
         detail = f"adopted quorum {quorum_id} of {len(members)} group(s) from a previous lighthouse"
         self._record("resumed", reporter, detail)

@@ -57,7 +57,10 @@ class SparesMixin:
             if self._spares is None:
                 opts = self._options
                 self._spares = SpareSlots(
-                    slots, started=now, arrival_grace=opts.heartbeat_timeout, unclaimed_grace=opts.join_timeout
+                    slots,
+                    started=now,
+                    arrival_grace=opts.heartbeat_timeout,
+                    unclaimed_grace=opts.join_timeout,
                 )
             ticket = self._spares.claim(claimant, preferred, slots, now)
             self._decide(now)
@@ -75,8 +78,14 @@ class SparesMixin:
         if g is None:
             return Holder.NONE
         info = self._info.get(rid)
-        if info is not None and info.reason.startswith(HUNG_REASON) and now - g.last_seen <= self._options.heartbeat_timeout:
-            return Holder.LIVE  # declared hung on evidence: its slot waits for the heartbeat timeout, as before
+        if (
+            info is not None
+            and info.reason.startswith(HUNG_REASON)
+            and now - g.last_seen <= self._options.heartbeat_timeout
+        ):
+            return (
+                Holder.LIVE
+            )  # declared hung on evidence: its slot waits for the heartbeat timeout, as before
         return Holder.LIVE if group_health(g, now, self._options) is Health.LIVE else Holder.DOWN
 
     def _spares_status(self, now: float) -> SparesStatus | None:
@@ -88,7 +97,8 @@ class SparesMixin:
             for index, rid, holder, state, at in spares.slots(lambda rid: self._holder(rid, now))
         )
         waiting = tuple(
-            SpareStatus(name, preferred, round(now - since, 3), polls) for name, preferred, since, polls in spares.waiting()
+            SpareStatus(name, preferred, round(now - since, 3), polls)
+            for name, preferred, since, polls in spares.waiting()
         )
         return SparesStatus(slots, waiting, spares.promotions, tuple(spares.fenced_names))
 
@@ -102,7 +112,9 @@ class SparesMixin:
                 self._info.pop(old, None)
                 self._drop_request(old, error=Evicted(f"replica {old} was replaced by {change.new}"))
                 self._mark_prev_broken(old)
-                self._record("replaced", old, f"slot {change.slot} given to {change.claimant} as {change.new}")
+                self._record(
+                    "replaced", old, f"slot {change.slot} given to {change.claimant} as {change.new}"
+                )
             self._record("claimed", change.new, f"slot {change.slot} by {change.claimant}")
             log.info(
                 "lighthouse: slot %d given to %s as %s%s", change.slot, change.claimant, change.new,

@@ -98,7 +98,9 @@ class StatusMixin:
 
         def _record(self, event: str, replica_id: str | None, detail: str = "") -> None: ...
 
-        def _drop_request(self, rid: str, ticket: QuorumTicket | None = None, error: MembershipError | None = None) -> bool: ...
+        def _drop_request(
+            self, rid: str, ticket: QuorumTicket | None = None, error: MembershipError | None = None
+        ) -> bool: ...
 
     # ------------------------------------------------------------------ status
 
@@ -131,13 +133,19 @@ class StatusMixin:
                     reason=info.reason,
                     first_seen=info.first_seen,
                 )
-                for rid, g, info in ((rid, self._groups[rid], self._info[rid]) for rid in sorted(self._groups))
+                for rid, g, info in (
+                    (rid, self._groups[rid], self._info[rid]) for rid in sorted(self._groups)
+                )
             )
             return LighthouseStatus(
                 address=address,
                 time=wall,
                 options=StatusOptions(
-                    opts.min_replicas, opts.join_timeout, hb, quorum_tick, admin,
+                    opts.min_replicas,
+                    opts.join_timeout,
+                    hb,
+                    quorum_tick,
+                    admin,
                     expected_replicas=opts.expected_replicas,
                 ),
                 quorum=self._quorum,

@@ -47,21 +47,29 @@ def _job(status: LighthouseStatus) -> Iterator[Metric]:
         g.add_metric([], quorum.quorum_id)
     yield g
     yield GaugeMetricFamily(
-        "ftlaunch_quorum_participants", "Replica groups in the current quorum.",
+        "ftlaunch_quorum_participants",
+        "Replica groups in the current quorum.",
         value=len(quorum.participants) if quorum is not None else 0,
     )
     yield CounterMetricFamily(
-        "ftlaunch_quorum_changes", "Quorums formed with a new id (membership changed or a step failed).",
+        "ftlaunch_quorum_changes",
+        "Quorums formed with a new id (membership changed or a step failed).",
         value=status.quorum_changes,
     )
-    yield GaugeMetricFamily("ftlaunch_step_rate", "The job's committed steps per second (last 10 s).",
-                            value=status.step_rate)
-    yield GaugeMetricFamily("ftlaunch_pending_quorum_requests", "Groups waiting for a quorum.",
-                            value=len(status.pending))
-    yield GaugeMetricFamily("ftlaunch_min_replicas", "The lighthouse's --min-replicas.",
-                            value=status.options.min_replicas)
-    yield GaugeMetricFamily("ftlaunch_expected_replicas", "Groups the launcher announced (0: none).",
-                            value=status.options.expected_replicas)
+    yield GaugeMetricFamily(
+        "ftlaunch_step_rate", "The job's committed steps per second (last 10 s).", value=status.step_rate
+    )
+    yield GaugeMetricFamily(
+        "ftlaunch_pending_quorum_requests", "Groups waiting for a quorum.", value=len(status.pending)
+    )
+    yield GaugeMetricFamily(
+        "ftlaunch_min_replicas", "The lighthouse's --min-replicas.", value=status.options.min_replicas
+    )
+    yield GaugeMetricFamily(
+        "ftlaunch_expected_replicas",
+        "Groups the launcher announced (0: none).",
+        value=status.options.expected_replicas,
+    )
     counts = GaugeMetricFamily("ftlaunch_groups", "Replica groups by state.", labels=["state"])
     known = {g.replica_id for g in status.groups}
     by_state = {s: 0 for s in STATES}
@@ -87,10 +95,14 @@ def _spares(status: LighthouseStatus) -> int | None:
 
 def _groups(status: LighthouseStatus) -> Iterator[Metric]:
     label = ["replica_id"]
-    state = GaugeMetricFamily("ftlaunch_group_state", "1 for the group's state (live, silent, disconnected, "
-                              "failed, left), 0 for the others.", labels=["replica_id", "state"])
-    in_quorum = GaugeMetricFamily("ftlaunch_group_in_quorum", "1 while the group is in the current quorum.",
-                                  labels=label)
+    state = GaugeMetricFamily(
+        "ftlaunch_group_state",
+        "1 for the group's state (live, silent, disconnected, failed, left), 0 for the others.",
+        labels=["replica_id", "state"],
+    )
+    in_quorum = GaugeMetricFamily(
+        "ftlaunch_group_in_quorum", "1 while the group is in the current quorum.", labels=label
+    )
     current = {g.replica_id: g for g in status.groups}
     rids = sorted(set(current) | {p.replica_id for p in status.progress})
     for rid in rids:
@@ -109,17 +121,22 @@ def _groups(status: LighthouseStatus) -> Iterator[Metric]:
         return CounterMetricFamily(name, doc, labels=label)
 
     step = gauge("ftlaunch_group_step", "The step the group reported last.")
-    committed = counter("ftlaunch_group_committed_steps", "Steps the group committed, all its processes together.")
+    committed = counter(
+        "ftlaunch_group_committed_steps", "Steps the group committed, all its processes together."
+    )
     failures = counter("ftlaunch_group_failures", "Times the lighthouse saw the group go down.")
     restarts = counter("ftlaunch_group_restarts", "Processes of the group after its first (restarts).")
     heals = counter("ftlaunch_group_heals", "Times the group healed from a peer's live state.")
     heal_s = counter("ftlaunch_group_heal_seconds", "Seconds the group spent fetching state from peers.")
     rate = gauge("ftlaunch_group_step_rate", "The group's committed steps per second (last 10 s).")
     step_s = gauge("ftlaunch_group_step_seconds", "Wall time of the group's last committed step.")
-    quorum_s = gauge("ftlaunch_group_quorum_seconds", "Of the last step: waiting for the quorum "
-                     "(reconfigure and heal included).")
-    commit_s = gauge("ftlaunch_group_commit_seconds", "Of the last step: the commit (pending allreduces "
-                     "and the votes).")
+    quorum_s = gauge(
+        "ftlaunch_group_quorum_seconds",
+        "Of the last step: waiting for the quorum (reconfigure and heal included).",
+    )
+    commit_s = gauge(
+        "ftlaunch_group_commit_seconds", "Of the last step: the commit (pending allreduces and the votes)."
+    )
     for p in status.progress:
         key = [p.replica_id]
         step.add_metric(key, p.step)

@@ -71,14 +71,18 @@ class ProgressReport:
         for name, types in _REPORT_FIELDS.items():
             value = getattr(self, name)
             if (isinstance(value, bool) and bool not in types) or not isinstance(value, types):
-                raise ValueError(f"progress field {name!r} must be {types[0].__name__}, got {type(value).__name__}")
+                raise ValueError(
+                    f"progress field {name!r} must be {types[0].__name__}, got {type(value).__name__}"
+                )
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 if value < 0 or (isinstance(value, float) and not math.isfinite(value)):
                     raise ValueError(f"progress field {name!r} must be a finite number >= 0, got {value!r}")
         if not self.session or len(self.session) > MAX_TOKEN_LEN or not self.session.isprintable():
             raise ValueError(f"progress field 'session' must be 1..{MAX_TOKEN_LEN} printable characters")
         if len(self.checksum) > MAX_TOKEN_LEN or not self.checksum.isprintable():
-            raise ValueError(f"progress field 'checksum' must be at most {MAX_TOKEN_LEN} printable characters")
+            raise ValueError(
+                f"progress field 'checksum' must be at most {MAX_TOKEN_LEN} printable characters"
+            )
 
     def to_json(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in _REPORT_FIELDS}
@@ -186,7 +190,9 @@ class GroupProgress:
             return None if d.get(name) is None else _num(d, name)
 
         checksum_step = d.get("checksum_step")
-        if checksum_step is not None and (isinstance(checksum_step, bool) or not isinstance(checksum_step, int)):
+        if checksum_step is not None and (
+            isinstance(checksum_step, bool) or not isinstance(checksum_step, int)
+        ):
             raise ValueError("progress field 'checksum_step' must be int or null")
         for name in ("session", "checksum"):
             if not isinstance(d.get(name, ""), str):
@@ -324,7 +330,9 @@ class ProgressBook:
     def furthest_finished_step(self, exclude: str | Set[str] | None = None) -> int:
         """The furthest step at which another group (not ``exclude``: one id or a set of them)
         finished (a clean exit), 0 if none did."""
-        others = frozenset() if exclude is None else frozenset((exclude,)) if isinstance(exclude, str) else exclude
+        others = (
+            frozenset() if exclude is None else frozenset((exclude,)) if isinstance(exclude, str) else exclude
+        )
         return max((self._groups[rid].step for rid in self._finished if rid not in others), default=0)
 
     def stopped_after_end(self, replica_id: str) -> None:
@@ -340,7 +348,11 @@ class ProgressBook:
         """Committed group-steps per second of the whole job, divided by the groups that committed
         in the window: the job's steps per second."""
         rate = _rate(self._job, wall)
-        active = sum(1 for t in self._groups.values() if t.last_commit is not None and wall - t.last_commit <= RATE_WINDOW_S)
+        active = sum(
+            1
+            for t in self._groups.values()
+            if t.last_commit is not None and wall - t.last_commit <= RATE_WINDOW_S
+        )
         return rate / active if active else 0.0
 
     def snapshot(self, wall: float) -> tuple[GroupProgress, ...]:

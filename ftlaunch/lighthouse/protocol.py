@@ -61,7 +61,9 @@ def advised_heartbeat_interval(groups: int, heartbeat_timeout: float) -> float |
     The pace grows with the job so the total stays near `HEARTBEAT_BUDGET_PER_S`, rounded up to
     0.1 s (the answers are encoded once per pace), never past heartbeat_timeout / `BEATS_PER_TIMEOUT`.
     """
-    tenths = -(-round(groups / HEARTBEAT_BUDGET_PER_S * 1000) // 100)  # up to the next 0.1 s (via ms: no float noise)
+    tenths = -(
+        -round(groups / HEARTBEAT_BUDGET_PER_S * 1000) // 100
+    )  # up to the next 0.1 s (via ms: no float noise)
     cap = round(heartbeat_timeout / BEATS_PER_TIMEOUT * 1000) // 100  # the cap down to it
     pace = min(tenths, cap) / 10
     return pace if pace > MIN_ADVISED_INTERVAL else None

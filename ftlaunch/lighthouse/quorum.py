@@ -134,7 +134,9 @@ class QuorumMember:
 
 #: The defaults of `QuorumMember`'s fields, read from the class (``data``'s factory is not one: a new
 #: dict each time), for `QuorumMember.from_json`.
-_MEMBER_DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(QuorumMember) if f.default is not MISSING}
+_MEMBER_DEFAULTS: dict[str, Any] = {
+    f.name: f.default for f in fields(QuorumMember) if f.default is not MISSING
+}
 
 
 @dataclass(frozen=True)
@@ -233,7 +235,9 @@ class QuorumOptions:
             if not isinstance(value, (int, float)) or isinstance(value, bool):
                 raise TypeError(f"{name} must be a number")
             if not math.isfinite(value) or value < 0 or (name == "heartbeat_timeout" and value == 0):
-                raise ValueError(f"{name} must be a finite number {'> 0' if name == 'heartbeat_timeout' else '>= 0'}, got {value}")
+                raise ValueError(
+                    f"{name} must be a finite number {'> 0' if name == 'heartbeat_timeout' else '>= 0'}, got {value}"
+                )
 
 
 @dataclass(frozen=True)
@@ -352,7 +356,9 @@ def decide_quorum(state: LighthouseState, now: float, options: QuorumOptions) ->
     if n < options.min_replicas:
         return _wait(f"waiting: fewer than min_replicas ({counts})", next_expiry)
     if 2 * n <= n_live:
-        return _wait(f"waiting: need more than half of the live groups to avoid split brain ({counts})", next_expiry)
+        return _wait(
+            f"waiting: need more than half of the live groups to avoid split brain ({counts})", next_expiry
+        )
 
     if prev is None and n < options.expected_replicas:
         start = state.round_start if state.round_start is not None else now

@@ -68,7 +68,9 @@ def apply_delta(base: Quorum, delta: Any) -> Quorum:
     if not isinstance(changed, list):
         raise ValueError("field 'changed' must be a list")
     for entry in changed:
-        if not (isinstance(entry, list) and len(entry) == 2 and _is_int(entry[0]) and isinstance(entry[1], dict)):
+        if not (
+            isinstance(entry, list) and len(entry) == 2 and _is_int(entry[0]) and isinstance(entry[1], dict)
+        ):
             raise ValueError("each 'changed' entry must be [index, {fields}]")
         index, patch = entry
         if not 0 <= index < len(base.participants):
@@ -88,11 +90,17 @@ def apply_delta(base: Quorum, delta: Any) -> Quorum:
 
 def _patch(held: QuorumMember, now: QuorumMember) -> dict[str, Any]:
     if (  # the usual member: only its step moved (one comparison each, no dict built)
-        now.address == held.address and now.store_address == held.store_address and now.world_size == held.world_size
-        and now.shrink_only == held.shrink_only and now.commit_failures == held.commit_failures and now.data == held.data
+        now.address == held.address
+        and now.store_address == held.store_address
+        and now.world_size == held.world_size
+        and now.shrink_only == held.shrink_only
+        and now.commit_failures == held.commit_failures
+        and now.data == held.data
     ):
         return {}
-    patch: dict[str, Any] = {name: getattr(now, name) for name in _PATCHABLE if getattr(now, name) != getattr(held, name)}
+    patch: dict[str, Any] = {
+        name: getattr(now, name) for name in _PATCHABLE if getattr(now, name) != getattr(held, name)
+    }
     if now.data != held.data:
         put = {k: v for k, v in now.data.items() if k not in held.data or held.data[k] != v}
         if put:
@@ -134,7 +142,9 @@ def _expand(runs: Any, n: int) -> list[int]:
         raise ValueError("field 'steps' must be a list of [step, count]")
     out: list[int] = []
     for run in runs:
-        if not (isinstance(run, list) and len(run) == 2 and _is_int(run[0]) and _is_int(run[1]) and run[1] > 0):
+        if not (
+            isinstance(run, list) and len(run) == 2 and _is_int(run[0]) and _is_int(run[1]) and run[1] > 0
+        ):
             raise ValueError("field 'steps' must be a list of [step, count] with count > 0")
         if run[1] > n - len(out):
             raise ValueError(f"'steps' covers more than the held quorum's {n} members")

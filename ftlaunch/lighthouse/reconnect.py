@@ -64,8 +64,15 @@ def outage_timeout_from_env(value: float | None = None) -> float:
         from ftlaunch.timeouts import parse_duration
 
         value = parse_duration(raw, env.FTLAUNCH_LIGHTHOUSE_OUTAGE)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        raise ConfigurationError(f"lighthouse outage timeout must be a finite number of seconds >= 0, got {value!r}")
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value < 0
+    ):
+        raise ConfigurationError(
+            f"lighthouse outage timeout must be a finite number of seconds >= 0, got {value!r}"
+        )
     return float(value)
 
 
@@ -82,7 +89,11 @@ class OutageTolerantClient:
     """
 
     def __init__(
-        self, client: QuorumClient, outage_timeout: float = DEFAULT_OUTAGE_TIMEOUT, *, known_reachable: bool = False
+        self,
+        client: QuorumClient,
+        outage_timeout: float = DEFAULT_OUTAGE_TIMEOUT,
+        *,
+        known_reachable: bool = False,
     ) -> None:
         self._client = client
         #: The job reached this lighthouse before (e.g. this worker is a restart): wait from the start.
@@ -116,7 +127,9 @@ class OutageTolerantClient:
         """Whether the lighthouse was unreachable (a refused or failed request, a failed connection
         of any of the client's channels, heartbeats included) since this group's last quorum: a
         lighthouse that answers now may have restarted since (worker/outage.py)."""
-        return self._last is not None and (self._report_due or self._connection_failures() != self._failures_seen)
+        return self._last is not None and (
+            self._report_due or self._connection_failures() != self._failures_seen
+        )
 
     def _resume_for_heartbeat(self) -> dict | None:
         """The resume report while the lighthouse may have restarted since this group's last quorum."""
@@ -137,7 +150,9 @@ class OutageTolerantClient:
                 self._report_due = True
             request = member
             if self._report_due and self._last is not None:
-                request = dataclasses.replace(member, data={**member.data, RESUME_KEY: resume_report(self._last)})
+                request = dataclasses.replace(
+                    member, data={**member.data, RESUME_KEY: resume_report(self._last)}
+                )
             try:
                 if give_up_after is not None and isinstance(self._client, LighthouseClient):
                     quorum = self._client.quorum(request, timeout, unreachable_after=give_up_after)

@@ -98,8 +98,9 @@ _REPLICA_HEADER_KEY = REPLICA_HEADER.lower()
 _INCARNATION_HEADER_KEY = INCARNATION_HEADER.lower()
 
 
-
-def _json(status: int, payload: dict[str, Any], headers: dict[str, str] | None = None, *, close: bool = False) -> Response:
+def _json(
+    status: int, payload: dict[str, Any], headers: dict[str, str] | None = None, *, close: bool = False
+) -> Response:
     payload["version"] = API_VERSION
     return Response(status, json.dumps(payload).encode(), "application/json", headers, close=close)
 
@@ -122,7 +123,9 @@ def _incarnation(request: Request) -> str:
     if value is None:
         return ANONYMOUS
     if len(value) > MAX_INCARNATION_LEN or not value.isprintable():
-        raise HttpError(400, f"{INCARNATION_HEADER} must be at most {MAX_INCARNATION_LEN} printable characters")
+        raise HttpError(
+            400, f"{INCARNATION_HEADER} must be at most {MAX_INCARNATION_LEN} printable characters"
+        )
     return value
 
 
@@ -134,7 +137,9 @@ def _check_replica_id(rid: str) -> None:
 class Routes:
     """The endpoints over one `Membership`; ``snapshot`` gives the status that ``/`` and ``/status`` show."""
 
-    def __init__(self, membership: Membership, *, token: str | None, snapshot: Callable[[], LighthouseStatus]) -> None:
+    def __init__(
+        self, membership: Membership, *, token: str | None, snapshot: Callable[[], LighthouseStatus]
+    ) -> None:
         self._membership = membership
         self._token = token
         #: The header a client sends with the token, as LighthouseClient spells it (checked first).
@@ -173,7 +178,9 @@ class Routes:
         endpoint = methods.get(head.method)
         if endpoint is None:
             allow = ", ".join(methods)
-            raise HttpError(405, f"{request.method} not allowed on {path} (use {allow})", headers={"Allow": allow})
+            raise HttpError(
+                405, f"{request.method} not allowed on {path} (use {allow})", headers={"Allow": allow}
+            )
         self.authorize(path, request)
         try:
             return endpoint(request)
@@ -185,8 +192,12 @@ class Routes:
         if level == logging.INFO or self._warnings.allow(peer):  # a bad client's warnings are rate-limited
             dropped = self._warnings.take_suppressed(peer) if level == logging.WARNING else 0
             log.log(
-                level, "lighthouse: %d for %s %s from %s: %s%s",
-                error.status, head.method if head else "-", _printable(head.path) if head else "-", peer,
+                level,
+                "lighthouse: %d for %s %s from %s: %s%s",
+                error.status,
+                head.method if head else "-",
+                _printable(head.path) if head else "-",
+                peer,
                 _printable(error.message),
                 f" ({dropped} similar warnings from this host suppressed)" if dropped else "",
             )
@@ -259,7 +270,9 @@ class Routes:
         obj = self._read_json(request)
         _expect(obj, _REPLICA_REQUIRED, _LEAVE_OPTIONAL)
         rid = self._replica_id(request, obj["replica_id"])
-        return _json(200, {"left": self._membership.leave(rid, _progress(obj), incarnation=_incarnation(request))})
+        return _json(
+            200, {"left": self._membership.leave(rid, _progress(obj), incarnation=_incarnation(request))}
+        )
 
     def _report_failure(self, request: Request) -> Response:
         rid, reason = self._admin_body(request)
@@ -308,7 +321,9 @@ class Routes:
             raise HttpError(400, f"JSON nested deeper than {MAX_JSON_DEPTH} levels") from None
         if not isinstance(obj, dict):
             raise HttpError(400, f"request body must be a JSON object, got {type(obj).__name__}")
-        body = request.body  # fewer brackets than the limit cannot nest deeper: skip the walk (the usual case)
+        body = (
+            request.body
+        )  # fewer brackets than the limit cannot nest deeper: skip the walk (the usual case)
         if body.count(b"[") + body.count(b"{") > MAX_JSON_DEPTH and _too_deep(obj, MAX_JSON_DEPTH):
             raise HttpError(400, f"JSON nested deeper than {MAX_JSON_DEPTH} levels")
         return obj
@@ -349,18 +364,23 @@ class Routes:
         admin = path.startswith(_ADMIN_PREFIX)
         if self._token is None:
             if admin:
-                raise HttpError(403, "admin endpoints are disabled: the lighthouse was started without a token")
+                raise HttpError(
+                    403, "admin endpoints are disabled: the lighthouse was started without a token"
+                )
             return
         header = request.head.headers.get("authorization")
         if header and hmac.compare_digest(header.encode(), self._bearer):  # the usual spelling, whole
             return
         if not header:
             raise HttpError(
-                401, f"{path} needs 'Authorization: Bearer <token>' (the job token, ${FTLAUNCH_TOKEN})",
+                401,
+                f"{path} needs 'Authorization: Bearer <token>' (the job token, ${FTLAUNCH_TOKEN})",
                 headers={"WWW-Authenticate": "Bearer"},
             )
         scheme, _, given = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), self._token.encode()):
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+            given.strip().encode(), self._token.encode()
+        ):
             raise HttpError(403, "wrong token")
 
     # -- quorum answers
@@ -406,7 +426,9 @@ class _QuorumPoll(_Poll):
     __slots__ = ("_known",)
     _ticket: QuorumTicket
 
-    def __init__(self, routes: Routes, ticket: QuorumTicket, timeout: float, request: Request, known: str | None) -> None:
+    def __init__(
+        self, routes: Routes, ticket: QuorumTicket, timeout: float, request: Request, known: str | None
+    ) -> None:
         super().__init__(routes, ticket, timeout, request)
         self._known = known
 
@@ -434,7 +456,9 @@ MAX_CLAIM_TIMEOUT = 300.0
 
 def _claim(routes: Routes, request: Request) -> LongPoll:
     obj = routes._read_json(request)
-    _expect(obj, {"claimant": (str,), "slots": (int,)}, {"preferred": (int, type(None)), "timeout": (float, int)})
+    _expect(
+        obj, {"claimant": (str,), "slots": (int,)}, {"preferred": (int, type(None)), "timeout": (float, int)}
+    )
     claimant = obj["claimant"]
     _check_replica_id(claimant)
     timeout = float(obj.get("timeout", 30.0))
@@ -465,7 +489,9 @@ class _ClaimPoll(_Poll):
         ticket = self._ticket
         if ticket.grant is not None:
             grant = ticket.grant
-            return _json(200, {"slot": grant.slot, "replica_id": grant.replica_id, "replaced": grant.replaced})
+            return _json(
+                200, {"slot": grant.slot, "replica_id": grant.replica_id, "replaced": grant.replaced}
+            )
         if isinstance(ticket.error, MembershipError):
             error = HttpError(ERROR_STATUS[type(ticket.error)], str(ticket.error))
             return self._routes.error(error, self._request.head, self._request.peer)

@@ -77,7 +77,9 @@ def _listen(bind: str, host: str, port: int) -> socket.socket:
         if ":" not in host:
             return socket.create_server((host, port), family=socket.AF_INET, backlog=LISTEN_BACKLOG)
         dualstack = host == "::" and socket.has_dualstack_ipv6()
-        return socket.create_server((host, port), family=socket.AF_INET6, backlog=LISTEN_BACKLOG, dualstack_ipv6=dualstack)
+        return socket.create_server(
+            (host, port), family=socket.AF_INET6, backlog=LISTEN_BACKLOG, dualstack_ipv6=dualstack
+        )
     except OSError as e:
         raise ConfigurationError(f"lighthouse: cannot bind {bind!r}: {e}") from None
 
@@ -108,7 +110,9 @@ class LighthouseServer:
         (up to ``join_timeout``) instead of forming with whoever asks first (0: nobody announced)."""
         try:
             self._options = QuorumOptions(
-                min_replicas=min_replicas, join_timeout=join_timeout, heartbeat_timeout=heartbeat_timeout,
+                min_replicas=min_replicas,
+                join_timeout=join_timeout,
+                heartbeat_timeout=heartbeat_timeout,
                 expected_replicas=expected_replicas,
             )
         except (TypeError, ValueError) as e:
@@ -167,7 +171,8 @@ class LighthouseServer:
         if not self._token:
             log.warning(
                 "lighthouse: no job token: serving loopback only, and any process on this machine can act as a "
-                "replica group; admin endpoints are disabled (pass --token or set $%s)", FTLAUNCH_TOKEN,
+                "replica group; admin endpoints are disabled (pass --token or set $%s)",
+                FTLAUNCH_TOKEN,
             )
         return self
 
@@ -252,7 +257,12 @@ def _ms(name: str, value: int | float | timedelta | None, default_s: float) -> f
         return default_s
     if isinstance(value, timedelta):
         return value.total_seconds()
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value < 0
+    ):
         raise ConfigurationError(f"lighthouse: {name} must be a number of milliseconds >= 0, got {value!r}")
     return value / 1000.0
 

@@ -81,12 +81,16 @@ def replica_id_for(slot: int, generation: int) -> str:
     return f"rg{slot}" if generation == 0 else f"rg{slot}.{generation}"
 
 
-def claimable(slot: SlotView, now: float, arrival_grace: float, first_arrival_grace: float | None = None) -> bool:
+def claimable(
+    slot: SlotView, now: float, arrival_grace: float, first_arrival_grace: float | None = None
+) -> bool:
     """Whether a new claimant may take ``slot`` now (rule 2; a never-held slot: see `assign`)."""
     if slot.state is Holder.DOWN or slot.state is Holder.NONE:
         return True
     if slot.state is Holder.ARRIVING:
-        grace = first_arrival_grace if slot.generation == 0 and first_arrival_grace is not None else arrival_grace
+        grace = (
+            first_arrival_grace if slot.generation == 0 and first_arrival_grace is not None else arrival_grace
+        )
         return slot.assigned_at is not None and now - slot.assigned_at > grace
     return False
 

@@ -61,7 +61,9 @@ class ClaimTicket:
                 return
         callback(self)
 
-    def _resolve(self, grant: ClaimGrant | None = None, *, done_job: bool = False, error: Exception | None = None) -> bool:
+    def _resolve(
+        self, grant: ClaimGrant | None = None, *, done_job: bool = False, error: Exception | None = None
+    ) -> bool:
         with self._lock:
             if self._done:
                 return False
@@ -190,7 +192,12 @@ class SpareSlots:
                     self._fenced[old] = f"slot {index} was given to {name} (now {new})"
                     if waiting.preferred != index:  # a spare, not the slot's own group restarted
                         self.promotions += 1
-                slot.holder, slot.generation, slot.replica_id, slot.assigned_at = name, slot.generation + 1, new, now
+                slot.holder, slot.generation, slot.replica_id, slot.assigned_at = (
+                    name,
+                    slot.generation + 1,
+                    new,
+                    now,
+                )
                 changes.append(Reassignment(index, name, new, old))
             assert slot.replica_id is not None  # set above or by an earlier assignment
             grant = ClaimGrant(index, slot.replica_id, old)
@@ -216,9 +223,13 @@ class SpareSlots:
 
     # ---- status (built into `status.SparesStatus` by the membership)
 
-    def slots(self, health: Callable[[str], Holder]) -> list[tuple[int, str | None, str | None, Holder, float | None]]:
+    def slots(
+        self, health: Callable[[str], Holder]
+    ) -> list[tuple[int, str | None, str | None, Holder, float | None]]:
         """Each slot: (index, lighthouse name, holder, state, when it was given)."""
-        return [(s.index, s.replica_id, s.holder, self._view(s, health).state, s.assigned_at) for s in self._slots]
+        return [
+            (s.index, s.replica_id, s.holder, self._view(s, health).state, s.assigned_at) for s in self._slots
+        ]
 
     def waiting(self) -> list[tuple[str, int | None, float, int]]:
         """The claimants waiting, longest first: (name, preferred slot, since, parked polls)."""

@@ -163,7 +163,12 @@ class HistoryEvent:
     participants: tuple[str, ...] | None = None
 
     def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"time": self.time, "event": self.event, "replica_id": self.replica_id, "detail": self.detail}
+        out: dict[str, Any] = {
+            "time": self.time,
+            "event": self.event,
+            "replica_id": self.replica_id,
+            "detail": self.detail,
+        }
         if self.quorum_id is not None:
             out["quorum_id"] = self.quorum_id
         if self.participants is not None:

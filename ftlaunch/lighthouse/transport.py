@@ -43,8 +43,17 @@ from ftlaunch.lighthouse.limits import CAP_WARNING_INTERVAL, default_max_connect
 
 # The per-connection limits live with the connection (connection.py); they are read here too.
 __all__ = [
-    "ACCEPTS_IN_FLIGHT", "ACCEPT_BATCH", "LISTEN_BACKLOG", "MAX_ERRORS_PER_CONNECTION", "MAX_HEAD_BYTES",
-    "MAX_PIPELINED_BYTES", "RECV_SIZE", "REQUESTS_PER_TURN", "SHUTDOWN_FLUSH_TIMEOUT", "Connection", "HttpServer",
+    "ACCEPTS_IN_FLIGHT",
+    "ACCEPT_BATCH",
+    "LISTEN_BACKLOG",
+    "MAX_ERRORS_PER_CONNECTION",
+    "MAX_HEAD_BYTES",
+    "MAX_PIPELINED_BYTES",
+    "RECV_SIZE",
+    "REQUESTS_PER_TURN",
+    "SHUTDOWN_FLUSH_TIMEOUT",
+    "Connection",
+    "HttpServer",
 ]
 
 log = logging.getLogger(__name__)
@@ -80,7 +89,9 @@ class HttpServer:
     ) -> None:
         self.handler = handler
         #: Open connections allowed; past it the oldest idle one is closed (see `shed`).
-        self.max_connections = max_connections if max_connections is not None else default_max_connections(ACCEPTS_IN_FLIGHT)
+        self.max_connections = (
+            max_connections if max_connections is not None else default_max_connections(ACCEPTS_IN_FLIGHT)
+        )
         self._cap_warned_at = -math.inf
         self.idle_timeout = idle_timeout
         self.read_timeout = read_timeout
@@ -128,7 +139,9 @@ class HttpServer:
             self._server = loop.run_until_complete(
                 loop.create_server(lambda: Connection(self, loop), sock=self._sock, backlog=ACCEPT_BATCH)
             )
-            self._sock.listen(LISTEN_BACKLOG)  # asyncio re-listened with the batch size: the kernel queues more
+            self._sock.listen(
+                LISTEN_BACKLOG
+            )  # asyncio re-listened with the batch size: the kernel queues more
         except Exception:
             log.exception("lighthouse: cannot serve")
             loop.close()
@@ -207,7 +220,8 @@ class HttpServer:
             self._cap_warned_at = now
             log.warning(
                 "lighthouse: %d connections open (cap %d): closing the longest-idle ones as new ones arrive",
-                len(self.connections), self.max_connections,
+                len(self.connections),
+                self.max_connections,
             )
         (victim or newcomer).abort()
 

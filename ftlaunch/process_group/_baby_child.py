@@ -68,8 +68,9 @@ class _Server:
         self._send_lock = threading.Lock()
         # Point-to-point works are waited for, in issue order, by one completion thread.
         self._inflight: queue.SimpleQueue[tuple[int, Any, Any] | None] = queue.SimpleQueue()
-        self._completer = threading.Thread(target=self._complete_loop, name="ftlaunch-baby-completer",
-                                           daemon=True)
+        self._completer = threading.Thread(
+            target=self._complete_loop, name="ftlaunch-baby-completer", daemon=True
+        )
         self._completer.start()
 
     def serve(self) -> None:
@@ -116,8 +117,9 @@ class _Server:
             except OSError:  # the parent is gone; the main loop sees EOF and exits
                 pass
 
-    def _configure(self, req: int, store_addr: str, rank: int, world_size: int, timeout: float,
-                   device: int | None) -> None:
+    def _configure(
+        self, req: int, store_addr: str, rank: int, world_size: int, timeout: float, device: int | None
+    ) -> None:
         from ftlaunch.process_group.wrappers import ProcessGroupGloo, ProcessGroupNCCL
 
         self._timeout = timeout

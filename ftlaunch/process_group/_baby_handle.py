@@ -42,8 +42,19 @@ _WAITER_GRACE = 0.002
 class Pending:
     """One request in flight to the child."""
 
-    __slots__ = ("req", "op", "submitted", "deadline", "staged", "event", "error", "extra", "callbacks",
-                 "lock", "needs_reader")
+    __slots__ = (
+        "req",
+        "op",
+        "submitted",
+        "deadline",
+        "staged",
+        "event",
+        "error",
+        "extra",
+        "callbacks",
+        "lock",
+        "needs_reader",
+    )
 
     def __init__(self, req: int, op: str, deadline: float, staged: list[_Staged]) -> None:
         self.req = req

@@ -23,8 +23,9 @@ if TYPE_CHECKING:
 class _BabyWork(dist.Work):
     """Completion of one request to the child; `wait` enforces the op deadline in this process."""
 
-    def __init__(self, pg: ProcessGroupBaby, child: Child, pending: Pending, result: Any,
-                 peer: int | None) -> None:
+    def __init__(
+        self, pg: ProcessGroupBaby, child: Child, pending: Pending, result: Any, peer: int | None
+    ) -> None:
         super().__init__()
         self._pg = pg
         self._child = child

@@ -197,14 +197,16 @@ class Collectives(dist.ProcessGroup):
     def _do_allreduce(self, tensors: list[torch.Tensor], opts: AllreduceOptions) -> dist.Work:
         raise self._unsupported("allreduce")
 
-    def _do_allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: AllgatherOptions
+    def _do_allgather(
+        self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: AllgatherOptions
     ) -> dist.Work:
         raise self._unsupported("allgather")
 
     def _do_broadcast(self, tensors: list[torch.Tensor], opts: BroadcastOptions) -> dist.Work:
         raise self._unsupported("broadcast")
 
-    def _do_all_to_all_single(self,
+    def _do_all_to_all_single(
+        self,
         output: torch.Tensor,
         input: torch.Tensor,
         output_splits: list[int],
@@ -213,7 +215,8 @@ class Collectives(dist.ProcessGroup):
     ) -> dist.Work:
         raise self._unsupported("all_to_all_single")
 
-    def _do_alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: AllToAllOptions
+    def _do_alltoall(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: AllToAllOptions
     ) -> dist.Work:
         raise self._unsupported("alltoall")
 
@@ -224,25 +227,33 @@ class Collectives(dist.ProcessGroup):
         raise self._unsupported("recv")
 
     # ---- hooks with composite defaults (see `_composites`) -----------------------------------
-    def _do_allreduce_coalesced(self, tensors: list[torch.Tensor], opts: AllreduceCoalescedOptions) -> dist.Work:
+    def _do_allreduce_coalesced(
+        self, tensors: list[torch.Tensor], opts: AllreduceCoalescedOptions
+    ) -> dist.Work:
         return _composites.allreduce_coalesced(self, tensors, opts)
 
-    def _do_all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: AllgatherOptions) -> dist.Work:
+    def _do_all_gather_single(
+        self, output: torch.Tensor, input: torch.Tensor, opts: AllgatherOptions
+    ) -> dist.Work:
         return _composites.all_gather_single(self, output, input, opts)
 
-    def _do_all_gather_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: AllgatherOptions
+    def _do_all_gather_single_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: AllgatherOptions
     ) -> dist.Work:
         return _composites.all_gather_single_coalesced(self, outputs, inputs, opts)
 
-    def _do_reduce_scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: ReduceScatterOptions
+    def _do_reduce_scatter(
+        self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: ReduceScatterOptions
     ) -> dist.Work:
         return _composites.reduce_scatter(self, outputs, inputs, opts)
 
-    def _do_reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: ReduceScatterOptions
+    def _do_reduce_scatter_single(
+        self, output: torch.Tensor, input: torch.Tensor, opts: ReduceScatterOptions
     ) -> dist.Work:
         return _composites.reduce_scatter_single(self, output, input, opts)
 
-    def _do_reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: ReduceScatterOptions
+    def _do_reduce_scatter_single_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: ReduceScatterOptions
     ) -> dist.Work:
         return _composites.reduce_scatter_single_coalesced(self, outputs, inputs, opts)
 
@@ -253,11 +264,13 @@ class Collectives(dist.ProcessGroup):
     def _do_reduce(self, tensors: list[torch.Tensor], opts: ReduceOptions) -> dist.Work:
         return _composites.reduce(self, tensors, opts)
 
-    def _do_gather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: GatherOptions
+    def _do_gather(
+        self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: GatherOptions
     ) -> dist.Work:
         return _composites.gather(self, outputs, inputs, opts)
 
-    def _do_scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: ScatterOptions
+    def _do_scatter(
+        self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: ScatterOptions
     ) -> dist.Work:
         return _composites.scatter(self, outputs, inputs, opts)
 

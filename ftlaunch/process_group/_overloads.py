@@ -67,9 +67,11 @@ def configure_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, 
         replica_id = rest.pop(0)
     names = ["rank", "world_size"]
     if len(rest) > len(names):
-        raise TypeError(f"configure() takes (store_addr, [replica_id,] rank, world_size), got {len(args) + 1} arguments")
+        raise TypeError(
+            f"configure() takes (store_addr, [replica_id,] rank, world_size), got {len(args) + 1} arguments"
+        )
     values: dict[str, Any] = dict(zip(names, rest, strict=False))
-    for name in names[len(rest):]:
+    for name in names[len(rest) :]:
         if name not in kwargs:
             raise TypeError(f"configure() missing argument {name!r}")
         values[name] = kwargs[name]

@@ -36,8 +36,18 @@ StorageKey = tuple[int, int]
 _DTYPE_NAMES: dict[torch.dtype, str] = {
     getattr(torch, n): n
     for n in (
-        "float32", "float64", "float16", "bfloat16", "uint8", "int8", "int16", "int32", "int64",
-        "bool", "complex64", "complex128",
+        "float32",
+        "float64",
+        "float16",
+        "bfloat16",
+        "uint8",
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "bool",
+        "complex64",
+        "complex128",
     )
 }
 _DTYPES: dict[str, torch.dtype] = {v: k for k, v in _DTYPE_NAMES.items()}
@@ -72,8 +82,9 @@ class SharedTensors:
     message always precedes the first operation that uses it.
     """
 
-    def __init__(self, send_reg: Callable[[StorageKey, int, int], None],
-                 send_unreg: Callable[[list[StorageKey]], None]) -> None:
+    def __init__(
+        self, send_reg: Callable[[StorageKey, int, int], None], send_unreg: Callable[[list[StorageKey]], None]
+    ) -> None:
         self._send_reg = send_reg
         self._send_unreg = send_unreg
         self._known: dict[StorageKey, int] = {}

@@ -151,7 +151,11 @@ class ProcessGroupBaby(ProcessGroup):
         self._check_usable()
         if self._closed:
             return  # shut down: nothing to wait for (a later configure starts a child)
-        limit = max(self._timeout, _SPAWN_TIMEOUT_MIN) if timeout is None else as_timedelta(timeout).total_seconds()
+        limit = (
+            max(self._timeout, _SPAWN_TIMEOUT_MIN)
+            if timeout is None
+            else as_timedelta(timeout).total_seconds()
+        )
         with self._lock:
             child = self._child
             # An idle child's death is noticed at its next op; look now, and replace it early.
@@ -192,8 +196,15 @@ class ProcessGroupBaby(ProcessGroup):
                         raise CommunicationError("process group aborted while its child started")
                     pending = child.submit(
                         "configure",
-                        lambda req, staged: ("configure", req, store_addr, rank, world_size,
-                                             self._child_timeout(), device),
+                        lambda req, staged: (
+                            "configure",
+                            req,
+                            store_addr,
+                            rank,
+                            world_size,
+                            self._child_timeout(),
+                            device,
+                        ),
                         self._timeout,
                     )
                 work = _BabyWork(self, child, pending, None, None)
@@ -265,8 +276,9 @@ class ProcessGroupBaby(ProcessGroup):
                 pass
 
     # ---- ops --------------------------------------------------------------------------------
-    def _submit(self, op: str, args: tuple[Any, ...], mutable: tuple[bool, ...], result: Any,
-                peer: int | None = None) -> dist.Work:
+    def _submit(
+        self, op: str, args: tuple[Any, ...], mutable: tuple[bool, ...], result: Any, peer: int | None = None
+    ) -> dist.Work:
         child = self._child
         if not self._configured or child is None:
             raise self._unusable_error(op)
@@ -294,7 +306,9 @@ class ProcessGroupBaby(ProcessGroup):
         if isinstance(obj, torch.Tensor):
             if self._backend == "nccl":
                 if not obj.is_cuda:
-                    raise ValueError("ProcessGroupBabyNCCL takes CUDA tensors; use ProcessGroupBabyGloo for CPU")
+                    raise ValueError(
+                        "ProcessGroupBabyNCCL takes CUDA tensors; use ProcessGroupBabyGloo for CPU"
+                    )
                 return obj
             if obj.device.type != "cpu":
                 raise ValueError(f"ProcessGroupBabyGloo takes CPU tensors, got one on {obj.device}")

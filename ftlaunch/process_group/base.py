@@ -200,8 +200,9 @@ class ProcessGroup(Collectives):
             threading.Thread(target=self.abort, name="ftlaunch-reconfigure-abort", daemon=True).start()
             return error
 
-        return ReconfigureWork(f"reconfigure to rank {rdv.rank}/{rdv.world_size}", run,
-                               timeout if timeout else None, timed_out)
+        return ReconfigureWork(
+            f"reconfigure to rank {rdv.rank}/{rdv.world_size}", run, timeout if timeout else None, timed_out
+        )
 
     def errored(self) -> Exception | None:
         """The first communication error since the last `configure`, or None."""

@@ -81,8 +81,10 @@ class ProcessGroupDummy(ProcessGroup):
         self, output: torch.Tensor, input: torch.Tensor, opts: AllgatherOptions
     ) -> dist.Work:
         if output.numel() % max(input.numel(), 1):
-            raise ValueError(f"all_gather_single: output of {output.numel()} elements does not hold "
-                             f"whole copies of an input of {input.numel()}")
+            raise ValueError(
+                f"all_gather_single: output of {output.numel()} elements does not hold "
+                f"whole copies of an input of {input.numel()}"
+            )
         if input.numel():
             output.view(-1, input.numel()).copy_(input.reshape(1, -1))
         return DoneWork([output])
@@ -137,7 +139,9 @@ class ProcessGroupDummy(ProcessGroup):
         at = 0
         for n in outs:  # every peer sends us what we would send ourselves
             if n != mine.shape[0]:
-                raise ValueError(f"all_to_all_single: output split {n} does not match this rank's own share {mine.shape[0]}")
+                raise ValueError(
+                    f"all_to_all_single: output split {n} does not match this rank's own share {mine.shape[0]}"
+                )
             output[at : at + n].copy_(mine)
             at += n
         return DoneWork([output])

@@ -138,7 +138,9 @@ class _FakeWork(dist.Work):
 class FakeProcessGroup(ProcessGroup):
     """``FakeProcessGroup(rank, world_size)``: usable at once; `configure` changes rank and size."""
 
-    def __init__(self, rank: int = 0, world_size: int = 1, timeout: timedelta | float = timedelta(seconds=60)) -> None:
+    def __init__(
+        self, rank: int = 0, world_size: int = 1, timeout: timedelta | float = timedelta(seconds=60)
+    ) -> None:
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} out of range for world_size {world_size}")
         super().__init__(rank, world_size)
@@ -151,14 +153,18 @@ class FakeProcessGroup(ProcessGroup):
         self.aborts = 0
         self._lock = threading.Lock()
         self._closed = False
-        self._faults: list[tuple[str | None, str, BaseException | None]] = []  # (op, "fail"/"hang"/"issue", exc)
+        self._faults: list[
+            tuple[str | None, str, BaseException | None]
+        ] = []  # (op, "fail"/"hang"/"issue", exc)
         self._pending: list[_FakeWork] = []
 
     def getBackendName(self) -> str:  # noqa: N802 - torch's C++ name
         return "ftlaunch-fake"
 
     # ---- fault injection --------------------------------------------------------------------------
-    def fail_next(self, op: str | None = None, exc: BaseException | None = None, *, on_issue: bool = False) -> None:
+    def fail_next(
+        self, op: str | None = None, exc: BaseException | None = None, *, on_issue: bool = False
+    ) -> None:
         """The next operation named ``op`` (any, if None; ``"configure"`` too) fails with a
         `CommunicationError` made from ``exc``: from its Work, or raised by the call with ``on_issue``."""
         with self._lock:
@@ -272,7 +278,9 @@ class FakeProcessGroup(ProcessGroup):
 
     def _do_broadcast(self, tensors: list[torch.Tensor], opts: BroadcastOptions) -> dist.Work:
         if not 0 <= opts.rootRank < self.size():
-            raise ValueError(f"broadcast: root rank {opts.rootRank} out of range for world size {self.size()}")
+            raise ValueError(
+                f"broadcast: root rank {opts.rootRank} out of range for world size {self.size()}"
+            )
         return self._issue("broadcast", tensors, tensors, lambda: None)  # every peer holds the same
 
     def _do_reduce_scatter(
@@ -286,14 +294,18 @@ class FakeProcessGroup(ProcessGroup):
             for out, ins in zip(outputs, inputs, strict=True):
                 out.copy_(_reduce_identical(ins[rank], op, world))
 
-        return self._issue("reduce_scatter", [t for ins in inputs for t in ins], outputs, apply, opts.reduceOp)
+        return self._issue(
+            "reduce_scatter", [t for ins in inputs for t in ins], outputs, apply, opts.reduceOp
+        )
 
     def _do_reduce_scatter_single(
         self, output: torch.Tensor, input: torch.Tensor, opts: ReduceScatterOptions
     ) -> dist.Work:
         op, world, rank, n = _kind(opts.reduceOp), self.size(), self.rank(), output.numel()
         if input.numel() != n * world:
-            raise ValueError(f"reduce_scatter_single: input has {input.numel()} elements, expected {n} x {world}")
+            raise ValueError(
+                f"reduce_scatter_single: input has {input.numel()} elements, expected {n} x {world}"
+            )
 
         def apply() -> None:
             mine = input.reshape(-1)[rank * n : (rank + 1) * n].view_as(output)

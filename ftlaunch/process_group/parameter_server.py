@@ -106,13 +106,18 @@ class ParameterServer(ABC):
         self._sessions: dict[str, tuple[threading.Thread, ProcessGroup | None]] = {}
         self._closed = False
         advertised = socket.gethostname() if bind in ("", "0.0.0.0", "::") else bind
-        self.store = dist.TCPStore(advertised, store_port, is_master=True, wait_for_workers=False,
-                                   timeout=timedelta(seconds=60))
+        self.store = dist.TCPStore(
+            advertised, store_port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
+        )
         self.store_host_port = format_host_port(advertised, self.store.port)
         self._server = _SessionServer(self, (bind, port))
         self._url = http_url(advertised, int(self._server.server_address[1]))
-        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.1},
-                                        name="ftlaunch-ps-http", daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever,
+            kwargs={"poll_interval": 0.1},
+            name="ftlaunch-ps-http",
+            daemon=True,
+        )
         self._thread.start()
         logger.info("parameter server: sessions at %s", self.address())
 

@@ -89,8 +89,9 @@ class Handle:
 
 def encode_handle(handle: Handle) -> str:
     """The handle as the opaque string peers exchange (JSON: readable in logs, no pickle)."""
-    return json.dumps({"id": handle.group_id, "store": handle.store, "global_rank": handle.global_rank},
-                      sort_keys=True)
+    return json.dumps(
+        {"id": handle.group_id, "store": handle.store, "global_rank": handle.global_rank}, sort_keys=True
+    )
 
 
 def decode_handle(text: str | bytes) -> Handle:
@@ -167,10 +168,13 @@ class HandleStore:
             if self._server is None:
                 host = socket.gethostname()
                 try:
-                    self._server = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
-                                                 timeout=timedelta(seconds=60))
+                    self._server = dist.TCPStore(
+                        host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
+                    )
                 except RuntimeError as e:
-                    raise CommunicationError(f"cannot host a rendezvous store on {host}: {first_line(e)}") from e
+                    raise CommunicationError(
+                        f"cannot host a rendezvous store on {host}: {first_line(e)}"
+                    ) from e
                 self._address = format_host_port(host, self._server.port)
             return self._address
 
@@ -192,8 +196,13 @@ class ReconfigureWork(dist.Work):
     configure. Use the group only after ``wait()`` returned, as torchft's Manager does.
     """
 
-    def __init__(self, describe: str, run: Callable[[], None], timeout: timedelta | None,
-                 on_timeout: Callable[[str], Exception]) -> None:
+    def __init__(
+        self,
+        describe: str,
+        run: Callable[[], None],
+        timeout: timedelta | None,
+        on_timeout: Callable[[str], Exception],
+    ) -> None:
         super().__init__()
         self._timeout = timeout
         self._on_timeout = on_timeout

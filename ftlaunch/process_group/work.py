@@ -89,7 +89,10 @@ class FtWork(dist.Work):
 
     def _released_error(self) -> CommunicationError:
         return self._pg._record_error(
-            self._op, "aborted (the group failed, was aborted or was reconfigured)", self._peer, self._generation
+            self._op,
+            "aborted (the group failed, was aborted or was reconfigured)",
+            self._peer,
+            self._generation,
         )
 
     def wait(self, timeout: timedelta = NO_TIMEOUT) -> bool:

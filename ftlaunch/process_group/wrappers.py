@@ -362,7 +362,9 @@ class ProcessGroupGloo(ProcessGroupWrapper):
     reconfigures that group.
     """
 
-    def __init__(self, timeout: timedelta | float = timedelta(seconds=60), pg: ProcessGroup | None = None) -> None:
+    def __init__(
+        self, timeout: timedelta | float = timedelta(seconds=60), pg: ProcessGroup | None = None
+    ) -> None:
         super().__init__(pg, timeout=timeout)
 
     def getBackendName(self) -> str:  # noqa: N802
@@ -380,7 +382,9 @@ class ProcessGroupNCCL(ProcessGroupWrapper):
     documented form) forwards to an ftlaunch ``group`` instead, and `configure` reconfigures it.
     """
 
-    def __init__(self, timeout: timedelta | float = timedelta(seconds=60), pg: ProcessGroup | None = None) -> None:
+    def __init__(
+        self, timeout: timedelta | float = timedelta(seconds=60), pg: ProcessGroup | None = None
+    ) -> None:
         super().__init__(pg, timeout=timeout)
 
     def getBackendName(self) -> str:  # noqa: N802

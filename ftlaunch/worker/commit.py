@@ -99,7 +99,11 @@ class CrossGroupVote:
 
 
 def vote_of_all_groups(
-    vote: CrossGroupVote, pg: ProcessGroup, ok: bool, deadline: float, report_error: Callable[[Exception], None],
+    vote: CrossGroupVote,
+    pg: ProcessGroup,
+    ok: bool,
+    deadline: float,
+    report_error: Callable[[Exception], None],
     interrupted: Callable[[], bool] | None = None,
 ) -> bool:
     """Every group's ``ok`` (MIN across groups); False, with the reason reported, when it fails."""
@@ -117,7 +121,11 @@ def vote_of_all_groups(
 
 
 def vote_of_group_ranks(
-    group: GroupStore, seq: int, ok: bool, deadline: float, report_error: Callable[[Exception], None],
+    group: GroupStore,
+    seq: int,
+    ok: bool,
+    deadline: float,
+    report_error: Callable[[Exception], None],
     replica_id: str,
 ) -> bool:
     """Every rank of this group's ``ok`` for round ``seq``. Raises `CommunicationError` (reported

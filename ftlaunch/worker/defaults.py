@@ -35,7 +35,13 @@ def check_arguments(
 
 
 def timeouts(
-    given: Timeouts | None, timeout: _Seconds, *, quorum: _Seconds, connect: _Seconds, heal: _Seconds, commit: _Seconds
+    given: Timeouts | None,
+    timeout: _Seconds,
+    *,
+    quorum: _Seconds,
+    connect: _Seconds,
+    heal: _Seconds,
+    commit: _Seconds,
 ) -> Timeouts:
     """``given``, or the set derived from the one knob ``timeout`` (else ``FTLAUNCH_TIMEOUT``) and
     the explicit overrides; passing both is a ValueError."""
@@ -83,7 +89,9 @@ def lighthouse_client(
             "(the `ftlaunch` launcher sets it for you)"
         )
     addr = env.normalize_lighthouse(addr, what)
-    client = LighthouseClient(addr, connect_timeout=connect_timeout, token=token or os.environ.get(env.FTLAUNCH_TOKEN))
+    client = LighthouseClient(
+        addr, connect_timeout=connect_timeout, token=token or os.environ.get(env.FTLAUNCH_TOKEN)
+    )
     # A worker torchelastic restarted, or one whose launcher reached the lighthouse (a respawned
     # agent's), belongs to a job that reached its lighthouse: an unreachable one is an outage to
     # wait out even before its first answer.

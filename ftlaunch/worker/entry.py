@@ -47,7 +47,15 @@ from ftlaunch.worker import spare
 from ftlaunch.worker.fault_tolerance import FaultTolerance, _model_state_fns
 from ftlaunch.worker.manager import Manager, release_process_group
 
-__all__ = ["BACKENDS", "TRANSPORTS", "FaultTolerance", "default_backend", "init", "make_process_group", "model_device"]
+__all__ = [
+    "BACKENDS",
+    "TRANSPORTS",
+    "FaultTolerance",
+    "default_backend",
+    "init",
+    "make_process_group",
+    "model_device",
+]
 
 #: Cross-group process-group backends ``init`` can build (argument ``backend=`` or ``FTLAUNCH_BACKEND``).
 BACKENDS = ("baby-gloo", "baby-nccl", "gloo", "nccl")
@@ -193,7 +201,9 @@ def init(
 
     if (load_state_dict is None) != (state_dict is None):
         raise ValueError("pass both load_state_dict and state_dict, or neither")
-    state_of: tuple[nn.Module | None, torch.optim.Optimizer | None] | str | None = "user" if load_state_dict else None
+    state_of: tuple[nn.Module | None, torch.optim.Optimizer | None] | str | None = (
+        "user" if load_state_dict else None
+    )
     if load_state_dict is None and (model is not None or optimizer is not None):
         load_state_dict, state_dict = _model_state_fns(model, optimizer)
         state_of = (model, optimizer)

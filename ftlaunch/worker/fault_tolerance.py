@@ -56,10 +56,14 @@ class FaultTolerance:
     checkpoint_transport: CheckpointTransport[Any] | None = None
     #: What ``init`` registered for live recovery: the (model, optimizer) it was given, or ``"user"``
     #: (state functions passed in), or None (nothing: ``wrap`` of a sharded model registers them).
-    _state_of: tuple[nn.Module | None, torch.optim.Optimizer | None] | str | None = field(default=None, repr=False)
+    _state_of: tuple[nn.Module | None, torch.optim.Optimizer | None] | str | None = field(
+        default=None, repr=False
+    )
     _device_mesh: DeviceMesh | None = field(default=None, repr=False)
 
-    def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
+    def wrap(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer
+    ) -> tuple[nn.Module, torch.optim.Optimizer]:
         """DDP across replica groups (averaged inside the group first) and a commit-gated optimizer.
 
         A model sharded by FSDP2 (``ft.shard`` or ``fully_shard``) gets fault-tolerant HSDP
@@ -144,7 +148,9 @@ class FaultTolerance:
             self.manager.register_state_dict_fn(DEFAULT_STATE_KEY, *_model_state_fns(model, optimizer))
             self._state_of = (model, optimizer)
         elif self._state_of != "user" and (
-            not isinstance(self._state_of, tuple) or self._state_of[0] is not model or self._state_of[1] is not optimizer
+            not isinstance(self._state_of, tuple)
+            or self._state_of[0] is not model
+            or self._state_of[1] is not optimizer
         ):
             raise ConfigurationError(
                 "ftlaunch.init() was given another model/optimizer than ft.wrap(): for HSDP call ftlaunch.init() "
@@ -213,7 +219,9 @@ class FaultTolerance:
             try:
                 alpha = float(raw)
             except ValueError:
-                raise ConfigurationError(f"{env.FTLAUNCH_FRAGMENT_UPDATE_ALPHA}={raw!r} is not a number") from None
+                raise ConfigurationError(
+                    f"{env.FTLAUNCH_FRAGMENT_UPDATE_ALPHA}={raw!r} is not a number"
+                ) from None
         quantize = should_quantize
         if quantize is None:
             quantize = env.get_int(env.FTLAUNCH_QUANTIZE, 0) or False
@@ -300,7 +308,9 @@ class FaultTolerance:
         if self.world_size == 1:
             group_root: Gang = FakeGang(self.device)
         elif self.intra_group is not None and self.intra_group is dist.group.WORLD:
-            group_root = ProcessGroupGang(self.intra_group, self.device, timeout=self.timeouts.as_timedelta("collective"))
+            group_root = ProcessGroupGang(
+                self.intra_group, self.device, timeout=self.timeouts.as_timedelta("collective")
+            )
         else:
             raise ConfigurationError(
                 "ft.gangs() needs the replica group's own process group: ftlaunch.init(intra_group=True)"

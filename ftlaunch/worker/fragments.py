@@ -26,7 +26,8 @@ class Fragment:
         self.outer = outer
         pin = pin_memory and backup_device.type == "cpu" and torch.cuda.is_available()
         self.backup = [
-            torch.empty(local_view(p).shape, dtype=p.dtype, device=backup_device, pin_memory=pin) for p in self.params
+            torch.empty(local_view(p).shape, dtype=p.dtype, device=backup_device, pin_memory=pin)
+            for p in self.params
         ]
 
     def locals(self) -> list[torch.Tensor]:

@@ -63,11 +63,17 @@ def _connect(
                 "MASTER_PORT (torchrun/ftlaunch do) or pass store_addr/store_port"
             )
         host = hostname or "127.0.0.1"
-        store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout))
+        store = dist.TCPStore(
+            host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout)
+        )
         return store, format_host_port(host, store.port)
     try:
         store = dist.TCPStore(
-            store_addr, store_port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=connect_timeout)
+            store_addr,
+            store_port,
+            is_master=False,
+            wait_for_workers=False,
+            timeout=timedelta(seconds=connect_timeout),
         )
     except Exception as e:  # noqa: BLE001 - torch raises several types here
         raise CommunicationError(
@@ -155,7 +161,9 @@ class GroupStore:
     @property
     def _store(self) -> dist.Store:
         if self._live is None:
-            raise CommunicationError("the replica group's store connection was closed (the Manager shut down)")
+            raise CommunicationError(
+                "the replica group's store connection was closed (the Manager shut down)"
+            )
         return self._live
 
     def close(self) -> None:

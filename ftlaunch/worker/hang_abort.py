@@ -115,7 +115,9 @@ class LostPeerAbort:
             )
             self._lost.set()
         self._log.warning("%s", self._error)
-        threading.Thread(target=self._until_stuck, args=(in_use,), name="ftlaunch-lost-peer", daemon=True).start()
+        threading.Thread(
+            target=self._until_stuck, args=(in_use,), name="ftlaunch-lost-peer", daemon=True
+        ).start()
         return True
 
     def _until_stuck(self, quorum_id: int) -> None:
@@ -135,7 +137,9 @@ class LostPeerAbort:
         try:
             self._tell_group(quorum_id)
         except Exception as e:  # noqa: BLE001 - the other ranks then wait for their timeouts
-            self._log.warning("could not tell the group's other ranks that quorum %d was lost: %s", quorum_id, e)
+            self._log.warning(
+                "could not tell the group's other ranks that quorum %d was lost: %s", quorum_id, e
+            )
 
     def _abort_once(self, quorum_id: int | None = None) -> None:
         """Start the abort (once per quorum) on a thread of its own: a plain Gloo group's abort can
@@ -143,11 +147,17 @@ class LostPeerAbort:
         thread may wait for it. `use` waits for it, so it never lands on the next quorum's group."""
         with self._lock:
             in_use = self._quorum_id
-            if in_use is None or self._aborted_for == in_use or (quorum_id is not None and quorum_id != in_use):
+            if (
+                in_use is None
+                or self._aborted_for == in_use
+                or (quorum_id is not None and quorum_id != in_use)
+            ):
                 return
             self._aborted_for = in_use
             done = self._abort_done = threading.Event()
-        threading.Thread(target=self._run, args=(in_use, done), name="ftlaunch-lost-peer-abort", daemon=True).start()
+        threading.Thread(
+            target=self._run, args=(in_use, done), name="ftlaunch-lost-peer-abort", daemon=True
+        ).start()
 
     def _run(self, quorum_id: int, done: threading.Event) -> None:
         try:

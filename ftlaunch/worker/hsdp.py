@@ -86,7 +86,9 @@ def default_units(model: nn.Module) -> list[nn.Module]:
     return units
 
 
-def shard(model: nn.Module, mesh: DeviceMesh, units: Iterable[nn.Module] | None = None, **kwargs: Any) -> nn.Module:
+def shard(
+    model: nn.Module, mesh: DeviceMesh, units: Iterable[nn.Module] | None = None, **kwargs: Any
+) -> nn.Module:
     """``fully_shard`` each unit (default: `default_units`), then the root, over ``mesh``.
 
     ``kwargs`` go to every ``fully_shard`` call (``mp_policy``, ``reshard_after_forward``,
@@ -188,7 +190,9 @@ class ShardedState:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
         self.model = model
         self.optimizer = optimizer
-        keys = list(model.state_dict().keys())  # its pre-hook makes sure the sharded parameters are registered
+        keys = list(
+            model.state_dict().keys()
+        )  # its pre-hook makes sure the sharded parameters are registered
         params = dict(model.named_parameters(remove_duplicate=False))
         self._params = {k: params[k] for k in keys if k in params}
         self._buffer_keys = [k for k in keys if k not in params]
@@ -260,8 +264,12 @@ def ft_init_device_mesh(
     group must be the replica group's own (``init_process_group`` inside the group).
     """
     if not 0 <= replicate_dim < len(mesh_shape) or len(mesh_dim_names) != len(mesh_shape):
-        raise ValueError(f"replicate_dim {replicate_dim} / mesh_dim_names {mesh_dim_names} do not fit {mesh_shape}")
+        raise ValueError(
+            f"replicate_dim {replicate_dim} / mesh_dim_names {mesh_dim_names} do not fit {mesh_shape}"
+        )
     shape = [s for d, s in enumerate(mesh_shape) if d != replicate_dim]
     names = [n for d, n in enumerate(mesh_dim_names) if d != replicate_dim]
     inner = init_device_mesh(device_type, tuple(shape), mesh_dim_names=tuple(names))
-    return extend_device_mesh(inner, ManagedProcessGroup(manager), name=mesh_dim_names[replicate_dim], dim=replicate_dim)
+    return extend_device_mesh(
+        inner, ManagedProcessGroup(manager), name=mesh_dim_names[replicate_dim], dim=replicate_dim
+    )

@@ -112,7 +112,9 @@ class ManagedGang(Gang):
         """The cross-group process group, configured for this step's quorum (waiting for it)."""
         self._check_open(what)
         if not self._began:
-            raise InvalidOperationError(f"{what}: the replica gang's membership is the step's quorum; call begin_step()")
+            raise InvalidOperationError(
+                f"{what}: the replica gang's membership is the step's quorum; call begin_step()"
+            )
         if self._in_step:
             self._manager.wait_quorum()
         return self._manager.pg

@@ -35,7 +35,9 @@ class _FuturesWork(dist.Work):
 
     def get_future(self) -> torch.futures.Future[list[torch.Tensor]]:
         out: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future()
-        torch.futures.collect_all(self._futures).then(lambda fs: out.set_result([f.value() for f in fs.value()]))
+        torch.futures.collect_all(self._futures).then(
+            lambda fs: out.set_result([f.value() for f in fs.value()])
+        )
         return out
 
 

@@ -55,7 +55,9 @@ class ManagedWork(dist.Work):
     def wait(self, timeout: timedelta | None = None) -> bool:
         if timeout:
             if not _timed_wait(self._future, timeout.total_seconds()):
-                self._report_error(CommunicationError(f"allreduce did not complete within wait(timeout={timeout})"))
+                self._report_error(
+                    CommunicationError(f"allreduce did not complete within wait(timeout={timeout})")
+                )
                 return False
         else:
             self._future.wait()

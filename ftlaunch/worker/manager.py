@@ -140,7 +140,12 @@ class Manager(QuorumRound, ManagerStateApi):
         """
         defaults.check_arguments(min_replica_size, max_retries, world_size_mode, port)
         timeouts = defaults.timeouts(
-            timeouts, timeout, quorum=quorum_timeout, connect=connect_timeout, heal=heal_timeout, commit=commit_timeout
+            timeouts,
+            timeout,
+            quorum=quorum_timeout,
+            connect=connect_timeout,
+            heal=heal_timeout,
+            commit=commit_timeout,
         )
         self.timeouts = timeouts
         self._pg = pg
@@ -156,7 +161,9 @@ class Manager(QuorumRound, ManagerStateApi):
         self._group_rank = group_env.rank if rank is None else rank
         self._group_world_size = group_env.world_size if world_size is None else world_size
         if not 0 <= self._group_rank < self._group_world_size:
-            raise ConfigurationError(f"rank {self._group_rank} is outside world_size {self._group_world_size}")
+            raise ConfigurationError(
+                f"rank {self._group_rank} is outside world_size {self._group_world_size}"
+            )
         self.replica_id = defaults.replica_id() if replica_id is None else replica_id
         self.log = _StepLog(self)
 
@@ -197,7 +204,9 @@ class Manager(QuorumRound, ManagerStateApi):
         outage = defaults.lighthouse_outage()
         self._outage = LastQuorumSteps(enabled_from_env())  # the leader steps on through an outage
         if self._group_rank == 0:
-            self._client = quorum_client or defaults.lighthouse_client(lighthouse_addr, token, timeouts.connect, outage)
+            self._client = quorum_client or defaults.lighthouse_client(
+                lighthouse_addr, token, timeouts.connect, outage
+            )
         self._group = GroupStore.open(
             group_store,
             store_addr if store_addr is not None else group_env.master_addr,
@@ -222,7 +231,9 @@ class Manager(QuorumRound, ManagerStateApi):
         self._transport_metadata: list[str] | None = None  # every rank's, read once by the leader
         self._phases = phases.enabled()  # the opt-in start-up phase log, until the first commit
 
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"ftlaunch-quorum-{self.replica_id}")
+        self._executor = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix=f"ftlaunch-quorum-{self.replica_id}"
+        )
         # The leader's heartbeats (from its first request), progress reports, progress watchdog and
         # lost-peer abort (worker/leader.py): a participant of the quorum in use that the lighthouse
         # declares lost (hung, gone) aborts the step at once, not after the collective timeout.
@@ -422,7 +433,9 @@ class Manager(QuorumRound, ManagerStateApi):
                 ok = vote_of_all_groups(self._vote_across_groups, self._pg, ok, deadline, self.report_error,
                                         interrupted)  # fmt: skip
         if self._group_world_size > 1:
-            ok = vote_of_group_ranks(self._group, self._quorum_seq, ok, deadline, self.report_error, self.replica_id)
+            ok = vote_of_group_ranks(
+                self._group, self._quorum_seq, ok, deadline, self.report_error, self.replica_id
+            )
         if self._hang_abort.error is not None:
             self._hang_abort.settle()  # the aborted ops fail within this step
         if self._sent_checkpoint:
@@ -484,4 +497,3 @@ class Manager(QuorumRound, ManagerStateApi):
         release_process_group(self._pg)
         self._group.close()  # its socket: nothing of this worker's may outlive shutdown
         self.log.info("manager shut down")
-

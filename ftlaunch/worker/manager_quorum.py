@@ -78,8 +78,13 @@ class QuorumRound:
             self._quorum_seq += 1
             quorum = self._ask_quorum(self._quorum_seq, shrink_only, quorum_timeout, claiming=True)
         self._mark("quorum")
-        plan = plan_step(quorum, self.replica_id, init_sync=self._init_sync,
-                         world_size_mode=self._world_size_mode, min_replica_size=self._min_replica_size)
+        plan = plan_step(
+            quorum,
+            self.replica_id,
+            init_sync=self._init_sync,
+            world_size_mode=self._world_size_mode,
+            min_replica_size=self._min_replica_size,
+        )
         if plan.quorum_id != self._quorum_id:
             self._reconfigure(plan)
             self._mark("configured")
@@ -112,9 +117,13 @@ class QuorumRound:
         claim = recovery.state_claim(self._state) if claiming else None
         if claiming and self._group_rank != 0:
             self._group.publish_claim(seq, claim)
-        return self._group.relay_quorum(seq, lambda: self._ask_lighthouse(shrink_only, quorum_timeout, seq, claim))
+        return self._group.relay_quorum(
+            seq, lambda: self._ask_lighthouse(shrink_only, quorum_timeout, seq, claim)
+        )
 
-    def _ask_lighthouse(self, shrink_only: bool, quorum_timeout: float, seq: int, claim: str | None) -> Quorum:
+    def _ask_lighthouse(
+        self, shrink_only: bool, quorum_timeout: float, seq: int, claim: str | None
+    ) -> Quorum:
         assert self._client is not None  # the leader has one
         if self._transport_metadata is None:  # the first request: once every rank is ready
             self._transport_metadata = self._group.transport_metadata()

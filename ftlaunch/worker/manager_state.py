@@ -46,10 +46,13 @@ class ManagerStateApi:
         """
         self._layout = {"digest": digest, "text": text}
 
-    def set_state_dict_fns(self, load_state_dict: Callable[[Any], None], state_dict: Callable[[], Any]) -> None:
+    def set_state_dict_fns(
+        self, load_state_dict: Callable[[Any], None], state_dict: Callable[[], Any]
+    ) -> None:
         """torchft's older name: `register_state_dict_fn` under the key ``"set_state_dict_fns"``."""
-        warnings.warn("set_state_dict_fns is deprecated: use register_state_dict_fn", DeprecationWarning,
-                      stacklevel=2)
+        warnings.warn(
+            "set_state_dict_fns is deprecated: use register_state_dict_fn", DeprecationWarning, stacklevel=2
+        )
         self.register_state_dict_fn("set_state_dict_fns", load_state_dict, state_dict)
 
     def disallow_state_dict_read(self) -> None:

@@ -61,7 +61,13 @@ from ftlaunch.worker import quorum_request
 from ftlaunch.worker.plan import StepPlan
 
 __all__ = [
-    "ANSWER_WAIT", "PROBE_EVERY", "UNREACHABLE_AFTER", "LastQuorumSteps", "after_heal", "enabled_from_env", "healthy",
+    "ANSWER_WAIT",
+    "PROBE_EVERY",
+    "UNREACHABLE_AFTER",
+    "LastQuorumSteps",
+    "after_heal",
+    "enabled_from_env",
+    "healthy",
 ]
 
 #: Seconds the lighthouse must be unreachable (connections refused or reset) before a group steps on
@@ -109,7 +115,11 @@ class LastQuorumSteps:
     """The group leader's choice between the lighthouse's quorum and the last one (module docstring)."""
 
     def __init__(
-        self, enabled: bool = True, *, unreachable_after: float = UNREACHABLE_AFTER, answer_wait: float = ANSWER_WAIT,
+        self,
+        enabled: bool = True,
+        *,
+        unreachable_after: float = UNREACHABLE_AFTER,
+        answer_wait: float = ANSWER_WAIT,
         probe_every: int = PROBE_EVERY,
     ) -> None:
         self.enabled = enabled
@@ -124,7 +134,12 @@ class LastQuorumSteps:
         self.steps = 0
 
     def ask(
-        self, client: QuorumClient, request: QuorumMember, retries: int, timeout: float, log: logging.LoggerAdapter[Any]
+        self,
+        client: QuorumClient,
+        request: QuorumMember,
+        retries: int,
+        timeout: float,
+        log: logging.LoggerAdapter[Any],
     ) -> Quorum:
         """This step's quorum: the lighthouse's, or the last one while the lighthouse is unreachable
         (and the last step qualifies). Errors other than unreachability are the lighthouse's own."""
@@ -161,7 +176,12 @@ class LastQuorumSteps:
         return quorum
 
     def _ask_again(
-        self, client: OutageTolerantClient, request: QuorumMember, retries: int, timeout: float, fallback: Quorum,
+        self,
+        client: OutageTolerantClient,
+        request: QuorumMember,
+        retries: int,
+        timeout: float,
+        fallback: Quorum,
         log: logging.LoggerAdapter[Any],
     ) -> Quorum:
         """No answer within `answer_wait` and no outage seen: the lighthouse is taking its time (a

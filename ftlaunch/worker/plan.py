@@ -217,7 +217,9 @@ def _layout_conflict(me: QuorumMember, sources: list[QuorumMember]) -> str | Non
     mine = _layout(me)
     if mine is None:
         return None
-    differ = [(s, lay) for s in sources if (lay := _layout(s)) is not None and lay["digest"] != mine["digest"]]
+    differ = [
+        (s, lay) for s in sources if (lay := _layout(s)) is not None and lay["digest"] != mine["digest"]
+    ]
     if not differ:
         return None
     other, theirs = differ[0]

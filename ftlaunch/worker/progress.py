@@ -56,7 +56,9 @@ def state_checksum(state: Mapping[str, Any]) -> str:
 class ProgressTracker:
     """The group leader's progress since its process started (one `session`)."""
 
-    def __init__(self, publish: Callable[[ProgressReport], None], clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(
+        self, publish: Callable[[ProgressReport], None], clock: Callable[[], float] = time.perf_counter
+    ) -> None:
         self._publish = publish
         self._clock = clock
         self.session = secrets.token_hex(8)

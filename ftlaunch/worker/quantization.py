@@ -90,7 +90,9 @@ def encoded_nbytes(numel: int, bits: Bits, block_size: int = BLOCK_SIZE) -> int:
 def quantize(x: torch.Tensor, bits: Bits, block_size: int = BLOCK_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
     """Codes (uint8) and per-block float32 scales of a 1-D tensor of whole blocks."""
     if x.dim() != 1 or x.numel() % block_size:
-        raise ValueError(f"quantize needs a 1-D tensor of whole blocks of {block_size}, got shape {tuple(x.shape)}")
+        raise ValueError(
+            f"quantize needs a 1-D tensor of whole blocks of {block_size}, got shape {tuple(x.shape)}"
+        )
     if bits == 4 and block_size % 2:
         raise ValueError("4-bit blocks must have an even number of elements")
     qmax = QMAX[bits]
@@ -157,7 +159,9 @@ def allreduce_quantized(
     return fut
 
 
-def _allreduce(pg: ProcessGroup | dist.ProcessGroup, tensor: torch.Tensor, bits: Bits, block_size: int) -> None:
+def _allreduce(
+    pg: ProcessGroup | dist.ProcessGroup, tensor: torch.Tensor, bits: Bits, block_size: int
+) -> None:
     world = pg.size()
     n = tensor.numel()
     flat = torch.zeros(padded_numel(n, world, block_size), dtype=torch.float32, device=tensor.device)

@@ -81,8 +81,14 @@ def member(
 
 
 def ask_lighthouse(
-    client: QuorumClient, request: QuorumMember, retries: int, timeout: float, log: logging.LoggerAdapter,
-    *, give_up_after: float | None = None, final: tuple[type[Exception], ...] = (),
+    client: QuorumClient,
+    request: QuorumMember,
+    retries: int,
+    timeout: float,
+    log: logging.LoggerAdapter,
+    *,
+    give_up_after: float | None = None,
+    final: tuple[type[Exception], ...] = (),
 ) -> Quorum:
     """The quorum for ``request``, retried ``retries`` times on lighthouse errors (never after an
     eviction, nor after the training finished ahead of the group: those are final, as are

@@ -117,7 +117,9 @@ class StateRegistry:
         """Load every registered entry, the Manager's own first; `FtlaunchError` if one is missing."""
         missing = self.missing(state)
         if missing:
-            raise FtlaunchError(f"healed state has no entries {missing}: do both groups register the same state?")
+            raise FtlaunchError(
+                f"healed state has no entries {missing}: do both groups register the same state?"
+            )
         self._own[0](state[MANAGER_STATE_KEY])
         for key, (load, _) in self._user.items():
             load(state[key])
@@ -176,7 +178,11 @@ def check_claim(state: Mapping[str, Any], plan: StepPlan, group_rank: int) -> No
 
 
 def offer(
-    transport: CheckpointTransport[Any], plan: StepPlan, step: int, registry: StateRegistry, timeout: timedelta
+    transport: CheckpointTransport[Any],
+    plan: StepPlan,
+    step: int,
+    registry: StateRegistry,
+    timeout: timedelta,
 ) -> None:
     """Source side: serve (or push) a snapshot of step ``step`` to the healers assigned to this group.
 
@@ -185,7 +191,9 @@ def offer(
     """
     with registry.gate.reading(timeout.total_seconds()):
         state = registry.snapshot()
-    transport.send_checkpoint(dst_ranks=list(plan.recover_dst_ranks), step=step, state_dict=state, timeout=timeout)
+    transport.send_checkpoint(
+        dst_ranks=list(plan.recover_dst_ranks), step=step, state_dict=state, timeout=timeout
+    )
 
 
 def fetch(
@@ -237,11 +245,16 @@ def exchange(
     ``disallow_checkpoint`` after the vote --, the state it received when it heals, else None)."""
     sent = False
     if plan.untrusted_ids and plan.heal:
-        log.warning("not healing from %s: their state claims disagree with the other up-to-date groups'",
-                    list(plan.untrusted_ids))
+        log.warning(
+            "not healing from %s: their state claims disagree with the other up-to-date groups'",
+            list(plan.untrusted_ids),
+        )
     if plan.contested and plan.heal:
-        log.warning("the up-to-date groups claim different states and no claim has a majority: healing from "
-                    "%s, checked against its own claim only", plan.recover_src_id)
+        log.warning(
+            "the up-to-date groups claim different states and no claim has a majority: healing from "
+            "%s, checked against its own claim only",
+            plan.recover_src_id,
+        )
     if plan.recover_dst_ranks:  # a source: serve our state to the healers assigned to us
         log.info("sending state to replica ranks %s", list(plan.recover_dst_ranks))
         offer(transport, plan, step, registry, timeout)

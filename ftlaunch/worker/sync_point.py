@@ -83,7 +83,9 @@ class Buckets:
         self.views: list[torch.Tensor] = [torch.empty(0)] * len(tensors)
         for members in layout:
             first = tensors[members[0]]
-            buf = torch.empty(sum(tensors[j].numel() for j in members), dtype=first.dtype, device=first.device)
+            buf = torch.empty(
+                sum(tensors[j].numel() for j in members), dtype=first.dtype, device=first.device
+            )
             offset = 0
             for j in members:
                 n = tensors[j].numel()

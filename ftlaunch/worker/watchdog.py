@@ -51,7 +51,12 @@ def progress_timeout(collective_timeout: float, value: float | None = None) -> f
         from ftlaunch.timeouts import parse_duration
 
         value = parse_duration(raw, env.FTLAUNCH_PROGRESS_TIMEOUT)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value < 0
+    ):
         raise ConfigurationError(f"progress timeout must be a finite number of seconds >= 0, got {value!r}")
     return float(value)
 

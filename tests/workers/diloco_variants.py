@@ -63,8 +63,9 @@ def reference(argv: list[str]) -> int:
     args = train_diloco.parse_args(argv)
     model = train_diloco.make_model(args.width, seed=1000)
     inner = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
-    outer = torch.optim.SGD(model.parameters(), lr=args.outer_lr, momentum=args.outer_momentum,
-                            nesterov=args.outer_momentum > 0)
+    outer = torch.optim.SGD(
+        model.parameters(), lr=args.outer_lr, momentum=args.outer_momentum, nesterov=args.outer_momentum > 0
+    )
     dataset = train_diloco.make_dataset(args.dataset_size)
     sampler = DistributedSampler(dataset, replica_group_id=0, num_replica_groups=1, rank=0, num_replicas=1)
     loader = torch.utils.data.DataLoader(dataset, batch_size=args.batch_size, sampler=sampler)

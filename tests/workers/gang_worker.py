@@ -83,7 +83,9 @@ def main() -> int:
                 # The first step both groups are in, up to date (both decide so from the same
                 # quorum): the gangs across groups do what the fake says.
                 tabled = True
-                record["tables"] = {name: sc.run_table(getattr(gangs, name)) for name in ("rdp", "dp", "root")}
+                record["tables"] = {
+                    name: sc.run_table(getattr(gangs, name)) for name in ("rdp", "dp", "root")
+                }
                 record["table_sizes"] = {name: [getattr(gangs, name).rank, getattr(gangs, name).size]
                                          for name in ("rdp", "dp", "root")}  # fmt: skip
                 record["table_committed"] = gangs.rdp.should_commit()

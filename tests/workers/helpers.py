@@ -56,7 +56,9 @@ def finish(proc: subprocess.Popen, timeout: float) -> Result:
     except subprocess.TimeoutExpired:
         kill_tree(proc.pid)
         out, err = proc.communicate()
-        raise AssertionError(f"{proc.args} did not finish within {timeout}s\nstdout:\n{out}\nstderr:\n{err}") from None
+        raise AssertionError(
+            f"{proc.args} did not finish within {timeout}s\nstdout:\n{out}\nstderr:\n{err}"
+        ) from None
     return Result(proc.returncode, out, err)
 
 

@@ -82,8 +82,13 @@ def _tampering_source(out: str, mode: str, from_step: int, times: int, timeout: 
                 model = {k: v + 1 for k, v in state_dict["default"]["model"].items()}
                 state_dict = {**state_dict, "default": {**state_dict["default"], "model": model}}
                 return super().send_checkpoint(dst_ranks, step, state_dict, timeout)
-            clone = {**state_dict, "default": {**state_dict["default"], "model": {
-                k: v.clone() for k, v in state_dict["default"]["model"].items()}}}
+            clone = {
+                **state_dict,
+                "default": {
+                    **state_dict["default"],
+                    "model": {k: v.clone() for k, v in state_dict["default"]["model"].items()},
+                },
+            }
             super().send_checkpoint(dst_ranks, step, clone, timeout)
             if mode == "corrupt":  # after the checksums were taken: the bytes on the wire differ
                 for v in clone["default"]["model"].values():
@@ -119,22 +124,43 @@ def main() -> int:
     ap.add_argument("--quorum-timeout", type=float, default=30.0)
     ap.add_argument("--connect-timeout", type=float, default=10.0)
     ap.add_argument("--max-seconds", type=float, default=120.0)
-    ap.add_argument("--hang-at-step", type=int, default=-1,
-                    help="the training thread hangs after backward at this step (heartbeats go on)")
+    ap.add_argument(
+        "--hang-at-step",
+        type=int,
+        default=-1,
+        help="the training thread hangs after backward at this step (heartbeats go on)",
+    )
     ap.add_argument("--hang-seconds", type=float, default=0.0)
-    ap.add_argument("--tamper", choices=["poison", "corrupt", "truncate"], default=None,
-                    help="serve tampered state when healing others (see _tampering_source)")
+    ap.add_argument(
+        "--tamper",
+        choices=["poison", "corrupt", "truncate"],
+        default=None,
+        help="serve tampered state when healing others (see _tampering_source)",
+    )
     ap.add_argument("--tamper-from-step", type=int, default=1)
     ap.add_argument("--tamper-times", type=int, default=1, help="-1: always")
-    ap.add_argument("--heal-delay", type=float, default=0.0,
-                    help="a heal (HTTP) waits this long before fetching, and records that it started")
-    ap.add_argument("--sync", choices=["ddp", "managed-pg"], default="ddp",
-                    help="gradient sync: ftlaunch DDP, or dist.all_reduce over a ManagedProcessGroup")
-    ap.add_argument("--child-start-delay", type=float, default=0.0,
-                    help="Baby children sleep this long before importing torch (a slow start)")
+    ap.add_argument(
+        "--heal-delay",
+        type=float,
+        default=0.0,
+        help="a heal (HTTP) waits this long before fetching, and records that it started",
+    )
+    ap.add_argument(
+        "--sync",
+        choices=["ddp", "managed-pg"],
+        default="ddp",
+        help="gradient sync: ftlaunch DDP, or dist.all_reduce over a ManagedProcessGroup",
+    )
+    ap.add_argument(
+        "--child-start-delay",
+        type=float,
+        default=0.0,
+        help="Baby children sleep this long before importing torch (a slow start)",
+    )
     args = ap.parse_args()
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s %(message)s"
+    )
 
     group = int(os.environ["REPLICA_GROUP_ID"])
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -149,10 +175,13 @@ def main() -> int:
     if args.child_start_delay:
         from ftlaunch import prestart
 
-        prestart.CHILD_ARGV = ["-c", (
-            f"import runpy, time; time.sleep({args.child_start_delay}); "
-            f"runpy.run_module({prestart.CHILD_MODULE!r}, run_name='__main__', alter_sys=True)"
-        )]
+        prestart.CHILD_ARGV = [
+            "-c",
+            (
+                f"import runpy, time; time.sleep({args.child_start_delay}); "
+                f"runpy.run_module({prestart.CHILD_MODULE!r}, run_name='__main__', alter_sys=True)"
+            ),
+        ]
     if args.backend == "baby-gloo":
         pg = ProcessGroupBabyGloo(timeout=timedelta(seconds=args.timeout))
     else:
@@ -165,8 +194,9 @@ def main() -> int:
     if args.heal_delay > 0:
         transport = _slow_healer(args.out, args.heal_delay, timedelta(seconds=args.timeout))
     if args.tamper:
-        transport = _tampering_source(args.out, args.tamper, args.tamper_from_step, args.tamper_times,
-                                      timedelta(seconds=args.timeout))
+        transport = _tampering_source(
+            args.out, args.tamper, args.tamper_from_step, args.tamper_times, timedelta(seconds=args.timeout)
+        )
     if args.transport == "pg":
         from ftlaunch.checkpointing import PGTransport
 
@@ -212,15 +242,34 @@ def main() -> int:
                 manager.report_error(RuntimeError(f"injected failure at step {step}"))
             t = time.time()
             committed = opt.step()
-            out.write(json.dumps({
-                "t": t, "step": step, "committed": committed, "after": manager.current_step(),
-                "participants": manager.num_participants(), "checksum": checksum(model, inner),
-                "pid": os.getpid(), "rank": rank,
-            }) + "\n")
+            out.write(
+                json.dumps(
+                    {
+                        "t": t,
+                        "step": step,
+                        "committed": committed,
+                        "after": manager.current_step(),
+                        "participants": manager.num_participants(),
+                        "checksum": checksum(model, inner),
+                        "pid": os.getpid(),
+                        "rank": rank,
+                    }
+                )
+                + "\n"
+            )
             if args.step_sleep:
                 time.sleep(args.step_sleep)
-        out.write(json.dumps({"final": True, "step": manager.current_step(),
-                              "checksum": checksum(model, inner), "rank": rank}) + "\n")
+        out.write(
+            json.dumps(
+                {
+                    "final": True,
+                    "step": manager.current_step(),
+                    "checksum": checksum(model, inner),
+                    "rank": rank,
+                }
+            )
+            + "\n"
+        )
     except Exception as e:  # reported to the test as a line, then re-raised for the exit code
         out.write(json.dumps({"exception": type(e).__name__, "message": str(e)}) + "\n")
         raise

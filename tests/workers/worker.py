@@ -26,15 +26,22 @@ def main() -> int:
     p.add_argument("--fail-group", type=int, default=-1)
     p.add_argument("--fail-rank", type=int, default=0)
     p.add_argument("--fail-step", type=int, default=-1)
-    p.add_argument("--fail-restarts", default="0", help="restart counts (comma list) on which to fail; 'all' = every")
-    p.add_argument("--fail-once", action="store_true",
-                   help="fail only the first time in the job (a marker file in --out), whatever the restart count")
+    p.add_argument(
+        "--fail-restarts", default="0", help="restart counts (comma list) on which to fail; 'all' = every"
+    )
+    p.add_argument(
+        "--fail-once",
+        action="store_true",
+        help="fail only the first time in the job (a marker file in --out), whatever the restart count",
+    )
     p.add_argument("--exit-code", type=int, default=3)
     p.add_argument("--raise-error", action="store_true", help="fail by raising ValueError instead of exiting")
     p.add_argument("--check-torch", action="store_true")
     p.add_argument("--checksum", default="", help="print final_checksum=<this> at the end")
     p.add_argument("--probe-lighthouse", action="store_true", help="record the lighthouse's status address")
-    p.add_argument("--heartbeat", action="store_true", help="rank 0 heartbeats to the lighthouse as rg<group>")
+    p.add_argument(
+        "--heartbeat", action="store_true", help="rank 0 heartbeats to the lighthouse as rg<group>"
+    )
     p.add_argument("--wait-records", type=int, default=0, help="before exiting, wait for this many records")
     p.add_argument("--no-heal", action="store_true", help="a restarted incarnation does not claim it healed")
     p.add_argument("--no-progress", action="store_true", help="report nothing to the lighthouse")
@@ -55,7 +62,9 @@ def main() -> int:
             from ftlaunch.lighthouse.client import LighthouseClient
 
             token = os.environ.get("FTLAUNCH_TOKEN")
-            with LighthouseClient(os.environ["FTLAUNCH_LIGHTHOUSE"], connect_timeout=10, token=token) as client:
+            with LighthouseClient(
+                os.environ["FTLAUNCH_LIGHTHOUSE"], connect_timeout=10, token=token
+            ) as client:
                 record["lighthouse_status_address"] = client.status()["address"]
                 # A request that needs the job token and changes nothing: the launch path handed it over.
                 client.leave("probe-of-no-group")
@@ -78,8 +87,9 @@ def main() -> int:
         from ftlaunch.lighthouse.progress import ProgressReport
 
         if shared is None:
-            reporter = LighthouseClient(os.environ["FTLAUNCH_LIGHTHOUSE"], connect_timeout=10,
-                                        token=os.environ.get("FTLAUNCH_TOKEN"))
+            reporter = LighthouseClient(
+                os.environ["FTLAUNCH_LIGHTHOUSE"], connect_timeout=10, token=os.environ.get("FTLAUNCH_TOKEN")
+            )
             # Like a Manager's leader: a heartbeat connection bound to the id, so the lighthouse sees
             # this process die at once and its restart may take the id (one incarnation at a time).
             reporter.start_heartbeat(f"rg{group}", 0.5)
@@ -102,11 +112,14 @@ def main() -> int:
 
         def report(step: int, **final: object) -> None:
             # Manager semantics: ``step`` is the group's step after the commit (steps done).
-            reporter.report_progress(f"rg{group}", ProgressReport(session, step=step, commits=step, heals=heals,
-                                                                   **final))  # type: ignore[arg-type]
+            reporter.report_progress(
+                f"rg{group}", ProgressReport(session, step=step, commits=step, heals=heals, **final)
+            )  # type: ignore[arg-type]
 
-    fail_here = group == args.fail_group and rank == args.fail_rank and (
-        args.fail_restarts == "all" or str(restart) in args.fail_restarts.split(",")
+    fail_here = (
+        group == args.fail_group
+        and rank == args.fail_rank
+        and (args.fail_restarts == "all" or str(restart) in args.fail_restarts.split(","))
     )
     for step in range(args.steps):
         if fail_here and step == args.fail_step and args.fail_once:
@@ -133,8 +146,17 @@ def main() -> int:
     if args.checksum:
         print(f"final_checksum={args.checksum} step={args.steps}", flush=True)
     if reporter is not None:  # the final report rides on the leave, as the Manager's does
-        reporter.set_progress(f"rg{group}", ProgressReport(session, step=args.steps, commits=args.steps, heals=heals,
-                                                          checksum=args.checksum, finished=True))
+        reporter.set_progress(
+            f"rg{group}",
+            ProgressReport(
+                session,
+                step=args.steps,
+                commits=args.steps,
+                heals=heals,
+                checksum=args.checksum,
+                finished=True,
+            ),
+        )
         reporter.leave(f"rg{group}")
         reporter.close()
     return 0

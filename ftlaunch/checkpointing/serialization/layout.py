@@ -55,7 +55,10 @@ class Segment:
 
 
 def layout(
-    header: Header, views: Sequence[memoryview], padding: memoryview | None = None, deadline: Deadline | None = None
+    header: Header,
+    views: Sequence[memoryview],
+    padding: memoryview | None = None,
+    deadline: Deadline | None = None,
 ) -> list[Segment]:
     """Segments covering the whole body in order: tensor bytes and the padding between them.
 
