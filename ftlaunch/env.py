@@ -22,6 +22,8 @@ MASTER_ADDR = "MASTER_ADDR"
 MASTER_PORT = "MASTER_PORT"
 TORCHELASTIC_RUN_ID = "TORCHELASTIC_RUN_ID"
 TORCHELASTIC_RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
+#: Gloo's own choice of interface (torch reads it; ftlaunch then leaves Gloo's address to it).
+GLOO_SOCKET_IFNAME = "GLOO_SOCKET_IFNAME"
 
 # --- ftlaunch's own ------------------------------------------------------------------------------
 #: Id of this worker's replica group (0..N-1). Same name as torchft's so scripts port unchanged.
@@ -39,6 +41,17 @@ FTLAUNCH_SPARES = "FTLAUNCH_SPARES"
 FTLAUNCH_TOKEN = "FTLAUNCH_TOKEN"
 #: Address the lighthouse binds when the launcher/rendezvous starts one (default loopback).
 FTLAUNCH_LIGHTHOUSE_BIND = "FTLAUNCH_LIGHTHOUSE_BIND"
+#: The address of this node that the job's other hosts reach its replica group on: the group's
+#: store, its state transport and its Gloo connections are published under it. Set by the
+#: rendezvous for the workers (torchrun's ``--local-addr``, else the local address of the route to
+#: the lighthouse; loopback only when the lighthouse is addressed as loopback); set it yourself to
+#: pick an interface. Unset, a worker derives it from the lighthouse address the same way.
+FTLAUNCH_LOCAL_ADDR = "FTLAUNCH_LOCAL_ADDR"
+#: Incarnation of this replica group's workers, the same on every node of the group: the count of
+#: the group's rendezvous rounds before this one (set by the rendezvous). torchelastic's
+#: ``TORCHELASTIC_RESTART_COUNT`` counts only the restarts of *this node's* agent, so it differs
+#: between the nodes of a group after one of them restarted; it is the fallback outside ftlaunch.
+FTLAUNCH_GROUP_INCARNATION = "FTLAUNCH_GROUP_INCARNATION"
 #: Cross-group process group built by ``ftlaunch.init()``: baby-gloo, baby-nccl, gloo or nccl.
 FTLAUNCH_BACKEND = "FTLAUNCH_BACKEND"
 #: Live-recovery transport built by ``ftlaunch.init()``: pg or http.
@@ -102,6 +115,8 @@ ALL_FTLAUNCH_VARS = (
     FTLAUNCH_TOKEN,
     FTLAUNCH_SPARES,
     FTLAUNCH_LIGHTHOUSE_BIND,
+    FTLAUNCH_LOCAL_ADDR,
+    FTLAUNCH_GROUP_INCARNATION,
     FTLAUNCH_BACKEND,
     FTLAUNCH_TRANSPORT,
     FTLAUNCH_TIMEOUT,
@@ -136,6 +151,22 @@ def replica_id(replica_group_id: int) -> str:
 def lighthouse_reached(environ: Mapping[str, str] | None = None) -> bool:
     """Whether the launcher reached the job's lighthouse before (`FTLAUNCH_LIGHTHOUSE_REACHED`)."""
     return (os.environ if environ is None else environ).get(FTLAUNCH_LIGHTHOUSE_REACHED, "") == "1"
+
+
+def local_addr(environ: Mapping[str, str] | None = None) -> str | None:
+    """This node's address for the job's other hosts, when set (`FTLAUNCH_LOCAL_ADDR`)."""
+    value = (os.environ if environ is None else environ).get(FTLAUNCH_LOCAL_ADDR, "").strip()
+    return value or None
+
+
+def gloo_interface_chosen(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether ``GLOO_SOCKET_IFNAME`` picks Gloo's interface (then torch's choice stands)."""
+    return bool((os.environ if environ is None else environ).get(GLOO_SOCKET_IFNAME, "").strip())
+
+
+def incarnation_environ(incarnation: int) -> dict[str, str]:
+    """What the rendezvous sets for the workers of one round (`FTLAUNCH_GROUP_INCARNATION`)."""
+    return {FTLAUNCH_GROUP_INCARNATION: str(incarnation)}
 
 
 def lighthouse_address(environ: Mapping[str, str] | None = None) -> str | None:
@@ -189,6 +220,8 @@ class JobEnv:
     spares: int = 0
     #: The launcher reached this lighthouse before starting the group (`FTLAUNCH_LIGHTHOUSE_REACHED`).
     lighthouse_reached: bool = False
+    #: This node's address for the job's other hosts (`FTLAUNCH_LOCAL_ADDR`; None: not decided).
+    local_addr: str | None = None
 
     def __post_init__(self) -> None:
         from ftlaunch.errors import ConfigurationError
@@ -248,7 +281,7 @@ class JobEnv:
         assert group is not None and addr is not None  # narrowed by the checks above
         spares = get_int(FTLAUNCH_SPARES, 0, env) or 0
         token = token if token is not None else (env.get(FTLAUNCH_TOKEN) or None)
-        return cls(group, num, addr, token, spares, lighthouse_reached(env))
+        return cls(group, num, addr, token, spares, lighthouse_reached(env), local_addr(env))
 
     def to_environ(self) -> dict[str, str]:
         """The variables a launcher sets in every worker of this replica group."""
@@ -263,6 +296,8 @@ class JobEnv:
             out[FTLAUNCH_SPARES] = str(self.spares)
         if self.lighthouse_reached:
             out[FTLAUNCH_LIGHTHOUSE_REACHED] = "1"
+        if self.local_addr:
+            out[FTLAUNCH_LOCAL_ADDR] = self.local_addr
         return out
 
 
@@ -275,8 +310,11 @@ class GroupEnv:
     #: The group's store (torchelastic's ``MASTER_ADDR``/``MASTER_PORT``), None outside torchelastic.
     master_addr: str | None = None
     master_port: int | None = None
-    #: torchelastic's restart count: the attempt number of this incarnation of the group's workers.
+    #: torchelastic's restart count: how often *this node's* agent restarted its workers.
     restart_count: int = 0
+    #: The incarnation of the group's workers, the same on every node (`FTLAUNCH_GROUP_INCARNATION`,
+    #: else the restart count: right for a group of one node).
+    incarnation: int = 0
 
     def __post_init__(self) -> None:
         from ftlaunch.errors import ConfigurationError
@@ -287,12 +325,14 @@ class GroupEnv:
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> GroupEnv:
         env = os.environ if environ is None else environ
+        restart = get_int(TORCHELASTIC_RESTART_COUNT, 0, env) or 0
         return cls(
             rank=get_int(RANK, 0, env) or 0,
             world_size=get_int(WORLD_SIZE, 1, env) or 1,
             master_addr=env.get(MASTER_ADDR) or None,
             master_port=get_int(MASTER_PORT, None, env),
-            restart_count=get_int(TORCHELASTIC_RESTART_COUNT, 0, env) or 0,
+            restart_count=restart,
+            incarnation=get_int(FTLAUNCH_GROUP_INCARNATION, restart, env) or 0,
         )
 
 

@@ -4,9 +4,11 @@ Only the group leader (group rank 0) talks to the lighthouse. It relays each ste
 reason it got none) to the other ranks through the group's store, and every rank posts its commit
 vote there, so the ranks of a group always act on the same quorum and commit together.
 
-Keys live under a per-attempt prefix, ``/ftlaunch/<replica_id>/attempt_<restart count>``:
-torchelastic keeps its store across worker restarts, and a restarted group must never read its
-previous incarnation's quorum or votes.
+Keys live under a per-attempt prefix, ``/ftlaunch/<replica_id>/attempt_<incarnation>``: a store
+may outlive a restart of the group's workers (torchelastic keeps its own across restarts), and a
+restarted group must never read its previous incarnation's quorum or votes. The incarnation must be
+the same on every rank (`env.GroupEnv.incarnation`, counted by the rendezvous), or the ranks of a
+multi-node group would wait for each other under different prefixes for ever.
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ def _connect(
                 "a replica group with more than one worker needs its store: set MASTER_ADDR and "
                 "MASTER_PORT (torchrun/ftlaunch do) or pass store_addr/store_port"
             )
-        host = hostname or "127.0.0.1"
+        host = hostname or "127.0.0.1"  # the Manager passes the address other hosts reach
         store = dist.TCPStore(
             host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout)
         )

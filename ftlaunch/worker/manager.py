@@ -212,10 +212,10 @@ class Manager(QuorumRound, ManagerStateApi):
             store_addr if store_addr is not None else group_env.master_addr,
             store_port if store_port is not None else group_env.master_port,
             replica_id=self.replica_id,
-            attempt=group_env.restart_count,
+            attempt=group_env.incarnation,
             rank=self._group_rank,
             world_size=self._group_world_size,
-            hostname=hostname,
+            hostname=hostname or defaults.local_addr(lighthouse_addr),
             timeouts=timeouts,
             leader_outage=outage,
         )
@@ -223,7 +223,10 @@ class Manager(QuorumRound, ManagerStateApi):
         if checkpoint_transport is None:
             from ftlaunch.checkpointing import HTTPTransport
 
-            checkpoint_transport = HTTPTransport(timeout=timeouts.as_timedelta("heal"))
+            checkpoint_transport = HTTPTransport(
+                timeout=timeouts.as_timedelta("heal"),
+                bind=defaults.local_addr(lighthouse_addr) or "127.0.0.1",
+            )
         self._transport: CheckpointTransport[Any] = checkpoint_transport
         # Published once this rank is ready (`quorum_request.become_ready`): the leader's read of
         # every rank's metadata is then also the wait for the whole group to be ready.

@@ -17,6 +17,7 @@ import os
 import socket
 from typing import Any
 
+from ftlaunch import env
 from ftlaunch.checkpointing.transport import CheckpointTransport
 from ftlaunch.errors import EvictedError, LighthouseError, LighthouseUnavailableError, TrainingFinishedError
 from ftlaunch.lighthouse.client import QuorumClient
@@ -70,7 +71,7 @@ def member(
         data[CLAIM_KEY] = claims
     return QuorumMember(
         replica_id=replica_id,
-        address=f"{socket.gethostname()}:{os.getpid()}",
+        address=f"{env.local_addr() or socket.gethostname()}:{os.getpid()}",
         store_address=store_address,
         step=step,
         world_size=world_size,
