@@ -360,8 +360,8 @@ COLD_PHASES = (
     ("rendezvous_start", "agent: stop workers, re-rendezvous"),
     ("rendezvous_done", "rendezvous done"),
     ("process_start", "new worker process starts"),
-    ("zygote_handover", "forked from the warm standby (ftlaunch.zygote), torch imported"),
-    ("baby_child_spawn", "Baby child started (ftlaunch.prestart)"),
+    ("zygote_handover", "forked from the warm standby (ftlaunch.bootstrap.zygote), torch imported"),
+    ("baby_child_spawn", "Baby child started (ftlaunch.bootstrap.prestart)"),
     ("baby_child_ready", "Baby child serves (forked: torch already imported)"),
     ("script_start", "prestart runs the script (torch imported)"),
     ("init", "script reaches ftlaunch.init (imports, model)"),
@@ -764,7 +764,7 @@ def main() -> int:
     ap.add_argument(
         "--zygote-ab",
         action="store_true",
-        help="with --launcher: the warm standby interpreter (ftlaunch.zygote) on (default) vs off, "
+        help="with --launcher: the warm standby interpreter (ftlaunch.bootstrap.zygote) on (default) vs off, "
         "interleaved in the same run (--compare-env FTLAUNCH_ZYGOTE=0)",
     )
     ap.add_argument(

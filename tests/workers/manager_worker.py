@@ -173,7 +173,7 @@ def main() -> int:
     from ftlaunch.process_group import ProcessGroupBabyGloo, ProcessGroupGloo
 
     if args.child_start_delay:
-        from ftlaunch import prestart
+        from ftlaunch.bootstrap import prestart
 
         prestart.CHILD_ARGV = [
             "-c",
