@@ -92,7 +92,7 @@ def test_the_worker_imports_torch_once_and_forks_its_baby_child(tmp_path: Path) 
     out, recs = run_probe(tmp_path, "plain")
     assert out["had_torch"]  # imported before the script ran: the script's own import is free
     assert out["kind"] == "ForkedChild"
-    # A fork runs the worker's image: the same command line, not `python -m ..._baby_child`.
+    # A fork runs the worker's image: the same command line, not `python -m ...baby.child`.
     assert "ftlaunch.process_group.baby.child" not in out["child_cmdline"]
     assert out["child_cmdline"][1:3] == ["-u", "-m"]
     assert out["adopted"] == out["early"]
