@@ -1,4 +1,4 @@
-"""Faults in the middle of things (issue 17, item 4), with real processes.
+"""Faults in the middle of things, with real processes.
 
 A group killed while it heals (as the receiver, and its source), both non-leader groups killed at
 once, a Baby child killed under a training Manager, one rank of a two-rank group SIGSTOPped, and the

@@ -1,4 +1,4 @@
-"""The heartbeat pace a large job's lighthouse advises (issue 17 item 6): none up to ~100 groups, slower
+"""The heartbeat pace a large job's lighthouse advises: none up to ~100 groups, slower
 beats past it, so that 1024 groups do not send 10,000 heartbeats a second (docs/lighthouse.md)."""
 
 from __future__ import annotations

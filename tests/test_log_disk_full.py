@@ -1,4 +1,4 @@
-"""A full log disk (issue 17): training goes on, the failure is reported once, nothing crashes.
+"""A full log disk: training goes on, the failure is reported once, nothing crashes.
 
 Real ENOSPC each time: ``/dev/full`` for a stream (every write fails with ENOSPC), and a tiny
 tmpfs under ``ftlaunch --log-dir`` that the test fills while the job trains (skipped where this

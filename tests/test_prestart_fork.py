@@ -1,4 +1,4 @@
-"""Issue 11, item 3: the worker imports torch once and forks its Baby child (`ftlaunch.bootstrap.prestart.fork`).
+"""the worker imports torch once and forks its Baby child (`ftlaunch.bootstrap.prestart.fork`).
 
 Real processes throughout: ``python -m ftlaunch.bootstrap.prestart SCRIPT`` as the launcher runs a worker.
 

@@ -1,4 +1,4 @@
-"""Issue 11: a (re)starting group costs its peers nothing, and its start-up is measurable.
+"""a (re)starting group costs its peers nothing, and its start-up is measurable.
 
 - `ProcessGroup.wait_ready` on each backend (Baby: the child serves; the others: no-op);
 - the Manager asks the lighthouse -- and starts beating, which counts it as live -- only once every
@@ -299,9 +299,9 @@ def test_prestart_runs_the_script_as_python_would_and_hands_its_child_over(
 def test_survivor_keeps_committing_while_a_restarted_group_is_slow_to_start(
     tmp_path: Path, groups: list[Any]
 ) -> None:
-    """The restarted group's Baby child sleeps 4 s before importing torch. Before issue 11 the
-    survivor stalled that long (first in the lighthouse's split-brain wait for the live, silent
-    joiner, then in the configure with it). Now it keeps committing until the joiner is ready,
+    """The restarted group's Baby child sleeps 4 s before importing torch. The
+    survivor must not stall that long (in the lighthouse's split-brain wait for a live, silent
+    joiner, or in the configure with it): it keeps committing until the joiner is ready,
     and the two end bit-identical."""
     from ftlaunch.lighthouse.server import LighthouseServer
     from tests.mp_harness import Group

@@ -1,4 +1,4 @@
-"""Issue 11, item 3: the warm standby interpreter (`ftlaunch.bootstrap.zygote`) and the worker's proxy for it
+"""the warm standby interpreter (`ftlaunch.bootstrap.zygote`) and the worker's proxy for it
 (`ftlaunch.bootstrap.zygote_proxy`).
 
 In one process: the wire (a JSON line with the worker's descriptors attached), the switch, and the
