@@ -93,11 +93,11 @@ FTLAUNCH_QUANTIZE = "FTLAUNCH_QUANTIZE"
 #: timestamped JSON lines to (worker exit noticed, process start, init, Baby child ready, quorum,
 #: configure, heal, first commit). Unset: nothing is recorded.
 FTLAUNCH_PHASE_LOG = "FTLAUNCH_PHASE_LOG"
-#: ``0`` turns off the shared torch import of `ftlaunch.prestart` (the worker imports torch before
+#: ``0`` turns off the shared torch import of `ftlaunch.bootstrap.prestart` (the worker imports torch before
 #: the script runs and forks its Baby child from there): the child is then its own interpreter and
 #: imports torch itself, while the script does. Default on.
 FTLAUNCH_PRESTART_FORK = "FTLAUNCH_PRESTART_FORK"
-#: ``0`` turns off the warm standby interpreter (`ftlaunch.zygote`) the launcher's agent keeps per
+#: ``0`` turns off the warm standby interpreter (`ftlaunch.bootstrap.zygote`) the launcher's agent keeps per
 #: group: a (re)started worker then imports torch itself instead of being forked, torch imported,
 #: from the standby. Default on (``ftlaunch`` launcher only; it costs one idle torch interpreter).
 FTLAUNCH_ZYGOTE = "FTLAUNCH_ZYGOTE"

@@ -110,7 +110,7 @@ _MANAGER_SCRIPT = (
 def test_bad_environment_ends_a_worker_with_one_line(
     script: str, environ: dict[str, str], message: str
 ) -> None:
-    """Issue 17: a bad environment value is one line on stderr and exit 1, not a traceback wall."""
+    """a bad environment value is one line on stderr and exit 1, not a traceback wall."""
     import os
     import subprocess
     import sys

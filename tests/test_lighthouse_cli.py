@@ -143,7 +143,7 @@ def test_port_in_use_is_a_clean_error():
 
 
 def test_torchft_flags_are_aliases_with_their_units():
-    """Issue 15/16: torchft README's command (underscores, milliseconds) starts the same lighthouse."""
+    """torchft README's command (underscores, milliseconds) starts the same lighthouse."""
     proc, addr = _start(
         MODULE_CMD,
         "--min_replicas",
@@ -181,7 +181,7 @@ def _tokenless_env() -> dict[str, str]:
 
 
 def test_reachable_bind_without_token_is_refused_in_one_line():
-    """Issue 17: a lighthouse anyone on the network could join, stop or poison is not started."""
+    """a lighthouse anyone on the network could join, stop or poison is not started."""
     proc = subprocess.run(
         [*MODULE_CMD, "--bind", "0.0.0.0:0"], capture_output=True, text=True, timeout=60, env=_tokenless_env()
     )

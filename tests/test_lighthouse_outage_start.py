@@ -1,4 +1,4 @@
-"""A group started while the lighthouse is down waits for it within the outage budget (issue 17).
+"""A group started while the lighthouse is down waits for it within the outage budget.
 
 Running workers ride out a lighthouse outage (`ftlaunch.lighthouse.reconnect`), but a group whose
 agent the ``ftlaunch`` supervisor respawned during the outage used to fail its first contact after

@@ -1,4 +1,4 @@
-"""A lighthouse that dies and comes back (issue 17, item 3).
+"""A lighthouse that dies and comes back.
 
 In one process: the restarted lighthouse's adoption of the groups' resume reports
 (`Membership.adopt_resume_report`, hand-driven clock), and the leader's `OutageTolerantClient`

@@ -306,7 +306,7 @@ def test_superseded_request_gets_409(make_server):
 
 
 def test_a_replica_id_is_held_by_one_incarnation(make_server):
-    """Issue 17: a second process using a live group's id cannot push its parked request out (409 for
+    """a second process using a live group's id cannot push its parked request out (409 for
     the newcomer, not the holder), beat for it or make it leave; once the holder is gone, it may."""
     s = make_server(min_replicas=2)
     holder, other = LighthouseClient(s.address), LighthouseClient(s.address)
@@ -537,7 +537,7 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 )
 @pytest.mark.parametrize(("headers", "code"), [({}, 401), ({"Authorization": "Bearer nope"}, 403)])
 def test_every_group_request_needs_the_token(token_server, path, body, headers, code):
-    """Issue 17: without the job token a client can neither join, beat, leave nor evict: 401/403, and
+    """without the job token a client can neither join, beat, leave nor evict: 401/403, and
     nothing changes (the real group stays, no invented id appears, no quorum forms)."""
     server = token_server
     ok, _, _ = request(server, "POST", "/heartbeat", {"replica_id": "a"}, AUTH)

@@ -1,4 +1,4 @@
-"""Progress-based hang detection (issue 17, item 4): a group whose training thread hangs while its
+"""Progress-based hang detection: a group whose training thread hangs while its
 heartbeat thread keeps beating is noticed from its step calls (ftlaunch.worker.watchdog)."""
 
 from __future__ import annotations

@@ -89,7 +89,7 @@ def test_no_lighthouse_is_a_clear_rendezvous_error() -> None:
 
 @pytest.mark.timeout(60)
 def test_hosting_a_reachable_lighthouse_without_token_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Issue 17: the node on the endpoint host does not start a lighthouse anyone could join; it says
+    """the node on the endpoint host does not start a lighthouse anyone could join; it says
     which setting is missing instead of waiting for a lighthouse that never comes."""
     monkeypatch.delenv("FTLAUNCH_TOKEN", raising=False)
     monkeypatch.delenv("FTLAUNCH_LIGHTHOUSE_BIND", raising=False)

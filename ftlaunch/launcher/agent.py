@@ -10,7 +10,7 @@ its own workers (up to ``max_restarts``) exactly as under ``torchrun``. Besides,
   status -- read with
   ``waitid(WNOWAIT)``, which leaves the child for torchelastic to reap, so the supervisor can tell
   the lighthouse within milliseconds instead of after torchelastic's monitor tick;
-* keeps the group's warm standby interpreter (`Standby`, `ftlaunch.zygote`), from which a
+* keeps the group's warm standby interpreter (`Standby`, `ftlaunch.bootstrap.zygote`), from which a
   restarted worker is forked with torch already imported (``FTLAUNCH_ZYGOTE=0``: not);
 * writes a result file (success, or the root cause from torchelastic's error files) before exiting;
 * dies with the supervisor (``PR_SET_PDEATHSIG``), taking its workers down through torchelastic's
@@ -352,9 +352,9 @@ def _run_agent(cfg: AgentConfig, standby: Standby | None) -> int:
 
 
 class Standby:
-    """The group's warm standby interpreter (`ftlaunch.zygote`): started with the agent, announced
+    """The group's warm standby interpreter (`ftlaunch.bootstrap.zygote`): started with the agent, announced
     to the workers through ``FTLAUNCH_ZYGOTE_SOCKET`` in the environment they inherit, stopped at
-    the end. Only for workers run through ``ftlaunch.prestart`` (the hand-over happens there)."""
+    the end. Only for workers run through ``ftlaunch.bootstrap.prestart`` (the hand-over happens there)."""
 
     def __init__(self, proc: subprocess.Popen[bytes], directory: str) -> None:
         self.proc = proc
@@ -362,12 +362,12 @@ class Standby:
 
     @classmethod
     def start(cls, opts: LaunchOptions) -> Standby | None:
-        from ftlaunch import prestart, zygote_proxy
+        from ftlaunch.bootstrap import prestart, zygote_proxy
 
         if not zygote_proxy.enabled() or not prestart.fork_wanted():
             return None
         args = _worker_args(opts)
-        if args[:3] != ["-u", "-m", "ftlaunch.prestart"]:
+        if args[:3] != ["-u", "-m", "ftlaunch.bootstrap.prestart"]:
             return None
         # A Unix socket's path has at most 107 bytes: a long TMPDIR falls back to /tmp.
         directory = tempfile.mkdtemp(
@@ -376,7 +376,15 @@ class Standby:
         path = os.path.join(directory, "sock")
         try:
             proc = subprocess.Popen(
-                [sys.executable, "-u", "-m", "ftlaunch.zygote", path, "--parent-pid", str(os.getpid())],
+                [
+                    sys.executable,
+                    "-u",
+                    "-m",
+                    "ftlaunch.bootstrap.zygote",
+                    path,
+                    "--parent-pid",
+                    str(os.getpid()),
+                ],
                 stdin=subprocess.DEVNULL,
             )
         except OSError as e:
@@ -399,13 +407,13 @@ class Standby:
 
 
 def _worker_args(opts: LaunchOptions) -> list[str]:
-    """The workers' command line: ``python -u -m ftlaunch.prestart SCRIPT ...`` for a Python
-    script or module, so its Baby child imports torch while the script does (`ftlaunch.prestart`);
+    """The workers' command line: ``python -u -m ftlaunch.bootstrap.prestart SCRIPT ...`` for a Python
+    script or module, so its Baby child imports torch while the script does (`ftlaunch.bootstrap.prestart`);
     anything else (``--no-python``, ``--run-path``) as given."""
     args = list(opts.args)
     if opts.run_path or args[:1] != ["-u"] or not os.path.basename(opts.entrypoint).startswith("python"):
         return args
-    return ["-u", "-m", "ftlaunch.prestart", *args[1:]]
+    return ["-u", "-m", "ftlaunch.bootstrap.prestart", *args[1:]]
 
 
 def _supervisor_gone() -> None:

@@ -14,15 +14,13 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from ftlaunch.errors import CommunicationError
-
-if TYPE_CHECKING:
-    from ftlaunch.process_group.base import ProcessGroup
+from ftlaunch.process_group.failures import FailureRecord
 
 __all__ = ["NO_TIMEOUT", "ComposedWork", "DoneWork", "FtWork", "completed_future", "wait_on"]
 
@@ -76,19 +74,19 @@ class FtWork(dist.Work):
     once those sockets close.
     """
 
-    def __init__(self, pg: ProcessGroup, inner: dist.Work, op: str, peer: int | None = None) -> None:
+    def __init__(self, failures: FailureRecord, inner: dist.Work, op: str, peer: int | None = None) -> None:
         super().__init__()
-        self._pg = pg
+        self._failures = failures
         self._inner: dist.Work | None = inner
         self._op = op
         self._peer = peer
-        self._generation = pg._generation
+        self._generation = failures.generation
 
     def release(self) -> None:
         self._inner = None
 
     def _released_error(self) -> CommunicationError:
-        return self._pg._record_error(
+        return self._failures.record(
             self._op,
             "aborted (the group failed, was aborted or was reconfigured)",
             self._peer,
@@ -109,7 +107,7 @@ class FtWork(dist.Work):
         # backend's sockets open.
         inner = None
         self._inner = None
-        raise self._pg._record_error(self._op, error, self._peer, self._generation) from error
+        raise self._failures.record(self._op, error, self._peer, self._generation) from error
 
     def is_completed(self) -> bool:
         inner = self._inner
@@ -121,14 +119,14 @@ class FtWork(dist.Work):
         if inner is None:
             out.set_exception(self._released_error())
             return out
-        pg, op, peer, generation = self._pg, self._op, self._peer, self._generation
+        failures, op, peer, generation = self._failures, self._op, self._peer, self._generation
 
         def _done(fut: torch.futures.Future) -> None:
             try:
                 value = fut.value()
             except Exception as e:
                 # Runs on a backend thread: the group must not tear its backend down here.
-                out.set_exception(pg._record_error(op, e, peer, generation, on_backend_thread=True))
+                out.set_exception(failures.record(op, e, peer, generation, on_backend_thread=True))
             else:
                 out.set_result(value)
 

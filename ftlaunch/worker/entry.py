@@ -38,7 +38,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ftlaunch import env, phases, prestart
+from ftlaunch import env, phases
+from ftlaunch.bootstrap import prestart
 from ftlaunch.checkpointing.transport import CheckpointTransport
 from ftlaunch.errors import ConfigurationError, install_brief_configuration_errors
 from ftlaunch.process_group.base import ProcessGroup

@@ -496,6 +496,7 @@ class Manager(QuorumRound, ManagerStateApi):
         clean = sys.exc_info()[0] is None and not self._ended_after_finish
         self._link.close(self._step, self._state.snapshot if clean else None, leave=leave)
         self._executor.shutdown(wait=wait, cancel_futures=True)
+        self._hang_abort.close()  # its notice watcher and an abort under way
         self._transport.shutdown(wait=wait)
         release_process_group(self._pg)
         self._group.close()  # its socket: nothing of this worker's may outlive shutdown

@@ -214,7 +214,7 @@ def fetch(
         raise ValueError("fetch() on a plan that does not heal")
     metas = quorum.participants[src_rank].data.get("ckpt") or []
     meta = metas[group_rank] if group_rank < len(metas) else ""
-    # What we receive should look like our own state: a transport may refuse far more (issue 17).
+    # What we receive should look like our own state: a transport may refuse far more.
     try:
         transport.expect_like(registry.snapshot())
     except Exception as e:  # noqa: BLE001 - only a hint: the format's own limits still hold

@@ -1,9 +1,9 @@
-"""A worker's side of the warm standby interpreter (`ftlaunch.zygote`): hand the script over to it,
+"""A worker's side of the warm standby interpreter (`ftlaunch.bootstrap.zygote`): hand the script over to it,
 then stand in for the real worker.
 
 Why: a restarted worker spends most of its start-up importing torch (and its first optimizer,
 ``torch._dynamo``). The launcher's agent keeps one interpreter per group that has done that already
-(`ftlaunch.zygote`); `hand_over` asks it to fork a copy that runs this worker's script. torchelastic
+(`ftlaunch.bootstrap.zygote`); `hand_over` asks it to fork a copy that runs this worker's script. torchelastic
 still started *this* process and watches it, so it stays, as a thin proxy: it forwards the catchable
 signals (TERM, INT, HUP, QUIT, USR1, USR2) to the real worker and exits as the real worker did (the
 same exit code, or dying by the same signal). If the proxy is SIGKILLed, the zygote sees its socket
@@ -12,7 +12,7 @@ real worker too (and continues it with the proxy). So whoever signals or watches
 chaos, the agent's watcher, ``--kill-stopped``, a test -- may keep using the proxy's pid.
 
 Everything here imports no torch: the point is to not pay for it. Anything unexpected returns a
-reason, and ``ftlaunch.prestart`` starts the script itself (today's cold start).
+reason, and ``ftlaunch.bootstrap.prestart`` starts the script itself (today's cold start).
 """
 
 from __future__ import annotations
