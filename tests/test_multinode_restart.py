@@ -23,7 +23,8 @@ from workers.helpers import REPO, free_port, kill_tree
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 TRAIN = os.path.join(REPO, "scripts", "train_ddp.py")
-STEPS = 40
+#: Long enough (0.3 s a step) for group 0 to be still training when group 1 is back on a loaded machine.
+STEPS = 120
 
 
 def _worker(group: int, rank: int) -> psutil.Process | None:
@@ -52,18 +53,20 @@ def test_a_two_node_group_restarts_and_rejoins(tmp_path: Path) -> None:
     env = {**os.environ, "FTLAUNCH_TOKEN": "tok", "LOGLEVEL": "WARNING", "OMP_NUM_THREADS": "1"}
     common = ["--rdzv-backend", "ftlaunch", "--rdzv-endpoint", endpoint, "--rdzv-id", "mn"]
     common += ["--max-restarts", "2", "--monitor-interval", "0.1"]
-    script = [TRAIN, "--steps", str(STEPS), "--width", "32", "--step-sleep", "0.25", "--timeout", "30"]
+    script = [TRAIN, "--steps", str(STEPS), "--width", "32", "--step-sleep", "0.3", "--timeout", "30"]
     logs = [tmp_path / name for name in ("g0.log", "g1a.log", "g1b.log")]
-    conf0 = "replica_group_id=0,num_replica_groups=2,lighthouse_linger=60"
-    conf1 = f"replica_group_id=1,num_replica_groups=2,group_endpoint=127.0.0.1:{group_port}"
+    conf0 = "replica_group_id=0,num_replica_groups=2,start_lighthouse=false"
+    conf1 = f"replica_group_id=1,num_replica_groups=2,start_lighthouse=false,group_endpoint=127.0.0.1:{group_port}"
     # Both groups have two workers (rank r of each group shares a shard): group 0 on one node,
     # group 1 on two nodes of one worker each.
     one_node = ["--nproc-per-node", "2", "--rdzv-conf", conf0]
     two_nodes = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-conf", conf1]
     commands = [[*TORCHRUN, *common, *one_node, *script]] + [[*TORCHRUN, *common, *two_nodes, *script]] * 2
+    lighthouse = [sys.executable, "-m", "ftlaunch.lighthouse", "--bind", endpoint, "--expected-replicas", "2"]
     procs: list[subprocess.Popen[bytes]] = []
+    keeper = subprocess.Popen([*lighthouse, "--token", "tok"], env=env, stdout=subprocess.DEVNULL)
     try:
-        for cmd, log in zip(commands, logs):
+        for cmd, log in zip(commands, logs, strict=True):
             with open(log, "wb") as out:
                 procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT))
         deadline = time.monotonic() + 150
@@ -81,20 +84,16 @@ def test_a_two_node_group_restarts_and_rejoins(tmp_path: Path) -> None:
         for p in procs:
             p.wait(timeout=max(1.0, deadline - time.monotonic()))
     finally:
-        for p in procs:
+        for p in [*procs, keeper]:
             if p.poll() is None:
                 kill_tree(p.pid)
     texts = [log.read_text() for log in logs]
-    for p, text in zip(procs, texts):
+    for p, text in zip(procs, texts, strict=True):
         assert p.returncode == 0, text[-4000:]
     # Every worker ended at the same step with the same weights: the restarted group healed.
     finals = [f for t in texts for f in re.findall(r"final_checksum=(\w+) step=(\d+)", t)]
     assert len(finals) == 4 and len(set(finals)) == 1 and finals[0][1] == str(STEPS), finals
     # ... and committed steps again after the kill, on both of its nodes (no deadlock).
     for text in texts[1:]:
-        after = [
-            float(t)
-            for t in re.findall(r"committed=True .* t=([\d.]+)", text)
-            if float(t) > killed_at
-        ]
+        after = [float(t) for t in re.findall(r"committed=True .* t=([\d.]+)", text) if float(t) > killed_at]
         assert after, text[-3000:]

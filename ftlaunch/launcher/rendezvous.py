@@ -50,6 +50,7 @@ def create_handler():  # type: ignore[no-untyped-def]
 
 
 import dataclasses  # noqa: E402
+import json  # noqa: E402
 import logging  # noqa: E402
 import os  # noqa: E402
 import time  # noqa: E402
@@ -77,9 +78,11 @@ logger = logging.getLogger(__name__)
 BACKEND_NAME = "ftlaunch"
 #: Timeout of the workers' store server (torch's default for TCPStore).
 _STORE_TIMEOUT_S = 300
-#: Key of the group's round count in its rendezvous store (it outlives rounds) and of the round's
-#: incarnation in the round's store (rank 0 writes it, the other nodes read it).
-_INCARNATION_KEY = "ftlaunch/incarnation"
+#: Key of the group's round count in its rendezvous store (it outlives rounds).
+_ROUNDS_KEY = "ftlaunch/rounds"
+#: Key of the round's incarnation and workers' store in the round's own store (rank 0 writes it,
+#: the other nodes read it).
+_ROUND_KEY = "ftlaunch/round"
 
 #: Keys this handler reads from ``--rdzv-conf``; everything else must be a key of torchelastic's
 #: dynamic rendezvous (passed on to the group's own rendezvous).
@@ -265,7 +268,7 @@ class FtlaunchRendezvousHandler(RendezvousHandler):
         #: The address given with --local-addr / FTLAUNCH_LOCAL_ADDR (None: decide from the route).
         self._local_addr = local_addr
         self._advertised: str | None = None
-        #: The group's rendezvous store, which outlives rounds: it counts them (`_incarnation`).
+        #: The group's rendezvous store, which outlives rounds: it counts them (`_round`).
         self._rounds_store = rounds_store
         self._worker_store: TCPStore | None = None
         self._inner = inner
@@ -297,27 +300,9 @@ class FtlaunchRendezvousHandler(RendezvousHandler):
             )
         phases.mark("rendezvous_start", round=self._rounds)
         info = self._inner.next_rendezvous()
-        os.environ.update(env.incarnation_environ(self._incarnation(info)))
         phases.mark("rendezvous_done", round=self._rounds)
-        # A fresh workers' store (MASTER_ADDR:MASTER_PORT) every round, hosted by this agent when it
-        # is the group's rank 0. torch's dynamic rendezvous keeps one agent store across rounds, and
-        # workers do not prefix their keys per attempt: after a restart a fast worker can read the
-        # address the *dead* rank 0 of the previous attempt published and fail with "Connection
-        # refused" in gloo's connectFullMesh. The round's own store (``info.store``) is per round, so
-        # the address exchange below is clean; the previous round's server is closed.
-        port = None
-        if info.rank == 0:
-            self._worker_store = None
-            self._worker_store = TCPStore(  # listens on every interface; published as ``advertised``
-                advertised,
-                0,
-                is_master=True,
-                multi_tenant=True,
-                wait_for_workers=False,
-                timeout=timedelta(seconds=_STORE_TIMEOUT_S),
-            )
-            port = self._worker_store.port
-        bootstrap = RendezvousStoreInfo.build(info.rank, info.store, local_addr=advertised, server_port=port)
+        incarnation, bootstrap = self._round(info, advertised)
+        os.environ.update(env.incarnation_environ(incarnation))
         return RendezvousInfo(info.store, info.rank, info.world_size, bootstrap)
 
     def _advertised_address(self, lighthouse: str) -> str:
@@ -331,16 +316,38 @@ class FtlaunchRendezvousHandler(RendezvousHandler):
             )
         return self._advertised
 
-    def _incarnation(self, info: RendezvousInfo) -> int:
-        """The number of rounds the group had before this one, the same on every node: rank 0
-        counts rounds in the store that outlives them and hands the count on in the round's own."""
-        if self._rounds_store is None:  # no store across rounds (a test double): this node's count
-            return self._rounds - 1
-        if info.rank == 0:
-            incarnation = self._rounds_store.add(_INCARNATION_KEY, 1) - 1
-            info.store.set(_INCARNATION_KEY, str(incarnation))
-            return incarnation
-        return int(info.store.get(_INCARNATION_KEY))
+    def _round(self, info: RendezvousInfo, advertised: str) -> tuple[int, RendezvousStoreInfo]:
+        """This round's incarnation and workers' store, the same on every node of the group.
+
+        Rank 0's agent hosts a fresh workers' store (``MASTER_ADDR:MASTER_PORT``) every round. torch's
+        dynamic rendezvous keeps one agent store across rounds, and workers do not prefix their keys
+        per attempt: after a restart a fast worker could read the address the *dead* rank 0 of the
+        previous attempt published and fail with "Connection refused" in gloo's connectFullMesh.
+        It also counts the round in the group's rendezvous store, which outlives rounds. Both go
+        to the other nodes in one key of the round's own store (``info.store``, fresh every round)
+        -- not under torch's ``MASTER_ADDR``/``MASTER_PORT`` keys there, which the inner rendezvous
+        has already set to its own store: a node reading them before rank 0 overwrote them would
+        join another store than its peers.
+        """
+        if info.rank != 0:
+            got = json.loads(info.store.get(_ROUND_KEY))
+            return int(got["incarnation"]), RendezvousStoreInfo(str(got["addr"]), int(got["port"]))
+        if self._rounds_store is not None:
+            incarnation = self._rounds_store.add(_ROUNDS_KEY, 1) - 1
+        else:  # no store across rounds (a test double): this node's count
+            incarnation = self._rounds - 1
+        self._worker_store = None  # the previous round's server closes
+        self._worker_store = TCPStore(  # listens on every interface; published as ``advertised``
+            advertised,
+            0,
+            is_master=True,
+            multi_tenant=True,
+            wait_for_workers=False,
+            timeout=timedelta(seconds=_STORE_TIMEOUT_S),
+        )
+        port = self._worker_store.port
+        info.store.set(_ROUND_KEY, json.dumps({"incarnation": incarnation, "addr": advertised, "port": port}))
+        return incarnation, RendezvousStoreInfo(advertised, port)
 
     def is_closed(self) -> bool:
         return self._inner.is_closed()
