@@ -6,7 +6,8 @@
     python scripts/slurm_cluster.py kill-node 2         # SIGKILL every process of node 2 (slurmd too)
     python scripts/slurm_cluster.py down                # stop everything and remove every trace
 
-Each node is a network namespace with its own address on a private bridge (``10.231.0.0/24``), its
+Each node is a network namespace with its own address on a private bridge (``10.231.0.0/24`` by
+default), its
 own host name (a UTS namespace) and an ``/etc/hosts`` that names every node and an
 ``/etc/resolv.conf`` without a reachable name server (a mount namespace, so the machine's own files
 are untouched), running Debian's ``slurmd -N nodeK``; ``slurmctld`` and
@@ -48,15 +49,17 @@ from pathlib import Path
 
 DEFAULT_DIR = "/tmp/ftlaunch-slurm"
 DEFAULT_PREFIX = "ftsl"
-SUBNET = "10.231.0"
-CONTROLLER_IP = f"{SUBNET}.1"
+#: The bridge's network (a /24): the controller is .1, node k is .(NODE_BASE + k).
+DEFAULT_SUBNET = "10.231.0"
 CONTROLLER_NAME = "ftctl"
-#: Node k's address is SUBNET.(NODE_BASE + k).
 NODE_BASE = 10
 SLURMCTLD_PORT = 6817
 SLURMD_PORT = 6818
 #: How long a node may be silent before Slurm declares it down (Slurm's default is 300 s).
 SLURMD_TIMEOUT_S = 10
+#: How long a requeued job waits before it may start again: the job credential's lifetime
+#: (``AuthInfo=cred_expire``; Slurm's default is 120 s).
+CRED_EXPIRE_S = 10
 
 
 class ClusterError(RuntimeError):
@@ -65,10 +68,6 @@ class ClusterError(RuntimeError):
 
 def node_name(k: int) -> str:
     return f"node{k}"
-
-
-def node_ip(k: int) -> str:
-    return f"{SUBNET}.{NODE_BASE + k}"
 
 
 def missing_capability() -> str | None:
@@ -116,6 +115,18 @@ class Cluster:
     memory_mb: int = 64000
     #: Extra environment for the daemons and everything submitted (e.g. PYTHONPATH).
     extra_env: dict[str, str] = field(default_factory=dict)
+    #: The first three octets of the cluster's /24 (two clusters at once need two).
+    subnet: str = DEFAULT_SUBNET
+    #: slurmctld's port on this machine (two clusters at once need two).
+    ctld_port: int = SLURMCTLD_PORT
+
+    def ip(self, k: int) -> str:
+        """Node ``k``'s address."""
+        return f"{self.subnet}.{NODE_BASE + k}"
+
+    @property
+    def controller_ip(self) -> str:
+        return f"{self.subnet}.1"
 
     # -- names --------------------------------------------------------------------------------
     @property
@@ -211,7 +222,7 @@ class Cluster:
 
     def _network(self) -> None:
         self._run("ip", "link", "add", self.bridge, "type", "bridge")
-        self._run("ip", "addr", "add", f"{CONTROLLER_IP}/24", "dev", self.bridge)
+        self._run("ip", "addr", "add", f"{self.controller_ip}/24", "dev", self.bridge)
         self._run("ip", "link", "set", self.bridge, "up")
         for k in range(1, self.nodes + 1):
             ns, host, peer = self.netns(k), self._veth_host(k), self._veth_node(k)
@@ -220,14 +231,14 @@ class Cluster:
             self._run("ip", "link", "set", peer, "netns", ns)
             self._run("ip", "link", "set", host, "master", self.bridge)
             self._run("ip", "link", "set", host, "up")
-            self._run("ip", "-n", ns, "addr", "add", f"{node_ip(k)}/24", "dev", peer)
+            self._run("ip", "-n", ns, "addr", "add", f"{self.ip(k)}/24", "dev", peer)
             self._run("ip", "-n", ns, "link", "set", peer, "up")
             self._run("ip", "-n", ns, "link", "set", "lo", "up")
-            self._run("ip", "-n", ns, "route", "add", "default", "via", CONTROLLER_IP)
+            self._run("ip", "-n", ns, "route", "add", "default", "via", self.controller_ip)
 
     def _hosts_file(self) -> None:
-        lines = ["127.0.0.1 localhost", f"{CONTROLLER_IP} {CONTROLLER_NAME}"]
-        lines += [f"{node_ip(k)} {node_name(k)}" for k in range(1, self.nodes + 1)]
+        lines = ["127.0.0.1 localhost", f"{self.controller_ip} {CONTROLLER_NAME}"]
+        lines += [f"{self.ip(k)} {node_name(k)}" for k in range(1, self.nodes + 1)]
         Path(self.root, "hosts").write_text("\n".join(lines) + "\n")
         # No name server is reachable from the bridge: without this every reverse lookup (torch's
         # TCPStore does one per connection) waits for the machine's resolver to time out.
@@ -262,20 +273,20 @@ class Cluster:
     def _slurm_conf(self) -> None:
         r = self.root
         nodes = "\n".join(
-            f"NodeName={node_name(k)} NodeAddr={node_ip(k)} NodeHostname={node_name(k)} "
+            f"NodeName={node_name(k)} NodeAddr={self.ip(k)} NodeHostname={node_name(k)} "
             f"CPUs={self.cpus} RealMemory={self.memory_mb} State=UNKNOWN"
             for k in range(1, self.nodes + 1)
         )
         text = f"""# written by scripts/slurm_cluster.py
 ClusterName=ftlaunch
-SlurmctldHost={CONTROLLER_NAME}({CONTROLLER_IP})
-SlurmctldPort={SLURMCTLD_PORT}
+SlurmctldHost={CONTROLLER_NAME}({self.controller_ip})
+SlurmctldPort={self.ctld_port}
 SlurmdPort={SLURMD_PORT}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket={self.munge_socket}
+AuthInfo=socket={self.munge_socket},cred_expire={CRED_EXPIRE_S}
 StateSaveLocation={r}/state
 SlurmdSpoolDir={r}/spool/%n
 SlurmctldPidFile={r}/run/slurmctld.pid
@@ -378,8 +389,12 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscrib
         return done.stdout
 
     def kill_node(self, k: int, *, slurmd: bool = True, sig: int = signal.SIGKILL) -> list[int]:
-        """Signal every process of node ``k`` -- a lost node (with ``slurmd``) or all of its job's
-        processes (``slurmd=False``: the node stays up in Slurm). Returns the pids signalled."""
+        """A lost node (with ``slurmd``): its link goes down first -- its peers get no FIN or RST,
+        as from a machine that lost power -- then every process of it is signalled. With
+        ``slurmd=False`` only its job's processes are (the node stays up in Slurm, its link too).
+        Returns the pids signalled."""
+        if slurmd:
+            subprocess.run(["ip", "link", "set", self._veth_host(k), "down"], capture_output=True)
         keep = set() if slurmd else set(self._slurmd_pids(k))
         hit = []
         for pid in self.pids_in_netns(self.netns(k)):
@@ -390,8 +405,18 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscrib
                 hit.append(pid)
         return hit
 
+    def node_pids(self) -> dict[int | None, list[int]]:
+        """Every node's processes (node number -> pids)."""
+        return {k: self.pids_in_netns(self.netns(k)) for k in range(1, self.nodes + 1)}
+
+    def drain(self, k: int, reason: str = "not for jobs") -> None:
+        """Keep Slurm's jobs off node ``k`` (it still runs what is started on it by hand)."""
+        self.slurm("scontrol", "update", f"nodename={node_name(k)}", "state=drain", f"reason={reason}")
+
     def restart_node(self, k: int) -> None:
-        """Start node ``k``'s slurmd again (after `kill_node`); Slurm returns it to service."""
+        """Bring node ``k`` back after `kill_node`: its link up, its slurmd started; Slurm returns
+        it to service (``ReturnToService=2``)."""
+        subprocess.run(["ip", "link", "set", self._veth_host(k), "up"], capture_output=True)
         self._start(
             self.node_argv(k, [_sbin("slurmd"), "-D", "-N", node_name(k), "-f", self.conf]),
             os.path.join(self.root, "log", f"slurmd-{node_name(k)}.out"),
@@ -474,9 +499,11 @@ def _parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run a command on node K")
     run.add_argument("node", type=int)
     run.add_argument("argv", nargs=argparse.REMAINDER)
-    kill = sub.add_parser("kill-node", help="SIGKILL every process of node K (a lost node)")
+    kill = sub.add_parser("kill-node", help="lose node K: its link down, every process SIGKILLed")
     kill.add_argument("node", type=int)
-    kill.add_argument("--keep-slurmd", action="store_true", help="only the job's processes")
+    kill.add_argument("--keep-slurmd", action="store_true", help="only the job's processes (link stays up)")
+    back = sub.add_parser("restart-node", help="bring node K back (link up, slurmd started)")
+    back.add_argument("node", type=int)
     return p
 
 
@@ -493,7 +520,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"slurm_cluster: error: {e}", file=sys.stderr)
             c.down()
             return 1
-        print(f"{nodes} nodes up: node1..node{nodes} at {node_ip(1)}..{node_ip(nodes)}")
+        print(f"{nodes} nodes up: node1..node{nodes} at {c.ip(1)}..{c.ip(nodes)}")
         print(f"export SLURM_CONF={c.conf}")
         return 0
     if args.cmd == "down":
@@ -512,6 +539,9 @@ def main(argv: list[str] | None = None) -> int:
         return subprocess.call(c.node_argv(args.node, rest), env=c.env)
     if args.cmd == "kill-node":
         print(" ".join(map(str, c.kill_node(args.node, slurmd=not args.keep_slurmd))))
+        return 0
+    if args.cmd == "restart-node":
+        c.restart_node(args.node)
         return 0
     return 2
 
