@@ -390,12 +390,12 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscrib
 
     def kill_node(self, k: int, *, slurmd: bool = True, sig: int = signal.SIGKILL) -> list[int]:
         """A lost node (with ``slurmd``): its link goes down first -- its peers get no FIN or RST,
-        as from a machine that lost power -- then every process of it is signalled. With
-        ``slurmd=False`` only its job's processes are (the node stays up in Slurm, its link too).
-        Returns the pids signalled."""
+        as from a machine that lost power -- then every process of it is signalled, Slurm's daemons
+        too. With ``slurmd=False`` only its jobs' processes are (an OOM kill of a job's whole tree):
+        ``slurmd`` and ``slurmstepd`` stay, and so does the link. Returns the pids signalled."""
         if slurmd:
             subprocess.run(["ip", "link", "set", self._veth_host(k), "down"], capture_output=True)
-        keep = set() if slurmd else set(self._slurmd_pids(k))
+        keep = set() if slurmd else set(self._daemons_of(k))
         hit = []
         for pid in self.pids_in_netns(self.netns(k)):
             if pid in keep:
@@ -408,6 +408,14 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscrib
     def node_pids(self) -> dict[int | None, list[int]]:
         """Every node's processes (node number -> pids)."""
         return {k: self.pids_in_netns(self.netns(k)) for k in range(1, self.nodes + 1)}
+
+    def job_pids(self) -> list[int]:
+        """Every process on the nodes that is not one of Slurm's daemons: jobs' and yours."""
+        return [
+            pid
+            for k in range(1, self.nodes + 1)
+            for pid in set(self.pids_in_netns(self.netns(k))) - set(self._daemons_of(k))
+        ]
 
     def drain(self, k: int, reason: str = "not for jobs") -> None:
         """Keep Slurm's jobs off node ``k`` (it still runs what is started on it by hand)."""
@@ -474,15 +482,17 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscrib
                 out.append(int(entry))
         return out
 
-    def _slurmd_pids(self, k: int) -> list[int]:
+    def _daemons_of(self, k: int) -> list[int]:
+        """Node ``k``'s Slurm daemons (slurmd, slurmstepd)."""
         out = []
         for pid in self.pids_in_netns(self.netns(k)):
             try:
                 with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    if f.read().split(b"\0")[0].endswith(b"slurmd"):
-                        out.append(pid)
+                    argv0 = f.read().split(b"\0")[0]
             except OSError:
                 continue
+            if argv0.endswith((b"slurmd", b"slurmstepd")) or argv0.startswith(b"slurmstepd"):
+                out.append(pid)
         return out
 
 

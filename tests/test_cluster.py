@@ -85,20 +85,7 @@ def _kill_worker(c: Cluster, group: int, rank: int = 0) -> tuple[float, int | No
 
 
 def _processes_left(c: Cluster) -> list[int]:
-    return [pid for pids in c.node_pids().values() for pid in pids if pid not in _daemons(c)]
-
-
-def _daemons(c: Cluster) -> set[int]:
-    out = set()
-    for pids in c.node_pids().values():
-        for pid in pids:
-            try:
-                with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    if f.read().split(b"\0")[0].endswith((b"slurmd", b"sh")):
-                        out.add(pid)
-            except OSError:
-                continue
-    return out
+    return c.job_pids()
 
 
 # ------------------------------------------------------------------------------------------ CI
