@@ -22,6 +22,8 @@ MASTER_ADDR = "MASTER_ADDR"
 MASTER_PORT = "MASTER_PORT"
 TORCHELASTIC_RUN_ID = "TORCHELASTIC_RUN_ID"
 TORCHELASTIC_RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
+#: Slurm's count of requeues of this job (set in every task of a requeued job).
+SLURM_RESTART_COUNT = "SLURM_RESTART_COUNT"
 #: Gloo's own choice of interface (torch reads it; ftlaunch then leaves Gloo's address to it).
 GLOO_SOCKET_IFNAME = "GLOO_SOCKET_IFNAME"
 
@@ -157,6 +159,11 @@ def local_addr(environ: Mapping[str, str] | None = None) -> str | None:
     """This node's address for the job's other hosts, when set (`FTLAUNCH_LOCAL_ADDR`)."""
     value = (os.environ if environ is None else environ).get(FTLAUNCH_LOCAL_ADDR, "").strip()
     return value or None
+
+
+def slurm_restart_count(environ: Mapping[str, str] | None = None) -> int:
+    """How often Slurm requeued this job (0 outside Slurm or on its first run)."""
+    return get_int(SLURM_RESTART_COUNT, 0, environ) or 0
 
 
 def gloo_interface_chosen(environ: Mapping[str, str] | None = None) -> bool:

@@ -30,9 +30,9 @@ Usage: sudo python scripts/bench_cluster.py [--runs 2] [--skip-lost-node] [--ski
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -118,6 +118,22 @@ def cluster_episode(c: Cluster, kind: str, tmp: Path) -> dict:
     return {**_episode_figures(text("rg0"), text("rg1"), killed_at), "phases": _phases_after(log, killed_at)}
 
 
+def _stop_tree(proc: subprocess.Popen[bytes]) -> None:
+    """End ``torchx run -s local_cwd`` and everything it started (SIGTERM, then SIGKILL)."""
+    try:
+        procs = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        procs = []
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            p.terminate()
+    _, alive = psutil.wait_procs(procs, timeout=20)
+    for p in alive:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    proc.wait()
+
+
 def local_episode(kind: str, tmp: Path) -> dict:
     cwd = tmp / f"local-{kind}-{time.monotonic_ns()}"
     cwd.mkdir()
@@ -149,12 +165,7 @@ def local_episode(kind: str, tmp: Path) -> dict:
         killed_at = jobs.kill(worker)
         _wait_victim_back(lambda: text("rg1"), killed_at, 300)
     finally:
-        procs = [psutil.Process(proc.pid), *tree()[None]] if proc.poll() is None else []
-        os.killpg(proc.pid, signal.SIGTERM) if proc.poll() is None else None
-        gone, alive = psutil.wait_procs(procs, timeout=20)
-        for p in alive:
-            p.kill()
-        proc.wait()
+        _stop_tree(proc)
     return {**_episode_figures(text("rg0"), text("rg1"), killed_at), "phases": _phases_after(log, killed_at)}
 
 
@@ -315,16 +326,16 @@ def main() -> int:
         print(f"| {kind} | {place} | {_fmt([r['first'] for r in runs])} | {_fmt([r['gap'] for r in runs])} | "
               f"{_phase_line(runs)} |")  # fmt: skip
     if not args.skip_lost_node:
-        a, t = lost["array"], lost["torchx"]
+        arr, whole = lost["array"], lost["torchx"]
         print("\nA lost node (SlurmdTimeout 10 s, cred_expire 10 s):")
         print(
             "| job shape | survivor's longest gap | kill -> Slurm requeues | -> runs again | -> first commit |"
         )
         print("|---|---|---|---|---|")
-        print(f"| job array (one task per group) | {_fmt([r['gap'] for r in a])} | {_fmt([r['requeued'] for r in a])} | "
-              f"{_fmt([r['running'] for r in a])} | {_fmt([r['first'] for r in a])} |")  # fmt: skip
-        print(f"| torchx's job | trains alone until the requeue ({_fmt([r['survivor_trained'] for r in t])}) | "
-              f"{_fmt([r['requeued'] for r in t])}, the whole job | from the start | from step 0 |")  # fmt: skip
+        print(f"| job array (one task per group) | {_fmt([r['gap'] for r in arr])} | {_fmt([r['requeued'] for r in arr])} | "
+              f"{_fmt([r['running'] for r in arr])} | {_fmt([r['first'] for r in arr])} |")  # fmt: skip
+        print(f"| torchx's job | trains alone until the requeue ({_fmt([r['survivor_trained'] for r in whole])}) | "
+              f"{_fmt([r['requeued'] for r in whole])}, the whole job | from the start | from step 0 |")  # fmt: skip
     return 0
 
 

@@ -119,6 +119,8 @@ class Cluster:
     subnet: str = DEFAULT_SUBNET
     #: slurmctld's port on this machine (two clusters at once need two).
     ctld_port: int = SLURMCTLD_PORT
+    #: The daemons this object started (reaped by `down`).
+    _started: list[subprocess.Popen[bytes]] = field(default_factory=list, repr=False)
 
     def ip(self, k: int) -> str:
         """Node ``k``'s address."""
@@ -200,6 +202,10 @@ class Cluster:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
             time.sleep(0.1)
+        for proc in self._started:  # ours are reaped here, not left as zombies until we exit
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=5)
+        self._started.clear()
         for ns in namespaces:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
         for link in self._our_links():
@@ -319,7 +325,7 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscrib
 
     def _start(self, argv: list[str], log: str) -> subprocess.Popen[bytes]:
         with open(log, "ab") as out:
-            return subprocess.Popen(
+            proc = subprocess.Popen(
                 argv,
                 stdin=subprocess.DEVNULL,
                 stdout=out,
@@ -327,6 +333,8 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscrib
                 env={**self.env, "SLURM_CONF": self.conf},
                 start_new_session=True,
             )
+        self._started.append(proc)
+        return proc
 
     def wait_idle(self, timeout: float) -> None:
         """Wait until every node is idle in ``sinfo`` (raises `ClusterError` with the logs' tail)."""
