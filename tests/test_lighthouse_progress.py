@@ -245,3 +245,43 @@ def test_admin_kill_kills_the_group_leaders_process() -> None:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+
+
+def test_each_groups_step_over_time_is_kept_and_served() -> None:
+    """The dashboard's picture: (wall time, step) per group, flat through a death, in ``/status``."""
+    m, clock = make()
+    for step in range(1, 5):
+        clock.now += 0.5
+        m.heartbeat("a", rep("s1", step))
+    clock.now += 10  # a dies; its restart heals to step 30
+    m.heartbeat("a", rep("s2", 30, commits=1, heals=1))
+    assert progress(m, "a").timeline == (
+        (1000.5, 1),
+        (1001.0, 2),
+        (1001.5, 3),
+        (1002.0, 4),
+        (1012.0, 4),
+        (1012.0, 30),
+    )
+    status = m.snapshot()
+    assert LighthouseStatus.from_json(status.to_json()) == status
+    assert status.to_json()["progress"][0]["timeline"][-1] == [1012.0, 30]
+    with pytest.raises(ValueError, match="timeline"):
+        LighthouseStatus.from_json(
+            {**status.to_json(), "progress": [{"replica_id": "a", "timeline": [[1, 2, 3]]}]}
+        )
+
+
+def test_a_job_of_many_groups_serves_fewer_points_per_group() -> None:
+    from ftlaunch.lighthouse.progress import TIMELINE_BUDGET, TIMELINE_POINTS, ProgressBook
+
+    book = ProgressBook()
+    for step in range(1, 200):
+        for g in range(300):
+            book.report(f"g{g}", rep(f"s{g}", step * (1 + step % 3)), wall=float(step))
+    lengths = {len(p.timeline) for p in book.snapshot(300.0)}
+    assert max(lengths) <= TIMELINE_BUDGET // 300 < TIMELINE_POINTS
+    small = ProgressBook()
+    for step in range(1, 200):
+        small.report("a", rep("s", step * (1 + step % 3)), wall=float(step))
+    assert TIMELINE_POINTS // 2 <= len(small.snapshot(300.0)[0].timeline) <= TIMELINE_POINTS + 1

@@ -20,12 +20,23 @@ from collections.abc import Mapping, Set
 from dataclasses import dataclass, field
 from typing import Any
 
+from ftlaunch.lighthouse.timeline import Point, Series
+
 #: Seconds of history behind the step rates (per group and for the job).
 RATE_WINDOW_S = 10.0
 #: Most groups whose progress is remembered (groups that left included); the oldest are forgotten.
 MAX_GROUPS = 4096
 #: Longest session id / checksum accepted in a report.
 MAX_TOKEN_LEN = 128
+#: Points of each group's step-over-time series (`GroupProgress.timeline`, the dashboard's picture).
+TIMELINE_POINTS = 64
+#: Points of all the groups' series together in one status: a job of many groups gets fewer each,
+#: so ``/status`` stays small (at most `TIMELINE_POINTS` each, at least 8).
+TIMELINE_BUDGET = 8192
+#: A report closer than this to the last point kept only updates the series' latest value.
+TIMELINE_MIN_GAP_S = 0.25
+#: Reports that resume after a silence this long start with a flat stretch (`timeline.Series`).
+TIMELINE_HOLD_S = 1.0
 
 _REPORT_FIELDS: dict[str, tuple[type, ...]] = {
     "session": (str,),
@@ -149,6 +160,8 @@ class GroupProgress:
     #: The lighthouse turned its current session's quorum request away because the training had
     #: finished at a step it was behind, with nobody to heal from: it ends as a straggler.
     stopped_after_end: bool = False
+    #: ``(wall time, step)`` over the group's life, thinned (`timeline.Series`): the dashboard's picture.
+    timeline: tuple[Point, ...] = ()
 
     @property
     def restarts(self) -> int:
@@ -175,6 +188,7 @@ class GroupProgress:
             "finished": self.finished,
             "unsynced_sessions": self.unsynced_sessions,
             "stopped_after_end": self.stopped_after_end,
+            "timeline": [[round(t, 3), v] for t, v in self.timeline],
         }
 
     @classmethod
@@ -217,7 +231,24 @@ class GroupProgress:
             finished=bool(d.get("finished", False)),
             unsynced_sessions=_int(d, "unsynced_sessions"),
             stopped_after_end=bool(d.get("stopped_after_end", False)),
+            timeline=_points(d.get("timeline", [])),
         )
+
+
+def _points(value: Any) -> tuple[Point, ...]:
+    """``[[time, step], ...]`` of a status document, checked."""
+    if not isinstance(value, list):
+        raise ValueError("progress field 'timeline' must be a list of [time, step]")
+    out = []
+    for item in value:
+        if (
+            not isinstance(item, list)
+            or len(item) != 2
+            or any(isinstance(x, bool) or not isinstance(x, (int, float)) for x in item)
+        ):
+            raise ValueError("progress field 'timeline' must be a list of [time, step]")
+        out.append((float(item[0]), item[1]))
+    return tuple(out)
 
 
 @dataclass
@@ -253,6 +284,9 @@ class _Totals:
     #: Refused before its session was known: the next new session to report is the refused one.
     stopped_pending: bool = False
     samples: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=256))
+    timeline: Series = field(
+        default_factory=lambda: Series(TIMELINE_POINTS, TIMELINE_MIN_GAP_S, TIMELINE_HOLD_S)
+    )
 
 
 def _rate(samples: deque[tuple[float, int]], now: float) -> float:
@@ -310,6 +344,7 @@ class ProgressBook:
                 t.unsynced += 1
         cur.commits, cur.heals, cur.heal_seconds = report.commits, report.heals, float(report.heal_seconds)
         t.step, t.last = report.step, report
+        t.timeline.add(wall, report.step)
         if new_commits:
             if cur.first_commit is None:
                 cur.first_commit = wall
@@ -357,6 +392,7 @@ class ProgressBook:
 
     def snapshot(self, wall: float) -> tuple[GroupProgress, ...]:
         out = []
+        points = max(8, min(TIMELINE_POINTS, TIMELINE_BUDGET // max(1, len(self._groups))))
         for rid in sorted(self._groups):
             t = self._groups[rid]
             cur, last = t.current, t.last
@@ -381,6 +417,7 @@ class ProgressBook:
                     finished=t.finished,
                     unsynced_sessions=t.unsynced,
                     stopped_after_end=t.stopped_session == (cur.session if cur else ""),
+                    timeline=t.timeline.points(points),
                 )
             )
         return tuple(out)
