@@ -122,27 +122,25 @@ def _step(c: LighthouseClient, rid: str, session: str, step: int, commits: int, 
     c.heartbeat(rid)
 
 
-@pytest.fixture
-def live_job():
-    """A lighthouse with two groups in one quorum, their progress reported; rg1 fails after step 8
-    while rg0 steps on, and rejoins 1.2 s later by healing to step 21 (one heal); both go on to
-    step 30."""
+def _job(steps: int, fail_at: int | None = None, back_at: int | None = None):
+    """A lighthouse with two groups in one quorum reporting ``steps`` steps; from ``fail_at`` rg1 is
+    down (reported failed) while rg0 steps on, and at ``back_at`` it is back in the quorum, healed."""
     with LighthouseServer("127.0.0.1:0", token=TOKEN, expected_replicas=2) as server:
         clients = [LighthouseClient(server.address, connect_timeout=5, token=TOKEN) for _ in range(2)]
         try:
             for i, c in enumerate(clients):
                 c.start_heartbeat(f"rg{i}", 0.2)
             _quorum_round(clients)
-            for step in range(1, 31):
-                if step == 9:
+            for step in range(1, steps + 1):
+                if step == fail_at:
                     server.report_failure("rg1", "rank 0 (pid 4242) killed by SIGKILL")
-                if step == 21:
+                if step == back_at:
                     _quorum_round(clients)  # rg1's restart is back in the quorum, healed
                 for i, c in enumerate(clients):
-                    if i == 1 and 9 <= step < 21:
+                    if i == 1 and fail_at is not None and back_at is not None and fail_at <= step < back_at:
                         continue  # down
-                    if i == 1 and step >= 21:
-                        _step(c, "rg1", "s1b", step, commits=step - 20, heals=1)
+                    if i == 1 and back_at is not None and step >= back_at:
+                        _step(c, "rg1", "s1b", step, commits=step - back_at + 1, heals=1)
                     else:
                         _step(c, f"rg{i}", f"s{i}", step, commits=step)
                 time.sleep(0.1)  # a plausible step rate for the picture
@@ -153,12 +151,21 @@ def live_job():
 
 
 @pytest.fixture
-def live_lighthouse(live_job):
-    return live_job[0]
+def live_job():
+    """rg1 fails after step 8 while rg0 steps on, and is back 1.2 s later, healed to step 21 (one
+    heal); both go on to step 30: the story the dashboard's picture tells."""
+    yield from _job(30, fail_at=9, back_at=21)
 
 
-def test_dashboard_in_headless_chromium(chromium, live_lighthouse, tmp_path) -> None:
-    server = live_lighthouse
+@pytest.fixture
+def live_lighthouse():
+    """Two groups at step 5, nothing happened (for the admin endpoints)."""
+    for server, _ in _job(5):
+        yield server
+
+
+def test_dashboard_in_headless_chromium(chromium, live_job, tmp_path) -> None:
+    server, _ = live_job
     url = server.address + "/"
     # The screenshot first: the picture as the steps just reported left it.
     shot = tmp_path / "dashboard.png"

@@ -208,10 +208,18 @@ def test_hold_after_a_silence_and_throttled_reports() -> None:
     s.add(0.0, 0)
     s.add(0.1, 1)  # within min_gap: only the latest sample
     assert s.points() == ((0.0, 0), (0.1, 1))
-    s.add(0.3, 3)
-    s.add(5.0, 50)  # 4.7 s of silence: flat, then the jump
-    assert s.points() == ((0.0, 0), (0.3, 3), (5.0, 3), (5.0, 50))
+    s.add(0.3, 3)  # past min_gap: the one waiting is kept, this one waits
+    assert s.points() == ((0.0, 0), (0.1, 1), (0.3, 3))
+    s.add(0.32, 4)  # within min_gap of the last point kept: replaces the one waiting
+    assert s.points() == ((0.0, 0), (0.1, 1), (0.32, 4))
+    s.add(5.0, 50)  # 4.7 s of silence: the corner before it, flat, then the jump
+    assert s.points() == ((0.0, 0), (0.1, 1), (0.32, 4), (5.0, 4), (5.0, 50))
     s.add(4.0, 7)  # out of order: ignored
     assert s.points()[-1] == (5.0, 50)
+    s.add(5.1, 51)  # only the latest ...
+    s.add(9.0, 90)  # ... but kept as the corner before a silence
+    assert s.points()[-4:] == ((5.0, 50), (5.1, 51), (9.0, 51), (9.0, 90))
     with pytest.raises(ValueError):
         Series(capacity=3)
+    with pytest.raises(ValueError):
+        Series(min_gap=2.0, hold_after=1.0)

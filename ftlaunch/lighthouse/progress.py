@@ -30,12 +30,14 @@ MAX_GROUPS = 4096
 MAX_TOKEN_LEN = 128
 #: Points of each group's step-over-time series (`GroupProgress.timeline`, the dashboard's picture).
 TIMELINE_POINTS = 64
-#: Points of all the groups' series together in one status: a job of many groups gets fewer each,
-#: so ``/status`` stays small (at most `TIMELINE_POINTS` each, at least 8).
+#: About the points of all the groups' series together: a job of many groups keeps fewer each
+#: (`timeline_points`), so ``/status`` stays small.
 TIMELINE_BUDGET = 8192
-#: A report closer than this to the last point kept only updates the series' latest value.
-TIMELINE_MIN_GAP_S = 0.25
-#: Reports that resume after a silence this long start with a flat stretch (`timeline.Series`).
+#: A report closer than this to the last point kept only updates the series' latest value: a point a
+#: second at most, so the request path rarely pays for thinning (`timeline.Series`).
+TIMELINE_MIN_GAP_S = 1.0
+#: Reports that resume after a silence this long start with a flat stretch (`timeline.Series`). A
+#: leader reports only when its progress changed, so no report means no new step: flat is the truth.
 TIMELINE_HOLD_S = 1.0
 
 _REPORT_FIELDS: dict[str, tuple[type, ...]] = {
@@ -289,6 +291,16 @@ class _Totals:
     )
 
 
+def timeline_points(groups: int) -> int:
+    """Points each group's series keeps in a job of ``groups``: `TIMELINE_POINTS`, halved each time
+    the job doubles past `TIMELINE_BUDGET` / `TIMELINE_POINTS` groups, at least 8. Few sizes, so
+    the series shrink lazily (at their next point) a few times as a job grows, never per group."""
+    points = TIMELINE_POINTS
+    while points > 8 and groups * points > TIMELINE_BUDGET:
+        points //= 2
+    return points
+
+
 def _rate(samples: deque[tuple[float, int]], now: float) -> float:
     """Counts per second over the samples of the last `RATE_WINDOW_S` (0 with fewer than two)."""
     while len(samples) > 2 and now - samples[1][0] > RATE_WINDOW_S:
@@ -310,6 +322,7 @@ class ProgressBook:
         #: Ids of the groups whose current session finished: the lighthouse asks for the furthest
         #: finished step at every quorum it forms (nobody finished for most of a run: no scan).
         self._finished: set[str] = set()
+        self._timeline_points = TIMELINE_POINTS
 
     def _totals(self, replica_id: str) -> _Totals:
         t = self._groups.get(replica_id)
@@ -317,6 +330,12 @@ class ProgressBook:
             if len(self._groups) >= MAX_GROUPS:
                 self._finished.discard(self._groups.pop(next(iter(self._groups))).replica_id)
             t = self._groups[replica_id] = _Totals(replica_id)
+            points = timeline_points(len(self._groups))
+            if points != self._timeline_points:  # the job grew past a size: every series keeps fewer
+                self._timeline_points = points
+                for other in self._groups.values():
+                    other.timeline.capacity = points
+            t.timeline.capacity = points
         return t
 
     def report(self, replica_id: str, report: ProgressReport, wall: float) -> None:
@@ -392,7 +411,6 @@ class ProgressBook:
 
     def snapshot(self, wall: float) -> tuple[GroupProgress, ...]:
         out = []
-        points = max(8, min(TIMELINE_POINTS, TIMELINE_BUDGET // max(1, len(self._groups))))
         for rid in sorted(self._groups):
             t = self._groups[rid]
             cur, last = t.current, t.last
@@ -417,7 +435,7 @@ class ProgressBook:
                     finished=t.finished,
                     unsynced_sessions=t.unsynced,
                     stopped_after_end=t.stopped_session == (cur.session if cur else ""),
-                    timeline=t.timeline.points(points),
+                    timeline=t.timeline.points(),
                 )
             )
         return tuple(out)

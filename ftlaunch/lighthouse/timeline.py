@@ -121,17 +121,21 @@ def thin(points: list[Point] | tuple[Point, ...], keep: int) -> list[Point]:
 class Series:
     """One curve's points in time order, at most ``capacity`` of them (plus the latest sample).
 
-    ``min_gap``: a sample closer than that to the last point kept is only remembered as the latest
-    (shown, replaced by the next one), so a fast reporter does not churn the memory.
-    ``hold_after``: a sample after a silence longer than that first repeats the last value at its
-    own time, so the line stays flat through the silence and jumps, instead of a slope that would
-    claim progress nobody reported (a dead group's reports stop; the first of its restart is far
-    ahead). When full, the points are thinned to half (`thin`).
+    ``min_gap``: a sample closer than that to the last point kept waits as the latest (shown, replaced
+    by the next one); the first sample past it keeps the one waiting and waits in its place. So a
+    fast reporter costs a point per ``min_gap`` (little memory, rare thinning), and the last sample
+    before a stall is a point. ``hold_after``: a sample after a silence longer than that (no sample
+    at all) first repeats the last value at its own time, so the line stays flat through the
+    silence and jumps, instead of a slope that would claim progress nobody reported (a dead
+    group's reports stop; the first of its restart is far ahead). When full, the points are thinned to half (`thin`); ``capacity`` may be lowered at any
+    time, and the series shrinks at its next point.
     """
 
     def __init__(self, capacity: int = 512, min_gap: float = 0.0, hold_after: float | None = None) -> None:
         if capacity < 4:
             raise ValueError("a series needs a capacity of at least 4 points")
+        if hold_after is not None and hold_after < min_gap:
+            raise ValueError("a series holds after a silence no shorter than its min_gap")
         self.capacity = capacity
         self._min_gap = min_gap
         self._hold_after = hold_after
@@ -142,19 +146,27 @@ class Series:
         if not math.isfinite(t) or not math.isfinite(value):
             return
         pts = self._points
-        if pts and t < pts[-1][0]:
-            return  # out of order: a sample older than what is kept
-        if pts and t - pts[-1][0] < self._min_gap:
+        seen = self._latest or (pts[-1] if pts else None)  # the last sample, kept or waiting
+        if seen is not None and t < seen[0]:
+            return  # out of order: older than what was seen
+        if seen is None:
+            pts.append((t, value))
+            return
+        if self._hold_after is not None and t - seen[0] > self._hold_after:
+            if self._latest is not None:
+                pts.append(self._latest)  # the corner before the silence
+            if value != seen[1]:
+                pts.append((t, seen[1]))  # flat through it
+            pts.append((t, value))
+            self._latest = None
+        elif t - pts[-1][0] < self._min_gap:
             self._latest = (t, value)
             return
-        latest, self._latest = self._latest, None
-        if pts and self._hold_after is not None:
-            if latest is not None and t - latest[0] > self._hold_after:
-                pts.append(latest)  # the corner before the silence
-            last = pts[-1]
-            if t - last[0] > self._hold_after and value != last[1]:
-                pts.append((t, last[1]))
-        pts.append((t, value))
+        elif self._latest is not None:
+            pts.append(self._latest)  # the interval's last sample: where a stall began is never lost
+            self._latest = (t, value)
+        else:
+            pts.append((t, value))
         if len(pts) > self.capacity:
             self._points = thin(pts, self.capacity // 2)
 
