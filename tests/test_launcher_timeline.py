@@ -97,3 +97,29 @@ def test_when_the_picture_is_written() -> None:
     assert keep_timeline(own_log_dir=True, code=0, chaos=True, failures=0)
     assert keep_timeline(own_log_dir=True, code=0, chaos=False, failures=2)
     assert not keep_timeline(own_log_dir=True, code=0, chaos=False, failures=0)
+
+
+def test_the_picture_is_written_whole_or_not_at_all(tmp_path) -> None:
+    """Where it cannot be written (here: its temporary name is taken by a directory, as a full disk
+    would refuse it), the job is told in one line and no partial file is left."""
+    import io
+
+    from ftlaunch.launcher.options import LaunchOptions
+    from ftlaunch.launcher.output import Console
+    from ftlaunch.launcher.supervisor import Supervisor
+
+    err = io.StringIO()
+    sup = Supervisor(
+        LaunchOptions(entrypoint="x", log_dir=str(tmp_path)), Console(io.StringIO(), err, status=False)
+    )
+    sup._timeline.failed(1, sup._started + 1.0, "rank 0 exited with code 1")
+    assert sup._write_timeline(1) == str(tmp_path / "timeline.svg")
+    assert (tmp_path / "timeline.svg").read_text().startswith("<svg") and not (
+        tmp_path / "timeline.svg.tmp"
+    ).exists()
+    (tmp_path / "timeline.svg").unlink()
+    (tmp_path / "timeline.svg.tmp").mkdir()
+    assert sup._write_timeline(1) is None
+    assert not (tmp_path / "timeline.svg").exists()
+    assert err.getvalue().startswith(f"[ftlaunch] could not write the timeline {tmp_path / 'timeline.svg'}: ")
+    assert len(err.getvalue().splitlines()) == 1

@@ -194,11 +194,14 @@ class Supervisor:
             + f", {failures} failure(s), exit {code}; t = 0 at launch, {started}",
         )
         path = os.path.join(self._log_dir, TIMELINE_FILE)
-        try:
-            with open(path, "w", encoding="utf-8") as f:
+        try:  # whole or not at all (a full log disk)
+            with open(path + ".tmp", "w", encoding="utf-8") as f:
                 f.write(timeline_svg.render(data))
+            os.replace(path + ".tmp", path)
         except OSError as e:
-            self.console.err(f"[ftlaunch] could not write the timeline {path}: {e}")
+            with contextlib.suppress(OSError):
+                os.remove(path + ".tmp")
+            self.console.err(f"[ftlaunch] could not write the timeline {path}: {e.strerror or e}")
             return None
         return path
 
