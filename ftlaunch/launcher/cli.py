@@ -34,6 +34,10 @@ examples:
 workers see torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, ...) for their own
 replica group, plus REPLICA_GROUP_ID, NUM_REPLICA_GROUPS, FTLAUNCH_LIGHTHOUSE and FTLAUNCH_TOKEN.
 exit status: 0 the job finished, 1 it failed (root cause printed), 2 bad usage, 128+N stopped by signal N.
+timeline: at exit a picture of the run (each group's step against time, failures and rejoins marked)
+is written as timeline.svg into the log directory: always with --log-dir; into the temporary one when
+the job failed or was stopped (its logs are kept), or succeeded after --chaos or a failure (its logs
+are removed, the picture stays). The summary prints its path; open it in a browser.
 multi-node replica groups: run one `torchrun --rdzv-backend ftlaunch` per node (docs/launcher.md)."""
 
 
