@@ -234,6 +234,22 @@ def gpu_memory() -> tuple[int, dict[int, int | None]] | None:
         return None
 
 
+def compute_mode() -> str | None:
+    """The first visible GPU's compute mode ("Default", "Exclusive_Process", ...), None if unknown."""
+    _, which = _gpu_index()
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "-i", which, "--query-gpu=compute_mode", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=15,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.splitlines()[0].strip() if out else None
+
+
 def settled_memory(target: int, seconds: float) -> tuple[int, dict[int, int | None]] | None:
     """`gpu_memory`, polled up to ``seconds`` until its use is at most ``target`` MiB (a context
     being torn down frees its memory a moment after its process is gone)."""
@@ -268,9 +284,17 @@ def worker_env() -> int:
         try:
             import torch.distributed as dist
 
-            info["nccl"] = ".".join(map(str, torch.cuda.nccl.version())) if dist.is_nccl_available() else None
+            version = torch.cuda.nccl.version() if dist.is_nccl_available() else None
+            info["nccl"] = ".".join(map(str, version)) if isinstance(version, tuple) else version
         except Exception as e:  # noqa: BLE001 - reported, the NCCL checks then fail on their own
             info["nccl"] = f"unknown ({e})"
+    # Everything below needs ftlaunch's worker side to import with this torch.
+    try:
+        import ftlaunch.process_group
+        import ftlaunch.worker.entry
+        import ftlaunch.worker.hsdp  # noqa: F401 - FSDP2 and DTensor
+    except Exception as e:  # noqa: BLE001 - the verdict of the env check
+        info["ftlaunch_error"] = f"{type(e).__name__}: {e}"[:400]
     emit(worker="env", **info)
     return 0
 
@@ -859,6 +883,8 @@ def check_env(ctx: Ctx) -> list[Result]:
         if rc != 0:
             raise CheckFailed(f"the environment probe exited {rc}: cannot import torch?")
         info = _one(results_in(text), "env")
+    if info.get("ftlaunch_error"):
+        raise CheckFailed(f"ftlaunch does not import with torch {info['torch']}: {info['ftlaunch_error']}")
     where = f"torch {info['torch']}, {info['cpus']} CPUs"
     if not ctx.gpu:
         why = ctx.info.get("why", "no CUDA device")
@@ -870,6 +896,10 @@ def check_env(ctx: Ctx) -> list[Result]:
         if mem
         else ", NVML/nvidia-smi not answering"
     )
+    mode = compute_mode()
+    if mode is not None and mode != "Default":
+        # Exclusive modes admit one process per GPU: every check below needs several.
+        raise CheckFailed(f"the GPU's compute mode is {mode}: several processes cannot share it")
     return [
         Result(
             "env",
@@ -1043,14 +1073,17 @@ def check_standby(ctx: Ctx) -> list[Result]:
             [*problems, f"the probe started by prestart printed no result (exit code {rc_cold})"],
         )
     judge(cold, rc_cold, "prestart alone", False)
+    standby = (
+        f"standby after forking: libcuda {'mapped' if traces['libcuda'] else 'not mapped'}, "
+        f"{traces['nvidia_fds']} /dev/nvidia* open"
+    )
+    if problems:
+        raise CheckFailed("; ".join(problems) + f" [{standby}]")
     used = "CUDA and Baby NCCL used after the fork" if ctx.gpu else "no CUDA here: the forks alone"
     figure = (
         f"a worker forked by the standby and one by prestart alone: torch imported, CUDA untouched at the "
-        f"fork (not a bad fork), Baby Gloo child forked and adopted; {used}; standby after forking: "
-        f"libcuda {'mapped' if traces['libcuda'] else 'not mapped'}, {traces['nvidia_fds']} /dev/nvidia* open"
+        f"fork (not a bad fork), Baby Gloo child forked and adopted; {used}; {standby}"
     )
-    if problems:
-        raise CheckFailed("; ".join(problems) + f" [{figure}]")
     return [Result("standby", "PASS", figure)]
 
 
@@ -1073,19 +1106,24 @@ def check_stream(ctx: Ctx) -> list[Result]:
     if any(rcs):
         raise CheckFailed(f"a stream worker failed (exit codes {rcs})")
     r = [_one(res, "stream", group=g) for g in range(2)]
-    checked = sum(x["checked"] for x in r)
+    checked = min(x["checked"] for x in r)
     wrong = {k: sum(x["wrong"][k] for x in r) for k in r[0]["wrong"]}
     worst = {k: max(x["max_err"][k] for x in r) for k in r[0]["max_err"]}
     mib = sizes.stream_numel * 4 / 2**20
     figure = (
-        f"{checked} steps x 3 allreduces of {mib:g} MiB, results wrong: read on the side stream after wait() "
-        f"there {wrong['side']}, waited for and read on a second stream {wrong['two']}, default stream "
-        f"{wrong['default']} (max error {max(worst.values()):g})"
+        f"{checked} steps x 2 groups x 3 allreduces of {mib:g} MiB, results wrong: read on the side stream "
+        f"after wait() there {wrong['side']}, waited for and read on a second stream {wrong['two']}, default "
+        f"stream {wrong['default']} (max error {max(worst.values()):g})"
     )
     if checked < sizes.stream_iters:
         raise CheckFailed(f"only {checked} steps committed by both groups [{figure}]")
     if any(wrong.values()):
-        raise CheckFailed(figure)
+        hint = (
+            ": wait() on a non-default stream did not order that stream after the collective"
+            if not wrong["default"]
+            else ""
+        )
+        raise CheckFailed(figure + hint)
     if not ctx.gpu:
         return [Result("stream", "SKIP", f"CUDA streams need a GPU; the same calls on CPU tensors: {figure}")]
     return [Result("stream", "PASS", figure)]
