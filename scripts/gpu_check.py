@@ -711,7 +711,12 @@ class CheckFailed(Exception):
 
 
 class CheckTimeout(CheckFailed):
-    """A check ran past its deadline (its processes were ended)."""
+    """A check ran past its deadline (its processes were ended); ``text``: what the process that
+    was waited for had printed."""
+
+    def __init__(self, message: str, text: str = "") -> None:
+        super().__init__(message)
+        self.text = text
 
 
 @dataclass
@@ -779,16 +784,25 @@ class Ctx:
 
     def begin(self, log: Path, deadline: float) -> None:
         self.log, self.deadline, self.started, self._t0 = log, deadline, [], time.monotonic()
-        self._log_file = open(log, "a")  # noqa: SIM115 - closed by `end`
 
     def end(self) -> None:
         with self._lock:
-            self._log_file.close()
+            if self._log_file is not None:
+                self._log_file.close()
+                self._log_file = None
+
+    def _file(self) -> Any:
+        """The check's log, opened at its first line (a check that runs nothing leaves no file)."""
+        if self._log_file is None:
+            assert self.log is not None
+            self._log_file = open(self.log, "a")  # noqa: SIM115 - closed by `end`
+        return self._log_file
 
     def note(self, text: str) -> None:
         with self._lock:
-            self._log_file.write(text if text.endswith("\n") else text + "\n")
-            self._log_file.flush()
+            f = self._file()
+            f.write(text if text.endswith("\n") else text + "\n")
+            f.flush()
 
     def left(self) -> float:
         return self.deadline - time.monotonic()
@@ -808,7 +822,7 @@ class Ctx:
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-        proc = Proc(popen, self._log_file, self._lock, self._t0)
+        proc = Proc(popen, self._file(), self._lock, self._t0)
         self.started.append(proc)
         return proc
 
@@ -818,7 +832,7 @@ class Ctx:
             rc = proc.popen.wait(timeout=max(0.1, self.left()))
         except subprocess.TimeoutExpired:
             end_processes(self.run_id, self.started, grace=8.0)
-            raise CheckTimeout(f"{what} still running at the check's deadline") from None
+            raise CheckTimeout(f"{what} still running at the check's deadline", proc.text()) from None
         self.note(f"{time.monotonic() - self._t0:8.2f} [exit code {rc}]")
         return rc
 
@@ -1235,6 +1249,27 @@ def judge_training(
     return problems, facts
 
 
+def where_it_stood(text: str, phase_log: Path) -> str:
+    """Where a launcher run that did not finish stood: each group's last committed step and how long
+    after the kill it was, the restarted workers, the heals after the kill."""
+    kills = [r["t"] for r in phases.read(phase_log) if r["phase"] == "chaos_kill"]
+    last: dict[str, tuple[int, float | None]] = {}
+    for g, _r, step, committed, _n, _loss, t in STEP_LINE.findall(text):
+        if committed == "True" and int(step) >= last.get(g, (-1, None))[0]:
+            last[g] = (int(step), float(t) if t else None)
+    parts = []
+    for g in sorted(last):
+        step, t = last[g]
+        after = f" ({t - kills[0]:+.1f} s from the kill)" if t is not None and kills else ""
+        parts.append(f"rg{g} last committed step {step}{after}")
+    if not kills:
+        parts.append("no kill injected yet")
+    restarted = [r for r in results_in(text) if r.get("worker") == "train" and r.get("restart", 0) >= 1]
+    parts.append(f"{len(restarted)} restarted worker(s) started")
+    parts.append(f"heals logged by rg1: {len(HEAL_LINE.findall(text))}")
+    return "; ".join(parts)
+
+
 def _finite(text: str) -> bool:
     try:
         return abs(float(text)) < float("inf")
@@ -1282,7 +1317,10 @@ def check_ddp(ctx: Ctx) -> list[Result]:
         "--replicas", "2", "--min-replicas", "2", "--chaos", f"steps={s.ddp_kill_at},group=1",
         str(HERE), "--worker", "train", str(TRAIN_DDP), *common, "--timeout", "30",
     )  # fmt: skip
-    rc, text = ctx.run(cmd, "ftlaunch with train_ddp.py", {env.FTLAUNCH_PHASE_LOG: str(phase_log)})
+    try:
+        rc, text = ctx.run(cmd, "ftlaunch with train_ddp.py", {env.FTLAUNCH_PHASE_LOG: str(phase_log)})
+    except CheckTimeout as e:
+        raise CheckTimeout(f"{e}; {where_it_stood(e.text, phase_log)}") from None
     problems, facts = judge_training(ctx.gpu, rc, text, 2, 1, s.ddp_steps, s.ddp_kill_at)
     pg = "Baby NCCL, CUDA tensors on one GPU" if ctx.gpu else "Baby Gloo, CPU"
     figure = (
@@ -1332,11 +1370,14 @@ def _hsdp_run(ctx: Ctx, workers: int, name: str) -> list[Result]:
         str(HERE), "--worker", "train", str(TRAIN_HSDP), "--device", device, "--mixed-precision", "bf16",
         "--steps", str(s.hsdp_steps), *s.hsdp_args, "--timeout", "30",
     )  # fmt: skip
-    rc, text = ctx.run(
-        cmd,
-        f"ftlaunch with train_hsdp.py, {workers} worker(s) per group",
-        {env.FTLAUNCH_PHASE_LOG: str(phase_log)},
-    )
+    try:
+        rc, text = ctx.run(
+            cmd,
+            f"ftlaunch with train_hsdp.py, {workers} worker(s) per group",
+            {env.FTLAUNCH_PHASE_LOG: str(phase_log)},
+        )
+    except CheckTimeout as e:
+        raise CheckTimeout(f"{e}; {where_it_stood(e.text, phase_log)}") from None
     problems, facts = judge_training(ctx.gpu, rc, text, 2, workers, s.hsdp_steps, s.hsdp_kill_at)
     if "fault-tolerant HSDP:" not in text:
         problems.append("no worker logged its fault-tolerant HSDP layout (ft.wrap did not see FSDP2)")
@@ -1482,6 +1523,7 @@ def _tail(path: Path | None, lines: int = 20) -> str:
 
 def run_checks(
     args: argparse.Namespace,
+    started: float,
     gpu: bool,
     why: str,
     probe: dict[str, Any] | None,
@@ -1491,8 +1533,9 @@ def run_checks(
     results: list[Result],
 ) -> None:
     """Run the selected checks in order, appending to ``results`` (kept when interrupted)."""
-    start = time.monotonic()
-    budget_end = start + args.budget
+    # The budget counts from the script's start (the probe that chose the mode included); a few
+    # seconds stay for ending what a check cut short left running, and for the summary.
+    budget_end = started + args.budget - 15.0
     base_env = dict(os.environ)
     base_env["PYTHONPATH"] = os.pathsep.join(x for x in (str(REPO), os.environ.get("PYTHONPATH", "")) if x)
     base_env[MARKER] = run_id
@@ -1633,7 +1676,7 @@ def main(argv: list[str] | None = None) -> int:
     results: list[Result] = []
     interrupted = False
     try:
-        run_checks(args, gpu, why, probe, run_id, log_dir, tmp_root, results)
+        run_checks(args, t0, gpu, why, probe, run_id, log_dir, tmp_root, results)
     except KeyboardInterrupt:
         interrupted = True
     finally:
@@ -1651,7 +1694,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     if failed or args.log_dir:
         _print(f"[gpu_check] logs kept in {log_dir}")
-    if not args.log_dir and not failed:
+    if args.log_dir or not failed:  # without --log-dir, a failed run's logs are in tmp_root
         _rmtree(tmp_root)
     return 1 if failed else 0
 
