@@ -1176,7 +1176,7 @@ def recovery_phases(phase_log: Path, group: int = 1) -> dict[str, float]:
     for r in recs:
         if r["t"] < kill or r.get("replica") != str(group):
             continue
-        if r["phase"] == "worker_exit_seen" and "worker_exit_seen" not in out:
+        if r["phase"] == "worker_exit_seen" and r.get("failed") and "worker_exit_seen" not in out:
             out["worker_exit_seen"] = r["t"] - kill
         if int(r.get("restart") or 0) >= 1 and r.get("rank") is not None:
             per_rank.setdefault(r["rank"], {}).setdefault(r["phase"], r["t"] - kill)

@@ -144,7 +144,9 @@ def test_the_restarted_groups_phases_are_counted_from_the_kill_its_slowest_rank_
     recs = [
         {"t": 100.0, "phase": "chaos_kill", "replica": None, "rank": None, "restart": None},
         {"t": 99.0, "phase": "first_commit", "replica": "1", "rank": "0", "restart": "0"},  # before the kill
-        {"t": 100.02, "phase": "worker_exit_seen", "replica": "1", "rank": None, "restart": None},
+        {"t": 100.01, "phase": "worker_exit_seen", "replica": "0", "rank": None, "failed": False},  # not ours
+        {"t": 100.02, "phase": "worker_exit_seen", "replica": "1", "rank": None, "failed": True},
+        {"t": 103.0, "phase": "worker_exit_seen", "replica": "1", "rank": None, "failed": False},  # the end
         {"t": 100.5, "phase": "zygote_forked", "replica": "1", "rank": "0", "restart": "1"},
         {"t": 100.6, "phase": "zygote_forked", "replica": "1", "rank": "1", "restart": "1"},
         {"t": 101.0, "phase": "healed", "replica": "1", "rank": "0", "restart": "1"},
