@@ -1305,7 +1305,8 @@ def check_ddp(ctx: Ctx) -> list[Result]:
     last = s.ddp_kill_at - 2  # steps before the kill: both groups healthy
     # Plain torch DDP, the same model, data and loop: torchrun, 2 workers, torch's NCCL/Gloo.
     plain_cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--local-addr", "127.0.0.1",
+        "--nproc-per-node", "2",
         str(HERE), "--worker", "plain-ddp", *common[:2], "--steps", str(last + 1), *common[4:],
     ]  # fmt: skip
     rc_plain, text_plain = ctx.run(plain_cmd, "plain torch DDP (torchrun)")
@@ -1545,6 +1546,7 @@ def run_checks(
         base_env[SHARE_GPU] = "1"
         base_env.setdefault("NCCL_SOCKET_IFNAME", "lo")
         base_env.setdefault("NCCL_IB_DISABLE", "1")
+        base_env.setdefault("NCCL_NET", "Socket")  # not a network plugin the image may carry
         base_env.setdefault("NCCL_DEBUG", "WARN")
     else:
         base_env["CUDA_VISIBLE_DEVICES"] = ""  # CPU mode on a GPU machine: nothing sees the GPU
