@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import faulthandler
 import json
 import os
 import re
@@ -633,6 +634,10 @@ def worker_plain_ddp(argv: list[str]) -> int:
 
 def worker_main(argv: list[str]) -> int:
     kind, rest = argv[0], argv[1:]
+    # A worker still running at its check's deadline is asked for its threads' stacks (SIGUSR1,
+    # `dump_stacks`) before it is ended: where it waited is in the log.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    emit(worker="pid", kind=kind, pid=os.getpid())
     if kind == "env":
         return worker_env()
     if kind == "nccl-pair":
@@ -831,6 +836,7 @@ class Ctx:
         try:
             rc = proc.popen.wait(timeout=max(0.1, self.left()))
         except subprocess.TimeoutExpired:
+            dump_stacks(self.started)
             end_processes(self.run_id, self.started, grace=8.0)
             raise CheckTimeout(f"{what} still running at the check's deadline", proc.text()) from None
         self.note(f"{time.monotonic() - self._t0:8.2f} [exit code {rc}]")
@@ -853,6 +859,20 @@ class Ctx:
     def launcher(self, *args: str) -> list[str]:
         """The real ``ftlaunch`` command (this checkout's, as ``python -m``)."""
         return [sys.executable, "-m", "ftlaunch.launcher.cli", "--no-status", "--grace-period", "5", *args]
+
+
+def dump_stacks(started: list[Proc], seconds: float = 2.0) -> None:
+    """Have every worker of these processes that is still alive print its Python threads' stacks
+    (they registered faulthandler on SIGUSR1), and give the output a moment to reach the log."""
+    pids = {r["pid"] for p in started for r in results_in(p.text()) if r.get("worker") == "pid"}
+    sent = 0
+    for pid in pids:
+        if alive(pid):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGUSR1)
+                sent += 1
+    if sent:
+        time.sleep(seconds)
 
 
 def end_processes(run_id: str, started: list[Proc], grace: float) -> list[str]:

@@ -12,12 +12,16 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import socket
 import sys
+import time
+import uuid
 from pathlib import Path
 
 import pytest
-from workers.helpers import REPO, run
+from workers.helpers import REPO, free_port, run, wait_for
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 import gpu_check  # noqa: E402
@@ -78,6 +82,32 @@ def test_a_check_past_its_deadline_fails_and_leaves_nothing_running(tmp_path: Pa
     assert re.search(r"summary: \d+ passed, [12] failed", res.stdout), res.stdout
     assert "--worker baby 0" in (tmp_path / "baby.log").read_text()  # the log names what was cut short
     # conftest's autouse fixture fails this test if a helper, a Baby child or a spare survived.
+
+
+def test_a_worker_cut_short_by_the_deadline_leaves_its_stacks_in_the_log(tmp_path: Path) -> None:
+    run_id = uuid.uuid4().hex
+    base_env = dict(os.environ, PYTHONPATH=REPO, PYTHONUNBUFFERED="1", **{gpu_check.MARKER: run_id})
+    ctx = gpu_check.Ctx(False, gpu_check.CPU_SIZES, tmp_path, run_id, base_env)
+    ctx.begin(tmp_path / "check.log", time.monotonic() + 120)
+    # Rank 0 of 2 alone: it hosts the store and waits for rank 1, which never comes.
+    port = free_port()
+    proc = ctx.start(ctx.python("--worker", "baby", "0", str(port), "1", "16", "gloo"))
+    try:
+        wait_for(lambda: _listening(port), 90, "rank 0's store")  # torch imported, waiting in the store
+        ctx.deadline = time.monotonic() + 0.5
+        with pytest.raises(gpu_check.CheckTimeout, match="rank 0 alone still running"):
+            ctx.wait(proc, "rank 0 alone")
+    finally:
+        gpu_check.end_processes(run_id, ctx.started, grace=5.0)
+        ctx.end()
+    log = (tmp_path / "check.log").read_text()
+    assert "Current thread" in log and "in worker_baby" in log, log[-3000:]
+    assert gpu_check.marked_pids(run_id) == []
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0
 
 
 # ------------------------------------------------------------------------------------------ verdicts
