@@ -83,7 +83,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--device",
         choices=["cpu", "cuda"],
         default="cpu",
-        help="cuda: one GPU per worker (LOCAL_RANK), NCCL inside and across groups",
+        help="cuda: the worker's GPU (LOCAL_RANK, modulo the GPUs visible), NCCL inside and across groups",
     )
     p.add_argument(
         "--backend",
@@ -189,9 +189,10 @@ def full_checksum(model: nn.Module) -> str:
 
 
 def device_of(args: argparse.Namespace) -> torch.device:
-    """This worker's device: its own GPU (``LOCAL_RANK``) with ``--device cuda``."""
+    """This worker's device: with ``--device cuda`` its GPU, ``LOCAL_RANK`` modulo the GPUs visible
+    (workers share a GPU when there are fewer GPUs than workers, as ``scripts/gpu_check.py`` does)."""
     if args.device == "cuda":
-        index = env.get_int(env.LOCAL_RANK, 0) or 0
+        index = (env.get_int(env.LOCAL_RANK, 0) or 0) % max(1, torch.cuda.device_count())
         torch.cuda.set_device(index)
         return torch.device("cuda", index)
     return torch.device("cpu")
