@@ -440,7 +440,7 @@ def worker_fork_probe() -> int:
     import torch
     import torch.distributed as dist
 
-    from ftlaunch import prestart
+    from ftlaunch.bootstrap import prestart
 
     info: dict[str, Any] = {
         "worker": "fork-probe",
