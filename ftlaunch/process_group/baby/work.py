@@ -96,9 +96,9 @@ class BabyWorkNCCL(BabyWork):
     """CUDA: completion means "enqueued on the child's stream"; wait() orders our stream after it."""
 
     def __init__(
-        self, pg: ProcessGroupBaby, child: Child, pending: Pending, result: Any, peer: int | None
+        self, failures: FailureRecord, child: Child, pending: Pending, result: Any, peer: int | None
     ) -> None:
-        super().__init__(pg, child, pending, result, peer)
+        super().__init__(failures, child, pending, result, peer)
         self._device = torch.cuda.current_device()  # the group's: the op was submitted on it
 
     def _new_future(self) -> torch.futures.Future:
