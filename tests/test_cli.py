@@ -91,8 +91,11 @@ def test_chaos_spec_parse(text: str, expected: ChaosSpec) -> None:
     [
         ("", "empty"),
         ("group=1", "every=SECONDS or steps"),
-        ("every=-1", "must be > 0"),
-        ("every=x", "not a number"),
+        ("every=-1", "every='-1' is out of range: use a duration of 10 ms to 24 h"),
+        ("every=x", "every='x' is not a duration"),
+        ("every=inf", "is not a duration"),
+        ("every=1,stop_for=1e-9", "stop_for='1e-9' is out of range"),
+        ("lighthouse=5,lighthouse_down=nan", "is not a duration"),
         ("every=1,bogus=2", "unknown key"),
         ("every=1,signal=HUP", "must be one of"),
         ("every=1,target=agent,signal=STOP", "applies to workers"),
@@ -107,8 +110,16 @@ def test_chaos_spec_errors(text: str, message: str) -> None:
 
 
 def test_options_validation() -> None:
-    with pytest.raises(ConfigurationError, match="--replicas must be >= 1"):
+    with pytest.raises(ConfigurationError, match="--replicas=0 is out of range: use an integer 1 to 1024"):
         LaunchOptions(entrypoint="x", replicas=0)
+    with pytest.raises(ConfigurationError, match="more than the 1024 replica groups"):
+        LaunchOptions(entrypoint="x", replicas=1000, spares=100)
+    with pytest.raises(ConfigurationError, match="--monitor-interval=1e-09 is out of range"):
+        LaunchOptions(entrypoint="x", monitor_interval=1e-9)
+    with pytest.raises(ConfigurationError, match="--grace-period=inf is out of range"):
+        LaunchOptions(entrypoint="x", grace_period=float("inf"))
+    with pytest.raises(ConfigurationError, match="--heartbeat-timeout=nan is out of range"):
+        LaunchOptions(entrypoint="x", heartbeat_timeout=float("nan"))
     with pytest.raises(ConfigurationError, match="--min-replicas must be in 1..2"):
         LaunchOptions(entrypoint="x", replicas=2, min_replicas=3)
     with pytest.raises(ConfigurationError, match="only 2 groups"):
@@ -129,13 +140,22 @@ def _one_line_error(args: list[str], expected: str) -> None:
     "args, expected",
     [
         (["does/not/exist.py"], "training script not found: does/not/exist.py"),
-        (["--replicas", "0", WORKER], "--replicas must be >= 1"),
+        (["--replicas", "0", WORKER], "--replicas=0 is out of range"),
+        (["--replicas", "100000", WORKER], "--replicas=100000 is out of range: use an integer 1 to 1024"),
         (["--replicas", "two", WORKER], "'two' is not an integer"),
-        (["--heartbeat-timeout", "soon", WORKER], "'soon' is not a number"),
+        (["--heartbeat-timeout", "soon", WORKER], "'soon' is not a duration"),
+        (["--heartbeat-timeout", "1e-9", WORKER], "'1e-9' is out of range: use a duration of 0.5 s to 24 h"),
+        (["--join-timeout", "inf", WORKER], "--join_timeout: 'inf' is not a duration"),
+        (
+            ["--grace-period", "0", WORKER],
+            "--grace_period: '0' is out of range: use a duration of 1 s to 1 h",
+        ),
+        (["--monitor-interval", "1e-7", WORKER], "--monitor-interval=1e-07 is out of range"),
+        (["--log-dir", "/dev/null/x", WORKER], "--log-dir /dev/null/x: cannot create it: Not a directory"),
         (["--bogus-flag", WORKER], "unrecognized arguments: --bogus-flag"),
         (["--min-replicas", "3", "--replicas", "2", WORKER], "--min-replicas must be in 1..2"),
         (["--nnodes", "2", WORKER], "one `torchrun --rdzv-backend ftlaunch` per node"),
-        (["--chaos", "every=-2", WORKER], "must be > 0"),
+        (["--chaos", "every=-2", WORKER], "every='-2' is out of range"),
         (["--tee", "7", WORKER], "--tee '7'"),
         (["-m", "no_such_module_xyz"], "module not found: no_such_module_xyz"),
         (["--no-python", "no-such-program-xyz"], "program not found"),

@@ -41,7 +41,7 @@ def test_explicit_values_win_and_torchft_name_is_accepted() -> None:
         ),
         (
             {env.REPLICA_GROUP_ID: "0", env.NUM_REPLICA_GROUPS: "0", env.FTLAUNCH_LIGHTHOUSE: "h:1"},
-            "must be >= 1",
+            "NUM_REPLICA_GROUPS='0' is out of range: use an integer 1 or more",
         ),
         (
             {env.REPLICA_GROUP_ID: "0", env.NUM_REPLICA_GROUPS: "1", env.FTLAUNCH_LIGHTHOUSE: "ftp://x"},

@@ -783,7 +783,7 @@ def test_shutdown_leaves_the_lighthouse_and_releases_everything(make: Callable[.
 
 
 def test_heal_claims_can_be_turned_off(make: Callable[..., Group], monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(env.FTLAUNCH_HEAL_CLAIMS, "0")
+    monkeypatch.setenv(env.FTLAUNCH_HEAL_CLAIMS, "false")  # any flag spelling: "0" and "false" alike
     lighthouse = ScriptedLighthouse(in_step(1, "rg1"))
     g = make(lighthouse, init_sync=False)
     assert g.step()[0] and "claim" not in lighthouse.asked[0].data

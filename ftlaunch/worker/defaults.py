@@ -7,13 +7,12 @@ itself works only with explicit values (``ftlaunch.init`` passes every one of th
 
 from __future__ import annotations
 
-import os
 from datetime import timedelta
 
 from ftlaunch import env
-from ftlaunch.errors import ConfigurationError, install_brief_configuration_errors
+from ftlaunch.errors import ConfigurationError, install_brief_errors
 from ftlaunch.lighthouse.client import LighthouseClient, QuorumClient
-from ftlaunch.lighthouse.reconnect import OutageTolerantClient, outage_timeout_from_env
+from ftlaunch.lighthouse.reconnect import OutageTolerantClient
 from ftlaunch.timeouts import Timeouts
 from ftlaunch.worker.plan import WorldSizeMode
 
@@ -54,7 +53,7 @@ def timeouts(
 
 def replica_id() -> str:
     """This worker's replica id from ``REPLICA_GROUP_ID``; `ConfigurationError` naming the fix."""
-    group = env.get_int(env.REPLICA_GROUP_ID)
+    group = env.count(env.REPLICA_GROUP_ID)
     if group is None:
         raise ConfigurationError(
             f"no replica_id given and {env.REPLICA_GROUP_ID} is not set: launch with "
@@ -65,22 +64,22 @@ def replica_id() -> str:
 
 def group_env() -> env.GroupEnv:
     """Rank, size, store and restart count of this worker's replica group, as torchelastic set them."""
-    install_brief_configuration_errors()  # a bad value reads as one line, not a traceback
+    install_brief_errors()  # a bad value reads as one line, not a traceback
     return env.GroupEnv.from_environ()
 
 
-def lighthouse_outage() -> float:
-    """How long a group leader waits out an unreachable lighthouse (``FTLAUNCH_LIGHTHOUSE_OUTAGE``,
-    default 300 s; see `ftlaunch.lighthouse.reconnect`)."""
-    return outage_timeout_from_env()
+def worker_env() -> env.WorkerEnv:
+    """What the user tuned through the environment (``ftlaunch.init`` reads it once and passes it)."""
+    install_brief_errors()  # a bad value reads as one line, not a traceback
+    return env.WorkerEnv.from_environ()
 
 
 def lighthouse_client(
-    addr: str | None, token: str | None, connect_timeout: float, outage_timeout: float | None = None
+    addr: str | None, token: str | None, connect_timeout: float, outage_timeout: float
 ) -> QuorumClient:
     """A client of the lighthouse at ``addr`` (else ``FTLAUNCH_LIGHTHOUSE``), with the job token
     ``token`` (else ``FTLAUNCH_TOKEN``), that waits out a lighthouse outage of up to
-    ``outage_timeout`` seconds (else `lighthouse_outage`)."""
+    ``outage_timeout`` seconds."""
     what = "lighthouse_addr" if addr else env.FTLAUNCH_LIGHTHOUSE
     addr = addr or env.lighthouse_address()
     if not addr:
@@ -89,13 +88,9 @@ def lighthouse_client(
             "(the `ftlaunch` launcher sets it for you)"
         )
     addr = env.normalize_lighthouse(addr, what)
-    client = LighthouseClient(
-        addr, connect_timeout=connect_timeout, token=token or os.environ.get(env.FTLAUNCH_TOKEN)
-    )
+    client = LighthouseClient(addr, connect_timeout=connect_timeout, token=token or env.job_token())
     # A worker torchelastic restarted, or one whose launcher reached the lighthouse (a respawned
     # agent's), belongs to a job that reached its lighthouse: an unreachable one is an outage to
     # wait out even before its first answer.
-    reached = (env.get_int(env.TORCHELASTIC_RESTART_COUNT, 0) or 0) > 0 or env.lighthouse_reached()
-    return OutageTolerantClient(
-        client, lighthouse_outage() if outage_timeout is None else outage_timeout, known_reachable=reached
-    )
+    reached = (env.count(env.TORCHELASTIC_RESTART_COUNT, 0) or 0) > 0 or env.lighthouse_reached()
+    return OutageTolerantClient(client, outage_timeout, known_reachable=reached)
