@@ -388,12 +388,17 @@ def _check(values: Mapping[str, float | None], sources: Mapping[str, str]) -> li
 
 
 def _report(problems: list[str], values: Mapping[str, float | None], sources: Mapping[str, str]) -> str:
-    head = f"invalid ftlaunch timeouts ({len(problems)} problem{'' if len(problems) == 1 else 's'})"
+    """One line for one problem (a worker's error should fit a terminal line); a list for several."""
+    known = all(values[n] is not None for n in _FIELD_ORDER)
     effective = "; ".join(
         f"{n}={'?' if values[n] is None else _fmt(values[n])} [{sources.get(n, 'given')}]"  # type: ignore[arg-type]
         for n in _FIELD_ORDER
     )
-    lines = [f"{head} (see docs/timeouts.md):"]
+    if len(problems) == 1:
+        return f"invalid ftlaunch timeouts (see docs/timeouts.md): {problems[0]}" + (
+            f"; effective: {effective}" if known else ""
+        )
+    lines = [f"invalid ftlaunch timeouts ({len(problems)} problems) (see docs/timeouts.md):"]
     lines += [f"  - {p}" for p in problems]
     lines.append(f"  effective: {effective}")
     return "\n".join(lines)

@@ -315,6 +315,22 @@ def options_from_args(argv: list[str] | None = None) -> LaunchOptions:
     return opts
 
 
+def _check_environment() -> None:
+    """Read every setting the workers will read from the environment they inherit, now: a bad one
+    is one line here, before anything starts, not the same error in every worker of every group at
+    every restart."""
+    from ftlaunch.timeouts import Timeouts
+
+    try:
+        env.WorkerEnv.from_environ()
+        env.SyncEnv.from_environ()
+        env.zygote_wanted()
+        env.prestart_fork()
+        Timeouts.derive()
+    except ConfigurationError as e:
+        _fail(str(e))
+
+
 def main(argv: list[str] | None = None) -> int:
     from ftlaunch.launcher.supervisor import EXIT_USAGE, LaunchError, Supervisor
 
@@ -324,6 +340,7 @@ def main(argv: list[str] | None = None) -> int:
         _fail(str(e))
     logging.basicConfig(level=level, format="[ftlaunch] %(levelname)s %(name)s: %(message)s")
     opts = options_from_args(argv)
+    _check_environment()
     try:
         return Supervisor(opts).run()
     except LaunchError as e:
