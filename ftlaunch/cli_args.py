@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
-from typing import NoReturn
+from typing import NoReturn, TypeVar
 
 from ftlaunch.env import Count, Duration
+
+T = TypeVar("T")
 
 #: How ``--help`` names the duration grammar.
 DURATION_GRAMMAR = "a duration in seconds, or with an s/m suffix: 30, 30s, 1.5m"
@@ -35,23 +37,26 @@ def integer(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
 
 
-def positive_integer(text: str) -> int:
-    value = integer(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+def _argument(parse: Callable[[str], T]) -> Callable[[str], T]:
+    """An argparse ``type`` from a parser whose ValueError message is the reason."""
+
+    def argument(text: str) -> T:
+        try:
+            return parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"{text!r} {e}") from None
+
+    return argument
 
 
 def duration(bounds: Duration) -> Callable[[str], float]:
     """An argparse ``type``: a duration (`ftlaunch.env.duration_seconds`) within ``bounds``."""
+    return _argument(bounds.parse)
 
-    def parse(text: str) -> float:
-        try:
-            return bounds.parse(text)
-        except ValueError as e:
-            raise argparse.ArgumentTypeError(f"{text!r} {e}") from None
 
-    return parse
+def count(bounds: Count) -> Callable[[str], int]:
+    """An argparse ``type``: an integer within ``bounds``."""
+    return _argument(bounds.parse)
 
 
 def milliseconds(bounds: Duration) -> Callable[[str], float]:
@@ -62,25 +67,13 @@ def milliseconds(bounds: Duration) -> Callable[[str], float]:
         try:
             ms = float(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number of milliseconds") from None
+            raise ValueError("is not a number of milliseconds") from None
         try:
             return bounds.check(ms / 1000.0)
         except ValueError as e:
-            raise argparse.ArgumentTypeError(f"{text!r} ms {e}") from None
+            raise ValueError(f"ms {e}") from None
 
-    return parse
-
-
-def count(bounds: Count) -> Callable[[str], int]:
-    """An argparse ``type``: an integer within ``bounds``."""
-
-    def parse(text: str) -> int:
-        try:
-            return bounds.parse(text)
-        except ValueError as e:
-            raise argparse.ArgumentTypeError(f"{text!r} {e}") from None
-
-    return parse
+    return _argument(parse)
 
 
 def duration_help(what: str, bounds: Duration, default: str = "%(default)s") -> str:

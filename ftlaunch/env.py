@@ -26,8 +26,9 @@ import math
 import os
 import re
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import TypeVar
 
 from ftlaunch.errors import ConfigurationError
 
@@ -130,6 +131,16 @@ FTLAUNCH_ZYGOTE_SOCKET = "FTLAUNCH_ZYGOTE_SOCKET"
 #: proxy, which every signal goes through). Absent in a worker started cold: that pid is its own.
 FTLAUNCH_WORKER_PID = "FTLAUNCH_WORKER_PID"
 
+#: The one timeout knob and its overrides (`ftlaunch.timeouts`).
+TIMEOUT_VARS = (
+    FTLAUNCH_TIMEOUT,
+    FTLAUNCH_COLLECTIVE_TIMEOUT,
+    FTLAUNCH_HEAL_TIMEOUT,
+    FTLAUNCH_COMMIT_TIMEOUT,
+    FTLAUNCH_QUORUM_TIMEOUT,
+    FTLAUNCH_CONNECT_TIMEOUT,
+)
+
 ALL_FTLAUNCH_VARS = (
     REPLICA_GROUP_ID,
     NUM_REPLICA_GROUPS,
@@ -140,12 +151,7 @@ ALL_FTLAUNCH_VARS = (
     FTLAUNCH_LIGHTHOUSE_BIND,
     FTLAUNCH_BACKEND,
     FTLAUNCH_TRANSPORT,
-    FTLAUNCH_TIMEOUT,
-    FTLAUNCH_COLLECTIVE_TIMEOUT,
-    FTLAUNCH_HEAL_TIMEOUT,
-    FTLAUNCH_COMMIT_TIMEOUT,
-    FTLAUNCH_QUORUM_TIMEOUT,
-    FTLAUNCH_CONNECT_TIMEOUT,
+    *TIMEOUT_VARS,
     FTLAUNCH_LIGHTHOUSE_OUTAGE,
     FTLAUNCH_LIGHTHOUSE_REACHED,
     FTLAUNCH_OUTAGE_STEPS,
@@ -162,6 +168,9 @@ ALL_FTLAUNCH_VARS = (
     FTLAUNCH_ZYGOTE_SOCKET,
     FTLAUNCH_WORKER_PID,
 )
+
+T = TypeVar("T")
+D = TypeVar("D")
 
 # ================================================================================== the grammar
 #: What a flag accepts (compared case-insensitively, surrounding blanks ignored).
@@ -294,21 +303,19 @@ POSITIVE = Count(1)
 PORT = Count(0, 65535)
 
 # ================================================================================== the readers
-# Every read of the process environment in ftlaunch goes through `_raw` (``environ`` replaces
+# Every read of the process environment in ftlaunch goes through `_get` (``environ`` replaces
 # ``os.environ``: tests, or another process's environment).
+
+
+def _get(name: str, environ: Mapping[str, str] | None) -> str | None:
+    """The value of ``name`` exactly as set; None when unset."""
+    return (os.environ if environ is None else environ).get(name)
 
 
 def _raw(name: str, environ: Mapping[str, str] | None) -> str | None:
     """The value of ``name``, surrounding blanks removed; None when unset or empty."""
-    value = (os.environ if environ is None else environ).get(name)
-    if value is None:
-        return None
-    value = value.strip()
-    return value or None
-
-
-def _fail(name: str, raw: str, reason: object) -> ConfigurationError:
-    return ConfigurationError(f"environment variable {name}={raw!r} {reason}")
+    value = _get(name, environ)
+    return (value.strip() or None) if value is not None else None
 
 
 def is_set(name: str, environ: Mapping[str, str] | None = None) -> bool:
@@ -321,28 +328,28 @@ def text(name: str, environ: Mapping[str, str] | None = None) -> str | None:
     return _raw(name, environ)
 
 
-def flag(name: str, default: bool, environ: Mapping[str, str] | None = None) -> bool:
-    """A flag (`parse_flag`); ``default`` when unset or empty."""
+def _read(name: str, parse: Callable[[str], T], default: D, environ: Mapping[str, str] | None) -> T | D:
+    """``parse`` of the value of ``name`` (its ValueError the reason in one `ConfigurationError`
+    line naming the variable); ``default`` when unset or empty."""
     raw = _raw(name, environ)
     if raw is None:
         return default
     try:
-        return parse_flag(raw)
+        return parse(raw)
     except ValueError as e:
-        raise _fail(name, raw, e) from None
+        raise ConfigurationError(f"environment variable {name}={raw!r} {e}") from None
+
+
+def flag(name: str, default: bool, environ: Mapping[str, str] | None = None) -> bool:
+    """A flag (`parse_flag`); ``default`` when unset or empty."""
+    return _read(name, parse_flag, default, environ)
 
 
 def duration(
     name: str, bounds: Duration, default: float | None, environ: Mapping[str, str] | None = None
 ) -> float | None:
     """A duration (`duration_seconds`) within ``bounds``; ``default`` when unset or empty."""
-    raw = _raw(name, environ)
-    if raw is None:
-        return default
-    try:
-        return bounds.parse(raw)
-    except ValueError as e:
-        raise _fail(name, raw, e) from None
+    return _read(name, bounds.parse, default, environ)
 
 
 def count(
@@ -352,40 +359,36 @@ def count(
     environ: Mapping[str, str] | None = None,
 ) -> int | None:
     """An integer within ``bounds``; ``default`` when unset or empty."""
-    raw = _raw(name, environ)
-    if raw is None:
-        return default
-    try:
-        return bounds.parse(raw)
-    except ValueError as e:
-        raise _fail(name, raw, e) from None
+    return _read(name, bounds.parse, default, environ)
 
 
 def number(
     name: str, low: float, high: float, default: float, environ: Mapping[str, str] | None = None
 ) -> float:
     """A finite decimal number in ``low`` .. ``high``; ``default`` when unset or empty."""
-    raw = _raw(name, environ)
-    if raw is None:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise _fail(name, raw, "is not a number") from None
-    if not (math.isfinite(value) and low <= value <= high):
-        raise _fail(name, raw, f"is out of range: use a number from {low:g} to {high:g}")
-    return value
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise ValueError("is not a number") from None
+        if not (math.isfinite(value) and low <= value <= high):
+            raise ValueError(f"is out of range: use a number from {low:g} to {high:g}")
+        return value
+
+    return _read(name, parse, default, environ)
 
 
 def choice(name: str, allowed: tuple[str, ...], environ: Mapping[str, str] | None = None) -> str | None:
     """One of ``allowed`` (lower case, ``_`` read as ``-``); None when unset or empty."""
-    raw = _raw(name, environ)
-    if raw is None:
-        return None
-    value = raw.lower().replace("_", "-")
-    if value not in allowed:
-        raise _fail(name, raw, f"is not one of {', '.join(allowed)}")
-    return value
+
+    def parse(text: str) -> str:
+        value = text.lower().replace("_", "-")
+        if value not in allowed:
+            raise ValueError(f"is not one of {', '.join(allowed)}")
+        return value
+
+    return _read(name, parse, None, environ)
 
 
 def path(name: str, environ: Mapping[str, str] | None = None) -> str | None:
@@ -434,7 +437,7 @@ def python_exec() -> str:
 
 def gpus_hidden(environ: Mapping[str, str] | None = None) -> bool:
     """Whether ``CUDA_VISIBLE_DEVICES`` hides every GPU (set to ``""`` or ``-1``)."""
-    value = (os.environ if environ is None else environ).get(CUDA_VISIBLE_DEVICES)
+    value = _get(CUDA_VISIBLE_DEVICES, environ)  # set but empty counts here
     return value is not None and value.strip() in ("", "-1")
 
 
@@ -516,15 +519,7 @@ def timeout_settings(environ: Mapping[str, str] | None = None) -> dict[str, str]
     """The timeout variables that are set (``FTLAUNCH_TIMEOUT`` and the five overrides), as text:
     `ftlaunch.timeouts.Timeouts.derive` parses them (`parse_duration`) and reports every problem
     of the set at once, with where each value came from."""
-    names = (
-        FTLAUNCH_TIMEOUT,
-        FTLAUNCH_COLLECTIVE_TIMEOUT,
-        FTLAUNCH_HEAL_TIMEOUT,
-        FTLAUNCH_COMMIT_TIMEOUT,
-        FTLAUNCH_QUORUM_TIMEOUT,
-        FTLAUNCH_CONNECT_TIMEOUT,
-    )
-    return {name: value for name in names if (value := text(name, environ)) is not None}
+    return {name: value for name in TIMEOUT_VARS if (value := text(name, environ)) is not None}
 
 
 def replica_id(replica_group_id: int) -> str:

@@ -164,7 +164,9 @@ def test_worker_settings_are_read_once_with_their_bounds() -> None:
         (env.FTLAUNCH_QUANTIZE, "16", "is not one of 0, 4, 8"),
         (env.MASTER_PORT, "70000", "is out of range: use an integer 0 to 65535"),
     ):
-        with pytest.raises(ConfigurationError, match=re.escape(f"environment variable {name}='{value}' {reason}")):
+        with pytest.raises(
+            ConfigurationError, match=re.escape(f"environment variable {name}='{value}' {reason}")
+        ):
             WorkerEnv.from_environ({name: value})
             SyncEnv.from_environ({name: value})
             GroupEnv.from_environ({name: value})
@@ -423,7 +425,9 @@ def test_an_unreachable_lighthouse_ends_a_script_with_one_line_naming_the_fix() 
     assert proc.returncode == 1, proc.stderr[-3000:]
     line = _error_line(proc, "ftlaunch: error: ")
     assert line.startswith(f"ftlaunch: error: lighthouse http://127.0.0.1:{port} unreachable"), line
-    assert "No lighthouse has answered there: start one (`ftlaunch-lighthouse --bind HOST:PORT`)" in line
+    assert (
+        f"No lighthouse has answered there: start one (`ftlaunch-lighthouse --bind 127.0.0.1:{port}`)" in line
+    )
 
 
 _HOOK_SCRIPT = """\

@@ -44,11 +44,17 @@ log = logging.getLogger(__name__)
 #: How long a group leader waits for an unreachable lighthouse before giving up (seconds; the
 #: environment's ``FTLAUNCH_LIGHTHOUSE_OUTAGE`` is read into `ftlaunch.env.WorkerEnv`).
 DEFAULT_OUTAGE_TIMEOUT = env.DEFAULT_LIGHTHOUSE_OUTAGE
-#: The fix named when the lighthouse never answered this group: a wrong address, or none started.
-NEVER_REACHED = (
-    "No lighthouse has answered there: start one (`ftlaunch-lighthouse --bind HOST:PORT`) or fix "
-    f"{env.FTLAUNCH_LIGHTHOUSE}, or launch with `ftlaunch --replicas N script.py`, which starts one"
-)
+
+
+def never_reached(address: str) -> str:
+    """The fix named when the lighthouse never answered this group: a wrong address, or none started."""
+    bind = address.removeprefix("http://") if address.startswith("http://") else "HOST:PORT"
+    return (
+        f"No lighthouse has answered there: start one (`ftlaunch-lighthouse --bind {bind}`) or fix "
+        f"{env.FTLAUNCH_LIGHTHOUSE}, or launch with `ftlaunch --replicas N script.py`, which starts one"
+    )
+
+
 #: Pause between two attempts while the lighthouse is down (each attempt itself retries connects
 #: for the client's ``connect_timeout``).
 _PAUSE_START = 0.1
@@ -157,7 +163,8 @@ class OutageTolerantClient:
                             f"{env.FTLAUNCH_LIGHTHOUSE_OUTAGE}): {e}"
                         ) from None
                     if not self._reached() and not self._closed.is_set():
-                        raise LighthouseUnavailableError(f"{e}. {NEVER_REACHED}") from None
+                        address = str(getattr(self._client, "address", ""))
+                        raise LighthouseUnavailableError(f"{e}. {never_reached(address)}") from None
                     raise
                 self._closed.wait(min(pause, self.outage_timeout - waited))
                 pause = min(pause * 2, _PAUSE_MAX)
