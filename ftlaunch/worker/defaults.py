@@ -13,14 +13,23 @@ from ftlaunch import env
 from ftlaunch.errors import ConfigurationError, install_brief_errors
 from ftlaunch.lighthouse.client import LighthouseClient, QuorumClient
 from ftlaunch.lighthouse.reconnect import OutageTolerantClient
-from ftlaunch.timeouts import Timeouts
+from ftlaunch.timeouts import Timeouts, to_seconds
 from ftlaunch.worker.plan import WorldSizeMode
 
 _Seconds = timedelta | float | None
 
 
+#: The leader's heartbeat period: below 10 ms it would mostly send heartbeats, and a lighthouse's
+#: heartbeat timeout is never under 0.5 s (`ftlaunch.lighthouse.quorum.HEARTBEAT_TIMEOUT`).
+HEARTBEAT_INTERVAL = env.Duration(0.01, 60.0)
+
+
 def check_arguments(
-    min_replica_size: int, max_retries: int | None, world_size_mode: WorldSizeMode, port: int | None
+    min_replica_size: int,
+    max_retries: int | None,
+    world_size_mode: WorldSizeMode,
+    port: int | None,
+    heartbeat_interval: timedelta | float = 0.1,
 ) -> None:
     """The Manager's arguments that torch would only reject much later, or never."""
     if min_replica_size < 1:
@@ -31,6 +40,7 @@ def check_arguments(
         raise TypeError(f"world_size_mode must be a WorldSizeMode, got {world_size_mode!r}")
     if port is not None and not 0 <= port <= 65535:
         raise ValueError(f"port must be in 0..65535, got {port}")
+    HEARTBEAT_INTERVAL.checked(to_seconds(heartbeat_interval, "heartbeat_interval"), "heartbeat_interval")
 
 
 def timeouts(

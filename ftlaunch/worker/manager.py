@@ -141,7 +141,7 @@ class Manager(QuorumRound, ManagerStateApi):
         ``worker_env``: what the user tuned through the environment (``ftlaunch.init`` reads it
         once); read from the environment when not given.
         """
-        defaults.check_arguments(min_replica_size, max_retries, world_size_mode, port)
+        defaults.check_arguments(min_replica_size, max_retries, world_size_mode, port, heartbeat_interval)
         timeouts = defaults.timeouts(
             timeouts,
             timeout,
