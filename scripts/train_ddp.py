@@ -29,7 +29,6 @@ import argparse
 import ctypes
 import hashlib
 import logging
-import os
 import sys
 import time
 from datetime import timedelta
@@ -84,7 +83,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def make_model(width: int) -> nn.Module:
-    torch.manual_seed(int(os.environ.get(env.REPLICA_GROUP_ID, "0")) + 1000)  # groups start different
+    torch.manual_seed((env.count(env.REPLICA_GROUP_ID, 0) or 0) + 1000)  # groups start different
     return nn.Sequential(
         nn.Linear(64, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 8)
     )
@@ -140,7 +139,7 @@ def long_form(
     timeout = timedelta(seconds=args.timeout or 60.0)
     gpu = device.type == "cuda"
     intra = None
-    if (env.get_int(env.WORLD_SIZE, 1) or 1) > 1:
+    if (env.count(env.WORLD_SIZE, 1) or 1) > 1:
         dist.init_process_group("nccl" if gpu else "gloo", timeout=timeout)
         intra = dist.group.WORLD
     kinds = {
@@ -185,22 +184,23 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     log = logging.getLogger("train_ddp")
 
-    device = device_of(args)
-    model = make_model(args.width).to(device)
-    inner = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    dataset = make_dataset(args.dataset_size)
     ft = None
     intra = None
-    if args.long_form:
-        manager, ddp, opt, sampler, intra = long_form(args, model, inner, dataset, device)
-    else:
-        try:
+    try:
+        device = device_of(args)
+        model = make_model(args.width).to(device)
+        inner = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+        dataset = make_dataset(args.dataset_size)
+        if args.long_form:
+            manager, ddp, opt, sampler, intra = long_form(args, model, inner, dataset, device)
+        else:
             ft = ftlaunch.init(
                 model, inner, timeout=args.timeout, backend=args.backend, transport=args.transport
             )
-        except ftlaunch.ConfigurationError as e:
-            print(f"train_ddp.py: {e}", file=sys.stderr)
-            return 2
+    except ftlaunch.ConfigurationError as e:
+        print(f"train_ddp.py: {e}", file=sys.stderr)
+        return 2
+    if ft is not None:
         ddp, opt = ft.wrap(model, inner)
         manager, sampler = ft.manager, ft.sampler(dataset)
     loader = torch.utils.data.DataLoader(dataset, batch_size=args.batch_size, sampler=sampler)

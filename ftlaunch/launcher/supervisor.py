@@ -83,7 +83,7 @@ class Supervisor:
         self._events: queue.Queue[News] = queue.Queue()
         self._stop_signal: int | None = None
         self._signals_received = 0
-        self._token = opts.token or os.environ.get(env.FTLAUNCH_TOKEN) or secrets.token_hex(16)
+        self._token = opts.token or env.job_token() or secrets.token_hex(16)
         self._keeper = LighthouseKeeper(opts, self._token, self.console)
         self._run_id = opts.run_id or uuid.uuid4().hex[:8]
         self._own_log_dir = opts.log_dir is None

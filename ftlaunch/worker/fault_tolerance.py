@@ -8,7 +8,6 @@ while ``entry.py`` reads the environment, waits for a slot when the job has hot 
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -60,6 +59,12 @@ class FaultTolerance:
         default=None, repr=False
     )
     _device_mesh: DeviceMesh | None = field(default=None, repr=False)
+    #: Defaults of `local_sgd`/`diloco` the environment gave (``init`` reads them with the rest;
+    #: None: read them when one of the two is called).
+    sync_env: env.SyncEnv | None = field(default=None, repr=False)
+
+    def _sync_defaults(self) -> env.SyncEnv:
+        return self.sync_env if self.sync_env is not None else env.SyncEnv.from_environ()
 
     def wrap(
         self, model: nn.Module, optimizer: torch.optim.Optimizer
@@ -174,7 +179,7 @@ class FaultTolerance:
         from ftlaunch.worker.local_sgd import LocalSGD
 
         self._share_within_group(model, optimizer)
-        every = sync_every if sync_every is not None else env.get_int(env.FTLAUNCH_SYNC_EVERY, 100) or 100
+        every = sync_every if sync_every is not None else self._sync_defaults().sync_every
         algorithm = LocalSGD(self.manager, model, optimizer, every, **kwargs)
         return algorithm.__enter__()
 
@@ -203,28 +208,16 @@ class FaultTolerance:
         Returns the `ftlaunch.DiLoCo`, already entered: it has joined the job (this group now holds
         the job's global parameters) and ``inner_optimizer.step()`` drives it.
         """
-        from ftlaunch.errors import ConfigurationError
         from ftlaunch.worker.fragments import split_fragments
         from ftlaunch.worker.local_sgd import DiLoCo
 
-        every = sync_every if sync_every is not None else env.get_int(env.FTLAUNCH_SYNC_EVERY, 100) or 100
+        defaults = self._sync_defaults()
+        every = sync_every if sync_every is not None else defaults.sync_every
         if fragments is None:
-            fragments = env.get_int(env.FTLAUNCH_FRAGMENTS, 1) or 1
-        delay = fragment_sync_delay
-        if delay is None:
-            delay = env.get_int(env.FTLAUNCH_FRAGMENT_SYNC_DELAY, 0) or 0
-        alpha = fragment_update_alpha
-        if alpha is None:
-            raw = os.environ.get(env.FTLAUNCH_FRAGMENT_UPDATE_ALPHA) or "0"
-            try:
-                alpha = float(raw)
-            except ValueError:
-                raise ConfigurationError(
-                    f"{env.FTLAUNCH_FRAGMENT_UPDATE_ALPHA}={raw!r} is not a number"
-                ) from None
-        quantize = should_quantize
-        if quantize is None:
-            quantize = env.get_int(env.FTLAUNCH_QUANTIZE, 0) or False
+            fragments = defaults.fragments
+        delay = defaults.fragment_sync_delay if fragment_sync_delay is None else fragment_sync_delay
+        alpha = defaults.fragment_update_alpha if fragment_update_alpha is None else fragment_update_alpha
+        quantize = (defaults.quantize or False) if should_quantize is None else should_quantize
         modules = split_fragments(model, fragments) if isinstance(fragments, int) else fragments
         self._share_within_group(model, inner_optimizer)
         algorithm = DiLoCo(
