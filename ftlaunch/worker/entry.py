@@ -44,7 +44,7 @@ from ftlaunch.errors import ConfigurationError, install_brief_errors
 from ftlaunch.process_group.base import ProcessGroup
 from ftlaunch.timeouts import Timeouts
 from ftlaunch.worker import spare
-from ftlaunch.worker.fault_tolerance import FaultTolerance, _model_state_fns
+from ftlaunch.worker.fault_tolerance import FaultTolerance, InitState, Registered, model_state_fns
 from ftlaunch.worker.manager import Manager, release_process_group
 
 __all__ = [
@@ -202,12 +202,10 @@ def init(
 
     if (load_state_dict is None) != (state_dict is None):
         raise ValueError("pass both load_state_dict and state_dict, or neither")
-    state_of: tuple[nn.Module | None, torch.optim.Optimizer | None] | str | None = (
-        "user" if load_state_dict else None
-    )
+    registered = InitState(Registered.USER) if load_state_dict else InitState()
     if load_state_dict is None and (model is not None or optimizer is not None):
-        load_state_dict, state_dict = _model_state_fns(model, optimizer)
-        state_of = (model, optimizer)
+        load_state_dict, state_dict = model_state_fns(model, optimizer)
+        registered = InitState(Registered.MODEL, model, optimizer)
 
     want_intra = group.world_size > 1 if intra_group is None else intra_group
     intra, owns_intra = _intra_group(want_intra, group, dev, timeouts)
@@ -266,7 +264,7 @@ def init(
         intra_group=intra,
         _owns_intra_group=owns_intra,
         checkpoint_transport=ckpt,
-        _state_of=state_of,
+        registered=registered,
         sync_env=sync_env,
     )
     _track(ft)

@@ -8,6 +8,7 @@ while ``entry.py`` reads the environment, waits for a slot when the job has hot 
 
 from __future__ import annotations
 
+import enum
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,6 +30,32 @@ from ftlaunch.worker.manager import Manager
 if TYPE_CHECKING:
     from ftlaunch.gang import Gang, Gangs
     from ftlaunch.worker.local_sgd import DiLoCo, LocalSGD
+
+
+class Registered(enum.Enum):
+    """What ``ftlaunch.init`` registered for live recovery."""
+
+    #: Nothing yet: ``ft.wrap`` of a sharded model registers the model and optimizer it is given.
+    NOTHING = "nothing"
+    #: The state functions the script passed (``load_state_dict=``, ``state_dict=``).
+    USER = "user"
+    #: The model and optimizer the script passed.
+    MODEL = "model"
+
+
+@dataclass(frozen=True)
+class InitState:
+    """What ``ftlaunch.init`` registered for live recovery, so that ``ft.wrap`` of a sharded model
+    can tell whether it is given the same objects (FSDP2 replaces the parameters: the optimizer must
+    be built after sharding)."""
+
+    kind: Registered = Registered.NOTHING
+    model: nn.Module | None = None
+    optimizer: torch.optim.Optimizer | None = None
+
+    def other_than(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether ``init`` registered a model and optimizer other than these."""
+        return self.kind is Registered.MODEL and (self.model is not model or self.optimizer is not optimizer)
 
 
 @dataclass
@@ -53,11 +80,8 @@ class FaultTolerance:
     _closed: bool = field(default=False, repr=False)
     #: The live-recovery transport the Manager uses (HSDP tells it the device mesh).
     checkpoint_transport: CheckpointTransport[Any] | None = None
-    #: What ``init`` registered for live recovery: the (model, optimizer) it was given, or ``"user"``
-    #: (state functions passed in), or None (nothing: ``wrap`` of a sharded model registers them).
-    _state_of: tuple[nn.Module | None, torch.optim.Optimizer | None] | str | None = field(
-        default=None, repr=False
-    )
+    #: What ``init`` registered for live recovery (``wrap`` of a sharded model may register more).
+    registered: InitState = field(default_factory=InitState, repr=False)
     _device_mesh: DeviceMesh | None = field(default=None, repr=False)
     #: Defaults of `local_sgd`/`diloco` the environment gave (``init`` reads them with the rest;
     #: None: read them when one of the two is called).
@@ -149,14 +173,10 @@ class FaultTolerance:
                 "cannot carry DTensors: use ftlaunch.init(transport='pg') (the default)"
             )
         self.checkpoint_transport.device_mesh = mesh
-        if self._state_of is None:
-            self.manager.register_state_dict_fn(DEFAULT_STATE_KEY, *_model_state_fns(model, optimizer))
-            self._state_of = (model, optimizer)
-        elif self._state_of != "user" and (
-            not isinstance(self._state_of, tuple)
-            or self._state_of[0] is not model
-            or self._state_of[1] is not optimizer
-        ):
+        if self.registered.kind is Registered.NOTHING:
+            self.manager.register_state_dict_fn(DEFAULT_STATE_KEY, *model_state_fns(model, optimizer))
+            self.registered = InitState(Registered.MODEL, model, optimizer)
+        elif self.registered.other_than(model, optimizer):
             raise ConfigurationError(
                 "ftlaunch.init() was given another model/optimizer than ft.wrap(): for HSDP call ftlaunch.init() "
                 "without them (the optimizer must be created after sharding); ft.wrap registers them for healing"
@@ -312,7 +332,7 @@ class FaultTolerance:
         return self._gangs
 
 
-def _model_state_fns(
+def model_state_fns(
     model: nn.Module | None, optimizer: torch.optim.Optimizer | None
 ) -> tuple[Callable[[Any], None], Callable[[], Any]]:
     """Live-recovery state from the model and optimizer the user passed (the unwrapped objects, so
