@@ -441,6 +441,17 @@ def gpus_hidden(environ: Mapping[str, str] | None = None) -> bool:
     return value is not None and value.strip() in ("", "-1")
 
 
+def visible_gpus(environ: Mapping[str, str] | None = None) -> list[str] | None:
+    """The devices ``CUDA_VISIBLE_DEVICES`` lists (indices or UUIDs, in its order); ``[]`` when it
+    hides every GPU; None when it is unset (every GPU of the machine is visible)."""
+    value = _get(CUDA_VISIBLE_DEVICES, environ)
+    if value is None:
+        return None
+    if value.strip() in ("", "-1"):
+        return []
+    return [d.strip() for d in value.split(",") if d.strip()]
+
+
 def omp_num_threads(environ: Mapping[str, str] | None = None) -> int | None:
     """``OMP_NUM_THREADS`` as a positive integer; None when unset, empty or not one (torch then
     keeps its own choice, as OpenMP itself ignores a value it cannot read)."""

@@ -38,7 +38,7 @@ from typing import Any
 import psutil
 
 from ftlaunch import env, phases
-from ftlaunch.launcher import procs
+from ftlaunch.launcher import devices, procs
 from ftlaunch.launcher.agent_process import AgentProcess, News, start_agent
 from ftlaunch.launcher.chaos import Chaos
 from ftlaunch.launcher.group import FAILED, STARTING, SUCCEEDED, Group
@@ -104,6 +104,9 @@ class Supervisor:
         #: Groups whose workers failed with no restarts left: their agent ends them as failed.
         self._out_of_restarts: set[int] = set()
         self._takeovers = Takeovers(opts.replicas) if opts.spares else None
+        #: Each group's own GPUs when the machine has one per worker of every group (`devices`).
+        self._gpus = _machine_gpus()
+        self._devices = devices.group_devices(self._gpus, opts.nproc_per_node, len(self.groups))
         self._status: StatusLine | None = None
         self._exit_root_cause: str | None = None
         self._progress_read_at = 0.0
@@ -130,6 +133,9 @@ class Supervisor:
                 f"[ftlaunch] {self.opts.replicas} replica group(s){spares} x {self.opts.nproc_per_node} worker(s), "
                 f"lighthouse {lighthouse.address}, logs {self._log_dir}"
             )
+            sharing = devices.sharing_warning(len(self._gpus), self.opts.nproc_per_node, len(self.groups))
+            if sharing is not None:
+                self.console.err(f"[ftlaunch] warning: {sharing}")
             for group in self.groups:
                 self._spawn(group)
             code = self._loop()
@@ -227,6 +233,11 @@ class Supervisor:
             group_dir=os.path.join(self._log_dir, group.replica_id),
             incarnation=group.incarnation,
             news=self._events,
+            extra_env=(
+                {env.CUDA_VISIBLE_DEVICES: ",".join(self._devices[group.gid])}
+                if self._devices is not None
+                else None
+            ),
         )
         if not config_written:
             self._log_disk.poll(force=True)
@@ -545,3 +556,18 @@ def _remove(path: str) -> None:
     else:
         with contextlib.suppress(OSError):
             os.remove(path)
+
+
+def _machine_gpus() -> list[str]:
+    """The GPUs the job may use: those ``CUDA_VISIBLE_DEVICES`` lists, else every GPU torch counts
+    (through the driver, without creating a CUDA context in the supervisor)."""
+    listed = env.visible_gpus()
+    if listed is not None:
+        return listed
+    import torch
+
+    try:
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:  # noqa: BLE001 - a broken driver: no GPUs to place
+        count = 0
+    return [str(i) for i in range(count)]
