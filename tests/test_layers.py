@@ -151,6 +151,7 @@ def test_the_check_sees_violations(tmp_path: Path) -> None:
 #: Inside the lighthouse, bottom up: a module imports only lighthouse modules of a lower rank, so the
 #: decision and the bookkeeping never see HTTP, and the transport never sees a quorum.
 LIGHTHOUSE_RANKS: dict[str, int] = {
+    "timeline": -1,  # a job's timeline as data, and the bounded series progress keeps (pure)
     "protocol": 0,  # wire constants
     "quorum": 0,  # the pure decision
     "slots": 0,  # the pure rule: which spare takes which replica-group slot
@@ -168,6 +169,7 @@ LIGHTHOUSE_RANKS: dict[str, int] = {
     "http": 2,  # request/response types, http.server's head parsing
     "bodies": 3,  # a request body: JSON decoded, nesting bounded, fields checked
     "limits": 2,  # connection cap, warnings per client: bounds a client cannot push
+    "timeline_svg": 1,  # a timeline drawn as SVG (pure; the dashboard's and the launcher's picture)
     "dashboard": 2,  # HTML from a status
     "metrics": 2,  # Prometheus text from a status (prometheus_client)
     "channel": 1,  # one keep-alive HTTP connection to the lighthouse, retries, how answers read
@@ -200,6 +202,8 @@ LIGHTHOUSE_NO_IO = {
     "membership_admit",
     "membership",
     "dashboard",
+    "timeline",
+    "timeline_svg",
 }
 _IO_MODULES = {"socket", "selectors", "select", "asyncio", "http", "urllib", "ssl"}
 

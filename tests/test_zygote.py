@@ -208,7 +208,9 @@ def test_a_worker_handed_over_runs_as_python_script_would(tmp_path: Path) -> Non
         out, err = proxy.communicate(timeout=120)
         assert proxy.returncode == 0, err
         assert json.loads(out.splitlines()[0])["pid"] == proxy.pid  # the script ran in the worker itself
-        assert re.search(r"ftlaunch\.bootstrap\.prestart: standby interpreter not ready .*starting the worker here", err)
+        assert re.search(
+            r"ftlaunch\.bootstrap\.prestart: standby interpreter not ready .*starting the worker here", err
+        )
     finally:
         if zygote.poll() is None:
             zygote.kill()

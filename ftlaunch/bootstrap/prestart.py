@@ -51,6 +51,7 @@ import traceback
 from typing import NoReturn, Union
 
 from ftlaunch import env, phases, streams
+from ftlaunch.errors import ConfigurationError
 
 __all__ = [
     "ChildProcess",
@@ -244,8 +245,7 @@ def _forked_child(
 
 def fork_wanted() -> bool:
     """Whether `main` may import torch and fork the child (``FTLAUNCH_PRESTART_FORK``, default on)."""
-    value = (os.environ.get(env.FTLAUNCH_PRESTART_FORK) or "1").strip().lower()
-    return value not in ("0", "false", "no", "off")
+    return env.prestart_fork()
 
 
 def start(backend: str = "gloo", forked: bool = False) -> None:
@@ -320,11 +320,13 @@ def _discard_all() -> None:
 def wanted() -> bool:
     """Whether this worker will likely build a Baby Gloo group (the default on a machine without
     an NVIDIA GPU, or chosen explicitly)."""
-    backend = (os.environ.get(env.FTLAUNCH_BACKEND) or "").strip().lower().replace("_", "-")
+    try:
+        backend = env.backend()
+    except ConfigurationError:
+        return False  # ftlaunch.init reports the bad value; no child for it meanwhile
     if backend:
         return backend == "baby-gloo"
-    gpus_hidden = os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1")
-    return gpus_hidden or not os.path.exists("/dev/nvidiactl")
+    return env.gpus_hidden() or not os.path.exists("/dev/nvidiactl")
 
 
 def _import_torch() -> bool:

@@ -109,13 +109,13 @@ class Job:
         os.environ.clear()
         os.environ.update(req["env"])
         if req.get("proxy_pid"):
-            os.environ[env.FTLAUNCH_WORKER_PID] = str(req["proxy_pid"])
+            env.publish({env.FTLAUNCH_WORKER_PID: str(req["proxy_pid"])})
         sys.path[:] = list(req["path"])
-        threads = os.environ.get("OMP_NUM_THREADS", "").strip()
-        if threads.isdigit() and int(threads) > 0:
+        threads = env.omp_num_threads()
+        if threads is not None:
             import torch
 
-            torch.set_num_threads(int(threads))
+            torch.set_num_threads(threads)
         phases.mark(
             "zygote_forked",
             proxy=req.get("proxy_pid"),

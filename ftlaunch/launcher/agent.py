@@ -167,7 +167,8 @@ class WorkerWatcher(threading.Thread):
                 child_env = child.environ()
             except psutil.Error:
                 continue
-            if "TORCHELASTIC_RUN_ID" not in child_env or env.RANK not in child_env:
+            marks = env.ProcessMarks.from_environ(child_env)
+            if not marks.torchelastic or marks.rank is None:
                 # Not exec'd yet (still shows our environment) or not a worker: look again later,
                 # but stop looking at a child that is still not a worker after a while.
                 try:
@@ -177,9 +178,9 @@ class WorkerWatcher(threading.Thread):
                     pass
                 continue
             new[child.pid] = {
-                "rank": int(child_env.get(env.RANK, "-1")),
-                "local_rank": int(child_env.get(env.LOCAL_RANK, "-1")),
-                "restart": int(child_env.get(env.TORCHELASTIC_RESTART_COUNT, "0")),
+                "rank": marks.rank,
+                "local_rank": -1 if marks.local_rank is None else marks.local_rank,
+                "restart": marks.restart_count,
             }
         if not new:
             return
@@ -391,11 +392,11 @@ class Standby:
             logger.warning("no standby interpreter (%s): workers start cold", e)
             shutil.rmtree(directory, ignore_errors=True)
             return None
-        os.environ[env.FTLAUNCH_ZYGOTE_SOCKET] = path  # the workers inherit the agent's environment
+        env.publish({env.FTLAUNCH_ZYGOTE_SOCKET: path})  # the workers inherit the agent's environment
         return cls(proc, directory)
 
     def stop(self) -> None:
-        os.environ.pop(env.FTLAUNCH_ZYGOTE_SOCKET, None)
+        env.unpublish(env.FTLAUNCH_ZYGOTE_SOCKET)
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -440,8 +441,7 @@ def main(argv: list[str] | None = None) -> int:
         # SIGTERM starts torchelastic's graceful stop, which a stopped worker cannot take part in.
         on_exit(cfg.supervisor_pid, _supervisor_gone, name="ftlaunch-supervisor-watch")
     logging.basicConfig(
-        level=os.environ.get("LOGLEVEL", "WARNING").upper(),
-        format="%(levelname)s %(name)s: %(message)s",
+        level=env.log_level("WARNING", lenient=True), format="%(levelname)s %(name)s: %(message)s"
     )
     return run_agent(cfg)
 

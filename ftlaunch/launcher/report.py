@@ -83,9 +83,11 @@ def summary_lines(
     started: float,
     log_dir: str,
     lighthouse: LighthouseStatus | None = None,
+    timeline: str | None = None,
 ) -> list[str]:
     """The summary printed at exit with the job's exit ``code`` (0: it finished; ``injections`` None:
-    it ran without ``--chaos``; ``lighthouse``: its last status, for the figures ``/metrics`` serves)."""
+    it ran without ``--chaos``; ``lighthouse``: its last status, for the figures ``/metrics`` serves;
+    ``timeline``: where the picture of the run was written, if it was)."""
     lines = [
         "",
         f"[ftlaunch] summary: exit {code} after {elapsed:.1f}s"
@@ -130,6 +132,8 @@ def summary_lines(
     for g in groups:
         if g.root_cause:
             lines.append(f"[ftlaunch] root cause: {g.root_cause}")
+    if timeline is not None:
+        lines.append(f"[ftlaunch] timeline (steps per group, failures and rejoins): {timeline}")
     if code != 0:
         lines.append(f"[ftlaunch] logs kept in {log_dir}")
     return lines

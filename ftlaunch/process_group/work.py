@@ -74,9 +74,20 @@ class FtWork(dist.Work):
     once those sockets close.
     """
 
-    def __init__(self, failures: FailureRecord, inner: dist.Work, op: str, peer: int | None = None) -> None:
+    def __init__(
+        self,
+        failures: FailureRecord,
+        inner: dist.Work,
+        op: str,
+        peer: int | None = None,
+        devices: tuple[torch.device, ...] = (),
+    ) -> None:
+        """``devices``: the CUDA devices the op's results live on (NCCL). The future `get_future`
+        returns is then CUDA-aware, as the backend's own: a consumer on another stream waits for
+        the collective instead of reading its output early (FSDP2 reads on a stream of its own)."""
         super().__init__()
         self._failures = failures
+        self._devices = devices
         self._inner: dist.Work | None = inner
         self._op = op
         self._peer = peer
@@ -114,7 +125,9 @@ class FtWork(dist.Work):
         return True if inner is None else inner.is_completed()
 
     def get_future(self) -> torch.futures.Future:
-        out: torch.futures.Future = torch.futures.Future()
+        out: torch.futures.Future = (
+            torch.futures.Future(devices=list(self._devices)) if self._devices else torch.futures.Future()
+        )
         inner = self._inner
         if inner is None:
             out.set_exception(self._released_error())

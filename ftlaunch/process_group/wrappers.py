@@ -258,11 +258,15 @@ class ProcessGroupWrapper(ProcessGroup):
         except Exception as e:
             raise self._call_error(op, e, peer) from e
         if self._wrap_works:
-            ft = FtWork(self._failures, work, op, peer)
+            ft = FtWork(self._failures, work, op, peer, self._result_devices())
             with self._works_lock:
                 self._live_works.add(ft)
             return ft
         return work
+
+    def _result_devices(self) -> tuple[torch.device, ...]:
+        """The CUDA devices an op's results live on, for a CUDA-aware future (NCCL); none here."""
+        return ()
 
     def _do_allreduce(self, tensors: list[torch.Tensor], opts: AllreduceOptions) -> dist.Work:
         return self._forward("allreduce", "allreduce", tensors, opts)
@@ -415,6 +419,9 @@ class ProcessGroupNCCL(ProcessGroupWrapper):
 
     def getBackendName(self) -> str:  # noqa: N802
         return "ftlaunch-nccl"
+
+    def _result_devices(self) -> tuple[torch.device, ...]:
+        return (torch.device("cuda", torch.cuda.current_device()),) if torch.cuda.is_available() else ()
 
     def _create_pg(self, store: dist.Store, rank: int, world_size: int) -> Any:
         if not dist.is_nccl_available():

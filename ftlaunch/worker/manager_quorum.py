@@ -47,6 +47,7 @@ class QuorumRound:
     _hang_abort: LostPeerAbort
     _progress: ProgressTracker | None
     _state: StateRegistry
+    _heal_claims: bool
     _layout: dict[str, str] | None
     _ready: bool
     _init_sync: bool
@@ -114,7 +115,7 @@ class QuorumRound:
         """Round ``seq``'s quorum. Only the leader asks the lighthouse; the group store relays its
         answer to the other ranks. ``claiming``: every rank's heal claim goes with the request
         (the leader gathers them); otherwise the request claims on demand (`plan.claims_wanted`)."""
-        claim = recovery.state_claim(self._state) if claiming else None
+        claim = recovery.state_claim(self._state) if claiming and self._heal_claims else None
         if claiming and self._group_rank != 0:
             self._group.publish_claim(seq, claim)
         return self._group.relay_quorum(
@@ -132,7 +133,7 @@ class QuorumRound:
             self.replica_id, store_address=self._group.address, step=self._step,
             world_size=self._group_world_size, shrink_only=shrink_only, commit_failures=self._commit_failures,
             transport_metadata=self._transport_metadata, layout=self._layout,
-            claims=self._group.claims(seq, claim, self.timeouts.collective) if claim else recovery.on_demand(),
+            claims=self._group.claims(seq, claim, self.timeouts.collective) if claim else recovery.on_demand(self._heal_claims),
         )  # fmt: skip
         return self._outage.ask(self._client, request, self._quorum_retries, quorum_timeout, self.log)
 

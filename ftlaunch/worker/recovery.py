@@ -15,14 +15,12 @@ the one it (and the other up-to-date groups) claimed heals nobody: its payload i
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
-from ftlaunch import env
 from ftlaunch.checkpointing.transport import CheckpointTransport
 from ftlaunch.errors import CommunicationError, FtlaunchError
 from ftlaunch.lighthouse.quorum import Quorum
@@ -125,15 +123,10 @@ class StateRegistry:
             load(state[key])
 
 
-def claims_on() -> bool:
-    """Whether this job makes heal claims (``FTLAUNCH_HEAL_CLAIMS``, on unless ``0``)."""
-    return os.environ.get(env.FTLAUNCH_HEAL_CLAIMS, "").strip() != "0"
-
-
-def on_demand() -> list[str] | None:
+def on_demand(claims: bool) -> list[str] | None:
     """A request's claim before anyone is known to heal: ``[]`` ("I claim when a heal is due",
-    `plan.claims_wanted`), or None with claims off."""
-    return [] if claims_on() else None
+    `plan.claims_wanted`), or None with claims off (``FTLAUNCH_HEAL_CLAIMS``, `env.WorkerEnv`)."""
+    return [] if claims else None
 
 
 def state_claim(registry: StateRegistry) -> str | None:
@@ -144,10 +137,8 @@ def state_claim(registry: StateRegistry) -> str | None:
     Tensors only: honest groups that committed the same steps hold bit-identical tensors, while
     numbers beside them (a prefetching loader's position) may legitimately differ a little.
     Costs one pass over the state (`sum64`, on the tensors' device), so it is made only when a
-    heal is due (`plan.claims_wanted`); ``FTLAUNCH_HEAL_CLAIMS=0`` turns claims off (then None).
+    heal is due (`plan.claims_wanted`); with ``FTLAUNCH_HEAL_CLAIMS=off`` the Manager makes none.
     """
-    if not claims_on():
-        return None
     try:
         with registry.gate.reading(0.0):
             state = registry.snapshot()

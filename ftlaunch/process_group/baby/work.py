@@ -71,8 +71,11 @@ class BabyWork(dist.Work):
     def is_success(self) -> bool:
         return self._pending.event.is_set() and self._pending.error is None
 
+    def _new_future(self) -> torch.futures.Future:
+        return torch.futures.Future()
+
     def get_future(self) -> torch.futures.Future:
-        fut: torch.futures.Future = torch.futures.Future()
+        fut = self._new_future()
 
         def _done() -> None:
             try:
@@ -91,6 +94,20 @@ class BabyWork(dist.Work):
 
 class BabyWorkNCCL(BabyWork):
     """CUDA: completion means "enqueued on the child's stream"; wait() orders our stream after it."""
+
+    def __init__(
+        self, failures: FailureRecord, child: Child, pending: Pending, result: Any, peer: int | None
+    ) -> None:
+        super().__init__(failures, child, pending, result, peer)
+        self._device = torch.cuda.current_device()  # the group's: the op was submitted on it
+
+    def _new_future(self) -> torch.futures.Future:
+        """A CUDA-aware future, as torch's own NCCL Work gives: completing it (after `_after_success`
+        made the completing thread's stream wait for the child's work) records an event there, and
+        ``wait()`` on it makes the waiter's current stream wait for that event. With a plain future,
+        a result read on any other stream than the completing thread's raced the child's collective
+        -- as FSDP2 reads its all-reduce hook's output, on its own stream (fault-tolerant HSDP)."""
+        return torch.futures.Future(devices=[torch.device("cuda", self._device)])
 
     def _after_success(self) -> None:
         extra = self._pending.extra
