@@ -169,32 +169,16 @@ def local_episode(kind: str, tmp: Path) -> dict:
     return {**_episode_figures(text("rg0"), text("rg1"), killed_at), "phases": _phases_after(log, killed_at)}
 
 
-ARRAY_SCRIPT = """#!/bin/bash
-#SBATCH --job-name=train --array=0-1 --requeue --exclusive
-#SBATCH --output=train-%a.out --open-mode=append
-srun torchrun --rdzv-backend ftlaunch --rdzv-endpoint "$LIGHTHOUSE" --rdzv-id "$SLURM_ARRAY_JOB_ID" \\
-     --rdzv-conf replica_group_id=$SLURM_ARRAY_TASK_ID,num_replica_groups=2 --max-restarts 3 \\
-     --nproc-per-node 1 {train} {args}
-"""
-
-
 def lost_node_array(c: Cluster, tmp: Path) -> dict:
     """docs/launcher.md's job-array recipe on nodes 2..4, the lighthouse on node 1; group 1's node lost."""
     cwd = tmp / f"array-{time.monotonic_ns()}"
     cwd.mkdir()
-    (cwd / "train.sbatch").write_text(ARRAY_SCRIPT.format(train=jobs.TRAIN, args=" ".join(TRAIN_ARGS)))
+    (cwd / "train.sbatch").write_text(jobs.docs_array_script(TRAIN_ARGS))
     env = {**c.env, "FTLAUNCH_TOKEN": "bench-array", "LIGHTHOUSE": f"{node_name(1)}:29513"}
-    with open(cwd / "lighthouse.log", "wb") as out:
-        lh = c.popen(1, ["ftlaunch-lighthouse", "--bind", "0.0.0.0:29513", "--expected-replicas", "2"],
-                     env=env, stdout=out, stderr=out)  # fmt: skip
+    lh = jobs.start_lighthouse(c, 1, 29513, env, cwd / "lighthouse.log")
     job = ""
     try:
-        done = subprocess.run(
-            ["sbatch", "--parsable", "train.sbatch"], cwd=cwd, env=env, capture_output=True, text=True
-        )
-        if done.returncode:
-            raise jobs.JobError(done.stderr)
-        job = done.stdout.strip().split(";")[0]
+        job = jobs.sbatch(cwd / "train.sbatch", env)
         logs = [cwd / f"train-{g}.out" for g in range(2)]
         jobs.wait_until(
             lambda: len(jobs.commits(jobs.read(logs[1]))) >= WARM_COMMITS, 400, "the array to train"

@@ -16,11 +16,13 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import psutil
 
 REPO = str(Path(__file__).resolve().parent.parent)
 TRAIN = os.path.join(REPO, "scripts", "train_ddp.py")
+DOCS = Path(REPO, "docs", "launcher.md")
 
 #: What ``torchx run -s slurm`` of torchx-nightly prints after it submitted the job on Slurm 22.05:
 #: its status query right after the submission reads ``job_resources``, which 22.05's JSON lacks
@@ -81,6 +83,36 @@ def submit_torchx(args: Sequence[str], *, cwd: str, env: dict[str, str], timeout
     if found is None or (done.returncode != 0 and TORCHX_22_05_STATUS_ERROR not in done.stderr):
         raise JobError(f"torchx run failed ({done.returncode}):\n{done.stdout}\n{done.stderr[-3000:]}")
     return found.group(1)
+
+
+def docs_array_script(train_args: Sequence[str]) -> str:
+    """docs/launcher.md's job-array script (*Lost nodes on Slurm*) as written there, with one worker
+    per group running ``train_ddp.py train_args`` in place of ``train.py`` on 8 workers."""
+    body = DOCS.read_text().split("```bash\n#!/bin/bash\n", 1)[1].split("```", 1)[0]
+    body = body.replace("train.py", " ".join([TRAIN, *train_args])).replace(
+        "--nproc-per-node 8", "--nproc-per-node 1"
+    )
+    return "#!/bin/bash\n" + body
+
+
+def start_lighthouse(
+    cluster: Any, node: int, port: int, env: dict[str, str], log: Path, expected: int = 2
+) -> subprocess.Popen[bytes]:
+    """``ftlaunch-lighthouse`` on all interfaces of ``cluster``'s node ``node`` (a
+    `slurm_cluster.Cluster`), its output in ``log``; ``env`` carries the job token."""
+    argv = ["ftlaunch-lighthouse", "--bind", f"0.0.0.0:{port}", "--expected-replicas", str(expected)]
+    with open(log, "wb") as out:
+        return cluster.popen(node, argv, env=env, stdout=out, stderr=out)  # type: ignore[no-any-return]
+
+
+def sbatch(script: Path, env: dict[str, str]) -> str:
+    """``sbatch`` ``script`` from its directory; returns the job id."""
+    done = subprocess.run(
+        ["sbatch", "--parsable", script.name], cwd=script.parent, env=env, capture_output=True, text=True
+    )
+    if done.returncode != 0:
+        raise JobError(f"sbatch {script}: {done.stderr.strip()}")
+    return done.stdout.strip().split(";")[0]
 
 
 def squeue(env: dict[str, str], job: str | None = None) -> list[tuple[str, str, str]]:

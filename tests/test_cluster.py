@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -26,7 +25,6 @@ import cluster_jobs as jobs  # noqa: E402
 from slurm_cluster import Cluster, missing_capability, node_name  # noqa: E402
 
 REPO = jobs.REPO
-DOCS = Path(REPO, "docs", "launcher.md")
 #: A small, slow-stepping training: the kills land mid-training on a loaded 2-core machine.
 TRAIN_ARGS = ["--width", "32", "--timeout", "30"]
 #: Steps of a run with a kill, at ``STEP_SLEEP`` s each: the survivors train on for about a minute
@@ -318,9 +316,7 @@ def test_lighthouse_on_a_node_of_its_own(make_cluster, tmp_path: Path) -> None:
     c = make_cluster(3)
     c.drain(1, "lighthouse")
     env = {**c.env, "FTLAUNCH_TOKEN": "tok-own-node"}
-    with open(tmp_path / "lighthouse.log", "wb") as out:
-        lh = c.popen(1, ["ftlaunch-lighthouse", "--bind", "0.0.0.0:29511", "--expected-replicas", "2"],
-                     env=env, stdout=out, stderr=out)  # fmt: skip
+    lh = jobs.start_lighthouse(c, 1, 29511, env, tmp_path / "lighthouse.log")
     try:
         job = jobs.submit_torchx(
             ["ftlaunch:ddp", "--replicas", "2", "--lighthouse", f"{node_name(1)}:29511", "--script", jobs.TRAIN,
@@ -340,12 +336,6 @@ def test_lighthouse_on_a_node_of_its_own(make_cluster, tmp_path: Path) -> None:
     assert len(ends) == 2 and len(set(ends)) == 1, ends
 
 
-def _docs_array_script() -> str:
-    """docs/launcher.md's job-array script, as written there."""
-    text = DOCS.read_text()
-    return text.split("```bash\n#!/bin/bash\n", 1)[1].split("```", 1)[0]
-
-
 @needs_cluster
 @pytest.mark.slow
 @pytest.mark.timeout(480)
@@ -355,23 +345,13 @@ def test_job_array_a_lost_node_requeues_its_group_alone(make_cluster, tmp_path: 
     requeues the lost group's task alone onto node 4, where it heals from the survivor and trains."""
     c = make_cluster(4)
     c.drain(1, "lighthouse")
-    script = "#!/bin/bash\n" + _docs_array_script()
-    script = script.replace(
-        "train.py", f"{jobs.TRAIN} --steps 100000 --step-sleep 0.2 {' '.join(TRAIN_ARGS)}"
-    )
-    script = script.replace("--nproc-per-node 8", "--nproc-per-node 1")
+    script = jobs.docs_array_script(["--steps", "100000", "--step-sleep", "0.2", *TRAIN_ARGS])
     (tmp_path / "train.sbatch").write_text(script)
     env = {**c.env, "FTLAUNCH_TOKEN": "tok-array", "LIGHTHOUSE": f"{node_name(1)}:29512"}
-    with open(tmp_path / "lighthouse.log", "wb") as out:
-        lh = c.popen(1, ["ftlaunch-lighthouse", "--bind", "0.0.0.0:29512", "--expected-replicas", "2"],
-                     env=env, stdout=out, stderr=out)  # fmt: skip
+    lh = jobs.start_lighthouse(c, 1, 29512, env, tmp_path / "lighthouse.log")
     job = ""
     try:
-        done = subprocess.run(
-            ["sbatch", "--parsable", "train.sbatch"], cwd=tmp_path, env=env, capture_output=True, text=True
-        )
-        assert done.returncode == 0, done.stderr
-        job = done.stdout.strip().split(";")[0]
+        job = jobs.sbatch(tmp_path / "train.sbatch", env)
         logs = [tmp_path / f"train-{g}.out" for g in range(2)]
         _wait_commits(lambda: jobs.read(logs[1]), 5, 300, "group 1 to commit")
         lost = jobs.find_workers("train_ddp.py", c.node_pids, REPLICA_GROUP_ID="1")[0].node
