@@ -25,17 +25,36 @@ The wire protocol: docs/lighthouse.md.
 
 from __future__ import annotations
 
-from ftlaunch.lighthouse.client import HeartbeatHandle, LighthouseClient
-from ftlaunch.lighthouse.quorum import (
-    Quorum,
-    QuorumDecision,
-    QuorumIdAllocator,
-    QuorumMember,
-    QuorumOptions,
-    decide_quorum,
-)
-from ftlaunch.lighthouse.server import LighthouseServer
-from ftlaunch.lighthouse.status import LighthouseStatus
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ftlaunch.lighthouse.client import HeartbeatHandle, LighthouseClient
+    from ftlaunch.lighthouse.quorum import (
+        Quorum,
+        QuorumDecision,
+        QuorumIdAllocator,
+        QuorumMember,
+        QuorumOptions,
+        decide_quorum,
+    )
+    from ftlaunch.lighthouse.server import LighthouseServer
+    from ftlaunch.lighthouse.status import LighthouseStatus
+
+#: Public name -> the module that defines it, imported on first use (PEP 562): a worker imports this
+#: package for its client, and must not load the server, its event loop and the bookkeeping with it.
+_EXPORTS = {
+    "HeartbeatHandle": "client",
+    "LighthouseClient": "client",
+    "LighthouseServer": "server",
+    "LighthouseStatus": "status",
+    "Quorum": "quorum",
+    "QuorumDecision": "quorum",
+    "QuorumIdAllocator": "quorum",
+    "QuorumMember": "quorum",
+    "QuorumOptions": "quorum",
+    "decide_quorum": "quorum",
+}
 
 __all__ = [
     "HeartbeatHandle",
@@ -49,3 +68,16 @@ __all__ = [
     "QuorumOptions",
     "decide_quorum",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value  # the next lookup is a plain attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -51,6 +51,15 @@ BEATS_PER_TIMEOUT = 5
 #: Most a client accepts as advised pace (seconds), whatever a lighthouse says.
 MAX_ADVISED_INTERVAL = 5.0
 
+#: How long a step must have waited in a collective of its quorum before it counts as blocked
+#: (seconds): from then on the group's heartbeats report it (``blocked``) and its worker prepares to
+#: abort the step (worker/hang_abort.py), and the lighthouse takes that report as evidence that a
+#: silent peer is hung (lighthouse/hung.py). Above a healthy step's wait on one host, far below the
+#: heartbeat timeout (5 s); preparing the abort costs milliseconds (a fork of the idle Baby spare).
+#: One number on both sides: a worker that reported sooner than the lighthouse listens would be
+#: ignored, one that reported later would slow every hung-peer recovery down to its pace.
+BLOCKED_FOR = 0.5
+
 
 def advised_heartbeat_interval(groups: int, heartbeat_timeout: float) -> float | None:
     """The heartbeat pace (seconds) a lighthouse tracking ``groups`` groups advises, or None (none

@@ -28,6 +28,7 @@ from ftlaunch.lighthouse.bodies import loads as _loads
 from ftlaunch.lighthouse.bodies import printable as _printable
 from ftlaunch.lighthouse.bodies import too_deep as _too_deep
 from ftlaunch.lighthouse.http import Head, HttpError, LongPoll, Request, Response
+from ftlaunch.lighthouse.hung import parse_blocked
 from ftlaunch.lighthouse.limits import WarningLimiter
 from ftlaunch.lighthouse.membership import (
     ANONYMOUS,
@@ -45,7 +46,6 @@ from ftlaunch.lighthouse.membership import (
     TooManyGroups,
     TrainingFinished,
 )
-from ftlaunch.lighthouse.membership_hung import parse_blocked
 from ftlaunch.lighthouse.progress import ProgressReport
 from ftlaunch.lighthouse.protocol import (
     API_VERSION,
@@ -58,7 +58,7 @@ from ftlaunch.lighthouse.protocol import (
     PATH_PREFIX,
     REPLICA_HEADER,
 )
-from ftlaunch.lighthouse.quorum import Quorum, QuorumMember
+from ftlaunch.lighthouse.quorum import QuorumMember
 from ftlaunch.lighthouse.spares import ClaimError, ClaimTicket
 from ftlaunch.lighthouse.status import LighthouseStatus
 
@@ -382,14 +382,6 @@ class Routes:
             given.strip().encode(), self._token.encode()
         ):
             raise HttpError(403, "wrong token")
-
-    # -- quorum answers
-
-    def quorum_response(self, quorum: Quorum, known: str | None = None) -> Response:
-        """The 200 answer for ``quorum`` to a member holding the answer revision ``known``: the whole
-        quorum, or a delta from the one it holds (`answers.QuorumAnswers`; event-loop thread).
-        Encoded once per quorum and held revision: every member holding the same gets the same bytes."""
-        return self._answers.response(quorum, known)
 
 
 def _progress(obj: dict[str, Any]) -> ProgressReport | None:

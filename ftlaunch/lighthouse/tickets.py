@@ -94,7 +94,8 @@ class QuorumTicket:
                 return
         callback(self)
 
-    def _resolve(self, quorum: Quorum | None = None, error: MembershipError | None = None) -> bool:
+    def resolve(self, quorum: Quorum | None = None, error: MembershipError | None = None) -> bool:
+        """Answer it (the first answer wins: a second one returns False and changes nothing)."""
         with self._lock:
             if self._done:  # the first answer wins
                 return False
