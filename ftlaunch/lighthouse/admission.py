@@ -13,7 +13,7 @@ making room forgets ids.
 from __future__ import annotations
 
 import enum
-from collections.abc import Collection
+from collections.abc import Mapping
 
 from ftlaunch.lighthouse.quorum import (
     Connection,
@@ -88,14 +88,13 @@ def refusal(
     return held_elsewhere(replica_id, group, holder, incarnation, now, options)
 
 
-def arrival(group: GroupState | None, now: float, options: QuorumOptions) -> tuple[Arrival, Health]:
-    """What an admitted request is to ``group``'s record, and the group's health before it."""
+def arrival(group: GroupState | None, now: float, options: QuorumOptions) -> Arrival:
+    """What an admitted request is to ``group``'s record."""
     if group is None:
-        return Arrival.NEW, Health.LIVE
+        return Arrival.NEW
     if group.connection is Connection.CONNECTED and now - group.last_seen <= options.heartbeat_timeout:
-        return Arrival.LIVE, Health.LIVE  # group_health's LIVE, without the call: once per request
-    health = group_health(group, now, options)
-    return (Arrival.LIVE if health is Health.LIVE else Arrival.BACK), health
+        return Arrival.LIVE  # group_health's LIVE, without the call: once per request
+    return Arrival.LIVE if group_health(group, now, options) is Health.LIVE else Arrival.BACK
 
 
 def implausible_step(
@@ -125,21 +124,14 @@ class Admission:
     any quorum formed (`implausible_step`'s bound; None before the first)."""
 
     def __init__(self) -> None:
-        self._evicted: dict[str, str] = {}  # replica id -> reason, until the group is told
+        self._evicted: dict[str, str] = {}
+        #: Replica id -> why it was evicted, until the group is told (read-only but to `Admission`).
+        self.evicted: Mapping[str, str] = self._evicted
         self._high_step: int | None = None
 
     @property
     def high_step(self) -> int | None:
         return self._high_step
-
-    @property
-    def evicted(self) -> Collection[str]:
-        """The evicted ids not told yet."""
-        return self._evicted.keys()
-
-    def eviction(self, replica_id: str) -> str | None:
-        """Why ``replica_id`` was evicted, while it has not been told."""
-        return self._evicted.get(replica_id)
 
     def evict(self, replica_id: str, reason: str) -> None:
         """Tell ``replica_id`` at its next request that it was evicted."""

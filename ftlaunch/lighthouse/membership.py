@@ -176,13 +176,13 @@ class Membership:
     @property
     def group_count(self) -> int:
         """Replica ids tracked now (what the advised heartbeat pace scales with)."""
-        return len(self._roster)
+        return len(self._roster.groups)
 
     def advised_pace(self) -> float | None:
         """The heartbeat pace advised to the groups now (`protocol.advised_heartbeat_interval`; None:
         none), computed once per group count: the heartbeat answers carry it, and the hung rule's
         silence limit is several of it. Any thread: a racing recount gives the same value."""
-        count = len(self._roster)
+        count = len(self._roster.groups)
         cached = self._pace_cache
         if cached[0] != count:
             cached = self._pace_cache = (
@@ -209,7 +209,7 @@ class Membership:
             implausible = implausible_step(member, self._admission.high_step, self._round.current)
             if implausible is not None:
                 raise implausible
-            self._admit(rid, now, incarnation)
+            self._admit(rid, now, incarnation, beat=False)
             member, report = take_resume_report(member)
             if report is not None and self._round.current is None:
                 self._adopt(rid, report, now)
@@ -241,8 +241,7 @@ class Membership:
             if not self._closed:
                 self._roster.learn_gap(replica_id, now)
                 self._hung.report(replica_id, now, blocked)
-            revived = self._admit(replica_id, now, incarnation)
-            self._roster.count_heartbeat(replica_id)
+            revived = self._admit(replica_id, now, incarnation, beat=True)
             self._report_progress(replica_id, progress)
             adopted = (
                 resume is not None and self._round.current is None and self._adopt(replica_id, resume, now)
@@ -298,7 +297,7 @@ class Membership:
     def report_failure(self, replica_id: str, reason: str) -> bool:
         """Mark a group failed at once. Returns False (and records it) if the group is unknown."""
         with self._lock:
-            if replica_id not in self._roster:
+            if replica_id not in self._roster.groups:
                 self._record("failure_report", replica_id, f"unknown replica: {reason}")
                 log.warning("lighthouse: failure reported for unknown replica %s: %s", replica_id, reason)
                 return False
@@ -309,7 +308,7 @@ class Membership:
         """Drop a group; its waiting request, or else its next request, learns it (`Evicted`, once).
         Returns False if the group is unknown."""
         with self._lock:
-            if replica_id not in self._roster:
+            if replica_id not in self._roster.groups:
                 return False
             self._count_down(replica_id)
             self._roster.remove(replica_id)
@@ -427,7 +426,7 @@ class Membership:
         through the outage, worker/outage.py). O(1) while the quorum is whole (`QuorumRound.lost_in_quorum`).
         """
         with self._lock:
-            return self._round.lost_in_quorum(replica_id, self._roster.groups, self._clock(), self._options)
+            return self._round.lost_in_quorum(replica_id, self._roster.groups, self._clock, self._options)
 
     def superseded_for(self, replica_id: str) -> int | None:
         """For the answer to ``replica_id``'s heartbeat: the current quorum's id when the group was in
@@ -551,9 +550,10 @@ class Membership:
         if self._roster.count_down(rid):
             self._progress.failed(rid)
 
-    def _admit(self, rid: str, now: float, incarnation: str) -> bool:
+    def _admit(self, rid: str, now: float, incarnation: str, *, beat: bool) -> bool:
         """Admit a group's request (`admission.refusal`, raised; an eviction is told once) and count
-        it as a sign of life (`admission.arrival`). Returns True if the group was not live before."""
+        it as a sign of life (`admission.arrival`; ``beat``: a heartbeat). Returns True if the group
+        was not live before."""
         roster = self._roster
         g = roster.groups.get(rid)
         info = roster.infos.get(rid)
@@ -563,7 +563,7 @@ class Membership:
             now,
             self._options,
             closed=self._closed,
-            evicted=self._admission.eviction(rid),
+            evicted=self._admission.evicted.get(rid),
             fenced=self._spares.fenced(rid) if self._spares is not None else None,
             group=g,
             holder=info.incarnation if info is not None else None,
@@ -572,23 +572,25 @@ class Membership:
             if isinstance(refused, Evicted):
                 self._admission.clear(rid)  # told now
             raise refused
-        kind, health = arrival(g, now, self._options)
+        kind = arrival(g, now, self._options)
         if kind is Arrival.NEW:
-            if len(roster) >= self.max_groups:
+            if len(roster.groups) >= self.max_groups:
                 self._forget_gone(now, force=True)
-                if len(roster) >= self.max_groups:
+                if len(roster.groups) >= self.max_groups:
                     raise TooManyGroups(f"the lighthouse tracks {self.max_groups} replica ids already")
-            roster.join(rid, now, self._wall(), incarnation)
+            roster.join(rid, now, self._wall(), incarnation, beat=beat)
             self._record("joined", rid)
             log.info("lighthouse: replica %s joined", rid)
             self._round.member_changed(rid)
             return True
         back = kind is Arrival.BACK
         if back:
+            assert g is not None
+            health = group_health(g, now, self._options)
             self._record("revived", rid, f"was {health.value}")
             log.info("lighthouse: replica %s is back (was %s)", rid, health.value)
             self._round.member_changed(rid)
-        roster.heard(rid, now, incarnation, back=back)
+        roster.heard(rid, now, incarnation, back=back, beat=beat)
         return back
 
     def _forget_gone(self, now: float, *, force: bool = False) -> None:
@@ -627,7 +629,7 @@ class Membership:
         self._round.adopt(quorum)
         self._ids.ensure_above(quorum.quorum_id)
         for rid in quorum.replica_ids:
-            if rid not in self._roster:
+            if rid not in self._roster.groups:
                 self._roster.stand_in(
                     rid, now, self._wall(), f"expected: member of quorum {quorum.quorum_id}"
                 )
@@ -667,7 +669,7 @@ class Membership:
             pace=self.advised_pace(),
         )
         for member in found:
-            if self._round.watched()[0] is not quorum or member.replica_id not in self._roster:
+            if self._round.watched()[0] is not quorum or member.replica_id not in self._roster.groups:
                 continue
             if adopted:  # it was in the job's quorum: told `superseded` on waking once the others went on
                 self._roster.note_in_a_quorum(member.replica_id)

@@ -34,7 +34,7 @@ MAX_REPLICA_ID_LEN = 256
 DEFAULT_QUORUM_TIMEOUT = 60.0
 #: Key of a quorum request's ``data`` carrying a resume report (the group's last quorum: id and
 #: members) after the group found the lighthouse unreachable; the lighthouse consumes it
-#: (`membership.Membership.adopt_resume_report`) and does not echo it in the quorum.
+#: (lighthouse/resume.py) and does not echo it in the quorum.
 RESUME_KEY = "resume"
 #: Most members a resume report may name (larger reports are ignored).
 MAX_RESUME_MEMBERS = 100_000

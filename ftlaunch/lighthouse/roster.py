@@ -62,38 +62,31 @@ class Roster:
         self._heartbeat_timeout = options.heartbeat_timeout
         self._groups: dict[str, GroupState] = {}
         self._info: dict[str, GroupInfo] = {}
-
-    # ---- reading
-
-    @property
-    def groups(self) -> Mapping[str, GroupState]:
-        """Every group's liveness record, by replica id (the mapping itself: the decision reads it)."""
-        return self._groups
-
-    @property
-    def infos(self) -> Mapping[str, GroupInfo]:
-        """Every group's facts, by replica id (the same keys as `groups`)."""
-        return self._info
-
-    def __len__(self) -> int:
-        return len(self._groups)
-
-    def __contains__(self, replica_id: object) -> bool:
-        return replica_id in self._groups
+        #: Every group's liveness record, by replica id: the mapping itself (the decision reads it),
+        #: read-only to everybody but the roster.
+        self.groups: Mapping[str, GroupState] = self._groups
+        #: Every group's facts, by replica id (the same keys as `groups`), read-only to everybody but
+        #: the roster.
+        self.infos: Mapping[str, GroupInfo] = self._info
 
     # ---- a group is heard
 
-    def join(self, replica_id: str, now: float, first_seen: float, incarnation: str) -> None:
-        """A new id, heard now from ``incarnation``."""
-        self._info[replica_id] = GroupInfo(first_seen=first_seen, incarnation=incarnation)
+    def join(self, replica_id: str, now: float, first_seen: float, incarnation: str, *, beat: bool) -> None:
+        """A new id, heard now from ``incarnation`` (``beat``: in a heartbeat, counted)."""
+        self._info[replica_id] = GroupInfo(
+            first_seen=first_seen, incarnation=incarnation, heartbeats=int(beat)
+        )
         self._groups[replica_id] = GroupState(replica_id, now, Connection.CONNECTED)
 
-    def heard(self, replica_id: str, now: float, incarnation: str, *, back: bool) -> None:
-        """A request of a known id was admitted: it is connected, heard now, from ``incarnation``.
-        ``back``: it was not live before, so why it went down is forgotten."""
+    def heard(self, replica_id: str, now: float, incarnation: str, *, back: bool, beat: bool) -> None:
+        """A request of a known id was admitted: it is connected, heard now, from ``incarnation``
+        (``beat``: in a heartbeat, counted). ``back``: it was not live before, so why it went down is
+        forgotten."""
         info = self._info[replica_id]
         if back:
             info.reason, info.silent_noted, info.down_counted = "", False, False
+        if beat:
+            info.heartbeats += 1
         self._groups[replica_id] = GroupState(replica_id, now, Connection.CONNECTED)
         info.incarnation = incarnation
 
@@ -112,9 +105,6 @@ class Roster:
         gap = now - g.last_seen
         if gap < self._heartbeat_timeout:
             info.beat_gap = max(gap, info.beat_gap * GAP_DECAY)
-
-    def count_heartbeat(self, replica_id: str) -> None:
-        self._info[replica_id].heartbeats += 1
 
     def note_request(self, replica_id: str, step: int, address: str) -> None:
         """The step and address of its newest quorum request."""

@@ -19,7 +19,7 @@ Not thread-safe: it runs under the membership's lock.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from ftlaunch.lighthouse.quorum import (
     GroupState,
@@ -48,6 +48,8 @@ class QuorumRound:
 
     def __init__(self) -> None:
         self._requests: dict[str, QuorumMember] = {}
+        #: The parked requests, by replica id (read-only but to the round).
+        self.requests: Mapping[str, QuorumMember] = self._requests
         self._tickets: dict[str, QuorumTicket] = {}
         self._start: float | None = None
         self._quorum: Quorum | None = None
@@ -66,11 +68,6 @@ class QuorumRound:
         self._changes = 0
 
     # ---- reading
-
-    @property
-    def requests(self) -> Mapping[str, QuorumMember]:
-        """The parked requests, by replica id."""
-        return self._requests
 
     @property
     def start(self) -> float | None:
@@ -130,7 +127,11 @@ class QuorumRound:
         return state
 
     def lost_in_quorum(
-        self, replica_id: str, groups: Mapping[str, GroupState], now: float, options: QuorumOptions
+        self,
+        replica_id: str,
+        groups: Mapping[str, GroupState],
+        clock: Callable[[], float],
+        options: QuorumOptions,
     ) -> tuple[int, tuple[str, ...]] | None:
         """When ``replica_id`` is a member of the quorum the groups step on (`watched`, adopted or
         not) and some of its participants are no longer live, the quorum's id and theirs; else None.
@@ -144,7 +145,7 @@ class QuorumRound:
             cached = self._lost_cache = (
                 quorum.quorum_id,
                 self._lost_version,
-                lost_members(quorum, groups, now, options),
+                lost_members(quorum, groups, clock(), options),
             )
         return (quorum.quorum_id, cached[2]) if cached[2] else None
 
