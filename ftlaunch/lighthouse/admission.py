@@ -85,6 +85,8 @@ def refusal(
         return Evicted(f"replica {replica_id} was evicted: {evicted}")
     if fenced is not None:
         return Evicted(f"replica {replica_id} was replaced: {fenced}")
+    if holder is None or holder == incarnation:  # the usual request: its own holder's
+        return None
     return held_elsewhere(replica_id, group, holder, incarnation, now, options)
 
 
