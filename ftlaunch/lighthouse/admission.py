@@ -127,13 +127,11 @@ class Admission:
 
     def __init__(self) -> None:
         self._evicted: dict[str, str] = {}
-        #: Replica id -> why it was evicted, until the group is told (read-only but to `Admission`).
+        # What the others read (written only here).
+        #: Replica id -> why it was evicted, until the group is told.
         self.evicted: Mapping[str, str] = self._evicted
-        self._high_step: int | None = None
-
-    @property
-    def high_step(self) -> int | None:
-        return self._high_step
+        #: The highest step of any quorum formed (None: none formed yet).
+        self.high_step: int | None = None
 
     def evict(self, replica_id: str, reason: str) -> None:
         """Tell ``replica_id`` at its next request that it was evicted."""
@@ -145,4 +143,4 @@ class Admission:
 
     def quorum_formed(self, quorum: Quorum) -> None:
         top = max(p.step for p in quorum.participants)
-        self._high_step = top if self._high_step is None else max(self._high_step, top)
+        self.high_step = top if self.high_step is None else max(self.high_step, top)

@@ -48,13 +48,18 @@ class QuorumRound:
 
     def __init__(self) -> None:
         self._requests: dict[str, QuorumMember] = {}
-        #: The parked requests, by replica id (read-only but to the round).
-        self.requests: Mapping[str, QuorumMember] = self._requests
         self._tickets: dict[str, QuorumTicket] = {}
-        self._start: float | None = None
-        self._quorum: Quorum | None = None
-        #: The newest quorum reported from a previous lighthouse, until this one forms its own.
-        self._adopted: Quorum | None = None
+        # What the others read (each written only here; attributes, not properties: every request reads them).
+        #: The parked requests, by replica id.
+        self.requests: Mapping[str, QuorumMember] = self._requests
+        #: When the first parked request of the round arrived (None: none is parked).
+        self.start: float | None = None
+        #: The last quorum this lighthouse formed.
+        self.current: Quorum | None = None
+        #: The newest quorum adopted from resume reports (kept after this lighthouse formed one).
+        self.adopted: Quorum | None = None
+        #: How many times a quorum with a new id formed.
+        self.changes = 0
         #: The members of the previous quorum (this lighthouse's, or the adopted one).
         self._members: frozenset[str] = frozenset()
         #: A member of the previous quorum lost liveness since it formed (or it was adopted).
@@ -65,42 +70,21 @@ class QuorumRound:
         #: Bumped whenever a member of the previous quorum goes down or comes back.
         self._lost_version = 0
         self._lost_cache: tuple[int, int, tuple[str, ...]] | None = None  # (quorum id, version, lost)
-        self._changes = 0
 
     # ---- reading
-
-    @property
-    def start(self) -> float | None:
-        """When the first parked request of the round arrived (None: none is parked)."""
-        return self._start
-
-    @property
-    def current(self) -> Quorum | None:
-        """The last quorum this lighthouse formed."""
-        return self._quorum
-
-    @property
-    def adopted(self) -> Quorum | None:
-        """The newest quorum adopted from resume reports (kept after this lighthouse formed one)."""
-        return self._adopted
-
-    @property
-    def changes(self) -> int:
-        """How many times a quorum with a new id formed."""
-        return self._changes
 
     def watched(self) -> tuple[Quorum | None, bool]:
         """The quorum the groups step on now, and whether it is adopted: this lighthouse's current
         quorum, or before it formed one, the quorum it adopted (its members step on it through the
         outage, worker/outage.py)."""
-        if self._quorum is not None:
-            return self._quorum, False
-        return self._adopted, self._adopted is not None
+        if self.current is not None:
+            return self.current, False
+        return self.adopted, self.adopted is not None
 
     def state(self, groups: Mapping[str, GroupState], next_quorum_id: int) -> LighthouseState:
         """What the decision reads: a view, not a copy (the decision functions do not mutate)."""
-        adopted = self._quorum is None and self._adopted is not None
-        prev = self._adopted if adopted else self._quorum
+        adopted = self.current is None and self.adopted is not None
+        prev = self.adopted if adopted else self.current
         if prev is not None and self._missing is None:  # once per quorum (and per adoption)
             self._missing = {rid for rid in prev.replica_ids if rid not in self._requests}
         missing = self._missing if prev is not None else None
@@ -111,14 +95,14 @@ class QuorumRound:
         state = self._state_cache
         if (
             state is not None and state.prev_missing is missing and state.prev_quorum is prev
-            and state.round_start == self._start and state.prev_quorum_broken == broken
+            and state.round_start == self.start and state.prev_quorum_broken == broken
             and state.next_quorum_id == next_quorum_id and state.groups is groups and state.requests is self._requests
         ):  # fmt: skip
             return state
         state = self._state_cache = LighthouseState(
             groups=groups,
             requests=self._requests,
-            round_start=self._start,
+            round_start=self.start,
             prev_quorum=prev,
             prev_quorum_broken=broken,
             next_quorum_id=next_quorum_id,
@@ -137,7 +121,7 @@ class QuorumRound:
         not) and some of its participants are no longer live, the quorum's id and theirs; else None.
         O(1) while the quorum is whole (every heartbeat asks): the list is computed once per change
         of a member's liveness (`member_changed`)."""
-        quorum = self._quorum if self._quorum is not None else self._adopted
+        quorum = self.current if self.current is not None else self.adopted
         if not self._broken or quorum is None or replica_id not in self._members:
             return None
         cached = self._lost_cache
@@ -152,9 +136,9 @@ class QuorumRound:
     def superseded_for(self, replica_id: str, was_in_a_quorum: bool) -> int | None:
         """The current quorum's id when ``replica_id`` was in a quorum before (``was_in_a_quorum``)
         but is not a participant of the current one; else None. O(1)."""
-        if self._quorum is None or not was_in_a_quorum or replica_id in self._members:
+        if self.current is None or not was_in_a_quorum or replica_id in self._members:
             return None
-        return self._quorum.quorum_id
+        return self.current.quorum_id
 
     # ---- changing
 
@@ -169,8 +153,8 @@ class QuorumRound:
         self._requests[rid] = member
         if self._missing is not None:
             self._missing.discard(rid)
-        if self._start is None:
-            self._start = now
+        if self.start is None:
+            self.start = now
         return ticket
 
     def withdraw(
@@ -185,7 +169,7 @@ class QuorumRound:
         if self._missing is not None and replica_id in self._members:
             self._missing.add(replica_id)
         if not self._requests:
-            self._start = None
+            self.start = None
         current.resolve(error=error)
         return True
 
@@ -193,8 +177,8 @@ class QuorumRound:
         """``quorum`` formed: answer its participants' requests with it; it is the previous quorum
         from now on. The requests of others stay parked (a new round from ``now``). Returns whether
         its id is new."""
-        changed = self._quorum is None or quorum.quorum_id != self._quorum.quorum_id
-        self._quorum = quorum
+        changed = self.current is None or quorum.quorum_id != self.current.quorum_id
+        self.current = quorum
         self._missing = None
         self._members = frozenset(quorum.replica_ids)
         self._broken = False
@@ -203,16 +187,16 @@ class QuorumRound:
             rid = member.replica_id
             del requests[rid]
             tickets.pop(rid).resolve(quorum=quorum)
-        self._start = now if requests else None
+        self.start = now if requests else None
         if changed:
-            self._changes += 1
+            self.changes += 1
         return changed
 
     def adopt(self, quorum: Quorum) -> None:
         """``quorum``, reported from a previous lighthouse, is the previous quorum until this
         lighthouse forms one. Its members are the previous quorum's: a member that goes down is
         then told to its peers (`lost_in_quorum`), which may step on it through the outage."""
-        self._adopted = quorum
+        self.adopted = quorum
         self._missing = None
         self._members, self._broken = frozenset(quorum.replica_ids), True
 
