@@ -39,7 +39,7 @@ def _object(value: Any, what: str) -> Mapping[str, Any]:
     return value
 
 
-#: How the lighthouse starts the reason of a member it declared lost on evidence (membership_hung.py):
+#: How the lighthouse starts the reason of a member it declared lost on evidence (lighthouse/hung.py):
 #: such a member keeps its hot-spare slot until the heartbeat timeout (a short stop must not cost a
 #: takeover).
 HUNG_REASON = "hung: "
@@ -261,9 +261,6 @@ class SparesStatus:
     promotions: int = 0
     #: Lighthouse names refused because a newer holder has their slot.
     fenced: tuple[str, ...] = ()
-
-    def holder_of(self, replica_id: str) -> SlotStatus | None:
-        return next((s for s in self.slots if s.replica_id == replica_id), None)
 
     def to_json(self) -> dict[str, Any]:
         return {
