@@ -46,10 +46,11 @@ from ftlaunch.launcher.lighthouse_keeper import LighthouseKeeper
 from ftlaunch.launcher.logdisk import LogDiskWatch
 from ftlaunch.launcher.options import LaunchOptions
 from ftlaunch.launcher.output import WORKER_LINE, Console, without_repeated_tag
-from ftlaunch.launcher.report import StatusLine, summary_lines
+from ftlaunch.launcher.report import StatusLine, lost, summary_lines
 from ftlaunch.launcher.spares import Takeovers
 from ftlaunch.launcher.torchrun_flags import parse_signals
 from ftlaunch.lifetime import become_subreaper
+from ftlaunch.lighthouse.progress import Rewind
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +102,9 @@ class Supervisor:
         self._status: StatusLine | None = None
         self._exit_root_cause: str | None = None
         self._progress_read_at = 0.0
+        #: The times the job went back to an earlier step (the lighthouse's `Rewind`s), kept across
+        #: lighthouse restarts, keyed by when and where.
+        self._rewinds: dict[tuple[float, int, int], Rewind] = {}
 
     @property
     def _lighthouse(self) -> JobLighthouse | None:
@@ -147,6 +151,8 @@ class Supervisor:
                 self._started,
                 self._log_dir,
                 final_status,
+                list(self._rewinds.values()),
+                time.time() - (time.monotonic() - self._started),
             ):
                 self.console.out(line)
             crash = self._chaos.lighthouse_crash if self._chaos is not None else None
@@ -161,7 +167,7 @@ class Supervisor:
                 )
         if code != EXIT_OK and self._exit_root_cause:
             self.console.err(f"ftlaunch: error: {self._exit_root_cause}")
-        if code == EXIT_OK and self._own_log_dir:
+        if code == EXIT_OK and self._own_log_dir and not lost(list(self._rewinds.values())):
             shutil.rmtree(self._log_dir, ignore_errors=True)
         return code
 
@@ -227,7 +233,7 @@ class Supervisor:
             code = self._finished()
             if code is not None:
                 return code
-            self._status.tick(now, self.groups)
+            self._status.tick(now, self.groups, list(self._rewinds.values()))
 
     def _handle(self, kind: str, gid: int, inc: int, payload: Any) -> None:
         group, agent = self.groups[gid], self._agents.get(gid)
@@ -259,6 +265,8 @@ class Supervisor:
         if lighthouse is None or (not force and now - self._progress_read_at < interval):
             return
         self._progress_read_at = now
+        for r in lighthouse.rewinds() or ():
+            self._rewinds[(r.wall, r.reached, r.restarted_at)] = r
         progress = lighthouse.progress()
         if progress is None:
             return

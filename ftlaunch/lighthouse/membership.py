@@ -456,6 +456,13 @@ class Membership(AdmitMixin, SparesMixin, StatusMixin, ResumeMixin, HungMixin):
         quorum = decision.to_quorum(created=self._wall())
         top = max(p.step for p in quorum.participants)
         self._high_step = top if self._high_step is None else max(self._high_step, top)
+        rewind = self._progress.quorum_formed(top, self._wall())
+        if rewind is not None:
+            self._record("rewind", None, f"step {rewind.reached} -> {rewind.restarted_at}", None)
+            log.warning(
+                "lighthouse: progress lost: quorum at step %d after the job had reached step %d "
+                "(no group holding that state is left)", rewind.restarted_at, rewind.reached,
+            )  # fmt: skip
         changed = self._quorum is None or quorum.quorum_id != self._quorum.quorum_id
         self._quorum = quorum
         self._prev_missing = None

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ftlaunch.lighthouse.progress import GroupProgress, ProgressBook, ProgressReport
+from ftlaunch.lighthouse.progress import GroupProgress, ProgressBook, ProgressReport, Rewind
 from ftlaunch.lighthouse.protocol import ANONYMOUS
 from ftlaunch.lighthouse.quorum import (
     GroupState,
@@ -159,6 +159,7 @@ class StatusMixin:
                 progress=self._progress.snapshot(wall),
                 quorum_changes=self._quorum_changes,
                 step_rate=round(self._progress.job_step_rate(wall), 4),
+                rewinds=self._progress.rewinds(),
             )
 
     # ------------------------------------------------------------------ progress (lighthouse/progress.py)
@@ -168,6 +169,11 @@ class StatusMixin:
         `snapshot`: the launcher reads it every tick)."""
         with self._lock:
             return self._progress.snapshot(self._wall())
+
+    def rewinds(self) -> tuple[Rewind, ...]:
+        """The times the job went back to an earlier step (`progress.Rewind`), oldest first."""
+        with self._lock:
+            return self._progress.rewinds()
 
     def kill(self, replica_id: str, reason: str) -> bool:
         """Tell the group's leader, in the answer to its next heartbeat, to kill its own process

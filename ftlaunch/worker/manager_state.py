@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ftlaunch.process_group.base import ProcessGroup
+from ftlaunch.worker.committed import CommittedState
 from ftlaunch.worker.plan import StepPlan
 from ftlaunch.worker.recovery import StateRegistry
 
@@ -21,6 +22,7 @@ class ManagerStateApi:
     _step: int
     _batches_committed: int
     _state: StateRegistry
+    _committed: CommittedState
     _layout: dict[str, str] | None
     _plan: StepPlan | None
     _pg: ProcessGroup
@@ -64,6 +66,27 @@ class ManagerStateApi:
     def allow_state_dict_read(self) -> None:
         """Let heals read the state again (see `disallow_state_dict_read`)."""
         self._state.gate.allow()
+
+    def set_agreed_state(self, state_dict: Callable[[], Any]) -> None:
+        """Say which part of the state every replica group holds bit-identical after each commit
+        (default: everything that travels with a heal). The group leader reports its checksum at
+        a clean exit, and ``ftlaunch``'s summary compares them across groups. LocalSGD (the
+        parameters) and DiLoCo (global parameters and outer optimizer state) call it: their groups
+        legitimately differ in inner state."""
+        self._state.agreed_fn = state_dict
+
+    def serve_live_state(self) -> None:
+        """Heals serve the training tensors themselves, at every quorum, instead of a snapshot the
+        Manager copies at the commit boundary when a heal is due (worker/committed.py).
+
+        For training loops that take each quorum synchronously (``start_quorum`` then
+        ``wait_quorum`` before anything else) and change no state until the step's first collective
+        completed -- every healer fetches before it joins one: LocalSGD and DiLoCo, whose quorums
+        are their sync points. They skip the copy of the model at each sync point, and a joining
+        group heals at the first one instead of waiting a sync interval for a snapshot. Any other
+        loop must not call it: its forward pass would change what the heal reads.
+        """
+        self._committed.live = True
 
     # ============================================================================ state (torchft's API)
     def state_dict(self) -> dict[str, int]:
