@@ -14,7 +14,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from workers.helpers import wait_for
+from test_launcher_e2e import checksums
+from workers.helpers import FTLAUNCH, run, wait_for
 
 from ftlaunch.lighthouse.server import LighthouseServer
 from tests.mp_harness import Group
@@ -86,3 +87,19 @@ def test_a_model_whose_forward_updates_buffers_heals_and_ends_bit_identical(
     tmp_path: Path, groups: list[Group], model: str, transport: str, nworkers: int
 ) -> None:
     heal_and_end_identical(tmp_path, groups, model, transport, nworkers)
+
+
+def test_a_batchnorm_model_under_ftlaunch_heals_and_the_summary_says_bit_identical() -> None:
+    """As a user runs it: scripts/train_ddp.py's BatchNorm CNN, a group SIGKILLed by --chaos, the
+    default transport. The victim heals at once, and the summary compares what the groups share --
+    parameters and optimizer state; each group's BatchNorm statistics follow its own data, as each
+    replica's do in torch's DDP -- so it says 2/2 bit-identical, as the script's own checksums do."""
+    res = run([*FTLAUNCH, "--replicas", "2", "--no-status", "--chaos", "steps=15,group=1", "scripts/train_ddp.py",
+               "--model", "bn-cnn", "--steps", "60", "--step-sleep", "0.05"], timeout=280)  # fmt: skip
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
+    sums = checksums(res.stdout)
+    assert set(sums) == {0, 1} and len(set(sums.values())) == 1, sums
+    assert "2/2 groups ended bit-identical" in res.stdout and "WARNING" not in res.stdout, res.stdout[-3000:]
+    assert "group committed again" in res.stdout
+    log = res.stdout + res.stderr
+    assert "rejected" not in log and "checksum mismatch" not in log, log[-3000:]

@@ -121,7 +121,9 @@ class LocalSGD(_Hooked):
         self._local_step = 0
         manager.serve_live_state()  # quorums only at sync points, taken with the state held still
         # What the groups share: the parameters as averaged at the last sync point.
-        manager.set_agreed_state(lambda: {"parameters": [local_view(p.detach()) for p in model.parameters()]})
+        manager.set_agreed_state(
+            lambda _: {"parameters": [local_view(p.detach()) for p in model.parameters()]}
+        )
 
     @property
     def local_step(self) -> int:
@@ -248,7 +250,7 @@ class DiLoCo(_Hooked):
         manager.serve_live_state()  # quorums only at sync points, taken with the state held still
         # What the groups share: global parameters, outer optimizer state, the schedule. Not the
         # inner parameters and inner optimizer state, which each group trains on its own data.
-        manager.set_agreed_state(lambda: {STATE_KEY: self.state_dict()})
+        manager.set_agreed_state(lambda state: {STATE_KEY: state[STATE_KEY]})
 
     # ---------------------------------------------------------------- what users and tests read
     @property

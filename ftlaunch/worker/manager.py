@@ -289,7 +289,7 @@ class Manager(QuorumRound, ManagerStateApi):
         # pass has not begun. A heal due now is served from a snapshot of exactly this state.
         self._committed.at_boundary(self._step, snapshot_due(self._step, self._last_plan))
         live = self._committed.live
-        heal_first = not live and may_heal(self._step, self._last_plan)
+        heal_first = allow_heal and not live and may_heal(self._step, self._last_plan)
         self._errored = None
         self._pending = []
         self._pending_state = None

@@ -67,13 +67,14 @@ class ManagerStateApi:
         """Let heals read the state again (see `disallow_state_dict_read`)."""
         self._state.gate.allow()
 
-    def set_agreed_state(self, state_dict: Callable[[], Any]) -> None:
-        """Say which part of the state every replica group holds bit-identical after each commit
-        (default: everything that travels with a heal). The group leader reports its checksum at
-        a clean exit, and ``ftlaunch``'s summary compares them across groups. LocalSGD (the
-        parameters) and DiLoCo (global parameters and outer optimizer state) call it: their groups
-        legitimately differ in inner state."""
-        self._state.agreed_fn = state_dict
+    def set_agreed_state(self, select: Callable[[dict[str, Any]], Any]) -> None:
+        """Say which part of the state every replica group holds bit-identical after each commit:
+        ``select`` gets the whole state that travels with a heal (the default answer) and returns
+        that part. The group leader reports its checksum at a clean exit, and ``ftlaunch``'s summary
+        compares them across groups. DDP leaves out the module's buffers (BatchNorm statistics are
+        each replica's own, as in torch's DDP), LocalSGD keeps the parameters and DiLoCo its global
+        parameters and outer optimizer state: their groups legitimately differ in the rest."""
+        self._state.agreed_fn = select
 
     def serve_live_state(self) -> None:
         """Heals serve the training tensors themselves, at every quorum, instead of a snapshot the

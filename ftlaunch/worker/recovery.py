@@ -105,8 +105,8 @@ class StateRegistry:
         self._user: dict[str, tuple[LoadFn, SaveFn]] = {}
         #: Closed by the training loop while it changes the state outside a step (see `ReadGate`).
         self.gate = ReadGate()
-        #: The part of the state every group must hold bit-identical (`agreed`); None: all of it.
-        self.agreed_fn: SaveFn | None = None
+        #: Selects, from the whole state, the part every group holds bit-identical (`agreed`).
+        self.agreed_fn: Callable[[dict[str, Any]], Any] | None = None
 
     def register(self, key: str, load_state_dict: LoadFn, state_dict: SaveFn) -> None:
         """Add state under ``key``; ValueError if the key is taken (or is the Manager's own)."""
@@ -128,7 +128,8 @@ class StateRegistry:
         checksum the group leader reports at a clean exit (the launcher's summary compares them).
         All of `snapshot` unless an algorithm said less (``Manager.set_agreed_state``): DiLoCo
         groups agree on the global parameters and outer state, not on their inner ones."""
-        return self.agreed_fn() if self.agreed_fn is not None else self.snapshot()
+        state = self.snapshot()
+        return self.agreed_fn(state) if self.agreed_fn is not None else state
 
     def missing(self, state: Mapping[str, Any]) -> list[str]:
         """Registered keys that ``state`` lacks (a peer that registered different state)."""
