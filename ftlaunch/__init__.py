@@ -56,7 +56,7 @@ _LAZY = {
     "ProcessGroupGang": "ftlaunch.gang",
     "ReduceOperation": "ftlaunch.gang",
     "GangError": "ftlaunch.errors",
-    # torchft's current API (issue 16)
+    # torchft's current API
     "WorldSizeMode": "ftlaunch.worker.plan",
     "PureDistributedDataParallel": "ftlaunch.worker.data_parallel",
     "ReconfigureOptions": "ftlaunch.process_group",

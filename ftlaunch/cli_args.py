@@ -3,14 +3,23 @@
 The launcher logs a hosted lighthouse's errors verbatim and users read errors on small terminals, so
 a bad flag is one line that names the program and points at ``--help`` - not argparse's usage block,
 which pushes the message off screen. The typed value parsers raise `argparse.ArgumentTypeError`, so
-argparse puts the flag's name in front of the message.
+argparse puts the flag's name in front of the message. Durations and counts are read with the
+environment's grammar and bounds (`ftlaunch.env.Duration`, `ftlaunch.env.Count`): ``--heartbeat-timeout
+30s`` reads as ``FTLAUNCH_TIMEOUT=30s`` does, and what a setting refuses it refuses on every path.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
-from typing import NoReturn
+from collections.abc import Callable
+from typing import NoReturn, TypeVar
+
+from ftlaunch.env import Count, Duration
+
+T = TypeVar("T")
+
+#: How ``--help`` names the duration grammar.
+DURATION_GRAMMAR = "a duration in seconds, or with an s/m suffix: 30, 30s, 1.5m"
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -28,28 +37,45 @@ def integer(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
 
 
-def positive_integer(text: str) -> int:
-    value = integer(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+def _argument(parse: Callable[[str], T]) -> Callable[[str], T]:
+    """An argparse ``type`` from a parser whose ValueError message is the reason."""
+
+    def argument(text: str) -> T:
+        try:
+            return parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"{text!r} {e}") from None
+
+    return argument
 
 
-def number(text: str) -> float:
-    """Any float; range checks belong to the option's own validation."""
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+def duration(bounds: Duration) -> Callable[[str], float]:
+    """An argparse ``type``: a duration (`ftlaunch.env.duration_seconds`) within ``bounds``."""
+    return _argument(bounds.parse)
 
 
-def nonnegative_number(text: str, unit: str = "") -> float:
-    """A finite float >= 0; ``unit`` names what it counts in the error (``seconds``)."""
-    try:
-        value = float(text)
-    except ValueError:
-        what = f" of {unit}" if unit else ""
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number{what}") from None
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
-    return value
+def count(bounds: Count) -> Callable[[str], int]:
+    """An argparse ``type``: an integer within ``bounds``."""
+    return _argument(bounds.parse)
+
+
+def milliseconds(bounds: Duration) -> Callable[[str], float]:
+    """An argparse ``type`` for torchft's ``*_ms`` flags: a number of milliseconds, returned in
+    seconds, within ``bounds`` (given in seconds)."""
+
+    def parse(text: str) -> float:
+        try:
+            ms = float(text)
+        except ValueError:
+            raise ValueError("is not a number of milliseconds") from None
+        try:
+            return bounds.check(ms / 1000.0)
+        except ValueError as e:
+            raise ValueError(f"ms {e}") from None
+
+    return _argument(parse)
+
+
+def duration_help(what: str, bounds: Duration, default: str = "%(default)s") -> str:
+    """``what (a duration: seconds, or ...; 0.5 s to 24 h; default 5)`` for ``--help``."""
+    return f"{what} ({DURATION_GRAMMAR}; {bounds.describe()}; default {default})"

@@ -79,13 +79,31 @@ class OperationalError(FtlaunchError):
     """
 
 
-def install_brief_configuration_errors() -> None:
-    """Make an uncaught `ConfigurationError` end the process with one line on stderr, not a traceback.
+def brief_message(exc: BaseException) -> str | None:
+    """The one line an uncaught ``exc`` ends the process with, or None for a traceback.
 
-    Why: a bad environment value (``FTLAUNCH_LIGHTHOUSE=ftp://x``, ``REPLICA_GROUP_ID=abc``) is the
-    operator's mistake, not a bug; under torchrun every worker would print the same 20-line traceback
-    whose last line alone matters. Any other exception keeps the previous hook (a traceback).
-    Idempotent; called by ``ftlaunch.init()`` and the Manager before they read the environment.
+    One line for the operator's mistakes, which a traceback only buries: a bad setting
+    (`ConfigurationError`: a malformed or out-of-range value, a missing variable) and a lighthouse
+    that does not answer (`LighthouseUnavailableError`: nothing listens at the address, or it stayed
+    down longer than the job waits). Their messages name the value and the fix. Everything else --
+    a bug, a failed step the script chose not to survive -- keeps its traceback.
+    """
+    if isinstance(exc, ConfigurationError):
+        return f"ftlaunch: configuration error: {exc}"
+    if isinstance(exc, LighthouseUnavailableError):
+        return f"ftlaunch: error: {exc}"
+    return None
+
+
+def install_brief_errors() -> None:
+    """Make an uncaught ftlaunch configuration error end the process with one line on stderr, exit
+    status 1, instead of a traceback (`brief_message` says which errors).
+
+    Why a hook and not a catch: the error surfaces in the user's script (``ftlaunch.init()``, or the
+    first step of the training loop), and under torchrun every worker would print the same 40-line
+    traceback whose last line alone matters. Code that catches the error is unaffected, and for any
+    other exception the previous hook runs (a traceback, or whatever the script installed).
+    Idempotent; ``ftlaunch.init()`` and the Manager call it before they read the environment.
     """
     import sys
 
@@ -94,10 +112,11 @@ def install_brief_configuration_errors() -> None:
         return
 
     def hook(exc_type: type[BaseException], exc: BaseException, tb: object) -> None:
-        if issubclass(exc_type, ConfigurationError):
-            print(f"ftlaunch: configuration error: {exc}", file=sys.stderr, flush=True)
+        line = brief_message(exc)
+        if line is None:
+            previous(exc_type, exc, tb)  # type: ignore[arg-type]
             return
-        previous(exc_type, exc, tb)  # type: ignore[arg-type]
+        print(line, file=sys.stderr, flush=True)
 
     hook._ftlaunch_brief = True  # type: ignore[attr-defined]
     sys.excepthook = hook

@@ -26,22 +26,20 @@ __all__ = ["enabled", "mark", "process_start_time", "read"]
 
 
 def enabled() -> bool:
-    return bool(os.environ.get(env.FTLAUNCH_PHASE_LOG))
+    return env.phase_log() is not None
 
 
 def mark(phase: str, t: float | None = None, **data: Any) -> None:
     """Record that ``phase`` happened now (or at wall time ``t``); no-op unless the log is on.
     Never raises: a diagnostic must not break training."""
-    path = os.environ.get(env.FTLAUNCH_PHASE_LOG)
-    if not path:
+    path = env.phase_log()
+    if path is None:
         return
     record = {
         "t": time.time() if t is None else t,
         "phase": phase,
         "pid": os.getpid(),
-        "replica": os.environ.get(env.REPLICA_GROUP_ID),
-        "rank": os.environ.get(env.RANK),
-        "restart": os.environ.get(env.TORCHELASTIC_RESTART_COUNT),
+        **env.phase_tags(),
         **data,
     }
     try:

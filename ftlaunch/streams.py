@@ -8,7 +8,7 @@ a full log disk ended the job. Training must not depend on its logs being writte
 stream keeps training going, says once (on the stream itself, as soon as it can be written again)
 how much output was lost, and stays out of the way otherwise: every other error still raises.
 
-Torch-free: `ftlaunch.prestart` guards a worker's streams before the script runs.
+Torch-free: `ftlaunch.bootstrap.prestart` guards a worker's streams before the script runs.
 """
 
 from __future__ import annotations

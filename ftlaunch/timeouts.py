@@ -49,14 +49,13 @@ from __future__ import annotations
 
 import logging
 import math
-import os
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from datetime import timedelta
 from typing import NamedTuple
 
 from ftlaunch import env as _env
+from ftlaunch.env import parse_duration
 from ftlaunch.errors import ConfigurationError
 
 __all__ = [
@@ -76,7 +75,7 @@ __all__ = [
     "to_seconds",
 ]
 
-#: Environment variable of the one knob ``T`` (seconds, see `parse_duration`).
+#: Environment variable of the one knob ``T`` (a duration, see `ftlaunch.env.parse_duration`).
 FTLAUNCH_TIMEOUT = _env.FTLAUNCH_TIMEOUT
 #: Per-value overrides, by field name (names owned by `ftlaunch.env`).
 ENV_VARS: Mapping[str, str] = {
@@ -92,7 +91,7 @@ DEFAULT_TIMEOUT = 60.0
 #: Smallest accepted ``T``: torch counts its timeouts in milliseconds.
 MIN_TIMEOUT = 0.001
 #: Largest quorum request the lighthouse accepts (its ``MAX_QUORUM_TIMEOUT``), hence also the largest ``T``.
-MAX_QUORUM_TIMEOUT = 24 * 3600.0
+MAX_QUORUM_TIMEOUT = _env.DAY
 #: Upper bound of the derived connect timeout: a reachable host answers a connect in well under that.
 CONNECT_CAP = 10.0
 
@@ -155,7 +154,6 @@ RULES: tuple[Rule, ...] = (
 POSITIVE = "finite and > 0"
 
 _FIELD_ORDER = ("collective", "heal", "commit", "quorum", "connect")
-_DURATION = re.compile(r"([+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?)\s*([smSM]?)")
 
 
 def _fmt(seconds: float) -> str:
@@ -163,22 +161,6 @@ def _fmt(seconds: float) -> str:
     if seconds == MAX_QUORUM_TIMEOUT:
         return "24 h"
     return f"{seconds:g} s"
-
-
-def parse_duration(text: str, name: str) -> float:
-    """Seconds from ``"30"``, ``"30s"``, ``"2.5"``, ``"1.5m"`` (``s`` = seconds, ``m`` = minutes).
-
-    Surrounding whitespace is ignored; anything else (``"30 sec"``, ``"1h"``, ``"inf"``) raises a
-    `ConfigurationError` naming ``name``. Range checks are left to `Timeouts.validate`.
-    """
-    m = _DURATION.fullmatch(text.strip())
-    if m is None:
-        raise ConfigurationError(
-            f"environment variable {name}={text!r} is not a duration: use seconds, optionally with "
-            "an 's' or 'm' (minutes) suffix, e.g. 30, 30s, 1.5m"
-        )
-    value = float(m.group(1))
-    return value * 60.0 if m.group(2).lower() == "m" else value
 
 
 def to_seconds(value: object, what: str = "timeout") -> float:
@@ -247,7 +229,7 @@ class Timeouts:
         timeout out of range, and every broken rule with the values and their sources. Passing
         something that is not a number or a `timedelta` is a TypeError.
         """
-        env = os.environ if environ is None else environ
+        env = _env.timeout_settings(environ)  # the ones that are set, as text
         problems: list[str] = []
         args = {
             "collective": collective,
@@ -406,12 +388,17 @@ def _check(values: Mapping[str, float | None], sources: Mapping[str, str]) -> li
 
 
 def _report(problems: list[str], values: Mapping[str, float | None], sources: Mapping[str, str]) -> str:
-    head = f"invalid ftlaunch timeouts ({len(problems)} problem{'' if len(problems) == 1 else 's'})"
+    """One line for one problem (a worker's error should fit a terminal line); a list for several."""
+    known = all(values[n] is not None for n in _FIELD_ORDER)
     effective = "; ".join(
         f"{n}={'?' if values[n] is None else _fmt(values[n])} [{sources.get(n, 'given')}]"  # type: ignore[arg-type]
         for n in _FIELD_ORDER
     )
-    lines = [f"{head} (see docs/timeouts.md):"]
+    if len(problems) == 1:
+        return f"invalid ftlaunch timeouts (see docs/timeouts.md): {problems[0]}" + (
+            f"; effective: {effective}" if known else ""
+        )
+    lines = [f"invalid ftlaunch timeouts ({len(problems)} problems) (see docs/timeouts.md):"]
     lines += [f"  - {p}" for p in problems]
     lines.append(f"  effective: {effective}")
     return "\n".join(lines)

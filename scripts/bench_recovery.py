@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Fault-tolerance cost and recovery speed, measured beside plain torch DDP in the same run.
 
-Setup (BRIEF.md): 2 replica groups x 1 worker, Gloo on loopback, a 3-layer MLP of width 1024,
+Setup: 2 replica groups x 1 worker, Gloo on loopback, a 3-layer MLP of width 1024,
 batch 32, SGD, one intra-op thread per worker. Prints:
 
 * step time with fault tolerance / plain torch DDP step time (ftlaunch Gloo and BabyGloo);
@@ -9,17 +9,17 @@ batch 32, SGD, one intra-op thread per worker. Prints:
 * restarted group: process start -> first committed step (with healing);
 * live-recovery transfer rate of a 256 MB state dict over HTTP (via scripts/bench_transport.py).
 
-``--launcher`` (issue 11) measures as a user counts -- from the kill, through the ``ftlaunch``
+``--launcher`` measures as a user counts -- from the kill, through the ``ftlaunch``
 command with its defaults (Baby Gloo, pg transport, ``--chaos steps=60,group=1``): the survivor's
 longest gap between committed steps over the whole kill + rejoin episode; kill -> the restarted
 group's first committed step with a phase breakdown from ``FTLAUNCH_PHASE_LOG`` (`ftlaunch.phases`)
 and the floor (kill -> a bare ``import torch`` done in the restarted worker, same agent, the other
 group busy; and kill -> its first ``torch.optim`` optimizer built, which imports ``torch._dynamo``:
 what any training script pays besides); and kill -> first commit with ``--spares 1`` where the CLI has that flag ("n/a" else).
-Each beside torchft's figures and the baselines of issue 11.
+Each beside torchft's figures and the targets.
 
 Usage: python scripts/bench_recovery.py [--steps 60] [--runs 2] [--overhead-only] [--breakdown]
-       python scripts/bench_recovery.py --launcher [--runs 2]   (issue 11: from the kill, through `ftlaunch`)
+       python scripts/bench_recovery.py --launcher [--runs 2]   (from the kill, through `ftlaunch`)
               [--cold-only] [--compare-env FTLAUNCH_PRESTART_FORK=0]   (no spares; A/B in the same run)
               [--zygote-ab]   (the warm standby interpreter on vs off, interleaved in the same run)
        python scripts/bench_recovery.py --interleaved 150 [--runs 3]   (step-time ratios, robust to load)
@@ -44,7 +44,7 @@ HERE = Path(__file__).resolve()
 WIDTH = 1024
 BATCH = 32
 
-BASELINE = {  # torchft-nightly 2026.10.26, same machine class (BRIEF.md)
+BASELINE = {  # torchft-nightly 2026.10.26, measured on the same machine class
     "ratio_gloo": "1.28-1.52",
     "ratio_baby": "1.75-1.84",
     "stall": "5.0-5.1 s",
@@ -348,7 +348,7 @@ def kill_and_rejoin(tmp: Path, backend: str = "gloo") -> tuple[float, float, flo
 
 
 # ------------------------------------------------------------------- through the ftlaunch command
-#: Issue 11's figures, all counted from the kill, through `ftlaunch` with the default backend.
+#: The recovery figures, all counted from the kill, through `ftlaunch` with the default backend.
 ISSUE11 = {
     "gap": ("5.1 s (12.5 s with its Baby Gloo)", "2.3-2.8 s", "<= 0.2 s"),
     "cold": ("6.3-6.7 s (torchrun restart)", "8.7 s", "<= 3.0 s and within 1 s of the floor"),
@@ -360,8 +360,8 @@ COLD_PHASES = (
     ("rendezvous_start", "agent: stop workers, re-rendezvous"),
     ("rendezvous_done", "rendezvous done"),
     ("process_start", "new worker process starts"),
-    ("zygote_handover", "forked from the warm standby (ftlaunch.zygote), torch imported"),
-    ("baby_child_spawn", "Baby child started (ftlaunch.prestart)"),
+    ("zygote_handover", "forked from the warm standby (ftlaunch.bootstrap.zygote), torch imported"),
+    ("baby_child_spawn", "Baby child started (ftlaunch.bootstrap.prestart)"),
     ("baby_child_ready", "Baby child serves (forked: torch already imported)"),
     ("script_start", "prestart runs the script (torch imported)"),
     ("init", "script reaches ftlaunch.init (imports, model)"),
@@ -740,7 +740,7 @@ def main() -> int:
     ap.add_argument(
         "--launcher",
         action="store_true",
-        help="issue 11's figures, from the kill, through the `ftlaunch` command with defaults: the "
+        help="the recovery figures, from the kill, through the `ftlaunch` command with defaults: the "
         "survivor's longest gap, kill -> first commit (phase breakdown, the floor), and with "
         "--spares 1 where the CLI has it; --runs repeats (default 2)",
     )
@@ -764,7 +764,7 @@ def main() -> int:
     ap.add_argument(
         "--zygote-ab",
         action="store_true",
-        help="with --launcher: the warm standby interpreter (ftlaunch.zygote) on (default) vs off, "
+        help="with --launcher: the warm standby interpreter (ftlaunch.bootstrap.zygote) on (default) vs off, "
         "interleaved in the same run (--compare-env FTLAUNCH_ZYGOTE=0)",
     )
     ap.add_argument(

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Hot spares: kill -> first committed step of the replacement, as a user counts it (issue 11).
+"""Hot spares: kill -> first committed step of the replacement, as a user counts it.
 
 Runs ``ftlaunch --replicas 2 --spares 1 --chaos steps=K,group=1 scripts/train_ddp.py`` (default
 settings: Baby Gloo, pg transport; a 3-layer MLP of width 1024, batch 32, as bench_recovery.py) and
@@ -34,7 +34,7 @@ HERE = Path(__file__).resolve()
 WIDTH = 1024
 BATCH = 32
 TARGET = "<= 1.0 s (goal 0.5 s)"
-BASELINE = "no spares in torchft; without spares: see bench_recovery.py (8.7 s before issue 11)"
+BASELINE = "no spares in torchft; without spares: see bench_recovery.py --launcher"
 #: SIGSTOP, default settings (heartbeat timeout 5 s, collective timeout 60 s), before the lost-peer
 #: abort, measured with this script (2-core CPU machine at load ~15, one run each, --stop-for 75 so
 #: that the collective timeout shows; with a shorter stop_for the survivor is freed by the SIGCONT).

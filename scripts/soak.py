@@ -10,8 +10,8 @@ Runs scripts/train_ddp.py under ``ftlaunch --replicas G`` twice, as a user would
    launcher restarts on the same address D seconds later, then
 3. the same chaos with a long lighthouse outage (``--long-outage``, 12 s), reported beside it.
 
-**Which outage.** Issue 17 asks for "one lighthouse restart" in the soak, and the remedy it names for
-a lighthouse that dies is that the launcher restarts a lighthouse it hosts. That is what run 2 does
+**Which outage.** The soak has one lighthouse restart, and what ftlaunch does for a lighthouse that
+dies is that the launcher restarts a lighthouse it hosts. That is what run 2 does
 by default: the supervisor checks its lighthouse at every tick of its main loop
 (`ftlaunch.launcher.supervisor.LIGHTHOUSE_CHECK_S`, 0.05 s) and restarts a dead one at once on the
 same address, so D defaults to that check interval -- the outage the launcher's own restart gives.
@@ -45,7 +45,7 @@ and prints a report (``--json`` writes it too):
 
 ``--spares K`` runs both with ``ftlaunch --spares K``: a failed group's slot goes to a hot spare.
 
-Targets (issue 17): 0 crashes, 0 divergence, 0 orphans, goodput >= 90 %.
+Targets: 0 crashes, 0 divergence, 0 orphans, goodput >= 90 %.
 
 Usage: python scripts/soak.py [--groups 4] [--steps 500] [--every 5] [--lighthouse-at 60]
        [--lighthouse-down 0.05] [--long-outage 12] [--step-sleep 0.1] [--seed 1] [--spares 0]

@@ -29,7 +29,6 @@ import argparse
 import ctypes
 import hashlib
 import logging
-import os
 import sys
 import time
 from datetime import timedelta
@@ -55,10 +54,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="cuda: the worker's GPU (LOCAL_RANK, modulo the GPUs visible); Baby NCCL across groups by default",
+    )
+    p.add_argument(
         "--backend",
         choices=["baby-gloo", "gloo", "baby-nccl", "nccl"],
         default=None,
-        help="cross-group process group (default: ftlaunch.init's choice, Baby Gloo on CPU)",
+        help="cross-group process group (default: ftlaunch.init's choice: Baby Gloo on CPU, Baby NCCL on GPU)",
     )
     p.add_argument(
         "--transport",
@@ -84,7 +89,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def make_model(width: int, kind: str = "mlp") -> nn.Module:
-    torch.manual_seed(int(os.environ.get(env.REPLICA_GROUP_ID, "0")) + 1000)  # groups start different
+    torch.manual_seed((env.count(env.REPLICA_GROUP_ID, 0) or 0) + 1000)  # groups start different
     if kind == "bn-cnn":  # each sample's 64 features as a 1-channel signal
         return nn.Sequential(
             nn.Unflatten(1, (1, 64)), nn.Conv1d(1, 16, 3, padding=1), nn.BatchNorm1d(16), nn.ReLU(),
@@ -103,6 +108,16 @@ def make_dataset(size: int) -> torch.utils.data.TensorDataset:
     return torch.utils.data.TensorDataset(torch.arange(size), x, x @ teacher)
 
 
+def device_of(args: argparse.Namespace) -> torch.device:
+    """This worker's device: with ``--device cuda`` its GPU, ``LOCAL_RANK`` modulo the GPUs visible
+    (workers share a GPU when there are fewer GPUs than workers, as ``scripts/gpu_check.py`` does)."""
+    if args.device == "cuda":
+        index = (env.get_int(env.LOCAL_RANK, 0) or 0) % max(1, torch.cuda.device_count())
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+    return torch.device("cpu")
+
+
 def checksum(model: nn.Module) -> str:
     """A hash of the weights' bytes (torch only: NumPy is not a dependency)."""
     h = hashlib.sha256()
@@ -117,6 +132,7 @@ def long_form(
     model: nn.Module,
     inner: torch.optim.Optimizer,
     dataset: torch.utils.data.Dataset,
+    device: torch.device,
 ) -> tuple:
     """torchft-style plumbing: every piece spelled out (what ``ftlaunch.init`` does for you)."""
     from ftlaunch import (
@@ -125,20 +141,25 @@ def long_form(
         Manager,
         Optimizer,
         ProcessGroupBabyGloo,
+        ProcessGroupBabyNCCL,
         ProcessGroupGloo,
+        ProcessGroupNCCL,
     )
     from ftlaunch.checkpointing import PGTransport
 
     timeout = timedelta(seconds=args.timeout or 60.0)
+    gpu = device.type == "cuda"
     intra = None
-    if (env.get_int(env.WORLD_SIZE, 1) or 1) > 1:
-        dist.init_process_group("gloo", timeout=timeout)
+    if (env.count(env.WORLD_SIZE, 1) or 1) > 1:
+        dist.init_process_group("nccl" if gpu else "gloo", timeout=timeout)
         intra = dist.group.WORLD
-    pg = (
-        ProcessGroupBabyGloo(timeout=timeout)
-        if args.backend == "baby-gloo"
-        else ProcessGroupGloo(timeout=timeout)
-    )
+    kinds = {
+        "gloo": ProcessGroupGloo,
+        "baby-gloo": ProcessGroupBabyGloo,
+        "nccl": ProcessGroupNCCL,
+        "baby-nccl": ProcessGroupBabyNCCL,
+    }
+    pg = kinds[args.backend or ("baby-nccl" if gpu else "gloo")](timeout=timeout)
 
     def load_state(sd: dict) -> None:
         model.load_state_dict(sd["model"])
@@ -147,9 +168,7 @@ def long_form(
     def save_state() -> dict:
         return {"model": model.state_dict(), "optim": inner.state_dict()}
 
-    transport = (
-        PGTransport(pg, timeout=timeout, device=torch.device("cpu")) if args.transport == "pg" else None
-    )
+    transport = PGTransport(pg, timeout=timeout, device=device) if args.transport == "pg" else None
     manager = Manager(
         pg=pg,
         load_state_dict=load_state,
@@ -176,21 +195,23 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     log = logging.getLogger("train_ddp")
 
-    model = make_model(args.width, args.model)
-    inner = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    dataset = make_dataset(args.dataset_size)
     ft = None
     intra = None
-    if args.long_form:
-        manager, ddp, opt, sampler, intra = long_form(args, model, inner, dataset)
-    else:
-        try:
+    try:
+        device = device_of(args)
+        model = make_model(args.width, args.model).to(device)
+        inner = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+        dataset = make_dataset(args.dataset_size)
+        if args.long_form:
+            manager, ddp, opt, sampler, intra = long_form(args, model, inner, dataset, device)
+        else:
             ft = ftlaunch.init(
                 model, inner, timeout=args.timeout, backend=args.backend, transport=args.transport
             )
-        except ftlaunch.ConfigurationError as e:
-            print(f"train_ddp.py: {e}", file=sys.stderr)
-            return 2
+    except ftlaunch.ConfigurationError as e:
+        print(f"train_ddp.py: {e}", file=sys.stderr)
+        return 2
+    if ft is not None:
         ddp, opt = ft.wrap(model, inner)
         manager, sampler = ft.manager, ft.sampler(dataset)
     loader = torch.utils.data.DataLoader(dataset, batch_size=args.batch_size, sampler=sampler)
@@ -204,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
                 if time.monotonic() > deadline:
                     log.error("gave up after %.0f s at step %d", args.max_seconds, manager.current_step())
                     return 3
+                x, y = x.to(device), y.to(device)
                 t0 = time.perf_counter()
                 opt.zero_grad()
                 loss = loss_fn(ddp(x), y)

@@ -159,8 +159,8 @@ class ByteCounter:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    group = env.get_int(env.REPLICA_GROUP_ID, 0) or 0
-    rank = env.get_int(env.RANK, 0) or 0
+    group = env.count(env.REPLICA_GROUP_ID, 0) or 0
+    rank = env.count(env.RANK, 0) or 0
     logging.basicConfig(
         level=logging.INFO, format=f"%(asctime)s %(levelname)s [rg{group}/r{rank}] %(message)s"
     )
@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     counter = ByteCounter(ft.pg) if args.count_bytes else None
     sampler = ft.sampler(dataset)  # before the join: the healed data position is loaded with it
-    sync_every = args.sync_every or env.get_int(env.FTLAUNCH_SYNC_EVERY, 20) or 20
+    sync_every = args.sync_every or env.count(env.FTLAUNCH_SYNC_EVERY, 20) or 20
     diloco = local_sgd = None
     net = model
     opt: torch.optim.Optimizer = inner

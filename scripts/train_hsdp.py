@@ -83,7 +83,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--device",
         choices=["cpu", "cuda"],
         default="cpu",
-        help="cuda: one GPU per worker (LOCAL_RANK), NCCL inside and across groups",
+        help="cuda: the worker's GPU (LOCAL_RANK, modulo the GPUs visible), NCCL inside and across groups",
     )
     p.add_argument(
         "--backend",
@@ -189,9 +189,10 @@ def full_checksum(model: nn.Module) -> str:
 
 
 def device_of(args: argparse.Namespace) -> torch.device:
-    """This worker's device: its own GPU (``LOCAL_RANK``) with ``--device cuda``."""
+    """This worker's device: with ``--device cuda`` its GPU, ``LOCAL_RANK`` modulo the GPUs visible
+    (workers share a GPU when there are fewer GPUs than workers, as ``scripts/gpu_check.py`` does)."""
     if args.device == "cuda":
-        index = env.get_int(env.LOCAL_RANK, 0) or 0
+        index = (env.count(env.LOCAL_RANK, 0) or 0) % max(1, torch.cuda.device_count())
         torch.cuda.set_device(index)
         return torch.device("cuda", index)
     return torch.device("cpu")
@@ -258,7 +259,7 @@ def long_form(args: argparse.Namespace, model: nn.Module, dataset: torch.utils.d
     )
     mesh = ft_init_device_mesh(
         device_type=device.type,
-        mesh_shape=(env.get_int(env.NUM_REPLICA_GROUPS, 1) or 1, dist.get_world_size()),
+        mesh_shape=(env.count(env.NUM_REPLICA_GROUPS, 1) or 1, dist.get_world_size()),
         mesh_dim_names=("dp_replicate", "dp_shard"),
         replicate_dim=0,
         manager=manager,
@@ -319,8 +320,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.reference:
         groups, workers = (int(n) for n in args.reference.lower().split("x"))
         return reference(args, groups, workers)
-    group = env.get_int(env.REPLICA_GROUP_ID, 0) or 0
-    rank = env.get_int(env.RANK, 0) or 0
+    group = env.count(env.REPLICA_GROUP_ID, 0) or 0
+    rank = env.count(env.RANK, 0) or 0
     logging.basicConfig(
         level=logging.INFO, format=f"%(asctime)s %(levelname)s [rg{group}/r{rank}] %(message)s"
     )

@@ -1,5 +1,5 @@
 """The agent's `WorkerWatcher` with real child processes: it reports each generation of workers and
-each exit, and lists its children often only while it expects workers (issue 11, item 3: the
+each exit, and lists its children often only while it expects workers (the
 agent's polling took ~8% of a core from training and from a restarting group's imports)."""
 
 from __future__ import annotations

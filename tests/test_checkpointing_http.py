@@ -688,7 +688,7 @@ def test_bind_forms_and_ipv6(bind: str) -> None:
 
 
 # --------------------------------------------------------------------------------------------------
-# a hostile header: valid, but hundreds of thousands of tiny tensors (issue 17, item 2)
+# a hostile header: valid, but hundreds of thousands of tiny tensors
 
 
 def hostile_frame(n: int, step: int = 1) -> tuple[bytes, bytes]:

@@ -91,8 +91,11 @@ def test_chaos_spec_parse(text: str, expected: ChaosSpec) -> None:
     [
         ("", "empty"),
         ("group=1", "every=SECONDS or steps"),
-        ("every=-1", "must be > 0"),
-        ("every=x", "not a number"),
+        ("every=-1", "every='-1' is out of range: use a duration of 10 ms to 24 h"),
+        ("every=x", "every='x' is not a duration"),
+        ("every=inf", "is not a duration"),
+        ("every=1,stop_for=1e-9", "stop_for='1e-9' is out of range"),
+        ("lighthouse=5,lighthouse_down=nan", "is not a duration"),
         ("every=1,bogus=2", "unknown key"),
         ("every=1,signal=HUP", "must be one of"),
         ("every=1,target=agent,signal=STOP", "applies to workers"),
@@ -107,8 +110,16 @@ def test_chaos_spec_errors(text: str, message: str) -> None:
 
 
 def test_options_validation() -> None:
-    with pytest.raises(ConfigurationError, match="--replicas must be >= 1"):
+    with pytest.raises(ConfigurationError, match="--replicas=0 is out of range: use an integer 1 to 1024"):
         LaunchOptions(entrypoint="x", replicas=0)
+    with pytest.raises(ConfigurationError, match="more than the 1024 replica groups"):
+        LaunchOptions(entrypoint="x", replicas=1000, spares=100)
+    with pytest.raises(ConfigurationError, match="--monitor-interval=1e-09 is out of range"):
+        LaunchOptions(entrypoint="x", monitor_interval=1e-9)
+    with pytest.raises(ConfigurationError, match="--grace-period=inf is out of range"):
+        LaunchOptions(entrypoint="x", grace_period=float("inf"))
+    with pytest.raises(ConfigurationError, match="--heartbeat-timeout=nan is out of range"):
+        LaunchOptions(entrypoint="x", heartbeat_timeout=float("nan"))
     with pytest.raises(ConfigurationError, match="--min-replicas must be in 1..2"):
         LaunchOptions(entrypoint="x", replicas=2, min_replicas=3)
     with pytest.raises(ConfigurationError, match="only 2 groups"):
@@ -129,13 +140,15 @@ def _one_line_error(args: list[str], expected: str) -> None:
     "args, expected",
     [
         (["does/not/exist.py"], "training script not found: does/not/exist.py"),
-        (["--replicas", "0", WORKER], "--replicas must be >= 1"),
+        (["--replicas", "0", WORKER], "--replicas=0 is out of range"),
         (["--replicas", "two", WORKER], "'two' is not an integer"),
-        (["--heartbeat-timeout", "soon", WORKER], "'soon' is not a number"),
+        (["--heartbeat-timeout", "soon", WORKER], "'soon' is not a duration"),
+        (["--heartbeat-timeout", "1e-9", WORKER], "'1e-9' is out of range: use a duration of 0.5 s to 24 h"),
+        (["--log-dir", "/dev/null/x", WORKER], "--log-dir /dev/null/x: cannot create it: Not a directory"),
         (["--bogus-flag", WORKER], "unrecognized arguments: --bogus-flag"),
         (["--min-replicas", "3", "--replicas", "2", WORKER], "--min-replicas must be in 1..2"),
         (["--nnodes", "2", WORKER], "one `torchrun --rdzv-backend ftlaunch` per node"),
-        (["--chaos", "every=-2", WORKER], "must be > 0"),
+        (["--chaos", "every=-2", WORKER], "every='-2' is out of range"),
         (["--tee", "7", WORKER], "--tee '7'"),
         (["-m", "no_such_module_xyz"], "module not found: no_such_module_xyz"),
         (["--no-python", "no-such-program-xyz"], "program not found"),
@@ -146,6 +159,89 @@ def _one_line_error(args: list[str], expected: str) -> None:
 )
 def test_bad_input_is_one_line_and_exit_2(args: list[str], expected: str) -> None:
     _one_line_error(args, expected)
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["--replicas", "100000"], "--replicas=100000 is out of range: use an integer 1 to 1024"),
+        (["--replicas", "1000", "--spares", "100"], "more than the 1024 replica groups"),
+        (["--nproc-per-node", "5000"], "--nproc-per-node=5000 is out of range: use an integer 1 to 1024"),
+        (["--join-timeout", "inf"], "argument --join-timeout/--join_timeout: 'inf' is not a duration"),
+        (["--join-timeout", "-1"], "'-1' is out of range: use a duration of 0 s to 24 h"),
+        (["--heartbeat-timeout", "nan"], "'nan' is not a duration"),
+        (
+            ["--grace-period", "0"],
+            "--grace-period/--grace_period: '0' is out of range: use a duration of 1 s to 1 h",
+        ),
+        (
+            ["--monitor-interval", "1e-7"],
+            "--monitor-interval=1e-07 is out of range: use a duration of 10 ms to 60 s",
+        ),
+        (["--monitor-interval", "inf"], "--monitor-interval=inf is out of range"),
+        (
+            ["--shutdown-timeout", "99999"],
+            "--shutdown-timeout=99999 is out of range: use an integer 0 to 3600",
+        ),
+        (["--chaos", "every=1,stop_for=inf"], "stop_for='inf' is not a duration"),
+    ],
+)
+def test_every_number_flag_is_bounded(
+    args: list[str], expected: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """No duration flag takes 0, a negative, NaN or inf where they would hang or spin, and no count
+    forks a machine to a standstill (the shared bounds of `ftlaunch.env`)."""
+    with pytest.raises(SystemExit) as exit_:
+        options_from_args([*args, WORKER])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.startswith("ftlaunch: error: ") and expected in err, err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_durations_take_the_one_grammar() -> None:
+    opts = options_from_args(
+        ["--join-timeout", "1.5m", "--heartbeat-timeout", "2s", "--grace-period", "30", WORKER]
+    )
+    assert (opts.join_timeout, opts.heartbeat_timeout, opts.grace_period) == (90.0, 2.0, 30.0)
+    assert ChaosSpec.parse("every=1.5m,stop_for=500e-3").every == 90.0
+
+
+def test_a_bad_log_level_is_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from ftlaunch.launcher.cli import main
+
+    monkeypatch.setenv("LOGLEVEL", "chatty")
+    with pytest.raises(SystemExit) as exit_:
+        main([WORKER])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2
+    assert (
+        err
+        == "ftlaunch: error: environment variable LOGLEVEL='chatty' is not one of debug, info, warning, error, critical\n"
+    )
+
+
+@pytest.mark.parametrize(
+    "variable, value",
+    [
+        ("FTLAUNCH_HEAL_CLAIMS", "maybe"),
+        ("FTLAUNCH_ZYGOTE", "2"),
+        ("FTLAUNCH_QUANTIZE", "3"),
+        ("FTLAUNCH_TIMEOUT", "1h"),
+    ],
+)
+def test_the_workers_environment_is_checked_before_anything_starts(
+    variable: str, value: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from ftlaunch.launcher.cli import main
+
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(SystemExit) as exit_:
+        main([WORKER])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.startswith("ftlaunch: error: "), err
+    assert f"environment variable {variable}='{value}'" in err and len(err.splitlines()) == 1, err
 
 
 @pytest.mark.timeout(120)

@@ -1,8 +1,10 @@
 """The lighthouse dashboard in a real browser: Debian's ``chromium``, headless, against a live
-lighthouse with two groups. Asserts on the DOM after the page's scripts ran (``--dump-dom``), saves
-a screenshot under the test's tmp dir (``FTLAUNCH_DASHBOARD_SCREENSHOT=PATH`` also copies it there:
-docs/dashboard.png is made so), and types a token and clicks Evict through Chromium's DevTools
-protocol (a wrong token is refused, the right one evicts).
+lighthouse with two groups, one of which failed and rejoined. Asserts on the DOM after the page's
+scripts ran (``--dump-dom``): the tables, and the timeline picture (one line per group, the failure
+and the rejoin marked); saves a screenshot under the test's tmp dir
+(``FTLAUNCH_DASHBOARD_SCREENSHOT=PATH`` also copies it there: docs/dashboard.png is made so); watches
+the picture redraw in place as the lighthouse learns more, and types a token and clicks Evict, through
+Chromium's DevTools protocol (a wrong token is refused, the right one evicts).
 
 Chromium is installed with ``apt-get install -y chromium`` when missing and apt-get is usable (root);
 otherwise the test is skipped with the reason.
@@ -88,54 +90,91 @@ def _browser(chromium: str, *args: str, timeout: float = 120) -> subprocess.Comp
         shutil.rmtree(profile, ignore_errors=True)
 
 
-@pytest.fixture
-def live_lighthouse():
-    """A lighthouse with two groups in one quorum, their progress reported, one heal."""
+def _quorum_round(clients: list[LighthouseClient]) -> None:
+    import threading
+
+    answers: dict[int, object] = {}
+    threads = [
+        threading.Thread(target=lambda i=i, c=c: answers.__setitem__(i, c.quorum(QuorumMember(f"rg{i}"), 10)))
+        for i, c in enumerate(clients)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(15)
+    assert len(answers) == len(clients)
+
+
+def _step(c: LighthouseClient, rid: str, session: str, step: int, commits: int, heals: int = 0) -> None:
+    c.set_progress(
+        rid,
+        ProgressReport(
+            session,
+            step=step,
+            commits=commits,
+            heals=heals,
+            heal_seconds=0.125 * heals,
+            step_seconds=0.031,
+            quorum_seconds=0.004,
+            commit_seconds=0.002,
+        ),
+    )
+    c.heartbeat(rid)
+
+
+def _job(steps: int, fail_at: int | None = None, back_at: int | None = None):
+    """A lighthouse with two groups in one quorum reporting ``steps`` steps; from ``fail_at`` rg1 is
+    down (reported failed) while rg0 steps on, and at ``back_at`` it is back in the quorum, healed."""
     with LighthouseServer("127.0.0.1:0", token=TOKEN, expected_replicas=2) as server:
         clients = [LighthouseClient(server.address, connect_timeout=5, token=TOKEN) for _ in range(2)]
         try:
             for i, c in enumerate(clients):
                 c.start_heartbeat(f"rg{i}", 0.2)
-            import threading
-
-            answers: dict[int, object] = {}
-            threads = [
-                threading.Thread(
-                    target=lambda i=i, c=c: answers.__setitem__(i, c.quorum(QuorumMember(f"rg{i}"), 10))
-                )
-                for i, c in enumerate(clients)
-            ]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join(15)
-            assert len(answers) == 2
-            for i, c in enumerate(clients):
-                for step in range(1, 6):
-                    c.set_progress(
-                        f"rg{i}",
-                        ProgressReport(
-                            f"s{i}",
-                            step=step,
-                            commits=step,
-                            heals=i,
-                            heal_seconds=0.125 * i,
-                            step_seconds=0.031,
-                            quorum_seconds=0.004,
-                            commit_seconds=0.002,
-                        ),
-                    )
-                    c.heartbeat(f"rg{i}")
-                    time.sleep(0.05)  # a plausible step rate for the screenshot
-            yield server
+            _quorum_round(clients)
+            for step in range(1, steps + 1):
+                if step == fail_at:
+                    server.report_failure("rg1", "rank 0 (pid 4242) killed by SIGKILL")
+                if step == back_at:
+                    _quorum_round(clients)  # rg1's restart is back in the quorum, healed
+                for i, c in enumerate(clients):
+                    if i == 1 and fail_at is not None and back_at is not None and fail_at <= step < back_at:
+                        continue  # down
+                    if i == 1 and back_at is not None and step >= back_at:
+                        _step(c, "rg1", "s1b", step, commits=step - back_at + 1, heals=1)
+                    else:
+                        _step(c, f"rg{i}", f"s{i}", step, commits=step)
+                time.sleep(0.1)  # a plausible step rate for the picture
+            yield server, clients
         finally:
             for c in clients:
                 c.close()
 
 
-def test_dashboard_in_headless_chromium(chromium, live_lighthouse, tmp_path) -> None:
-    server = live_lighthouse
+@pytest.fixture
+def live_job():
+    """rg1 fails after step 8 while rg0 steps on, and is back 1.2 s later, healed to step 21 (one
+    heal); both go on to step 30: the story the dashboard's picture tells."""
+    yield from _job(30, fail_at=9, back_at=21)
+
+
+@pytest.fixture
+def live_lighthouse():
+    """Two groups at step 5, nothing happened (for the admin endpoints)."""
+    for server, _ in _job(5):
+        yield server
+
+
+def test_dashboard_in_headless_chromium(chromium, live_job, tmp_path) -> None:
+    server, _ = live_job
     url = server.address + "/"
+    # The screenshot first: the picture as the steps just reported left it.
+    shot = tmp_path / "dashboard.png"
+    res = _browser(chromium, f"--screenshot={shot}", "--window-size=1500,900", "--hide-scrollbars", url)
+    assert res.returncode == 0 and shot.exists(), res.stderr[-2000:]
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 10_000
+    target = os.environ.get("FTLAUNCH_DASHBOARD_SCREENSHOT")
+    if target:
+        shutil.copyfile(shot, target)
     dom = _browser(chromium, "--dump-dom", url)
     assert dom.returncode == 0, dom.stderr[-2000:]
     page = dom.stdout
@@ -147,8 +186,8 @@ def test_dashboard_in_headless_chromium(chromium, live_lighthouse, tmp_path) -> 
             html.unescape(re.sub(r"<[^>]+>", "", c)).strip()
             for c in re.findall(r"<td[^>]*>(.*?)</td>", row.group(1), re.S)
         ]
-        assert cells[0] == rid and cells[1] == "live" and cells[2] == "5"  # step: the reports are newer
-        assert cells[3] == "5"  # committed steps, from the progress reports
+        assert cells[0] == rid and cells[1] == "live" and cells[2] == "30"  # step: the reports are newer
+        assert cells[3] == ("30" if rid == "rg0" else "18")  # committed steps, from the progress reports
         assert float(cells[4]) >= 0  # steps/s column
         assert cells[7] == ("0.00 s" if rid == "rg0" else "0.12 s")  # heal time column
         assert re.search(rf"data-action=\"evict\" data-replica=\"{rid}\"", row.group(1))
@@ -165,14 +204,60 @@ def test_dashboard_in_headless_chromium(chromium, live_lighthouse, tmp_path) -> 
     assert "<th>heal time</th>" in page and "<th>steps/s</th>" in page
     # The page's script ran in the browser without breaking the DOM it refreshes.
     assert 'id="live"' in page
+    # The picture, as refreshed in place by the page: a line per group, rg1's failure and rejoin.
+    chart = re.search(r'<div id="timeline">(<svg .*?</svg>)</div>', page, re.S)
+    assert chart, page[:3000]
+    series = re.findall(r'<path class="series" data-line="(\w+)"', chart.group(1))
+    assert series == ["rg0", "rg1"]
+    marks = re.findall(r'<g class="mark [\w ]+" data-kind="(\w+)" data-line="(\w*)"', chart.group(1))
+    assert marks == [("failure", "rg1"), ("rejoin", "rg1")], marks
+    assert re.search(r'<path class="down" data-line="rg1"', chart.group(1))  # its down time
 
-    shot = tmp_path / "dashboard.png"
-    res = _browser(chromium, f"--screenshot={shot}", "--window-size=1500,900", "--hide-scrollbars", url)
-    assert res.returncode == 0 and shot.exists(), res.stderr[-2000:]
-    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 10_000
-    target = os.environ.get("FTLAUNCH_DASHBOARD_SCREENSHOT")
-    if target:
-        shutil.copyfile(shot, target)
+
+def test_the_picture_redraws_in_place_as_the_lighthouse_learns(chromium, live_job) -> None:
+    """What a user watching the page sees: rg0's line grows and its failure appears, without a reload,
+    each mark inside the drawn plot area."""
+    server, clients = live_job
+    tools = _DevTools(chromium)
+    try:
+        target = tools.call("Target.createTarget", {"url": server.address + "/"})["targetId"]
+        session = tools.call("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
+
+        def evaluate(expr: str) -> object:
+            res = tools.call("Runtime.evaluate", {"expression": expr, "returnByValue": True}, session)
+            return res["result"].get("value")
+
+        picture = """(() => {
+            const svg = document.querySelector('#timeline svg');
+            if (!svg || document.readyState !== 'complete') return null;
+            const area = svg.querySelector('rect.plot-area').getBoundingClientRect();
+            const marks = [...svg.querySelectorAll('g.mark')].map(g => {
+                const r = g.getBoundingClientRect(), x = r.left + r.width / 2, y = r.top + r.height / 2;
+                return [g.dataset.kind, g.dataset.line,
+                        x >= area.left - 1 && x <= area.right + 1 && y >= area.top - 1 && y <= area.bottom + 1];
+            });
+            const rg0 = svg.querySelector('path.series[data-line="rg0"]');
+            return {marks, rg0: rg0.getAttribute('d').split('L').length, loaded: window.__loaded = window.__loaded || Date.now()};
+        })()"""
+        deadline = time.monotonic() + 30
+        while (before := evaluate(picture)) is None:
+            assert time.monotonic() < deadline, "the dashboard did not load"
+            time.sleep(0.1)
+        assert before["marks"] == [["failure", "rg1", True], ["rejoin", "rg1", True]], before
+        for step in range(31, 37):
+            _step(clients[0], "rg0", "s0", step, commits=step)
+            time.sleep(0.1)
+        server.report_failure("rg0", "rank 0 (pid 4343) exited with code 1")
+        deadline = time.monotonic() + 15
+        while True:
+            now = evaluate(picture)
+            if now is not None and ["failure", "rg0", True] in now["marks"]:
+                break
+            assert time.monotonic() < deadline, f"the picture did not redraw: {now}"
+            time.sleep(0.2)
+        assert now["rg0"] > before["rg0"] and now["loaded"] == before["loaded"]  # more points, same page
+    finally:
+        tools.close()
 
 
 def test_admin_buttons_endpoints_need_the_token(live_lighthouse) -> None:

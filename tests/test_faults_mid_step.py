@@ -1,4 +1,4 @@
-"""Faults in the middle of things (issue 17, item 4), with real processes.
+"""Faults in the middle of things, with real processes.
 
 A group killed while it heals (as the receiver, and its source), both non-leader groups killed at
 once, a Baby child killed under a training Manager, one rank of a two-rank group SIGSTOPped, and the
@@ -163,7 +163,7 @@ def test_a_baby_child_killed_costs_steps_not_the_worker(
         g.start()
     wait_for(lambda: min(last_step(g) for g in gs) >= 10, 150, "10 steps in every group")
     worker = psutil.Process(gs[1].procs[0].pid)
-    children = [c for c in worker.children() if "_baby_child" in " ".join(c.cmdline())]
+    children = [c for c in worker.children() if "process_group.baby.child" in " ".join(c.cmdline())]
     assert children, f"no Baby child under the worker: {[c.cmdline() for c in worker.children()]}"
     t_kill = time.time()
     for c in children:
@@ -253,7 +253,7 @@ def test_a_sigkilled_supervisor_leaves_no_process_behind(tmp_path: Path) -> None
                 return []
 
         def babies() -> int:
-            return sum(1 for p in tree() if "_baby_child" in " ".join(p.cmdline()))
+            return sum(1 for p in tree() if "process_group.baby.child" in " ".join(p.cmdline()))
 
         wait_for(lambda: babies() >= 4, 150, "4 workers with their Baby children", interval=0.5)
         wait_for(

@@ -1,4 +1,4 @@
-"""Tampered heals under real Managers (issue 17): real processes, the HTTP transport, a real lighthouse.
+"""Tampered heals under real Managers: real processes, the HTTP transport, a real lighthouse.
 
 A source that serves other state than it claimed (valid payload, poisoned weights), and a source
 whose payload is corrupted or cut off on the wire: the healer rejects it (by its source's claim,

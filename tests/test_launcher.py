@@ -9,6 +9,7 @@ import re
 import shutil
 import signal
 import sys
+import xml.etree.ElementTree as ET
 
 import psutil
 import pytest
@@ -25,6 +26,32 @@ def summary_row(stdout: str, group: int) -> list[str]:
         if len(fields) > 2 and fields[0] == "[ftlaunch]" and fields[1] == f"rg{group}":
             return fields[2:]
     raise AssertionError(f"no summary row for rg{group} in:\n{stdout}")
+
+
+def timeline_marks(stdout: str, where: str | None = None) -> list[tuple[str, str, float]]:
+    """The marks of the timeline picture the summary names (kind, group, seconds), checked to sit
+    in ``where`` when given; else in the temporary log directory of a job that succeeded, alone (the
+    worker logs removed), and that directory is removed."""
+    m = re.search(r"^\[ftlaunch\] timeline \(steps per group, failures and rejoins\): (\S+)$", stdout, re.M)
+    assert m, stdout[-3000:]
+    path = m.group(1)
+    try:
+        assert os.path.basename(path) == "timeline.svg" and (where is None or os.path.dirname(path) == where)
+        assert where is not None or os.listdir(os.path.dirname(path)) == ["timeline.svg"]
+        root = ET.parse(path).getroot()
+    finally:
+        if where is None:
+            shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+    svg = "{http://www.w3.org/2000/svg}"
+    assert [p.get("data-line") for p in root.iter(f"{svg}path") if p.get("class") == "series"] == [
+        "rg0",
+        "rg1",
+    ]
+    return [
+        (g.get("data-kind", ""), g.get("data-line", ""), float(g.get("data-t", "nan")))
+        for g in root.iter(f"{svg}g")
+        if g.get("data-kind")
+    ]
 
 
 def test_environment_prefixes_and_summary(tmp_path) -> None:
@@ -81,6 +108,7 @@ def test_environment_prefixes_and_summary(tmp_path) -> None:
     assert summary_row(res.stdout, 0)[:5] == ["succeeded", "3", "3", "0", "0"]
     assert summary_row(res.stdout, 1)[:5] == ["succeeded", "3", "3", "0", "0"]
     assert "2/2 groups ended bit-identical (c0ffee)" in res.stdout
+    assert "timeline" not in res.stdout  # nothing happened: no picture, and the temporary logs are gone
 
 
 def test_failed_group_restarts_alone_and_lighthouse_is_told(tmp_path) -> None:
@@ -164,6 +192,14 @@ def test_root_cause_and_min_replicas_stop_the_job(tmp_path) -> None:
     assert summary_row(res.stdout, 0)[0] == "stopped"
     assert summary_row(res.stdout, 1)[:1] + summary_row(res.stdout, 1)[3:5] == ["failed", "2", "1"]
     assert f"[ftlaunch] logs kept in {tmp_path}" in res.stdout
+    marks = timeline_marks(res.stdout, where=str(tmp_path))  # next to the logs of the --log-dir
+    # Both attempts failed (the restart may commit step 1 first: a rejoin between), then for good.
+    assert [(kind, line) for kind, line, _ in marks if kind != "rejoin"] == [
+        ("failure", "rg1"),
+        ("failure", "rg1"),
+        ("gave_up", "rg1"),
+    ], marks
+    assert marks[-1][0] == "gave_up"
 
 
 def test_chaos_kills_groups_and_training_finishes(tmp_path) -> None:
@@ -209,6 +245,19 @@ def test_chaos_kills_groups_and_training_finishes(tmp_path) -> None:
     assert res.stdout.count("group committed again") == 3
     assert "training finished despite 3 failure(s)" in res.stdout
     assert "2/2 groups ended bit-identical (same)" in res.stdout
+    # The picture, kept after a successful run (its temporary logs removed): each kill on its
+    # victim's line at the time the summary says, then that victim's rejoin.
+    told = re.findall(
+        r"t=(\d+\.\d)s SIGKILL rg(\d) workers at step \d+: group committed again (\d+\.\d)s", res.stdout
+    )
+    marks = timeline_marks(res.stdout)
+    assert len(told) == 3 and sorted(kind for kind, _, _ in marks) == ["failure"] * 3 + ["rejoin"] * 3, marks
+    for at, group, after in told:
+        assert any(
+            k == "failure" and line == f"rg{group}" and abs(t - float(at)) <= 0.06 for k, line, t in marks
+        )
+        back = float(at) + float(after)
+        assert any(k == "rejoin" and line == f"rg{group}" and abs(t - back) <= 0.11 for k, line, t in marks)
 
 
 def test_dead_agent_is_respawned_and_its_workers_killed(tmp_path) -> None:
@@ -240,6 +289,10 @@ def test_dead_agent_is_respawned_and_its_workers_killed(tmp_path) -> None:
     row = summary_row(res.stdout, 1)
     assert row[0] == "succeeded" and row[3:5] == ["1", "1"]
     assert summary_row(res.stdout, 0)[3:5] == ["0", "0"]
+    assert [(kind, line) for kind, line, _ in timeline_marks(res.stdout)] == [
+        ("agent", "rg1"),
+        ("rejoin", "rg1"),
+    ]
 
 
 def test_sigstop_chaos_pauses_a_group_then_it_continues(tmp_path) -> None:
@@ -263,6 +316,9 @@ def test_sigstop_chaos_pauses_a_group_then_it_continues(tmp_path) -> None:
     m = re.search(r"SIGSTOP rg0 workers at step \d+: group committed again (\d+\.\d)s later", res.stdout)
     assert m and float(m.group(1)) >= 1.0, res.stdout  # it really was paused for stop_for
     assert summary_row(res.stdout, 0)[:5] == ["succeeded", "40", "40", "0", "0"]
+    marks = timeline_marks(res.stdout)
+    assert [(kind, line) for kind, line, _ in marks] == [("hang", "rg0"), ("rejoin", "rg0")]
+    assert marks[1][2] - marks[0][2] >= 1.0
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])

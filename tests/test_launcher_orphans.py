@@ -1,4 +1,4 @@
-"""An agent whose supervisor dies ends its whole tree at once, stopped workers included (issue 17).
+"""An agent whose supervisor dies ends its whole tree at once, stopped workers included.
 
 ``PR_SET_PDEATHSIG`` hands the agent a SIGTERM, which starts torchelastic's graceful stop: SIGTERM to
 the workers, SIGKILL 30 s later. A SIGSTOPped worker cannot act on its SIGTERM, so it used to outlive

@@ -1,4 +1,4 @@
-"""Stopped workers: the agent reports them, ``--kill-stopped`` kills them (issue 17, soak goodput).
+"""Stopped workers: the agent reports them, ``--kill-stopped`` kills them (soak goodput).
 
 The soak found survivors blocked for ``stop_for`` seconds by every SIGSTOPped group (18 of 30 lost
 seconds). The agent's watcher sees a worker stopped (``waitid(WSTOPPED)``, consumed without reaping,

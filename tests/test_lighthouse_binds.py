@@ -1,5 +1,5 @@
 """Where a lighthouse listens and how torchft spells it: v4, v6 and dual-stack binds, each reachable at
-the address it advertises, and torchft's ``LighthouseServer`` form (issue 16)."""
+the address it advertises, and torchft's ``LighthouseServer`` form."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The O(1) fast-quorum pre-check (`may_form` with the membership's ``prev_missing``): it must decide
-exactly as the scan it replaces, whatever requests come and go (issue 17 item 6: the scan made a
+exactly as the scan it replaces, whatever requests come and go (the scan made a
 round of N requests O(N^2) with the default ``min_replicas=1``)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The lighthouse against hostile or broken clients (issue 17): every resource a client can make it
+"""The lighthouse against hostile or broken clients: every resource a client can make it
 spend is bounded -- JSON depth, log volume, groups tracked, connections -- and the real groups keep
 being served meanwhile. Each test failed before its fix."""
 

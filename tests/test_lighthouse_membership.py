@@ -272,7 +272,7 @@ def test_ids_increase_across_memberships_of_one_process() -> None:
     assert ids == sorted(set(ids))
 
 
-# ------------------------------------------------------------------ hostile or broken groups (issue 17)
+# ------------------------------------------------------------------ hostile or broken groups
 
 
 def test_ids_that_never_joined_a_quorum_are_forgotten_once_gone() -> None:
@@ -296,7 +296,7 @@ def test_ids_that_never_joined_a_quorum_are_forgotten_once_gone() -> None:
 
 
 def test_the_tick_looks_for_ids_to_forget_once_a_second(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Issue 17 item 6: the look walks every id; with 1024 groups it ran every 0.1 s tick for ids
+    """the look walks every id; with 1024 groups it ran every 0.1 s tick for ids
     that are forgotten a minute after they went away at the earliest."""
     from ftlaunch.lighthouse.membership import FORGET_CHECK_EVERY
 

@@ -291,3 +291,58 @@ def test_admin_kill_kills_the_group_leaders_process() -> None:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+
+
+def test_each_groups_step_over_time_is_kept_and_served() -> None:
+    """The dashboard's picture: (wall time, step) per group, flat through a death, in ``/status``."""
+    m, clock = make()
+    for step in range(1, 5):
+        clock.now += 0.5
+        m.heartbeat("a", rep("s1", step))
+    clock.now += 10  # a dies; its restart heals to step 30
+    m.heartbeat("a", rep("s2", 30, commits=1, heals=1))
+    # A point a second at most (the latest report shown too), flat through the silence, then the jump.
+    assert progress(m, "a").timeline == (
+        (1000.5, 1),
+        (1001.0, 2),
+        (1001.5, 3),
+        (1002.0, 4),
+        (1012.0, 4),
+        (1012.0, 30),
+    )
+    clock.now += 0.1
+    m.heartbeat("a", rep("s2", 31, commits=2, heals=1))
+    clock.now += 0.1
+    m.heartbeat("a", rep("s2", 32, commits=3, heals=1))  # within the second: waits as the latest
+    assert progress(m, "a").timeline[-2:] == ((1012.0, 30), (1012.2, 32))
+    status = m.snapshot()
+    assert LighthouseStatus.from_json(status.to_json()) == status
+    assert status.to_json()["progress"][0]["timeline"][-1] == [1012.2, 32]
+    with pytest.raises(ValueError, match="timeline"):
+        LighthouseStatus.from_json(
+            {**status.to_json(), "progress": [{"replica_id": "a", "timeline": [[1, 2, 3]]}]}
+        )
+
+
+def test_a_job_of_many_groups_keeps_fewer_points_per_group() -> None:
+    from ftlaunch.lighthouse.progress import TIMELINE_POINTS, ProgressBook, timeline_points
+
+    assert [timeline_points(n) for n in (1, 128, 129, 256, 257, 512, 513, 4096)] == [
+        64,
+        64,
+        32,
+        32,
+        16,
+        16,
+        8,
+        8,
+    ]
+    book = ProgressBook()
+    for step in range(1, 200):
+        for g in range(300):  # 300 groups: 16 points each (+ the latest report)
+            book.report(f"g{g}", rep(f"s{g}", step * (1 + step % 3)), wall=float(step))
+    assert max(len(p.timeline) for p in book.snapshot(300.0)) <= 17
+    small = ProgressBook()
+    for step in range(1, 200):
+        small.report("a", rep("s", step * (1 + step % 3)), wall=float(step))
+    assert TIMELINE_POINTS // 2 <= len(small.snapshot(300.0)[0].timeline) <= TIMELINE_POINTS + 1

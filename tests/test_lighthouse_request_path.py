@@ -1,4 +1,4 @@
-"""The quorum request path's shortcuts (issue 17 item 6) decide exactly as the long ways they skip."""
+"""The quorum request path's shortcuts decide exactly as the long ways they skip."""
 
 from __future__ import annotations
 
@@ -66,7 +66,7 @@ def test_collect_less_freezes_and_raises_the_threshold_in_its_process_only() -> 
     assert gc.get_threshold() != GC_THRESHOLDS  # importing the server changed nothing here
 
 
-# ---- the lean request path (issue 17 item 6, third pass): each shortcut reads what the long way reads
+# ---- the lean request path: each shortcut reads what the long way reads
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""A lighthouse that dies and comes back (issue 17, item 3).
+"""A lighthouse that dies and comes back.
 
 In one process: the restarted lighthouse's adoption of the groups' resume reports
 (`Membership.adopt_resume_report`, hand-driven clock), and the leader's `OutageTolerantClient`
@@ -15,6 +15,7 @@ import time
 
 import pytest
 
+from ftlaunch import env
 from ftlaunch.errors import ConfigurationError, LighthouseUnavailableError, QuorumTimeoutError
 from ftlaunch.lighthouse.client import LighthouseClient
 from ftlaunch.lighthouse.membership import Membership
@@ -26,7 +27,7 @@ from ftlaunch.lighthouse.quorum import (
     QuorumOptions,
     decode_quorum_id,
 )
-from ftlaunch.lighthouse.reconnect import OutageTolerantClient, outage_timeout_from_env, resume_report
+from ftlaunch.lighthouse.reconnect import OutageTolerantClient, resume_report
 from ftlaunch.lighthouse.server import LighthouseServer
 
 
@@ -203,7 +204,7 @@ def test_the_client_waits_out_an_outage_and_then_reports_its_last_quorum() -> No
 def test_before_the_first_quorum_an_unreachable_lighthouse_fails_at_once() -> None:
     """A wrong address must not look like an outage: nothing to ride out yet."""
     inner = ScriptedClient(down=1)
-    with pytest.raises(LighthouseUnavailableError):
+    with pytest.raises(LighthouseUnavailableError, match="No lighthouse has answered there: start one"):
         OutageTolerantClient(inner, outage_timeout=600).quorum(QuorumMember("rg0"), timeout=5.0)
     assert len(inner.requests) == 1
 
@@ -253,14 +254,17 @@ def test_close_ends_a_wait_in_progress() -> None:
 
 def test_outage_timeout_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("FTLAUNCH_LIGHTHOUSE_OUTAGE", raising=False)
-    assert outage_timeout_from_env() == 300.0
+    assert env.WorkerEnv.from_environ().lighthouse_outage == 300.0
     monkeypatch.setenv("FTLAUNCH_LIGHTHOUSE_OUTAGE", "2m")
-    assert outage_timeout_from_env() == 120.0
-    assert outage_timeout_from_env(7) == 7.0
-    for bad in ("soon", "-5"):
+    assert env.WorkerEnv.from_environ().lighthouse_outage == 120.0
+    assert OutageTolerantClient(ScriptedClient(down=0), 7).outage_timeout == 7.0
+    for bad in ("soon", "-5", "inf", "25h"):
         monkeypatch.setenv("FTLAUNCH_LIGHTHOUSE_OUTAGE", bad)
-        with pytest.raises(ConfigurationError):
-            outage_timeout_from_env()
+        with pytest.raises(ConfigurationError, match="FTLAUNCH_LIGHTHOUSE_OUTAGE"):
+            env.WorkerEnv.from_environ()
+    for value in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ConfigurationError, match="lighthouse outage timeout"):
+            OutageTolerantClient(ScriptedClient(down=0), value)
 
 
 # ------------------------------------------------------------------ over real sockets

@@ -1,4 +1,4 @@
-"""Training through a lighthouse that dies (issue 17, item 3), with real processes.
+"""Training through a lighthouse that dies, with real processes.
 
 A standalone ``ftlaunch-lighthouse`` process serves ``ftlaunch --lighthouse ADDR`` with three groups
 of scripts/train_ddp.py. Mid-run the lighthouse is killed (SIGKILL, or SIGTERM: it answers its parked

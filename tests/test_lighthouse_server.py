@@ -177,7 +177,7 @@ def test_dashboard_escapes_client_supplied_text(server):
 
 def test_fast_quorum_is_event_driven_not_tick_driven(make_server):
     # A tick of 120 s never fires during this test: every quorum must come from request arrival.
-    s = make_server(quorum_tick=120.0, min_replicas=2)
+    s = make_server(quorum_tick=60.0, min_replicas=2)
     client = LighthouseClient(s.address)
     ids = []
     for step in range(5):
@@ -193,7 +193,7 @@ def test_fast_quorum_is_event_driven_not_tick_driven(make_server):
 
 
 def test_membership_change_and_commit_failures_change_the_id(make_server):
-    s = make_server(quorum_tick=120.0)
+    s = make_server(quorum_tick=60.0)
     client = LighthouseClient(s.address)
     q1 = client.quorum(QuorumMember("a"), 10)
     res = ask_all(client, [QuorumMember("a"), QuorumMember("b")])  # b joins: every live group asks
@@ -260,7 +260,7 @@ def test_heartbeat_expiry_unblocks_the_quorum(make_server):
 
 
 def test_shrink_only_keeps_new_groups_out(make_server):
-    s = make_server(quorum_tick=120.0)
+    s = make_server(quorum_tick=60.0)
     client = LighthouseClient(s.address)
     q1 = ask_all(client, [QuorumMember("a"), QuorumMember("b")])["a"]
     res = ask_all(client, [QuorumMember("a", shrink_only=True), QuorumMember("b")], timeout=20)
@@ -306,7 +306,7 @@ def test_superseded_request_gets_409(make_server):
 
 
 def test_a_replica_id_is_held_by_one_incarnation(make_server):
-    """Issue 17: a second process using a live group's id cannot push its parked request out (409 for
+    """a second process using a live group's id cannot push its parked request out (409 for
     the newcomer, not the holder), beat for it or make it leave; once the holder is gone, it may."""
     s = make_server(min_replicas=2)
     holder, other = LighthouseClient(s.address), LighthouseClient(s.address)
@@ -386,7 +386,7 @@ def test_closing_the_last_bound_connection_marks_disconnected_at_once(server):
 
 
 def test_disconnect_of_a_straggler_wakes_waiters(make_server):
-    s = make_server(join_timeout=60.0, quorum_tick=120.0)
+    s = make_server(join_timeout=60.0, quorum_tick=60.0)
     sock = _bound_connection(s, "c")
     client = LighthouseClient(s.address)
     client.heartbeat("a")
@@ -537,7 +537,7 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 )
 @pytest.mark.parametrize(("headers", "code"), [({}, 401), ({"Authorization": "Bearer nope"}, 403)])
 def test_every_group_request_needs_the_token(token_server, path, body, headers, code):
-    """Issue 17: without the job token a client can neither join, beat, leave nor evict: 401/403, and
+    """without the job token a client can neither join, beat, leave nor evict: 401/403, and
     nothing changes (the real group stays, no invented id appears, no quorum forms)."""
     server = token_server
     ok, _, _ = request(server, "POST", "/heartbeat", {"replica_id": "a"}, AUTH)
@@ -746,7 +746,7 @@ def test_http10_and_connection_close_clients_get_their_quorum(server):
 def test_a_dead_process_with_a_parked_and_a_heartbeat_connection(make_server):
     """Both bound connections of a process close together, in whatever order the loop sees them:
     the parked request is withdrawn and the group is disconnected once, at once."""
-    s = make_server(min_replicas=2, quorum_tick=120.0)
+    s = make_server(min_replicas=2, quorum_tick=60.0)
     beat = _bound_connection(s, "a")
     host, port = parse_host_port(s.address)
     parked = socket.create_connection((host, port), timeout=10)

@@ -1,4 +1,4 @@
-"""A full log disk (issue 17): training goes on, the failure is reported once, nothing crashes.
+"""A full log disk: training goes on, the failure is reported once, nothing crashes.
 
 Real ENOSPC each time: ``/dev/full`` for a stream (every write fails with ENOSPC), and a tiny
 tmpfs under ``ftlaunch --log-dir`` that the test fills while the job trains (skipped where this
@@ -66,13 +66,13 @@ def test_a_guarded_stream_drops_what_a_full_disk_refuses_and_says_so_once_it_can
 
 
 def test_a_worker_whose_stdout_is_a_full_disk_trains_on(tmp_path: Path) -> None:
-    """Through `ftlaunch.prestart` (how the launcher runs every Python worker), a script that
+    """Through `ftlaunch.bootstrap.prestart` (how the launcher runs every Python worker), a script that
     prints to /dev/full (every write: ENOSPC) runs to its end and exits 0."""
     script = "import sys\nfor i in range(200): print('step', i, flush=True)\nsys.stderr.write('done\\n')\n"
     env = {**os.environ, "FTLAUNCH_BACKEND": "nccl"}  # no Baby child needed here
     with open("/dev/full", "w") as full:
         done = subprocess.run(
-            [sys.executable, "-u", "-m", "ftlaunch.prestart", "-c-unused"],
+            [sys.executable, "-u", "-m", "ftlaunch.bootstrap.prestart", "-c-unused"],
             stdout=full,
             stderr=subprocess.PIPE,
             env=env,
@@ -84,7 +84,7 @@ def test_a_worker_whose_stdout_is_a_full_disk_trains_on(tmp_path: Path) -> None:
         path = tmp_path / "full_disk_script.py"
         path.write_text(script)
         ok = subprocess.run(
-            [sys.executable, "-u", "-m", "ftlaunch.prestart", str(path)],
+            [sys.executable, "-u", "-m", "ftlaunch.bootstrap.prestart", str(path)],
             stdout=full,
             stderr=full,
             env=env,

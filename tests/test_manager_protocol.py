@@ -868,9 +868,30 @@ def test_shutdown_leaves_the_lighthouse_and_releases_everything(make: Callable[.
         g.m.start_quorum()
 
 
+def test_the_settings_ftlaunch_init_hands_down_are_not_read_again(
+    make: Callable[..., Group], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``ftlaunch.init`` reads `env.WorkerEnv` once and passes it: the Manager then reads no variable
+    of it (a malformed one here would raise if it did)."""
+    monkeypatch.setenv(env.FTLAUNCH_HEAL_CLAIMS, "maybe")
+    lighthouse = ScriptedLighthouse(in_step(1, "rg1"))
+    g = make(lighthouse, init_sync=False, worker_env=env.WorkerEnv(heal_claims=False, outage_steps=False))
+    assert g.step()[0] and "claim" not in lighthouse.asked[0].data
+    assert not g.m._outage.enabled
+
+
+@pytest.mark.parametrize("interval", [0, 1e-9, float("nan"), float("inf"), timedelta(hours=1)])
+def test_the_heartbeat_interval_is_bounded(make: Callable[..., Group], interval: object) -> None:
+    """A heartbeat every nanosecond would flood the lighthouse; ``inf`` would never beat."""
+    with pytest.raises(
+        ConfigurationError, match=r"heartbeat_interval=.* is out of range: use a duration of 10 ms to 60 s"
+    ):
+        make(ScriptedLighthouse(in_step(1)), heartbeat_interval=interval)
+
+
 def test_heal_claims_can_be_turned_off(make: Callable[..., Group], monkeypatch: pytest.MonkeyPatch) -> None:
     """No checksum, but the snapshot is taken and served all the same."""
-    monkeypatch.setenv(env.FTLAUNCH_HEAL_CLAIMS, "0")
+    monkeypatch.setenv(env.FTLAUNCH_HEAL_CLAIMS, "false")  # any flag spelling: "0" and "false" alike
     lighthouse = ScriptedLighthouse(quorum(1, peer("rg1", 0)))
     g = make(lighthouse, init_sync=False)
     g.m.load_state_dict({"step": 5, "batches_committed": 9})

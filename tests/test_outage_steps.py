@@ -22,7 +22,7 @@ from ftlaunch.lighthouse.membership import ImplausibleStep, Membership
 from ftlaunch.lighthouse.protocol import RESUME_KEY
 from ftlaunch.lighthouse.quorum import Quorum, QuorumIdAllocator, QuorumMember, QuorumOptions
 from ftlaunch.lighthouse.reconnect import OutageTolerantClient
-from ftlaunch.worker.outage import LastQuorumSteps, after_heal, enabled_from_env, healthy
+from ftlaunch.worker.outage import LastQuorumSteps, after_heal, healthy
 from ftlaunch.worker.plan import plan_step
 from ftlaunch.worker.recovery import MANAGER_STATE_KEY
 
@@ -224,8 +224,8 @@ def test_a_failed_fallback_step_ends_the_fallback(make: Callable[..., Group]) ->
 
 
 def test_the_switch_turns_it_off(make: Callable[..., Group], monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(env.FTLAUNCH_OUTAGE_STEPS, "0")
-    assert not enabled_from_env()
+    monkeypatch.setenv(env.FTLAUNCH_OUTAGE_STEPS, "off")  # read by the Manager built below
+    assert not env.WorkerEnv.from_environ().outage_steps
     _, client = behind_outage_client(in_step(1, "rg1"), DOWN)
     g = make(client, init_sync=False)
     assert g.step()[0]
@@ -233,7 +233,7 @@ def test_the_switch_turns_it_off(make: Callable[..., Group], monkeypatch: pytest
     with pytest.raises(LighthouseUnavailableError):
         g.m.allreduce(torch.ones(1))
     monkeypatch.setenv(env.FTLAUNCH_OUTAGE_STEPS, "1")
-    assert enabled_from_env()
+    assert env.WorkerEnv.from_environ().outage_steps
 
 
 def test_only_a_complete_quorum_of_up_to_date_groups_is_healthy() -> None:

@@ -169,7 +169,7 @@ def test_groups_without_a_layout_are_not_compared() -> None:
     assert all(plan_step(q, r).layout_conflict is None for r in ("rg0", "rg1", "rg2"))
 
 
-# ---- heal claims (issue 17: heal sources must agree on a checksum of their state) -------------------
+# ---- heal claims (heal sources must agree on a checksum of their state) -------------------
 
 
 def claimed(

@@ -1,6 +1,6 @@
-"""Issue 11, item 3: the worker imports torch once and forks its Baby child (`ftlaunch.prestart.fork`).
+"""the worker imports torch once and forks its Baby child (`ftlaunch.bootstrap.prestart.fork`).
 
-Real processes throughout: ``python -m ftlaunch.prestart SCRIPT`` as the launcher runs a worker.
+Real processes throughout: ``python -m ftlaunch.bootstrap.prestart SCRIPT`` as the launcher runs a worker.
 
 - the child is a fork (same executable image, no second interpreter start), adopted by the first
   ``ProcessGroupBabyGloo``, and runs collectives;
@@ -28,7 +28,7 @@ from ftlaunch import env, phases
 PROBE = """
 import json, os, sys, threading, time
 had_torch = "torch" in sys.modules  # what the script finds when it starts
-from ftlaunch import prestart
+from ftlaunch.bootstrap import prestart
 if sys.argv[1] == "thread":  # a thread is alive: a fork must be refused
     stop = threading.Event()
     threading.Thread(target=stop.wait, daemon=True).start()
@@ -81,7 +81,7 @@ def run_probe(tmp_path: Path, mode: str, **extra_env: str) -> tuple[dict, list[d
     log = tmp_path / f"phases_{mode}.jsonl"
     run_env = {**os.environ, env.FTLAUNCH_BACKEND: "", "CUDA_VISIBLE_DEVICES": "",
                env.FTLAUNCH_PHASE_LOG: str(log), **extra_env}  # fmt: skip
-    res = subprocess.run([sys.executable, "-u", "-m", "ftlaunch.prestart", str(script), mode],
+    res = subprocess.run([sys.executable, "-u", "-m", "ftlaunch.bootstrap.prestart", str(script), mode],
                          capture_output=True, text=True, timeout=150, env=run_env, cwd=tmp_path)  # fmt: skip
     assert res.returncode == 0, res.stderr
     return json.loads(res.stdout.strip().splitlines()[-1]), phases.read(log)
@@ -92,8 +92,8 @@ def test_the_worker_imports_torch_once_and_forks_its_baby_child(tmp_path: Path) 
     out, recs = run_probe(tmp_path, "plain")
     assert out["had_torch"]  # imported before the script ran: the script's own import is free
     assert out["kind"] == "ForkedChild"
-    # A fork runs the worker's image: the same command line, not `python -m ..._baby_child`.
-    assert "ftlaunch.process_group._baby_child" not in out["child_cmdline"]
+    # A fork runs the worker's image: the same command line, not `python -m ...baby.child`.
+    assert "ftlaunch.process_group.baby.child" not in out["child_cmdline"]
     assert out["child_cmdline"][1:3] == ["-u", "-m"]
     assert out["adopted"] == out["early"]
     assert out["sum"] == [3.0] * 4  # the forked child runs the collective
@@ -130,7 +130,7 @@ def test_a_fork_is_refused_while_another_thread_runs(tmp_path: Path) -> None:
     # FTLAUNCH_BACKEND=gloo: prestart starts nothing early; the probe then tries a fork itself.
     out, recs = run_probe(tmp_path, "thread", **{env.FTLAUNCH_BACKEND: "gloo"})
     assert out["kind"] == "Popen"  # the fork was refused: an interpreter of its own instead
-    assert "ftlaunch.process_group._baby_child" in out["child_cmdline"]
+    assert "ftlaunch.process_group.baby.child" in out["child_cmdline"]
     assert out["sum"] == [3.0] * 4
     refused = [r for r in recs if r["phase"] == "baby_child_fork_refused"]
     assert len(refused) == 1 and refused[0]["threads"] >= 2
@@ -142,7 +142,7 @@ def test_a_fork_is_refused_while_another_thread_runs(tmp_path: Path) -> None:
 def test_opting_out_starts_the_child_as_its_own_interpreter(tmp_path: Path) -> None:
     out, _ = run_probe(tmp_path, "plain", **{env.FTLAUNCH_PRESTART_FORK: "0"})
     assert not out["had_torch"] and out["kind"] == "Popen"
-    assert "ftlaunch.process_group._baby_child" in out["child_cmdline"]
+    assert "ftlaunch.process_group.baby.child" in out["child_cmdline"]
     assert out["sum"] == [3.0] * 4 and not out["child_alive_after_shutdown"]
 
 
@@ -151,7 +151,7 @@ def test_a_killed_worker_leaves_no_forked_child(tmp_path: Path) -> None:
     script = tmp_path / "probe.py"
     script.write_text(PROBE)
     run_env = {**os.environ, env.FTLAUNCH_BACKEND: "", "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.Popen([sys.executable, "-u", "-m", "ftlaunch.prestart", str(script), "sleep"],
+    proc = subprocess.Popen([sys.executable, "-u", "-m", "ftlaunch.bootstrap.prestart", str(script), "sleep"],
                             stdout=subprocess.PIPE, text=True, env=run_env, cwd=tmp_path)  # fmt: skip
     try:
         assert proc.stdout is not None

@@ -522,11 +522,11 @@ class _FailingWork(dist.Work):
         self._pg = pg
 
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:
-        raise self._pg._record_error("allreduce", RuntimeError("Connection closed by peer"))
+        raise self._pg._failures.record("allreduce", RuntimeError("Connection closed by peer"))
 
     def get_future(self) -> torch.futures.Future:
         fut: torch.futures.Future = torch.futures.Future()
-        fut.set_exception(self._pg._record_error("allreduce", RuntimeError("Connection closed by peer")))
+        fut.set_exception(self._pg._failures.record("allreduce", RuntimeError("Connection closed by peer")))
         return fut
 
 

@@ -40,7 +40,7 @@ from ftlaunch.process_group import (
     ReconfigureOptions,
     reconfigure_with_store,
 )
-from ftlaunch.process_group.baby import _BabyWork, _BabyWorkNCCL
+from ftlaunch.process_group.baby import BabyWork, BabyWorkNCCL
 from ftlaunch.process_group.fake import FakeProcessGroup
 from ftlaunch.process_group.reconfigure import NativeReconfigureOptions, decode_handle, rendezvous_of
 
@@ -366,9 +366,9 @@ def test_torchft_construction_forms() -> None:
     assert gloo.allreduce([torch.ones(1)]).wait()
     w = ProcessGroupWrapper(timedelta(seconds=7))  # torchft today: the timeout comes first
     assert w._timeout == timedelta(seconds=7) and w.parent is None
-    assert ProcessGroupBaby.WORK_CLASS is _BabyWork
-    assert ProcessGroupBabyGloo.WORK_CLASS is _BabyWork
-    assert ProcessGroupBabyNCCL.WORK_CLASS is _BabyWorkNCCL
+    assert ProcessGroupBaby.WORK_CLASS is BabyWork
+    assert ProcessGroupBabyGloo.WORK_CLASS is BabyWork
+    assert ProcessGroupBabyNCCL.WORK_CLASS is BabyWorkNCCL
     assert issubclass(ProcessGroupBabyNCCL.WORK_CLASS, dist.Work)
 
 

@@ -34,7 +34,7 @@ def lighthouse_row(stdout: str, group: int) -> list[str]:
 
 
 def test_summary_of_a_script_that_prints_nothing_comes_from_the_lighthouse() -> None:
-    """Also issue 15 item 8: the first quorum waits for both announced groups, so the job has one
+    """Also the first quorum waits for both announced groups, so the job has one
     quorum id from start to end (the first group no longer trains alone until the second joins)."""
     res = run([*FTLAUNCH, "--replicas", "2", SILENT, "--steps", "12"], timeout=200)
     assert res.returncode == 0, res.stderr

@@ -1,4 +1,4 @@
-"""Progress-based hang detection (issue 17, item 4): a group whose training thread hangs while its
+"""Progress-based hang detection: a group whose training thread hangs while its
 heartbeat thread keeps beating is noticed from its step calls (ftlaunch.worker.watchdog)."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from ftlaunch import env
 from ftlaunch.errors import ConfigurationError
 from ftlaunch.lighthouse.server import LighthouseServer
 from ftlaunch.worker.watchdog import ProgressWatchdog, progress_timeout
@@ -58,15 +59,21 @@ def test_waiting_for_a_quorum_is_not_a_hang() -> None:
 
 
 def test_progress_timeout_default_env_and_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    def limit() -> float:
+        return progress_timeout(60.0, env.WorkerEnv.from_environ().progress_timeout)
+
     monkeypatch.delenv("FTLAUNCH_PROGRESS_TIMEOUT", raising=False)
-    assert progress_timeout(60.0) == 90.0
+    assert limit() == 90.0
     monkeypatch.setenv("FTLAUNCH_PROGRESS_TIMEOUT", "2m")
-    assert progress_timeout(60.0) == 120.0
+    assert limit() == 120.0
     monkeypatch.setenv("FTLAUNCH_PROGRESS_TIMEOUT", "0")
-    assert progress_timeout(60.0) == 0.0
-    monkeypatch.setenv("FTLAUNCH_PROGRESS_TIMEOUT", "later")
-    with pytest.raises(ConfigurationError):
-        progress_timeout(60.0)
+    assert limit() == 0.0
+    for bad in ("later", "0.001", "-1", "inf"):  # 1 ms would make a healthy leader leave every step
+        monkeypatch.setenv("FTLAUNCH_PROGRESS_TIMEOUT", bad)
+        with pytest.raises(ConfigurationError, match="FTLAUNCH_PROGRESS_TIMEOUT"):
+            limit()
+    with pytest.raises(ConfigurationError, match="progress timeout"):
+        progress_timeout(60.0, float("nan"))
 
 
 def test_a_thread_watchdog_fires_and_close_stops_it() -> None:

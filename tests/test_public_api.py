@@ -14,12 +14,44 @@ def test_every_public_name_resolves() -> None:
 
 
 def test_torchft_style_imports() -> None:
+    """torchft's names are the real classes, with the shapes torchft code relies on."""
+    import inspect
+
+    import torch
+
     from ftlaunch import DistributedDataParallel, Manager, Optimizer, ProcessGroupBabyGloo, ProcessGroupGloo
 
-    assert Manager.__name__ == "Manager"
+    # torchft's Manager constructor, keyword for keyword (scripts pass them by name).
+    torchft_manager_params = {
+        "pg",
+        "load_state_dict",
+        "state_dict",
+        "min_replica_size",
+        "use_async_quorum",
+        "timeout",
+        "quorum_timeout",
+        "connect_timeout",
+        "rank",
+        "world_size",
+        "world_size_mode",
+        "store_addr",
+        "store_port",
+        "lighthouse_addr",
+        "replica_id",
+        "port",
+        "hostname",
+        "heartbeat_interval",
+        "checkpoint_transport",
+        "init_sync",
+        "max_retries",
+    }
+    missing = torchft_manager_params - set(inspect.signature(Manager).parameters)
+    assert not missing, f"Manager lacks torchft's parameters {sorted(missing)}"
     assert issubclass(ProcessGroupGloo, ftlaunch.ProcessGroup)
     assert issubclass(ProcessGroupBabyGloo, ftlaunch.ProcessGroup)
-    assert DistributedDataParallel and Optimizer
+    assert issubclass(ProcessGroupGloo, torch.distributed.ProcessGroup)  # torch APIs accept it
+    assert issubclass(DistributedDataParallel, torch.nn.parallel.DistributedDataParallel)
+    assert issubclass(Optimizer, torch.optim.Optimizer)
 
 
 def test_unknown_attribute_is_an_attribute_error() -> None:

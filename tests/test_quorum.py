@@ -464,7 +464,7 @@ def test_property_may_form_is_a_necessary_condition(scenario):
         assert may_form(s, NOW, opts)
 
 
-# -- rule 5: the first quorum waits for the groups the launcher announced (issue 15 item 8)
+# -- rule 5: the first quorum waits for the groups the launcher announced
 
 ANNOUNCED = QuorumOptions(min_replicas=1, join_timeout=10.0, heartbeat_timeout=5.0, expected_replicas=2)
 

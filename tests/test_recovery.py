@@ -1,10 +1,10 @@
-"""Issue 11: a (re)starting group costs its peers nothing, and its start-up is measurable.
+"""a (re)starting group costs its peers nothing, and its start-up is measurable.
 
 - `ProcessGroup.wait_ready` on each backend (Baby: the child serves; the others: no-op);
 - the Manager asks the lighthouse -- and starts beating, which counts it as live -- only once every
   rank of its group is ready (fakes, one process);
 - the opt-in phase log (`ftlaunch.phases`);
-- `ftlaunch.prestart` runs a script as ``python`` would and hands its early Baby child over;
+- `ftlaunch.bootstrap.prestart` runs a script as ``python`` would and hands its early Baby child over;
 - real processes and a SIGKILL: a survivor keeps committing while the restarted group's Baby child
   is (artificially) slow to start.
 """
@@ -132,7 +132,7 @@ def test_baby_nccl_wait_ready_without_cuda_refuses() -> None:
 
 
 def test_baby_wait_ready_reports_a_child_that_cannot_start(monkeypatch: pytest.MonkeyPatch) -> None:
-    from ftlaunch import prestart
+    from ftlaunch.bootstrap import prestart
 
     monkeypatch.setattr(prestart, "CHILD_ARGV", ["-c", "import sys; sys.exit(3)"])
     pg = ProcessGroupBabyGloo(timeout=5.0)
@@ -235,11 +235,11 @@ def test_phase_log_records_the_start_up_in_order_and_stops_after_the_first_commi
     assert started == pytest.approx(psutil.Process().create_time(), abs=2.0)  # psutil rounds the boot time
 
 
-# ------------------------------------------------------------------------------ ftlaunch.prestart
+# ------------------------------------------------------------------------------ ftlaunch.bootstrap.prestart
 
 PRESTART_PROBE = """
 import json, os, sys
-from ftlaunch import prestart
+from ftlaunch.bootstrap import prestart
 early = prestart._started.get("gloo")
 out = {"name": __name__, "argv": sys.argv, "path0": sys.path[0], "early": early[0].pid if early else None}
 if early:
@@ -264,7 +264,7 @@ def test_prestart_runs_the_script_as_python_would_and_hands_its_child_over(
     script.write_text(PRESTART_PROBE)
     run_env = {**os.environ, env.FTLAUNCH_BACKEND: backend, "CUDA_VISIBLE_DEVICES": ""}
     res = subprocess.run(
-        [sys.executable, "-u", "-m", "ftlaunch.prestart", str(script), "a", "--b"],
+        [sys.executable, "-u", "-m", "ftlaunch.bootstrap.prestart", str(script), "a", "--b"],
         capture_output=True,
         text=True,
         timeout=150,
@@ -283,7 +283,7 @@ def test_prestart_runs_the_script_as_python_would_and_hands_its_child_over(
         )
     # -m MODULE: run as `python -m` would
     res = subprocess.run(
-        [sys.executable, "-m", "ftlaunch.prestart", "-m", "pkg.probe", "x"],
+        [sys.executable, "-m", "ftlaunch.bootstrap.prestart", "-m", "pkg.probe", "x"],
         capture_output=True,
         text=True,
         timeout=150,
@@ -303,9 +303,9 @@ def test_prestart_runs_the_script_as_python_would_and_hands_its_child_over(
 def test_survivor_keeps_committing_while_a_restarted_group_is_slow_to_start(
     tmp_path: Path, groups: list[Any]
 ) -> None:
-    """The restarted group's Baby child sleeps 4 s before importing torch. Before issue 11 the
-    survivor stalled that long (first in the lighthouse's split-brain wait for the live, silent
-    joiner, then in the configure with it). Now it keeps committing until the joiner is ready,
+    """The restarted group's Baby child sleeps 4 s before importing torch. The
+    survivor must not stall that long (in the lighthouse's split-brain wait for a live, silent
+    joiner, or in the configure with it): it keeps committing until the joiner is ready,
     and the two end bit-identical."""
     from ftlaunch.lighthouse.server import LighthouseServer
     from tests.mp_harness import Group
@@ -341,11 +341,11 @@ def test_the_launcher_runs_python_workers_through_prestart_and_other_programs_as
 
     py = sys.executable
     assert _worker_args(LaunchOptions(py, ["-u", "train.py", "--x"])) == [
-        "-u", "-m", "ftlaunch.prestart", "train.py", "--x"]  # fmt: skip
+        "-u", "-m", "ftlaunch.bootstrap.prestart", "train.py", "--x"]  # fmt: skip
     assert _worker_args(LaunchOptions(py, ["-u", "-m", "pkg.train"])) == [
         "-u",
         "-m",
-        "ftlaunch.prestart",
+        "ftlaunch.bootstrap.prestart",
         "-m",
         "pkg.train",
     ]

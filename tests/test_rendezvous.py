@@ -34,7 +34,20 @@ def _params(conf: dict, endpoint: str = "127.0.0.1:1", max_nodes: int = 1) -> Re
         ({"replica_group_id": "0", "num_replica_groups": "0"}, "num_replica_groups=0 must be >= 1"),
         ({"replica_group_id": "0", "num_replica_groups": "1", "colour": "red"}, "unknown --rdzv-conf key"),
         ({"replica_group_id": "0", "num_replica_groups": "1", "start_lighthouse": "maybe"}, "not a boolean"),
-        ({"replica_group_id": "0", "num_replica_groups": "1", "lighthouse_timeout": "-1"}, "must be > 0"),
+        ({"replica_group_id": "0", "num_replica_groups": "1", "lighthouse_timeout": "-1"}, "is out of range"),
+        (
+            {"replica_group_id": "0", "num_replica_groups": "1", "lighthouse_heartbeat_timeout": "1e-9"},
+            "lighthouse_heartbeat_timeout='1e-9' is out of range: use a duration of 0.5 s to 24 h",
+        ),
+        (
+            {"replica_group_id": "0", "num_replica_groups": "1", "lighthouse_join_timeout": "inf"},
+            "not a duration",
+        ),
+        ({"replica_group_id": "0", "num_replica_groups": "1", "lighthouse_linger": "nan"}, "not a duration"),
+        (
+            {"replica_group_id": "0", "num_replica_groups": "1", "lighthouse_min_replicas": "0"},
+            "must be >= 1",
+        ),
     ],
 )
 def test_config_errors_name_the_key(conf: dict, message: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -89,7 +102,7 @@ def test_no_lighthouse_is_a_clear_rendezvous_error() -> None:
 
 @pytest.mark.timeout(60)
 def test_hosting_a_reachable_lighthouse_without_token_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Issue 17: the node on the endpoint host does not start a lighthouse anyone could join; it says
+    """the node on the endpoint host does not start a lighthouse anyone could join; it says
     which setting is missing instead of waiting for a lighthouse that never comes."""
     monkeypatch.delenv("FTLAUNCH_TOKEN", raising=False)
     monkeypatch.delenv("FTLAUNCH_LIGHTHOUSE_BIND", raising=False)

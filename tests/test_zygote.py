@@ -1,5 +1,5 @@
-"""Issue 11, item 3: the warm standby interpreter (`ftlaunch.zygote`) and the worker's proxy for it
-(`ftlaunch.zygote_proxy`).
+"""the warm standby interpreter (`ftlaunch.bootstrap.zygote`) and the worker's proxy for it
+(`ftlaunch.bootstrap.zygote_proxy`).
 
 In one process: the wire (a JSON line with the worker's descriptors attached), the switch, and the
 fallback when the announced standby is not there. With real processes: a worker handed over runs
@@ -27,7 +27,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from ftlaunch import env, phases, zygote_proxy
+from ftlaunch import env, phases
+from ftlaunch.bootstrap import zygote_proxy
 
 SCRIPT = """
 import atexit, json, os, sys, time
@@ -91,7 +92,9 @@ def test_switch_and_fallback_without_a_standby(tmp_path: Path, monkeypatch: pyte
 # ---------------------------------------------------------------------------- real processes
 def _start_zygote(tmp_path: Path) -> tuple[subprocess.Popen[bytes], str]:
     path = str(tmp_path / "z.sock")
-    proc = subprocess.Popen([sys.executable, "-u", "-m", "ftlaunch.zygote", path], stdin=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-u", "-m", "ftlaunch.bootstrap.zygote", path], stdin=subprocess.DEVNULL
+    )
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -113,7 +116,7 @@ def _worker(tmp_path: Path, sock: str, *args: str, **extra: str) -> subprocess.P
     script.write_text(SCRIPT)
     run_env = {**os.environ, env.FTLAUNCH_ZYGOTE_SOCKET: sock, env.FTLAUNCH_PHASE_LOG: str(tmp_path / "ph.jsonl"),
                "ZYGOTE_TEST_VAR": "hello", "OMP_NUM_THREADS": "1", **extra}  # fmt: skip
-    return subprocess.Popen([sys.executable, "-u", "-m", "ftlaunch.prestart", str(script), *args], cwd=tmp_path,
+    return subprocess.Popen([sys.executable, "-u", "-m", "ftlaunch.bootstrap.prestart", str(script), *args], cwd=tmp_path,
                             env=run_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
 
 
@@ -152,7 +155,11 @@ def test_a_worker_handed_over_runs_as_python_script_would(tmp_path: Path) -> Non
         assert (first["cwd"], first["var"], first["path0"]) == (str(tmp_path), "hello", str(tmp_path / "sub"))
         assert first["had_torch"] and first["threads"] == 1  # OMP_NUM_THREADS applied after the fork
         assert first["pid"] != proxy.pid and first["ppid"] == zygote.pid  # forked by the standby
-        assert out.splitlines()[-1] == "atexit ran" and "to stderr" in err and "ftlaunch.prestart" not in err
+        assert (
+            out.splitlines()[-1] == "atexit ran"
+            and "to stderr" in err
+            and "ftlaunch.bootstrap.prestart" not in err
+        )
         recs = phases.read(tmp_path / "ph.jsonl")
         assert any(r["phase"] == "zygote_handover" and r["pid"] == proxy.pid for r in recs)
 
@@ -201,7 +208,9 @@ def test_a_worker_handed_over_runs_as_python_script_would(tmp_path: Path) -> Non
         out, err = proxy.communicate(timeout=120)
         assert proxy.returncode == 0, err
         assert json.loads(out.splitlines()[0])["pid"] == proxy.pid  # the script ran in the worker itself
-        assert re.search(r"ftlaunch\.prestart: standby interpreter not ready .*starting the worker here", err)
+        assert re.search(
+            r"ftlaunch\.bootstrap\.prestart: standby interpreter not ready .*starting the worker here", err
+        )
     finally:
         if zygote.poll() is None:
             zygote.kill()
@@ -217,7 +226,7 @@ def test_a_worker_that_starts_while_the_standby_warms_up_waits_for_it(tmp_path: 
     afterwards runs at the priority it would have had."""
     path = str(tmp_path / "z.sock")
     run_env = {**os.environ, env.FTLAUNCH_PHASE_LOG: str(tmp_path / "ph.jsonl")}
-    zygote = subprocess.Popen([sys.executable, "-u", "-m", "ftlaunch.zygote", path], stdin=subprocess.DEVNULL,
+    zygote = subprocess.Popen([sys.executable, "-u", "-m", "ftlaunch.bootstrap.zygote", path], stdin=subprocess.DEVNULL,
                               env=run_env)  # fmt: skip
     try:
         deadline = time.monotonic() + 60
@@ -230,7 +239,7 @@ def test_a_worker_that_starts_while_the_standby_warms_up_waits_for_it(tmp_path: 
         assert proxy.returncode == 0, err
         first = json.loads(out.splitlines()[0])
         assert first["pid"] != proxy.pid and first["ppid"] == zygote.pid, err  # forked by the standby
-        assert first["had_torch"] and "ftlaunch.prestart" not in err
+        assert first["had_torch"] and "ftlaunch.bootstrap.prestart" not in err
         warm = [r for r in phases.read(tmp_path / "ph.jsonl") if r["phase"] == "zygote_warm"]
         assert len(warm) == 1 and launched < warm[0]["t"], (
             "precondition: the worker started during the warm-up"
@@ -260,7 +269,7 @@ def test_the_warm_up_is_niced_only_where_the_priority_can_be_raised_back(
     standby would train niced for good."""
     import resource
 
-    from ftlaunch import zygote
+    from ftlaunch.bootstrap import zygote
 
     set_calls: list[tuple[int, int, int]] = []
     monkeypatch.setattr(os, "setpriority", lambda *a: set_calls.append(a))
@@ -307,7 +316,7 @@ def test_a_restarted_group_goes_through_the_standby(tmp_path: Path) -> None:
 def test_a_refusal_reaches_the_worker_as_its_reason(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """In one process: a standby that refuses (here: another interpreter's flags) -> `hand_over`
     returns why, and the worker starts cold; the standby got the worker's three descriptors."""
-    from ftlaunch.zygote import Zygote
+    from ftlaunch.bootstrap.zygote import Zygote
 
     server = Zygote(str(tmp_path / "z.sock"))
     request = {"interpreter": {**zygote_proxy.interpreter_identity(), "flags": [9]}}

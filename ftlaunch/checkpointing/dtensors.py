@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
 # torch.distributed.tensor is imported where it is used, never at import: its op registry costs
 # about a second of CPU (more on a loaded machine), which every restarting worker paid before it
-# could rejoin (issue 11), while only sharded state needs it. A DTensor can exist only once that
+# could rejoin, while only sharded state needs it. A DTensor can exist only once that
 # module is imported, so `_is_dtensor` asks sys.modules first.
 
 

@@ -1,4 +1,4 @@
-"""The interface every live-recovery transport implements (see docs/dev/interfaces.md).
+"""The interface every live-recovery transport implements.
 
 A healing replica group copies the live state from a healthy one. The healthy side calls
 `send_checkpoint` (and later `disallow_checkpoint`, before it mutates that state again); the

@@ -10,7 +10,7 @@ its own workers (up to ``max_restarts``) exactly as under ``torchrun``. Besides,
   status -- read with
   ``waitid(WNOWAIT)``, which leaves the child for torchelastic to reap, so the supervisor can tell
   the lighthouse within milliseconds instead of after torchelastic's monitor tick;
-* keeps the group's warm standby interpreter (`Standby`, `ftlaunch.zygote`), from which a
+* keeps the group's warm standby interpreter (`Standby`, `ftlaunch.bootstrap.zygote`), from which a
   restarted worker is forked with torch already imported (``FTLAUNCH_ZYGOTE=0``: not);
 * writes a result file (success, or the root cause from torchelastic's error files) before exiting;
 * dies with the supervisor (``PR_SET_PDEATHSIG``), taking its workers down through torchelastic's
@@ -167,7 +167,8 @@ class WorkerWatcher(threading.Thread):
                 child_env = child.environ()
             except psutil.Error:
                 continue
-            if "TORCHELASTIC_RUN_ID" not in child_env or env.RANK not in child_env:
+            marks = env.ProcessMarks.from_environ(child_env)
+            if not marks.torchelastic or marks.rank is None:
                 # Not exec'd yet (still shows our environment) or not a worker: look again later,
                 # but stop looking at a child that is still not a worker after a while.
                 try:
@@ -177,9 +178,9 @@ class WorkerWatcher(threading.Thread):
                     pass
                 continue
             new[child.pid] = {
-                "rank": int(child_env.get(env.RANK, "-1")),
-                "local_rank": int(child_env.get(env.LOCAL_RANK, "-1")),
-                "restart": int(child_env.get(env.TORCHELASTIC_RESTART_COUNT, "0")),
+                "rank": marks.rank,
+                "local_rank": -1 if marks.local_rank is None else marks.local_rank,
+                "restart": marks.restart_count,
             }
         if not new:
             return
@@ -352,9 +353,9 @@ def _run_agent(cfg: AgentConfig, standby: Standby | None) -> int:
 
 
 class Standby:
-    """The group's warm standby interpreter (`ftlaunch.zygote`): started with the agent, announced
+    """The group's warm standby interpreter (`ftlaunch.bootstrap.zygote`): started with the agent, announced
     to the workers through ``FTLAUNCH_ZYGOTE_SOCKET`` in the environment they inherit, stopped at
-    the end. Only for workers run through ``ftlaunch.prestart`` (the hand-over happens there)."""
+    the end. Only for workers run through ``ftlaunch.bootstrap.prestart`` (the hand-over happens there)."""
 
     def __init__(self, proc: subprocess.Popen[bytes], directory: str) -> None:
         self.proc = proc
@@ -362,12 +363,12 @@ class Standby:
 
     @classmethod
     def start(cls, opts: LaunchOptions) -> Standby | None:
-        from ftlaunch import prestart, zygote_proxy
+        from ftlaunch.bootstrap import prestart, zygote_proxy
 
         if not zygote_proxy.enabled() or not prestart.fork_wanted():
             return None
         args = _worker_args(opts)
-        if args[:3] != ["-u", "-m", "ftlaunch.prestart"]:
+        if args[:3] != ["-u", "-m", "ftlaunch.bootstrap.prestart"]:
             return None
         # A Unix socket's path has at most 107 bytes: a long TMPDIR falls back to /tmp.
         directory = tempfile.mkdtemp(
@@ -376,18 +377,26 @@ class Standby:
         path = os.path.join(directory, "sock")
         try:
             proc = subprocess.Popen(
-                [sys.executable, "-u", "-m", "ftlaunch.zygote", path, "--parent-pid", str(os.getpid())],
+                [
+                    sys.executable,
+                    "-u",
+                    "-m",
+                    "ftlaunch.bootstrap.zygote",
+                    path,
+                    "--parent-pid",
+                    str(os.getpid()),
+                ],
                 stdin=subprocess.DEVNULL,
             )
         except OSError as e:
             logger.warning("no standby interpreter (%s): workers start cold", e)
             shutil.rmtree(directory, ignore_errors=True)
             return None
-        os.environ[env.FTLAUNCH_ZYGOTE_SOCKET] = path  # the workers inherit the agent's environment
+        env.publish({env.FTLAUNCH_ZYGOTE_SOCKET: path})  # the workers inherit the agent's environment
         return cls(proc, directory)
 
     def stop(self) -> None:
-        os.environ.pop(env.FTLAUNCH_ZYGOTE_SOCKET, None)
+        env.unpublish(env.FTLAUNCH_ZYGOTE_SOCKET)
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -399,13 +408,13 @@ class Standby:
 
 
 def _worker_args(opts: LaunchOptions) -> list[str]:
-    """The workers' command line: ``python -u -m ftlaunch.prestart SCRIPT ...`` for a Python
-    script or module, so its Baby child imports torch while the script does (`ftlaunch.prestart`);
+    """The workers' command line: ``python -u -m ftlaunch.bootstrap.prestart SCRIPT ...`` for a Python
+    script or module, so its Baby child imports torch while the script does (`ftlaunch.bootstrap.prestart`);
     anything else (``--no-python``, ``--run-path``) as given."""
     args = list(opts.args)
     if opts.run_path or args[:1] != ["-u"] or not os.path.basename(opts.entrypoint).startswith("python"):
         return args
-    return ["-u", "-m", "ftlaunch.prestart", *args[1:]]
+    return ["-u", "-m", "ftlaunch.bootstrap.prestart", *args[1:]]
 
 
 def _supervisor_gone() -> None:
@@ -432,8 +441,7 @@ def main(argv: list[str] | None = None) -> int:
         # SIGTERM starts torchelastic's graceful stop, which a stopped worker cannot take part in.
         on_exit(cfg.supervisor_pid, _supervisor_gone, name="ftlaunch-supervisor-watch")
     logging.basicConfig(
-        level=os.environ.get("LOGLEVEL", "WARNING").upper(),
-        format="%(levelname)s %(name)s: %(message)s",
+        level=env.log_level("WARNING", lenient=True), format="%(levelname)s %(name)s: %(message)s"
     )
     return run_agent(cfg)
 

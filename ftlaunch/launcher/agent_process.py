@@ -97,7 +97,7 @@ def start_agent(
         result_file=result_file,
     )
     config_file = write_or_none(os.path.join(group_dir, f"agent{incarnation}.json"), cfg.to_json())
-    child_env = {**os.environ, **job.to_environ(), **(extra_env or {}), "PYTHONUNBUFFERED": "1"}
+    child_env = {**env.inherited(), **job.to_environ(), **(extra_env or {}), env.PYTHONUNBUFFERED: "1"}
     try:
         proc = subprocess.Popen(
             [sys.executable, "-u", "-m", "ftlaunch.launcher.agent", config_file or "-"],

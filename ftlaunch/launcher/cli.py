@@ -18,11 +18,13 @@ import shutil
 import sys
 from typing import NoReturn
 
-from ftlaunch.cli_args import OneLineParser, integer, number
+from ftlaunch import env
+from ftlaunch.cli_args import OneLineParser, duration, duration_help, integer
 from ftlaunch.errors import ConfigurationError
 from ftlaunch.launcher import torchrun_flags
-from ftlaunch.launcher.options import CHAOS_HELP, ChaosSpec, LaunchOptions
+from ftlaunch.launcher.options import CHAOS_HELP, GRACE_PERIOD, MAX_GROUPS, ChaosSpec, LaunchOptions
 from ftlaunch.launcher.torchrun_flags import add_torchrun_flags
+from ftlaunch.lighthouse.quorum import HEARTBEAT_TIMEOUT, JOIN_TIMEOUT
 
 EXAMPLES = """\
 examples:
@@ -33,7 +35,13 @@ examples:
 
 workers see torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, ...) for their own
 replica group, plus REPLICA_GROUP_ID, NUM_REPLICA_GROUPS, FTLAUNCH_LIGHTHOUSE and FTLAUNCH_TOKEN.
+durations (--join-timeout, --heartbeat-timeout, --grace-period, --chaos, FTLAUNCH_*_TIMEOUT) are
+seconds, or with an s/m suffix: 30, 30s, 1.5m; flags in the environment are 1/true/yes/on or 0/false/no/off.
 exit status: 0 the job finished, 1 it failed (root cause printed), 2 bad usage, 128+N stopped by signal N.
+timeline: at exit a picture of the run (each group's step against time, failures and rejoins marked)
+is written as timeline.svg into the log directory: always with --log-dir; into the temporary one when
+the job failed or was stopped (its logs are kept), or succeeded after --chaos or a failure (its logs
+are removed, the picture stays). The summary prints its path; open it in a browser.
 multi-node replica groups: run one `torchrun --rdzv-backend ftlaunch` per node (docs/launcher.md)."""
 
 
@@ -55,7 +63,12 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
     )
     ft = p.add_argument_group("fault tolerance")
-    ft.add_argument("--replicas", type=integer, default=2, help="number of replica groups (default 2)")
+    ft.add_argument(
+        "--replicas",
+        type=integer,
+        default=2,
+        help=f"number of replica groups (1 to {MAX_GROUPS} with the spares; default 2)",
+    )
     ft.add_argument(
         "--spares",
         type=integer,
@@ -73,16 +86,20 @@ def build_parser() -> argparse.ArgumentParser:
     ft.add_argument(
         "--join-timeout",
         "--join_timeout",
-        type=number,
+        type=duration(JOIN_TIMEOUT),
         default=60.0,
-        help="seconds the lighthouse waits for stragglers before forming a quorum (default 60)",
+        metavar="SECONDS",
+        help=duration_help(
+            "how long the lighthouse waits for stragglers before forming a quorum", JOIN_TIMEOUT, "60"
+        ),
     )
     ft.add_argument(
         "--heartbeat-timeout",
         "--heartbeat_timeout",
-        type=number,
+        type=duration(HEARTBEAT_TIMEOUT),
         default=5.0,
-        help="seconds after which a silent (hung) group leaves the quorum (default 5)",
+        metavar="SECONDS",
+        help=duration_help("silence after which a (hung) group leaves the quorum", HEARTBEAT_TIMEOUT, "5"),
     )
     ft.add_argument(
         "--kill-stopped",
@@ -121,9 +138,10 @@ def build_parser() -> argparse.ArgumentParser:
     ft.add_argument(
         "--grace-period",
         "--grace_period",
-        type=number,
+        type=duration(GRACE_PERIOD),
         default=15.0,
-        help="seconds SIGTERM/SIGINT gives groups to stop before SIGKILL (default 15)",
+        metavar="SECONDS",
+        help=duration_help("how long SIGTERM/SIGINT gives groups to stop before SIGKILL", GRACE_PERIOD, "15"),
     )
     ft.add_argument("--chaos", type=_chaos, default=None, metavar="SPEC", help=CHAOS_HELP)
     ft.add_argument(
@@ -223,7 +241,20 @@ def _entrypoint(args: argparse.Namespace) -> tuple[str, list[str]]:
         prefix.append("-m")
     elif not os.path.isfile(script):
         _fail(f"training script not found: {script}")
-    return os.getenv("PYTHON_EXEC", sys.executable), [*prefix, script, *args.training_script_args]
+    return env.python_exec(), [*prefix, script, *args.training_script_args]
+
+
+def _make_log_dir(path: str | None) -> None:
+    """``--log-dir``, created now (and checked writable) so a bad path is one line before anything
+    starts, not a traceback once the lighthouse and the first agent are up."""
+    if path is None:
+        return
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        _fail(f"--log-dir {path}: cannot create it: {e.strerror or e}")
+    if not os.access(path, os.W_OK | os.X_OK):
+        _fail(f"--log-dir {path}: not writable by this user")
 
 
 def _lighthouse(args: argparse.Namespace) -> str | None:
@@ -243,7 +274,7 @@ def options_from_args(argv: list[str] | None = None) -> LaunchOptions:
         _fail(str(e))
     entrypoint, script_args = _entrypoint(args)
     try:
-        return LaunchOptions(
+        opts = LaunchOptions(
             entrypoint=entrypoint,
             args=script_args,
             run_path=args.run_path,
@@ -284,16 +315,36 @@ def options_from_args(argv: list[str] | None = None) -> LaunchOptions:
         )
     except ConfigurationError as e:
         _fail(str(e))
+    _make_log_dir(opts.log_dir)
+    return opts
+
+
+def _check_environment() -> None:
+    """Read every setting the workers will read from the environment they inherit, now: a bad one
+    is one line here, before anything starts, not the same error in every worker of every group at
+    every restart."""
+    from ftlaunch.timeouts import Timeouts
+
+    try:
+        env.WorkerEnv.from_environ()
+        env.SyncEnv.from_environ()
+        env.zygote_wanted()
+        env.prestart_fork()
+        Timeouts.derive()
+    except ConfigurationError as e:
+        _fail(str(e))
 
 
 def main(argv: list[str] | None = None) -> int:
     from ftlaunch.launcher.supervisor import EXIT_USAGE, LaunchError, Supervisor
 
-    logging.basicConfig(
-        level=os.environ.get("LOGLEVEL", "WARNING").upper(),
-        format="[ftlaunch] %(levelname)s %(name)s: %(message)s",
-    )
+    try:
+        level = env.log_level("WARNING")
+    except ConfigurationError as e:
+        _fail(str(e))
+    logging.basicConfig(level=level, format="[ftlaunch] %(levelname)s %(name)s: %(message)s")
     opts = options_from_args(argv)
+    _check_environment()
     try:
         return Supervisor(opts).run()
     except LaunchError as e:

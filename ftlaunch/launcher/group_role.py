@@ -171,7 +171,7 @@ def hold(job_dir: str | None, expected: int, lighthouse: str, hold_timeout: floa
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
-        level=os.environ.get("LOGLEVEL", "INFO").upper(),
+        level=env.log_level("INFO", lenient=True),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     rid = env.replica_id(args.group)
@@ -188,9 +188,9 @@ def main(argv: list[str] | None = None) -> int:
             assert job_dir is not None  # noqa: S101 - needed without --lighthouse
             endpoint = resolve_endpoint(_wait_for_address(job_dir, args.lighthouse_timeout), where)
             token_file = os.path.join(job_dir, TOKEN_FILE)
-            if env.FTLAUNCH_TOKEN not in os.environ and os.path.exists(token_file):
+            if env.job_token() is None and os.path.exists(token_file):
                 with open(token_file) as f:
-                    os.environ[env.FTLAUNCH_TOKEN] = f.read().strip()  # the rendezvous publishes it
+                    env.publish({env.FTLAUNCH_TOKEN: f.read().strip()})  # the rendezvous publishes it
         command = torchrun_argv(args, endpoint, job_dir)
     except (ConfigurationError, ValueError) as e:
         print(f"ftlaunch group role {rid}: error: {e}", file=sys.stderr)

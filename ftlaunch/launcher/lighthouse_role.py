@@ -34,12 +34,14 @@ import time
 
 from ftlaunch import env
 from ftlaunch.addresses import parse_host_port
-from ftlaunch.cli_args import OneLineParser
+from ftlaunch.cli_args import OneLineParser, count, duration
+from ftlaunch.env import Count, Duration
 from ftlaunch.errors import ConfigurationError
 from ftlaunch.launcher import placement
 from ftlaunch.launcher.lighthouse_host import HostedLighthouse, LighthouseSettings
 from ftlaunch.launcher.placement import ADDRESS_FILE, TOKEN_FILE
 from ftlaunch.lifetime import StopSignals
+from ftlaunch.lighthouse.quorum import HEARTBEAT_TIMEOUT, JOIN_TIMEOUT, REPLICAS
 
 __all__ = ["ADDRESS_FILE", "build_parser", "finished_groups", "main"]
 
@@ -49,7 +51,9 @@ logger = logging.getLogger("ftlaunch.launcher.lighthouse_role")
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="python -m ftlaunch.launcher.lighthouse_role", description=__doc__.splitlines()[0])
     p.add_argument("--job-dir", required=True, help="directory shared with the group roles, or auto")
-    p.add_argument("--groups", type=int, required=True, help="exit files to wait for (group roles x nodes)")
+    p.add_argument(
+        "--groups", type=count(Count(1)), required=True, help="exit files to wait for (group roles x nodes)"
+    )
     p.add_argument(
         "--bind",
         default=placement.AUTO,
@@ -59,19 +63,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rank0-env", default="", help="torchx's ${rank0_env} (tells one machine from a cluster)")
     p.add_argument(
         "--idle-exit",
-        type=float,
+        type=duration(Duration(0.0)),
         default=300.0,
         help="after a group finished, exit when no group was live for this long (lost nodes)",
     )
-    p.add_argument("--min-replicas", type=int, default=1)
+    p.add_argument("--min-replicas", type=count(REPLICAS), default=1)
     p.add_argument(
         "--expected-replicas",
-        type=int,
+        type=count(Count(0)),
         default=0,
         help="replica groups of the job: the first quorum waits for them (up to --join-timeout)",
     )
-    p.add_argument("--join-timeout", type=float, default=60.0)
-    p.add_argument("--heartbeat-timeout", type=float, default=5.0)
+    p.add_argument("--join-timeout", type=duration(JOIN_TIMEOUT), default=60.0)
+    p.add_argument("--heartbeat-timeout", type=duration(HEARTBEAT_TIMEOUT), default=5.0)
     p.add_argument("--cleanup", action="store_true", help="remove --job-dir when every group has finished")
     return p
 
@@ -116,7 +120,7 @@ def _same_port_as_before(bind: str, job_dir: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
-        level=os.environ.get("LOGLEVEL", "INFO").upper(),
+        level=env.log_level("INFO", lenient=True),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     where = placement.detect(args.rank0_env)
@@ -130,9 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     assert job_dir is not None  # noqa: S101 - needed=True: a directory or ConfigurationError
     os.makedirs(job_dir, exist_ok=True)
     previous_token = _read(os.path.join(job_dir, TOKEN_FILE))
-    token = (
-        os.environ.get(env.FTLAUNCH_TOKEN) or previous_token or (None if loopback else secrets.token_hex(16))
-    )
+    token = env.job_token() or previous_token or (None if loopback else secrets.token_hex(16))
     restarted = _read(os.path.join(job_dir, ADDRESS_FILE)) is not None  # a previous incarnation served
     bind = _same_port_as_before(bind, job_dir)
     settings = LighthouseSettings(

@@ -10,16 +10,39 @@ import signal
 from dataclasses import dataclass, field
 from signal import Signals
 
+from ftlaunch.env import DAY, Count, Duration
 from ftlaunch.errors import ConfigurationError
+from ftlaunch.lighthouse.quorum import HEARTBEAT_TIMEOUT, JOIN_TIMEOUT
 
 CHAOS_SIGNALS = ("KILL", "STOP", "TERM", "INT", "SEGV", "MIX")
 #: What ``signal=MIX`` picks from at each injection: (signal, target).
 CHAOS_MIX = (("KILL", "workers"), ("STOP", "workers"), ("KILL", "agent"))
 CHAOS_TARGETS = ("workers", "agent")
 
+#: Replica groups (with the hot spares) one ``ftlaunch`` starts on this machine: each is an agent,
+#: its workers and their Baby children, so a mistyped ``--replicas 100000`` would fork the machine
+#: to a standstill before the first error.
+MAX_GROUPS = 1024
+GROUPS = Count(1, MAX_GROUPS)
+SPARES = Count(0, MAX_GROUPS)
+#: Workers per replica group on this machine.
+NPROC_PER_NODE = Count(1, 1024)
+#: How often an agent looks at its workers (torchrun's ``--monitor-interval``): below 10 ms the
+#: agents mostly poll.
+MONITOR_INTERVAL = Duration(0.01, 60.0)
+#: ``--grace-period``: the groups' time to stop after SIGTERM/SIGINT before SIGKILL (the agents get
+#: a second less each); an hour is already more than any checkpoint-on-exit needs.
+GRACE_PERIOD = Duration(1.0, 3600.0)
+#: ``--shutdown-timeout`` (whole seconds, torchrun's type).
+SHUTDOWN_TIMEOUT = Count(0, 3600)
+#: ``--chaos``: the pauses (``every``, ``stop_for``, ``lighthouse_down``) and the offsets from the
+#: start (``start``, ``lighthouse``, which may be 0).
+CHAOS_PAUSE = Duration(0.01, DAY)
+CHAOS_OFFSET = Duration(0.0, DAY)
+
 CHAOS_HELP = """\
 fault injection, a comma-separated list of key=value:
-  every=SECONDS    inject every SECONDS of training (counted from the first step line)
+  every=SECONDS    inject every SECONDS of training (counted from the first step line; 30, 30s, 1.5m)
   steps=A/B/C      inject when the job reaches step A, then B, then C
   group=G          always hit replica group G (default: a random live group)
   signal=KILL      KILL (default), STOP (SIGSTOP, then SIGCONT after stop_for), TERM, INT, SEGV
@@ -28,7 +51,8 @@ fault injection, a comma-separated list of key=value:
   stop_for=SECONDS how long a SIGSTOP lasts (default 5)
   start=SECONDS    with every=: count from launch + SECONDS instead of from the first step line
   seed=S           seed of the random group choice
-A bare number is every=NUMBER. Never hits the last healthy group, nor after a group has finished."""
+A bare number is every=NUMBER. Durations: 10 ms to 24 h (start, lighthouse: from 0).
+Never hits the last healthy group, nor after a group has finished."""
 
 
 @dataclass(frozen=True)
@@ -48,14 +72,20 @@ class ChaosSpec:
     lighthouse_down: float = 12.0
 
     def __post_init__(self) -> None:
-        if self.lighthouse is not None and not self.lighthouse_down > 0:
-            raise ConfigurationError(f"--chaos lighthouse_down={self.lighthouse_down} must be > 0")
+        for name, bounds in (
+            ("every", CHAOS_PAUSE),
+            ("stop_for", CHAOS_PAUSE),
+            ("lighthouse_down", CHAOS_PAUSE),
+            ("start", CHAOS_OFFSET),
+            ("lighthouse", CHAOS_OFFSET),
+        ):
+            value = getattr(self, name)
+            if value is not None:
+                bounds.checked(value, f"--chaos {name}")
         if self.every is None and not self.steps and self.lighthouse is not None:
             return  # only the lighthouse crash
         if self.every is None and not self.steps:
             raise ConfigurationError("--chaos needs every=SECONDS or steps=A/B/...")
-        if self.every is not None and not self.every > 0:
-            raise ConfigurationError(f"--chaos every={self.every} must be > 0")
         if any(s < 0 for s in self.steps):
             raise ConfigurationError("--chaos steps must be >= 0")
         if self.signal not in CHAOS_SIGNALS:
@@ -70,8 +100,6 @@ class ChaosSpec:
             raise ConfigurationError(f"--chaos count={self.count} must be >= 1")
         if self.group is not None and self.group < 0:
             raise ConfigurationError(f"--chaos group={self.group} must be >= 0")
-        if not self.stop_for > 0:
-            raise ConfigurationError(f"--chaos stop_for={self.stop_for} must be > 0")
         if self.target == "agent" and self.signal == "STOP":
             raise ConfigurationError("--chaos signal=STOP applies to workers, not target=agent")
 
@@ -95,7 +123,7 @@ class ChaosSpec:
             except ValueError:
                 pass
             else:
-                return cls(every=_positive_float("every", text))
+                return cls(every=_seconds("every", text, CHAOS_PAUSE))
         kwargs: dict[str, object] = {}
         for item in text.split(","):
             key, sep, value = item.partition("=")
@@ -105,7 +133,9 @@ class ChaosSpec:
             if key in kwargs:
                 raise ConfigurationError(f"--chaos: {key} given twice")
             if key in ("every", "stop_for", "start", "lighthouse", "lighthouse_down"):
-                kwargs[key] = _positive_float(key, value, allow_zero=key in ("start", "lighthouse"))
+                kwargs[key] = _seconds(
+                    key, value, CHAOS_OFFSET if key in ("start", "lighthouse") else CHAOS_PAUSE
+                )
             elif key == "steps":
                 try:
                     kwargs[key] = tuple(sorted(int(s) for s in value.replace(":", "/").split("/") if s))
@@ -130,14 +160,11 @@ class ChaosSpec:
         return cls(**kwargs)  # type: ignore[arg-type]
 
 
-def _positive_float(name: str, value: str, allow_zero: bool = False) -> float:
+def _seconds(name: str, value: str, bounds: Duration) -> float:
     try:
-        number = float(value)
-    except ValueError:
-        raise ConfigurationError(f"--chaos {name}={value!r} is not a number") from None
-    if number < 0 or (number == 0 and not allow_zero):
-        raise ConfigurationError(f"--chaos {name}={value} must be > 0")
-    return number
+        return bounds.parse(value)
+    except ValueError as e:
+        raise ConfigurationError(f"--chaos {name}={value!r} {e}") from None
 
 
 @dataclass
@@ -186,25 +213,29 @@ class LaunchOptions:
     summary: bool = True
 
     def __post_init__(self) -> None:
-        checks = [
-            (self.replicas >= 1, f"--replicas must be >= 1 (got {self.replicas})"),
-            (self.spares >= 0, f"--spares must be >= 0 (got {self.spares})"),
-            (self.nproc_per_node >= 1, f"--nproc-per-node must be >= 1 (got {self.nproc_per_node})"),
-            (
-                1 <= self.min_replicas <= self.replicas,
-                f"--min-replicas must be in 1..{self.replicas} (got {self.min_replicas})",
-            ),
-            (self.join_timeout > 0, "--join-timeout must be > 0"),
-            (self.heartbeat_timeout > 0, "--heartbeat-timeout must be > 0"),
-            (self.max_restarts >= 0, f"--max-restarts must be >= 0 (got {self.max_restarts})"),
-            (self.max_agent_restarts >= 0, "--max-agent-restarts must be >= 0"),
-            (self.monitor_interval > 0, "--monitor-interval must be > 0"),
-            (self.grace_period > 0, "--grace-period must be > 0"),
-            (self.shutdown_timeout is None or self.shutdown_timeout >= 0, "--shutdown-timeout must be >= 0"),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise ConfigurationError(message)
+        for flag, value, bounds in (
+            ("--replicas", self.replicas, GROUPS),
+            ("--spares", self.spares, SPARES),
+            ("--nproc-per-node", self.nproc_per_node, NPROC_PER_NODE),
+            ("--max-restarts", self.max_restarts, Count(0)),
+            ("--max-agent-restarts", self.max_agent_restarts, Count(0)),
+            ("--shutdown-timeout", self.shutdown_timeout, SHUTDOWN_TIMEOUT),
+            ("--join-timeout", self.join_timeout, JOIN_TIMEOUT),
+            ("--heartbeat-timeout", self.heartbeat_timeout, HEARTBEAT_TIMEOUT),
+            ("--monitor-interval", self.monitor_interval, MONITOR_INTERVAL),
+            ("--grace-period", self.grace_period, GRACE_PERIOD),
+        ):
+            if value is not None:
+                bounds.checked(value, flag)
+        if self.replicas + self.spares > MAX_GROUPS:
+            raise ConfigurationError(
+                f"--replicas {self.replicas} + --spares {self.spares} is more than the {MAX_GROUPS} "
+                "replica groups one ftlaunch starts on a machine"
+            )
+        if not 1 <= self.min_replicas <= self.replicas:
+            raise ConfigurationError(
+                f"--min-replicas must be in 1..{self.replicas} (got {self.min_replicas})"
+            )
         if self.local_ranks_filter and not all(
             r.strip().isdigit() for r in self.local_ranks_filter.split(",")
         ):

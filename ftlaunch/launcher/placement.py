@@ -25,6 +25,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from ftlaunch import env
 from ftlaunch.errors import ConfigurationError
 
 #: The spec's value for "decide at start-up".
@@ -56,11 +57,10 @@ class Placement:
 
 def detect(rank0_env: str, environ: Mapping[str, str] | None = None) -> Placement:
     """The placement of this role; ``rank0_env`` is what torchx substituted for ``${rank0_env}``."""
-    environ = os.environ if environ is None else environ
-    rank0 = environ.get(rank0_env, "").strip() if rank0_env and not rank0_env.startswith("$") else ""
-    if "SLURM_JOB_ID" in environ:
+    rank0 = (env.text(rank0_env, environ) or "") if rank0_env and not rank0_env.startswith("$") else ""
+    if env.is_set(env.SLURM_JOB_ID, environ):
         scheduler = SLURM
-    elif "KUBERNETES_SERVICE_HOST" in environ:
+    elif env.is_set(env.KUBERNETES_SERVICE_HOST, environ):
         scheduler = KUBERNETES
     elif rank0 in ("", "localhost", "127.0.0.1", "::1"):
         scheduler = LOCAL

@@ -125,11 +125,12 @@ def reap_zombies(exclude: set[int]) -> list[int]:
     return reaped
 
 
-def env_of(p: psutil.Process) -> dict[str, str]:
+def marks_of(p: psutil.Process) -> env.ProcessMarks:
+    """What ``p``'s environment says about it (which replica group, rank; nothing if unreadable)."""
     try:
-        return p.environ()
+        return env.ProcessMarks.from_environ(p.environ())
     except psutil.Error:
-        return {}
+        return env.ProcessMarks.from_environ({})
 
 
 def group_processes(gid: int, worker_pids: Iterable[int], agents: set[int]) -> list[psutil.Process]:
@@ -145,7 +146,7 @@ def group_processes(gid: int, worker_pids: Iterable[int], agents: set[int]) -> l
     for child in psutil.Process().children(recursive=True):
         if child.pid in agents or child.pid in found:
             continue
-        if env_of(child).get(env.REPLICA_GROUP_ID) == str(gid):
+        if marks_of(child).replica_group_id == gid:
             found[child.pid] = child
     for p in list(found.values()):
         for d in descendants(p.pid):
@@ -175,7 +176,9 @@ def stop_job(
         except subprocess.TimeoutExpired:
             continue
     # Anything re-parented to us that is still around (workers of a killed agent) goes too.
-    leftovers = [p for p in psutil.Process().children(recursive=True) if env.REPLICA_GROUP_ID in env_of(p)]
+    leftovers = [
+        p for p in psutil.Process().children(recursive=True) if marks_of(p).replica_group_id is not None
+    ]
     if leftovers:
         kill_procs(leftovers)
     reap_zombies(set())

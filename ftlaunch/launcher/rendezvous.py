@@ -57,9 +57,10 @@ from torch.distributed.elastic.rendezvous.api import (  # noqa: E402
 
 from ftlaunch import env, phases  # noqa: E402
 from ftlaunch.addresses import format_host_port, is_local_host, parse_host_port  # noqa: E402
+from ftlaunch.env import Duration  # noqa: E402
 from ftlaunch.errors import ConfigurationError  # noqa: E402
 from ftlaunch.launcher.lighthouse_host import HostedLighthouse, LighthouseSettings, RemoteLighthouse  # noqa: E402
-from ftlaunch.lighthouse.reconnect import outage_timeout_from_env  # noqa: E402
+from ftlaunch.lighthouse.quorum import HEARTBEAT_TIMEOUT, JOIN_TIMEOUT  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -75,13 +76,14 @@ _OUR_KEYS = {
     "spares": "hot spares of the job (or env FTLAUNCH_SPARES); groups num_replica_groups.. start as spares",
     "group_endpoint": "HOST:PORT (or file:/shared/path) where the nodes of a multi-node group meet",
     "lighthouse_file": "read the lighthouse address from this file (written by a lighthouse role)",
-    "lighthouse_timeout": "seconds to wait for a lighthouse to answer (default 60)",
+    "lighthouse_timeout": "how long to wait for a lighthouse to answer (a duration, 0.1 s to 24 h; default 60)",
     "start_lighthouse": "host a lighthouse here if none answers and the endpoint is this machine (default true)",
     "lighthouse_bind": "address a lighthouse started here binds (default: the endpoint)",
     "lighthouse_min_replicas": "min_replicas of a lighthouse started here (default 1)",
-    "lighthouse_join_timeout": "join_timeout (s) of a lighthouse started here (default 60)",
-    "lighthouse_heartbeat_timeout": "heartbeat_timeout (s) of a lighthouse started here (default 5)",
-    "lighthouse_linger": "seconds a lighthouse started here outlives its group while others use it (default 60)",
+    "lighthouse_join_timeout": "join timeout of a lighthouse started here (a duration, 0 s to 24 h; default 60)",
+    "lighthouse_heartbeat_timeout": "heartbeat timeout of a lighthouse started here (0.5 s to 24 h; default 5)",
+    "lighthouse_linger": "how long a lighthouse started here outlives its group while others use it "
+    "(a duration, 0 s to 24 h; default 60)",
     "token": "job token every lighthouse request carries (or env FTLAUNCH_TOKEN); required to host one off loopback",
 }
 _INNER_KEYS = {
@@ -99,6 +101,10 @@ _INNER_KEYS = {
 }
 
 _EXAMPLE = "--rdzv-conf replica_group_id=0,num_replica_groups=2"
+#: Bounds of ``lighthouse_timeout`` and ``lighthouse_linger`` (the lighthouse_* options of the
+#: lighthouse itself have the lighthouse's bounds).
+_LIGHTHOUSE_WAIT = Duration(0.1)
+_LINGER = Duration(0.0)
 
 
 @dataclass(frozen=True)
@@ -124,7 +130,6 @@ class FtRendezvousConfig:
         cls, params: RendezvousParameters, environ: Mapping[str, str] | None = None
     ) -> FtRendezvousConfig:
         """Validate ``params.config``; every problem is a `ConfigurationError` naming the key."""
-        environ = os.environ if environ is None else environ
         unknown = sorted(k for k in params.config if k not in _OUR_KEYS and k not in _INNER_KEYS)
         if unknown:
             raise ConfigurationError(
@@ -140,7 +145,7 @@ class FtRendezvousConfig:
                     f"ftlaunch rendezvous: {key}={params.get(key)!r} is not an integer"
                 ) from None
             if value is None and env_name is not None:
-                value = env.get_int(env_name, environ=environ)
+                value = env.count(env_name, environ=environ)
             return default if value is None else value
 
         def required(key: str, env_name: str) -> int:
@@ -151,17 +156,14 @@ class FtRendezvousConfig:
                 )
             return value
 
-        def as_seconds(key: str, default: float) -> float:
+        def as_seconds(key: str, default: float, bounds: Duration) -> float:
             value = params.get(key)
             if value is None:
                 return default
             try:
-                number = float(value)
-            except ValueError:
-                raise ConfigurationError(f"ftlaunch rendezvous: {key}={value!r} is not a number") from None
-            if not number > 0:
-                raise ConfigurationError(f"ftlaunch rendezvous: {key}={value!r} must be > 0")
-            return number
+                return bounds.parse(str(value))
+            except ValueError as e:
+                raise ConfigurationError(f"ftlaunch rendezvous: {key}={value!r} {e}") from None
 
         def as_bool(key: str, default: bool) -> bool:
             try:
@@ -175,7 +177,7 @@ class FtRendezvousConfig:
         def as_str(key: str, env_name: str | None = None) -> str:
             value = params.get(key)
             if value is None and env_name is not None:
-                value = environ.get(env_name)
+                value = env.text(env_name, environ)
             return str(value).strip() if value is not None else ""
 
         group = required("replica_group_id", env.REPLICA_GROUP_ID)
@@ -204,13 +206,13 @@ class FtRendezvousConfig:
             spares=spares,
             group_endpoint=as_str("group_endpoint"),
             lighthouse_file=as_str("lighthouse_file"),
-            lighthouse_timeout=as_seconds("lighthouse_timeout", 60.0),
+            lighthouse_timeout=as_seconds("lighthouse_timeout", 60.0, _LIGHTHOUSE_WAIT),
             start_lighthouse=as_bool("start_lighthouse", True),
             lighthouse_bind=as_str("lighthouse_bind", env.FTLAUNCH_LIGHTHOUSE_BIND),
             lighthouse_min_replicas=min_replicas,
-            lighthouse_join_timeout=as_seconds("lighthouse_join_timeout", 60.0),
-            lighthouse_heartbeat_timeout=as_seconds("lighthouse_heartbeat_timeout", 5.0),
-            lighthouse_linger=as_seconds("lighthouse_linger", 60.0),
+            lighthouse_join_timeout=as_seconds("lighthouse_join_timeout", 60.0, JOIN_TIMEOUT),
+            lighthouse_heartbeat_timeout=as_seconds("lighthouse_heartbeat_timeout", 5.0, HEARTBEAT_TIMEOUT),
+            lighthouse_linger=as_seconds("lighthouse_linger", 60.0, _LINGER),
             token=as_str("token", env.FTLAUNCH_TOKEN) or None,
         )
 
@@ -330,7 +332,7 @@ class FtlaunchRendezvousHandler(RendezvousHandler):
         if env.lighthouse_reached():
             # An agent the `ftlaunch` supervisor (re)started: the job's lighthouse answered before,
             # so an unreachable one is an outage to wait out like the running groups do.
-            wait = max(wait, outage_timeout_from_env())
+            wait = max(wait, env.lighthouse_outage())
         deadline = time.monotonic() + wait
         if cfg.lighthouse_file:
             addr = self._read_lighthouse_file(cfg.lighthouse_file, deadline)
@@ -430,7 +432,7 @@ class FtlaunchRendezvousHandler(RendezvousHandler):
         job = env.JobEnv(
             cfg.replica_group_id, cfg.num_replica_groups, addr, cfg.token, cfg.spares, lighthouse_reached=True
         )
-        os.environ.update(job.to_environ())
+        env.publish(job.to_environ())
 
 
 def _inner_params(params: RendezvousParameters, cfg: FtRendezvousConfig, run_id: str) -> RendezvousParameters:

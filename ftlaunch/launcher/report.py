@@ -120,11 +120,12 @@ def summary_lines(
     lighthouse: LighthouseStatus | None = None,
     rewinds: Sequence[Rewind] = (),
     started_wall: float = 0.0,
+    timeline: str | None = None,
 ) -> list[str]:
     """The summary printed at exit with the job's exit ``code`` (0: it finished; ``injections`` None:
     it ran without ``--chaos``; ``lighthouse``: its last status, for the figures ``/metrics`` serves;
     ``rewinds``: the times the job went back to an earlier step, ``started_wall`` the launch on the
-    lighthouse's clock)."""
+    lighthouse's clock; ``timeline``: where the picture of the run was written, if it was)."""
     lines = [
         "",
         f"[ftlaunch] summary: exit {code} after {elapsed:.1f}s"
@@ -172,6 +173,8 @@ def summary_lines(
     for g in groups:
         if g.root_cause:
             lines.append(f"[ftlaunch] root cause: {g.root_cause}")
+    if timeline is not None:
+        lines.append(f"[ftlaunch] timeline (steps per group, failures and rejoins): {timeline}")
     if code != 0 or lost(rewinds):
         lines.append(f"[ftlaunch] logs kept in {log_dir}")
     return lines

@@ -15,7 +15,8 @@ Layers, from the bottom:
 This module is the agents' lifecycle loop (starting one agent process and reading its pipes:
 `ftlaunch.launcher.agent_process`); what it learns goes to each group's accounting
 (`ftlaunch.launcher.group`), ``--chaos`` is `ftlaunch.launcher.chaos`, the status line and the summary
-are `ftlaunch.launcher.report`. All state changes happen on the main thread: reader threads only turn
+are `ftlaunch.launcher.report`, the picture of the run written at exit is recorded by
+`ftlaunch.launcher.timeline`. All state changes happen on the main thread: reader threads only turn
 pipe lines into queue items.
 """
 
@@ -37,7 +38,7 @@ from typing import Any
 import psutil
 
 from ftlaunch import env, phases
-from ftlaunch.launcher import procs
+from ftlaunch.launcher import devices, procs
 from ftlaunch.launcher.agent_process import AgentProcess, News, start_agent
 from ftlaunch.launcher.chaos import Chaos
 from ftlaunch.launcher.group import FAILED, STARTING, SUCCEEDED, Group
@@ -48,9 +49,12 @@ from ftlaunch.launcher.options import LaunchOptions
 from ftlaunch.launcher.output import WORKER_LINE, Console, without_repeated_tag
 from ftlaunch.launcher.report import StatusLine, lost, summary_lines
 from ftlaunch.launcher.spares import Takeovers
+from ftlaunch.launcher.timeline import TIMELINE_FILE, JobTimeline, keep_timeline
 from ftlaunch.launcher.torchrun_flags import parse_signals
 from ftlaunch.lifetime import become_subreaper
+from ftlaunch.lighthouse import timeline_svg
 from ftlaunch.lighthouse.progress import Rewind
+from ftlaunch.lighthouse.timeline import AGENT, GAVE_UP, HANG, REJOIN, TAKEOVER
 
 logger = logging.getLogger(__name__)
 
@@ -80,14 +84,16 @@ class Supervisor:
         self._events: queue.Queue[News] = queue.Queue()
         self._stop_signal: int | None = None
         self._signals_received = 0
-        self._token = opts.token or os.environ.get(env.FTLAUNCH_TOKEN) or secrets.token_hex(16)
+        self._token = opts.token or env.job_token() or secrets.token_hex(16)
         self._keeper = LighthouseKeeper(opts, self._token, self.console)
         self._run_id = opts.run_id or uuid.uuid4().hex[:8]
         self._own_log_dir = opts.log_dir is None
         self._log_dir = opts.log_dir or tempfile.mkdtemp(prefix="ftlaunch_")
         self._log_disk = LogDiskWatch(self._log_dir, self.console.err)
         self._started = time.monotonic()
+        self._wall_started = time.time()
         self._training_started: float | None = None
+        self._timeline = JobTimeline(self._started)
         self._chaos = (
             Chaos(opts.chaos, self.groups, self.console, self._started, crash_lighthouse=self._keeper.crash)
             if opts.chaos
@@ -99,6 +105,9 @@ class Supervisor:
         #: Groups whose workers failed with no restarts left: their agent ends them as failed.
         self._out_of_restarts: set[int] = set()
         self._takeovers = Takeovers(opts.replicas) if opts.spares else None
+        #: Each group's own GPUs when the machine has one per worker of every group (`devices`).
+        self._gpus = _machine_gpus()
+        self._devices = devices.group_devices(self._gpus, opts.nproc_per_node, len(self.groups))
         self._status: StatusLine | None = None
         self._exit_root_cause: str | None = None
         self._progress_read_at = 0.0
@@ -128,6 +137,9 @@ class Supervisor:
                 f"[ftlaunch] {self.opts.replicas} replica group(s){spares} x {self.opts.nproc_per_node} worker(s), "
                 f"lighthouse {lighthouse.address}, logs {self._log_dir}"
             )
+            sharing = devices.sharing_warning(len(self._gpus), self.opts.nproc_per_node, len(self.groups))
+            if sharing is not None:
+                self.console.err(f"[ftlaunch] warning: {sharing}")
             for group in self.groups:
                 self._spawn(group)
             code = self._loop()
@@ -140,6 +152,7 @@ class Supervisor:
             for sig, handler in old_handlers.items():
                 signal.signal(sig, handler)
         self.console.clear_status()
+        timeline = self._write_timeline(code)
         if self.opts.summary:
             injections = self._chaos.injections if self._chaos is not None else None
             for line in summary_lines(
@@ -151,8 +164,9 @@ class Supervisor:
                 self._started,
                 self._log_dir,
                 final_status,
-                list(self._rewinds.values()),
-                time.time() - (time.monotonic() - self._started),
+                rewinds=list(self._rewinds.values()),
+                started_wall=time.time() - (time.monotonic() - self._started),
+                timeline=timeline,
             ):
                 self.console.out(line)
             crash = self._chaos.lighthouse_crash if self._chaos is not None else None
@@ -168,8 +182,40 @@ class Supervisor:
         if code != EXIT_OK and self._exit_root_cause:
             self.console.err(f"ftlaunch: error: {self._exit_root_cause}")
         if code == EXIT_OK and self._own_log_dir and not lost(list(self._rewinds.values())):
-            shutil.rmtree(self._log_dir, ignore_errors=True)
+            if timeline is None:
+                shutil.rmtree(self._log_dir, ignore_errors=True)
+            else:  # the picture stays where the summary said; the worker logs go
+                for entry in os.scandir(self._log_dir):
+                    if entry.name != TIMELINE_FILE:
+                        _remove(entry.path)
         return code
+
+    def _write_timeline(self, code: int) -> str | None:
+        """Write the run's picture into the log directory (`keep_timeline` says when); its path, or
+        None. A failure to write is one line: it never changes the job's outcome."""
+        failures = sum(g.failures for g in self.groups)
+        eventful = failures or self._timeline.failures
+        if not keep_timeline(self._own_log_dir, code, self._chaos is not None, eventful):
+            return None
+        started = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(self._wall_started))
+        data = self._timeline.timeline(
+            time.monotonic(),
+            "ftlaunch: steps per replica group",
+            f"run {self._run_id}, {self.opts.replicas} replica group(s)"
+            + (f" + {self.opts.spares} spare(s)" if self.opts.spares else "")
+            + f", {failures} failure(s), exit {code}; t = 0 at launch, {started}",
+        )
+        path = os.path.join(self._log_dir, TIMELINE_FILE)
+        try:  # whole or not at all (a full log disk)
+            with open(path + ".tmp", "w", encoding="utf-8") as f:
+                f.write(timeline_svg.render(data))
+            os.replace(path + ".tmp", path)
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                os.remove(path + ".tmp")
+            self.console.err(f"[ftlaunch] could not write the timeline {path}: {e.strerror or e}")
+            return None
+        return path
 
     # --- agents --------------------------------------------------------------------------------
 
@@ -193,6 +239,11 @@ class Supervisor:
             group_dir=os.path.join(self._log_dir, group.replica_id),
             incarnation=group.incarnation,
             news=self._events,
+            extra_env=(
+                {env.CUDA_VISIBLE_DEVICES: ",".join(self._devices[group.gid])}
+                if self._devices is not None
+                else None
+            ),
         )
         if not config_written:
             self._log_disk.poll(force=True)
@@ -224,16 +275,24 @@ class Supervisor:
             procs.reap_zombies({a.proc.pid for a in self._agents.values()})
             self._read_progress(now)
             if self._chaos is not None:
-                self._chaos.tick(
-                    now, self._training_started, {g: a.proc.pid for g, a in self._agents.items()}
-                )
-            if self._keeper.watch(now) and self._chaos is not None:  # restarts a hosted one that stopped
-                self._chaos.lighthouse_restarted(now)
+                self._tick_chaos(self._chaos, now)
+            if self._keeper.watch(now):  # restarts a hosted one that stopped
+                self._timeline.lighthouse_back(now)
+                if self._chaos is not None:
+                    self._chaos.lighthouse_restarted(now)
             self._keeper.resend_missed(self.groups, now)  # failures a down lighthouse missed
             code = self._finished()
             if code is not None:
                 return code
             self._status.tick(now, self.groups, list(self._rewinds.values()))
+
+    def _tick_chaos(self, chaos: Chaos, now: float) -> None:
+        injected, crashed = len(chaos.injections), chaos.lighthouse_crash
+        chaos.tick(now, self._training_started, {g: a.proc.pid for g, a in self._agents.items()})
+        for injection in chaos.injections[injected:]:
+            self._timeline.injected(injection)
+        if crashed is None and chaos.lighthouse_crash is not None:
+            self._timeline.lighthouse_down(chaos.lighthouse_crash.at)
 
     def _handle(self, kind: str, gid: int, inc: int, payload: Any) -> None:
         group, agent = self.groups[gid], self._agents.get(gid)
@@ -294,12 +353,19 @@ class Supervisor:
                 self._takeovers.committed(group.gid) if self._takeovers and group.committed > before else None
             )
             if replaced is not None:  # the spare that took a failed group's slot committed: recovered
-                if self.groups[replaced].slot_taken_over(now) is not None and self._chaos is not None:
-                    self._chaos.rejoined(replaced, now)
+                if self.groups[replaced].slot_taken_over(now) is not None:
+                    self._timeline.recovered(
+                        replaced, now, TAKEOVER, f"{group.replica_id}, a hot spare, took its slot"
+                    )
+                    if self._chaos is not None:
+                        self._chaos.rejoined(replaced, now)
             if group.committed and self._training_started is None:
                 self._training_started = now
-            if rejoined_at is not None and self._chaos is not None:
-                self._chaos.rejoined(group.gid, rejoined_at)
+            if rejoined_at is not None:
+                self._timeline.recovered(group.gid, rejoined_at, REJOIN, "committed a step again")
+                if self._chaos is not None:
+                    self._chaos.rejoined(group.gid, rejoined_at)
+        self._timeline.sample(now, self.groups)
 
     def _on_event(self, group: Group, ev: dict[str, Any]) -> None:
         now = time.monotonic()
@@ -310,9 +376,11 @@ class Supervisor:
             pids = {int(r): int(p) for r, p in ev.get("pids", {}).items()}
             failure = group.workers_started(int(ev.get("restart", 0)), pids, now)
             if failure is not None:
+                self._timeline.failed(group.gid, now, failure)
                 self._keeper.report_failure(group, failure)
         elif kind == "worker_stopped":
             stopped = f"rank {ev.get('rank')} (pid {ev.get('pid')}) stopped by {ev.get('signal')}"
+            self._timeline.failed(group.gid, now, stopped, HANG)
             if not self.opts.kill_stopped:
                 self.console.err(
                     f"[ftlaunch] replica group {group.gid}: {stopped}; its peers go on once the lighthouse "
@@ -331,6 +399,7 @@ class Supervisor:
                 int(ev.get("pid", -1)), ev.get("rank"), restart, ev.get("failed"), how, now
             )
             if failure is not None:
+                self._timeline.failed(group.gid, now, failure)
                 self._keeper.report_failure(group, failure)
                 then = (
                     "its agent restarts the group" if self.opts.max_restarts > restart else "no restarts left"
@@ -356,6 +425,10 @@ class Supervisor:
         if outcome.kill_orphans:
             self._kill_orphans(group)
             phases.mark("orphans_killed", replica=str(group.gid))
+        if group.state == FAILED:
+            self._timeline.failed(group.gid, now, group.root_cause or "failed", GAVE_UP)
+        elif outcome.report is not None:
+            self._timeline.failed(group.gid, now, outcome.report, AGENT if outcome.respawn else GAVE_UP)
         if outcome.report is not None:
             self._keeper.report_failure(group, outcome.report)
         if outcome.message is not None:
@@ -483,3 +556,26 @@ class Supervisor:
             self.opts.grace_period,
             self._stop_signal or signal.SIGTERM,
         )
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(OSError):
+            os.remove(path)
+
+
+def _machine_gpus() -> list[str]:
+    """The GPUs the job may use: those ``CUDA_VISIBLE_DEVICES`` lists, else every GPU torch counts
+    (through the driver, without creating a CUDA context in the supervisor)."""
+    listed = env.visible_gpus()
+    if listed is not None:
+        return listed
+    import torch
+
+    try:
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:  # noqa: BLE001 - a broken driver: no GPUs to place
+        count = 0
+    return [str(i) for i in range(count)]

@@ -26,12 +26,12 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from importlib import metadata
 from typing import TYPE_CHECKING, Any
 
+from ftlaunch import env
 from ftlaunch.errors import ConfigurationError
 
 if TYPE_CHECKING:
@@ -208,7 +208,7 @@ def add_torchrun_flags(group: argparse._ArgumentGroup) -> list[argparse.Action]:
         if flag is None:
             ours.help = f"{action.help} (not supported by this ftlaunch yet: leave it at its default)"
         else:
-            if flag.has_default and f"PET_{action.dest.upper()}" not in os.environ:
+            if flag.has_default and not env.is_set(f"{env.TORCHRUN_FLAG_PREFIX}{action.dest.upper()}"):
                 ours.default = flag.default
             if flag.note:
                 ours.help = f"{action.help or ''} ({flag.note})".strip()
@@ -268,8 +268,8 @@ def launch_config(
     """
     from torch.distributed.run import config_from_args
 
-    if "OMP_NUM_THREADS" not in os.environ and opts.nproc_per_node > 1:
-        os.environ["OMP_NUM_THREADS"] = "1"  # what torchrun does, without its banner in every group
+    if not env.is_set(env.OMP_NUM_THREADS) and opts.nproc_per_node > 1:
+        env.publish({env.OMP_NUM_THREADS: "1"})  # what torchrun does, without its banner in every group
     values: dict[str, Any] = {a.dest: a.default for a in torchrun_actions()}
     values.update(
         nnodes="1:1",

@@ -105,6 +105,7 @@ def hsdp_app(
     from ftlaunch import env as ftenv
     from ftlaunch.errors import ConfigurationError
     from ftlaunch.launcher.placement import AUTO
+    from ftlaunch.lighthouse.quorum import HEARTBEAT_TIMEOUT, JOIN_TIMEOUT
 
     if script is not None and m is not None:
         raise ConfigurationError("give --script or -m, not both")
@@ -124,11 +125,13 @@ def hsdp_app(
         raise ConfigurationError(f"--min_replicas {min_replicas} > --replicas {replicas}")
     if max_restarts < 0:
         raise ConfigurationError("--max_restarts must be >= 0")
+    JOIN_TIMEOUT.checked(join_timeout, "--join_timeout")
+    HEARTBEAT_TIMEOUT.checked(heartbeat_timeout, "--heartbeat_timeout")
 
     image = image or torchx.IMAGE
     own_job_dir = not job_dir
     job_dir = job_dir or AUTO
-    base_env = {"LOGLEVEL": "WARNING", **(env or {})}
+    base_env = {ftenv.LOGLEVEL: "WARNING", **(env or {})}
     resource = specs.resource(cpu=cpu, gpu=gpu, memMB=memMB, h=h)
     parsed_mounts = specs.parse_mounts(mounts) if mounts else []
     # Both kinds of role decide at start-up what depends on the scheduler (`placement`), from

@@ -8,25 +8,18 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import signal
 import sys
 
 from ftlaunch import env
-from ftlaunch.cli_args import OneLineParser, nonnegative_number, positive_integer
+from ftlaunch.cli_args import OneLineParser, count, duration, duration_help, milliseconds
+from ftlaunch.env import Count
 from ftlaunch.errors import ConfigurationError
 from ftlaunch.lifetime import StopSignals
+from ftlaunch.lighthouse.quorum import HEARTBEAT_TIMEOUT, JOIN_TIMEOUT, REPLICAS
+from ftlaunch.lighthouse.server import QUORUM_TICK, STARTUP_GRACE
 
 PROG = "ftlaunch-lighthouse"
-
-
-def _seconds(text: str) -> float:
-    return nonnegative_number(text, "seconds")
-
-
-def _milliseconds(text: str) -> float:
-    """torchft's ``*_ms`` flags: milliseconds, returned in seconds."""
-    return nonnegative_number(text, "milliseconds") / 1000.0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,49 +36,53 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--min-replicas",
         "--min_replicas",
-        type=positive_integer,
+        type=count(REPLICAS),
         default=1,
         help="smallest quorum (default %(default)s)",
     )
     p.add_argument(
         "--expected-replicas",
-        type=int,
+        type=count(Count(0)),
         default=0,
         help="replica groups of the job: the first quorum waits for them, up to --join-timeout "
         "(default %(default)s: form with whoever asks)",
     )
-    for name, default, what in (
-        ("join-timeout", 60.0, "seconds to wait for stragglers"),
-        ("quorum-tick", 0.1, "timer period in seconds for time-based rules"),
-        ("heartbeat-timeout", 5.0, "seconds of silence before a group is out"),
+    for name, default, what, bounds in (
+        ("join-timeout", 60.0, "how long the first quorum waits for stragglers", JOIN_TIMEOUT),
+        ("quorum-tick", 0.1, "timer period for what only time changes (join timeout, silence)", QUORUM_TICK),
+        ("heartbeat-timeout", 5.0, "silence after which a group is out", HEARTBEAT_TIMEOUT),
     ):
         dest = name.replace("-", "_")
         p.add_argument(
             f"--{name}",
             dest=dest,
-            type=_seconds,
+            type=duration(bounds),
             default=default,
             metavar="SECONDS",
-            help=f"{what} (default %(default)s)",
+            help=duration_help(what, bounds),
         )
         p.add_argument(
             f"--{dest}_ms",
             dest=dest,
-            type=_milliseconds,
+            type=milliseconds(bounds),
             default=argparse.SUPPRESS,
             metavar="MS",
             help=f"torchft's spelling of --{name}, in milliseconds",
         )
     p.add_argument(
         "--startup-grace",
-        type=_seconds,
+        type=duration(STARTUP_GRACE),
         default=0.0,
-        help="when restarting the lighthouse of a running job: form no first quorum for this many "
-        "seconds unless the groups report their last one (use the heartbeat timeout; default 0)",
+        metavar="SECONDS",
+        help=duration_help(
+            "when restarting the lighthouse of a running job: form no first quorum for this long "
+            "unless the groups report their last one (use the heartbeat timeout)",
+            STARTUP_GRACE,
+        ),
     )
     p.add_argument(
         "--token",
-        default=os.environ.get(env.FTLAUNCH_TOKEN) or None,
+        default=env.job_token(),
         help=f"job token every group and admin request must carry (default: ${env.FTLAUNCH_TOKEN}); "
         "without one the lighthouse serves loopback only and its admin endpoints are disabled",
     )

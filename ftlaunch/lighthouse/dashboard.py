@@ -10,6 +10,11 @@ endpoints with a token the user types into the page: the page never contains the
 carries it (``Authorization: Bearer``), and the lighthouse checks it as for any admin call. The page
 refreshes its content in place (a whole-page reload would clear the typed token); without
 JavaScript it falls back to a meta refresh.
+
+The page opens on the training's picture: each group's step against time with its failures and
+rejoins marked, drawn by the same renderer as the timeline ``ftlaunch`` writes at exit
+(`timeline_svg`), inline, so it is redrawn with every refresh. The lines are the groups' progress
+series (``/status``'s ``progress[].timeline``), the marks come from the history (`timeline_of`).
 """
 
 from __future__ import annotations
@@ -18,9 +23,11 @@ import html
 from datetime import datetime
 from typing import Any
 
+from ftlaunch.lighthouse import timeline_svg
 from ftlaunch.lighthouse.progress import GroupProgress
 from ftlaunch.lighthouse.quorum import decode_quorum_id
-from ftlaunch.lighthouse.status import LighthouseStatus, SparesStatus
+from ftlaunch.lighthouse.status import HUNG_REASON, LighthouseStatus, SparesStatus
+from ftlaunch.lighthouse.timeline import FAILURE, HANG, REJOIN, TAKEOVER, Line, Mark, Timeline
 
 REFRESH_SECONDS = 2
 
@@ -34,6 +41,7 @@ th{background:#f6f8fa} .mono{font-family:ui-monospace,monospace}
 .muted{color:#656d76} .num{text-align:right;white-space:nowrap}
 #admin{border:1px solid #d0d7de;padding:.5em .8em;margin:.5em 0 1em;display:inline-block}
 button{font-size:.85em;margin-right:.3em} #admin-result{margin-left:.5em}
+#timeline svg{max-width:100%;height:auto;border:1px solid #d0d7de}
 """
 
 # Posts to the admin endpoints with the token typed into #token (never part of the page), and
@@ -114,6 +122,7 @@ def render(status: LighthouseStatus) -> str:
         _admin_form(opts.admin),
         "<div id='live'>",
     ]
+    out += _timeline_section(status)
     out += _quorum_section(status)
     out += _groups_section(status)
     if status.spares is not None:
@@ -124,6 +133,59 @@ def render(status: LighthouseStatus) -> str:
     out.append(f"<script>{_SCRIPT.replace('REFRESH_MS', str(REFRESH_SECONDS * 1000))}</script>")
     out.append("</body></html>")
     return "\n".join(out)
+
+
+#: History events in which the lighthouse saw a group go down, and the mark each one makes.
+_DOWN_EVENTS = {"failed": FAILURE, "disconnected": FAILURE, "evicted": FAILURE, "silent": HANG}
+
+
+def timeline_of(status: LighthouseStatus) -> Timeline:
+    """The dashboard's picture of ``status``: each group's step over time (its progress series) and
+    what the history says happened to it. A group goes down when the lighthouse records it
+    ``failed`` (a hang when it was declared hung), ``disconnected``, ``evicted`` or ``silent``; it is
+    back at the first quorum with it in again. A hang also ends when the group is heard from again
+    while no quorum has left it out (the same process carried on); a failed group's process is gone,
+    whatever a last heartbeat of it says. A hot spare ``claimed`` a slot: it took over. t = 0 is the
+    first thing the picture shows."""
+    history = sorted(status.history, key=lambda h: h.time)  # the status lists it newest first
+    firsts = [p.timeline[0][0] for p in status.progress if p.timeline]
+    origin = min(firsts + [h.time for h in history if h.replica_id and h.event in _DOWN_EVENTS], default=0.0)
+    lines = tuple(Line(p.replica_id, tuple((t - origin, v) for t, v in p.timeline)) for p in status.progress)
+    marks: list[Mark] = []
+    down: dict[str, str] = {}  # replica id -> the kind of mark that took it down
+    in_quorum: set[str] = set()
+    for h in history:
+        rid, at = h.replica_id, h.time - origin
+        if h.event == "quorum":
+            in_quorum = set(h.participants or ())
+            for back in sorted(set(down) & in_quorum):
+                marks.append(Mark(at, REJOIN, back, "in the quorum again"))
+                del down[back]
+        elif rid is None:
+            continue
+        elif h.event in _DOWN_EVENTS and rid not in down:
+            kind = HANG if h.detail.startswith(HUNG_REASON) else _DOWN_EVENTS[h.event]
+            marks.append(Mark(at, kind, rid, f"{h.event}: {h.detail}" if h.detail else h.event))
+            down[rid] = kind
+        elif h.event == "revived" and down.get(rid) == HANG and rid in in_quorum:
+            marks.append(Mark(at, REJOIN, rid, "heard from again"))
+            del down[rid]
+        elif h.event == "claimed":
+            marks.append(Mark(at, TAKEOVER, rid, h.detail))
+            down.pop(rid, None)
+    end = max(status.time - origin, 0.0) if status.time else max((m.at for m in marks), default=0.0)
+    when_zero = f"t = 0 at {when(origin)}; " if origin else ""
+    return Timeline(
+        "Steps per replica group",
+        lines,
+        tuple(marks),
+        end,
+        f"{when_zero}failures and rejoins as the lighthouse's history (below) records them",
+    )
+
+
+def _timeline_section(status: LighthouseStatus) -> list[str]:
+    return [f"<div id='timeline'>{timeline_svg.render(timeline_of(status), height=300)}</div>"]
 
 
 def _admin_form(enabled: bool) -> str:

@@ -25,6 +25,8 @@ from collections.abc import Mapping, Set
 from dataclasses import dataclass, field
 from typing import Any
 
+from ftlaunch.lighthouse.timeline import Point, Series
+
 #: Seconds of history behind the step rates (per group and for the job).
 RATE_WINDOW_S = 10.0
 #: Most groups whose progress is remembered (groups that left included); the oldest are forgotten.
@@ -33,6 +35,17 @@ MAX_GROUPS = 4096
 MAX_TOKEN_LEN = 128
 #: Most rewinds remembered (the oldest are forgotten).
 MAX_REWINDS = 64
+#: Points of each group's step-over-time series (`GroupProgress.timeline`, the dashboard's picture).
+TIMELINE_POINTS = 64
+#: About the points of all the groups' series together: a job of many groups keeps fewer each
+#: (`timeline_points`), so ``/status`` stays small.
+TIMELINE_BUDGET = 8192
+#: A report closer than this to the last point kept only updates the series' latest value: a point a
+#: second at most, so the request path rarely pays for thinning (`timeline.Series`).
+TIMELINE_MIN_GAP_S = 1.0
+#: Reports that resume after a silence this long start with a flat stretch (`timeline.Series`). A
+#: leader reports only when its progress changed, so no report means no new step: flat is the truth.
+TIMELINE_HOLD_S = 1.0
 
 _REPORT_FIELDS: dict[str, tuple[type, ...]] = {
     "session": (str,),
@@ -190,6 +203,8 @@ class GroupProgress:
     #: The lighthouse turned its current session's quorum request away because the training had
     #: finished at a step it was behind, with nobody to heal from: it ends as a straggler.
     stopped_after_end: bool = False
+    #: ``(wall time, step)`` over the group's life, thinned (`timeline.Series`): the dashboard's picture.
+    timeline: tuple[Point, ...] = ()
 
     @property
     def restarts(self) -> int:
@@ -216,6 +231,7 @@ class GroupProgress:
             "finished": self.finished,
             "unsynced_sessions": self.unsynced_sessions,
             "stopped_after_end": self.stopped_after_end,
+            "timeline": [[round(t, 3), v] for t, v in self.timeline],
         }
 
     @classmethod
@@ -258,7 +274,24 @@ class GroupProgress:
             finished=bool(d.get("finished", False)),
             unsynced_sessions=_int(d, "unsynced_sessions"),
             stopped_after_end=bool(d.get("stopped_after_end", False)),
+            timeline=_points(d.get("timeline", [])),
         )
+
+
+def _points(value: Any) -> tuple[Point, ...]:
+    """``[[time, step], ...]`` of a status document, checked."""
+    if not isinstance(value, list):
+        raise ValueError("progress field 'timeline' must be a list of [time, step]")
+    out = []
+    for item in value:
+        if (
+            not isinstance(item, list)
+            or len(item) != 2
+            or any(isinstance(x, bool) or not isinstance(x, (int, float)) for x in item)
+        ):
+            raise ValueError("progress field 'timeline' must be a list of [time, step]")
+        out.append((float(item[0]), item[1]))
+    return tuple(out)
 
 
 @dataclass
@@ -294,6 +327,19 @@ class _Totals:
     #: Refused before its session was known: the next new session to report is the refused one.
     stopped_pending: bool = False
     samples: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=256))
+    timeline: Series = field(
+        default_factory=lambda: Series(TIMELINE_POINTS, TIMELINE_MIN_GAP_S, TIMELINE_HOLD_S)
+    )
+
+
+def timeline_points(groups: int) -> int:
+    """Points each group's series keeps in a job of ``groups``: `TIMELINE_POINTS`, halved each time
+    the job doubles past `TIMELINE_BUDGET` / `TIMELINE_POINTS` groups, at least 8. Few sizes, so
+    the series shrink lazily (at their next point) a few times as a job grows, never per group."""
+    points = TIMELINE_POINTS
+    while points > 8 and groups * points > TIMELINE_BUDGET:
+        points //= 2
+    return points
 
 
 def _rate(samples: deque[tuple[float, int]], now: float) -> float:
@@ -320,6 +366,7 @@ class ProgressBook:
         #: The furthest step of the quorums since the job last went back (None: no quorum yet).
         self._reached: int | None = None
         self._rewinds: deque[Rewind] = deque(maxlen=MAX_REWINDS)
+        self._timeline_points = TIMELINE_POINTS
 
     def _totals(self, replica_id: str) -> _Totals:
         t = self._groups.get(replica_id)
@@ -327,6 +374,12 @@ class ProgressBook:
             if len(self._groups) >= MAX_GROUPS:
                 self._finished.discard(self._groups.pop(next(iter(self._groups))).replica_id)
             t = self._groups[replica_id] = _Totals(replica_id)
+            points = timeline_points(len(self._groups))
+            if points != self._timeline_points:  # the job grew past a size: every series keeps fewer
+                self._timeline_points = points
+                for other in self._groups.values():
+                    other.timeline.capacity = points
+            t.timeline.capacity = points
         return t
 
     def report(self, replica_id: str, report: ProgressReport, wall: float) -> None:
@@ -354,6 +407,7 @@ class ProgressBook:
                 t.unsynced += 1
         cur.commits, cur.heals, cur.heal_seconds = report.commits, report.heals, float(report.heal_seconds)
         t.step, t.last = report.step, report
+        t.timeline.add(wall, report.step)
         if new_commits:
             if cur.first_commit is None:
                 cur.first_commit = wall
@@ -447,6 +501,7 @@ class ProgressBook:
                     finished=t.finished,
                     unsynced_sessions=t.unsynced,
                     stopped_after_end=t.stopped_session == (cur.session if cur else ""),
+                    timeline=t.timeline.points(),
                 )
             )
         return tuple(out)

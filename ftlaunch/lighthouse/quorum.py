@@ -34,11 +34,12 @@ from __future__ import annotations
 
 import enum
 import functools
-import math
 import operator
 from collections.abc import Collection, Mapping
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
+
+from ftlaunch.env import Count, Duration
 
 #: Bits of a quorum id that count quorum changes within one epoch (one millisecond).
 ID_COUNTER_BITS = 12
@@ -213,6 +214,16 @@ class GroupState:
     connection: Connection = Connection.CONNECTED
 
 
+#: Bounds of the options (`ftlaunch.env.Duration`; the command lines and ``--rdzv-conf`` use the same).
+#: A heartbeat timeout must leave a group's heartbeats (every 0.1 s by default) room for a few beats,
+#: or every healthy group is "silent" between two of them and no quorum ever forms: 0.5 s is 5 beats.
+HEARTBEAT_TIMEOUT = Duration(0.5)
+#: 0 forms the first quorum with whoever asks first.
+JOIN_TIMEOUT = Duration(0.0)
+#: Replica groups in a quorum (``min_replicas``, ``expected_replicas``: 0 = none announced).
+REPLICAS = Count(1)
+
+
 @dataclass(frozen=True)
 class QuorumOptions:
     min_replicas: int = 1
@@ -222,22 +233,24 @@ class QuorumOptions:
     expected_replicas: int = 0
 
     def __post_init__(self) -> None:
-        if isinstance(self.min_replicas, bool) or not isinstance(self.min_replicas, int):
-            raise TypeError("min_replicas must be an int")
-        if self.min_replicas < 1:
-            raise ValueError(f"min_replicas must be >= 1, got {self.min_replicas}")
-        if isinstance(self.expected_replicas, bool) or not isinstance(self.expected_replicas, int):
-            raise TypeError("expected_replicas must be an int")
-        if self.expected_replicas < 0:
-            raise ValueError(f"expected_replicas must be >= 0, got {self.expected_replicas}")
-        for name in ("join_timeout", "heartbeat_timeout"):
+        """Every option in its bounds; a ValueError names the option (TypeError: not a number)."""
+        checks: tuple[tuple[str, Count | Duration], ...] = (
+            ("min_replicas", REPLICAS),
+            ("expected_replicas", Count(0)),
+            ("join_timeout", JOIN_TIMEOUT),
+            ("heartbeat_timeout", HEARTBEAT_TIMEOUT),
+        )
+        for name, bounds in checks:
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool):
-                raise TypeError(f"{name} must be a number")
-            if not math.isfinite(value) or value < 0 or (name == "heartbeat_timeout" and value == 0):
-                raise ValueError(
-                    f"{name} must be a finite number {'> 0' if name == 'heartbeat_timeout' else '>= 0'}, got {value}"
+            kinds = (int,) if isinstance(bounds, Count) else (int, float)
+            if isinstance(value, bool) or not isinstance(value, kinds):
+                raise TypeError(
+                    f"{name} must be {'an int' if kinds == (int,) else 'a number'}, got {value!r}"
                 )
+            try:
+                bounds.check(value)
+            except ValueError as e:
+                raise ValueError(f"{name}={value!r} {e}") from None
 
 
 @dataclass(frozen=True)

@@ -28,14 +28,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
-import os
 import threading
 import time
 from collections.abc import Callable
 
 from ftlaunch import env
-from ftlaunch.errors import ConfigurationError, LighthouseUnavailableError
+from ftlaunch.errors import LighthouseUnavailableError
 from ftlaunch.lighthouse.client import LighthouseClient, QuorumClient
 from ftlaunch.lighthouse.progress import ProgressReport
 from ftlaunch.lighthouse.protocol import RESUME_KEY
@@ -43,37 +41,24 @@ from ftlaunch.lighthouse.quorum import Quorum, QuorumMember
 
 log = logging.getLogger(__name__)
 
-#: How long a group leader waits for an unreachable lighthouse before giving up (seconds).
-#: Generous: a scheduler restarting the lighthouse's container can take minutes, and waiting costs
-#: nothing but the wait (the groups keep their weights in memory).
-DEFAULT_OUTAGE_TIMEOUT = 300.0
+#: How long a group leader waits for an unreachable lighthouse before giving up (seconds; the
+#: environment's ``FTLAUNCH_LIGHTHOUSE_OUTAGE`` is read into `ftlaunch.env.WorkerEnv`).
+DEFAULT_OUTAGE_TIMEOUT = env.DEFAULT_LIGHTHOUSE_OUTAGE
+
+
+def never_reached(address: str) -> str:
+    """The fix named when the lighthouse never answered this group: a wrong address, or none started."""
+    bind = address.removeprefix("http://") if address.startswith("http://") else "HOST:PORT"
+    return (
+        f"No lighthouse has answered there: start one (`ftlaunch-lighthouse --bind {bind}`) or fix "
+        f"{env.FTLAUNCH_LIGHTHOUSE}, or launch with `ftlaunch --replicas N script.py`, which starts one"
+    )
+
+
 #: Pause between two attempts while the lighthouse is down (each attempt itself retries connects
 #: for the client's ``connect_timeout``).
 _PAUSE_START = 0.1
 _PAUSE_MAX = 2.0
-
-
-def outage_timeout_from_env(value: float | None = None) -> float:
-    """``value`` if given, else ``FTLAUNCH_LIGHTHOUSE_OUTAGE`` (a duration: ``300``, ``5m``), else
-    `DEFAULT_OUTAGE_TIMEOUT`. ``0`` turns the waiting off (the first `LighthouseUnavailableError`
-    is raised, as before). Raises `ConfigurationError` for a negative or malformed value."""
-    if value is None:
-        raw = os.environ.get(env.FTLAUNCH_LIGHTHOUSE_OUTAGE, "")
-        if raw.strip() == "":
-            return DEFAULT_OUTAGE_TIMEOUT
-        from ftlaunch.timeouts import parse_duration
-
-        value = parse_duration(raw, env.FTLAUNCH_LIGHTHOUSE_OUTAGE)
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not math.isfinite(value)
-        or value < 0
-    ):
-        raise ConfigurationError(
-            f"lighthouse outage timeout must be a finite number of seconds >= 0, got {value!r}"
-        )
-    return float(value)
 
 
 def resume_report(quorum: Quorum) -> dict:
@@ -98,7 +83,7 @@ class OutageTolerantClient:
         self._client = client
         #: The job reached this lighthouse before (e.g. this worker is a restart): wait from the start.
         self._known_reachable = known_reachable
-        self.outage_timeout = outage_timeout_from_env(outage_timeout)
+        self.outage_timeout = env.LIGHTHOUSE_OUTAGE.checked(outage_timeout, "lighthouse outage timeout")
         self._closed = threading.Event()
         self._last: Quorum | None = None  # the last quorum this group got
         self._report_due = False  # the lighthouse was unreachable since then
@@ -177,6 +162,9 @@ class OutageTolerantClient:
                             f"lighthouse unreachable for {waited:.0f}s (outage timeout {self.outage_timeout:g}s, "
                             f"{env.FTLAUNCH_LIGHTHOUSE_OUTAGE}): {e}"
                         ) from None
+                    if not self._reached() and not self._closed.is_set():
+                        address = str(getattr(self._client, "address", ""))
+                        raise LighthouseUnavailableError(f"{e}. {never_reached(address)}") from None
                     raise
                 self._closed.wait(min(pause, self.outage_timeout - waited))
                 pause = min(pause * 2, _PAUSE_MAX)

@@ -4,13 +4,15 @@ Why a folder of its own: the cross-replica-group collectives of a training step 
 groups, and a peer's death must become a `CommunicationError` and a reconfigure, never a hang.
 They know nothing of the Manager or the lighthouse. The layout:
 
-* `base` - `ProcessGroup`, torch's interface plus the lifecycle and error model every group shares;
-  `work` - the Work objects ops return; `_overloads`, `_registry` - torch's call forms and tables.
+* `base` - `ProcessGroup`, torch's interface plus the lifecycle every group shares; `failures` -
+  the error model (the first error of each configuration); `work` - the Work objects ops return;
+  `_collectives`, `_composites`, `_overloads`, `_registry` - torch's op names, the composite ops,
+  torch's call forms and tables.
 * `wrappers` - `ProcessGroupWrapper` and the in-process `ProcessGroupGloo`/`ProcessGroupNCCL`;
   `error_swallowing` and `dummy` - groups that report instead of raising, or do nothing.
-* `baby` - `ProcessGroupBabyGloo`/`ProcessGroupBabyNCCL`, the backend in a child process so abort
-  never hangs; `_baby_handle` is the parent's end, `_baby_child` the child, `_shm` the shared
-  tensors between them.
+* `baby/` - `ProcessGroupBabyGloo`/`ProcessGroupBabyNCCL`, the backend in a child process so abort
+  never hangs (`group`; `handle` is the parent's end, `child` the child, `shm` the shared tensors
+  between them, `work` a request's Work).
 * `_store` - store addresses and clients; `device_mesh` - plugging a group into a DeviceMesh.
 * `reconfigure` - torchft's current set-up API (handles, `ReconfigureOptions`,
   `reconfigure_with_store`), which every group implements on top of its ``configure``.

@@ -9,7 +9,7 @@ that copies results out once the underlying ops finished.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -27,8 +27,32 @@ from torch._C._distributed_c10d import (
 
 from ftlaunch.process_group.work import ComposedWork
 
-if TYPE_CHECKING:
-    from ftlaunch.process_group._collectives import Collectives
+
+class Collectives(Protocol):
+    """What a composite needs of its group: rank, size and the native hooks it builds on
+    (`_collectives.Collectives` has them all; a backend overrides those it has natively)."""
+
+    def rank(self) -> int: ...
+
+    def size(self) -> int: ...
+
+    def _check_root(self, op: str, root: int) -> None: ...
+
+    def _do_allreduce(self, tensors: list[torch.Tensor], opts: AllreduceOptions) -> dist.Work: ...
+
+    def _do_allgather(
+        self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: AllgatherOptions
+    ) -> dist.Work: ...
+
+    def _do_all_gather_single(
+        self, output: torch.Tensor, input: torch.Tensor, opts: AllgatherOptions
+    ) -> dist.Work: ...
+
+    def _do_broadcast(self, tensors: list[torch.Tensor], opts: BroadcastOptions) -> dist.Work: ...
+
+    def _do_reduce_scatter_single(
+        self, output: torch.Tensor, input: torch.Tensor, opts: ReduceScatterOptions
+    ) -> dist.Work: ...
 
 
 def allreduce_coalesced(

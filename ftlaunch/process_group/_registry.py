@@ -16,13 +16,9 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
-
-if TYPE_CHECKING:
-    from ftlaunch.process_group.base import ProcessGroup
 
 __all__ = ["add", "is_registered", "remove"]
 
@@ -31,13 +27,13 @@ def is_registered(pg: dist.ProcessGroup) -> bool:
     return c10d._world.pg_names.get(pg) is not None
 
 
-def add(pg: ProcessGroup, name: str) -> c10d.GroupName:
-    """Register ``pg`` under ``name`` (ValueError if another group has it); returns the name."""
+def add(pg: dist.ProcessGroup, name: str, backend: str) -> c10d.GroupName:
+    """Register ``pg`` (of ``backend``, its backend's name) under ``name`` (ValueError if another
+    group has it); returns the name."""
     world = c10d._world
     if name in world.pg_names.values():
         raise ValueError(f"a process group named {name!r} is already registered")
     group_name = c10d.GroupName(name)
-    backend = pg.getBackendName()
     # No c10d Store behind our groups (each configure builds its own). torch annotates the slot
     # as a Store but reads it only for the default group, groups it derives from another (by
     # tag, shrink) and symmetric memory - none of which applies to ours.
@@ -79,7 +75,7 @@ class _LiveRankMap(Mapping[int, int]):
     that means anything here is this process's own; it maps to the current group rank.
     """
 
-    def __init__(self, pg: ProcessGroup) -> None:
+    def __init__(self, pg: dist.ProcessGroup) -> None:
         self._pg = weakref.ref(pg)
 
     @staticmethod

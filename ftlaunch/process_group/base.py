@@ -38,6 +38,7 @@ from ftlaunch.process_group import _registry
 from ftlaunch.process_group._collectives import Collectives
 from ftlaunch.process_group._overloads import configure_args
 from ftlaunch.process_group._store import first_line
+from ftlaunch.process_group.failures import FailureRecord
 from ftlaunch.process_group.reconfigure import (
     Handle,
     HandleStore,
@@ -46,13 +47,9 @@ from ftlaunch.process_group.reconfigure import (
     rendezvous_of,
 )
 
-# DoneWork and completed_future live in `work`; they are also importable from here, where code
-# outside this package has always found them.
-from ftlaunch.process_group.work import DoneWork, completed_future
-
 logger = logging.getLogger(__name__)
 
-__all__ = ["DoneWork", "ProcessGroup", "completed_future"]
+__all__ = ["ProcessGroup", "release_process_group"]
 
 _NAME_COUNTER = itertools.count()
 
@@ -71,11 +68,10 @@ class ProcessGroup(Collectives):
         self._rank = rank
         self._world_size = world_size
         self._store_addr = ""
-        self._generation = 0
-        self._error: Exception | None = None
+        #: The first communication error of each configuration; the Works of its ops report to it.
+        self._failures = FailureRecord(self._describe, self._on_first_error)
         self._group_name: c10d.GroupName | None = None
         self._auto_named = False
-        self._error_lock = threading.Lock()
         self._closed = False  # shut down (until the next configure)
         # torchft's reconfigure API (`reconfigure`): who we are in handles, the store we host for
         # them, and the labels `set_rank_info` gives us.
@@ -196,7 +192,7 @@ class ProcessGroup(Collectives):
 
         def timed_out(message: str) -> Exception:
             # Not on this thread: the configure may hold the group's lock until its own timeout.
-            error = self._record_error("reconfigure", message, on_backend_thread=True)
+            error = self._failures.record("reconfigure", message, on_backend_thread=True)
             threading.Thread(target=self.abort, name="ftlaunch-reconfigure-abort", daemon=True).start()
             return error
 
@@ -206,7 +202,7 @@ class ProcessGroup(Collectives):
 
     def errored(self) -> Exception | None:
         """The first communication error since the last `configure`, or None."""
-        return self._error
+        return self._failures.error
 
     def wait_ready(self, timeout: timedelta | float | None = None) -> None:
         """Block until a `configure` could start at once: whatever this group needs before it can
@@ -247,9 +243,7 @@ class ProcessGroup(Collectives):
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} out of range for world_size {world_size}")
-        with self._error_lock:
-            self._generation += 1
-            self._error = None
+        self._failures.new_generation()
         self._closed = False
         self._store_addr = store_addr
         self._rank = rank
@@ -263,34 +257,6 @@ class ProcessGroup(Collectives):
             f"(store {self._store_addr or '<not configured>'})"
         )
 
-    def _comm_error(self, op: str, exc: BaseException | str, peer: int | None = None) -> CommunicationError:
-        if isinstance(exc, CommunicationError):
-            return exc
-        peer_txt = f" with peer rank {peer}" if peer is not None else ""
-        detail = exc if isinstance(exc, str) else first_line(exc)
-        return CommunicationError(f"{op} failed on {self._describe()}{peer_txt}: {detail}")
-
-    def _record_error(
-        self,
-        op: str,
-        exc: BaseException | str,
-        peer: int | None = None,
-        generation: int | None = None,
-        on_backend_thread: bool = False,
-        quiet: bool = False,
-    ) -> CommunicationError:
-        """Turn `exc` into a CommunicationError and remember it (first one wins) if still current."""
-        err = self._comm_error(op, exc, peer)
-        with self._error_lock:
-            first = self._error is None and (generation is None or generation == self._generation)
-            if first:
-                self._error = err
-                current = self._generation
-        if first:
-            (logger.info if quiet else logger.warning)("ftlaunch.process_group: %s", err)
-            self._on_first_error(current, on_backend_thread)
-        return err
-
     def _on_first_error(self, generation: int, on_backend_thread: bool) -> None:
         """Hook: react to the first communication error of configuration `generation`."""
 
@@ -300,7 +266,7 @@ class ProcessGroup(Collectives):
         if isinstance(exc, (ValueError, TypeError, NotImplementedError, CommunicationError)):
             return exc
         if isinstance(exc, dist.DistError):
-            return self._record_error(op, exc, peer)
+            return self._failures.record(op, exc, peer)
         if isinstance(exc, RuntimeError):
             return ValueError(f"{op} rejected its arguments on {self._describe()}: {first_line(exc)}")
         return exc
@@ -309,8 +275,8 @@ class ProcessGroup(Collectives):
         """Why ``op`` cannot run with no backend up: shut down, failed (that error), or never configured."""
         if self._closed:
             return ValueError(f"{op}: {type(self).__name__} was shut down; configure() it again to reuse it")
-        if self._error is not None:
-            return self._error
+        if self._failures.error is not None:
+            return self._failures.error
         return ValueError(f"{op}: {type(self).__name__} is not configured; call configure() first")
 
     # ---- registry (see `_registry`: torch's tables, from the first configure on) --------------
@@ -319,7 +285,7 @@ class ProcessGroup(Collectives):
 
     def _auto_register(self) -> None:
         if not self._is_registered():
-            self._group_name = _registry.add(self, self.group_name)
+            self._group_name = _registry.add(self, self.group_name, self.getBackendName())
             self._auto_named = True
 
     def register(self, name: str) -> ProcessGroup:
@@ -331,7 +297,7 @@ class ProcessGroup(Collectives):
             if not self._auto_named:
                 raise ValueError(f"{self!r} is already registered as {self._group_name!r}")
             self.unregister()
-        self._group_name = _registry.add(self, name)
+        self._group_name = _registry.add(self, name, self.getBackendName())
         self._auto_named = False
         return self
 

@@ -49,6 +49,7 @@ from torch._C._distributed_c10d import (
 from ftlaunch.addresses import parse_store_addr
 from ftlaunch.errors import CommunicationError
 from ftlaunch.process_group.base import ProcessGroup
+from ftlaunch.process_group.failures import FailureRecord
 from ftlaunch.timeouts import as_timedelta
 
 __all__ = ["FakeOp", "FakeProcessGroup"]
@@ -91,16 +92,16 @@ def _reduce_identical(t: torch.Tensor, kind: Any, world: int) -> torch.Tensor:
 class _FakeWork(dist.Work):
     """A Work that is done, failed, or pending until the group resolves it."""
 
-    def __init__(self, pg: FakeProcessGroup, op: str, result: Any, apply: Callable[[], None]) -> None:
+    def __init__(self, failures: FailureRecord, op: str, result: Any, apply: Callable[[], None]) -> None:
         super().__init__()
-        self._pg = pg
+        self._failures = failures
         self._op = op
         self._result = result
         self._apply = apply
         self._future: torch.futures.Future[Any] = torch.futures.Future()
         self._done = threading.Event()
         self._error: CommunicationError | None = None
-        self.generation = pg._generation
+        self.generation = failures.generation
 
     def _resolve(self, error: CommunicationError | None) -> None:
         """Complete once: write the results (success) or fail with ``error``."""
@@ -117,7 +118,7 @@ class _FakeWork(dist.Work):
 
     def wait(self, timeout: timedelta = _ZERO) -> bool:
         if not self._done.wait(timeout.total_seconds() if timeout else None):
-            raise self._pg._record_error(self._op, f"not completed within wait(timeout={timeout})")
+            raise self._failures.record(self._op, f"not completed within wait(timeout={timeout})")
         if self._error is not None:
             raise self._error
         return True
@@ -194,7 +195,7 @@ class FakeProcessGroup(ProcessGroup):
         with self._lock:
             pending, self._pending = self._pending, []
         for work in pending:
-            work._resolve(self._comm_error(work._op, reason))
+            work._resolve(self._failures.as_error(work._op, reason))
 
     # ---- lifecycle ----------------------------------------------------------------------------------
     def _configure(self, store_addr: str, rank: int, world_size: int) -> None:
@@ -205,12 +206,12 @@ class FakeProcessGroup(ProcessGroup):
         self._closed = False
         fault = self._take_fault("configure")
         if fault is not None:
-            raise self._record_error("configure", fault[1] or "injected failure")
+            raise self._failures.record("configure", fault[1] or "injected failure")
 
     def abort(self) -> None:
         """Fail the operations in flight and error the group until the next `configure`."""
         self.aborts += 1
-        self._record_error("abort", "process group aborted", quiet=True)
+        self._failures.record("abort", "process group aborted", quiet=True)
         self._fail_pending("aborted (the group failed, was aborted or was reconfigured)")
 
     def shutdown(self) -> None:
@@ -234,9 +235,9 @@ class FakeProcessGroup(ProcessGroup):
         if self._closed:
             raise ValueError(f"{op}: {type(self).__name__} was shut down; configure() it again to reuse it")
         self.ops.append(FakeOp(op, reduce_op, tuple(t.detach().clone() for t in inputs)))
-        if self._error is not None:
-            raise self._error  # errored: fail fast until the next configure
-        work = _FakeWork(self, op, result, apply)
+        if self._failures.error is not None:
+            raise self._failures.error  # errored: fail fast until the next configure
+        work = _FakeWork(self._failures, op, result, apply)
         fault = self._take_fault(op)
         if fault is None:
             work._resolve(None)
@@ -246,7 +247,7 @@ class FakeProcessGroup(ProcessGroup):
             with self._lock:
                 self._pending.append(work)
             return work
-        error = self._record_error(op, exc or "injected failure")
+        error = self._failures.record(op, exc or "injected failure")
         if kind == "issue":
             raise error
         work._resolve(error)

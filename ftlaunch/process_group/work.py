@@ -14,15 +14,13 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from ftlaunch.errors import CommunicationError
-
-if TYPE_CHECKING:
-    from ftlaunch.process_group.base import ProcessGroup
+from ftlaunch.process_group.failures import FailureRecord
 
 __all__ = ["NO_TIMEOUT", "ComposedWork", "DoneWork", "FtWork", "completed_future", "wait_on"]
 
@@ -76,19 +74,30 @@ class FtWork(dist.Work):
     once those sockets close.
     """
 
-    def __init__(self, pg: ProcessGroup, inner: dist.Work, op: str, peer: int | None = None) -> None:
+    def __init__(
+        self,
+        failures: FailureRecord,
+        inner: dist.Work,
+        op: str,
+        peer: int | None = None,
+        devices: tuple[torch.device, ...] = (),
+    ) -> None:
+        """``devices``: the CUDA devices the op's results live on (NCCL). The future `get_future`
+        returns is then CUDA-aware, as the backend's own: a consumer on another stream waits for
+        the collective instead of reading its output early (FSDP2 reads on a stream of its own)."""
         super().__init__()
-        self._pg = pg
+        self._failures = failures
+        self._devices = devices
         self._inner: dist.Work | None = inner
         self._op = op
         self._peer = peer
-        self._generation = pg._generation
+        self._generation = failures.generation
 
     def release(self) -> None:
         self._inner = None
 
     def _released_error(self) -> CommunicationError:
-        return self._pg._record_error(
+        return self._failures.record(
             self._op,
             "aborted (the group failed, was aborted or was reconfigured)",
             self._peer,
@@ -109,26 +118,28 @@ class FtWork(dist.Work):
         # backend's sockets open.
         inner = None
         self._inner = None
-        raise self._pg._record_error(self._op, error, self._peer, self._generation) from error
+        raise self._failures.record(self._op, error, self._peer, self._generation) from error
 
     def is_completed(self) -> bool:
         inner = self._inner
         return True if inner is None else inner.is_completed()
 
     def get_future(self) -> torch.futures.Future:
-        out: torch.futures.Future = torch.futures.Future()
+        out: torch.futures.Future = (
+            torch.futures.Future(devices=list(self._devices)) if self._devices else torch.futures.Future()
+        )
         inner = self._inner
         if inner is None:
             out.set_exception(self._released_error())
             return out
-        pg, op, peer, generation = self._pg, self._op, self._peer, self._generation
+        failures, op, peer, generation = self._failures, self._op, self._peer, self._generation
 
         def _done(fut: torch.futures.Future) -> None:
             try:
                 value = fut.value()
             except Exception as e:
                 # Runs on a backend thread: the group must not tear its backend down here.
-                out.set_exception(pg._record_error(op, e, peer, generation, on_backend_thread=True))
+                out.set_exception(failures.record(op, e, peer, generation, on_backend_thread=True))
             else:
                 out.set_result(value)
 

@@ -105,9 +105,9 @@ class ProcessGroupWrapper(ProcessGroup):
     def errored(self) -> Exception | None:
         self._run_pending_abort()
         pg = self._pg
-        if self._error is None and isinstance(pg, ProcessGroup):
+        if self._failures.error is None and isinstance(pg, ProcessGroup):
             return pg.errored()
-        return self._error
+        return self._failures.error
 
     def _describe(self) -> str:
         pg = self._pg
@@ -133,7 +133,7 @@ class ProcessGroupWrapper(ProcessGroup):
             except (CommunicationError, RuntimeError, TimeoutError) as e:
                 self._release_backend(abort=True)
                 self._store_clients = {}  # the connection itself may be what failed
-                raise self._record_error("configure", e) from e
+                raise self._failures.record("configure", e) from e
             self._wrap_works = True
             logger.info("ftlaunch.process_group: configured %s", self._describe())
 
@@ -194,7 +194,7 @@ class ProcessGroupWrapper(ProcessGroup):
     def _close_after_error(self, generation: int) -> None:
         with self._lock:
             self._abort_pending = None
-            if generation != self._generation:
+            if generation != self._failures.generation:
                 return  # already reconfigured
             self._release_backend(abort=True)
             logger.info("ftlaunch.process_group: closed %s after a communication error", self._describe())
@@ -213,7 +213,7 @@ class ProcessGroupWrapper(ProcessGroup):
         with self._lock:
             if self._owns_backend():
                 if self._pg is not None:
-                    self._record_error("abort", "process group aborted", quiet=True)
+                    self._failures.record("abort", "process group aborted", quiet=True)
                 self._release_backend(abort=True)
             elif isinstance(self._pg, ProcessGroup):
                 self._pg.abort()
@@ -243,8 +243,8 @@ class ProcessGroupWrapper(ProcessGroup):
     def _current(self, op: str) -> Any:
         if self._abort_pending is not None:
             self._run_pending_abort()
-        if self._error is not None and self._owns_backend():
-            raise self._error  # errored: fail fast until the next configure
+        if self._failures.error is not None and self._owns_backend():
+            raise self._failures.error  # errored: fail fast until the next configure
         pg = self._pg
         if pg is None:
             raise self._unusable_error(op)
@@ -257,11 +257,15 @@ class ProcessGroupWrapper(ProcessGroup):
         except Exception as e:
             raise self._call_error(op, e, peer) from e
         if self._wrap_works:
-            ft = FtWork(self, work, op, peer)
+            ft = FtWork(self._failures, work, op, peer, self._result_devices())
             with self._works_lock:
                 self._live_works.add(ft)
             return ft
         return work
+
+    def _result_devices(self) -> tuple[torch.device, ...]:
+        """The CUDA devices an op's results live on, for a CUDA-aware future (NCCL); none here."""
+        return ()
 
     def _do_allreduce(self, tensors: list[torch.Tensor], opts: AllreduceOptions) -> dist.Work:
         return self._forward("allreduce", "allreduce", tensors, opts)
@@ -389,6 +393,9 @@ class ProcessGroupNCCL(ProcessGroupWrapper):
 
     def getBackendName(self) -> str:  # noqa: N802
         return "ftlaunch-nccl"
+
+    def _result_devices(self) -> tuple[torch.device, ...]:
+        return (torch.device("cuda", torch.cuda.current_device()),) if torch.cuda.is_available() else ()
 
     def _create_pg(self, store: dist.Store, rank: int, world_size: int) -> Any:
         if not dist.is_nccl_available():

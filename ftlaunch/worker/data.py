@@ -94,7 +94,7 @@ def _from_env(value: object, name: str, env_name: str) -> tuple[int | None, str]
     """The argument if given, else the environment variable; plus where it came from (for errors)."""
     if value is not None:
         return _as_int(value, name), f"{name}={value!r}"
-    from_env = env.get_int(env_name)  # malformed value: ConfigurationError naming the variable
+    from_env = env.count(env_name)  # malformed value: ConfigurationError naming the variable
     return from_env, f"{env_name}={from_env}"
 
 

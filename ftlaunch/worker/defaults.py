@@ -7,21 +7,29 @@ itself works only with explicit values (``ftlaunch.init`` passes every one of th
 
 from __future__ import annotations
 
-import os
 from datetime import timedelta
 
 from ftlaunch import env
-from ftlaunch.errors import ConfigurationError, install_brief_configuration_errors
+from ftlaunch.errors import ConfigurationError, install_brief_errors
 from ftlaunch.lighthouse.client import LighthouseClient, QuorumClient
-from ftlaunch.lighthouse.reconnect import OutageTolerantClient, outage_timeout_from_env
-from ftlaunch.timeouts import Timeouts
+from ftlaunch.lighthouse.reconnect import OutageTolerantClient
+from ftlaunch.timeouts import Timeouts, to_seconds
 from ftlaunch.worker.plan import WorldSizeMode
 
 _Seconds = timedelta | float | None
 
 
+#: The leader's heartbeat period: below 10 ms it would mostly send heartbeats, and a lighthouse's
+#: heartbeat timeout is never under 0.5 s (`ftlaunch.lighthouse.quorum.HEARTBEAT_TIMEOUT`).
+HEARTBEAT_INTERVAL = env.Duration(0.01, 60.0)
+
+
 def check_arguments(
-    min_replica_size: int, max_retries: int | None, world_size_mode: WorldSizeMode, port: int | None
+    min_replica_size: int,
+    max_retries: int | None,
+    world_size_mode: WorldSizeMode,
+    port: int | None,
+    heartbeat_interval: timedelta | float = 0.1,
 ) -> None:
     """The Manager's arguments that torch would only reject much later, or never."""
     if min_replica_size < 1:
@@ -32,6 +40,7 @@ def check_arguments(
         raise TypeError(f"world_size_mode must be a WorldSizeMode, got {world_size_mode!r}")
     if port is not None and not 0 <= port <= 65535:
         raise ValueError(f"port must be in 0..65535, got {port}")
+    HEARTBEAT_INTERVAL.checked(to_seconds(heartbeat_interval, "heartbeat_interval"), "heartbeat_interval")
 
 
 def timeouts(
@@ -54,7 +63,7 @@ def timeouts(
 
 def replica_id() -> str:
     """This worker's replica id from ``REPLICA_GROUP_ID``; `ConfigurationError` naming the fix."""
-    group = env.get_int(env.REPLICA_GROUP_ID)
+    group = env.count(env.REPLICA_GROUP_ID)
     if group is None:
         raise ConfigurationError(
             f"no replica_id given and {env.REPLICA_GROUP_ID} is not set: launch with "
@@ -65,22 +74,22 @@ def replica_id() -> str:
 
 def group_env() -> env.GroupEnv:
     """Rank, size, store and restart count of this worker's replica group, as torchelastic set them."""
-    install_brief_configuration_errors()  # a bad value reads as one line, not a traceback
+    install_brief_errors()  # a bad value reads as one line, not a traceback
     return env.GroupEnv.from_environ()
 
 
-def lighthouse_outage() -> float:
-    """How long a group leader waits out an unreachable lighthouse (``FTLAUNCH_LIGHTHOUSE_OUTAGE``,
-    default 300 s; see `ftlaunch.lighthouse.reconnect`)."""
-    return outage_timeout_from_env()
+def worker_env() -> env.WorkerEnv:
+    """What the user tuned through the environment (``ftlaunch.init`` reads it once and passes it)."""
+    install_brief_errors()  # a bad value reads as one line, not a traceback
+    return env.WorkerEnv.from_environ()
 
 
 def lighthouse_client(
-    addr: str | None, token: str | None, connect_timeout: float, outage_timeout: float | None = None
+    addr: str | None, token: str | None, connect_timeout: float, outage_timeout: float
 ) -> QuorumClient:
     """A client of the lighthouse at ``addr`` (else ``FTLAUNCH_LIGHTHOUSE``), with the job token
     ``token`` (else ``FTLAUNCH_TOKEN``), that waits out a lighthouse outage of up to
-    ``outage_timeout`` seconds (else `lighthouse_outage`)."""
+    ``outage_timeout`` seconds."""
     what = "lighthouse_addr" if addr else env.FTLAUNCH_LIGHTHOUSE
     addr = addr or env.lighthouse_address()
     if not addr:
@@ -89,13 +98,9 @@ def lighthouse_client(
             "(the `ftlaunch` launcher sets it for you)"
         )
     addr = env.normalize_lighthouse(addr, what)
-    client = LighthouseClient(
-        addr, connect_timeout=connect_timeout, token=token or os.environ.get(env.FTLAUNCH_TOKEN)
-    )
+    client = LighthouseClient(addr, connect_timeout=connect_timeout, token=token or env.job_token())
     # A worker torchelastic restarted, or one whose launcher reached the lighthouse (a respawned
     # agent's), belongs to a job that reached its lighthouse: an unreachable one is an outage to
     # wait out even before its first answer.
-    reached = (env.get_int(env.TORCHELASTIC_RESTART_COUNT, 0) or 0) > 0 or env.lighthouse_reached()
-    return OutageTolerantClient(
-        client, lighthouse_outage() if outage_timeout is None else outage_timeout, known_reachable=reached
-    )
+    reached = (env.count(env.TORCHELASTIC_RESTART_COUNT, 0) or 0) > 0 or env.lighthouse_reached()
+    return OutageTolerantClient(client, outage_timeout, known_reachable=reached)

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import atexit
 import logging
-import os
 import sys
 import threading
 import weakref
@@ -38,13 +37,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ftlaunch import env, phases, prestart
+from ftlaunch import env, phases
+from ftlaunch.bootstrap import prestart
 from ftlaunch.checkpointing.transport import CheckpointTransport
-from ftlaunch.errors import ConfigurationError, install_brief_configuration_errors
+from ftlaunch.errors import ConfigurationError, install_brief_errors
 from ftlaunch.process_group.base import ProcessGroup
 from ftlaunch.timeouts import Timeouts
 from ftlaunch.worker import spare
-from ftlaunch.worker.fault_tolerance import FaultTolerance, _model_state_fns
+from ftlaunch.worker.fault_tolerance import FaultTolerance, InitState, Registered, model_state_fns
 from ftlaunch.worker.manager import Manager, release_process_group
 
 __all__ = [
@@ -58,19 +58,18 @@ __all__ = [
 ]
 
 #: Cross-group process-group backends ``init`` can build (argument ``backend=`` or ``FTLAUNCH_BACKEND``).
-BACKENDS = ("baby-gloo", "baby-nccl", "gloo", "nccl")
+BACKENDS = env.BACKENDS
 #: Live-recovery transports (argument ``transport=`` or ``FTLAUNCH_TRANSPORT``).
-TRANSPORTS = ("pg", "http")
+TRANSPORTS = env.TRANSPORTS
 
 
-def _choice(value: str | None, env_name: str, allowed: tuple[str, ...], what: str) -> str | None:
-    raw = value if value is not None else (os.environ.get(env_name) or None)
-    if raw is None:
+def _choice(value: str | None, allowed: tuple[str, ...], what: str) -> str | None:
+    """An argument of ``init`` that names one of ``allowed`` (case and ``_``/``-`` as the variable's)."""
+    if value is None:
         return None
-    norm = raw.strip().lower().replace("_", "-")
+    norm = value.strip().lower().replace("_", "-")
     if norm not in allowed:
-        src = f"{what}={raw!r}" if value is not None else f"{env_name}={raw!r}"
-        raise ConfigurationError(f"{src} is not one of {', '.join(allowed)}")
+        raise ConfigurationError(f"{what}={value!r} is not one of {', '.join(allowed)}")
     return norm
 
 
@@ -177,7 +176,7 @@ def init(
     - Other keyword arguments go to :class:`ftlaunch.Manager` (e.g. ``max_retries``, ``init_sync``).
     """
     phases.mark("init", process_start=phases.process_start_time())
-    install_brief_configuration_errors()  # a bad environment value reads as one line, not a traceback
+    install_brief_errors()  # a bad environment value reads as one line, not a traceback
     # The launcher->worker contract, read once: every value below is passed on explicitly.
     job = env.JobEnv.from_environ(
         replica_group_id=replica_group_id,
@@ -186,6 +185,8 @@ def init(
         token=manager_kwargs.pop("token", None),
     )
     group = env.GroupEnv.from_environ()
+    tuned = env.WorkerEnv.from_environ()  # what the user tuned: handed to the Manager below
+    sync_env = env.SyncEnv.from_environ()  # defaults of ft.local_sgd() / ft.diloco()
 
     # Timeouts: one knob, explicit overrides validated together before anything connects.
     overrides = {
@@ -196,17 +197,15 @@ def init(
     timeouts = Timeouts.derive(timeout, **overrides)
 
     dev = torch.device(device) if device is not None else model_device(model)
-    chosen_backend = _choice(backend, env.FTLAUNCH_BACKEND, BACKENDS, "backend") or default_backend(dev)
-    chosen_transport = _choice(transport, env.FTLAUNCH_TRANSPORT, TRANSPORTS, "transport") or "pg"
+    chosen_backend = _choice(backend, BACKENDS, "backend") or tuned.backend or default_backend(dev)
+    chosen_transport = _choice(transport, TRANSPORTS, "transport") or tuned.transport or "pg"
 
     if (load_state_dict is None) != (state_dict is None):
         raise ValueError("pass both load_state_dict and state_dict, or neither")
-    state_of: tuple[nn.Module | None, torch.optim.Optimizer | None] | str | None = (
-        "user" if load_state_dict else None
-    )
+    registered = InitState(Registered.USER) if load_state_dict else InitState()
     if load_state_dict is None and (model is not None or optimizer is not None):
-        load_state_dict, state_dict = _model_state_fns(model, optimizer)
-        state_of = (model, optimizer)
+        load_state_dict, state_dict = model_state_fns(model, optimizer)
+        registered = InitState(Registered.MODEL, model, optimizer)
 
     want_intra = group.world_size > 1 if intra_group is None else intra_group
     intra, owns_intra = _intra_group(want_intra, group, dev, timeouts)
@@ -218,7 +217,7 @@ def init(
         ckpt = _make_transport(chosen_transport, pg, dev, timeouts)
         slot: spare.Slot | None = None
         if job.spares:  # hot spares: which replica group this is, the lighthouse decides
-            slot = spare.claim_slot(job, group, timeouts.connect)
+            slot = spare.claim_slot(job, group, timeouts.connect, tuned.lighthouse_outage)
             job = spare.job_for_slot(job, slot)
 
         manager = Manager(
@@ -235,6 +234,7 @@ def init(
             token=job.token,
             replica_id=slot.replica_id if slot is not None else job.replica_id,
             checkpoint_transport=ckpt,
+            worker_env=tuned,
             **manager_kwargs,
         )
     except BaseException as e:
@@ -264,7 +264,8 @@ def init(
         intra_group=intra,
         _owns_intra_group=owns_intra,
         checkpoint_transport=ckpt,
-        _state_of=state_of,
+        registered=registered,
+        sync_env=sync_env,
     )
     _track(ft)
     return ft

@@ -8,7 +8,7 @@ while ``entry.py`` reads the environment, waits for a slot when the job has hot 
 
 from __future__ import annotations
 
-import os
+import enum
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,6 +30,32 @@ from ftlaunch.worker.manager import Manager
 if TYPE_CHECKING:
     from ftlaunch.gang import Gang, Gangs
     from ftlaunch.worker.local_sgd import DiLoCo, LocalSGD
+
+
+class Registered(enum.Enum):
+    """What ``ftlaunch.init`` registered for live recovery."""
+
+    #: Nothing yet: ``ft.wrap`` of a sharded model registers the model and optimizer it is given.
+    NOTHING = "nothing"
+    #: The state functions the script passed (``load_state_dict=``, ``state_dict=``).
+    USER = "user"
+    #: The model and optimizer the script passed.
+    MODEL = "model"
+
+
+@dataclass(frozen=True)
+class InitState:
+    """What ``ftlaunch.init`` registered for live recovery, so that ``ft.wrap`` of a sharded model
+    can tell whether it is given the same objects (FSDP2 replaces the parameters: the optimizer must
+    be built after sharding)."""
+
+    kind: Registered = Registered.NOTHING
+    model: nn.Module | None = None
+    optimizer: torch.optim.Optimizer | None = None
+
+    def other_than(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether ``init`` registered a model and optimizer other than these."""
+        return self.kind is Registered.MODEL and (self.model is not model or self.optimizer is not optimizer)
 
 
 @dataclass
@@ -54,12 +80,15 @@ class FaultTolerance:
     _closed: bool = field(default=False, repr=False)
     #: The live-recovery transport the Manager uses (HSDP tells it the device mesh).
     checkpoint_transport: CheckpointTransport[Any] | None = None
-    #: What ``init`` registered for live recovery: the (model, optimizer) it was given, or ``"user"``
-    #: (state functions passed in), or None (nothing: ``wrap`` of a sharded model registers them).
-    _state_of: tuple[nn.Module | None, torch.optim.Optimizer | None] | str | None = field(
-        default=None, repr=False
-    )
+    #: What ``init`` registered for live recovery (``wrap`` of a sharded model may register more).
+    registered: InitState = field(default_factory=InitState, repr=False)
     _device_mesh: DeviceMesh | None = field(default=None, repr=False)
+    #: Defaults of `local_sgd`/`diloco` the environment gave (``init`` reads them with the rest;
+    #: None: read them when one of the two is called).
+    sync_env: env.SyncEnv | None = field(default=None, repr=False)
+
+    def _sync_defaults(self) -> env.SyncEnv:
+        return self.sync_env if self.sync_env is not None else env.SyncEnv.from_environ()
 
     def wrap(
         self, model: nn.Module, optimizer: torch.optim.Optimizer
@@ -144,14 +173,10 @@ class FaultTolerance:
                 "cannot carry DTensors: use ftlaunch.init(transport='pg') (the default)"
             )
         self.checkpoint_transport.device_mesh = mesh
-        if self._state_of is None:
-            self.manager.register_state_dict_fn(DEFAULT_STATE_KEY, *_model_state_fns(model, optimizer))
-            self._state_of = (model, optimizer)
-        elif self._state_of != "user" and (
-            not isinstance(self._state_of, tuple)
-            or self._state_of[0] is not model
-            or self._state_of[1] is not optimizer
-        ):
+        if self.registered.kind is Registered.NOTHING:
+            self.manager.register_state_dict_fn(DEFAULT_STATE_KEY, *model_state_fns(model, optimizer))
+            self.registered = InitState(Registered.MODEL, model, optimizer)
+        elif self.registered.other_than(model, optimizer):
             raise ConfigurationError(
                 "ftlaunch.init() was given another model/optimizer than ft.wrap(): for HSDP call ftlaunch.init() "
                 "without them (the optimizer must be created after sharding); ft.wrap registers them for healing"
@@ -174,7 +199,7 @@ class FaultTolerance:
         from ftlaunch.worker.local_sgd import LocalSGD
 
         self._share_within_group(model, optimizer)
-        every = sync_every if sync_every is not None else env.get_int(env.FTLAUNCH_SYNC_EVERY, 100) or 100
+        every = sync_every if sync_every is not None else self._sync_defaults().sync_every
         algorithm = LocalSGD(self.manager, model, optimizer, every, **kwargs)
         return algorithm.__enter__()
 
@@ -203,28 +228,16 @@ class FaultTolerance:
         Returns the `ftlaunch.DiLoCo`, already entered: it has joined the job (this group now holds
         the job's global parameters) and ``inner_optimizer.step()`` drives it.
         """
-        from ftlaunch.errors import ConfigurationError
         from ftlaunch.worker.fragments import split_fragments
         from ftlaunch.worker.local_sgd import DiLoCo
 
-        every = sync_every if sync_every is not None else env.get_int(env.FTLAUNCH_SYNC_EVERY, 100) or 100
+        defaults = self._sync_defaults()
+        every = sync_every if sync_every is not None else defaults.sync_every
         if fragments is None:
-            fragments = env.get_int(env.FTLAUNCH_FRAGMENTS, 1) or 1
-        delay = fragment_sync_delay
-        if delay is None:
-            delay = env.get_int(env.FTLAUNCH_FRAGMENT_SYNC_DELAY, 0) or 0
-        alpha = fragment_update_alpha
-        if alpha is None:
-            raw = os.environ.get(env.FTLAUNCH_FRAGMENT_UPDATE_ALPHA) or "0"
-            try:
-                alpha = float(raw)
-            except ValueError:
-                raise ConfigurationError(
-                    f"{env.FTLAUNCH_FRAGMENT_UPDATE_ALPHA}={raw!r} is not a number"
-                ) from None
-        quantize = should_quantize
-        if quantize is None:
-            quantize = env.get_int(env.FTLAUNCH_QUANTIZE, 0) or False
+            fragments = defaults.fragments
+        delay = defaults.fragment_sync_delay if fragment_sync_delay is None else fragment_sync_delay
+        alpha = defaults.fragment_update_alpha if fragment_update_alpha is None else fragment_update_alpha
+        quantize = (defaults.quantize or False) if should_quantize is None else should_quantize
         modules = split_fragments(model, fragments) if isinstance(fragments, int) else fragments
         self._share_within_group(model, inner_optimizer)
         algorithm = DiLoCo(
@@ -319,7 +332,7 @@ class FaultTolerance:
         return self._gangs
 
 
-def _model_state_fns(
+def model_state_fns(
     model: nn.Module | None, optimizer: torch.optim.Optimizer | None
 ) -> tuple[Callable[[Any], None], Callable[[], Any]]:
     """Live-recovery state from the model and optimizer the user passed (the unwrapped objects, so

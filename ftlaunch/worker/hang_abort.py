@@ -78,6 +78,9 @@ class LostPeerAbort:
         self._aborted_for: int | None = None
         self._error: CommunicationError | None = None
         self._lost = threading.Event()
+        #: Set by `close`: the watcher thread of a notice ends, none is started any more.
+        self._closed = threading.Event()
+        self._threads: list[threading.Thread] = []  # started by this object; `close` joins them
         self.aborts = 0  # how many quorums were aborted (tests, logs)
 
     def use(self, quorum_id: int) -> None:
@@ -99,7 +102,7 @@ class LostPeerAbort:
         waits stop (`watch`) and abort the process group; never blocks. Returns whether it did."""
         with self._lock:
             in_use = self._quorum_id
-            if in_use is None or self._told_for == in_use:
+            if in_use is None or self._told_for == in_use or self._closed.is_set():
                 return False
             if replica_ids and quorum_id != in_use:
                 return False  # a stale answer: about a quorum this group no longer uses
@@ -115,10 +118,26 @@ class LostPeerAbort:
             )
             self._lost.set()
         self._log.warning("%s", self._error)
-        threading.Thread(
-            target=self._until_stuck, args=(in_use,), name="ftlaunch-lost-peer", daemon=True
-        ).start()
+        self._start(self._until_stuck, (in_use,), "ftlaunch-lost-peer")
         return True
+
+    def _start(self, target: Callable[..., None], args: tuple[Any, ...], name: str) -> None:
+        thread = threading.Thread(target=target, args=args, name=name, daemon=True)
+        with self._lock:
+            self._threads = [t for t in self._threads if t.is_alive()]
+            self._threads.append(thread)
+        thread.start()
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the watcher of a notice and wait (at most ``timeout`` in all) for it and for an
+        abort under way: nothing this object started outlives the Manager's shutdown."""
+        self._closed.set()
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            threads = list(self._threads)
+        for thread in threads:
+            if thread is not threading.current_thread():
+                thread.join(max(0.0, deadline - time.monotonic()))
 
     def _until_stuck(self, quorum_id: int) -> None:
         """After a notice: tell the group's other ranks, then abort as soon as an op of the step is
@@ -130,7 +149,8 @@ class LostPeerAbort:
             if self._stuck():
                 self._abort_once(quorum_id)
                 return
-            time.sleep(0.05)
+            if self._closed.wait(0.05):
+                return
 
     def _relay(self, quorum_id: int) -> None:
         assert self._tell_group is not None
@@ -155,9 +175,7 @@ class LostPeerAbort:
                 return
             self._aborted_for = in_use
             done = self._abort_done = threading.Event()
-        threading.Thread(
-            target=self._run, args=(in_use, done), name="ftlaunch-lost-peer-abort", daemon=True
-        ).start()
+        self._start(self._run, (in_use, done), "ftlaunch-lost-peer-abort")
 
     def _run(self, quorum_id: int, done: threading.Event) -> None:
         try:

@@ -38,7 +38,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from ftlaunch import phases
+from ftlaunch import env, phases
 from ftlaunch.checkpointing.transport import CheckpointTransport
 from ftlaunch.errors import (
     CommunicationError,
@@ -62,7 +62,7 @@ from ftlaunch.worker.leader import LeaderLink
 from ftlaunch.worker.managed_work import ManagedWork, with_default
 from ftlaunch.worker.manager_quorum import QuorumRound
 from ftlaunch.worker.manager_state import ManagerStateApi
-from ftlaunch.worker.outage import LastQuorumSteps, enabled_from_env
+from ftlaunch.worker.outage import LastQuorumSteps
 from ftlaunch.worker.plan import StepPlan, WorldSizeMode, may_heal, snapshot_due
 from ftlaunch.worker.recovery import DEFAULT_STATE_KEY, StateRegistry
 from ftlaunch.worker.watchdog import progress_timeout
@@ -119,6 +119,7 @@ class Manager(QuorumRound, ManagerStateApi):
         timeouts: Timeouts | None = None,
         quorum_client: QuorumClient | None = None,
         group_store: dist.Store | None = None,
+        worker_env: env.WorkerEnv | None = None,
     ) -> None:
         """Arguments not given default the way torchft's do, from the launcher's environment:
         ``replica_id`` from ``REPLICA_GROUP_ID``, ``rank``/``world_size``/``store_addr``/
@@ -138,8 +139,10 @@ class Manager(QuorumRound, ManagerStateApi):
         build (the Manager owns it: ``shutdown`` leaves and closes it); ``group_store`` replaces the
         connection to the replica group's store (``store_addr``/``store_port`` then only name it
         for the other groups, and may be omitted for a ``TCPStore``).
+        ``worker_env``: what the user tuned through the environment (``ftlaunch.init`` reads it
+        once); read from the environment when not given.
         """
-        defaults.check_arguments(min_replica_size, max_retries, world_size_mode, port)
+        defaults.check_arguments(min_replica_size, max_retries, world_size_mode, port, heartbeat_interval)
         timeouts = defaults.timeouts(
             timeouts,
             timeout,
@@ -206,8 +209,10 @@ class Manager(QuorumRound, ManagerStateApi):
         # is a configuration error, raised before a store or a transport is left behind.
         # It waits out a lighthouse outage (lighthouse/reconnect.py); the other ranks wait as long.
         self._client: QuorumClient | None = None
-        outage = defaults.lighthouse_outage()
-        self._outage = LastQuorumSteps(enabled_from_env())  # the leader steps on through an outage
+        tuned = defaults.worker_env() if worker_env is None else worker_env
+        outage = tuned.lighthouse_outage
+        self._outage = LastQuorumSteps(tuned.outage_steps)  # the leader steps on through an outage
+        self._heal_claims = tuned.heal_claims
         if self._group_rank == 0:
             self._client = quorum_client or defaults.lighthouse_client(
                 lighthouse_addr, token, timeouts.connect, outage
@@ -252,7 +257,7 @@ class Manager(QuorumRound, ManagerStateApi):
         in_flight = lambda: self._quorum_future is not None and not self._quorum_future.done()  # noqa: E731
         self._link = LeaderLink(
             self._client, self.replica_id, heartbeat_interval=to_seconds(heartbeat_interval),
-            progress_limit=progress_timeout(timeouts.collective), in_flight=in_flight, hang_abort=self._hang_abort,
+            progress_limit=progress_timeout(timeouts.collective, tuned.progress_timeout), in_flight=in_flight, hang_abort=self._hang_abort,
             blocked=self._blocked, logger=self.log,
         )  # fmt: skip
         self._progress = self._link.progress
@@ -545,6 +550,7 @@ class Manager(QuorumRound, ManagerStateApi):
         clean = sys.exc_info()[0] is None and not self._ended_after_finish
         self._link.close(self._step, self._state.agreed if clean else None, leave=leave)
         self._executor.shutdown(wait=wait, cancel_futures=True)
+        self._hang_abort.close()  # its notice watcher and an abort under way
         self._transport.shutdown(wait=wait)
         release_process_group(self._pg)
         self._group.close()  # its socket: nothing of this worker's may outlive shutdown

@@ -51,6 +51,7 @@ class QuorumRound:
     _progress: ProgressTracker | None
     _state: StateRegistry
     _committed: CommittedState
+    _heal_claims: bool
     _layout: dict[str, str] | None
     _ready: bool
     _init_sync: bool
@@ -110,8 +111,9 @@ class QuorumRound:
             if self._progress is not None:
                 self._progress.quorum_done()
             return
-        # A source serves its state to the healers assigned to it (until the vote); a healer fetches
-        # it now and loads it only once every group agreed to commit.
+        # A source serves its snapshot to the healers assigned to it (until the vote); a healer
+        # fetches it now and loads it before its forward pass (`Manager.start_quorum`; live mode:
+        # only once every group agreed to commit).
         started = time.perf_counter()
         sent, self._pending_state = recovery.exchange(
             self._transport, plan, quorum, snapshot, self._group_rank, self._state,
@@ -138,7 +140,7 @@ class QuorumRound:
         (the second round of `plan.claims_wanted`) claims its live state."""
         live = snapshot is not None and snapshot.live
         gather = claiming if live else self._committed.due
-        claim = recovery.claim_token(snapshot) if gather else None
+        claim = recovery.claim_token(snapshot, self._heal_claims) if gather else None
         if gather and self._group_rank != 0:
             self._group.publish_claim(seq, claim)
         return self._group.relay_quorum(
@@ -162,10 +164,10 @@ class QuorumRound:
             self._link.start_heartbeat()
         tokens = self._group.claims(seq, claim, self.timeouts.collective) if gather else None
         if live:  # served live: claims on demand, or (asked again) the claims gathered
-            staged, claims = True, tokens if gather else recovery.on_demand()
+            staged, claims = True, tokens if gather else recovery.on_demand(self._heal_claims)
         else:  # a snapshot on every rank, or nothing to serve
             staged = tokens is not None
-            claims = tokens if staged and recovery.claims_on() else None
+            claims = tokens if staged and self._heal_claims else None
         request = quorum_request.member(
             self.replica_id, store_address=self._group.address, step=self._step,
             world_size=self._group_world_size, shrink_only=shrink_only, commit_failures=self._commit_failures,

@@ -42,17 +42,15 @@ a collective for it; with no outage seen it asks again for the rest of the quoru
 together, and the steps between cost nothing. Quorum ids stay above every reported one, and the step
 each group reports is the one it reached, so nothing is committed twice or lost.
 
-``FTLAUNCH_OUTAGE_STEPS=0`` turns it off (the groups wait for the lighthouse, as before).
+``FTLAUNCH_OUTAGE_STEPS=off`` turns it off (the groups wait for the lighthouse instead).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from typing import Any
 
-from ftlaunch import env
 from ftlaunch.errors import LighthouseUnavailableError, QuorumTimeoutError
 from ftlaunch.lighthouse.client import QuorumClient
 from ftlaunch.lighthouse.quorum import Quorum, QuorumMember
@@ -66,7 +64,6 @@ __all__ = [
     "UNREACHABLE_AFTER",
     "LastQuorumSteps",
     "after_heal",
-    "enabled_from_env",
     "healthy",
 ]
 
@@ -80,11 +77,6 @@ ANSWER_WAIT = 1.0
 #: of this: every member is at the same step, so all try at the same step, and the steps between
 #: pay nothing (a blackholed lighthouse address would cost a connect timeout each time).
 PROBE_EVERY = 4
-
-
-def enabled_from_env() -> bool:
-    """``FTLAUNCH_OUTAGE_STEPS`` (default on; ``0``/``false``/``off`` turn it off)."""
-    return os.environ.get(env.FTLAUNCH_OUTAGE_STEPS, "1").strip().lower() not in ("0", "false", "off", "no")
 
 
 def healthy(plan: StepPlan) -> bool:

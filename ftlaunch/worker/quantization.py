@@ -32,6 +32,7 @@ issued in the order it was requested, which keeps the collective order identical
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
@@ -145,15 +146,23 @@ def allreduce_quantized(
     then left as it was. See the module docstring for the algorithm and its error.
     """
     check_quantizable(tensor, dist.ReduceOp.SUM)
-    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    # CUDA: the background thread runs on the caller's stream (so it reads ``tensor`` after what the
+    # caller queued to produce it), and the future is CUDA-aware (a consumer on another stream --
+    # FSDP2 reads its hook's output on its own -- waits for the result instead of reading it early).
+    cuda = tensor.is_cuda
+    stream = torch.cuda.current_stream(tensor.device) if cuda else None
+    fut: torch.futures.Future[torch.Tensor] = (
+        torch.futures.Future(devices=[tensor.device]) if cuda else torch.futures.Future()
+    )
 
     def run() -> None:
-        try:
-            _allreduce(pg, tensor, bits, block_size)
-        except BaseException as e:  # noqa: BLE001 - handed to the caller through the future
-            fut.set_exception(e)  # type: ignore[arg-type] # torch's stub types it as a result
-        else:
-            fut.set_result(tensor)
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            try:
+                _allreduce(pg, tensor, bits, block_size)
+            except BaseException as e:  # noqa: BLE001 - handed to the caller through the future
+                fut.set_exception(e)  # type: ignore[arg-type] # torch's stub types it as a result
+            else:
+                fut.set_result(tensor)
 
     _background().submit(run)
     return fut

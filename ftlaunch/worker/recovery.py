@@ -17,14 +17,12 @@ the one it (and the other up-to-date groups) claimed heals nobody: its payload i
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Protocol
 
-from ftlaunch import env
 from ftlaunch.checkpointing.transport import CheckpointTransport
 from ftlaunch.errors import CommunicationError, FtlaunchError
 from ftlaunch.lighthouse.quorum import Quorum
@@ -147,28 +145,24 @@ class StateRegistry:
             load(state[key])
 
 
-def claims_on() -> bool:
-    """Whether this job makes heal claims (``FTLAUNCH_HEAL_CLAIMS``, on unless ``0``)."""
-    return os.environ.get(env.FTLAUNCH_HEAL_CLAIMS, "").strip() != "0"
-
-
-def on_demand() -> list[str] | None:
+def on_demand(claims: bool) -> list[str] | None:
     """A request's claim before anyone is known to heal: ``[]`` ("I claim when a heal is due",
-    `plan.claims_wanted`), or None with claims off."""
-    return [] if claims_on() else None
+    `plan.claims_wanted`), or None with claims off (``FTLAUNCH_HEAL_CLAIMS``, `env.WorkerEnv`)."""
+    return [] if claims else None
 
 
-def claim_token(snapshot: Served | None) -> str | None:
+def claim_token(snapshot: Served | None, claims: bool) -> str | None:
     """What this rank tells its leader about its snapshot (`worker.committed.Snapshot`): its claim
     (the checksum of the state it serves, every tensor's path, dtype, shape and ``sum64``), or with
-    claims off (``FTLAUNCH_HEAL_CLAIMS=0``) `STAGED_TOKEN`; None when it has nothing to serve.
+    claims off (``claims`` False: ``FTLAUNCH_HEAL_CLAIMS``, `env.WorkerEnv`) `STAGED_TOKEN`; None
+    when it has nothing to serve.
 
     Tensors only: honest groups that committed the same steps hold bit-identical tensors, while
     numbers beside them (a prefetching loader's position) may legitimately differ a little. Costs
     one pass over the state, made only when a heal is due (a snapshot exists then only)."""
     if snapshot is None:
         return None
-    if not claims_on():
+    if not claims:
         return STAGED_TOKEN
     return snapshot.claim()
 
@@ -234,7 +228,7 @@ def fetch(
         raise ValueError("fetch() on a plan that does not heal")
     metas = quorum.participants[src_rank].data.get("ckpt") or []
     meta = metas[group_rank] if group_rank < len(metas) else ""
-    # What we receive should look like our own state: a transport may refuse far more (issue 17).
+    # What we receive should look like our own state: a transport may refuse far more.
     try:
         transport.expect_like(registry.snapshot())
     except Exception as e:  # noqa: BLE001 - only a hint: the format's own limits still hold

@@ -16,14 +16,12 @@ all its ranks, new for every restart of the group), so all ranks get the same sl
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass, replace
 
 from ftlaunch import env
 from ftlaunch.errors import LighthouseUnavailableError
 from ftlaunch.lighthouse.client import ClaimGrant, LighthouseClient
-from ftlaunch.lighthouse.reconnect import outage_timeout_from_env
 
 log = logging.getLogger(__name__)
 
@@ -52,9 +50,10 @@ def claimant_name(job: env.JobEnv, group: env.GroupEnv) -> str:
     return f"g{job.replica_group_id}.{group.restart_count}"
 
 
-def claim_slot(job: env.JobEnv, group: env.GroupEnv, connect_timeout: float) -> Slot:
+def claim_slot(job: env.JobEnv, group: env.GroupEnv, connect_timeout: float, outage_timeout: float) -> Slot:
     """Block until the lighthouse gives this group a slot. Raises `JobFinished` when the job ended
-    first, `LighthouseError` on a refusal or an unreachable lighthouse."""
+    first, `LighthouseError` on a refusal or an unreachable lighthouse (after ``outage_timeout``
+    seconds, `env.WorkerEnv.lighthouse_outage`, when the job reached it before)."""
     name = claimant_name(job, group)
     preferred = None if job.starts_as_spare else job.replica_group_id
     start = time.monotonic()
@@ -62,7 +61,7 @@ def claim_slot(job: env.JobEnv, group: env.GroupEnv, connect_timeout: float) -> 
         log.info("[%s] waiting for a replica-group slot (hot spare)", name)
     # A group of a job that reached its lighthouse (restarted by torchelastic, or its agent by the
     # supervisor) rides out an outage here as a running group's Manager does (lighthouse/reconnect.py).
-    outage = outage_timeout_from_env() if job.lighthouse_reached or group.restart_count else 0.0
+    outage = outage_timeout if job.lighthouse_reached or group.restart_count else 0.0
     with LighthouseClient(job.lighthouse, connect_timeout=connect_timeout, token=job.token) as client:
         grant = _claim(client, name, job.num_replica_groups, preferred, outage)
     waited = time.monotonic() - start
@@ -98,5 +97,5 @@ def _claim(
 def job_for_slot(job: env.JobEnv, slot: Slot) -> env.JobEnv:
     """The job as seen from the claimed slot; also published in ``REPLICA_GROUP_ID`` for scripts
     that read it themselves (torchft-style data sharding)."""
-    os.environ[env.REPLICA_GROUP_ID] = str(slot.replica_group_id)
+    env.publish({env.REPLICA_GROUP_ID: str(slot.replica_group_id)})
     return replace(job, replica_group_id=slot.replica_group_id)

@@ -25,15 +25,12 @@ the group leaves and rejoins (a reconfigure, a heal if it fell behind), never a 
 from __future__ import annotations
 
 import logging
-import math
-import os
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 from ftlaunch import env
-from ftlaunch.errors import ConfigurationError
 
 log = logging.getLogger(__name__)
 
@@ -42,23 +39,12 @@ PROGRESS_FACTOR = 1.5
 
 
 def progress_timeout(collective_timeout: float, value: float | None = None) -> float:
-    """``value``, else ``FTLAUNCH_PROGRESS_TIMEOUT``, else `PROGRESS_FACTOR` x ``collective_timeout``
-    (seconds; 0 = off). Raises `ConfigurationError` for a negative or malformed value."""
+    """``value`` (``FTLAUNCH_PROGRESS_TIMEOUT``, read into `ftlaunch.env.WorkerEnv`; 0 = off), else
+    `PROGRESS_FACTOR` x ``collective_timeout`` (seconds). `ConfigurationError` for a value out of
+    `ftlaunch.env.PROGRESS_TIMEOUT`'s range."""
     if value is None:
-        raw = os.environ.get(env.FTLAUNCH_PROGRESS_TIMEOUT, "")
-        if raw.strip() == "":
-            return PROGRESS_FACTOR * collective_timeout
-        from ftlaunch.timeouts import parse_duration
-
-        value = parse_duration(raw, env.FTLAUNCH_PROGRESS_TIMEOUT)
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not math.isfinite(value)
-        or value < 0
-    ):
-        raise ConfigurationError(f"progress timeout must be a finite number of seconds >= 0, got {value!r}")
-    return float(value)
+        return PROGRESS_FACTOR * collective_timeout
+    return env.PROGRESS_TIMEOUT.checked(value, "progress timeout")
 
 
 class ProgressWatchdog:

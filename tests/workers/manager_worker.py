@@ -102,7 +102,7 @@ def _slow_healer(out: str, delay: float, timeout: timedelta):  # noqa: ANN202 - 
 
 
 def _tampering_source(out: str, mode: str, from_step: int, times: int, timeout: timedelta):  # noqa: ANN202
-    """HTTP transport whose served state is tampered with (issue 17), from step ``from_step`` on,
+    """HTTP transport whose served state is tampered with, from step ``from_step`` on,
     ``times`` times (-1: always), each time said in ``out``:
 
     * ``poison``: serves other weights (+1) as a valid payload: only the source's claim can tell;
@@ -234,7 +234,7 @@ def main() -> int:
     from ftlaunch.process_group import ProcessGroupBabyGloo, ProcessGroupGloo
 
     if args.child_start_delay:
-        from ftlaunch import prestart
+        from ftlaunch.bootstrap import prestart
 
         prestart.CHILD_ARGV = [
             "-c",

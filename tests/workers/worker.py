@@ -52,7 +52,7 @@ def main() -> int:
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if args.out:
         # The pid torchelastic (and chaos) know this worker by: its proxy when it was forked from
-        # the warm standby (ftlaunch.zygote), else its own.
+        # the warm standby (ftlaunch.bootstrap.zygote), else its own.
         record = {"pid": int(os.environ.get("FTLAUNCH_WORKER_PID") or os.getpid()), "env": dict(os.environ)}
         if args.check_torch:
             import torch.distributed as dist

@@ -5,8 +5,8 @@ process that needs torch too -- serves requests. Started by ``ftlaunch.init`` it
 script's own imports and model building. Started here, first thing in the worker process, it is up
 long before the script needs it.
 
-The ``ftlaunch`` launcher runs each worker as ``python -u -m ftlaunch.prestart SCRIPT ARGS...``
-(or ``... -m ftlaunch.prestart -m MODULE ARGS...``): `main` starts the child and then runs the
+The ``ftlaunch`` launcher runs each worker as ``python -u -m ftlaunch.bootstrap.prestart SCRIPT ARGS...``
+(or ``... -m ftlaunch.bootstrap.prestart -m MODULE ARGS...``): `main` starts the child and then runs the
 script exactly as ``python SCRIPT`` would (``__main__``, ``sys.argv``, ``sys.path[0]``). The first
 ``ProcessGroupBabyGloo`` the script builds (``ftlaunch.init`` builds it) adopts the child through
 `take`; one nobody adopts is killed at exit (and dies with the worker anyway: PDEATHSIG, its
@@ -26,9 +26,9 @@ the worker runs threads. ``FTLAUNCH_PRESTART_FORK=0`` turns the early import off
 must set something in its environment before torch is imported): the child is then its own
 interpreter importing torch while the script does.
 
-**No import at all where a warm standby is announced** (`ftlaunch.zygote`): the ``ftlaunch``
+**No import at all where a warm standby is announced** (`ftlaunch.bootstrap.zygote`): the ``ftlaunch``
 launcher's agent keeps, per group, an interpreter that has imported torch already. `main` first
-hands the script over to it (`ftlaunch.zygote_proxy.hand_over`): the standby forks, the fork runs
+hands the script over to it (`ftlaunch.bootstrap.zygote_proxy.hand_over`): the standby forks, the fork runs
 `run` with this process's argv, cwd, environment and standard streams, and this process stays as
 its proxy until it ends. Without a standby, or if it refuses, this process runs the script itself.
 
@@ -51,6 +51,7 @@ import traceback
 from typing import NoReturn, Union
 
 from ftlaunch import env, phases, streams
+from ftlaunch.errors import ConfigurationError
 
 __all__ = [
     "ChildProcess",
@@ -67,7 +68,7 @@ __all__ = [
 ]
 
 #: The module the child runs (a string: importing it would import torch).
-CHILD_MODULE = "ftlaunch.process_group._baby_child"
+CHILD_MODULE = "ftlaunch.process_group.baby.child"
 #: The interpreter arguments that run it (tests replace them to start a slow child).
 CHILD_ARGV = ["-m", CHILD_MODULE]
 
@@ -244,8 +245,7 @@ def _forked_child(
 
 def fork_wanted() -> bool:
     """Whether `main` may import torch and fork the child (``FTLAUNCH_PRESTART_FORK``, default on)."""
-    value = (os.environ.get(env.FTLAUNCH_PRESTART_FORK) or "1").strip().lower()
-    return value not in ("0", "false", "no", "off")
+    return env.prestart_fork()
 
 
 def start(backend: str = "gloo", forked: bool = False) -> None:
@@ -320,11 +320,13 @@ def _discard_all() -> None:
 def wanted() -> bool:
     """Whether this worker will likely build a Baby Gloo group (the default on a machine without
     an NVIDIA GPU, or chosen explicitly)."""
-    backend = (os.environ.get(env.FTLAUNCH_BACKEND) or "").strip().lower().replace("_", "-")
+    try:
+        backend = env.backend()
+    except ConfigurationError:
+        return False  # ftlaunch.init reports the bad value; no child for it meanwhile
     if backend:
         return backend == "baby-gloo"
-    gpus_hidden = os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1")
-    return gpus_hidden or not os.path.exists("/dev/nvidiactl")
+    return env.gpus_hidden() or not os.path.exists("/dev/nvidiactl")
 
 
 def _import_torch() -> bool:
@@ -345,19 +347,23 @@ _script_globals: list[dict[str, object]] = []
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m ftlaunch.prestart [-m MODULE | SCRIPT] ARGS...``: hand the script to the agent's
-    warm standby interpreter if there is one (`ftlaunch.zygote_proxy`: this process then stays as
+    """``python -m ftlaunch.bootstrap.prestart [-m MODULE | SCRIPT] ARGS...``: hand the script to the agent's
+    warm standby interpreter if there is one (`ftlaunch.bootstrap.zygote_proxy`: this process then stays as
     its proxy), else start the child and run the script here."""
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv == ["-m"]:
-        raise SystemExit("usage: python -m ftlaunch.prestart [-m MODULE | SCRIPT] [ARGS...]")
+        raise SystemExit("usage: python -m ftlaunch.bootstrap.prestart [-m MODULE | SCRIPT] [ARGS...]")
     streams.guard_std_streams()  # a full log disk must not end training (ftlaunch/streams.py)
     if fork_wanted():  # FTLAUNCH_PRESTART_FORK=0: the script must run before torch is imported
-        from ftlaunch import zygote_proxy
+        from ftlaunch.bootstrap import zygote_proxy
 
         why_not = zygote_proxy.hand_over(argv)  # returns only if the standby was not used
         if why_not:
-            print(f"ftlaunch.prestart: {why_not}; starting the worker here", file=sys.stderr, flush=True)
+            print(
+                f"ftlaunch.bootstrap.prestart: {why_not}; starting the worker here",
+                file=sys.stderr,
+                flush=True,
+            )
     run(argv, forked=fork_wanted())
 
 
@@ -368,7 +374,7 @@ def run(argv: list[str], forked: bool) -> None:
         try:
             start("gloo", forked=forked and _import_torch())
         except OSError as e:  # the script still runs; ftlaunch.init starts a child itself
-            print(f"ftlaunch.prestart: could not start the Baby child early: {e}", file=sys.stderr)
+            print(f"ftlaunch.bootstrap.prestart: could not start the Baby child early: {e}", file=sys.stderr)
     phases.mark("script_start")
     if argv[0] == "-m":
         sys.argv = [argv[1], *argv[2:]]  # runpy sets argv[0] to the module's file, as python -m does
@@ -383,6 +389,6 @@ def run(argv: list[str], forked: bool) -> None:
 if __name__ == "__main__":
     # Run the importable module's main, not this __main__ copy's: `take` (called from the process
     # group) must see the children started here.
-    from ftlaunch import prestart
+    from ftlaunch.bootstrap import prestart
 
     prestart.main()

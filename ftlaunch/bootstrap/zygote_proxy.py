@@ -1,9 +1,9 @@
-"""A worker's side of the warm standby interpreter (`ftlaunch.zygote`): hand the script over to it,
+"""A worker's side of the warm standby interpreter (`ftlaunch.bootstrap.zygote`): hand the script over to it,
 then stand in for the real worker.
 
 Why: a restarted worker spends most of its start-up importing torch (and its first optimizer,
 ``torch._dynamo``). The launcher's agent keeps one interpreter per group that has done that already
-(`ftlaunch.zygote`); `hand_over` asks it to fork a copy that runs this worker's script. torchelastic
+(`ftlaunch.bootstrap.zygote`); `hand_over` asks it to fork a copy that runs this worker's script. torchelastic
 still started *this* process and watches it, so it stays, as a thin proxy: it forwards the catchable
 signals (TERM, INT, HUP, QUIT, USR1, USR2) to the real worker and exits as the real worker did (the
 same exit code, or dying by the same signal). If the proxy is SIGKILLed, the zygote sees its socket
@@ -12,7 +12,7 @@ real worker too (and continues it with the proxy). So whoever signals or watches
 chaos, the agent's watcher, ``--kill-stopped``, a test -- may keep using the proxy's pid.
 
 Everything here imports no torch: the point is to not pay for it. Anything unexpected returns a
-reason, and ``ftlaunch.prestart`` starts the script itself (today's cold start).
+reason, and ``ftlaunch.bootstrap.prestart`` starts the script itself (today's cold start).
 """
 
 from __future__ import annotations
@@ -49,14 +49,13 @@ MAX_MESSAGE = 1 << 20
 
 
 def enabled(environ: dict[str, str] | None = None) -> bool:
-    """Whether the zygote may be used (``FTLAUNCH_ZYGOTE``, default on)."""
-    value = ((environ if environ is not None else os.environ).get(env.FTLAUNCH_ZYGOTE) or "1").strip().lower()
-    return value not in ("0", "false", "no", "off")
+    """Whether the zygote may be used (``FTLAUNCH_ZYGOTE``, a flag, default on)."""
+    return env.zygote_wanted(environ)
 
 
 def announced() -> str | None:
     """The zygote's socket path the agent gave its workers (None: no zygote)."""
-    return os.environ.get(env.FTLAUNCH_ZYGOTE_SOCKET) or None
+    return env.zygote_socket()
 
 
 def interpreter_identity() -> dict[str, Any]:
@@ -139,7 +138,7 @@ def hand_over(argv: list[str]) -> str | None:
         request = {
             "argv": argv,
             "cwd": os.getcwd(),
-            "env": dict(os.environ),
+            "env": env.inherited(),  # the worker becomes this process: its whole environment
             "path": list(sys.path),
             "interpreter": interpreter_identity(),
         }
@@ -149,7 +148,7 @@ def hand_over(argv: list[str]) -> str | None:
     except (OSError, ValueError) as e:
         sock.close()
         phases.mark("zygote_not_used", reason=f"{type(e).__name__}: {e}")
-        first_start = (os.environ.get(env.TORCHELASTIC_RESTART_COUNT) or "0") == "0"
+        first_start = env.ProcessMarks.from_environ().restart_count == 0
         if first_start and isinstance(e, (FileNotFoundError, ConnectionRefusedError)):
             return None  # the usual first start: the standby warms up while the first workers start
         return f"standby interpreter not ready ({type(e).__name__}: {e})"

@@ -66,7 +66,7 @@ class TensorDesc(NamedTuple):
     dtype: str
 
 
-class _Staged(NamedTuple):
+class Staged(NamedTuple):
     """A caller tensor that travels through a pooled staging buffer."""
 
     tensor: torch.Tensor
@@ -127,7 +127,7 @@ class SharedTensors:
             weakref.finalize(storage, self._forget, key)
         return key
 
-    def encode(self, tensor: torch.Tensor, staged: list[_Staged], mutable: bool) -> TensorDesc:
+    def encode(self, tensor: torch.Tensor, staged: list[Staged], mutable: bool) -> TensorDesc:
         """Describe `tensor` for the child; stage it through the pool if it cannot be shared."""
         dtype = _DTYPE_NAMES.get(tensor.dtype)
         if dtype is None:
@@ -148,12 +148,12 @@ class SharedTensors:
                 return TensorDesc(key, offset, tuple(tensor.shape), tuple(tensor.stride()), dtype)
         return self._stage(tensor, staged, mutable, dtype)
 
-    def _stage(self, tensor: torch.Tensor, staged: list[_Staged], mutable: bool, dtype: str) -> TensorDesc:
+    def _stage(self, tensor: torch.Tensor, staged: list[Staged], mutable: bool, dtype: str) -> TensorDesc:
         nbytes = tensor.numel() * tensor.element_size()
         buffer = self._acquire(nbytes)
         view = buffer[:nbytes].view(tensor.dtype).view(tensor.shape)
         view.copy_(tensor)
-        staged.append(_Staged(tensor, view, buffer, mutable))
+        staged.append(Staged(tensor, view, buffer, mutable))
         key = self._register(buffer.untyped_storage())
         offset = cast(int, view.storage_offset())  # a real tensor: an int, not the stub's SymInt
         return TensorDesc(key, offset, tuple(view.shape), tuple(view.stride()), dtype)
@@ -168,7 +168,7 @@ class SharedTensors:
         buffer.untyped_storage()._share_fd_cpu_()  # by descriptor, whatever torch's sharing strategy
         return buffer
 
-    def release(self, staged: list[_Staged], copy_back: bool) -> None:
+    def release(self, staged: list[Staged], copy_back: bool) -> None:
         """After an op: copy staged outputs back to the caller's tensors, recycle the buffers."""
         for item in staged:
             if copy_back and item.copy_out:

@@ -1,6 +1,6 @@
 """The child process of a Baby process group: hosts the real backend, runs one op at a time.
 
-Started by `ftlaunch.process_group.baby` as ``python -m ftlaunch.process_group._baby_child``
+Started by `ftlaunch.process_group.baby` as ``python -m ftlaunch.process_group.baby.child``
 (a fresh interpreter: the user's ``__main__`` is never re-imported, unlike multiprocessing's
 spawn). It talks only to its parent over an inherited socketpair; it exits when the parent
 closes the socket, sends "shutdown", or dies (PR_SET_PDEATHSIG where usable, and a watchdog
@@ -52,7 +52,7 @@ class _Server:
     def __init__(self, conn: Connection, sock: socket.socket, backend: str) -> None:
         import torch
 
-        from ftlaunch.process_group._shm import ChildStorages
+        from ftlaunch.process_group.baby.shm import ChildStorages
 
         self._torch = torch
         self._conn = conn
@@ -143,7 +143,7 @@ class _Server:
             self._reply(req, None)
 
     def _decode(self, obj: Any) -> Any:
-        from ftlaunch.process_group._shm import TensorDesc
+        from ftlaunch.process_group.baby.shm import TensorDesc
 
         if isinstance(obj, TensorDesc):
             return self._storages.tensor(obj)

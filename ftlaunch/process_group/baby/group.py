@@ -5,7 +5,7 @@ Why: a collective stuck on a hung peer cannot be interrupted inside the process 
 "kill the child": it returns at once, always. The price is a hop per operation, kept small:
 
 * tensors never travel: CPU tensors are shared with the child through shared memory (see
-  `_shm`), CUDA tensors through CUDA IPC; only a tiny command tuple crosses the socket;
+  `shm`), CUDA tensors through CUDA IPC; only a tiny command tuple crosses the socket;
 * no thread per op: a thread blocked in `Work.wait()` reads its own reply from the socket, and
   one reader thread per child serves futures and enforces op deadlines, so a wedged child can
   never hang the caller;
@@ -13,9 +13,9 @@ Why: a collective stuck on a hung peer cannot be interrupted inside the process 
   costs milliseconds, a new child a second or two); only a dead, killed or timed-out child is
   replaced. A peer failure reported by the child leaves the child healthy.
 
-The child is a fresh interpreter (``python -m ftlaunch.process_group._baby_child``) started with
+The child is a fresh interpreter (``python -m ftlaunch.process_group.baby.child``) started with
 `subprocess`, not multiprocessing: it never re-imports the user's ``__main__`` and needs no
-resource-tracker helper process. `_baby_handle.Child` is the parent's handle on it (process,
+resource-tracker helper process. `handle.Child` is the parent's handle on it (process,
 socket, reader thread, requests in flight); this module decides what to send and when to replace
 a child.
 """
@@ -43,11 +43,11 @@ from torch._C._distributed_c10d import (
     ScatterOptions,
 )
 
-from ftlaunch import prestart
+from ftlaunch.bootstrap import prestart
 from ftlaunch.errors import CommunicationError
-from ftlaunch.process_group._baby_handle import Child
-from ftlaunch.process_group._baby_work import _BabyWork, _BabyWorkNCCL
-from ftlaunch.process_group._shm import _Staged
+from ftlaunch.process_group.baby.handle import Child
+from ftlaunch.process_group.baby.shm import Staged
+from ftlaunch.process_group.baby.work import BabyWork, BabyWorkNCCL
 from ftlaunch.process_group.base import ProcessGroup
 from ftlaunch.timeouts import as_timedelta
 
@@ -62,9 +62,9 @@ class ProcessGroupBaby(ProcessGroup):
     """A process group whose backend runs in a child process (see the module docstring)."""
 
     _backend = ""
-    _work_cls: type[_BabyWork] = _BabyWork
+    _work_cls: type[BabyWork] = BabyWork
     #: torchft's name for the Work class this group's ops return.
-    WORK_CLASS: type[dist.Work] = _BabyWork
+    WORK_CLASS: type[dist.Work] = BabyWork
     #: Start the child when the group is created (it imports torch while the caller works on);
     #: False: at the first configure (NCCL: constructible where CUDA is missing until used).
     _spawn_early = True
@@ -207,10 +207,10 @@ class ProcessGroupBaby(ProcessGroup):
                         ),
                         self._timeout,
                     )
-                work = _BabyWork(self, child, pending, None, None)
+                work = BabyWork(self._failures, child, pending, None, None)
                 work.wait()
             except CommunicationError as e:
-                raise self._record_error("configure", e) from e
+                raise self._failures.record("configure", e) from e
             finally:
                 with self._abort_lock:
                     self._configuring = None
@@ -240,7 +240,7 @@ class ProcessGroupBaby(ProcessGroup):
         if child is not None and child.healthy:
             child.kill("aborted", quiet=True)
             if self._configured:
-                self._record_error("abort", "process group aborted", quiet=True)
+                self._failures.record("abort", "process group aborted", quiet=True)
             self._start_spare()
         self._configured = False
 
@@ -282,26 +282,26 @@ class ProcessGroupBaby(ProcessGroup):
         child = self._child
         if not self._configured or child is None:
             raise self._unusable_error(op)
-        if self._error is not None:
-            raise self._error  # errored: fail fast until the next configure
+        if self._failures.error is not None:
+            raise self._failures.error  # errored: fail fast until the next configure
         if not child.healthy:
-            raise self._record_error(op, f"baby child {child.pid} {child.death}", peer)
+            raise self._failures.record(op, f"baby child {child.pid} {child.death}", peer)
         event = None
         if self._backend == "nccl":
             event = torch.cuda.Event(interprocess=True)
             event.record(torch.cuda.current_stream())
 
-        def build(req: int, staged: list[_Staged]) -> tuple[Any, ...]:
+        def build(req: int, staged: list[Staged]) -> tuple[Any, ...]:
             encoded = tuple(self._encode(a, child, staged, m) for a, m in zip(args, mutable, strict=True))
             return ("op", req, op, encoded, event)
 
         try:
             pending = child.submit(op, build, self._timeout)
         except CommunicationError as e:
-            raise self._record_error(op, e, peer) from e
-        return self._work_cls(self, child, pending, result, peer)
+            raise self._failures.record(op, e, peer) from e
+        return self._work_cls(self._failures, child, pending, result, peer)
 
-    def _encode(self, obj: Any, child: Child, staged: list[_Staged], mutable: bool) -> Any:
+    def _encode(self, obj: Any, child: Child, staged: list[Staged], mutable: bool) -> Any:
         """Tensors -> shared-memory descriptors (CPU) or CUDA IPC (torch's reducers); lists recurse."""
         if isinstance(obj, torch.Tensor):
             if self._backend == "nccl":
@@ -433,8 +433,8 @@ class ProcessGroupBabyNCCL(ProcessGroupBaby):
     """
 
     _backend = "nccl"
-    _work_cls = _BabyWorkNCCL
-    WORK_CLASS = _BabyWorkNCCL
+    _work_cls = BabyWorkNCCL
+    WORK_CLASS = BabyWorkNCCL
     # As torchft's: constructible without CUDA (a script may build its groups before it picks a
     # device, or on a CPU-only login node); the child starts, and CUDA is needed, at configure.
     _spawn_early = False

@@ -1,10 +1,10 @@
 """The parent's handle on a Baby child process: the process, its socket, and the requests in flight.
 
-Why apart from `baby`: this is the transport between the parent and its child - starting the
+Why apart from `group`: this is the transport between the parent and its child - starting the
 interpreter, the wire of small pickled tuples over a private socketpair, matching replies to
-requests, deadlines, and what happens when the child dies - while `baby.ProcessGroupBaby` decides
+requests, deadlines, and what happens when the child dies - while `group.ProcessGroupBaby` decides
 what to send and when to replace a child. The commands the child understands are in
-`_baby_child`; tensors travel as shared-memory descriptors (`_shm`).
+`child`; tensors travel as shared-memory descriptors (`shm`).
 
 Reading the socket costs a thread wake-up per op, so who reads is chosen per call: a thread
 blocked in ``Work.wait()`` reads its own reply (`Child.wait_for`); one reader thread per child
@@ -25,9 +25,9 @@ from multiprocessing.connection import Connection
 from multiprocessing.reduction import sendfds
 from typing import Any
 
-from ftlaunch import prestart
+from ftlaunch.bootstrap import prestart
 from ftlaunch.errors import CommunicationError
-from ftlaunch.process_group._shm import SharedTensors, StorageKey, _Staged
+from ftlaunch.process_group.baby.shm import SharedTensors, Staged, StorageKey
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ class Pending:
         "needs_reader",
     )
 
-    def __init__(self, req: int, op: str, deadline: float, staged: list[_Staged]) -> None:
+    def __init__(self, req: int, op: str, deadline: float, staged: list[Staged]) -> None:
         self.req = req
         self.op = op
         self.submitted = time.monotonic()
@@ -110,7 +110,7 @@ class Child:
         self._reading = False
         self._waiters = 0
 
-        # A child started before the script imported torch (`ftlaunch.prestart`), else a new one.
+        # A child started before the script imported torch (`ftlaunch.bootstrap.prestart`), else a new one.
         self.proc, parent_sock = prestart.take(backend) or prestart.spawn(backend)
         self.pid = self.proc.pid
         self._sock = parent_sock
@@ -160,7 +160,7 @@ class Child:
         if not self.healthy:
             raise CommunicationError(f"baby child {self.pid} is unusable: {self.death}")
         req = next(self._reqs)
-        staged: list[_Staged] = []
+        staged: list[Staged] = []
         pending = Pending(req, op, time.monotonic() + timeout, staged)
         with self._send_lock:
             try:

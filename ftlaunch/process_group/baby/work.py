@@ -1,38 +1,38 @@
 """The `dist.Work` of one Baby request: completion, errors and the op deadline, in the parent.
 
-Kept apart from `baby.py` (what to send the child, when to replace it): a Work only waits on its
-request's `Pending` and reports through the process group that issued it.
+Kept apart from `group.py` (what to send the child, when to replace it): a Work only waits on its
+request's `Pending` and reports failures to the issuing group's `FailureRecord`.
 """
 
 from __future__ import annotations
 
 import time
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ftlaunch.process_group._baby_handle import Child, Pending
+from ftlaunch.process_group.baby.handle import Child, Pending
+from ftlaunch.process_group.failures import FailureRecord
 from ftlaunch.process_group.work import NO_TIMEOUT
 
-if TYPE_CHECKING:
-    from ftlaunch.process_group.baby import ProcessGroupBaby
+__all__ = ["BabyWork", "BabyWorkNCCL"]
 
 
-class _BabyWork(dist.Work):
+class BabyWork(dist.Work):
     """Completion of one request to the child; `wait` enforces the op deadline in this process."""
 
     def __init__(
-        self, pg: ProcessGroupBaby, child: Child, pending: Pending, result: Any, peer: int | None
+        self, failures: FailureRecord, child: Child, pending: Pending, result: Any, peer: int | None
     ) -> None:
         super().__init__()
-        self._pg = pg
+        self._failures = failures
         self._child = child
         self._pending = pending
         self._result = result
         self._peer = peer
-        self._generation = pg._generation
+        self._generation = failures.generation
 
     def _raise_if_failed(self) -> None:
         error = self._pending.error
@@ -43,7 +43,7 @@ class _BabyWork(dist.Work):
             raise ValueError(text)
         if kind == "notimpl":
             raise NotImplementedError(text)
-        raise self._pg._record_error(self._pending.op, text, self._peer, self._generation)
+        raise self._failures.record(self._pending.op, text, self._peer, self._generation)
 
     def _after_success(self) -> None:
         """Hook for backends that must synchronise streams (NCCL)."""
@@ -58,7 +58,7 @@ class _BabyWork(dist.Work):
                 self._child.check_deadlines()
                 pending.event.wait(5.0)
             else:
-                raise self._pg._record_error(
+                raise self._failures.record(
                     pending.op, f"not completed within wait(timeout={timeout})", self._peer, self._generation
                 )
         self._raise_if_failed()
@@ -71,8 +71,11 @@ class _BabyWork(dist.Work):
     def is_success(self) -> bool:
         return self._pending.event.is_set() and self._pending.error is None
 
+    def _new_future(self) -> torch.futures.Future:
+        return torch.futures.Future()
+
     def get_future(self) -> torch.futures.Future:
-        fut: torch.futures.Future = torch.futures.Future()
+        fut = self._new_future()
 
         def _done() -> None:
             try:
@@ -89,8 +92,22 @@ class _BabyWork(dist.Work):
         return fut
 
 
-class _BabyWorkNCCL(_BabyWork):
+class BabyWorkNCCL(BabyWork):
     """CUDA: completion means "enqueued on the child's stream"; wait() orders our stream after it."""
+
+    def __init__(
+        self, failures: FailureRecord, child: Child, pending: Pending, result: Any, peer: int | None
+    ) -> None:
+        super().__init__(failures, child, pending, result, peer)
+        self._device = torch.cuda.current_device()  # the group's: the op was submitted on it
+
+    def _new_future(self) -> torch.futures.Future:
+        """A CUDA-aware future, as torch's own NCCL Work gives: completing it (after `_after_success`
+        made the completing thread's stream wait for the child's work) records an event there, and
+        ``wait()`` on it makes the waiter's current stream wait for that event. With a plain future,
+        a result read on any other stream than the completing thread's raced the child's collective
+        -- as FSDP2 reads its all-reduce hook's output, on its own stream (fault-tolerant HSDP)."""
+        return torch.futures.Future(devices=[torch.device("cuda", self._device)])
 
     def _after_success(self) -> None:
         extra = self._pending.extra

@@ -2,19 +2,19 @@
 
 Why: from a worker's death to its replacement's first committed step, most of the seconds are the
 new interpreter's imports -- ``import torch`` and, at the first optimizer, ``torch._dynamo`` -- not
-ftlaunch. The launcher's agent starts this process once (``python -u -m ftlaunch.zygote SOCKET
+ftlaunch. The launcher's agent starts this process once (``python -u -m ftlaunch.bootstrap.zygote SOCKET
 --parent-pid AGENT``): it imports what every training script imports, then waits on a Unix socket.
 It listens from its first instant, so a worker that starts while it warms up (the group's first
 start, or the first after its agent was respawned) waits for it instead of importing torch beside it;
 the warm-up runs at a lower CPU priority where it can be raised back afterwards (`_lower_priority`:
 it competes with the groups that train). A worker started by torchelastic (``python -u -m
-ftlaunch.prestart SCRIPT ...``) connects (`ftlaunch.zygote_proxy`) and sends its argv, cwd, environment, ``sys.path`` and its fds 0/1/2;
+ftlaunch.bootstrap.prestart SCRIPT ...``) connects (`ftlaunch.bootstrap.zygote_proxy`) and sends its argv, cwd, environment, ``sys.path`` and its fds 0/1/2;
 this process forks, and the child takes all of them over and runs the script exactly as
-``python -u SCRIPT`` would (`ftlaunch.prestart.run`, which forks the Baby child from there too).
+``python -u SCRIPT`` would (`ftlaunch.bootstrap.prestart.run`, which forks the Baby child from there too).
 The worker stays as the child's proxy.
 
 This process watches both ends (single-threaded: a fork is only safe from a process running no
-other thread, which is checked after every fork as `ftlaunch.prestart.fork` does):
+other thread, which is checked after every fork as `ftlaunch.bootstrap.prestart.fork` does):
 
 * the child's end (``waitpid``, woken by SIGCHLD) goes to its proxy, which ends the same way;
 * a proxy's socket closing (it was SIGKILLed) SIGKILLs the child's process group (the child is
@@ -44,9 +44,10 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from ftlaunch import env, phases, streams, zygote_proxy
+from ftlaunch import env, phases, streams
+from ftlaunch.bootstrap import zygote_proxy
+from ftlaunch.bootstrap.zygote_proxy import read_message, send_message
 from ftlaunch.lifetime import die_with_parent
-from ftlaunch.zygote_proxy import read_message, send_message
 
 __all__ = ["Job", "Zygote", "main", "warm_up"]
 
@@ -108,19 +109,19 @@ class Job:
         os.environ.clear()
         os.environ.update(req["env"])
         if req.get("proxy_pid"):
-            os.environ[env.FTLAUNCH_WORKER_PID] = str(req["proxy_pid"])
+            env.publish({env.FTLAUNCH_WORKER_PID: str(req["proxy_pid"])})
         sys.path[:] = list(req["path"])
-        threads = os.environ.get("OMP_NUM_THREADS", "").strip()
-        if threads.isdigit() and int(threads) > 0:
+        threads = env.omp_num_threads()
+        if threads is not None:
             import torch
 
-            torch.set_num_threads(int(threads))
+            torch.set_num_threads(threads)
         phases.mark(
             "zygote_forked",
             proxy=req.get("proxy_pid"),
             process_start=phases.process_start_time(req.get("proxy_pid")),
         )
-        from ftlaunch import prestart
+        from ftlaunch.bootstrap import prestart
 
         prestart.run(list(req["argv"]), forked=True)
 
@@ -222,7 +223,11 @@ class Zygote:
             return self._fork(conn, request, fds, proxy_pid)
         except (_Refused, OSError, ValueError) as e:
             if not isinstance(e, _Refused):
-                print(f"ftlaunch.zygote: bad request: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+                print(
+                    f"ftlaunch.bootstrap.zygote: bad request: {type(e).__name__}: {e}",
+                    file=sys.stderr,
+                    flush=True,
+                )
             for fd in fds:
                 os.close(fd)
             conn.close()
@@ -449,7 +454,7 @@ def main(argv: list[str] | None = None) -> NoReturn:
         server = Zygote(args.socket, args.parent_pid)
     except OSError as e:
         print(
-            f"ftlaunch.zygote: cannot listen on {args.socket} ({e}); workers start cold",
+            f"ftlaunch.bootstrap.zygote: cannot listen on {args.socket} ({e}); workers start cold",
             file=sys.stderr,
             flush=True,
         )
@@ -460,7 +465,7 @@ def main(argv: list[str] | None = None) -> NoReturn:
         warm_up()
     except Exception as e:  # noqa: BLE001 - no standby then: workers start cold (their connections are reset)
         print(
-            f"ftlaunch.zygote: cannot warm up ({type(e).__name__}: {e}); workers start cold",
+            f"ftlaunch.bootstrap.zygote: cannot warm up ({type(e).__name__}: {e}); workers start cold",
             file=sys.stderr,
             flush=True,
         )
@@ -470,7 +475,7 @@ def main(argv: list[str] | None = None) -> NoReturn:
             os.setpriority(os.PRIO_PROCESS, 0, restore)  # the workers forked from here train at full priority
         except OSError as e:  # checked by _lower_priority; never fork workers at the lowered priority
             print(
-                f"ftlaunch.zygote: cannot restore its priority ({e}); workers start cold",
+                f"ftlaunch.bootstrap.zygote: cannot restore its priority ({e}); workers start cold",
                 file=sys.stderr,
                 flush=True,
             )
