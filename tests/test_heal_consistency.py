@@ -3,8 +3,8 @@ processes, a real lighthouse, a real SIGKILL, over both transports.
 
 The forward pass of the next step runs while a source serves its state to a healer, and changes
 those buffers in place. A heal must carry the state the source committed, not tensors changing
-under the transfer: before the committed-state snapshot, such heals failed their checksums (the
-claim, or the transport's own) again and again and the whole job stopped committing. Here every
+under the transfer: such heals fail their checksums (the claim, or the transport's own) again and
+again, and since a failed heal fails the step everywhere, the whole job stops committing. Here every
 group draws the same batches (``--same-data``), so honest groups hold bit-identical state at every
 step, buffers included, and the restarted group must too from its heal on.
 """

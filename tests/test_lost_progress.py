@@ -5,7 +5,7 @@ Both groups killed at once, or the only group holding the state killed while the
 still coming back: the job restarts from step 0 (there is no durable checkpoint to resume from)
 and trains to the end. It exits 0 -- the training finished, and its result is a complete run --
 but the status line and the summary say that progress was lost and from which step it restarted,
-and the logs are kept. Before, the summary said "succeeded" with no word about it.
+and the logs are kept: a summary that said "succeeded" and nothing else would hide the loss.
 """
 
 from __future__ import annotations

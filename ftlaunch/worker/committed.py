@@ -1,10 +1,10 @@
 """The state a replica group committed, as its heals serve it: a snapshot taken at the commit boundary.
 
-Why: the tensors a state function returns are the training tensors. A heal source used to read them
-on its quorum thread while the training thread ran the next forward pass, which updates BatchNorm
-statistics (any buffer a forward changes) in place: the checksum it claimed, the bytes it sent and
-the state it committed were three different states, the healer rejected every copy, and a job with
-one healer stopped committing. What a source offers, and claims, is now one `Snapshot` per step:
+Why: the tensors a state function returns are the training tensors. Read on the quorum thread while
+the training thread runs the next forward pass, which updates BatchNorm statistics (any buffer a
+forward changes) in place, they would make the checksum a source claims, the bytes it sends and the
+state it commits three different states: the healer would reject every copy, and a job with one
+healer would stop committing. What a source offers, and claims, is one `Snapshot` per step:
 
 * **staged** (the default): at the commit boundary -- ``start_quorum``, on the training thread, after
   the last optimizer step and before the next forward pass -- every tensor is copied off the training
