@@ -139,6 +139,8 @@ def test_the_membership_records_a_rewind_in_its_status_and_history() -> None:
     assert status.rewinds == m.rewinds() and [(r.reached, r.restarted_at) for r in status.rewinds] == [(2, 0)]
     assert any(h.event == "rewind" and h.detail == "step 2 -> 0" for h in status.history)
     assert LighthouseStatus.from_json(status.to_json()).rewinds == status.rewinds
+    lost = {f.name: f.samples[0].value for f in families(status) if f.name == "ftlaunch_progress_lost"}
+    assert lost == {"ftlaunch_progress_lost": 1.0}
 
 
 def test_groups_starting_together_are_not_unsynced() -> None:
