@@ -83,7 +83,8 @@ def _torchft_worker(steps: int) -> None:
 
     import torch
     from torch import nn
-    from torchft import DistributedDataParallel, Manager, OptimizerWrapper, ProcessGroupGloo
+    from torchft import DistributedDataParallel, Manager, ProcessGroupGloo
+    from torchft.optim import OptimizerWrapper
 
     sys.path.insert(0, str(ROOT / "scripts"))
     from train_ddp import make_dataset, make_model
@@ -111,10 +112,12 @@ def _torchft_worker(steps: int) -> None:
             if manager.current_step() >= steps:
                 break
             t0 = time.perf_counter()
+            before = manager.current_step()
             opt.zero_grad()
             loss = loss_fn(ddp(x), y)
             loss.backward()
-            committed = opt.step()
+            opt.step()  # torchft's returns None: a committed step moves the step counter
+            committed = manager.current_step() > before
             print(
                 f"step={manager.current_step()} committed={committed} loss={loss.item():.5f} "
                 f"ms={(time.perf_counter() - t0) * 1e3:.1f}",
@@ -177,7 +180,11 @@ def job(name: str, args: argparse.Namespace, tmp: Path) -> list[float]:
                 e = _env(OMP_NUM_THREADS="1", REPLICA_GROUP_ID=str(g), NUM_REPLICA_GROUPS="2",
                          TORCHFT_LIGHTHOUSE=f"http://localhost:{lh_port}")  # fmt: skip
                 cmds.append((cmd, e))
-            return _steps(_run(cmds, 600, tmp / "torchft.log"), args.warmup)
+            log = tmp / "torchft.log"
+            steps = _steps(_run(cmds, 600, log), args.warmup)
+            if not steps:
+                raise RuntimeError(f"torchft committed no step; last lines:\n{log.read_text()[-3000:]}")
+            return steps
         finally:
             lh.kill()
             lh.wait()
@@ -186,7 +193,7 @@ def job(name: str, args: argparse.Namespace, tmp: Path) -> list[float]:
         if "BACKEND=gloo" in name:
             extra["FTLAUNCH_BACKEND"] = "gloo"
         cmds = [([*launcher, *train], _env(**extra))]
-    return _steps(_run(cmds, 600, tmp / f"{name.split()[0]}.log"), args.warmup)
+    return _steps(_run(cmds, 600, tmp / (re.sub(r"\W+", "_", name) + ".log")), args.warmup)
 
 
 def _steps(pairs: list[tuple[int, float]], warmup: int) -> list[float]:
