@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from ftlaunch.lighthouse import bodies
 from ftlaunch.lighthouse.bodies import expect_fields as _expect
 from ftlaunch.lighthouse.bodies import loads as _loads
 from ftlaunch.lighthouse.connection import Connection
@@ -21,10 +22,22 @@ from ftlaunch.lighthouse.routes import Routes
 from ftlaunch.lighthouse.server import GC_THRESHOLDS
 from ftlaunch.lighthouse.transport import HttpServer
 
+
+@pytest.fixture(params=["fast", "fallback"])
+def codec(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each body test runs with msgspec's decoder (``ftlaunch[fast]``) and with json's path alone,
+    the fallback when the wheel is missing."""
+    if request.param == "fallback":
+        monkeypatch.setattr(bodies, "fast_decode", None)
+    elif bodies.fast_decode is None:
+        pytest.skip("msgspec is not installed (pip install ftlaunch[fast])")
+    return str(request.param)
+
+
 QUORUM_FIELDS = ({"member": (dict,)}, {"timeout": (float, int), "progress": (dict,), "known": (str,)})
 
 
-def test_bodies_in_other_encodings_still_parse() -> None:
+def test_bodies_in_other_encodings_still_parse(codec: str) -> None:
     obj = {"member": {"replica_id": "g\u00e9", "step": 1}}
     for encoding in ("utf-8", "utf-16", "utf-32"):
         assert _loads(json.dumps(obj, ensure_ascii=False).encode(encoding)) == obj
@@ -86,9 +99,11 @@ def test_collect_less_freezes_and_raises_the_threshold_in_its_process_only() -> 
         b"\xff{}",
         b'{"a": 1',
         b"nul",
+        b'{"big": 123456789012345678901234567890, "f": 1e400, "d": {"a": 1, "a": 2}}',
+        b'\xef\xbb\xbf{"a": 1}',
     ],
 )
-def test_loads_reads_what_json_loads_reads(body: bytes) -> None:
+def test_loads_reads_what_json_loads_reads(body: bytes, codec: str) -> None:
     """`bodies.loads` reads a bare value with json's scanner; whitespace, trailing bytes and errors
     must come out as json.loads has them (a value, or a ValueError: 400)."""
     try:
