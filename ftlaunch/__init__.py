@@ -127,6 +127,7 @@ def hsdp(
     max_retries: int = 0,
     mounts: list[str] | None = None,
     tee: int = 3,
+    stragglers: str = "report",
 ) -> AppDef:
     """Fault-tolerant training over replica groups: a lighthouse role plus one torchrun role per group.
 
@@ -166,6 +167,7 @@ def hsdp(
         max_retries: scheduler retries of a role
         mounts: mounts for container schedulers (type=bind,src=...,dst=... or type=volume,src=PVC,dst=...)
         tee: tee worker streams to console and file (0 none, 1 stdout, 2 stderr, 3 both)
+        stragglers: slow groups: report them, or replace a persistent one (a hot spare, else a restart)
     """
     from ftlaunch.launcher.torchx_components import hsdp_app
 
@@ -194,6 +196,7 @@ def hsdp(
         mounts=mounts,
         tee=tee,
         spares=spares,
+        stragglers=stragglers,
     )
 
 
@@ -218,6 +221,7 @@ def ddp(
     env: dict[str, str] | None = None,
     max_retries: int = 0,
     tee: int = 3,
+    stragglers: str = "report",
 ) -> AppDef:
     """Fault-tolerant DDP training: ``hsdp`` with single-node replica groups (the script's model is
     replicated in every worker; ftlaunch averages across groups and heals restarted ones).
@@ -245,6 +249,7 @@ def ddp(
         env: environment variables for every role (e.g. K1=v1,K2=v2)
         max_retries: scheduler retries of a role
         tee: tee worker streams to console and file (0 none, 1 stdout, 2 stderr, 3 both)
+        stragglers: slow groups: report them, or replace a persistent one (a hot spare, else a restart)
     """
     return hsdp(
         *script_args,
@@ -268,6 +273,7 @@ def ddp(
         max_retries=max_retries,
         tee=tee,
         spares=spares,
+        stragglers=stragglers,
     )
 
 
@@ -297,6 +303,7 @@ def diloco(
     env: dict[str, str] | None = None,
     max_retries: int = 0,
     tee: int = 3,
+    stragglers: str = "report",
 ) -> AppDef:
     """Fault-tolerant DiLoCo / Streaming DiLoCo: ``ddp``'s roles, with the algorithm's settings.
 
@@ -331,6 +338,7 @@ def diloco(
         env: environment variables for every role (e.g. K1=v1,K2=v2)
         max_retries: scheduler retries of a role
         tee: tee worker streams to console and file (0 none, 1 stdout, 2 stderr, 3 both)
+        stragglers: slow groups: report them, or replace a persistent one (a hot spare, else a restart)
     """
     from ftlaunch.launcher.torchx_components import diloco_environ
 
@@ -359,6 +367,7 @@ def diloco(
         max_retries=max_retries,
         tee=tee,
         spares=spares,
+        stragglers=stragglers,
     )
 
 

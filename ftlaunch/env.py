@@ -76,6 +76,9 @@ FTLAUNCH_SPARES = "FTLAUNCH_SPARES"
 FTLAUNCH_TOKEN = "FTLAUNCH_TOKEN"
 #: Address the lighthouse binds when the launcher/rendezvous starts one (default loopback).
 FTLAUNCH_LIGHTHOUSE_BIND = "FTLAUNCH_LIGHTHOUSE_BIND"
+#: What a lighthouse does with slow groups (``ftlaunch.lighthouse.stragglers``): ``report`` (default)
+#: or ``replace``; read where no ``--stragglers`` (or rendezvous ``lighthouse_stragglers``) is given.
+FTLAUNCH_STRAGGLERS = "FTLAUNCH_STRAGGLERS"
 #: Cross-group process group built by ``ftlaunch.init()``: baby-gloo, baby-nccl, gloo or nccl.
 FTLAUNCH_BACKEND = "FTLAUNCH_BACKEND"
 #: Live-recovery transport built by ``ftlaunch.init()``: pg or http.
@@ -149,6 +152,7 @@ ALL_FTLAUNCH_VARS = (
     FTLAUNCH_TOKEN,
     FTLAUNCH_SPARES,
     FTLAUNCH_LIGHTHOUSE_BIND,
+    FTLAUNCH_STRAGGLERS,
     FTLAUNCH_BACKEND,
     FTLAUNCH_TRANSPORT,
     *TIMEOUT_VARS,
@@ -467,6 +471,15 @@ def job_token(environ: Mapping[str, str] | None = None) -> str | None:
 def lighthouse_bind(environ: Mapping[str, str] | None = None) -> str | None:
     """Where a lighthouse the launcher or the rendezvous starts binds (``FTLAUNCH_LIGHTHOUSE_BIND``)."""
     return text(FTLAUNCH_LIGHTHOUSE_BIND, environ)
+
+
+#: The straggler policies (``--stragglers``; ``ftlaunch.lighthouse.stragglers``).
+STRAGGLER_POLICIES = ("report", "replace")
+
+
+def stragglers(environ: Mapping[str, str] | None = None) -> str | None:
+    """``FTLAUNCH_STRAGGLERS``: a straggler policy, None when unset (`ConfigurationError` for others)."""
+    return choice(FTLAUNCH_STRAGGLERS, STRAGGLER_POLICIES, environ)
 
 
 def zygote_wanted(environ: Mapping[str, str] | None = None) -> bool:

@@ -156,6 +156,7 @@ LIGHTHOUSE_RANKS: dict[str, int] = {
     "quorum": 0,  # the pure decision
     "slots": 0,  # the pure rule: which spare takes which replica-group slot
     "progress": 0,  # training progress the group leaders report, and its totals (pure)
+    "stragglers": 0,  # slow groups found from the progress reports (pure rule) and its memory
     "quorum_delta": 1,  # a quorum as the difference from one a member holds (pure; server and client)
     "status": 1,  # the typed status document
     "spares": 1,  # the slot table of a job with hot spares (no HTTP)
@@ -188,6 +189,7 @@ LIGHTHOUSE_RANKS: dict[str, int] = {
 #: Lighthouse modules that do no I/O: they may not import sockets, event loops or HTTP.
 LIGHTHOUSE_NO_IO = {
     "protocol",
+    "stragglers",
     "quorum",
     "quorum_delta",
     "progress",

@@ -31,6 +31,7 @@ examples:
   ftlaunch --replicas 2 scripts/train_ddp.py --steps 100
   ftlaunch --replicas 3 --nproc-per-node 2 --chaos every=10 scripts/train_ddp.py
   ftlaunch --replicas 2 --chaos steps=20/40,group=1,signal=STOP scripts/train_ddp.py
+  ftlaunch --replicas 3 --spares 1 --stragglers replace --chaos steps=20,group=1,slow=2,slow_for=60 scripts/train_ddp.py
   ftlaunch --replicas 2 --lighthouse http://lh-host:29510 -m mypkg.train
 
 workers see torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, ...) for their own
@@ -108,6 +109,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="a worker stopped by a signal (SIGSTOP, SIGTSTP: a hang) is killed at once and its group "
         "restarted, as after a crash; the others go on without waiting for it (default: it stays "
         "in the quorum until --heartbeat-timeout and goes on where it was when continued)",
+    )
+    ft.add_argument(
+        "--stragglers",
+        choices=env.STRAGGLER_POLICIES,
+        default=None,
+        help="slow groups (a throttled GPU, a bad link): report them in the status, metrics and summary, "
+        "or also replace a persistent one -- its slot to a hot spare when one waits, else a restart -- "
+        f"never below --min-replicas, one at a time (default: ${env.FTLAUNCH_STRAGGLERS}, else report)",
     )
     ft.add_argument(
         "--lighthouse",
@@ -285,6 +294,7 @@ def options_from_args(argv: list[str] | None = None) -> LaunchOptions:
             join_timeout=args.join_timeout,
             heartbeat_timeout=args.heartbeat_timeout,
             kill_stopped=args.kill_stopped,
+            stragglers=args.stragglers,
             lighthouse=_lighthouse(args),
             lighthouse_bind=args.lighthouse_bind,
             token=args.token,
@@ -330,6 +340,7 @@ def _check_environment() -> None:
         env.SyncEnv.from_environ()
         env.zygote_wanted()
         env.prestart_fork()
+        env.stragglers()
         Timeouts.derive()
     except ConfigurationError as e:
         _fail(str(e))

@@ -10,7 +10,7 @@ import signal
 from dataclasses import dataclass, field
 from signal import Signals
 
-from ftlaunch.env import DAY, Count, Duration
+from ftlaunch.env import DAY, STRAGGLER_POLICIES, Count, Duration
 from ftlaunch.errors import ConfigurationError
 from ftlaunch.lighthouse.quorum import HEARTBEAT_TIMEOUT, JOIN_TIMEOUT
 
@@ -183,6 +183,9 @@ class LaunchOptions:
     heartbeat_timeout: float = 5.0
     #: A worker stopped by a signal is killed at once (its group restarts) instead of waited for.
     kill_stopped: bool = False
+    #: The hosted lighthouse's straggler policy, ``report`` or ``replace`` (None: not given, then
+    #: ``FTLAUNCH_STRAGGLERS``, else ``report``).
+    stragglers: str | None = None
     lighthouse: str | None = None
     lighthouse_bind: str = "127.0.0.1:0"
     token: str | None = None
@@ -235,6 +238,15 @@ class LaunchOptions:
         if not 1 <= self.min_replicas <= self.replicas:
             raise ConfigurationError(
                 f"--min-replicas must be in 1..{self.replicas} (got {self.min_replicas})"
+            )
+        if self.stragglers is not None and self.stragglers not in STRAGGLER_POLICIES:
+            raise ConfigurationError(
+                f"--stragglers {self.stragglers!r} must be one of {', '.join(STRAGGLER_POLICIES)}"
+            )
+        if self.stragglers is not None and self.lighthouse:
+            raise ConfigurationError(
+                "--stragglers sets the policy of the lighthouse ftlaunch starts; the one at --lighthouse "
+                "has its own (ftlaunch-lighthouse --stragglers)"
             )
         if self.local_ranks_filter and not all(
             r.strip().isdigit() for r in self.local_ranks_filter.split(",")

@@ -82,6 +82,8 @@ _OUR_KEYS = {
     "lighthouse_min_replicas": "min_replicas of a lighthouse started here (default 1)",
     "lighthouse_join_timeout": "join timeout of a lighthouse started here (a duration, 0 s to 24 h; default 60)",
     "lighthouse_heartbeat_timeout": "heartbeat timeout of a lighthouse started here (0.5 s to 24 h; default 5)",
+    "lighthouse_stragglers": "slow groups, for a lighthouse started here: report or replace (or env "
+    "FTLAUNCH_STRAGGLERS; default report)",
     "lighthouse_linger": "how long a lighthouse started here outlives its group while others use it "
     "(a duration, 0 s to 24 h; default 60)",
     "token": "job token every lighthouse request carries (or env FTLAUNCH_TOKEN); required to host one off loopback",
@@ -122,6 +124,7 @@ class FtRendezvousConfig:
     lighthouse_min_replicas: int = 1
     lighthouse_join_timeout: float = 60.0
     lighthouse_heartbeat_timeout: float = 5.0
+    lighthouse_stragglers: str = "report"
     lighthouse_linger: float = 60.0
     token: str | None = None
 
@@ -200,6 +203,12 @@ class FtRendezvousConfig:
             raise ConfigurationError(
                 f"ftlaunch rendezvous: lighthouse_min_replicas={min_replicas} must be >= 1"
             )
+        stragglers = as_str("lighthouse_stragglers").lower()
+        if stragglers and stragglers not in env.STRAGGLER_POLICIES:
+            raise ConfigurationError(
+                f"ftlaunch rendezvous: lighthouse_stragglers={stragglers!r} must be one of "
+                f"{', '.join(env.STRAGGLER_POLICIES)}"
+            )
         return cls(
             replica_group_id=group,
             num_replica_groups=num,
@@ -212,6 +221,7 @@ class FtRendezvousConfig:
             lighthouse_min_replicas=min_replicas,
             lighthouse_join_timeout=as_seconds("lighthouse_join_timeout", 60.0, JOIN_TIMEOUT),
             lighthouse_heartbeat_timeout=as_seconds("lighthouse_heartbeat_timeout", 5.0, HEARTBEAT_TIMEOUT),
+            lighthouse_stragglers=stragglers or env.stragglers(environ) or "report",
             lighthouse_linger=as_seconds("lighthouse_linger", 60.0, _LINGER),
             token=as_str("token", env.FTLAUNCH_TOKEN) or None,
         )
@@ -226,6 +236,7 @@ class FtRendezvousConfig:
             join_timeout=self.lighthouse_join_timeout,
             heartbeat_timeout=self.lighthouse_heartbeat_timeout,
             token=self.token,
+            stragglers=self.lighthouse_stragglers,
         )
 
 

@@ -92,6 +92,7 @@ def hsdp_app(
     mounts: list[str] | None,
     tee: int,
     spares: int = 0,
+    stragglers: str = "report",
 ) -> AppDef:
     """Build the AppDef; see ``ftlaunch.hsdp`` for the meaning and the defaults of every argument.
 
@@ -125,6 +126,15 @@ def hsdp_app(
         raise ConfigurationError(f"--min_replicas {min_replicas} > --replicas {replicas}")
     if max_restarts < 0:
         raise ConfigurationError("--max_restarts must be >= 0")
+    if stragglers not in ftenv.STRAGGLER_POLICIES:
+        raise ConfigurationError(
+            f"--stragglers {stragglers!r} must be one of {', '.join(ftenv.STRAGGLER_POLICIES)}"
+        )
+    if lighthouse and stragglers != "report":
+        raise ConfigurationError(
+            "--stragglers sets the policy of the lighthouse role; the lighthouse at --lighthouse has its own "
+            "(ftlaunch-lighthouse --stragglers)"
+        )
     JOIN_TIMEOUT.checked(join_timeout, "--join_timeout")
     HEARTBEAT_TIMEOUT.checked(heartbeat_timeout, "--heartbeat_timeout")
 
@@ -159,6 +169,8 @@ def hsdp_app(
                     str(join_timeout),
                     "--heartbeat-timeout",
                     str(heartbeat_timeout),
+                    "--stragglers",
+                    stragglers,
                     "--bind",
                     lighthouse_bind or AUTO,
                     *(["--cleanup"] if own_job_dir else []),

@@ -26,8 +26,19 @@ from typing import Any
 from ftlaunch.lighthouse import timeline_svg
 from ftlaunch.lighthouse.progress import GroupProgress
 from ftlaunch.lighthouse.quorum import decode_quorum_id
-from ftlaunch.lighthouse.status import HUNG_REASON, LighthouseStatus, SparesStatus
-from ftlaunch.lighthouse.timeline import FAILURE, HANG, REJOIN, TAKEOVER, Line, Mark, Timeline
+from ftlaunch.lighthouse.status import HUNG_REASON, LighthouseStatus, SparesStatus, StragglersStatus
+from ftlaunch.lighthouse.stragglers import STRAGGLER_REASON
+from ftlaunch.lighthouse.timeline import (
+    FAILURE,
+    HANG,
+    REJOIN,
+    SLOW,
+    STRAGGLER,
+    TAKEOVER,
+    Line,
+    Mark,
+    Timeline,
+)
 
 REFRESH_SECONDS = 2
 
@@ -127,6 +138,8 @@ def render(status: LighthouseStatus) -> str:
     out += _groups_section(status)
     if status.spares is not None:
         out += _spares_html(status.spares)
+    if status.stragglers is not None:
+        out += _stragglers_html(status.stragglers)
     out += _history_section(status)
     out.append(f"<p class='muted'>as of {_e(when(status.time))}</p>")
     out.append("</div>")
@@ -163,8 +176,19 @@ def timeline_of(status: LighthouseStatus) -> Timeline:
                 del down[back]
         elif rid is None:
             continue
+        elif h.event == "straggler":
+            marks.append(Mark(at, SLOW, rid, f"straggler: {h.detail}"))
+        elif h.event == "straggler_replaced" and rid not in down:
+            marks.append(Mark(at, STRAGGLER, rid, h.detail))
+            down[rid] = STRAGGLER
         elif h.event in _DOWN_EVENTS and rid not in down:
-            kind = HANG if h.detail.startswith(HUNG_REASON) else _DOWN_EVENTS[h.event]
+            kind = (
+                HANG
+                if h.detail.startswith(HUNG_REASON)
+                else STRAGGLER
+                if h.detail.startswith(STRAGGLER_REASON)
+                else _DOWN_EVENTS[h.event]
+            )
             marks.append(Mark(at, kind, rid, f"{h.event}: {h.detail}" if h.detail else h.event))
             down[rid] = kind
         elif h.event == "revived" and down.get(rid) == HANG and rid in in_quorum:
@@ -334,4 +358,49 @@ def _spares_html(spares: SparesStatus) -> list[str]:
         out.append(
             f"<p>Replaced (refused if heard again): <span class='mono'>{_e(', '.join(spares.fenced))}</span></p>"
         )
+    return out
+
+
+def _stragglers_html(st: StragglersStatus) -> list[str]:
+    """Slow groups: each judged member's own work per step against the others' (medians of its last
+    committed steps), which are stragglers, and the ones replaced."""
+    found = st.stragglers
+    title = f"{len(found)} straggler(s)" if found else "none now"
+    out = [
+        f"<h2>Stragglers ({_e(title)}; policy <span class='mono'>{_e(st.policy)}</span>)</h2>",
+        f"<p class='muted'>A member whose own work per step (before it needs the others) is "
+        f"{_e(f'{st.enter:g}')}x the other members' (medians of its last {_e(st.window)} committed "
+        f"steps) is a straggler until it is back under {_e(f'{st.leave:g}')}x"
+        + (
+            "; replace gives a persistent one's slot to a hot spare, else restarts it"
+            if st.policy == "replace"
+            else ""
+        )
+        + ".</p>",
+    ]
+    if st.groups:
+        out.append(
+            "<table id='stragglers'><tr><th>replica</th><th>slowdown</th><th>own work per step</th>"
+            "<th>others'</th><th>steps</th><th>straggler</th></tr>"
+        )
+        for g in st.groups:
+            flag = f"since {_e(when(g.since))}" if g.straggler and g.since else ("yes" if g.straggler else "")
+            style = " style='color:#cf222e;font-weight:600'" if g.straggler else ""
+            out.append(
+                f"<tr data-replica='{_e(g.replica_id)}'><td class='mono'>{_e(g.replica_id)}</td>"
+                f"<td class='num slowdown'{style}>{_e(f'{g.slowdown:.2f}')}x</td>"
+                f"<td class='num'>{_e(_secs(g.compute_seconds))}</td><td class='num'>{_e(_secs(g.reference_seconds))}</td>"
+                f"<td class='num'>{_e(g.steps)}</td><td>{flag}</td></tr>"
+            )
+        out.append("</table>")
+    else:
+        out.append("<p class='muted'>no verdict yet (every member needs a few committed steps)</p>")
+    if st.replacing:
+        out.append(f"<p>Replacement in flight: <span class='mono'>{_e(st.replacing)}</span></p>")
+    if st.replaced:
+        items = ", ".join(
+            f"{r.replica_id} ({r.slowdown:.1f}x, {'hot spare' if r.how == 'spare' else 'restarted'}, {when(r.time)})"
+            for r in st.replaced
+        )
+        out.append(f"<p>Replaced: <span class='mono'>{_e(items)}</span></p>")
     return out

@@ -82,6 +82,18 @@ def _job(status: LighthouseStatus) -> Iterator[Metric]:
     spares = _spares(status)
     if spares is not None:
         yield GaugeMetricFamily("ftlaunch_spares", "Hot spare groups waiting to be promoted.", value=spares)
+    stragglers = status.stragglers
+    if stragglers is not None:
+        yield GaugeMetricFamily(
+            "ftlaunch_stragglers",
+            "Members of the current quorum judged stragglers.",
+            value=len(stragglers.stragglers),
+        )
+        yield CounterMetricFamily(
+            "ftlaunch_stragglers_replaced",
+            "Stragglers replaced (--stragglers replace): by a hot spare or a restart.",
+            value=stragglers.replacements,
+        )
 
 
 def _spares(status: LighthouseStatus) -> int | None:
@@ -137,6 +149,10 @@ def _groups(status: LighthouseStatus) -> Iterator[Metric]:
     commit_s = gauge(
         "ftlaunch_group_commit_seconds", "Of the last step: the commit (pending allreduces and the votes)."
     )
+    compute_s = gauge(
+        "ftlaunch_group_compute_seconds",
+        "Of the last step: the group's own work before it needed the other groups (the straggler signal).",
+    )
     for p in status.progress:
         key = [p.replica_id]
         step.add_metric(key, p.step)
@@ -149,7 +165,29 @@ def _groups(status: LighthouseStatus) -> Iterator[Metric]:
         step_s.add_metric(key, p.step_seconds)
         quorum_s.add_metric(key, p.quorum_seconds)
         commit_s.add_metric(key, p.commit_seconds)
-    yield from (step, committed, failures, restarts, heals, heal_s, rate, step_s, quorum_s, commit_s)
+        compute_s.add_metric(key, p.compute_seconds)
+    yield from (
+        step,
+        committed,
+        failures,
+        restarts,
+        heals,
+        heal_s,
+        rate,
+        step_s,
+        quorum_s,
+        commit_s,
+        compute_s,
+    )
+    slowdown = gauge(
+        "ftlaunch_group_slowdown",
+        "The group's own work per step over the other groups' (medians of the last committed steps).",
+    )
+    straggler = gauge("ftlaunch_group_straggler", "1 while the lighthouse judges the group a straggler.")
+    for v in status.stragglers.groups if status.stragglers is not None else ():
+        slowdown.add_metric([v.replica_id], v.slowdown)
+        straggler.add_metric([v.replica_id], 1 if v.straggler else 0)
+    yield from (slowdown, straggler)
 
 
 class MetricsExporter:

@@ -49,6 +49,7 @@ _REPORT_FIELDS: dict[str, tuple[type, ...]] = {
     "step_seconds": (float, int),
     "quorum_seconds": (float, int),
     "commit_seconds": (float, int),
+    "compute_seconds": (float, int),
     "checksum": (str,),
     "finished": (bool,),
 }
@@ -77,6 +78,10 @@ class ProgressReport:
     quorum_seconds: float = 0.0
     #: Of which the commit: waiting for the step's allreduces and the votes.
     commit_seconds: float = 0.0
+    #: The group's own work in the last committed step: from the previous commit decision to the
+    #: step's first collective (or its commit), less the time it waited for the quorum. What tells
+    #: a slow group from the fast ones, which wait for it in the collectives (lighthouse/stragglers.py).
+    compute_seconds: float = 0.0
     checksum: str = ""
     finished: bool = False
 
@@ -145,6 +150,8 @@ class GroupProgress:
     step_seconds: float = 0.0
     quorum_seconds: float = 0.0
     commit_seconds: float = 0.0
+    #: The last committed step's own work, before it needed the other groups (`ProgressReport`).
+    compute_seconds: float = 0.0
     #: Committed steps per second over the last `RATE_WINDOW_S`.
     step_rate: float = 0.0
     #: The current (last) session's id, and the lighthouse's wall time of its first commit report.
@@ -181,6 +188,7 @@ class GroupProgress:
             "step_seconds": self.step_seconds,
             "quorum_seconds": self.quorum_seconds,
             "commit_seconds": self.commit_seconds,
+            "compute_seconds": self.compute_seconds,
             "step_rate": self.step_rate,
             "session": self.session,
             "session_first_commit": self.session_first_commit,
@@ -224,6 +232,7 @@ class GroupProgress:
             step_seconds=_num(d, "step_seconds"),
             quorum_seconds=_num(d, "quorum_seconds"),
             commit_seconds=_num(d, "commit_seconds"),
+            compute_seconds=_num(d, "compute_seconds"),
             step_rate=_num(d, "step_rate"),
             session=d.get("session", ""),
             session_first_commit=opt_num("session_first_commit"),
@@ -426,6 +435,7 @@ class ProgressBook:
                     step_seconds=last.step_seconds if last else 0.0,
                     quorum_seconds=last.quorum_seconds if last else 0.0,
                     commit_seconds=last.commit_seconds if last else 0.0,
+                    compute_seconds=last.compute_seconds if last else 0.0,
                     step_rate=round(_rate(t.samples, wall), 4),
                     session=cur.session if cur else "",
                     session_first_commit=cur.first_commit if cur else None,
