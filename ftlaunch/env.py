@@ -767,6 +767,8 @@ class ProcessMarks:
     restart_count: int
     #: torchelastic started it (``TORCHELASTIC_RUN_ID`` is set): a worker, not a helper process.
     torchelastic: bool
+    #: Forked from the warm standby: the pid torchelastic knows it by (its proxy; None: not forked).
+    worker_pid: int | None = None
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> ProcessMarks:
@@ -782,6 +784,7 @@ class ProcessMarks:
             local_rank=integer(LOCAL_RANK),
             restart_count=integer(TORCHELASTIC_RESTART_COUNT) or 0,
             torchelastic=is_set(TORCHELASTIC_RUN_ID, environ),
+            worker_pid=integer(FTLAUNCH_WORKER_PID),
         )
 
 

@@ -80,6 +80,8 @@ def test_lighthouse_alias_rdzv_endpoint() -> None:
             ChaosSpec(steps=(20, 40), group=1, signal="STOP", stop_for=2),
         ),
         ("every=1,target=agent,start=0", ChaosSpec(every=1, target="agent", start=0.0)),
+        ("steps=20,group=1,slow=2,slow_for=60", ChaosSpec(steps=(20,), group=1, slow=2.0, slow_for=60.0)),
+        ("every=1m,slow=1.5x", ChaosSpec(every=60.0, slow=1.5)),
     ],
 )
 def test_chaos_spec_parse(text: str, expected: ChaosSpec) -> None:
@@ -102,6 +104,13 @@ def test_chaos_spec_parse(text: str, expected: ChaosSpec) -> None:
         ("steps=a/b", "expected integers"),
         ("every=1,every=2", "given twice"),
         ("every", "not key=value"),
+        ("steps=1,slow=1", "slow=1 must be > 1 and <= 5"),
+        ("steps=1,slow=6", "slow=6 must be > 1 and <= 5"),
+        ("steps=1,slow=nan", "slow=nan must be"),
+        ("steps=1,slow=fast", "slow='fast' is not a number"),
+        ("steps=1,slow=2,signal=STOP", "takes no signal= or target="),
+        ("steps=1,target=agent,slow=2", "takes no signal= or target="),
+        ("steps=1,slow=2,slow_for=0", "slow_for='0' is out of range"),
     ],
 )
 def test_chaos_spec_errors(text: str, message: str) -> None:
@@ -124,6 +133,35 @@ def test_options_validation() -> None:
         LaunchOptions(entrypoint="x", replicas=2, min_replicas=3)
     with pytest.raises(ConfigurationError, match="only 2 groups"):
         LaunchOptions(entrypoint="x", replicas=2, chaos=ChaosSpec(every=1, group=2))
+    with pytest.raises(ConfigurationError, match="--stragglers 'evict' must be one of report, replace"):
+        LaunchOptions(entrypoint="x", stragglers="evict")
+    with pytest.raises(ConfigurationError, match="the one at --lighthouse has its own"):
+        LaunchOptions(entrypoint="x", stragglers="replace", lighthouse="http://h:1")
+
+
+def test_the_stragglers_policy_reaches_the_lighthouse(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ftlaunch import env
+    from ftlaunch.launcher.lighthouse_keeper import LighthouseKeeper
+    from ftlaunch.launcher.output import Console
+
+    assert options_from_args([WORKER]).stragglers is None
+    assert options_from_args(["--stragglers", "replace", WORKER]).stragglers == "replace"
+    seen = []
+    monkeypatch.setattr(
+        "ftlaunch.launcher.lighthouse_keeper.open_job_lighthouse",
+        lambda _addr, settings: seen.append(settings),
+    )
+    for given, environ, policy in (
+        (None, None, "report"),
+        (None, "replace", "replace"),
+        ("report", "replace", "report"),
+    ):
+        if environ is None:
+            monkeypatch.delenv(env.FTLAUNCH_STRAGGLERS, raising=False)
+        else:
+            monkeypatch.setenv(env.FTLAUNCH_STRAGGLERS, environ)
+        LighthouseKeeper(LaunchOptions(entrypoint="x", stragglers=given), "t", Console()).open()
+        assert seen[-1].stragglers == policy
 
 
 def _one_line_error(args: list[str], expected: str) -> None:
@@ -149,6 +187,8 @@ def _one_line_error(args: list[str], expected: str) -> None:
         (["--min-replicas", "3", "--replicas", "2", WORKER], "--min-replicas must be in 1..2"),
         (["--nnodes", "2", WORKER], "one `torchrun --rdzv-backend ftlaunch` per node"),
         (["--chaos", "every=-2", WORKER], "every='-2' is out of range"),
+        (["--chaos", "steps=5,slow=9", WORKER], "slow=9 must be > 1 and <= 5"),
+        (["--stragglers", "evict", WORKER], "argument --stragglers: invalid choice: 'evict'"),
         (["--tee", "7", WORKER], "--tee '7'"),
         (["-m", "no_such_module_xyz"], "module not found: no_such_module_xyz"),
         (["--no-python", "no-such-program-xyz"], "program not found"),

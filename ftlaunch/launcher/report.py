@@ -17,7 +17,7 @@ from ftlaunch.launcher.chaos import Injection
 from ftlaunch.launcher.group import RUNNING, Group
 from ftlaunch.launcher.lighthouse_host import JobLighthouse
 from ftlaunch.launcher.output import Console, format_table
-from ftlaunch.lighthouse.status import LighthouseStatus
+from ftlaunch.lighthouse.status import LighthouseStatus, StragglersStatus
 
 #: Seconds between two redraws of the status line (each reads the lighthouse status).
 STATUS_INTERVAL_S = 0.5
@@ -112,17 +112,24 @@ def summary_lines(
     lines += _checksum_lines(groups)
     if lighthouse is not None and lighthouse.progress:
         lines += lighthouse_lines(lighthouse)
+    if lighthouse is not None and lighthouse.stragglers is not None:
+        lines += straggler_lines(lighthouse.stragglers)
     if injections is not None:
         lines.append(f"[ftlaunch] chaos: {len(injections)} injection(s)")
         for inj in injections:
-            fate = (
-                f"group committed again {inj.rejoined_after:.1f}s later"
-                if inj.rejoined_after is not None
-                else "group did not commit again"
-            )
             at = f" at step {inj.step}" if inj.step is not None else ""
+            if inj.signal == "SLOW":
+                what = f"slowed down {inj.factor:g}x"
+                fate = f"for {inj.lasted:.1f}s" if inj.lasted is not None else "until the end"
+            else:
+                what = inj.signal
+                fate = (
+                    f"group committed again {inj.rejoined_after:.1f}s later"
+                    if inj.rejoined_after is not None
+                    else "group did not commit again"
+                )
             lines.append(
-                f"[ftlaunch]   t={inj.at - started:.1f}s {inj.signal} {env.replica_id(inj.group)} {inj.target}{at}: {fate}"
+                f"[ftlaunch]   t={inj.at - started:.1f}s {what} {env.replica_id(inj.group)} {inj.target}{at}: {fate}"
             )
         total = sum(g.committed for g in groups)
         lines.append(
@@ -155,7 +162,17 @@ def _checksum_lines(groups: Sequence[Group]) -> list[str]:
     return [f"[ftlaunch] WARNING: groups ended with different weights: {sorted(s for s in sums if s)}"]
 
 
-LIGHTHOUSE_HEADERS = ["group", "heals", "heal time", "step time", "quorum wait", "commit", "steps/s"]
+LIGHTHOUSE_HEADERS = [
+    "group",
+    "heals",
+    "heal time",
+    "step time",
+    "quorum wait",
+    "commit",
+    "own work",
+    "slowdown",
+    "steps/s",
+]
 
 
 def lighthouse_lines(status: LighthouseStatus) -> list[str]:
@@ -164,6 +181,12 @@ def lighthouse_lines(status: LighthouseStatus) -> list[str]:
         f"[ftlaunch] lighthouse: {status.quorum_changes} quorum change(s); per group, as the group "
         "leaders reported (times of the last committed step):"
     ]
+    judged = {v.replica_id: v for v in status.stragglers.groups} if status.stragglers is not None else {}
+
+    def slowdown(rid: str) -> str:
+        v = judged.get(rid)
+        return "-" if v is None else f"{v.slowdown:.1f}x" + (" straggler" if v.straggler else "")
+
     rows = [
         [
             p.replica_id,
@@ -172,8 +195,28 @@ def lighthouse_lines(status: LighthouseStatus) -> list[str]:
             f"{p.step_seconds * 1e3:.1f}ms",
             f"{p.quorum_seconds * 1e3:.1f}ms",
             f"{p.commit_seconds * 1e3:.1f}ms",
+            f"{p.compute_seconds * 1e3:.1f}ms",
+            slowdown(p.replica_id),
             f"{p.step_rate:.1f}",
         ]
         for p in status.progress
     ]
     return lines + ["[ftlaunch]   " + line for line in format_table(LIGHTHOUSE_HEADERS, rows)]
+
+
+def straggler_lines(st: StragglersStatus) -> list[str]:
+    """The stragglers the lighthouse judged at the end (slowdown: a group's own work per step over
+    the other groups'), and those it replaced (``--stragglers replace``)."""
+    lines = []
+    if st.stragglers:
+        found = ", ".join(f"{v.replica_id} {v.slowdown:.1f}x slower" for v in st.stragglers)
+        lines.append(f"[ftlaunch] stragglers at the end (--stragglers {st.policy}): {found}")
+    for r in st.replaced:
+        how = "its slot went to a hot spare" if r.how == "spare" else "it was restarted (no hot spare waited)"
+        came = (
+            f", whose first step committed {r.arrived - r.time:.1f}s later"
+            if r.arrived is not None
+            else "; its replacement committed no step"
+        )
+        lines.append(f"[ftlaunch] straggler {r.replica_id} ({r.slowdown:.1f}x slower) replaced: {how}{came}")
+    return lines

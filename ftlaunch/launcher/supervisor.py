@@ -110,6 +110,11 @@ class Supervisor:
         self._status: StatusLine | None = None
         self._exit_root_cause: str | None = None
         self._progress_read_at = 0.0
+        #: Lighthouse name -> the group that trained under it (with spares a slot's names change hands).
+        self._names: dict[str, int] = {g.replica_id: g.gid for g in self.groups}
+        #: Stragglers already told (until they are no more), replacements already told.
+        self._slow_seen: set[str] = set()
+        self._replaced_seen: set[tuple[str, float]] = set()
 
     @property
     def _lighthouse(self) -> JobLighthouse | None:
@@ -334,7 +339,9 @@ class Supervisor:
             except Exception:  # noqa: BLE001 - informational: read again at the next interval
                 return
             groups = {name: self.groups[gid] for name, gid in self._takeovers.names(spares).items()}
+        self._names.update({name: g.gid for name, g in groups.items()})
         wall_offset = time.time() - time.monotonic()
+        self._read_stragglers(lighthouse, now, wall_offset)
         for p in progress:
             group = groups.get(p.replica_id)
             if group is None:
@@ -359,6 +366,49 @@ class Supervisor:
                     self._chaos.rejoined(group.gid, rejoined_at)
         self._timeline.sample(now, self.groups)
 
+    def _read_stragglers(self, lighthouse: JobLighthouse, now: float, wall_offset: float) -> None:
+        """Tell the user when the lighthouse finds a straggler or replaces one, and mark both on the
+        timeline (the replacement is the incident: its workers' end that follows is the same)."""
+        found = lighthouse.stragglers()
+        if found is None:
+            return
+        for v in found.stragglers:
+            if v.replica_id in self._slow_seen:
+                continue
+            self._slow_seen.add(v.replica_id)
+            gid = self._names.get(v.replica_id)
+            detail = (
+                f"straggler: {v.slowdown:.1f}x slower than the others ({v.compute_seconds * 1e3:.1f} ms of its "
+                f"own work per step against {v.reference_seconds * 1e3:.1f} ms)"
+            )
+            then = (
+                "replacing it"
+                if found.policy == "replace"
+                else "reported (--stragglers replace would replace it)"
+            )
+            self.console.err(f"[ftlaunch] replica group {v.replica_id} is a {detail}; {then}")
+            if gid is not None:
+                self._timeline.found_slow(gid, (v.since - wall_offset) if v.since else now, detail)
+        self._slow_seen &= {v.replica_id for v in found.stragglers}
+        for r in found.replaced:
+            key = (r.replica_id, r.time)
+            if key in self._replaced_seen:
+                continue
+            self._replaced_seen.add(key)
+            how = (
+                "its slot went to a hot spare"
+                if r.how == "spare"
+                else "told to restart (no hot spare waited)"
+            )
+            self.console.err(
+                f"[ftlaunch] replica group {r.replica_id} replaced as a straggler ({r.slowdown:.1f}x): {how}"
+            )
+            gid = self._names.get(r.replica_id)
+            if gid is not None:
+                self._timeline.straggler_replaced(
+                    gid, r.time - wall_offset, f"straggler ({r.slowdown:.1f}x): {how}"
+                )
+
     def _on_event(self, group: Group, ev: dict[str, Any]) -> None:
         now = time.monotonic()
         kind = ev.get("event")
@@ -371,6 +421,8 @@ class Supervisor:
                 self._timeline.failed(group.gid, now, failure)
                 self._keeper.report_failure(group, failure)
         elif kind == "worker_stopped":
+            if self._chaos is not None and self._chaos.throttling(int(ev.get("pid", -1)), now):
+                return  # a slowdown's stop (--chaos slow=), no hang
             stopped = f"rank {ev.get('rank')} (pid {ev.get('pid')}) stopped by {ev.get('signal')}"
             self._timeline.failed(group.gid, now, stopped, HANG)
             if not self.opts.kill_stopped:
