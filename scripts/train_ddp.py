@@ -73,6 +73,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--dataset-size", type=int, default=4096, help="samples in the synthetic dataset")
     p.add_argument("--step-sleep", type=float, default=0.0, help="extra seconds per step (demos, chaos)")
+    p.add_argument(
+        "--compute-ms",
+        type=float,
+        default=0.0,
+        help="extra CPU work per step, in milliseconds of this thread's CPU time (a stand-in for a larger "
+        "model: a slowed or contended worker takes longer for it, as for real compute; a sleep would not)",
+    )
     p.add_argument("--max-seconds", type=float, default=600.0, help="give up after this long (safety net)")
     p.add_argument(
         "--long-form",
@@ -105,6 +112,15 @@ def device_of(args: argparse.Namespace) -> torch.device:
         torch.cuda.set_device(index)
         return torch.device("cuda", index)
     return torch.device("cpu")
+
+
+def burn(ms: float) -> None:
+    """Busy work until this thread used ``ms`` milliseconds of CPU time."""
+    if ms <= 0:
+        return
+    until = time.thread_time() + ms / 1e3
+    while time.thread_time() < until:
+        pass
 
 
 def checksum(model: nn.Module) -> str:
@@ -217,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
                 x, y = x.to(device), y.to(device)
                 t0 = time.perf_counter()
                 opt.zero_grad()
+                burn(args.compute_ms)
                 loss = loss_fn(ddp(x), y)
                 loss.backward()
                 committed = opt.step()

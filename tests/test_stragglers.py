@@ -76,8 +76,9 @@ def test_a_group_k_times_slower_for_a_window_is_flagged(data: st.DataObject, k: 
     slow = data.draw(st.sampled_from(sorted(windows)))
     tail = [base * data.draw(jitter) * k for _ in range(RULE.window)]
     windows[slow] = windows[slow] + tail  # what it did before counts no more
-    verdicts = judge(windows, counts(windows), {}, RULE)
+    verdicts = judge(windows, counts(windows), {}, RULE, NOW)
     assert verdicts[slow].straggler, verdicts[slow]
+    assert verdicts[slow].since_time == NOW
     assert k / SPREAD <= verdicts[slow].slowdown * 1.0001 and verdicts[slow].slowdown <= k * SPREAD * 1.0001
     assert [rid for rid, s in verdicts.items() if s.straggler] == [slow]
     assert verdicts[slow].since == len(windows[slow])
@@ -100,7 +101,7 @@ def test_hysteresis_between_leave_and_enter_nothing_flips(
     rids = ids(n)
     target = rids[-1]
     before: dict[str, Standing] = (
-        {target: Standing(target, 1.6, base * 1.6, base, 20, True, 3)} if start else {}
+        {target: Standing(target, 1.6, base * 1.6, base, 20, True, 3, NOW)} if start else {}
     )
     steps = 20
     for ratio in ratios:
@@ -108,10 +109,10 @@ def test_hysteresis_between_leave_and_enter_nothing_flips(
         windows = {rid: [base] * RULE.window for rid in rids}
         windows[target] = [base * ratio] * RULE.window
         counts_now = {rid: steps for rid in rids}
-        verdicts = judge(windows, counts_now, before, RULE)
+        verdicts = judge(windows, counts_now, before, RULE, NOW + steps)
         assert verdicts[target].straggler is start, (ratio, verdicts[target])
-        if start:
-            assert verdicts[target].since == 3  # a straggler since then, not since each verdict
+        if start:  # a straggler since then, not since each verdict
+            assert (verdicts[target].since, verdicts[target].since_time) == (3, NOW)
         before = verdicts
 
 
@@ -165,27 +166,43 @@ def test_one_slow_step_is_not_a_straggler() -> None:
     assert not judge(windows, counts(windows), {}, RULE)["rg1"].straggler
 
 
-def standing(rid: str, slowdown: float, steps: int, since: int | None) -> Standing:
-    return Standing(rid, slowdown, 0.1 * slowdown, 0.1, steps, since is not None, since)
+NOW = 1000.0
+
+
+def standing(rid: str, slowdown: float, steps: int, since: int | None, since_time: float = 0.0) -> Standing:
+    return Standing(
+        rid,
+        slowdown,
+        0.1 * slowdown,
+        0.1,
+        steps,
+        since is not None,
+        since,
+        since_time if since is not None else None,
+    )
 
 
 def test_to_replace_only_a_persistent_live_straggler_one_at_a_time_above_min_replicas() -> None:
     persist = RULE.persist
+    long_ago = NOW - RULE.persist_seconds
     s = {
         "rg0": standing("rg0", 1.0, 50, None),
-        "rg1": standing("rg1", 2.0, 50, 50 - persist),
-        "rg2": standing("rg2", 3.0, 50, 50 - persist + 1),  # slower, but not for long enough yet
+        "rg1": standing("rg1", 2.0, 50, 50 - persist, long_ago),
+        "rg2": standing("rg2", 3.0, 50, 50 - persist + 1, long_ago),  # slower, but not for enough steps
+        "rg3": standing("rg3", 4.0, 90, 10, NOW - 1.0),  # slower, but for a second only: a burst
     }
-    live = ["rg0", "rg1", "rg2"]
-    chosen = to_replace(s, live, 1, False, RULE)
+    live = ["rg0", "rg1", "rg2", "rg3"]
+    chosen = to_replace(s, live, 1, False, RULE, NOW)
     assert chosen is not None and chosen.replica_id == "rg1"
-    assert to_replace(s, live, 1, True, RULE) is None  # one in flight
-    assert to_replace(s, live, 3, False, RULE) is None  # would leave 2 < --min-replicas 3
-    assert to_replace(s, ["rg0", "rg2"], 1, False, RULE) is None  # rg1 is not a live member now
-    s["rg2"] = standing("rg2", 3.0, 51, 50 - persist + 1)
-    chosen = to_replace(s, live, 1, False, RULE)
+    assert to_replace(s, live, 1, True, RULE, NOW) is None  # one in flight
+    assert to_replace(s, live, 4, False, RULE, NOW) is None  # would leave 3 < --min-replicas 4
+    assert to_replace(s, ["rg0", "rg2", "rg3"], 1, False, RULE, NOW) is None  # rg1 is not a live member now
+    s["rg2"] = standing("rg2", 3.0, 51, 50 - persist + 1, long_ago)
+    chosen = to_replace(s, live, 1, False, RULE, NOW)
     assert chosen is not None and chosen.replica_id == "rg2"  # the slowest persistent one first
-    assert to_replace({"rg0": standing("rg0", 1.0, 50, None)}, live, 1, False, RULE) is None
+    chosen = to_replace(s, live, 1, False, RULE, NOW + RULE.persist_seconds)
+    assert chosen is not None and chosen.replica_id == "rg3"  # its burst lasted: now it counts
+    assert to_replace({"rg0": standing("rg0", 1.0, 50, None)}, live, 1, False, RULE, NOW) is None
 
 
 def test_the_rule_refuses_nonsense() -> None:
@@ -228,9 +245,10 @@ def test_watch_replacement_in_flight_until_a_new_process_commits_or_the_timeout(
     assert w.busy(10.0) and w.replacing == "rg1" and w.replacements == 1 and "rg1" not in w.standings
     feed(w, "rg0", "s0", [0.1], start=20)  # a process that existed before is no replacement
     assert w.busy(11.0)
-    assert w.report("rg1.1", "spare-session", 1, 0.1, wall=1005.0)  # the spare's first commit
-    assert not w.busy(12.0) and w.history == (
-        type(done)("rg1", done.slowdown, "spare", 1000.0, arrived=1005.0),
-    )
+    assert w.report("rg1.1", "spare-session", 1, 0.1, wall=1005.0)  # the spare's first commit: arrived
+    assert w.history == (type(done)("rg1", done.slowdown, "spare", 1000.0, arrived=1005.0),)
+    assert w.busy(12.0)  # ... but in flight until it can be judged itself
+    feed(w, "rg1.1", "spare-session", [0.1] * (RULE.min_steps - 1), start=1)
+    assert not w.busy(12.0) and w.history[0].arrived == 1005.0
     w.replaced(w.standings.get("rg0") or standing("rg0", 2.0, 30, 10), "restart", now=20.0, wall=1010.0)
     assert w.busy(20.0 + REPLACEMENT_TIMEOUT) and not w.busy(20.0 + REPLACEMENT_TIMEOUT + 1)

@@ -6,6 +6,8 @@ below ``min_replicas``, never when everybody is slow. The pure rule: tests/test_
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from ftlaunch.lighthouse.membership import Evicted, Membership
@@ -15,9 +17,9 @@ from ftlaunch.lighthouse.spares import ClaimTicket
 from ftlaunch.lighthouse.stragglers import JUDGE_EVERY, STRAGGLER_REASON, StragglerRule
 
 RULE = StragglerRule()
-#: Steps until a group slow from the start is a persistent straggler: a verdict needs `min_steps`,
-#: replacing it `persist` more.
-PERSISTENT = RULE.min_steps + RULE.persist + 2
+#: Steps (each `JUDGE_EVERY` seconds here) until a group slow from the start is a persistent
+#: straggler: a verdict needs `min_steps`, replacing it `persist` more and `persist_seconds`.
+PERSISTENT = RULE.min_steps + max(RULE.persist, math.ceil(RULE.persist_seconds / JUDGE_EVERY)) + 2
 
 
 class Clock:
@@ -103,9 +105,9 @@ def test_report_shows_the_straggler_with_its_slowdown_and_replaces_nobody() -> N
 
 def test_replace_restarts_a_persistent_straggler_when_no_spare_waits() -> None:
     job = Job(["rg0", "rg1", "rg2"])
-    job.run(RULE.min_steps + 1, {"rg1": 0.1})
-    assert job.m.stragglers().stragglers and not job.events("straggler_replaced")  # not persistent yet
-    job.run(RULE.persist + 1, {"rg1": 0.1})
+    job.run(RULE.min_steps + RULE.persist + 1, {"rg1": 0.1})
+    assert job.m.stragglers().stragglers and not job.events("straggler_replaced")  # not for long enough
+    job.run(PERSISTENT - (RULE.min_steps + RULE.persist + 1), {"rg1": 0.1})
     replaced = job.events("straggler_replaced")
     assert [rid for rid, _ in replaced] == ["rg1"] and "restart" in replaced[0][1]
     kill = job.m.heartbeat("rg1")  # the answer to its next heartbeat: end the process (its agent restarts it)
@@ -116,8 +118,11 @@ def test_replace_restarts_a_persistent_straggler_when_no_spare_waits() -> None:
     job.restart("rg1")
     job.run(2, {})
     st = job.m.stragglers()
-    assert st.replacing is None and st.replaced[0].arrived is not None
+    assert st.replacing == "rg1" and st.replaced[0].arrived is not None  # settles once judged
     assert "rg1" not in {g.replica_id for g in st.groups}
+    job.run(RULE.min_steps - 1, {})
+    st = job.m.stragglers()
+    assert st.replacing is None and "rg1" in {g.replica_id for g in st.groups}
 
 
 def test_replace_gives_the_slot_to_a_waiting_hot_spare_and_fences_the_straggler() -> None:
@@ -145,7 +150,7 @@ def test_replace_gives_the_slot_to_a_waiting_hot_spare_and_fences_the_straggler(
     job.rids = ["rg1.1", "rg0", "rg2"]
     job.sessions["rg1.1"], job.commits["rg1.1"] = "spare-p0", 0
     m.heartbeat("rg1.1")
-    job.run(2, {})
+    job.run(RULE.min_steps + 1, {})  # (a report says what was committed before its request)
     assert m.stragglers().replacing is None and m.stragglers().replaced[0].arrived is not None
 
 
@@ -158,8 +163,9 @@ def test_replace_one_at_a_time() -> None:
     job.run(5, slow)  # rg4's replacement has not committed yet (its process did not restart)
     assert [rid for rid, _ in job.events("straggler_replaced")] == ["rg4"]
     job.restart("rg4")
-    job.run(1, {"rg3": 0.12})  # rg4's new process committed: the next one may go
-    job.run(1, {"rg3": 0.12})
+    job.run(RULE.min_steps - 1, {"rg3": 0.12})  # rg4's new process commits, not yet judged
+    assert [rid for rid, _ in job.events("straggler_replaced")] == ["rg4"]
+    job.run(2, {"rg3": 0.12})  # now it can be: the next one may go
     assert [rid for rid, _ in job.events("straggler_replaced")] == ["rg4", "rg3"]
 
 

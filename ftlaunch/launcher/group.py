@@ -277,6 +277,13 @@ class Group:
         self.failure_at = now
         self.down_session = None
 
+    def replaced_as_straggler(self, at: float) -> None:
+        """The lighthouse replaced it as a straggler at ``at``: down from then (its process was fenced,
+        or told to end) until a hot spare in its slot, or its own restart, commits."""
+        if self.failure_at is None:
+            self.failure_at = at
+            self.down_session = self.session
+
     def resumed(self) -> None:
         self.paused = False
 

@@ -405,9 +405,9 @@ class Supervisor:
             )
             gid = self._names.get(r.replica_id)
             if gid is not None:
-                self._timeline.straggler_replaced(
-                    gid, r.time - wall_offset, f"straggler ({r.slowdown:.1f}x): {how}"
-                )
+                at = min(r.time - wall_offset, now)
+                self.groups[gid].replaced_as_straggler(at)
+                self._timeline.straggler_replaced(gid, at, f"straggler ({r.slowdown:.1f}x): {how}")
 
     def _on_event(self, group: Group, ev: dict[str, Any]) -> None:
         now = time.monotonic()

@@ -4,12 +4,22 @@ SIGSTOP/SIGCONT duty cycle.
 Why a duty cycle: stopped part of the time, a process is slower at everything it does -- its
 compute, its data loading, its own threads -- by the same factor, as behind a throttled GPU or a
 noisy neighbour, and the training script needs no hook. The periods are short: `RUN_SLICE` running,
-then (FACTOR - 1) x `RUN_SLICE` stopped (20 ms / 20 ms for a factor 2; at most `MAX_FACTOR`, 80 ms
-stopped), so that it reads as slowness, not as a hang. The lighthouse declares a member hung only
-when its heartbeats (sent every 100 ms by a thread of their own) stopped for half a second or more
-while a peer waits for it (lighthouse/hung.py, `QUICK_SILENCE`); a stop of 80 ms at most delays a
-heartbeat by that much, so the hung rule never fires on a slowed group. The lighthouse's straggler
-rule (lighthouse/stragglers.py) is what sees it.
+then (FACTOR - 1) x `RUN_SLICE` stopped (20 ms / 20 ms for a factor 2; at most `MAX_FACTOR`, 60 ms
+stopped), so that it reads as slowness, not as a hang.
+
+The hung rule. The lighthouse declares a member hung when its heartbeats (sent every 100 ms by a
+thread of their own) stopped for half a second or more while a peer waits for it
+(lighthouse/hung.py, `QUICK_SILENCE`). One stop delays a heartbeat by 60 ms at most; but the
+heartbeat thread is slowed too, and a heartbeat takes it a few turns (the GIL, a request, the
+answer), each of which may wait out a stop: slowed 2x or 3x, its gaps stay around 100-300 ms even
+on a loaded machine. The harder a group is slowed and the busier its CPU (a stopped process's
+running slices are contended as well), the later its heartbeats: past half a second, while a peer
+waits for it in a collective, it is declared hung, and handled as such (its peers go on, it
+rejoins or a spare takes its slot). Hence the `MAX_FACTOR`; the lighthouse's straggler rule
+(lighthouse/stragglers.py) is what is meant to see a slowed group.
+
+Under CPU contention the slowdown reads smaller than FACTOR: a process continued after a stop is
+favoured by the scheduler for a while (it slept), taking back part of what the stop cost it.
 
 The slowed processes are the workers' own (for a worker forked from the agent's warm standby, the
 fork behind the pid torchelastic knows: `procs.worker_processes`); their Baby process-group children
@@ -29,8 +39,8 @@ import psutil
 
 #: Seconds a throttled process runs in each period.
 RUN_SLICE = 0.02
-#: The largest slowdown (80 ms stopped per 20 ms running: well under the hung rule's half second).
-MAX_FACTOR = 5.0
+#: The largest slowdown: 60 ms stopped per 20 ms running (see the module docstring: the hung rule).
+MAX_FACTOR = 4.0
 
 
 def stop_slice(factor: float) -> float:

@@ -734,7 +734,9 @@ class Membership:
             if (g := self._roster.groups.get(rid)) is not None
             and group_health(g, now, self._options) is Health.LIVE
         ]
-        chosen = to_replace(watch.standings, live, self._options.min_replicas, watch.busy(now), watch.rule)
+        chosen = to_replace(
+            watch.standings, live, self._options.min_replicas, watch.busy(now), watch.rule, now
+        )
         if chosen is not None:
             self._replace_straggler(chosen, now, wall)
 

@@ -29,9 +29,12 @@ steps:
   threshold does not flap.
 
 With the policy ``replace`` a straggler that stayed one for `StragglerRule.persist` of its committed
-steps is replaced (`to_replace`): one at a time (the previous replacement's group committed, or
-`REPLACEMENT_TIMEOUT` passed), never when that leaves the quorum below ``min_replicas``, the
-slowest first. The membership then hands its slot to a hot spare when one waits (fencing it, as
+steps and `StragglerRule.persist_seconds` is replaced (`to_replace`): a replacement costs a heal and
+a restart, and a noisy neighbour's burst of a few seconds is not worth one (on a shared, loaded
+machine a group's own work can be twice another's for several seconds). One at a time: the next
+only once the previous one's replacement has committed `StragglerRule.min_steps` steps (it can be
+judged itself) or `REPLACEMENT_TIMEOUT` passed; never when that leaves the quorum below
+``min_replicas``; the slowest first. The membership then hands its slot to a hot spare when one waits (fencing it, as
 for a hung group), else tells it to end its process (as the dashboard's Kill does) so that its
 agent restarts it. ``report`` only shows them (``/status``, ``/metrics``, the dashboard, the
 launcher's summary).
@@ -91,16 +94,17 @@ class StragglerRule:
     spread: float = 3.0
     #: Seconds its compute must also exceed the reference by.
     min_excess: float = 0.005
-    #: Committed steps a group must have been a straggler before ``replace`` acts on it.
+    #: Committed steps, and seconds, a group must have been a straggler before ``replace`` acts on it.
     persist: int = 10
+    persist_seconds: float = 15.0
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_steps <= self.window:
             raise ValueError(f"min_steps must be in 1..window ({self.window}), got {self.min_steps}")
         if not 1.0 <= self.leave < self.enter:
             raise ValueError(f"need 1 <= leave < enter, got leave={self.leave}, enter={self.enter}")
-        if self.spread < 0 or self.min_excess < 0 or self.persist < 0:
-            raise ValueError("spread, min_excess and persist must be >= 0")
+        if min(self.spread, self.min_excess, self.persist, self.persist_seconds) < 0:
+            raise ValueError("spread, min_excess, persist and persist_seconds must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -117,12 +121,20 @@ class Standing:
     #: Committed steps it reported (its current process's).
     steps: int
     straggler: bool = False
-    #: Its ``steps`` when it became a straggler (None: it is not one).
+    #: Its ``steps`` when it became a straggler, and the time (the caller's clock; None: it is not one).
     since: int | None = None
+    since_time: float | None = None
 
-    def persistent(self, rule: StragglerRule) -> bool:
-        """A straggler for `StragglerRule.persist` of its committed steps: ``replace`` acts on it."""
-        return self.straggler and self.since is not None and self.steps - self.since >= rule.persist
+    def persistent(self, rule: StragglerRule, now: float) -> bool:
+        """A straggler for `StragglerRule.persist` of its committed steps and for
+        `StragglerRule.persist_seconds` at ``now``: ``replace`` acts on it."""
+        return (
+            self.straggler
+            and self.since is not None
+            and self.since_time is not None
+            and self.steps - self.since >= rule.persist
+            and now - self.since_time >= rule.persist_seconds
+        )
 
 
 def _without(ordered: Sequence[float], i: int, k: int) -> float:
@@ -149,8 +161,9 @@ def judge(
     steps: Mapping[str, int],
     previous: Mapping[str, Standing],
     rule: StragglerRule,
+    now: float = 0.0,
 ) -> dict[str, Standing]:
-    """The verdict on each member of the quorum in use (the module docstring's rule).
+    """The verdict on each member of the quorum in use (the module docstring's rule) at ``now``.
 
     ``windows``: each member's compute times of its committed steps, oldest first (its last
     ``rule.window`` are read); ``steps``: how many it reported in all (its current process);
@@ -174,17 +187,22 @@ def judge(
         before = previous.get(rid)
         was = before is not None and before.straggler
         if was:
-            now = slowdown > rule.leave
+            is_one = slowdown > rule.leave
         else:
             excess = compute - reference
-            now = (
+            is_one = (
                 slowdown >= rule.enter
                 and excess >= rule.min_excess
                 and excess >= rule.spread * _sigma_without(ordered, i, reference)
             )
         count = steps.get(rid, 0)
-        since = (before.since if was and before is not None else count) if now else None
-        out[rid] = Standing(rid, slowdown, compute, reference, count, now, since)
+        if not is_one:
+            since, since_time = None, None
+        elif was and before is not None:
+            since, since_time = before.since, before.since_time
+        else:
+            since, since_time = count, now
+        out[rid] = Standing(rid, slowdown, compute, reference, count, is_one, since, since_time)
     return out
 
 
@@ -194,13 +212,14 @@ def to_replace(
     min_replicas: int,
     busy: bool,
     rule: StragglerRule,
+    now: float,
 ) -> Standing | None:
-    """The straggler ``replace`` acts on now, or None: a persistent straggler among the live
+    """The straggler ``replace`` acts on at ``now``, or None: a persistent straggler among the live
     members of the quorum in use (the slowest; ties by id), unless a replacement is in flight
     (``busy``) or the quorum would fall below ``min_replicas`` without it."""
     if busy or len(live_members) - 1 < min_replicas:
         return None
-    found = [s for rid, s in standings.items() if rid in live_members and s.persistent(rule)]
+    found = [s for rid, s in standings.items() if rid in live_members and s.persistent(rule, now)]
     return max(found, key=lambda s: (s.slowdown, s.replica_id), default=None)
 
 
@@ -223,6 +242,8 @@ class _InFlight:
     started: float  # the membership's clock
     #: The processes (sessions) known when it started: the first commit of another is the replacement.
     known: frozenset[str] = field(default_factory=frozenset)
+    #: The replacement's process, once it committed (it settles after `StragglerRule.min_steps`).
+    session: str | None = None
 
 
 class StragglerWatch:
@@ -251,7 +272,8 @@ class StragglerWatch:
     def report(self, replica_id: str, session: str, commits: int, compute: float, wall: float) -> bool:
         """A progress report of ``replica_id``'s process ``session``: ``commits`` steps committed so
         far, the last one's ``compute`` seconds. Returns True when it is the first commit of the
-        replacement in flight (a process that did not exist when it started): it arrived."""
+        replacement in flight (a process that did not exist when it started): it arrived. The
+        replacement stays in flight until it committed `StragglerRule.min_steps` steps."""
         seen = self._sessions.get(replica_id)
         if seen is None or seen[0] != session:  # a new process: what the old one measured is gone
             self._windows.pop(replica_id, None)
@@ -268,13 +290,17 @@ class StragglerWatch:
         self._steps[replica_id] = self._steps.get(replica_id, 0) + 1
         self._dirty = True
         flight = self._in_flight
-        if flight is not None and session not in flight.known:
-            self._in_flight = None
+        if flight is None or session in flight.known:
+            return False
+        arrived = flight.session is None
+        if arrived:
+            flight.session = session
             for i, r in enumerate(self._replaced):
                 if r is flight.replacement:
-                    self._replaced[i] = dataclasses.replace(r, arrived=wall)
-            return True
-        return False
+                    self._replaced[i] = flight.replacement = dataclasses.replace(r, arrived=wall)
+        if session == flight.session and self._steps[replica_id] >= self.rule.min_steps:
+            self._in_flight = None  # it can be judged itself now: the next one may go
+        return arrived
 
     # ---- verdicts
 
@@ -294,7 +320,7 @@ class StragglerWatch:
             self._forget(rid)
         windows = {rid: self._windows[rid] for rid in members if rid in self._windows}
         before = self.standings
-        self.standings = judge(windows, self._steps, before, self.rule)
+        self.standings = judge(windows, self._steps, before, self.rule, now)
         became, cleared = [], []
         for rid, s in self.standings.items():
             was = rid in before and before[rid].straggler
@@ -314,7 +340,8 @@ class StragglerWatch:
     # ---- replacements
 
     def busy(self, now: float) -> bool:
-        """A replacement is in flight (its group has not committed yet, `REPLACEMENT_TIMEOUT`)."""
+        """A replacement is in flight (it has not committed `StragglerRule.min_steps` steps yet,
+        for `REPLACEMENT_TIMEOUT` at most)."""
         flight = self._in_flight
         if flight is not None and now - flight.started > REPLACEMENT_TIMEOUT:
             self._in_flight = None
