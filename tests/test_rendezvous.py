@@ -48,6 +48,10 @@ def _params(conf: dict, endpoint: str = "127.0.0.1:1", max_nodes: int = 1) -> Re
             {"replica_group_id": "0", "num_replica_groups": "1", "lighthouse_min_replicas": "0"},
             "must be >= 1",
         ),
+        (
+            {"replica_group_id": "0", "num_replica_groups": "1", "lighthouse_stragglers": "evict"},
+            "lighthouse_stragglers='evict' must be one of report, replace",
+        ),
     ],
 )
 def test_config_errors_name_the_key(conf: dict, message: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -70,6 +74,16 @@ def test_config_from_environment_and_passthrough_keys(monkeypatch: pytest.Monkey
         "tok",
         False,
     )
+
+
+def test_the_straggler_policy_of_a_lighthouse_started_here(monkeypatch: pytest.MonkeyPatch) -> None:
+    conf = {"replica_group_id": "0", "num_replica_groups": "2"}
+    monkeypatch.delenv("FTLAUNCH_STRAGGLERS", raising=False)
+    assert FtRendezvousConfig.from_params(_params(conf)).lighthouse_settings.stragglers == "report"
+    monkeypatch.setenv("FTLAUNCH_STRAGGLERS", "replace")
+    assert FtRendezvousConfig.from_params(_params(conf)).lighthouse_settings.stragglers == "replace"
+    explicit = FtRendezvousConfig.from_params(_params({**conf, "lighthouse_stragglers": "Report"}))
+    assert explicit.lighthouse_settings.stragglers == "report"  # the key wins over the environment
 
 
 def test_multi_node_group_needs_a_meeting_point() -> None:

@@ -150,19 +150,22 @@ def render(status: LighthouseStatus) -> str:
 
 #: History events in which the lighthouse saw a group go down, and the mark each one makes.
 _DOWN_EVENTS = {"failed": FAILURE, "disconnected": FAILURE, "evicted": FAILURE, "silent": HANG}
+#: History events a mark of a group's own starts from (the picture's t = 0 is no later than them).
+_MARKED = {*_DOWN_EVENTS, "straggler", "straggler_replaced"}
 
 
 def timeline_of(status: LighthouseStatus) -> Timeline:
     """The dashboard's picture of ``status``: each group's step over time (its progress series) and
     what the history says happened to it. A group goes down when the lighthouse records it
-    ``failed`` (a hang when it was declared hung), ``disconnected``, ``evicted`` or ``silent``; it is
-    back at the first quorum with it in again. A hang also ends when the group is heard from again
+    ``failed`` (a hang when it was declared hung), ``disconnected``, ``evicted`` or ``silent``, or the
+    lighthouse replaced it as a straggler (``straggler_replaced``, or ``failed`` for it); it is
+    back at the first quorum with it in again. ``straggler``: it was found slow (a moment). A hang also ends when the group is heard from again
     while no quorum has left it out (the same process carried on); a failed group's process is gone,
     whatever a last heartbeat of it says. A hot spare ``claimed`` a slot: it took over. t = 0 is the
     first thing the picture shows."""
     history = sorted(status.history, key=lambda h: h.time)  # the status lists it newest first
     firsts = [p.timeline[0][0] for p in status.progress if p.timeline]
-    origin = min(firsts + [h.time for h in history if h.replica_id and h.event in _DOWN_EVENTS], default=0.0)
+    origin = min(firsts + [h.time for h in history if h.replica_id and h.event in _MARKED], default=0.0)
     lines = tuple(Line(p.replica_id, tuple((t - origin, v) for t, v in p.timeline)) for p in status.progress)
     marks: list[Mark] = []
     down: dict[str, str] = {}  # replica id -> the kind of mark that took it down
