@@ -252,3 +252,49 @@ def test_watch_replacement_in_flight_until_a_new_process_commits_or_the_timeout(
     assert not w.busy(12.0) and w.history[0].arrived == 1005.0
     w.replaced(w.standings.get("rg0") or standing("rg0", 2.0, 30, 10), "restart", now=20.0, wall=1010.0)
     assert w.busy(20.0 + REPLACEMENT_TIMEOUT) and not w.busy(20.0 + REPLACEMENT_TIMEOUT + 1)
+
+
+@st.composite
+def standings(draw: st.DrawFn) -> tuple[dict[str, Standing], list[str]]:
+    """Any verdicts on up to 8 groups (stragglers for any steps and seconds, or none), and which of
+    them are live members of the quorum in use."""
+    rids = ids(draw(st.integers(min_value=1, max_value=8)))
+    out = {}
+    for rid in rids:
+        steps = draw(st.integers(min_value=0, max_value=100))
+        since = draw(st.one_of(st.none(), st.integers(min_value=0, max_value=steps)))
+        since_time = NOW - draw(st.floats(min_value=0.0, max_value=3 * RULE.persist_seconds))
+        slowdown = draw(st.sampled_from([1.0, 1.6, 2.0, 3.0]))
+        out[rid] = standing(rid, slowdown, steps, since, since_time)
+    live = [rid for rid in rids if draw(st.booleans())]
+    return out, live
+
+
+@settings(max_examples=300, deadline=None)
+@given(case=standings(), min_replicas=st.integers(min_value=1, max_value=8), busy=st.booleans())
+def test_to_replace_never_two_at_once_never_below_min_replicas(
+    case: tuple[dict[str, Standing], list[str]], min_replicas: int, busy: bool
+) -> None:
+    """Whatever the verdicts: nothing while a replacement is in flight, nothing that leaves the quorum
+    under ``min_replicas``, only a live persistent straggler, and then the slowest of them."""
+    s, live = case
+    chosen = to_replace(s, live, min_replicas, busy, RULE, NOW)
+    persistent = [x for rid, x in s.items() if rid in live and x.persistent(RULE, NOW)]
+    if busy or len(live) - 1 < min_replicas or not persistent:
+        assert chosen is None
+        return
+    assert chosen is not None and chosen.replica_id in live and chosen.persistent(RULE, NOW)
+    assert chosen.slowdown == max(x.slowdown for x in persistent)
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data(), scale=st.floats(min_value=0.01, max_value=100.0))
+def test_a_uniformly_slow_job_has_nobody_to_replace(data: st.DataObject, scale: float) -> None:
+    """Everybody slowed alike: the verdicts, then the replacement rule on them, replace nobody --
+    however long it lasts."""
+    windows, _base = data.draw(job())
+    slowed = {rid: [c * scale for c in w] for rid, w in windows.items()}
+    verdicts = judge(slowed, counts(slowed), {}, RULE)
+    again = judge(slowed, counts(slowed), verdicts, RULE)  # judged again: still nobody
+    chosen = to_replace(again, list(slowed), 1, False, RULE, NOW + 10 * RULE.persist_seconds)
+    assert chosen is None
