@@ -140,11 +140,9 @@ def checksums(text: str) -> dict[int, str]:
 
 def check_data(text: str, replicas: int) -> None:
     """Every committed step of a training group read the shard of the slot it held then (agents
-    0..N-1 start in their own; a "took over" line moves one, from the new holder's first committed
-    step on: the old holder, when it was not dead or stopped but replaced as a straggler, may
-    still commit the step it was in) at exactly the position of every other group at that step. A
-    group's first step after it healed read its batch before the position arrived (its gradient is
-    zeroed), so that step's batch is not checked."""
+    0..N-1 start in their own; a "took over" line moves one) at exactly the position of every other
+    group at that step. A group's first step after it healed read its batch before the position
+    arrived (its gradient is zeroed), so that step's batch is not checked."""
     shards = {
         s: DistributedSampler(
             range(DATASET), replica_group_id=s, num_replica_groups=replicas, rank=0, num_replicas=1
@@ -152,30 +150,31 @@ def check_data(text: str, replicas: int) -> None:
         for s in range(replicas)
     }
     slot_of = {a: a for a in range(replicas)}
-    moving: dict[int, int] = {}  # agent -> the slot it took over, until its first committed step
+    # The slot each agent held last: a killed group's last step lines may reach the output after
+    # the spare's "took over" line (the pipes of two agents are read apart; a SIGKILL sent to a
+    # forked worker's proxy lands a moment later): they are steps it committed in its old slot.
+    held = dict(slot_of)
     position: dict[int, tuple[int, int]] = {}
     last: dict[int, int] = {}
     checked = 0
     for line in text.splitlines():
         took = TOOK_OVER.match(line)
         if took is not None:
-            moving[int(took[1])] = int(took[3])
+            agent, slot = int(took[1]), int(took[3])
+            slot_of = {a: s for a, s in slot_of.items() if s != slot}
+            slot_of[agent] = held[agent] = slot
             continue
         m = STEP.match(line)
         if m is None:
             continue
         agent, step, epoch, pos, first = map(int, m.groups())
-        if agent in moving:
-            slot = moving.pop(agent)
-            slot_of = {a: s for a, s in slot_of.items() if s != slot}
-            slot_of[agent] = slot
         healed_now = step > last.get(agent, 0) + 1
         last[agent] = step
         assert position.setdefault(step, (epoch, pos)) == (epoch, pos), (line, position[step])
         if not healed_now and step > 1:
-            assert agent in slot_of, line
+            assert agent in held, line
             start = (pos - 1) // BATCH * BATCH  # an epoch's last batch may be short
-            assert shards[slot_of[agent]].shard_indices(epoch)[start] == first, (line, slot_of)
+            assert shards[held[agent]].shard_indices(epoch)[start] == first, (line, slot_of)
             checked += 1
     assert checked >= 10, f"only {checked} steps checked"
 

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ftlaunch.lighthouse.progress import GroupProgress
+from ftlaunch.lighthouse.progress import GroupProgress, Rewind
 from ftlaunch.lighthouse.protocol import API_VERSION
 from ftlaunch.lighthouse.quorum import Health, Quorum
 
@@ -439,6 +439,8 @@ class LighthouseStatus:
     step_rate: float = 0.0
     #: Slow groups (lighthouse/stragglers.py); None from a lighthouse that does not judge them.
     stragglers: StragglersStatus | None = None
+    #: Times the job went back to an earlier step (no group holding its state was left), oldest first.
+    rewinds: tuple[Rewind, ...] = ()
 
     def group_progress(self, replica_id: str) -> GroupProgress | None:
         return next((p for p in self.progress if p.replica_id == replica_id), None)
@@ -475,6 +477,7 @@ class LighthouseStatus:
             "quorum_changes": self.quorum_changes,
             "step_rate": self.step_rate,
             **({"stragglers": self.stragglers.to_json()} if self.stragglers is not None else {}),
+            "rewinds": [r.to_json() for r in self.rewinds],
         }
 
     @classmethod
@@ -504,4 +507,5 @@ class LighthouseStatus:
             stragglers=StragglersStatus.from_json(d["stragglers"])
             if d.get("stragglers") is not None
             else None,
+            rewinds=tuple(Rewind.from_json(r) for r in _get(d, "rewinds", list, [])),
         )
