@@ -128,6 +128,7 @@ def hsdp(
     mounts: list[str] | None = None,
     tee: int = 3,
     stragglers: str = "report",
+    health_check: str = "",
 ) -> AppDef:
     """Fault-tolerant training over replica groups: a lighthouse role plus one torchrun role per group.
 
@@ -168,6 +169,7 @@ def hsdp(
         mounts: mounts for container schedulers (type=bind,src=...,dst=... or type=volume,src=PVC,dst=...)
         tee: tee worker streams to console and file (0 none, 1 stdout, 2 stderr, 3 both)
         stragglers: slow groups: report them, or replace a persistent one (a hot spare, else a restart)
+        health_check: a command each group runs before its workers start or restart (e.g. "python -m ftlaunch.health"); while it fails the group stays out, retried with backoff
     """
     from ftlaunch.launcher.torchx_components import hsdp_app
 
@@ -197,6 +199,7 @@ def hsdp(
         tee=tee,
         spares=spares,
         stragglers=stragglers,
+        health_check=health_check,
     )
 
 
@@ -222,6 +225,7 @@ def ddp(
     max_retries: int = 0,
     tee: int = 3,
     stragglers: str = "report",
+    health_check: str = "",
 ) -> AppDef:
     """Fault-tolerant DDP training: ``hsdp`` with single-node replica groups (the script's model is
     replicated in every worker; ftlaunch averages across groups and heals restarted ones).
@@ -250,6 +254,7 @@ def ddp(
         max_retries: scheduler retries of a role
         tee: tee worker streams to console and file (0 none, 1 stdout, 2 stderr, 3 both)
         stragglers: slow groups: report them, or replace a persistent one (a hot spare, else a restart)
+        health_check: a command each group runs before its workers start or restart (e.g. "python -m ftlaunch.health"); while it fails the group stays out, retried with backoff
     """
     return hsdp(
         *script_args,
@@ -274,6 +279,7 @@ def ddp(
         tee=tee,
         spares=spares,
         stragglers=stragglers,
+        health_check=health_check,
     )
 
 
@@ -304,6 +310,7 @@ def diloco(
     max_retries: int = 0,
     tee: int = 3,
     stragglers: str = "report",
+    health_check: str = "",
 ) -> AppDef:
     """Fault-tolerant DiLoCo / Streaming DiLoCo: ``ddp``'s roles, with the algorithm's settings.
 
@@ -339,6 +346,7 @@ def diloco(
         max_retries: scheduler retries of a role
         tee: tee worker streams to console and file (0 none, 1 stdout, 2 stderr, 3 both)
         stragglers: slow groups: report them, or replace a persistent one (a hot spare, else a restart)
+        health_check: a command each group runs before its workers start or restart (e.g. "python -m ftlaunch.health"); while it fails the group stays out, retried with backoff
     """
     from ftlaunch.launcher.torchx_components import diloco_environ
 
@@ -368,6 +376,7 @@ def diloco(
         tee=tee,
         spares=spares,
         stragglers=stragglers,
+        health_check=health_check,
     )
 
 

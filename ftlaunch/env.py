@@ -83,6 +83,11 @@ FTLAUNCH_LIGHTHOUSE_BIND = "FTLAUNCH_LIGHTHOUSE_BIND"
 #: What a lighthouse does with slow groups (``ftlaunch.lighthouse.stragglers``): ``report`` (default)
 #: or ``replace``; read where no ``--stragglers`` (or rendezvous ``lighthouse_stragglers``) is given.
 FTLAUNCH_STRAGGLERS = "FTLAUNCH_STRAGGLERS"
+#: A command each group's agent runs before its workers start or restart (``--health-check``; the
+#: rendezvous's ``health_check`` key wins): a nonzero exit keeps the group out, retried with backoff.
+FTLAUNCH_HEALTH_CHECK = "FTLAUNCH_HEALTH_CHECK"
+#: How long one run of the health check may take before it is killed and counted failed.
+FTLAUNCH_HEALTH_CHECK_TIMEOUT = "FTLAUNCH_HEALTH_CHECK_TIMEOUT"
 #: The address of this node that the job's other hosts reach its replica group on: the group's
 #: store, its state transport and its Gloo connections are published under it. Set by the
 #: rendezvous for the workers (torchrun's ``--local-addr``, else the local address of the route to
@@ -168,6 +173,8 @@ ALL_FTLAUNCH_VARS = (
     FTLAUNCH_SPARES,
     FTLAUNCH_LIGHTHOUSE_BIND,
     FTLAUNCH_STRAGGLERS,
+    FTLAUNCH_HEALTH_CHECK,
+    FTLAUNCH_HEALTH_CHECK_TIMEOUT,
     FTLAUNCH_LOCAL_ADDR,
     FTLAUNCH_GROUP_INCARNATION,
     FTLAUNCH_BACKEND,
@@ -497,6 +504,34 @@ STRAGGLER_POLICIES = ("report", "replace")
 def stragglers(environ: Mapping[str, str] | None = None) -> str | None:
     """``FTLAUNCH_STRAGGLERS``: a straggler policy, None when unset (`ConfigurationError` for others)."""
     return choice(FTLAUNCH_STRAGGLERS, STRAGGLER_POLICIES, environ)
+
+
+#: ``FTLAUNCH_HEALTH_CHECK_TIMEOUT`` (and ``--health-check-timeout``): 0.1 s .. 1 h.
+HEALTH_CHECK_TIMEOUT = Duration(0.1, 3600.0)
+#: Seconds one run of the health check may take by default (a small CUDA op, a file write, a request).
+DEFAULT_HEALTH_CHECK_TIMEOUT = 60.0
+
+
+def health_check(environ: Mapping[str, str] | None = None) -> str | None:
+    """``FTLAUNCH_HEALTH_CHECK``: the command a group's agent runs before its workers (re)start."""
+    return text(FTLAUNCH_HEALTH_CHECK, environ)
+
+
+def health_check_timeout(environ: Mapping[str, str] | None = None) -> float:
+    """``FTLAUNCH_HEALTH_CHECK_TIMEOUT`` (`HEALTH_CHECK_TIMEOUT`), else `DEFAULT_HEALTH_CHECK_TIMEOUT`."""
+    value = duration(
+        FTLAUNCH_HEALTH_CHECK_TIMEOUT, HEALTH_CHECK_TIMEOUT, DEFAULT_HEALTH_CHECK_TIMEOUT, environ
+    )
+    assert value is not None  # noqa: S101 - has a default
+    return value
+
+
+def health_check_environ(command: str | None, timeout: float | None) -> dict[str, str]:
+    """What the launcher writes in each agent's environment for ``--health-check`` (and its timeout)."""
+    out = {FTLAUNCH_HEALTH_CHECK: command} if command else {}
+    if command and timeout is not None:
+        out[FTLAUNCH_HEALTH_CHECK_TIMEOUT] = f"{timeout:g}"
+    return out
 
 
 def zygote_wanted(environ: Mapping[str, str] | None = None) -> bool:

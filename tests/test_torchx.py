@@ -253,3 +253,15 @@ def test_local_cwd_run_with_a_group_restart(tmp_path) -> None:
     assert app_ids and all(
         not shutil.os.path.exists(f"/tmp/ftlaunch-torchx/{a}") for a in app_ids
     )  # cleaned up
+
+
+def test_the_health_check_goes_to_every_group_role() -> None:
+    app = _app(
+        "ftlaunch:ddp", ["--replicas", "2", "--health_check", "python -m ftlaunch.health", "--script", "x.py"]
+    )
+    groups = [r for r in app.roles if r.name != "lighthouse"]
+    assert len(groups) == 2
+    assert all(r.env["FTLAUNCH_HEALTH_CHECK"] == "python -m ftlaunch.health" for r in groups)
+    assert "FTLAUNCH_HEALTH_CHECK" not in app.roles[0].env  # the lighthouse role runs no check
+    default = _app("ftlaunch:hsdp", ["--replicas", "2", "--script", "x.py"])
+    assert not any("FTLAUNCH_HEALTH_CHECK" in r.env for r in default.roles)

@@ -119,6 +119,28 @@ def build_parser() -> argparse.ArgumentParser:
         f"never below --min-replicas, one at a time (default: ${env.FTLAUNCH_STRAGGLERS}, else report)",
     )
     ft.add_argument(
+        "--health-check",
+        "--health_check",
+        default=None,
+        metavar="CMD",
+        help="a shell command each group's agent runs before its workers start or restart, e.g. "
+        "'python -m ftlaunch.health': a nonzero exit keeps the group out (reported with the check's "
+        "last output line in the status, metrics and summary) and retries it with backoff while the "
+        f"job trains on (default: ${env.FTLAUNCH_HEALTH_CHECK}, else none)",
+    )
+    ft.add_argument(
+        "--health-check-timeout",
+        "--health_check_timeout",
+        type=duration(env.HEALTH_CHECK_TIMEOUT),
+        default=None,
+        metavar="SECONDS",
+        help=duration_help(
+            "how long one run of the health check may take before it is killed and counts as failed",
+            env.HEALTH_CHECK_TIMEOUT,
+            f"${env.FTLAUNCH_HEALTH_CHECK_TIMEOUT}, else 60",
+        ),
+    )
+    ft.add_argument(
         "--lighthouse",
         dest="lighthouse",
         default=None,
@@ -295,6 +317,8 @@ def options_from_args(argv: list[str] | None = None) -> LaunchOptions:
             heartbeat_timeout=args.heartbeat_timeout,
             kill_stopped=args.kill_stopped,
             stragglers=args.stragglers,
+            health_check=args.health_check or env.health_check(),
+            health_check_timeout=args.health_check_timeout,
             lighthouse=_lighthouse(args),
             lighthouse_bind=args.lighthouse_bind,
             token=args.token,
@@ -341,6 +365,7 @@ def _check_environment() -> None:
         env.zygote_wanted()
         env.prestart_fork()
         env.stragglers()
+        env.health_check_timeout()
         Timeouts.derive()
     except ConfigurationError as e:
         _fail(str(e))

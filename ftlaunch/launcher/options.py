@@ -221,6 +221,10 @@ class LaunchOptions:
     #: The hosted lighthouse's straggler policy, ``report`` or ``replace`` (None: not given, then
     #: ``FTLAUNCH_STRAGGLERS``, else ``report``).
     stragglers: str | None = None
+    #: The command each group's agent runs before its workers (re)start (launcher/health_gate.py),
+    #: and how long one run may take (None: ``FTLAUNCH_HEALTH_CHECK_TIMEOUT``, else 60 s).
+    health_check: str | None = None
+    health_check_timeout: float | None = None
     lighthouse: str | None = None
     lighthouse_bind: str = "127.0.0.1:0"
     token: str | None = None

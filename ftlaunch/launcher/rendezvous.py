@@ -71,7 +71,10 @@ from ftlaunch import env, phases  # noqa: E402
 from ftlaunch.addresses import format_host_port, is_local_host, parse_host_port, reachable_address  # noqa: E402
 from ftlaunch.env import Duration  # noqa: E402
 from ftlaunch.errors import ConfigurationError  # noqa: E402
+from ftlaunch.launcher.health_gate import HealthGate  # noqa: E402
 from ftlaunch.launcher.lighthouse_host import HostedLighthouse, LighthouseSettings, RemoteLighthouse  # noqa: E402
+from ftlaunch.lighthouse.client import LighthouseClient  # noqa: E402
+from ftlaunch.lighthouse.health import HealthReport  # noqa: E402
 from ftlaunch.lighthouse.quorum import HEARTBEAT_TIMEOUT, JOIN_TIMEOUT  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -103,6 +106,10 @@ _OUR_KEYS = {
     "FTLAUNCH_STRAGGLERS; default report)",
     "lighthouse_linger": "how long a lighthouse started here outlives its group while others use it "
     "(a duration, 0 s to 24 h; default 60)",
+    "health_check": "a command run before this group's workers start or restart; a failure keeps the group "
+    "out, retried with backoff (or env FTLAUNCH_HEALTH_CHECK; e.g. 'python -m ftlaunch.health')",
+    "health_check_timeout": "how long one run of the health check may take before it is killed "
+    "(a duration, 0.1 s to 1 h; or env FTLAUNCH_HEALTH_CHECK_TIMEOUT; default 60)",
     "token": "job token every lighthouse request carries (or env FTLAUNCH_TOKEN); required to host one off loopback",
 }
 _INNER_KEYS = {
@@ -144,6 +151,9 @@ class FtRendezvousConfig:
     lighthouse_stragglers: str = "report"
     lighthouse_linger: float = 60.0
     token: str | None = None
+    #: The command run before every start and restart of the group's workers ("": none).
+    health_check: str = ""
+    health_check_timeout: float = env.DEFAULT_HEALTH_CHECK_TIMEOUT
 
     @classmethod
     def from_params(
@@ -241,6 +251,12 @@ class FtRendezvousConfig:
             lighthouse_stragglers=stragglers or env.stragglers(environ) or "report",
             lighthouse_linger=as_seconds("lighthouse_linger", 60.0, _LINGER),
             token=as_str("token", env.FTLAUNCH_TOKEN) or None,
+            health_check=as_str("health_check", env.FTLAUNCH_HEALTH_CHECK),
+            health_check_timeout=(
+                as_seconds("health_check_timeout", 0.0, env.HEALTH_CHECK_TIMEOUT)
+                if params.get("health_check_timeout") is not None
+                else env.health_check_timeout(environ)
+            ),
         )
 
     @property
@@ -290,6 +306,7 @@ class FtlaunchRendezvousHandler(RendezvousHandler):
         self._lighthouse_addr: str | None = None
         self._hosted: HostedLighthouse | None = None
         self._rounds = 0
+        self._health: HealthGate | None = None
 
     # torchelastic API
     def get_backend(self) -> str:
@@ -304,6 +321,7 @@ class FtlaunchRendezvousHandler(RendezvousHandler):
         addr = self._ensure_lighthouse()
         advertised = self._advertised_address(addr)
         self._publish_env(addr, advertised)
+        self._check_health(addr)
         self._rounds += 1
         if self._rounds > 1:
             logger.info(
@@ -317,6 +335,24 @@ class FtlaunchRendezvousHandler(RendezvousHandler):
         incarnation, bootstrap = self._round(info, advertised)
         env.publish(env.incarnation_environ(incarnation))
         return RendezvousInfo(info.store, info.rank, info.world_size, bootstrap)
+
+    def _check_health(self, lighthouse: str) -> None:
+        """Run the group's health check until it passes, before this round (launcher/health_gate.py):
+        while it fails the group stays out of the job, which trains on without it."""
+        cfg = self.config
+        if not cfg.health_check:
+            return
+        if self._health is None:
+
+            def report(replica_id: str, health: HealthReport) -> None:
+                with LighthouseClient(lighthouse, connect_timeout=5.0, token=cfg.token) as client:
+                    client.report_health(replica_id, health)
+
+            rid = env.replica_id(cfg.replica_group_id)
+            self._health = HealthGate(cfg.health_check, cfg.health_check_timeout, rid, report)
+        phases.mark("health_check_start", round=self._rounds + 1)
+        failed = self._health.wait_until_healthy()
+        phases.mark("health_check_done", round=self._rounds + 1, failures=failed)
 
     def _advertised_address(self, lighthouse: str) -> str:
         """This node's address for the job's other hosts (see the module docstring)."""

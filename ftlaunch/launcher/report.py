@@ -18,7 +18,7 @@ from ftlaunch.launcher.group import RUNNING, Group
 from ftlaunch.launcher.lighthouse_host import JobLighthouse
 from ftlaunch.launcher.output import Console, format_table
 from ftlaunch.lighthouse.progress import Rewind
-from ftlaunch.lighthouse.status import LighthouseStatus, StragglersStatus
+from ftlaunch.lighthouse.status import HealthStatus, LighthouseStatus, StragglersStatus
 
 #: Seconds between two redraws of the status line (each reads the lighthouse status).
 STATUS_INTERVAL_S = 0.5
@@ -153,6 +153,8 @@ def summary_lines(
         lines += lighthouse_lines(lighthouse)
     if lighthouse is not None and lighthouse.stragglers is not None:
         lines += straggler_lines(lighthouse.stragglers)
+    if lighthouse is not None:
+        lines += health_lines(lighthouse.health)
     if injections is not None:
         lines.append(f"[ftlaunch] chaos: {len(injections)} injection(s)")
         for inj in injections:
@@ -260,4 +262,24 @@ def straggler_lines(st: StragglersStatus) -> list[str]:
             else "; its replacement committed no step"
         )
         lines.append(f"[ftlaunch] straggler {r.replica_id} ({r.slowdown:.1f}x slower) replaced: {how}{came}")
+    return lines
+
+
+def health_lines(health: Sequence[HealthStatus]) -> list[str]:
+    """The groups whose health check failed before they (re)joined (``--health-check``): which
+    check, how often, and -- for one still failing at the end, kept out -- its last line."""
+    lines = []
+    for h in health:
+        if not h.failures:
+            continue
+        if h.ok:
+            lines.append(
+                f"[ftlaunch] health check of {h.replica_id} failed {h.failures} time(s), then passed "
+                f"(the group joined): {h.check}"
+            )
+        else:
+            lines.append(
+                f"[ftlaunch] WARNING: health check of {h.replica_id} still failing at the end "
+                f"({h.failures} failure(s); the group stayed out): {h.check}: {h.last_line}"
+            )
     return lines

@@ -111,6 +111,7 @@ class Supervisor:
         self._status: StatusLine | None = None
         self._exit_root_cause: str | None = None
         self._progress_read_at = 0.0
+        self._kept_out_read_at = 0.0
         #: Lighthouse name -> the group that trained under it (with spares a slot's names change hands).
         self._names: dict[str, int] = {g.replica_id: g.gid for g in self.groups}
         #: Stragglers already told (until they are no more), replacements already told.
@@ -244,11 +245,14 @@ class Supervisor:
             group_dir=os.path.join(self._log_dir, group.replica_id),
             incarnation=group.incarnation,
             news=self._events,
-            extra_env=(
-                {env.CUDA_VISIBLE_DEVICES: ",".join(self._devices[group.gid])}
-                if self._devices is not None
-                else None
-            ),
+            extra_env={
+                **(
+                    {env.CUDA_VISIBLE_DEVICES: ",".join(self._devices[group.gid])}
+                    if self._devices is not None
+                    else {}
+                ),
+                **env.health_check_environ(self.opts.health_check, self.opts.health_check_timeout),
+            },
         )
         if not config_written:
             self._log_disk.poll(force=True)
@@ -276,6 +280,7 @@ class Supervisor:
             self._log_disk.poll(now)
             for group in self.groups:
                 self._check_agent(group, now)
+            self._stop_kept_out(now)  # first: a group its check keeps out is not "recovering"
             self._stop_stragglers()
             procs.reap_zombies({a.proc.pid for a in self._agents.values()})
             self._read_progress(now)
@@ -517,6 +522,38 @@ class Supervisor:
             self.console.err(
                 f"[ftlaunch] replica group {group.gid}: the training finished while it was recovering "
                 "(nobody left to heal it from); stopped"
+            )
+
+    def _stop_kept_out(self, now: float) -> None:
+        """Once a group finished, stop the groups whose health check still keeps them out
+        (``--health-check``; the lighthouse has their reports): they never trained, and the job is
+        done without them. Looked up at most once a second."""
+        if not self.opts.health_check or now < self._kept_out_read_at + 1.0:
+            return
+        if not any(g.state == SUCCEEDED or g.finishing for g in self.groups):
+            return
+        waiting = [g for g in self.groups if g.state == STARTING and not g.terminal]
+        lighthouse = self._lighthouse
+        if not waiting or lighthouse is None:
+            return
+        self._kept_out_read_at = now
+        try:
+            failing = {h.replica_id: h for h in lighthouse.snapshot().health if not h.ok}
+        except Exception:  # noqa: BLE001 - informational: read again a second later
+            return
+        for group in waiting:
+            health = failing.get(group.replica_id)
+            if health is None:
+                continue
+            agent = self._agents.get(group.gid)
+            victims = self._group_processes(group)
+            if agent is not None and agent.proc.poll() is None:
+                victims.append(psutil.Process(agent.proc.pid))
+            procs.kill_procs(victims, timeout=5.0)
+            group.stopped_by_launcher()
+            self.console.err(
+                f"[ftlaunch] replica group {group.gid}: the training finished while its health check kept "
+                f"it out ({health.failures} failure(s), last: {health.last_line}); stopped"
             )
 
     def _group_processes(self, group: Group) -> list[psutil.Process]:

@@ -93,6 +93,7 @@ def hsdp_app(
     tee: int,
     spares: int = 0,
     stragglers: str = "report",
+    health_check: str = "",
 ) -> AppDef:
     """Build the AppDef; see ``ftlaunch.hsdp`` for the meaning and the defaults of every argument.
 
@@ -226,7 +227,11 @@ def hsdp_app(
                     *torchrun,
                 ],
                 num_replicas=nnodes_per_replica,
-                env={**base_env, **_job_environ(group, replicas, lighthouse, spares)},
+                env={
+                    **base_env,
+                    **_job_environ(group, replicas, lighthouse, spares),
+                    **ftenv.health_check_environ(health_check.strip() or None, None),
+                },
                 resource=resource,
                 mounts=parsed_mounts,
                 max_retries=max_retries,

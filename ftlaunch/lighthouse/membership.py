@@ -12,6 +12,7 @@ the lighthouse's state, each the only writer of its own:
 - `spares.SpareSlots`: the slot table of a job with hot spares (created by the first claim);
 - `progress.ProgressBook`: the training progress the group leaders report;
 - `stragglers.StragglerWatch`: each member's compute times, the slow ones, their replacements;
+- `health.HealthBook`: what each group's agent reported of its health check before it (re)joined;
 
 and keeps two things of its own: the history of events (for the status) and the quorum ids. After
 every event it asks the pure rules what should happen -- `admission.refusal` and `arrival`, the
@@ -45,6 +46,7 @@ from ftlaunch.lighthouse.admission import (
     implausible_step,
     refusal,
 )
+from ftlaunch.lighthouse.health import FAILING, HealthBook, HealthReport
 from ftlaunch.lighthouse.hung import HungWatch, hung_members, left_behind, silence_limit
 from ftlaunch.lighthouse.progress import GroupProgress, ProgressBook, ProgressReport, Rewind
 from ftlaunch.lighthouse.protocol import ANONYMOUS, advised_heartbeat_interval
@@ -180,6 +182,8 @@ class Membership:
         self._progress = ProgressBook()
         # Slow groups, judged from the compute times of those reports (lighthouse/stragglers.py).
         self._stragglers = StragglerWatch(stragglers, straggler_rule)
+        # Health checks the groups' agents ran before (re)joining (lighthouse/health.py).
+        self._health = HealthBook()
         self._ids = ids if ids is not None else _new_ids(wall_clock)
         self._history: deque[HistoryEvent] = deque(maxlen=HISTORY_LEN)
         self._closed = False
@@ -324,6 +328,23 @@ class Membership:
                 return False
             self._mark_down(replica_id, Connection.FAILED, reason)
             return True
+
+    def report_health(self, replica_id: str, report: HealthReport) -> None:
+        """A group's agent ran its health check (before the group's workers start or restart):
+        remembered for the status; the history records when a group's check starts failing and
+        when it passes again. Nothing else changes: a group kept out by its check simply does not
+        ask for a quorum, so the others go on without it."""
+        with self._lock:
+            change = self._health.report(replica_id, report, self._wall())
+            if change == FAILING:
+                detail = f"{report.check}: {report.last_line}" if report.last_line else report.check
+                self._record(change, replica_id, detail)
+                log.warning("lighthouse: replica %s kept out by its health check: %s", replica_id, detail)
+            elif change is not None:
+                entry = self._health.entry(replica_id)
+                failed = entry.failures if entry is not None else 0
+                self._record(change, replica_id, f"{report.check} passed ({failed} failure(s) in all)")
+                log.info("lighthouse: replica %s passed its health check", replica_id)
 
     def evict(self, replica_id: str, reason: str) -> bool:
         """Drop a group; its waiting request, or else its next request, learns it (`Evicted`, once).
@@ -542,6 +563,7 @@ class Membership:
                 step_rate=round(self._progress.job_step_rate(wall), 4),
                 stragglers=self._stragglers_status(),
                 rewinds=self._progress.rewinds(),
+                health=self._health.snapshot(),
             )
 
     def stragglers(self) -> StragglersStatus:

@@ -193,6 +193,17 @@ def _groups(status: LighthouseStatus) -> Iterator[Metric]:
         slowdown.add_metric([v.replica_id], v.slowdown)
         straggler.add_metric([v.replica_id], 1 if v.straggler else 0)
     yield from (slowdown, straggler)
+    failing = gauge(
+        "ftlaunch_group_health_failing",
+        "1 while the group's health check fails (its agent keeps it out and runs the check again).",
+    )
+    checks_failed = counter(
+        "ftlaunch_group_health_check_failures", "Runs of the group's health check that failed."
+    )
+    for h in status.health:
+        failing.add_metric([h.replica_id], 0 if h.ok else 1)
+        checks_failed.add_metric([h.replica_id], h.failures)
+    yield from (failing, checks_failed)
 
 
 class MetricsExporter:

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ftlaunch.lighthouse.health import HealthStatus
 from ftlaunch.lighthouse.progress import GroupProgress, Rewind
 from ftlaunch.lighthouse.protocol import API_VERSION
 from ftlaunch.lighthouse.quorum import Health, Quorum
@@ -441,6 +442,8 @@ class LighthouseStatus:
     stragglers: StragglersStatus | None = None
     #: Times the job went back to an earlier step (no group holding its state was left), oldest first.
     rewinds: tuple[Rewind, ...] = ()
+    #: Each group's health check before it (re)joined (lighthouse/health.py), by replica id.
+    health: tuple[HealthStatus, ...] = ()
 
     def group_progress(self, replica_id: str) -> GroupProgress | None:
         return next((p for p in self.progress if p.replica_id == replica_id), None)
@@ -478,6 +481,7 @@ class LighthouseStatus:
             "step_rate": self.step_rate,
             **({"stragglers": self.stragglers.to_json()} if self.stragglers is not None else {}),
             "rewinds": [r.to_json() for r in self.rewinds],
+            "health": [h.to_json() for h in self.health],
         }
 
     @classmethod
@@ -508,4 +512,5 @@ class LighthouseStatus:
             if d.get("stragglers") is not None
             else None,
             rewinds=tuple(Rewind.from_json(r) for r in _get(d, "rewinds", list, [])),
+            health=tuple(HealthStatus.from_json(h) for h in _get(d, "health", list, [])),
         )
