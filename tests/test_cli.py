@@ -139,6 +139,26 @@ def test_options_validation() -> None:
         LaunchOptions(entrypoint="x", stragglers="replace", lighthouse="http://h:1")
 
 
+def test_the_health_check_reaches_every_agent(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--health-check`` (else ``FTLAUNCH_HEALTH_CHECK``) and its timeout go into every agent's
+    environment, where the group's rendezvous reads them."""
+    from ftlaunch import env
+
+    monkeypatch.delenv("FTLAUNCH_HEALTH_CHECK", raising=False)
+    opts = options_from_args(
+        ["--health-check", "python -m ftlaunch.health", "--health-check-timeout", "30s", WORKER]
+    )
+    assert (opts.health_check, opts.health_check_timeout) == ("python -m ftlaunch.health", 30.0)
+    assert env.health_check_environ(opts.health_check, opts.health_check_timeout) == {
+        "FTLAUNCH_HEALTH_CHECK": "python -m ftlaunch.health",
+        "FTLAUNCH_HEALTH_CHECK_TIMEOUT": "30",
+    }
+    assert options_from_args([WORKER]).health_check is None
+    monkeypatch.setenv("FTLAUNCH_HEALTH_CHECK", "true")
+    assert options_from_args([WORKER]).health_check == "true"
+    assert env.health_check_environ(None, 5.0) == {}
+
+
 def test_the_stragglers_policy_reaches_the_lighthouse(monkeypatch: pytest.MonkeyPatch) -> None:
     from ftlaunch import env
     from ftlaunch.launcher.lighthouse_keeper import LighthouseKeeper
@@ -224,6 +244,7 @@ def test_bad_input_is_one_line_and_exit_2(args: list[str], expected: str) -> Non
             "--shutdown-timeout=99999 is out of range: use an integer 0 to 3600",
         ),
         (["--chaos", "every=1,stop_for=inf"], "stop_for='inf' is not a duration"),
+        (["--health-check-timeout", "0"], "'0' is out of range: use a duration of 0.1 s to 1 h"),
     ],
 )
 def test_every_number_flag_is_bounded(
@@ -269,6 +290,7 @@ def test_a_bad_log_level_is_one_line(
         ("FTLAUNCH_ZYGOTE", "2"),
         ("FTLAUNCH_QUANTIZE", "3"),
         ("FTLAUNCH_TIMEOUT", "1h"),
+        ("FTLAUNCH_HEALTH_CHECK_TIMEOUT", "forever"),
     ],
 )
 def test_the_workers_environment_is_checked_before_anything_starts(
