@@ -203,3 +203,28 @@ def test_a_malformed_report_is_refused() -> None:
             urllib.request.urlopen(req, timeout=10)
         assert e.value.code == 400
         assert server.snapshot().health == ()
+
+
+def test_the_gate_gives_up_once_the_training_finished_without_the_group(tmp_path) -> None:
+    """Under plain torchrun nobody stops a group its check keeps out: the gate asks (after each
+    failure) whether the training finished, and then ends with the reason."""
+    from ftlaunch.errors import TrainingFinishedError
+
+    answers = iter([False, RuntimeError("lighthouse unreachable"), True])
+
+    def finished() -> bool:
+        a = next(answers)
+        if isinstance(a, Exception):
+            raise a  # an unreadable lighthouse is no verdict
+        return a
+
+    pauses: list[float] = []
+    gate = HealthGate(
+        "echo 'GPU 1 missing'; exit 1", 10.0, "rg2", None, sleep=pauses.append, finished=finished
+    )
+    with pytest.raises(
+        TrainingFinishedError,
+        match=r"rg2: the training finished while its health check kept it out \(3 failure",
+    ):
+        gate.wait_until_healthy()
+    assert pauses == [1.0, 2.0] and gate.failures == 3

@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ftlaunch.errors import TrainingFinishedError
 from ftlaunch.lifetime import die_with_parent
 from ftlaunch.lighthouse.health import HealthReport
 
@@ -128,6 +129,7 @@ class HealthGate:
         report: Reporter | None = None,
         *,
         sleep: Callable[[float], None] = time.sleep,
+        finished: Callable[[], bool] | None = None,
         first_retry: float = FIRST_RETRY_S,
         max_retry: float = MAX_RETRY_S,
     ) -> None:
@@ -136,12 +138,16 @@ class HealthGate:
         self.replica_id = replica_id
         self._report = report
         self._sleep = sleep
+        #: Asked after each failure: whether the job's training finished meanwhile (then the gate
+        #: gives up: a group that joined now would train alone; may raise, read as "not yet").
+        self._finished = finished
         self._first, self._cap = first_retry, max_retry
         #: Runs that failed, in all (this agent's).
         self.failures = 0
 
     def wait_until_healthy(self) -> int:
-        """Run the check until it passes; returns the failed runs it took (0: passed at once)."""
+        """Run the check until it passes; returns the failed runs it took (0: passed at once).
+        Raises `TrainingFinishedError` when the training finished while the check kept failing."""
         streak = 0
         while True:
             run = run_check(self.command, self.timeout)
@@ -166,7 +172,20 @@ class HealthGate:
                 pause,
             )
             self._tell(HealthReport(self.command, False, run.last_line, pause))
+            if self._job_finished():
+                raise TrainingFinishedError(
+                    f"{self.replica_id}: the training finished while its health check kept it out "
+                    f"({streak} failure(s) in a row; last: {run.last_line})"
+                )
             self._sleep(pause)
+
+    def _job_finished(self) -> bool:
+        if self._finished is None:
+            return False
+        try:
+            return self._finished()
+        except Exception:  # noqa: BLE001 - an unreadable lighthouse is no verdict: try again later
+            return False
 
     def _tell(self, report: HealthReport) -> None:
         if self._report is None:

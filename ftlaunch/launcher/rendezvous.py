@@ -307,6 +307,9 @@ class FtlaunchRendezvousHandler(RendezvousHandler):
         self._hosted: HostedLighthouse | None = None
         self._rounds = 0
         self._health: HealthGate | None = None
+        #: Started by the `ftlaunch` supervisor (which stops a group its check keeps out once the
+        #: training finished); under plain torchrun the gate itself gives up then.
+        self._supervised = env.lighthouse_reached()
 
     # torchelastic API
     def get_backend(self) -> str:
@@ -348,8 +351,18 @@ class FtlaunchRendezvousHandler(RendezvousHandler):
                 with LighthouseClient(lighthouse, connect_timeout=5.0, token=cfg.token) as client:
                     client.report_health(replica_id, health)
 
+            def finished() -> bool:
+                with LighthouseClient(lighthouse, connect_timeout=5.0, token=cfg.token) as client:
+                    return any(p.finished for p in client.snapshot().progress)
+
             rid = env.replica_id(cfg.replica_group_id)
-            self._health = HealthGate(cfg.health_check, cfg.health_check_timeout, rid, report)
+            self._health = HealthGate(
+                cfg.health_check,
+                cfg.health_check_timeout,
+                rid,
+                report,
+                finished=None if self._supervised else finished,
+            )
         phases.mark("health_check_start", round=self._rounds + 1)
         failed = self._health.wait_until_healthy()
         phases.mark("health_check_done", round=self._rounds + 1, failures=failed)
