@@ -381,6 +381,7 @@ def test_torchrun_restarts_a_killed_worker_from_the_nodes_standby_which_dies_wit
         assert second["torchelastic_pid"] != first["torchelastic_pid"]
         assert psutil.Process(second["torchelastic_pid"]).ppid() == agent.pid
 
+        socket_path = standby.cmdline()[standby.cmdline().index("ftlaunch.bootstrap.zygote") + 1]
         tree = psutil.Process(agent.pid).children(recursive=True)
         assert {standby.pid, second["pid"], second["torchelastic_pid"]} <= {p.pid for p in tree}
         assert psutil.Process(second["pid"]).children(), "the worker's Baby child, forked from it"
@@ -388,6 +389,7 @@ def test_torchrun_restarts_a_killed_worker_from_the_nodes_standby_which_dies_wit
         agent.communicate(timeout=30)
         _, left = psutil.wait_procs(tree, timeout=15)
         assert not left, [(p.pid, p.cmdline()[:5]) for p in left if p.is_running()]
+        assert not os.path.exists(os.path.dirname(socket_path))  # the standby removed its socket
     finally:
         kill_tree(agent.pid)
         if agent.poll() is None:
