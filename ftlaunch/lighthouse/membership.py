@@ -44,7 +44,7 @@ from ftlaunch.lighthouse.admission import (
     refusal,
 )
 from ftlaunch.lighthouse.hung import HungWatch, hung_members, left_behind, silence_limit
-from ftlaunch.lighthouse.progress import GroupProgress, ProgressBook, ProgressReport
+from ftlaunch.lighthouse.progress import GroupProgress, ProgressBook, ProgressReport, Rewind
 from ftlaunch.lighthouse.protocol import ANONYMOUS, advised_heartbeat_interval
 from ftlaunch.lighthouse.quorum import (
     Connection,
@@ -517,6 +517,7 @@ class Membership:
                 progress=self._progress.snapshot(wall),
                 quorum_changes=self._round.changes,
                 step_rate=round(self._progress.job_step_rate(wall), 4),
+                rewinds=self._progress.rewinds(),
             )
 
     def progress(self) -> tuple[GroupProgress, ...]:
@@ -524,6 +525,11 @@ class Membership:
         `snapshot`: the launcher reads it every tick)."""
         with self._lock:
             return self._progress.snapshot(self._wall())
+
+    def rewinds(self) -> tuple[Rewind, ...]:
+        """The times the job went back to an earlier step (`progress.Rewind`), oldest first."""
+        with self._lock:
+            return self._progress.rewinds()
 
     # ------------------------------------------------------------------ appliers (under the lock)
 
@@ -707,6 +713,14 @@ class Membership:
                 self._ids.take()
                 _last_issued_id = max(_last_issued_id, decision.quorum_id or 0)
         quorum = decision.to_quorum(created=self._wall())
+        top = max(p.step for p in quorum.participants)
+        rewind = self._progress.quorum_formed(top, self._wall())
+        if rewind is not None:
+            self._record("rewind", None, f"step {rewind.reached} -> {rewind.restarted_at}", None)
+            log.warning(
+                "lighthouse: progress lost: quorum at step %d after the job had reached step %d "
+                "(no group holding that state is left)", rewind.restarted_at, rewind.reached,
+            )  # fmt: skip
         self._admission.quorum_formed(quorum)
         self._roster.note_quorum(quorum)
         if rnd.form(quorum, now):

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ftlaunch.lighthouse.progress import GroupProgress
+from ftlaunch.lighthouse.progress import GroupProgress, Rewind
 from ftlaunch.lighthouse.protocol import API_VERSION
 from ftlaunch.lighthouse.quorum import Health, Quorum
 
@@ -315,6 +315,8 @@ class LighthouseStatus:
     quorum_changes: int = 0
     #: The job's committed steps per second (recent window).
     step_rate: float = 0.0
+    #: Times the job went back to an earlier step (no group holding its state was left), oldest first.
+    rewinds: tuple[Rewind, ...] = ()
 
     def group_progress(self, replica_id: str) -> GroupProgress | None:
         return next((p for p in self.progress if p.replica_id == replica_id), None)
@@ -350,6 +352,7 @@ class LighthouseStatus:
             "progress": [p.to_json() for p in self.progress],
             "quorum_changes": self.quorum_changes,
             "step_rate": self.step_rate,
+            "rewinds": [r.to_json() for r in self.rewinds],
         }
 
     @classmethod
@@ -376,4 +379,5 @@ class LighthouseStatus:
             progress=tuple(GroupProgress.from_json(p) for p in _get(d, "progress", list, [])),
             quorum_changes=_get(d, "quorum_changes", int, 0),
             step_rate=float(_get(d, "step_rate", (float, int), 0.0)),
+            rewinds=tuple(Rewind.from_json(r) for r in _get(d, "rewinds", list, [])),
         )

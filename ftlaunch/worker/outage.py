@@ -96,8 +96,8 @@ def after_heal(quorum: Quorum, plan: StepPlan) -> Quorum | None:
     healers loaded it and stepped with them), or None when the step was not complete otherwise (a
     layout conflict, or participants other than the sources: `WorldSizeMode.FIXED_WITH_SPARES`).
     Every group computes it from the same quorum, so all get the same one, on which nobody heals."""
-    if plan.layout_conflict is not None or plan.num_participants != plan.num_sources:
-        return None
+    if plan.layout_conflict is not None or plan.num_participants != plan.num_sources or plan.deferred:
+        return None  # (deferred: the healers waited, still behind)
     step = plan.max_step + 1
     members = tuple(dataclasses.replace(m, step=step, commit_failures=0) for m in quorum.participants)
     return dataclasses.replace(quorum, participants=members)
