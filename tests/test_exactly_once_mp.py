@@ -24,7 +24,9 @@ from workers.helpers import finish, kill_tree, start
 from ftlaunch import env
 
 TRAIN = "scripts/train_ddp.py"
-STEP = re.compile(r"^(?:\[rg(\d+)/r(\d+)\] )?step=(\d+) committed=True participants=(\d+) .*? ids=(\S+)$", re.M)
+STEP = re.compile(
+    r"^(?:\[rg(\d+)/r(\d+)\] )?step=(\d+) committed=True participants=(\d+) .*? ids=(\S+)$", re.M
+)
 
 
 def trained(text: str) -> Counter[tuple[int, int]]:
@@ -98,7 +100,9 @@ def test_kills_a_hang_a_spare_and_an_added_group_lose_no_sample(jobs) -> None:
     job.signal_workers(1, signal.SIGKILL)
     job.wait_for(r"^\[rg2/r0\] .*took over replica group 1", 120)
     added_env = {
-        k: v for k, v in os.environ.items() if k not in (env.RANK, env.WORLD_SIZE, env.MASTER_ADDR, env.MASTER_PORT)
+        k: v
+        for k, v in os.environ.items()
+        if k not in (env.RANK, env.WORLD_SIZE, env.MASTER_ADDR, env.MASTER_PORT)
     }
     added_env.update({
         env.REPLICA_GROUP_ID: "2", env.NUM_REPLICA_GROUPS: "3", env.FTLAUNCH_LIGHTHOUSE: address,
@@ -128,4 +132,8 @@ def test_kills_a_hang_a_spare_and_an_added_group_lose_no_sample(jobs) -> None:
     for epoch in range(3):
         counts = epoch_counts(samples, epoch)
         dup = {i: n for i, n in counts.items() if n > 1}
-        assert not dup and set(counts) == set(range(size)), (epoch, dup, sorted(set(range(size)) - set(counts)))
+        assert not dup and set(counts) == set(range(size)), (
+            epoch,
+            dup,
+            sorted(set(range(size)) - set(counts)),
+        )
