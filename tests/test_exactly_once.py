@@ -469,3 +469,43 @@ def test_a_new_iterator_draws_the_steps_samples_again() -> None:
         old = iter(s)
         next(iter(s))
         next(old)
+
+
+def test_ft_sampler_is_exact_by_default_and_shards_on_request() -> None:
+    from ftlaunch.timeouts import Timeouts
+    from ftlaunch.worker.fault_tolerance import FaultTolerance
+
+    manager = FakeManager("rg1.1")  # a spare holding replica group 1
+    ft = FaultTolerance(
+        manager=manager, pg=None, replica_group_id=1, num_replica_groups=2, rank=0, world_size=1,  # type: ignore[arg-type]
+        device=torch.device("cpu"), backend="gloo", transport="pg", timeouts=Timeouts(60, 60, 60, 120, 60),
+    )  # fmt: skip
+    exact = ft.sampler(range(10))
+    assert isinstance(exact, ExactlyOnceSampler) and exact.replica_group == 1
+    assert manager.state_fns["sampler"][1]() == exact.state_dict()
+    shard = ft.sampler(range(10), key="shard", mode="shard", drop_last=True)
+    assert isinstance(shard, DistributedSampler) and (shard.replica_group_id, shard.num_shards) == (1, 2)
+    with pytest.raises(ConfigurationError, match="mode is 'exact'"):
+        ft.sampler(range(10), mode="global")
+    model = torch.nn.Linear(2, 2)
+    inner, outer = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(model.parameters(), lr=0.7)
+    with pytest.raises(ConfigurationError, match="mode='shard'"):
+        ft.diloco(model, inner, outer, 4, fragment_sync_delay=1)
+
+
+def test_a_prefetching_dataloader_is_noticed(caplog: pytest.LogCaptureFixture) -> None:
+    """With worker processes the DataLoader draws batches ahead of the steps that train them: the
+    first step sees the draws of several batches, the next ones one batch each, and the sampler
+    says it cannot keep count (docs/data.md)."""
+    s, m = sampler(64)
+    loader = DataLoader(
+        TensorDataset(torch.arange(64)), batch_size=4, sampler=s, num_workers=1, prefetch_factor=2
+    )
+    it = iter(loader)
+    with caplog.at_level(logging.WARNING):
+        for _ in range(3):
+            next(it)
+            commit(m)
+        assert s.position > 0
+    assert "worker processes" in caplog.text
+    del it

@@ -74,8 +74,9 @@ STATE_DICT_KEYS = (
 )
 _V1_KEYS = ("version", "epoch", "position", "dataset_len", "num_shards", "seed", "shuffle", "drop_last")
 
-#: Epoch orders kept (a step's slices may reach into the next epoch).
-_ORDERS_KEPT = 2
+#: Epoch orders kept: a step's slices may reach into the next epoch, and a slice nobody trained
+#: (its group was down) may lie in the one before.
+_ORDERS_KEPT = 3
 
 _LOOP_SHAPE = (
     "draw every batch of a step before the step begins (`for x, y in loader: optimizer.zero_grad(); "
@@ -255,8 +256,8 @@ class ExactlyOnceSampler(Sampler[int]):
                 order = range(self.dataset_len)
             else:
                 order = epoch_order(self.dataset_len, True, self.seed, check_epoch(epoch, self.seed)).tolist()
-                while len(self._orders) >= _ORDERS_KEPT:
-                    del self._orders[min(self._orders)]
+            while len(self._orders) >= _ORDERS_KEPT:
+                del self._orders[min(self._orders)]
             self._orders[epoch] = order
         return order
 
@@ -299,13 +300,15 @@ class ExactlyOnceSampler(Sampler[int]):
                     f"ExactlyOnceSampler: participant {replica_id!r} has no replica-group number in its id"
                 )
             groups.append(g)
-        drawn = self._k
+        # A participant cannot have drawn more than `per_step` (it would have been refused); a
+        # healer can, drawing with its own stale position (a prefetching DataLoader's first batches).
+        drawn = self._k if cur.per_step is None else min(self._k, cur.per_step)
         if cur.per_step is not None and drawn < cur.per_step and not self._warned_short:
             self._warned_short = True
             logger.warning(
-                "[%s/r%d step %d] ExactlyOnceSampler: drew %d samples for this step, fewer than the %d of each "
-                "step before; nothing is lost, but a DataLoader with worker processes draws batches ahead of "
-                "the steps that train them, which the exactly-once accounting cannot follow: %s",
+                "[%s/r%d step %d] ExactlyOnceSampler: drew %d samples for this step, fewer than the %d of the "
+                "job's first: if this is a DataLoader with worker processes, it draws batches ahead of the steps "
+                "that train them and samples are trained twice or not at all wherever the groups change: %s",
                 self._manager.replica_id, self.rank, cur.step, drawn, cur.per_step, _LOOP_SHAPE,
             )  # fmt: skip
         try:
