@@ -6,10 +6,15 @@ endpoint), and each used to carry its own splitter; one parser means one set of 
 error messages. The splitting itself is `urllib.parse`'s (IPv6 brackets, port range and digits);
 this module adds the rules urllib leaves open: a port is required unless a default is given, IPv6
 hosts must be bracketed, and a lighthouse address has no path.
+
+It also decides which of this machine's addresses the job's other hosts can reach
+(`reachable_address`): every address a replica group publishes -- its store, its state transport,
+its Gloo connections -- is one of those, so a group on another host can use it.
 """
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import socket
 from dataclasses import dataclass
@@ -23,6 +28,9 @@ __all__ = [
     "parse_address",
     "parse_host_port",
     "parse_store_addr",
+    "primary_address",
+    "reachable_address",
+    "route_source",
 ]
 
 
@@ -165,3 +173,76 @@ def _is_loopback(text: str) -> bool:
         return ipaddress.ip_address(text).is_loopback
     except ValueError:
         return False
+
+
+def _is_loopback_name(host: str) -> bool:
+    """``host`` is loopback by its very spelling (not by what it resolves to here)."""
+    return host.strip("[]").lower() in ("localhost", "localhost.localdomain") or _is_loopback(
+        host.strip("[]")
+    )
+
+
+def route_source(host: str) -> str | None:
+    """The local address this machine's packets to ``host`` leave from (None: no route, or
+    ``host`` does not resolve). A UDP ``connect`` only looks the route up: nothing is sent."""
+    try:
+        infos = socket.getaddrinfo(host.strip("[]"), 9, type=socket.SOCK_DGRAM)
+    except (OSError, UnicodeError):
+        return None
+    for family, _, _, _, sockaddr in infos:
+        try:
+            with socket.socket(family, socket.SOCK_DGRAM) as s:
+                s.connect(sockaddr)
+                return str(s.getsockname()[0]).split("%")[0]
+        except OSError:
+            continue
+    return None
+
+
+@functools.cache
+def primary_address() -> str:
+    """This machine's address for the rest of the network: the one its host name resolves to when
+    that is not loopback, else the source of its default route, else its first non-loopback
+    interface address, else ``127.0.0.1`` (a machine with no network)."""
+    for name in (socket.getfqdn(), socket.gethostname()):
+        try:
+            infos = socket.getaddrinfo(name, None, type=socket.SOCK_STREAM)
+        except (OSError, UnicodeError):
+            continue
+        for info in infos:
+            ip = str(info[4][0]).split("%")[0]
+            if not _is_loopback(ip) and not ip.startswith("fe80"):
+                return ip
+    for probe in ("192.0.2.1", "2001:db8::1"):  # documentation addresses: only the route matters
+        src = route_source(probe)
+        if src is not None and not _is_loopback(src):
+            return src
+    try:
+        import psutil
+
+        for addrs in psutil.net_if_addrs().values():
+            for a in addrs:
+                ip = a.address.split("%")[0]
+                if a.family in (socket.AF_INET, socket.AF_INET6) and not _is_loopback(ip):
+                    if not ip.startswith("fe80"):
+                        return ip
+    except Exception:  # noqa: BLE001, S110 - best effort; loopback below
+        pass
+    return "127.0.0.1"
+
+
+def reachable_address(peer_host: str) -> str:
+    """The address of this machine that the hosts of a job coordinated from ``peer_host`` (the
+    lighthouse's host) can reach: the local address of the route to ``peer_host``.
+
+    Loopback only when the job says it is on one host: ``peer_host`` is spelled as loopback
+    (``127.0.0.1``, ``localhost``, ``::1``). A lighthouse named by a host name or address that
+    happens to be this machine (Debian maps the host name to ``127.0.1.1``) may serve other hosts
+    too, so then this machine's `primary_address` is used.
+    """
+    src = route_source(peer_host)
+    if src is not None and not _is_loopback(src):
+        return src
+    if _is_loopback_name(peer_host):
+        return src or "127.0.0.1"
+    return primary_address()

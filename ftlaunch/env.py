@@ -42,6 +42,10 @@ MASTER_ADDR = "MASTER_ADDR"
 MASTER_PORT = "MASTER_PORT"
 TORCHELASTIC_RUN_ID = "TORCHELASTIC_RUN_ID"
 TORCHELASTIC_RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
+#: Slurm's count of requeues of this job (set in every task of a requeued job).
+SLURM_RESTART_COUNT = "SLURM_RESTART_COUNT"
+#: Gloo's own choice of interface (torch reads it; ftlaunch then leaves Gloo's address to it).
+GLOO_SOCKET_IFNAME = "GLOO_SOCKET_IFNAME"
 
 # --- other programs' variables ftlaunch honours --------------------------------------------------
 #: Log level of the launcher's processes (torchrun's variable): DEBUG, INFO, WARNING, ERROR.
@@ -76,6 +80,17 @@ FTLAUNCH_SPARES = "FTLAUNCH_SPARES"
 FTLAUNCH_TOKEN = "FTLAUNCH_TOKEN"
 #: Address the lighthouse binds when the launcher/rendezvous starts one (default loopback).
 FTLAUNCH_LIGHTHOUSE_BIND = "FTLAUNCH_LIGHTHOUSE_BIND"
+#: The address of this node that the job's other hosts reach its replica group on: the group's
+#: store, its state transport and its Gloo connections are published under it. Set by the
+#: rendezvous for the workers (torchrun's ``--local-addr``, else the local address of the route to
+#: the lighthouse; loopback only when the lighthouse is addressed as loopback); set it yourself to
+#: pick an interface. Unset, a worker derives it from the lighthouse address the same way.
+FTLAUNCH_LOCAL_ADDR = "FTLAUNCH_LOCAL_ADDR"
+#: Incarnation of this replica group's workers, the same on every node of the group: the count of
+#: the group's rendezvous rounds before this one (set by the rendezvous). torchelastic's
+#: ``TORCHELASTIC_RESTART_COUNT`` counts only the restarts of *this node's* agent, so it differs
+#: between the nodes of a group after one of them restarted; it is the fallback outside ftlaunch.
+FTLAUNCH_GROUP_INCARNATION = "FTLAUNCH_GROUP_INCARNATION"
 #: Cross-group process group built by ``ftlaunch.init()``: baby-gloo, baby-nccl, gloo or nccl.
 FTLAUNCH_BACKEND = "FTLAUNCH_BACKEND"
 #: Live-recovery transport built by ``ftlaunch.init()``: pg or http.
@@ -149,6 +164,8 @@ ALL_FTLAUNCH_VARS = (
     FTLAUNCH_TOKEN,
     FTLAUNCH_SPARES,
     FTLAUNCH_LIGHTHOUSE_BIND,
+    FTLAUNCH_LOCAL_ADDR,
+    FTLAUNCH_GROUP_INCARNATION,
     FTLAUNCH_BACKEND,
     FTLAUNCH_TRANSPORT,
     *TIMEOUT_VARS,
@@ -516,6 +533,26 @@ def lighthouse_outage(environ: Mapping[str, str] | None = None) -> float:
     return value
 
 
+def local_addr(environ: Mapping[str, str] | None = None) -> str | None:
+    """This node's address for the job's other hosts, when set (`FTLAUNCH_LOCAL_ADDR`)."""
+    return text(FTLAUNCH_LOCAL_ADDR, environ)
+
+
+def slurm_restart_count(environ: Mapping[str, str] | None = None) -> int:
+    """How often Slurm requeued this job (0 outside Slurm or on its first run)."""
+    return count(SLURM_RESTART_COUNT, 0, environ=environ) or 0
+
+
+def gloo_interface_chosen(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether ``GLOO_SOCKET_IFNAME`` picks Gloo's interface (then torch's choice stands)."""
+    return is_set(GLOO_SOCKET_IFNAME, environ)
+
+
+def incarnation_environ(incarnation: int) -> dict[str, str]:
+    """What the rendezvous sets for the workers of one round (`FTLAUNCH_GROUP_INCARNATION`)."""
+    return {FTLAUNCH_GROUP_INCARNATION: str(incarnation)}
+
+
 def lighthouse_reached(environ: Mapping[str, str] | None = None) -> bool:
     """Whether the launcher reached the job's lighthouse before (``FTLAUNCH_LIGHTHOUSE_REACHED``)."""
     return flag(FTLAUNCH_LIGHTHOUSE_REACHED, False, environ)
@@ -568,6 +605,8 @@ class JobEnv:
     spares: int = 0
     #: The launcher reached this lighthouse before starting the group (`FTLAUNCH_LIGHTHOUSE_REACHED`).
     lighthouse_reached: bool = False
+    #: This node's address for the job's other hosts (`FTLAUNCH_LOCAL_ADDR`; None: not decided).
+    local_addr: str | None = None
 
     def __post_init__(self) -> None:
         if self.num_replica_groups < 1:
@@ -622,7 +661,7 @@ class JobEnv:
         assert group is not None and addr is not None  # narrowed by the checks above
         spares = count(FTLAUNCH_SPARES, 0, environ=environ) or 0
         token = token if token is not None else job_token(environ)
-        return cls(group, num, addr, token, spares, lighthouse_reached(environ))
+        return cls(group, num, addr, token, spares, lighthouse_reached(environ), local_addr(environ))
 
     def to_environ(self) -> dict[str, str]:
         """The variables a launcher sets in every worker of this replica group."""
@@ -637,6 +676,8 @@ class JobEnv:
             out[FTLAUNCH_SPARES] = str(self.spares)
         if self.lighthouse_reached:
             out[FTLAUNCH_LIGHTHOUSE_REACHED] = "1"
+        if self.local_addr:
+            out[FTLAUNCH_LOCAL_ADDR] = self.local_addr
         return out
 
 
@@ -649,8 +690,11 @@ class GroupEnv:
     #: The group's store (torchelastic's ``MASTER_ADDR``/``MASTER_PORT``), None outside torchelastic.
     master_addr: str | None = None
     master_port: int | None = None
-    #: torchelastic's restart count: the attempt number of this incarnation of the group's workers.
+    #: torchelastic's restart count: how often *this node's* agent restarted its workers.
     restart_count: int = 0
+    #: The incarnation of the group's workers, the same on every node (`FTLAUNCH_GROUP_INCARNATION`,
+    #: else the restart count: right for a group of one node).
+    incarnation: int = 0
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
@@ -658,12 +702,14 @@ class GroupEnv:
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> GroupEnv:
+        restart = count(TORCHELASTIC_RESTART_COUNT, 0, environ=environ) or 0
         return cls(
             rank=count(RANK, 0, environ=environ) or 0,
             world_size=count(WORLD_SIZE, 1, POSITIVE, environ) or 1,
             master_addr=text(MASTER_ADDR, environ),
             master_port=count(MASTER_PORT, None, PORT, environ),
-            restart_count=count(TORCHELASTIC_RESTART_COUNT, 0, environ=environ) or 0,
+            restart_count=restart,
+            incarnation=count(FTLAUNCH_GROUP_INCARNATION, restart, environ=environ) or 0,
         )
 
 

@@ -47,6 +47,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=100, help="committed steps to train (default 100)")
     p.add_argument("--width", type=int, default=256, help="hidden width of the 3-layer MLP")
+    p.add_argument(
+        "--model",
+        choices=["mlp", "bn-cnn"],
+        default="mlp",
+        help="mlp (default) or bn-cnn: a small CNN with BatchNorm, whose forward updates buffers",
+    )
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument(
@@ -96,8 +102,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def make_model(width: int) -> nn.Module:
+def make_model(width: int, kind: str = "mlp") -> nn.Module:
     torch.manual_seed((env.count(env.REPLICA_GROUP_ID, 0) or 0) + 1000)  # groups start different
+    if kind == "bn-cnn":  # each sample's 64 features as a 1-channel signal
+        return nn.Sequential(
+            nn.Unflatten(1, (1, 64)), nn.Conv1d(1, 16, 3, padding=1), nn.BatchNorm1d(16), nn.ReLU(),
+            nn.Conv1d(16, 16, 3, padding=1), nn.BatchNorm1d(16), nn.ReLU(), nn.Flatten(), nn.Linear(16 * 64, 8),
+        )  # fmt: skip
     return nn.Sequential(
         nn.Linear(64, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 8)
     )
@@ -203,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     intra = None
     try:
         device = device_of(args)
-        model = make_model(args.width).to(device)
+        model = make_model(args.width, args.model).to(device)
         inner = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
         dataset = make_dataset(args.dataset_size)
         if args.long_form:

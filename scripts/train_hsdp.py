@@ -291,8 +291,10 @@ def reference(args: argparse.Namespace, groups: int, workers: int) -> int:
     """The losses a ``groups x workers`` run with ``--sampler shard`` logs, from one process and the
     full model (each worker's batches: its fixed shard's).
 
-    Step 0: only group 0's shards count (every other group heals from it: its gradients came from
-    weights about to be replaced, so it contributes zeros). Later steps: the mean over all shards.
+    Steps 0 and 1: only group 0's shards count. Every other group heals from it: in step 0 it waits
+    while group 0 commits the step and snapshots its end, in step 1 it heals before its forward pass
+    but is not a participant yet (a healer's batch was drawn at its old data position), so it
+    contributes zeros. Later steps: the mean over all shards.
     """
     from ftlaunch import DistributedSampler
 
@@ -307,7 +309,7 @@ def reference(args: argparse.Namespace, groups: int, workers: int) -> int:
     }  # fmt: skip
     for step in range(args.steps):
         optimizer.zero_grad()
-        contributing = [k for k in loaders if step > 0 or k[0] == 0]
+        contributing = [k for k in loaders if step > 1 or k[0] == 0]
         for g, r in loaders:
             _, x, y = next(loaders[(g, r)])
             loss = loss_of(model, x, y)

@@ -76,3 +76,31 @@ def test_is_local_host() -> None:
     assert is_local_host("localhost") and is_local_host("127.0.0.1") and is_local_host("::1")
     assert not is_local_host("192.0.2.1")  # TEST-NET-1, never assigned
     assert not is_local_host("no-such-host.invalid")
+
+
+def test_reachable_address_is_loopback_only_when_the_peer_is_spelled_as_loopback(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The address a group publishes: the route's source toward the lighthouse; loopback only
+    for a lighthouse addressed as loopback. A name that resolves to loopback here (Debian's
+    ``127.0.1.1 hostname``) may be how other hosts reach it too: then this machine's primary
+    address is published, never loopback."""
+    from ftlaunch import addresses
+
+    assert addresses.reachable_address("127.0.0.1") == "127.0.0.1"
+    assert addresses.reachable_address("localhost") == "127.0.0.1"
+    monkeypatch.setattr(
+        addresses, "route_source", lambda host: {"lh": "127.0.1.1", "far": "10.1.2.3"}.get(host)
+    )
+    monkeypatch.setattr(addresses, "primary_address", lambda: "192.0.2.7")
+    assert addresses.reachable_address("far") == "10.1.2.3"  # the route to another host
+    assert addresses.reachable_address("lh") == "192.0.2.7"  # this machine, by a name
+    assert addresses.reachable_address("unresolvable") == "192.0.2.7"
+
+
+def test_route_source_and_primary_address_are_this_machines() -> None:
+    from ftlaunch.addresses import is_local_host, primary_address, route_source
+
+    assert route_source("127.0.0.1") == "127.0.0.1"
+    assert route_source("no-such-host.invalid") is None
+    assert is_local_host(primary_address())

@@ -127,6 +127,7 @@ def test_gradients_are_bucket_views_by_default_and_the_option_is_respected() -> 
 
 def test_a_step_whose_cross_group_pg_failed_is_not_committed(monkeypatch: pytest.MonkeyPatch) -> None:
     """Manager.allreduce skips an errored PG without reporting; should_commit must still refuse."""
+    from concurrent.futures import ThreadPoolExecutor
     from datetime import timedelta
 
     from ftlaunch.lighthouse.server import LighthouseServer
@@ -159,8 +160,9 @@ def test_a_step_whose_cross_group_pg_failed_is_not_committed(monkeypatch: pytest
             for step in range(2):
                 if step == 1:
                     pgs[1].failure = RuntimeError("gloo: connection reset by peer")
-                for m in managers:
-                    m.start_quorum()
+                # Together: a first step waits for its quorum (it may heal before its forward pass).
+                with ThreadPoolExecutor(2) as pool:
+                    list(pool.map(lambda m: m.start_quorum(), managers))
                 for m in managers:
                     m.allreduce(torch.ones(4)).wait()
                 committed = [m.should_commit() for m in managers]

@@ -32,6 +32,9 @@ def test_round_trip() -> None:
     assert job.lighthouse == "http://127.0.0.1:29510" and job.replica_id == "rg1"
     assert JobEnv.from_environ(job.to_environ()) == job
     assert env.FTLAUNCH_TOKEN not in JobEnv(0, 1, "http://h:1").to_environ()
+    placed = JobEnv(1, 3, "http://10.0.0.1:5", local_addr="10.0.0.7")
+    assert placed.to_environ()[env.FTLAUNCH_LOCAL_ADDR] == "10.0.0.7"
+    assert JobEnv.from_environ(placed.to_environ()) == placed
 
 
 def test_explicit_values_win_and_torchft_name_is_accepted() -> None:
@@ -82,8 +85,12 @@ def test_group_env() -> None:
             env.TORCHELASTIC_RESTART_COUNT: "3",
         }
     )
-    assert g == GroupEnv(rank=1, world_size=2, master_addr="h", master_port=5, restart_count=3)
+    # Outside the ftlaunch rendezvous the incarnation is the restart count (one-node groups) ...
+    assert g == GroupEnv(rank=1, world_size=2, master_addr="h", master_port=5, restart_count=3, incarnation=3)
     assert GroupEnv.from_environ({}) == GroupEnv()
+    # ... under it, the group's round count, the same on every node (this node restarted 0 times).
+    g = GroupEnv.from_environ({env.TORCHELASTIC_RESTART_COUNT: "0", env.FTLAUNCH_GROUP_INCARNATION: "1"})
+    assert (g.restart_count, g.incarnation) == (0, 1)
     with pytest.raises(ConfigurationError, match="outside WORLD_SIZE"):
         GroupEnv.from_environ({env.RANK: "2", env.WORLD_SIZE: "2"})
 

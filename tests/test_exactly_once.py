@@ -11,6 +11,7 @@ skip the samples of a group that is down.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import random
@@ -27,7 +28,16 @@ from ftlaunch.lighthouse.quorum import Quorum, QuorumMember
 from ftlaunch.lighthouse.slots import slot_of
 from ftlaunch.worker.data import DistributedSampler
 from ftlaunch.worker.exactly_once import STATE_DICT_KEYS, ExactlyOnceSampler
-from ftlaunch.worker.plan import StepPlan, WorldSizeMode, plan_step
+from ftlaunch.worker.plan import (
+    CLAIM_KEY,
+    HEAL_READY_KEY,
+    STAGED_KEY,
+    StepPlan,
+    WorldSizeMode,
+    may_heal,
+    plan_step,
+    snapshot_due,
+)
 
 
 class FakeManager:
@@ -38,6 +48,9 @@ class FakeManager:
         self.step = step
         self.attempt = 0
         self.plan: StepPlan | None = None
+        self.last_plan: StepPlan | None = None  # the plan of the last step taken, kept across steps
+        self.snapshot: dict[str, Any] | None = None  # the committed state, as the boundary copied it
+        self.heal_ready = False
         self.state_fns: dict[str, tuple[Callable[[Any], None], Callable[[], Any]]] = {}
 
     def current_step(self) -> int:
@@ -49,9 +62,17 @@ class FakeManager:
     def register_state_dict_fn(self, key: str, load: Callable[[Any], None], save: Callable[[], Any]) -> None:
         self.state_fns[key] = (load, save)
 
-    def start(self) -> None:  # start_quorum: a new attempt, its plan not known yet
+    def start(self) -> None:
+        """start_quorum: the commit boundary (a snapshot of every registered state when a heal is
+        due, `worker/committed.py`), then a new attempt whose plan is not known yet."""
+        due = snapshot_due(self.step, self.last_plan)
+        self.snapshot = {k: save() for k, (_, save) in self.state_fns.items()} if due else None
+        self.heal_ready = may_heal(self.step, self.last_plan)
         self.attempt += 1
         self.plan = None
+
+    def claim(self) -> str:
+        return hashlib.sha256(json.dumps(self.snapshot, sort_keys=True).encode()).hexdigest()
 
 
 class Worker:
@@ -124,7 +145,13 @@ class Job:
 
     def step(self, fail: bool = False, stop: str | None = None) -> None:
         """One step of every live group: draw, quorum, (heal), commit -- unless ``fail``; ``stop``
-        hangs that group inside the step (its peers' step fails, later quorums go on without it)."""
+        hangs that group inside the step (its peers' step fails, later quorums go on without it).
+
+        As the Manager does it: a group snapshots its committed state at the boundary when a heal
+        is due and says so (and claims its checksum) in its quorum data; a healer heals from such a
+        snapshot before its forward pass, or waits a step (zero gradients, no commit) while its
+        sources snapshot; only the participants' batches are trained, and nothing commits when
+        fewer than ``min_replicas`` groups are up to date."""
         live = sorted(g for g in self.groups if g not in self.stopped)
         for g in live:
             if not all([w.draw() for w in self.groups[g]]):
@@ -138,35 +165,43 @@ class Job:
             fail = True
         members = [g for g in live if g not in self.stopped]
         self.quorum_id += 1
-        quorum = Quorum(
-            self.quorum_id,
-            tuple(QuorumMember(g, step=self.groups[g][0].manager.step) for g in members),
-            created=0.0,
-        )
+        quorum = Quorum(self.quorum_id, tuple(self.member(g) for g in members), created=0.0)
         plans = {
             g: plan_step(quorum, g, world_size_mode=self.mode, min_replica_size=self.min_replicas)
             for g in members
         }
-        # A healer's source serves its state during the step (its draws done, the step not committed).
-        served = {
-            g: [src.manager.state_fns["sampler"][1]() for src in self.groups[p.recover_src_id]]
-            for g, p in plans.items()
-            if p.recover_src_id is not None
-        }
-        for g in members:
+        for g, plan in plans.items():
+            # The sources' snapshots agree: the sampler state is the same in every group after a commit.
+            assert not plan.untrusted_ids and not plan.contested, plan
             for w in self.groups[g]:
-                w.manager.plan = plans[g]
-        if fail:
+                w.manager.plan = w.manager.last_plan = plan
+            if plan.recover_src_id is not None:  # heals before its forward pass: from the snapshot
+                for w in self.groups[g]:
+                    src = self.groups[plan.recover_src_id][w.rank].manager
+                    assert src.snapshot is not None and plan.recover_claim is not None
+                    assert plan.recover_claim[w.rank] == src.claim()  # what it loads is what was claimed
+                    if not self.shard:  # the position of the committed step the healer takes
+                        assert src.snapshot["sampler"]["step"] == plan.max_step
+                    w.manager.state_fns["sampler"][0](src.snapshot["sampler"])
+                    w.manager.step = plan.max_step
+        if fail or any(p.num_up_to_date < self.min_replicas for p in plans.values()):
             return
         for g, plan in plans.items():
+            if plan.waits:
+                continue
             for w in self.groups[g]:
-                if g in served:
-                    w.manager.state_fns["sampler"][0](served[g][w.rank])
                 w.manager.step = plan.max_step + 1
             if plan.participates:
                 for w in self.groups[g]:
                     assert w.batch is not None
                     self.trained.extend(w.batch)
+
+    def member(self, g: str) -> QuorumMember:
+        managers = [w.manager for w in self.groups[g]]
+        data: dict[str, Any] = {HEAL_READY_KEY: all(m.heal_ready for m in managers)}
+        if all(m.snapshot is not None for m in managers):
+            data.update({STAGED_KEY: True, CLAIM_KEY: [m.claim() for m in managers]})
+        return QuorumMember(g, step=managers[0].step, data=data)
 
     def wake(self, replica_id: str) -> None:
         """A hung group continues: its step did not commit; it is behind and heals next."""
@@ -262,10 +297,10 @@ def test_fixed_shards_skip_the_samples_of_a_group_that_is_down() -> None:
     job.run(100)
     counts = job.per_epoch()[0]
     missing = set(range(60)) - set(counts)
-    # Lost, 2 samples a batch: the healers' batches of the first step (rg1, rg2), every batch of
-    # the failed step (a shard's position moves on whether or not the step commits), rg1's three
-    # steps down and its heal step.
-    assert len(missing) == 2 * 2 + 3 * 2 + 3 * 2 + 2, sorted(missing)
+    # Lost, 2 samples a batch: the healers' (rg1, rg2) batches of the first two steps (they wait for
+    # the primary's snapshot, then heal), every batch of the failed step (a shard's position moves
+    # on whether or not the step commits), rg1's three steps down and, back, its wait and heal steps.
+    assert len(missing) == 2 * 2 * 2 + 3 * 2 + 3 * 2 + 2 * 2, sorted(missing)
     assert all(c == 1 for c in counts.values())
     with pytest.raises(ConfigurationError, match="replica_group_id must be in 0..2"):
         Job(length=60, shard=True).start("rg3")

@@ -87,13 +87,13 @@ def test_a_source_that_serves_other_state_than_it_claimed_heals_nobody(
     Before claims, rg2 took rg0's poison and ended with other weights."""
     steps = 300  # long enough for the late group's process to start on a loaded machine
     gs = [Group(0, 1, lighthouse.address, tmp_path,
-                ["--steps", str(steps), "--tamper", "poison", "--tamper-from-step", "2", "--tamper-times", "-1",
+                ["--steps", str(steps), "--tamper", "poison", "--tamper-from-step", "3", "--tamper-times", "-1",
                  *ARGS]),
           Group(1, 1, lighthouse.address, tmp_path, ["--steps", str(steps), *ARGS])]  # fmt: skip
     groups.extend(gs)
     for g in gs:
         g.start()
-    wait_for(lambda: last_step(gs[0]) >= 3, 120, "3 steps")
+    wait_for(lambda: min(last_step(gs[0]), last_step(gs[1])) >= 4, 120, "4 steps in both")
     late = Group(2, 1, lighthouse.address, tmp_path, ["--steps", str(steps), *ARGS])
     groups.append(late)
     late.start()

@@ -1,5 +1,5 @@
 """A restarted lighthouse declares hung a member of the quorum it adopted from the groups' resume
-reports (lighthouse/membership_hung.py; docs/lighthouse.md, *Hung members*).
+reports (lighthouse/hung.py; docs/lighthouse.md, *Hung members*).
 
 After a restart the lighthouse has formed no quorum: the groups step on their last one through
 the outage and report ``blocked`` on its id, and their quorum requests park until every member
@@ -15,9 +15,9 @@ import pytest
 from test_hung_members import beat
 from test_lighthouse_membership import Clock, events, make
 
+from ftlaunch.lighthouse.hung import MIN_BEATS, QUICK_SILENCE, SILENCE_GAPS
 from ftlaunch.lighthouse.membership import Membership, QuorumTicket
-from ftlaunch.lighthouse.membership_hung import BLOCKED_FOR, MIN_BEATS, QUICK_SILENCE, SILENCE_GAPS
-from ftlaunch.lighthouse.protocol import RESUME_KEY, advised_heartbeat_interval
+from ftlaunch.lighthouse.protocol import BLOCKED_FOR, RESUME_KEY, advised_heartbeat_interval
 from ftlaunch.lighthouse.quorum import QuorumMember
 
 pytestmark = pytest.mark.timeout(60)

@@ -1,4 +1,4 @@
-"""A hung quorum member is declared lost on evidence (lighthouse/membership_hung.py), and a
+"""A hung quorum member is declared lost on evidence (lighthouse/hung.py), and a
 configure that waits on a dead rendezvous store is released by the lost-peer abort.
 
 The lighthouse's rule on `Membership` with a hand-driven clock; the worker's side (what its
@@ -19,8 +19,9 @@ from test_lighthouse_membership import ask, events, make
 from test_manager_protocol import Group, ScriptedLighthouse, in_step
 
 from ftlaunch.errors import CommunicationError
+from ftlaunch.lighthouse.hung import PARKED_FOR, QUICK_SILENCE, parse_blocked
 from ftlaunch.lighthouse.membership import Membership
-from ftlaunch.lighthouse.membership_hung import BLOCKED_FOR, PARKED_FOR, QUICK_SILENCE, parse_blocked
+from ftlaunch.lighthouse.protocol import BLOCKED_FOR
 from ftlaunch.lighthouse.quorum import QuorumMember
 from ftlaunch.worker.hang_abort import SUSPECT_AFTER
 

@@ -1,4 +1,4 @@
-"""A SIGSTOPped group is declared lost on evidence, in real processes (lighthouse/membership_hung.py).
+"""A SIGSTOPped group is declared lost on evidence, in real processes (lighthouse/hung.py).
 
 Short: a real lighthouse, this process as one group leader whose step is blocked (it reports so in
 its heartbeats), and another leader in a subprocess that is SIGSTOPped; the heartbeat timeout is 30 s,

@@ -11,6 +11,7 @@ from ftlaunch.launcher.group import Group
 from ftlaunch.launcher.lighthouse_host import JobLighthouse
 from ftlaunch.launcher.output import Console
 from ftlaunch.launcher.report import StatusLine, status_text, summary_lines
+from ftlaunch.lighthouse.progress import Rewind
 from ftlaunch.lighthouse.quorum import Quorum
 from ftlaunch.lighthouse.status import LighthouseStatus
 
@@ -131,3 +132,32 @@ def test_summary_prints_the_lighthouse_figures() -> None:
     assert any(line.startswith("[ftlaunch] lighthouse: 3 quorum change(s)") for line in lines)
     assert "[ftlaunch]   rg0    0      0.00s      50.0ms     10.0ms       2.0ms   19.5" in lines
     assert any(line.split()[1:4] == ["rg1", "2", "1.25s"] for line in lines)
+
+
+def test_lost_progress_is_in_the_status_line_and_the_summary_and_keeps_the_logs() -> None:
+    """No group holding the state survived: the job restarted from step 0 after step 50. It still
+    finished (exit 0), but nothing says "succeeded" without saying what was lost."""
+    groups = groups_after_a_kill()
+    lost = Rewind(reached=50, restarted_at=0, wall=1012.5)
+    assert status_text(groups, 7, 12.4, [lost]).endswith(
+        "| 12s | PROGRESS LOST: restarted from step 0 after step 50"
+    )
+    injections = [Injection(at=102.0, group=1, signal="SIGKILL", target="workers", step=2)]
+    lines = summary_lines(0, 30.0, groups, 42, injections, started=100.0, log_dir="/logs", rewinds=[lost],
+                          started_wall=1000.0)  # fmt: skip
+    assert (
+        "[ftlaunch] WARNING: progress lost: at t=12.5s no replica group holding the trained state of step 50 "
+        "was left (no durable checkpoint); the job restarted from step 0 and trained steps 0..50 again"
+    ) in lines
+    assert (
+        "[ftlaunch] training finished despite 1 failure(s); 7 committed group-steps; progress was lost 1 time(s)"
+        in lines
+    )
+    assert "[ftlaunch] logs kept in /logs" in lines
+    # A rewind that a group holding the state undid (it had hung, and came back): a note, no warning.
+    back = Rewind(reached=50, restarted_at=0, wall=1012.5, recovered=True)
+    lines = summary_lines(0, 30.0, groups, 42, None, started=100.0, log_dir="/logs", rewinds=[back],
+                          started_wall=1000.0)  # fmt: skip
+    assert not any("WARNING" in line or "logs kept" in line for line in lines)
+    assert any(line.startswith("[ftlaunch] note: at t=12.5s no group holding step 50") for line in lines)
+    assert "PROGRESS LOST" not in status_text(groups, 7, 12.4, [back])

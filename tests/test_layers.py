@@ -160,12 +160,12 @@ LIGHTHOUSE_RANKS: dict[str, int] = {
     "status": 1,  # the typed status document
     "spares": 1,  # the slot table of a job with hot spares (no HTTP)
     "tickets": 1,  # a parked quorum request and the membership's domain errors
-    "membership_spares": 2,  # the membership's hot-spare glue (a mixin)
-    "membership_status": 2,  # the membership's status, progress and kill requests (a mixin)
-    "membership_resume": 3,  # the membership's adoption of a restarted lighthouse's resume reports (a mixin)
-    "membership_hung": 3,  # the membership's evidence-based loss of hung quorum members (a mixin)
-    "membership_admit": 3,  # who may make a request of the membership; ids forgotten (a mixin)
-    "membership": 4,  # bookkeeping: groups, quorum requests
+    "resume": 1,  # a restarted lighthouse's adoption of the groups' resume reports (pure rules)
+    "roster": 2,  # the groups' records, the only place they change, and the rules that read them
+    "round": 2,  # the parked quorum requests and the quorum they are compared with
+    "hung": 3,  # the evidence-based loss of hung quorum members (pure rule) and the blocked reports
+    "admission": 3,  # who may make a request of the membership (pure rules), evictions not yet told
+    "membership": 4,  # the bookkeeping: holds the above, applies their rules under one lock
     "http": 2,  # request/response types, http.server's head parsing
     "bodies": 3,  # a request body: JSON decoded, nesting bounded, fields checked
     "limits": 2,  # connection cap, warnings per client: bounds a client cannot push
@@ -195,11 +195,11 @@ LIGHTHOUSE_NO_IO = {
     "status",
     "spares",
     "tickets",
-    "membership_spares",
-    "membership_status",
-    "membership_resume",
-    "membership_hung",
-    "membership_admit",
+    "resume",
+    "roster",
+    "round",
+    "hung",
+    "admission",
     "membership",
     "dashboard",
     "timeline",

@@ -52,7 +52,7 @@ def test_kept_missing_set_decides_as_the_scan(seed: int) -> None:
         except Exception:  # refusals (e.g. an evicted or held id) are not what this test is about
             pass
         with m._lock:
-            state = m._state()
+            state = m._round.state(m._roster.groups, m._ids.peek())
             if state.prev_quorum is None:
                 continue
             prev_ids = set(state.prev_quorum.replica_ids)

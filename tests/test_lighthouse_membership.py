@@ -239,7 +239,7 @@ def test_ticket_callbacks_run_once_from_any_thread() -> None:
     assert seen == [("other", True)]
     t.add_done_callback(lambda ticket: seen.append(("late", ticket.done)))  # already done: called at once
     assert seen[-1] == ("late", True)
-    assert not t._resolve(error=ShuttingDown("x")) and t.quorum is not None  # the first answer wins
+    assert not t.resolve(error=ShuttingDown("x")) and t.quorum is not None  # the first answer wins
 
 
 def test_snapshot_is_the_status_document() -> None:
@@ -298,14 +298,18 @@ def test_ids_that_never_joined_a_quorum_are_forgotten_once_gone() -> None:
 def test_the_tick_looks_for_ids_to_forget_once_a_second(monkeypatch: pytest.MonkeyPatch) -> None:
     """the look walks every id; with 1024 groups it ran every 0.1 s tick for ids
     that are forgotten a minute after they went away at the earliest."""
+    from ftlaunch.lighthouse import membership
     from ftlaunch.lighthouse.membership import FORGET_CHECK_EVERY
 
     m, clock = make()
     walks = []
-    real = m._forget_gone
-    monkeypatch.setattr(
-        m, "_forget_gone", lambda now, force=False: (walks.append(now), real(now, force=force))
-    )
+    real = membership.forgettable
+
+    def forgettable(*args: object, **kwargs: object) -> list[str]:
+        walks.append(clock.now)
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(membership, "forgettable", forgettable)
     for _ in range(25):  # 2.5 s of ticks
         m.tick()
         clock.now += 0.1

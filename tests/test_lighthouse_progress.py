@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from ftlaunch.lighthouse.client import LighthouseClient
 from ftlaunch.lighthouse.membership import Membership
 from ftlaunch.lighthouse.metrics import families
-from ftlaunch.lighthouse.progress import ProgressReport
+from ftlaunch.lighthouse.progress import ProgressBook, ProgressReport, Rewind
 from ftlaunch.lighthouse.quorum import QuorumIdAllocator, QuorumMember, QuorumOptions
 from ftlaunch.lighthouse.server import LighthouseServer
 from ftlaunch.lighthouse.status import LighthouseStatus
@@ -93,6 +93,54 @@ def test_a_group_that_trains_from_behind_a_finished_peer_without_healing_is_unsy
     assert progress(m, "a").unsynced_sessions == 1
     m.heartbeat("c", rep("c2", 11, commits=1, heals=1))  # c healed to step 10 first: fine
     assert progress(m, "c").unsynced_sessions == 0
+
+
+def test_a_quorum_below_the_step_the_job_reached_is_a_rewind() -> None:
+    """The lighthouse sees the job go back when a quorum forms below the furthest step of the ones
+    before it: no group holding that state was left."""
+    book = ProgressBook()
+    assert [book.quorum_formed(s, wall=float(s)) for s in (0, 0, 1, 2, 3)] == [None] * 5
+    # Both groups died and restarted: the next quorum is at step 0.
+    assert book.quorum_formed(0, wall=60.0) == Rewind(reached=3, restarted_at=0, wall=60.0)
+    assert book.quorum_formed(1, wall=61.0) is None  # the new run goes on: no more rewinds
+    # It lost its state again at step 2: this rewind is of the steps since the last one.
+    book.quorum_formed(2, wall=80.0)
+    assert book.quorum_formed(0, wall=81.0) == Rewind(reached=2, restarted_at=0, wall=81.0)
+    assert book.rewinds() == (Rewind(3, 0, 60.0), Rewind(2, 0, 81.0))
+
+
+def test_a_rewind_that_a_returning_group_undoes_is_recovered() -> None:
+    """The only group at step 50 hung (not died); a restarted one went on alone from step 0; the hung
+    one came back at step 50 and the others healed from it: the job lost nothing in the end."""
+    book = ProgressBook()
+    book.quorum_formed(50, wall=1.0)
+    book.quorum_formed(0, wall=2.0)
+    for step in range(1, 11):  # the restarted run goes on, a step per quorum
+        book.quorum_formed(step, wall=3.0)
+    assert book.rewinds() == (Rewind(50, 0, 2.0),)
+    book.quorum_formed(50, wall=4.0)
+    assert book.rewinds() == (Rewind(50, 0, 2.0, recovered=True),)
+    # A restarted run that merely trains past the lost step recovers nothing: it was trained again.
+    book = ProgressBook()
+    book.quorum_formed(5, wall=1.0)
+    book.quorum_formed(0, wall=2.0)
+    for step in range(1, 9):
+        book.quorum_formed(step, wall=3.0)
+    assert book.rewinds() == (Rewind(5, 0, 2.0),)
+
+
+def test_the_membership_records_a_rewind_in_its_status_and_history() -> None:
+    m, _ = make()
+    for step in (0, 1, 2):
+        m.request_quorum(QuorumMember("a", store_address="a:1", step=step))
+    assert m.snapshot().rewinds == ()
+    m.request_quorum(QuorumMember("a", store_address="a:1", step=0))  # restarted with nothing to heal from
+    status = m.snapshot()
+    assert status.rewinds == m.rewinds() and [(r.reached, r.restarted_at) for r in status.rewinds] == [(2, 0)]
+    assert any(h.event == "rewind" and h.detail == "step 2 -> 0" for h in status.history)
+    assert LighthouseStatus.from_json(status.to_json()).rewinds == status.rewinds
+    lost = {f.name: f.samples[0].value for f in families(status) if f.name == "ftlaunch_progress_lost"}
+    assert lost == {"ftlaunch_progress_lost": 1.0}
 
 
 def test_groups_starting_together_are_not_unsynced() -> None:

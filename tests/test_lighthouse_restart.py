@@ -1,7 +1,7 @@
 """A lighthouse that dies and comes back.
 
 In one process: the restarted lighthouse's adoption of the groups' resume reports
-(`Membership.adopt_resume_report`, hand-driven clock), and the leader's `OutageTolerantClient`
+(`resume.adoption` applied by `Membership`, hand-driven clock), and the leader's `OutageTolerantClient`
 waiting out an outage (scripted inner client). Over real sockets: a `LighthouseClient` whose
 lighthouse is stopped and restarted on the same port longer than its connect timeout. The
 multi-process runs (workers training through a SIGKILLed / SIGTERMed lighthouse) are in

@@ -31,7 +31,7 @@ from ftlaunch.errors import (
 )
 from ftlaunch.lighthouse.quorum import Quorum, QuorumMember
 from ftlaunch.process_group.fake import FakeProcessGroup
-from ftlaunch.worker import recovery
+from ftlaunch.worker import committed
 from ftlaunch.worker.group_store import GroupStore
 from ftlaunch.worker.managed_pg import ManagedProcessGroup
 from ftlaunch.worker.manager import Manager
@@ -45,14 +45,13 @@ OUR_STORE = "10.0.0.1:29500"  # the address our group's (in-memory) store is pub
 Answer = Quorum | Exception | Callable[[QuorumMember], Quorum]
 
 
-def peer(replica_id: str, step: int = 0) -> QuorumMember:
-    """Another replica group as the lighthouse lists it: its store and its transport metadata."""
-    return QuorumMember(
-        replica_id=replica_id,
-        store_address=f"store-{replica_id}:1",
-        step=step,
-        data={"ckpt": [f"mem://{replica_id}"]},
-    )
+def peer(replica_id: str, step: int = 0, *, staged: bool = True) -> QuorumMember:
+    """Another replica group as the lighthouse lists it: its store and its transport metadata; it
+    holds a snapshot to serve (``staged``) and, were it behind, is ready to heal."""
+    data: dict[str, Any] = {"ckpt": [f"mem://{replica_id}"], "heal_ready": True}
+    if staged:
+        data["staged"] = True
+    return QuorumMember(replica_id=replica_id, store_address=f"store-{replica_id}:1", step=step, data=data)
 
 
 def quorum(quorum_id: int, *peers: QuorumMember, us: str = "rg0") -> Callable[[QuorumMember], Quorum]:
@@ -126,6 +125,7 @@ class MemoryTransport(CheckpointTransport[dict]):
         self.inbox: dict[tuple[str, int], Any] = {}
         self.events: list[tuple[Any, ...]] = []
         self.serving: dict | None = None
+        self.sent: list[dict] = []
 
     def metadata(self) -> str:
         return f"mem://{self.name}"
@@ -133,6 +133,7 @@ class MemoryTransport(CheckpointTransport[dict]):
     def send_checkpoint(self, dst_ranks: list[int], step: int, state_dict: dict, timeout: timedelta) -> None:
         self.events.append(("send", dst_ranks, step))
         self.serving = state_dict
+        self.sent.append(state_dict)
 
     def disallow_checkpoint(self) -> None:
         # What the cross-group PG had done by then: the vote must come first.
@@ -238,8 +239,9 @@ def test_an_unchanged_quorum_does_not_reconfigure(make: Callable[..., Group]) ->
     assert lighthouse.asked[0].store_address == OUR_STORE and lighthouse.asked[0].data["ckpt"] == [
         "mem://rg0/r0"
     ]
-    # ... and its heal claim: a checksum of the state it would offer (tests below: its use).
-    assert set(lighthouse.asked[0].data) == {"ckpt", "claim"}
+    # Just started, it may be behind: it waits for its first quorum and says it can heal. Then,
+    # nobody behind: no snapshot, no claim (tests below: their use).
+    assert [set(m.data) for m in lighthouse.asked] == [{"ckpt", "heal_ready"}, {"ckpt"}, {"ckpt"}]
     assert lighthouse.heartbeats == ["rg0"]
 
 
@@ -276,26 +278,46 @@ def test_a_failed_reconfigure_skips_the_step_and_the_next_quorum_retries(make: C
 # ------------------------------------------------------------------------------ heal
 
 
-def test_a_group_behind_heals_zeroes_its_gradient_and_loads_only_after_the_vote(
+def test_a_group_behind_heals_before_its_forward_pass_and_zeroes_its_gradient(
     make: Callable[..., Group],
 ) -> None:
+    """start_quorum returns with the healed state loaded: the step's forward pass runs on the state
+    its source committed (its buffers then change like the source's), not on the stale one."""
     lighthouse = ScriptedLighthouse(quorum(3, peer("rg0", 5), us="rg1"))
     g = make(lighthouse, replica_id="rg1")
     served = {MANAGER_STATE_KEY: {"step": 5, "batches_committed": 9}, "default": {"w": 42}}
     g.transport.inbox[("mem://rg0", 5)] = served
 
     g.m.start_quorum()
+    assert g.transport.events[0] == ("recv", 0, "mem://rg0", 5)  # from rg0's rank with our group rank
+    assert g.user.value == {"w": 42} and g.m.current_step() == 5  # loaded before any collective
+    assert g.user.loaded_after == [[]]
     assert g.m.num_participants() == 1 and g.m.participating_rank() is None and not g.m.is_participating()
     g.m.allreduce(torch.full((4,), 6.0)).wait()
-    assert g.pg.ops[-1].inputs[0].tolist() == [0.0] * 4  # stale weights: it contributes zeros
-    assert g.user.value == {"w": 0} and g.m.current_step() == 0  # received, not loaded yet
+    assert g.pg.ops[-1].inputs[0].tolist() == [0.0] * 4  # not a participant this step: zeros
     assert g.m.should_commit()
-
-    assert g.transport.events[0] == ("recv", 0, "mem://rg0", 5)  # from rg0's rank with our group rank
-    assert g.user.value == {"w": 42}
-    assert g.user.loaded_after == [["allreduce", "allreduce"]]  # the gradient, then the commit vote
     assert g.pg.ops[-1].reduce_op == dist.ReduceOp.MIN
-    assert g.m.current_step() == 6 and g.m.batches_committed() == 10  # jumped to the source's step, + 1
+    assert g.m.current_step() == 6 and g.m.batches_committed() == 10  # the source's step, + 1
+
+
+def test_a_group_that_finds_itself_behind_after_its_forward_began_waits_a_step(
+    make: Callable[..., Group],
+) -> None:
+    """A group up to date at its boundary (it took its quorum in the background, its forward pass
+    runs) but behind in the quorum -- it was stopped while the others went on -- says it is not
+    ready to heal: it waits the step (zeros, no error, nothing loaded), and heals at the next."""
+    lighthouse = ScriptedLighthouse(in_step(1, "rg0", us="rg1"), quorum(2, peer("rg0", 9), us="rg1"))
+    g = make(lighthouse, replica_id="rg1", init_sync=False)
+    assert g.step()[0] and g.m.current_step() == 1
+    g.transport.inbox[("mem://rg0", 9)] = {
+        MANAGER_STATE_KEY: {"step": 9, "batches_committed": 9},
+        "default": {"w": 7},
+    }
+    committed, out = g.step()
+    assert not committed and g.m.errored() is None and out.tolist() == [0.0] * 4
+    assert "heal_ready" not in lighthouse.asked[-1].data and g.user.loaded_after == []
+    assert g.step()[0] and lighthouse.asked[-1].data["heal_ready"] is True
+    assert g.user.value == {"w": 7} and g.m.current_step() == 10 and g.m.errored() is None
 
 
 @pytest.mark.parametrize("served", [None, {MANAGER_STATE_KEY: {"step": 5, "batches_committed": 5}}],
@@ -338,29 +360,78 @@ def on_demand(replica_id: str, step: int) -> QuorumMember:
     )
 
 
-def test_a_request_claims_on_demand_and_no_checksum_is_made_while_nobody_heals(
+def test_no_snapshot_and_no_checksum_is_made_while_nobody_heals(
     make: Callable[..., Group], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     sums: list[int] = []
-    real = recovery.state_checksum
-    monkeypatch.setattr(recovery, "state_checksum", lambda state: sums.append(1) or real(state))
+    copies: list[int] = []
+    real_sum, real_stage = committed.state_checksum, committed.stage
+    monkeypatch.setattr(committed, "state_checksum", lambda state: sums.append(1) or real_sum(state))
+    monkeypatch.setattr(
+        committed, "stage", lambda state, step: copies.append(step) or real_stage(state, step)
+    )
     lighthouse = ScriptedLighthouse(in_step(1, "rg1"))
     g = make(lighthouse, init_sync=False)
     assert [g.step()[0] for _ in range(3)] == [True] * 3
-    assert [m.data["claim"] for m in lighthouse.asked] == [[], [], []] and sums == []
+    assert all("claim" not in m.data and "staged" not in m.data for m in lighthouse.asked)
+    assert sums == [] and copies == []
 
 
-def test_when_a_heal_is_due_every_member_asks_again_with_the_checksum_of_its_state(
+class Forward:
+    """Plays a forward pass that updates a buffer in place (BatchNorm statistics) while the quorum
+    thread plans, claims and serves: the served state must be the boundary's, not these bytes."""
+
+    def __init__(self, g: Group) -> None:
+        self.g, self.real = g, g.m._run_quorum
+
+    def __call__(self, *args: Any) -> None:
+        self.g.user.value["w"].add_(100.0)  # the forward pass, overlapping the quorum thread
+        self.real(*args)
+
+
+def test_a_source_snapshots_its_committed_state_when_a_heal_is_due_and_serves_that(
     make: Callable[..., Group],
 ) -> None:
-    """The source's side: the quorum holds a healer (rg1 at step 0 behind our 5) and everyone claims
-    on demand, so we ask again at once, claiming, and plan (and serve) from that second answer."""
+    """The source's side. A healer shows up in a quorum while no source holds a snapshot: it waits
+    that step, we commit it. At the next boundary we snapshot our committed state, claim it in our
+    first request and serve it -- the snapshot, while the forward pass changes the training
+    tensors in place. The step after, nobody is behind: no snapshot."""
+    lighthouse = ScriptedLighthouse(quorum(2, peer("rg1", 0)), quorum(2, peer("rg1", 0)), in_step(3, "rg1"))
+    g = make(lighthouse, init_sync=False)
+    g.m.load_state_dict({"step": 5, "batches_committed": 9})
+    g.user.value = {"w": torch.arange(4.0)}
+    assert g.step()[0] and g.m.current_step() == 6 and not any(e[0] == "send" for e in g.transport.events)
+    assert "staged" not in lighthouse.asked[0].data  # nobody was behind at our boundary
+
+    g.m._run_quorum = Forward(g)  # type: ignore[method-assign]
+    assert g.step()[0]
+    offered = {"default": {"w": torch.arange(4.0)}, MANAGER_STATE_KEY: {"step": 6, "batches_committed": 11}}
+    asked = lighthouse.asked[1]
+    assert (
+        asked.step == 6 and asked.data["staged"] is True and asked.data["claim"] == [state_checksum(offered)]
+    )
+    assert ("send", [1], 6) in g.transport.events
+    assert torch.equal(g.transport.sent[-1]["default"]["w"], torch.arange(4.0))  # not the +100
+    assert g.transport.sent[-1]["default"]["w"] is not g.user.value["w"]  # a copy, not the training tensor
+    assert len(lighthouse.asked) == 2  # no second request: the claim rode on the first
+    # The heal committed: nobody behind any more, no snapshot, no claim.
+    g.m._run_quorum = g.m._run_quorum.real  # type: ignore[attr-defined,method-assign]
+    assert g.step()[0] and set(lighthouse.asked[-1].data) == {"ckpt"}
+
+
+def test_served_live_when_a_heal_is_due_every_member_asks_again_with_the_checksum_of_its_state(
+    make: Callable[..., Group],
+) -> None:
+    """Live mode (LocalSGD, DiLoCo: the state is held still during the quorum): the quorum holds a
+    healer (rg1 at step 0 behind our 5) and everyone claims on demand, so we ask again at once,
+    claiming, and plan (and serve the live state) from that second answer."""
 
     def second(member: QuorumMember) -> Quorum:  # the healer claims too (its claim is never used)
         return quorum(2, claiming("rg1", 0, {}), us="rg0")(member)
 
     lighthouse = ScriptedLighthouse(quorum(2, on_demand("rg1", 0)), second)
     g = make(lighthouse, init_sync=False)
+    g.m.serve_live_state()
     g.m.load_state_dict({"step": 5, "batches_committed": 9})
     g.user.value = {"w": torch.arange(4.0)}
     assert g.step()[0]
@@ -376,10 +447,11 @@ def test_when_a_heal_is_due_every_member_asks_again_with_the_checksum_of_its_sta
 
 
 def test_a_member_that_does_not_claim_on_demand_means_nobody_asks_again(make: Callable[..., Group]) -> None:
-    """The choice depends on the quorum alone: one member without the empty claim (claims off, or
-    an older ftlaunch) and nobody asks again -- a lone second request would wait for the others."""
+    """The choice depends on the quorum alone: one live member without the empty claim (claims
+    off) and nobody asks again -- a lone second request would wait for the others."""
     lighthouse = ScriptedLighthouse(quorum(2, peer("rg1", 0)))
     g = make(lighthouse, init_sync=False)
+    g.m.serve_live_state()
     g.m.load_state_dict({"step": 5, "batches_committed": 9})
     assert g.step()[0] and len(lighthouse.asked) == 1
 
@@ -425,27 +497,36 @@ def test_when_the_sources_claims_tie_a_healer_checks_its_own_sources_claim(
 
 
 def test_a_source_serves_its_state_to_its_healers_until_the_vote(make: Callable[..., Group]) -> None:
-    g = make(ScriptedLighthouse(quorum(4, peer("rg1", 2), peer("rg2", 5))))
+    step_of = {"rg1": 2, "rg2": 5}
+
+    def answer(member: QuorumMember) -> Quorum:  # rg1 stays behind; rg2 keeps up, never serving
+        step_of["rg2"] = member.step
+        return quorum(4, peer("rg1", 2), peer("rg2", step_of["rg2"], staged=False))(member)
+
+    g = make(ScriptedLighthouse(answer))
     g.m.load_state_dict({"step": 5, "batches_committed": 7})
     g.user.value = {"w": 3}
-    committed, out = g.step()
-    assert committed
+    assert g.step()[0] and g.transport.events == []  # rg1 waits: nobody snapshotted for it yet
+    assert g.step()[0]
     send, disallow = g.transport.events
-    assert send == ("send", [1], 5)  # rg1 (replica rank 1) heals from us: sources are rg0, rg2
+    assert send == ("send", [1], 6)  # rg1 (replica rank 1) heals from us: sources are rg0, rg2
     assert disallow[0] == "disallow" and disallow[1][-1] == dist.ReduceOp.MIN  # after the vote
     assert g.transport.serving is None
-    assert g.m.current_step() == 6 and g.m.batches_committed() == 9
+    assert g.m.current_step() == 7 and g.m.batches_committed() == 11
 
 
 def test_the_snapshot_sent_holds_every_registered_state(make: Callable[..., Group]) -> None:
-    g = make(ScriptedLighthouse(quorum(4, peer("rg1", 0))), init_sync=True)  # step 0: we are the primary
+    """The start of a job: we are the primary (step 0); rg1 waits the first step, we snapshot its
+    end and serve it at the second."""
+    g = make(ScriptedLighthouse(quorum(4, peer("rg1", 0))), init_sync=True)
     g.m.register_state_dict_fn("sampler", lambda sd: None, lambda: {"epoch": 2})
     with pytest.raises(ValueError, match="already registered"):
         g.m.register_state_dict_fn("sampler", lambda sd: None, lambda: {})
+    assert g.step()[0] and g.transport.sent == []
     g.m.start_quorum()
     g.m.wait_quorum()
     assert g.transport.serving == {"default": {"w": 0}, "sampler": {"epoch": 2},
-                                   MANAGER_STATE_KEY: {"step": 0, "batches_committed": 0}}  # fmt: skip
+                                   MANAGER_STATE_KEY: {"step": 1, "batches_committed": 1}}  # fmt: skip
     assert g.m.should_commit()
 
 
@@ -677,7 +758,7 @@ def test_a_two_rank_group_shares_the_leaders_quorum_and_votes_through_its_store(
     assert [g.pg.configure_calls for g in ranks] == [[(f"{OUR_STORE}/ftlaunch/q1/r0", 0, 2)],
                                                      [(f"{OUR_STORE}/ftlaunch/q1/r1", 0, 2)]]  # fmt: skip
     assert lighthouse.asked[0].data["ckpt"] == ["mem://rg0/r0", "mem://rg0/r1"]  # every rank's metadata
-    assert lighthouse.asked[0].data["claim"] == []  # claims on demand: nobody heals here
+    assert "claim" not in lighthouse.asked[0].data  # nobody heals here: nothing claimed
     # An error on rank 1 only: rank 0 voted yes, but the group's vote refuses the step on both.
     assert [c for c, _ in both([None, RuntimeError("rank 1 failed")])] == [False, False]
     assert all(g.m.current_step() == 1 for g in ranks)
@@ -690,22 +771,27 @@ def test_a_two_rank_group_shares_the_leaders_quorum_and_votes_through_its_store(
                 f.result(timeout=20)
 
 
-def test_in_a_two_rank_group_every_rank_claims_when_a_heal_is_due(make: Callable[..., Group]) -> None:
-    """The second, claiming request carries both ranks' checksums (rank 1's through the group
-    store), and both ranks take the same second answer; then the vote still lines up."""
-    lighthouse = ScriptedLighthouse(quorum(2, on_demand("rg1", 0)), quorum(2, claiming("rg1", 0, {})))
+def test_in_a_two_rank_group_every_rank_snapshots_and_claims_when_a_heal_is_due(
+    make: Callable[..., Group],
+) -> None:
+    """Both ranks decide alike to snapshot (the same plan), and the request after the healer waited
+    carries both ranks' checksums (rank 1's through the group store); then the votes line up."""
+    lighthouse = ScriptedLighthouse(quorum(2, peer("rg1", 0)))
     store = dist.HashStore()
     ranks = [make(lighthouse, rank=0, world_size=2, store=store, init_sync=False),
              make(None, rank=1, world_size=2, store=store, init_sync=False)]  # fmt: skip
     for r, g in enumerate(ranks):  # each rank its own shard
         g.m.load_state_dict({"step": 5, "batches_committed": 9})
         g.user.value = {"w": torch.full((2,), float(r))}
-    with ThreadPoolExecutor(2) as pool:
-        futures = [pool.submit(g.step) for g in ranks]
-        assert [f.result(timeout=20)[0] for f in futures] == [True, True]
-    claims = [m.data["claim"] for m in lighthouse.asked]
-    assert len(claims) == 2 and claims[0] == [] and len(claims[1]) == 2 and claims[1][0] != claims[1][1]
-    assert all(g.m.current_step() == 6 for g in ranks)
+    for _ in range(2):
+        with ThreadPoolExecutor(2) as pool:
+            futures = [pool.submit(g.step) for g in ranks]
+            assert [f.result(timeout=20)[0] for f in futures] == [True, True]
+    claims = [m.data.get("claim") for m in lighthouse.asked]
+    assert len(claims) == 2 and claims[0] is None and len(claims[1]) == 2 and claims[1][0] != claims[1][1]
+    assert lighthouse.asked[1].data["staged"] is True
+    assert all(("send", [1], 6) in g.transport.events for g in ranks)
+    assert all(g.m.current_step() == 7 for g in ranks)
 
 
 def test_the_leader_passes_a_lost_quorum_on_to_the_other_ranks_of_its_group(
@@ -804,7 +890,11 @@ def test_the_heartbeat_interval_is_bounded(make: Callable[..., Group], interval:
 
 
 def test_heal_claims_can_be_turned_off(make: Callable[..., Group], monkeypatch: pytest.MonkeyPatch) -> None:
+    """No checksum, but the snapshot is taken and served all the same."""
     monkeypatch.setenv(env.FTLAUNCH_HEAL_CLAIMS, "false")  # any flag spelling: "0" and "false" alike
-    lighthouse = ScriptedLighthouse(in_step(1, "rg1"))
+    lighthouse = ScriptedLighthouse(quorum(1, peer("rg1", 0)))
     g = make(lighthouse, init_sync=False)
-    assert g.step()[0] and "claim" not in lighthouse.asked[0].data
+    g.m.load_state_dict({"step": 5, "batches_committed": 9})
+    assert g.step()[0] and g.step()[0]
+    assert all("claim" not in m.data for m in lighthouse.asked) and lighthouse.asked[1].data["staged"] is True
+    assert ("send", [1], 6) in g.transport.events

@@ -170,6 +170,7 @@ def test_set_state_dict_fns_registers_state_that_travels(make: Callable[..., Gro
     g = make(ScriptedLighthouse(quorum(4, member("rg1", 0))), init_sync=True)  # we are the primary
     with pytest.warns(DeprecationWarning, match="register_state_dict_fn"):
         g.m.set_state_dict_fns(lambda sd: None, lambda: {"lr": 0.1})
+    assert g.step()[0]  # rg1 waits for the snapshot of this step's end
     g.m.start_quorum()
     g.m.wait_quorum()
     assert g.transport.serving is not None and g.transport.serving["set_state_dict_fns"] == {"lr": 0.1}
@@ -178,8 +179,9 @@ def test_set_state_dict_fns_registers_state_that_travels(make: Callable[..., Gro
 
 def test_disallowed_state_reads_wait_for_allow(make: Callable[..., Group]) -> None:
     """A source group whose training loop disallowed reads serves the state only once allowed,
-    and then the state as it is at that moment."""
+    and then the state as it is at that moment (live state: `serve_live_state`)."""
     g = make(ScriptedLighthouse(quorum(4, member("rg1", 2), member("rg2", 5))))
+    g.m.serve_live_state()
     g.m.load_state_dict({"step": 5, "batches_committed": 7})
     g.m.disallow_state_dict_read()
     g.m.disallow_state_dict_read()  # idempotent, as torchft's
@@ -195,6 +197,7 @@ def test_disallowed_state_reads_wait_for_allow(make: Callable[..., Group]) -> No
 
 def test_reads_disallowed_past_the_heal_timeout_fail_the_step(make: Callable[..., Group]) -> None:
     g = make(ScriptedLighthouse(quorum(4, member("rg1", 2), member("rg2", 5))), heal_timeout=0.3)
+    g.m.serve_live_state()
     g.m.load_state_dict({"step": 5, "batches_committed": 7})
     g.m.disallow_state_dict_read()
     t0 = time.monotonic()
@@ -204,8 +207,30 @@ def test_reads_disallowed_past_the_heal_timeout_fail_the_step(make: Callable[...
     g.m.allow_state_dict_read()
 
 
+def test_reads_disallowed_at_the_commit_boundary_mean_no_snapshot_and_the_healer_waits(
+    make: Callable[..., Group],
+) -> None:
+    """A snapshot is taken at the boundary, on the training thread: reads it closed itself are not
+    waited for (that would wait for itself). No snapshot, no serving; the healer waits; once
+    allowed, the next boundary takes one and the healer heals from it."""
+    step_of = {"rg2": 5}
+
+    def answer(m: object) -> object:  # rg1 behind; rg2 keeps up, never serving
+        step_of["rg2"] = m.step  # type: ignore[attr-defined]
+        return quorum(4, member("rg1", 2), member("rg2", step_of["rg2"], staged=False))(m)  # type: ignore[arg-type]
+
+    g = make(ScriptedLighthouse(answer))  # type: ignore[arg-type]
+    g.m.load_state_dict({"step": 5, "batches_committed": 7})
+    assert g.step()[0]  # rg1 waits: nobody took a snapshot at this boundary
+    g.m.disallow_state_dict_read()
+    assert g.step()[0] and g.transport.sent == []  # closed at the boundary: no snapshot, rg1 waits again
+    g.m.allow_state_dict_read()
+    assert g.step()[0] and [e[0] for e in g.transport.events] == ["send", "disallow"]
+
+
 def test_disallow_waits_for_a_read_in_progress(make: Callable[..., Group]) -> None:
     g = make(ScriptedLighthouse(quorum(4, member("rg1", 2), member("rg2", 5))))
+    g.m.serve_live_state()
     g.m.load_state_dict({"step": 5, "batches_committed": 7})
     reading, release = threading.Event(), threading.Event()
 

@@ -115,9 +115,12 @@ def test_after_a_committed_heal_the_group_steps_on_the_quorum_at_the_reached_ste
     assert committed and g.m.current_step() == 7 and g.m._outage.steps == 1
     assert out.tolist() == [6.0] * 4  # both up to date now: our gradient counts
     assert len(g.pg.configure_calls) == 1 and len(g.transport.events) == 1  # no reconfigure, no heal
-    assert after_heal(quorum(3, peer("rg0", 5), us="rg1")(QuorumMember("rg1", step=0)),
-                      plan_step(quorum(3, peer("rg0", 5), us="rg1")(QuorumMember("rg1", step=0)), "rg1")
-                      ) is not None  # fmt: skip
+    healer = QuorumMember("rg1", step=0, data={"heal_ready": True})
+    assert after_heal(quorum(3, peer("rg0", 5), us="rg1")(healer),
+                      plan_step(quorum(3, peer("rg0", 5), us="rg1")(healer), "rg1")) is not None  # fmt: skip
+    # A step in which the healer waited for a snapshot is no complete one to step on.
+    waited = quorum(3, peer("rg0", 5, staged=False), us="rg1")(healer)
+    assert after_heal(waited, plan_step(waited, "rg1")) is None
 
 
 class TimedLighthouse(ScriptedLighthouse):

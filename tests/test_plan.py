@@ -7,12 +7,25 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ftlaunch.lighthouse.quorum import Quorum, QuorumMember
-from ftlaunch.worker.plan import WorldSizeMode, claims_wanted, plan_step
+from ftlaunch.worker.plan import (
+    StepPlan,
+    WorldSizeMode,
+    claims_wanted,
+    may_heal,
+    plan_step,
+    snapshot_due,
+)
+
+#: What a member that can take part in a heal says: it holds a snapshot to serve, and (were it
+#: behind) it waits for its heal before its forward pass.
+READY = {"staged": True, "heal_ready": True}
 
 
-def quorum(steps: dict[str, int], qid: int = 7) -> Quorum:
+def quorum(steps: dict[str, int], qid: int = 7, data: dict[str, dict] | None = None) -> Quorum:
+    """Members at ``steps``; each with ``READY`` unless ``data`` says otherwise for it."""
     members = tuple(
-        QuorumMember(replica_id=rid, store_address=f"h{rid}:1", step=s) for rid, s in sorted(steps.items())
+        QuorumMember(replica_id=rid, store_address=f"h{rid}:1", step=s, data=(data or {}).get(rid, READY))
+        for rid, s in sorted(steps.items())
     )
     return Quorum(quorum_id=qid, participants=members, created=0.0)
 
@@ -107,7 +120,7 @@ def test_plans_are_mutually_consistent(steps: dict[str, int], init_sync: bool) -
             src = plans[p.recover_src_id]  # type: ignore[index]
             assert not src.heal and p.replica_rank in src.recover_dst_ranks
         else:
-            assert p.source_rank is not None
+            assert p.source_rank is not None and not p.waits
     n_sources = sum(1 for p in plans.values() if not p.heal)
     assert all(p.num_sources == n_sources >= 1 for p in plans.values())
     assert len({p.store_address for p in plans.values()}) == 1
@@ -120,7 +133,8 @@ def laid_out(steps: dict[str, int], layouts: dict[str, str | None]) -> Quorum:
     """A quorum whose members publish a layout digest (None: they publish none)."""
     members = tuple(
         QuorumMember(replica_id=rid, store_address=f"h{rid}:1", step=s,
-                     data={} if layouts[rid] is None else {"layout": {"digest": layouts[rid], "text": f"mesh of {rid}"}})
+                     data=READY if layouts[rid] is None
+                     else {**READY, "layout": {"digest": layouts[rid], "text": f"mesh of {rid}"}})
         for rid, s in sorted(steps.items())
     )  # fmt: skip
     return Quorum(quorum_id=1, participants=members, created=0.0)
@@ -170,7 +184,7 @@ def claimed(
             store_address=f"h{rid}:1",
             step=s,
             commit_failures=(failures or {}).get(rid, 0),
-            data={} if claims.get(rid) is None else {"claim": claims[rid]},
+            data=READY if claims.get(rid) is None else {**READY, "claim": claims[rid]},
         )
         for rid, s in sorted(steps.items())
     )
@@ -241,10 +255,10 @@ def test_a_malformed_claim_is_no_claim(bad: object) -> None:
     q = Quorum(
         quorum_id=1,
         participants=(
-            QuorumMember(replica_id="a", store_address="a:1", step=5, data={"claim": bad}),
-            QuorumMember(replica_id="b", store_address="b:1", step=5, data={}),
-            QuorumMember(replica_id="c", store_address="c:1", step=5, data={"claim": ["s"]}),
-            QuorumMember(replica_id="d", store_address="d:1", step=1, data={}),
+            QuorumMember(replica_id="a", store_address="a:1", step=5, data={**READY, "claim": bad}),
+            QuorumMember(replica_id="b", store_address="b:1", step=5, data=READY),
+            QuorumMember(replica_id="c", store_address="c:1", step=5, data={**READY, "claim": ["s"]}),
+            QuorumMember(replica_id="d", store_address="d:1", step=1, data=READY),
         ),
         created=0.0,
     )
@@ -265,8 +279,76 @@ def test_claims_are_wanted_only_when_someone_heals_and_every_member_claims_on_de
 
 
 @given(st.dictionaries(st.sampled_from("abcde"), st.integers(0, 3), min_size=1), st.booleans())
-def test_claims_wanted_agrees_with_the_plans(steps: dict[str, int], init_sync: bool) -> None:
-    """Someone heals in the plans exactly when an all-on-demand quorum wants claims."""
+def test_live_sources_want_claims_exactly_when_someone_heals_and_snapshots_never_do(
+    steps: dict[str, int], init_sync: bool
+) -> None:
+    """Groups serving a live state claim on demand; a snapshot's claim rides on the first request."""
     q = claimed(steps, {r: [] for r in steps})
     heals = any(plan_step(q, r, init_sync=init_sync).heal for r in steps)
     assert claims_wanted(q, init_sync=init_sync) == heals
+    assert not claims_wanted(claimed(steps, {r: ["s"] for r in steps}), init_sync=init_sync)
+    unstaged = quorum(steps, data={r: {"claim": []} for r in steps})  # nothing to serve: nothing to claim
+    assert not claims_wanted(unstaged, init_sync=init_sync)
+
+
+# ---- snapshots: heals are served from the state the sources committed -----------------------------
+
+
+def test_a_healer_waits_while_no_source_holds_a_snapshot_and_the_sources_step_on() -> None:
+    """A healer that shows up in a quorum whose sources took no snapshot (nobody was behind at their
+    boundary) waits that step: no source is assigned, it does not take part, the sources commit."""
+    steps = {"a": 5, "b": 5, "h": 0}
+    q = quorum(steps, data={"a": {}, "b": {}})
+    h, a = plan_step(q, "h"), plan_step(q, "a")
+    assert h.waits and not h.heal and h.deferred and h.num_healers == 1 and not h.participates
+    assert a.deferred and not a.waits and a.participates and a.recover_dst_ranks == ()
+    assert a.num_sources == 2 and a.num_up_to_date == 2
+    # One source took its snapshot: it serves every healer; the other steps on without serving.
+    q = quorum({**steps, "g": 1}, data={"a": {}})
+    assert [plan_step(q, r).recover_src_id for r in ("g", "h")] == ["b", "b"]
+    assert not plan_step(q, "a").deferred and plan_step(q, "a").untrusted_ids == ()
+
+
+def test_a_healer_not_ready_to_heal_waits_while_a_ready_one_heals() -> None:
+    """A healer whose forward pass already runs on its old state (it did not expect to be behind:
+    a resumed SIGSTOP) says so, and waits; the next step it asks ready."""
+    q = quorum({"a": 5, "x": 0, "y": 1}, data={"x": {"staged": True}})
+    x, y = plan_step(q, "x"), plan_step(q, "y")
+    assert x.waits and x.deferred and y.heal and y.recover_src_id == "a"
+    assert plan_step(q, "a").recover_dst_ranks == (2,)
+
+
+def plan_at(max_step: int, healers: int, deferred: bool = False, source: bool = True) -> StepPlan:
+    """The last plan of a group (a source, unless ``source`` is False: then one of the healers)."""
+    return StepPlan(quorum_id=1, replica_rank=0, replica_world_size=healers + 1, max_step=max_step,
+                    num_sources=1, source_rank=0 if source else None, recover_src_rank=None, recover_src_id=None,
+                    recover_dst_ranks=(), store_address="a:1", num_healers=healers, deferred=deferred)  # fmt: skip
+
+
+def test_a_snapshot_is_taken_only_when_a_heal_is_due() -> None:
+    # Nobody behind: no copy, no checksum (the per-step path pays nothing).
+    assert not snapshot_due(8, plan_at(7, healers=0))
+    # Someone waited in the last step (committed: 8 = 7 + 1): snapshot its end.
+    assert snapshot_due(8, plan_at(7, healers=1, deferred=True))
+    # The heal step committed: the healer holds the state, nothing more to serve.
+    assert not snapshot_due(8, plan_at(7, healers=1))
+    # It did not commit (still at 7): the healer retries, from any source.
+    assert snapshot_due(7, plan_at(7, healers=1))
+    # The start: the others wait one step for the primary, which snapshots the end of step 0.
+    assert snapshot_due(1, plan_at(0, healers=2, deferred=True)) and not snapshot_due(0, None)
+    # A process's first step copies nothing: mostly a restarted group's or a spare's, serving nobody.
+    assert not snapshot_due(5, None)
+    # A healer that waited at the start (at the primary's step 0, but a healer) serves nobody.
+    assert not snapshot_due(0, plan_at(0, healers=1, deferred=True, source=False))
+    # Behind itself (a healer, a restarted group): it serves nobody.
+    assert not snapshot_due(0, plan_at(7, healers=1, deferred=True)) and not snapshot_due(
+        3, plan_at(7, healers=1)
+    )
+
+
+def test_a_group_waits_for_its_quorum_before_its_forward_pass_only_when_it_may_heal() -> None:
+    assert may_heal(0, None)  # its first step: it may be behind
+    assert may_heal(3, plan_at(7, healers=1))  # it was behind
+    assert may_heal(0, plan_at(0, healers=1, deferred=True, source=False))  # waited for the primary
+    assert not may_heal(1, plan_at(0, healers=1, source=False))  # healed at the start, committed
+    assert not may_heal(7, plan_at(7, healers=1)) and not may_heal(8, plan_at(7, healers=0))

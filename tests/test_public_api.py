@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 import ftlaunch
 
 
@@ -117,3 +119,31 @@ def test_nothing_in_the_package_imports_the_torchft_shims() -> None:
             if names & shims:
                 offenders.append(f"{path.relative_to(root)}:{node.lineno}")
     assert offenders == []
+
+
+def test_a_worker_importing_the_lighthouse_client_does_not_load_the_server() -> None:
+    """Workers import the lighthouse package for its client (and the outage-tolerant wrapper): the
+    server, its asyncio transport and the bookkeeping must not come with it."""
+    code = (
+        "import sys\n"
+        "from ftlaunch.lighthouse import LighthouseClient, QuorumMember\n"
+        "import ftlaunch.lighthouse.reconnect\n"
+        "server = {'asyncio', 'ftlaunch.lighthouse.server', 'ftlaunch.lighthouse.transport',\n"
+        "          'ftlaunch.lighthouse.connection', 'ftlaunch.lighthouse.routes', 'ftlaunch.lighthouse.membership'}\n"
+        "sys.exit(', '.join(sorted(server & set(sys.modules))) or 0)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], timeout=60, capture_output=True, text=True)
+    assert done.returncode == 0, f"loaded with the client: {done.stderr.strip()}"
+
+
+def test_the_lighthouse_packages_public_names_resolve() -> None:
+    import ftlaunch.lighthouse as lighthouse
+    from ftlaunch.lighthouse import LighthouseServer
+    from ftlaunch.lighthouse.server import LighthouseServer as Defined
+
+    assert LighthouseServer is Defined
+    assert set(lighthouse.__all__) <= set(dir(lighthouse))
+    for name in lighthouse.__all__:
+        assert getattr(lighthouse, name).__name__ == name
+    with pytest.raises(AttributeError, match="NoSuchThing"):
+        lighthouse.NoSuchThing  # noqa: B018

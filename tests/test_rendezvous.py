@@ -285,3 +285,35 @@ def test_an_agent_the_supervisor_respawned_waits_out_a_lighthouse_outage(
             handler._ensure_lighthouse()  # noqa: SLF001 - without the launcher's word: lighthouse_timeout
     finally:
         handler.shutdown()
+
+
+def test_every_node_of_a_round_gets_rank_0s_incarnation_and_workers_store() -> None:
+    """Rank 0 counts the group's rounds in the store that outlives them and hands the count and
+    its workers' store to the other nodes in the round's own store -- not under torch's
+    MASTER_ADDR/MASTER_PORT keys, which the inner rendezvous already set to its own store."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from torch.distributed.elastic.rendezvous.api import RendezvousInfo, RendezvousStoreInfo
+
+    from ftlaunch.launcher.rendezvous import FtlaunchRendezvousHandler
+
+    cfg = FtRendezvousConfig(replica_group_id=1, num_replica_groups=2)
+    rounds = dist.HashStore()
+    nodes = [FtlaunchRendezvousHandler(cfg, None, "", "r-rg1", rounds_store=rounds) for _ in range(2)]  # type: ignore[arg-type]
+    seen = []
+    for _ in range(2):  # two rounds; the node that is rank 0 has its own round count, the other not
+        store = dist.HashStore()
+        store.set_timeout(timedelta(seconds=5))
+        store.set(RendezvousStoreInfo.MASTER_ADDR_KEY, "inner-store-host")  # the inner rendezvous's
+        store.set(RendezvousStoreInfo.MASTER_PORT_KEY, "1")
+        boot = RendezvousStoreInfo("unused", 0)
+        got0 = nodes[0]._round(RendezvousInfo(store, 0, 2, boot), "127.0.0.1")  # its own address
+        got1 = nodes[1]._round(RendezvousInfo(store, 1, 2, boot), "10.0.0.6")
+        assert got0 == got1
+        seen.append(got0)
+    (inc_a, boot_a), (inc_b, boot_b) = seen
+    assert (inc_a, inc_b) == (0, 1)
+    assert boot_a.master_addr == boot_b.master_addr == "127.0.0.1"  # rank 0's, as published
+    assert boot_b.master_port == nodes[0]._worker_store.port != boot_a.master_port  # a fresh store
+    nodes[0]._worker_store = None

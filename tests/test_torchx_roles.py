@@ -82,6 +82,9 @@ def test_group_role_torchrun_arguments() -> None:
         "start_lighthouse": "false",
         "group_endpoint": "file:/shared/job/rg1.store",
     }
+    # A job Slurm requeued keeps its id and job directory: its groups meet in fresh store files.
+    requeued = torchrun_argv(args, "http://lh:1234", "/shared/job", requeued=2)
+    assert "group_endpoint=file:/shared/job/rg1.r2.store" in requeued[3]
 
 
 def test_group_roles_connect_to_the_schedulers_name_for_the_lighthouse() -> None:

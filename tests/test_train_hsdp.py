@@ -90,14 +90,18 @@ def test_two_groups_of_two_match_the_single_process_reference(form: list[str]) -
     assert res.returncode == 0, text[-5000:]
     got = logged_losses(res.stdout)
     want = reference_losses(steps, "--sampler", "shard", *form)
-    assert set(got) == set(want) and len(want) == steps * 4, (sorted(got), sorted(want))
-    # Step 0: group 1 heals from group 0 (one source); then both groups take part.
-    assert {n for (s, _, _), (_, n) in got.items() if s == 0} == {1}
-    assert {n for (s, _, _), (_, n) in got.items() if s > 0} == {2}
+    # Step 0: group 0 commits it alone (one source) and snapshots its end while group 1 waits; group 1
+    # heals from that snapshot before its step-1 forward pass (contributing zeros to step 1); then both
+    # groups take part.
+    waited = {(0, 1, 0), (0, 1, 1)}
+    assert set(got) == set(want) - waited and len(want) == steps * 4, (sorted(got), sorted(want))
+    assert {n for (s, _, _), (_, n) in got.items() if s <= 1} == {1}
+    assert {n for (s, _, _), (_, n) in got.items() if s > 1} == {2}
     for key, loss in want.items():
-        assert got[key][0] == pytest.approx(loss, rel=1e-4, abs=1e-5), key
+        if key not in waited:
+            assert got[key][0] == pytest.approx(loss, rel=1e-4, abs=1e-5), key
     assert "2/2 groups ended bit-identical" in res.stdout
-    assert text.count("healing from rg0 at step 0") == 2  # both ranks of group 1, each from its peer rank
+    assert text.count("healing from rg0 at step 1") == 2  # both ranks of group 1, each from its peer rank
     assert (
         re.search(
             r"fault-tolerant HSDP: 53 parameters \(\d+ elements\) on mesh \[2\] \['dp_shard'\], "

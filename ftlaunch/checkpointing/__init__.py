@@ -8,7 +8,8 @@ checkpoint. `transport.CheckpointTransport` is the interface the Manager uses; t
 * `pg_transport.PGTransport` sends it over a (reconfigured) process group, e.g. NCCL between GPUs.
 
 Both use `serialization/`, the wire format: a JSON header plus raw tensor bytes, never pickle.
-Failures raise `ftlaunch.errors.CheckpointTransportError`.
+Failures raise `ftlaunch.errors.CheckpointTransportError`. `staging` copies a state off the training
+tensors, so that what a source serves is one step's state while its training goes on.
 """
 
 from ftlaunch.checkpointing.http_transport import HTTPTransport

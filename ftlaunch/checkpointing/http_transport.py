@@ -37,6 +37,7 @@ from typing import TypeVar
 
 import torch
 
+from ftlaunch import env
 from ftlaunch.addresses import http_url, parse_host_port
 from ftlaunch.checkpointing._http_fetch import Fetch
 from ftlaunch.checkpointing._http_server import CheckpointServer, Snapshot
@@ -109,7 +110,7 @@ class HTTPTransport(CheckpointTransport[T]):
         self._server = CheckpointServer((host, port), timeout.total_seconds())
         port = int(self._server.server_address[1])
         if host in ("", "0.0.0.0", "::"):
-            host = socket.gethostname()
+            host = env.local_addr() or socket.gethostname()  # what the job's other hosts reach
         self._url = http_url(host, port)
         self._thread = threading.Thread(
             target=self._server.serve_forever,

@@ -101,8 +101,14 @@ def _wait_for_address(job_dir: str, timeout: float) -> str:
         time.sleep(0.2)
 
 
-def torchrun_argv(args: argparse.Namespace, endpoint: str, job_dir: str | None) -> list[str]:
-    """torchrun's arguments: the endpoint and the group's rendezvous keys, then the spec's own."""
+def torchrun_argv(
+    args: argparse.Namespace, endpoint: str, job_dir: str | None, requeued: int = 0
+) -> list[str]:
+    """torchrun's arguments: the endpoint and the group's rendezvous keys, then the spec's own.
+
+    ``requeued``: how often Slurm requeued the job. A requeued job keeps its id, so its job
+    directory, and a multi-node group meets in a store file of that run's own: the previous run's
+    file holds a rendezvous of nodes that are gone."""
     # The lighthouse is the lighthouse role's (or yours): a group must never start one of its own, even
     # when the endpoint is this machine and the lighthouse is gone.
     conf = f"replica_group_id={args.group},num_replica_groups={args.groups},start_lighthouse=false"
@@ -111,7 +117,8 @@ def torchrun_argv(args: argparse.Namespace, endpoint: str, job_dir: str | None) 
     if args.nnodes > 1:
         if job_dir is None:  # placement.job_dir(needed=True) has refused already
             raise ConfigurationError("a multi-node replica group needs a job directory")
-        conf += f",group_endpoint=file:{os.path.join(job_dir, env.replica_id(args.group))}.store"
+        run = f".r{requeued}" if requeued else ""
+        conf += f",group_endpoint=file:{os.path.join(job_dir, env.replica_id(args.group))}{run}.store"
     rest = list(args.torchrun_args)
     if rest and rest[0] == "--":
         rest = rest[1:]
@@ -191,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
             if env.job_token() is None and os.path.exists(token_file):
                 with open(token_file) as f:
                     env.publish({env.FTLAUNCH_TOKEN: f.read().strip()})  # the rendezvous publishes it
-        command = torchrun_argv(args, endpoint, job_dir)
+        command = torchrun_argv(args, endpoint, job_dir, env.slurm_restart_count())
     except (ConfigurationError, ValueError) as e:
         print(f"ftlaunch group role {rid}: error: {e}", file=sys.stderr)
         return 2

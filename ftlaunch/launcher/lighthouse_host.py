@@ -28,7 +28,7 @@ from urllib.parse import urlsplit
 
 from ftlaunch import env
 from ftlaunch.errors import FtlaunchError, LighthouseError
-from ftlaunch.lighthouse.progress import GroupProgress
+from ftlaunch.lighthouse.progress import GroupProgress, Rewind
 from ftlaunch.lighthouse.status import LighthouseStatus
 
 if TYPE_CHECKING:
@@ -101,6 +101,17 @@ class JobLighthouse(abc.ABC):
 
     def _progress(self) -> tuple[GroupProgress, ...]:
         return self.snapshot().progress
+
+    def rewinds(self) -> tuple[Rewind, ...] | None:
+        """The times the job went back to an earlier step because no group holding its state was
+        left (`Rewind`), or None when the lighthouse cannot be read."""
+        try:
+            return self._rewinds()
+        except Exception:  # noqa: BLE001 - informational: the caller keeps what it read last
+            return None
+
+    def _rewinds(self) -> tuple[Rewind, ...]:
+        return self.snapshot().rewinds
 
     def _snapshot_or_empty(self) -> LighthouseStatus:
         try:
@@ -188,6 +199,9 @@ class HostedLighthouse(JobLighthouse):
 
     def _progress(self) -> tuple[GroupProgress, ...]:
         return self._running().progress()  # in process, without building the whole status
+
+    def _rewinds(self) -> tuple[Rewind, ...]:
+        return self._running().rewinds()
 
     def stop(self, linger: float = 0.0) -> None:
         """Stop serving; idempotent.

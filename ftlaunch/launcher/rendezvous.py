@@ -13,9 +13,21 @@ Two levels of membership, kept apart on purpose:
   own nodes), so a group coming or going never restarts a healthy one.
 
 The handler also publishes the job environment (`env.JobEnv`: ``REPLICA_GROUP_ID``,
-``NUM_REPLICA_GROUPS``, ``FTLAUNCH_LIGHTHOUSE`` and, when known, ``FTLAUNCH_TOKEN``) by setting it in
-the agent's ``os.environ`` before torchelastic starts the workers, which inherit the agent's
-environment. It does so under all three launch paths (``ftlaunch``, ``torchrun``, torchx).
+``NUM_REPLICA_GROUPS``, ``FTLAUNCH_LIGHTHOUSE``, ``FTLAUNCH_LOCAL_ADDR`` and, when known,
+``FTLAUNCH_TOKEN``; and each round's ``FTLAUNCH_GROUP_INCARNATION``) by setting it in the agent's
+``os.environ`` before torchelastic starts the workers, which inherit the agent's environment. It
+does so under all three launch paths (``ftlaunch``, ``torchrun``, torchx).
+
+**Addresses other hosts can reach.** The group's store (``MASTER_ADDR``, which the quorum hands to
+the other groups) is published under this node's address for the job's other hosts: ``--local-addr``
+(or ``FTLAUNCH_LOCAL_ADDR``) when given, else the local address of the route to the lighthouse
+(`ftlaunch.addresses.reachable_address`), which is loopback only when the lighthouse is addressed as
+loopback -- the whole job on one host.
+
+**One incarnation per round, on every node.** Each round, the group's rank 0 counts the round in the
+group's own rendezvous store (which outlives rounds) and hands the count to the round's other nodes;
+the workers key their group-store traffic by it. torchelastic's restart count cannot serve: it
+counts only the restarts of the node whose worker failed.
 
 If no lighthouse answers at the endpoint and the endpoint names this machine, the handler hosts one
 inside this agent process (`HostedLighthouse`, as the c10d backend hosts its store). That lighthouse
@@ -38,15 +50,15 @@ def create_handler():  # type: ignore[no-untyped-def]
 
 
 import dataclasses  # noqa: E402
+import json  # noqa: E402
 import logging  # noqa: E402
 import os  # noqa: E402
-import socket  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Mapping  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 from datetime import timedelta  # noqa: E402
 
-from torch.distributed import TCPStore  # noqa: E402
+from torch.distributed import PrefixStore, Store, TCPStore  # noqa: E402
 from torch.distributed.elastic.rendezvous.api import (  # noqa: E402
     RendezvousConnectionError,
     RendezvousHandler,
@@ -56,7 +68,7 @@ from torch.distributed.elastic.rendezvous.api import (  # noqa: E402
 )
 
 from ftlaunch import env, phases  # noqa: E402
-from ftlaunch.addresses import format_host_port, is_local_host, parse_host_port  # noqa: E402
+from ftlaunch.addresses import format_host_port, is_local_host, parse_host_port, reachable_address  # noqa: E402
 from ftlaunch.env import Duration  # noqa: E402
 from ftlaunch.errors import ConfigurationError  # noqa: E402
 from ftlaunch.launcher.lighthouse_host import HostedLighthouse, LighthouseSettings, RemoteLighthouse  # noqa: E402
@@ -67,6 +79,11 @@ logger = logging.getLogger(__name__)
 BACKEND_NAME = "ftlaunch"
 #: Timeout of the workers' store server (torch's default for TCPStore).
 _STORE_TIMEOUT_S = 300
+#: Key of the group's round count in its rendezvous store (it outlives rounds).
+_ROUNDS_KEY = "ftlaunch/rounds"
+#: Key of the round's incarnation and workers' store in the round's own store (rank 0 writes it,
+#: the other nodes read it).
+_ROUND_KEY = "ftlaunch/round"
 
 #: Keys this handler reads from ``--rdzv-conf``; everything else must be a key of torchelastic's
 #: dynamic rendezvous (passed on to the group's own rendezvous).
@@ -247,9 +264,14 @@ class FtlaunchRendezvousHandler(RendezvousHandler):
         endpoint: str,
         run_id: str,
         local_addr: str | None = None,
+        rounds_store: Store | None = None,
     ) -> None:
         self.config = config
+        #: The address given with --local-addr / FTLAUNCH_LOCAL_ADDR (None: decide from the route).
         self._local_addr = local_addr
+        self._advertised: str | None = None
+        #: The group's rendezvous store, which outlives rounds: it counts them (`_round`).
+        self._rounds_store = rounds_store
         self._worker_store: TCPStore | None = None
         self._inner = inner
         self._endpoint = endpoint.strip()
@@ -269,7 +291,8 @@ class FtlaunchRendezvousHandler(RendezvousHandler):
 
     def next_rendezvous(self) -> RendezvousInfo:
         addr = self._ensure_lighthouse()
-        self._publish_env(addr)
+        advertised = self._advertised_address(addr)
+        self._publish_env(addr, advertised)
         self._rounds += 1
         if self._rounds > 1:
             logger.info(
@@ -280,28 +303,53 @@ class FtlaunchRendezvousHandler(RendezvousHandler):
         phases.mark("rendezvous_start", round=self._rounds)
         info = self._inner.next_rendezvous()
         phases.mark("rendezvous_done", round=self._rounds)
-        # A fresh workers' store (MASTER_ADDR:MASTER_PORT) every round, hosted by this agent when it
-        # is the group's rank 0. torch's dynamic rendezvous keeps one agent store across rounds, and
-        # workers do not prefix their keys per attempt: after a restart a fast worker can read the
-        # address the *dead* rank 0 of the previous attempt published and fail with "Connection
-        # refused" in gloo's connectFullMesh. The round's own store (``info.store``) is per round, so
-        # the address exchange below is clean; the previous round's server is closed.
-        port = None
-        if info.rank == 0:
-            self._worker_store = None
-            self._worker_store = TCPStore(
-                self._local_addr or socket.getfqdn(),
-                0,
-                is_master=True,
-                multi_tenant=True,
-                wait_for_workers=False,
-                timeout=timedelta(seconds=_STORE_TIMEOUT_S),
-            )
-            port = self._worker_store.port
-        bootstrap = RendezvousStoreInfo.build(
-            info.rank, info.store, local_addr=self._local_addr, server_port=port
-        )
+        incarnation, bootstrap = self._round(info, advertised)
+        env.publish(env.incarnation_environ(incarnation))
         return RendezvousInfo(info.store, info.rank, info.world_size, bootstrap)
+
+    def _advertised_address(self, lighthouse: str) -> str:
+        """This node's address for the job's other hosts (see the module docstring)."""
+        if self._advertised is None:
+            self._advertised = self._local_addr or reachable_address(parse_host_port(lighthouse)[0])
+            logger.info(
+                "ftlaunch rendezvous: replica group %d publishes its addresses as %s",
+                self.config.replica_group_id,
+                self._advertised,
+            )
+        return self._advertised
+
+    def _round(self, info: RendezvousInfo, advertised: str) -> tuple[int, RendezvousStoreInfo]:
+        """This round's incarnation and workers' store, the same on every node of the group.
+
+        Rank 0's agent hosts a fresh workers' store (``MASTER_ADDR:MASTER_PORT``) every round. torch's
+        dynamic rendezvous keeps one agent store across rounds, and workers do not prefix their keys
+        per attempt: after a restart a fast worker could read the address the *dead* rank 0 of the
+        previous attempt published and fail with "Connection refused" in gloo's connectFullMesh.
+        It also counts the round in the group's rendezvous store, which outlives rounds. Both go
+        to the other nodes in one key of the round's own store (``info.store``, fresh every round)
+        -- not under torch's ``MASTER_ADDR``/``MASTER_PORT`` keys there, which the inner rendezvous
+        has already set to its own store: a node reading them before rank 0 overwrote them would
+        join another store than its peers.
+        """
+        if info.rank != 0:
+            got = json.loads(info.store.get(_ROUND_KEY))
+            return int(got["incarnation"]), RendezvousStoreInfo(str(got["addr"]), int(got["port"]))
+        if self._rounds_store is not None:
+            incarnation = self._rounds_store.add(_ROUNDS_KEY, 1) - 1
+        else:  # no store across rounds (a test double): this node's count
+            incarnation = self._rounds - 1
+        self._worker_store = None  # the previous round's server closes
+        self._worker_store = TCPStore(  # listens on every interface; published as ``advertised``
+            advertised,
+            0,
+            is_master=True,
+            multi_tenant=True,
+            wait_for_workers=False,
+            timeout=timedelta(seconds=_STORE_TIMEOUT_S),
+        )
+        port = self._worker_store.port
+        info.store.set(_ROUND_KEY, json.dumps({"incarnation": incarnation, "addr": advertised, "port": port}))
+        return incarnation, RendezvousStoreInfo(advertised, port)
 
     def is_closed(self) -> bool:
         return self._inner.is_closed()
@@ -426,11 +474,17 @@ class FtlaunchRendezvousHandler(RendezvousHandler):
         if hosted is not None:
             hosted.stop(linger=self.config.lighthouse_linger)
 
-    def _publish_env(self, addr: str) -> None:
+    def _publish_env(self, addr: str, advertised: str) -> None:
         cfg = self.config
         # Published once `_ensure_lighthouse` found it answering: the workers wait out an outage.
         job = env.JobEnv(
-            cfg.replica_group_id, cfg.num_replica_groups, addr, cfg.token, cfg.spares, lighthouse_reached=True
+            cfg.replica_group_id,
+            cfg.num_replica_groups,
+            addr,
+            cfg.token,
+            cfg.spares,
+            lighthouse_reached=True,
+            local_addr=advertised,
         )
         env.publish(job.to_environ())
 
@@ -444,7 +498,8 @@ def _inner_params(params: RendezvousParameters, cfg: FtRendezvousConfig, run_id:
     elif cfg.group_endpoint:
         endpoint = cfg.group_endpoint
     elif params.max_nodes == 1:
-        # A one-node group needs nobody to find it: its store binds a free loopback port.
+        # A one-node group needs nobody to find it: its rendezvous store binds a free loopback port.
+        # (The workers' store, which other groups reach, is published under the node's address.)
         endpoint = "127.0.0.1:0"
         conf["is_host"] = "true"
         local_addr = local_addr or "127.0.0.1"
@@ -476,7 +531,10 @@ def create_rdzv_handler(params: RendezvousParameters) -> FtlaunchRendezvousHandl
     inner_params = _inner_params(params, cfg, group_run_id)
     backend, store = create_backend(inner_params)
     inner = dynamic_rendezvous.create_handler(store, backend, inner_params)
-    return FtlaunchRendezvousHandler(cfg, inner, params.endpoint, group_run_id, inner_params.local_addr)
+    local_addr = params.local_addr or env.local_addr()  # --local-addr, else FTLAUNCH_LOCAL_ADDR
+    return FtlaunchRendezvousHandler(
+        cfg, inner, params.endpoint, group_run_id, local_addr, PrefixStore("ftlaunch-rounds/", store)
+    )
 
 
 def register() -> None:

@@ -17,6 +17,7 @@ from ftlaunch.launcher.chaos import Injection
 from ftlaunch.launcher.group import RUNNING, Group
 from ftlaunch.launcher.lighthouse_host import JobLighthouse
 from ftlaunch.launcher.output import Console, format_table
+from ftlaunch.lighthouse.progress import Rewind
 from ftlaunch.lighthouse.status import LighthouseStatus
 
 #: Seconds between two redraws of the status line (each reads the lighthouse status).
@@ -39,16 +40,50 @@ def max_step(groups: Sequence[Group]) -> int | None:
     return max((g.last_step for g in groups if g.last_step is not None), default=None)
 
 
-def status_text(groups: Sequence[Group], quorum_id: int | None, elapsed: float) -> str:
-    """The one-line status: quorum, step, groups up, failures, restarts, time."""
+def lost(rewinds: Sequence[Rewind]) -> list[Rewind]:
+    """The rewinds that lost progress (not those undone by a group that came back with the state)."""
+    return [r for r in rewinds if not r.recovered]
+
+
+def status_text(
+    groups: Sequence[Group], quorum_id: int | None, elapsed: float, rewinds: Sequence[Rewind] = ()
+) -> str:
+    """The one-line status: quorum, step, groups up, failures, restarts, time; and whether the job
+    lost progress (the last time it did)."""
     up = sum(1 for g in groups if g.state == RUNNING)
     step = max_step(groups)
+    losses = lost(rewinds)
     return (
         f"[ftlaunch] quorum {quorum_id if quorum_id is not None else '-'} | "
         f"step {step if step is not None else '-'} | groups up {up}/{len(groups)} | "
         f"failures {sum(g.failures for g in groups)} | restarts {sum(g.restarts for g in groups)} | "
         f"{elapsed:.0f}s"
+        + (
+            f" | PROGRESS LOST: restarted from step {losses[-1].restarted_at} after step {losses[-1].reached}"
+            if losses
+            else ""
+        )
     )
+
+
+def rewind_lines(rewinds: Sequence[Rewind], started_wall: float) -> list[str]:
+    """The summary's account of the times the job went back to an earlier step (``started_wall``:
+    the launch, on the lighthouse's wall clock, for the times)."""
+    lines = []
+    for r in rewinds:
+        at = f"t={r.wall - started_wall:.1f}s"
+        if r.recovered:
+            lines.append(
+                f"[ftlaunch] note: at {at} no group holding step {r.reached} was reachable and the job went "
+                f"back to step {r.restarted_at}; a group holding that state came back and training went on from it"
+            )
+        else:
+            lines.append(
+                f"[ftlaunch] WARNING: progress lost: at {at} no replica group holding the trained state of step "
+                f"{r.reached} was left (no durable checkpoint); the job restarted from step {r.restarted_at} and "
+                f"trained steps {r.restarted_at}..{r.reached} again"
+            )
+    return lines
 
 
 class StatusLine:
@@ -62,12 +97,12 @@ class StatusLine:
         #: The last quorum id the lighthouse reported (kept when a read fails).
         self.quorum_id: int | None = None
 
-    def tick(self, now: float, groups: Sequence[Group]) -> None:
+    def tick(self, now: float, groups: Sequence[Group], rewinds: Sequence[Rewind] = ()) -> None:
         if not self._console.status_enabled or now - self._last_draw < STATUS_INTERVAL_S:
             return
         self._last_draw = now
         self.quorum_id = self._lighthouse.quorum_id() or self.quorum_id
-        self._console.status(status_text(groups, self.quorum_id, now - self._started))
+        self._console.status(status_text(groups, self.quorum_id, now - self._started, rewinds))
 
     def last_quorum_id(self) -> int | None:
         """The quorum id now, or the last one seen (for the summary)."""
@@ -83,11 +118,14 @@ def summary_lines(
     started: float,
     log_dir: str,
     lighthouse: LighthouseStatus | None = None,
+    rewinds: Sequence[Rewind] = (),
+    started_wall: float = 0.0,
     timeline: str | None = None,
 ) -> list[str]:
     """The summary printed at exit with the job's exit ``code`` (0: it finished; ``injections`` None:
     it ran without ``--chaos``; ``lighthouse``: its last status, for the figures ``/metrics`` serves;
-    ``timeline``: where the picture of the run was written, if it was)."""
+    ``rewinds``: the times the job went back to an earlier step, ``started_wall`` the launch on the
+    lighthouse's clock; ``timeline``: where the picture of the run was written, if it was)."""
     lines = [
         "",
         f"[ftlaunch] summary: exit {code} after {elapsed:.1f}s"
@@ -110,6 +148,7 @@ def summary_lines(
         )
     lines += ["[ftlaunch] " + line for line in format_table(SUMMARY_HEADERS, rows)]
     lines += _checksum_lines(groups)
+    lines += rewind_lines(rewinds, started_wall)
     if lighthouse is not None and lighthouse.progress:
         lines += lighthouse_lines(lighthouse)
     if injections is not None:
@@ -125,16 +164,18 @@ def summary_lines(
                 f"[ftlaunch]   t={inj.at - started:.1f}s {inj.signal} {env.replica_id(inj.group)} {inj.target}{at}: {fate}"
             )
         total = sum(g.committed for g in groups)
+        losses = lost(rewinds)
         lines.append(
             f"[ftlaunch] training {'finished' if code == 0 else 'did not finish'} despite "
             f"{sum(g.failures for g in groups)} failure(s); {total} committed group-steps"
+            + (f"; progress was lost {len(losses)} time(s)" if losses else "")
         )
     for g in groups:
         if g.root_cause:
             lines.append(f"[ftlaunch] root cause: {g.root_cause}")
     if timeline is not None:
         lines.append(f"[ftlaunch] timeline (steps per group, failures and rejoins): {timeline}")
-    if code != 0:
+    if code != 0 or lost(rewinds):
         lines.append(f"[ftlaunch] logs kept in {log_dir}")
     return lines
 

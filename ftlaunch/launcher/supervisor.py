@@ -47,12 +47,13 @@ from ftlaunch.launcher.lighthouse_keeper import LighthouseKeeper
 from ftlaunch.launcher.logdisk import LogDiskWatch
 from ftlaunch.launcher.options import LaunchOptions
 from ftlaunch.launcher.output import WORKER_LINE, Console, without_repeated_tag
-from ftlaunch.launcher.report import StatusLine, summary_lines
+from ftlaunch.launcher.report import StatusLine, lost, summary_lines
 from ftlaunch.launcher.spares import Takeovers
 from ftlaunch.launcher.timeline import TIMELINE_FILE, JobTimeline, keep_timeline
 from ftlaunch.launcher.torchrun_flags import parse_signals
 from ftlaunch.lifetime import become_subreaper
 from ftlaunch.lighthouse import timeline_svg
+from ftlaunch.lighthouse.progress import Rewind
 from ftlaunch.lighthouse.timeline import AGENT, GAVE_UP, HANG, REJOIN, TAKEOVER
 
 logger = logging.getLogger(__name__)
@@ -110,6 +111,9 @@ class Supervisor:
         self._status: StatusLine | None = None
         self._exit_root_cause: str | None = None
         self._progress_read_at = 0.0
+        #: The times the job went back to an earlier step (the lighthouse's `Rewind`s), kept across
+        #: lighthouse restarts, keyed by when and where.
+        self._rewinds: dict[tuple[float, int, int], Rewind] = {}
 
     @property
     def _lighthouse(self) -> JobLighthouse | None:
@@ -160,7 +164,9 @@ class Supervisor:
                 self._started,
                 self._log_dir,
                 final_status,
-                timeline,
+                rewinds=list(self._rewinds.values()),
+                started_wall=time.time() - (time.monotonic() - self._started),
+                timeline=timeline,
             ):
                 self.console.out(line)
             crash = self._chaos.lighthouse_crash if self._chaos is not None else None
@@ -175,7 +181,7 @@ class Supervisor:
                 )
         if code != EXIT_OK and self._exit_root_cause:
             self.console.err(f"ftlaunch: error: {self._exit_root_cause}")
-        if code == EXIT_OK and self._own_log_dir:
+        if code == EXIT_OK and self._own_log_dir and not lost(list(self._rewinds.values())):
             if timeline is None:
                 shutil.rmtree(self._log_dir, ignore_errors=True)
             else:  # the picture stays where the summary said; the worker logs go
@@ -278,7 +284,7 @@ class Supervisor:
             code = self._finished()
             if code is not None:
                 return code
-            self._status.tick(now, self.groups)
+            self._status.tick(now, self.groups, list(self._rewinds.values()))
 
     def _tick_chaos(self, chaos: Chaos, now: float) -> None:
         injected, crashed = len(chaos.injections), chaos.lighthouse_crash
@@ -318,6 +324,8 @@ class Supervisor:
         if lighthouse is None or (not force and now - self._progress_read_at < interval):
             return
         self._progress_read_at = now
+        for r in lighthouse.rewinds() or ():
+            self._rewinds[(r.wall, r.reached, r.restarted_at)] = r
         progress = lighthouse.progress()
         if progress is None:
             return

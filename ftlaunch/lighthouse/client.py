@@ -205,14 +205,14 @@ class LighthouseClient:
         """Call ``probe()`` (on the heartbeat thread; it must not block) at every heartbeat; while it
         returns (quorum id, seconds) -- the caller's step has waited that long in a collective of
         that quorum -- the heartbeat says so (``blocked``): the lighthouse then declares a member of
-        that quorum whose heartbeats stopped lost sooner (lighthouse/membership_hung.py)."""
+        that quorum whose heartbeats stopped lost sooner (lighthouse/hung.py)."""
         self._blocked = probe
 
     def report_resume(self, probe: Callable[[], dict | None] | None) -> None:
         """Call ``probe()`` (heartbeat thread; must not block) at every heartbeat; the resume report
         it returns (`reconnect.OutageTolerantClient`) rides on heartbeats until one delivered it, and
         again after each connection failure: a restarted lighthouse adopts it even from a group
-        blocked in a step with a stopped peer, which then can be declared hung (membership_hung.py)."""
+        blocked in a step with a stopped peer, which then can be declared hung (lighthouse/hung.py)."""
         self._resume = probe
 
     def on_quorum_lost(self, callback: Callable[[str, int, tuple[str, ...]], None] | None) -> None:

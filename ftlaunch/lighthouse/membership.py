@@ -1,17 +1,28 @@
 """Who belongs to the job, and when a quorum forms: the lighthouse's bookkeeping, without HTTP.
 
-`Membership` keeps the replica groups (liveness, step, history), the quorum requests waiting for a
-quorum, and the evictions not yet told. After every event (a request, a heartbeat, a lost
-connection, a failure report, an eviction, a leave, a tick) it asks the pure
-`ftlaunch.lighthouse.quorum.decide_quorum` whether a quorum forms, and if it does, resolves the
-waiting requests' `QuorumTicket`s. How an answer reaches a group is not its business: a ticket is
-resolved once, with a `Quorum` or a `MembershipError`, and calls back whoever waits on it.
+`Membership` is what the endpoints (``routes.py``) and the supervisor call: a group's quorum
+request, heartbeat and leave, a lost connection, a failure report, an eviction, a claim for a
+hot-spare slot, a kill request, the tick of time, the status. It holds the collaborators that keep
+the lighthouse's state, each the only writer of its own:
 
-It knows no status codes and no sockets: refusals are the small domain errors of `tickets` (re-exported
-here), which ``routes.py`` maps to HTTP. The hot-spare glue (`membership_spares`) and the status and
-progress reports (`membership_status`) and the adoption of a restarted lighthouse's resume reports
-(`membership_resume`) are mixed in from modules of their own. Every method is thread-safe (one lock): the transport calls it from its
-event loop, a supervisor from its own threads (`report_failure`, `snapshot`). The clocks are
+- `roster.Roster`: the groups (liveness, step, incarnation, heartbeat pace, kill requests);
+- `round.QuorumRound`: the parked quorum requests and the quorum they are compared with;
+- `admission.Admission`: the evictions not yet told, the highest step of any quorum;
+- `hung.HungWatch`: which members report their step blocked in a collective;
+- `spares.SpareSlots`: the slot table of a job with hot spares (created by the first claim);
+- `progress.ProgressBook`: the training progress the group leaders report;
+
+and keeps two things of its own: the history of events (for the status) and the quorum ids. After
+every event it asks the pure rules what should happen -- `admission.refusal` and `arrival`, the
+quorum decision (`quorum.decide_quorum`), `hung.hung_members`, `resume.adoption`,
+`roster.forgettable`, the slot rule (`slots.assign`, through the table) -- and applies the answer
+to the collaborators, records it and logs it. So what changes the state is read here; what the
+rules are is read in their modules.
+
+A quorum request is a `QuorumTicket`, resolved once with a `Quorum` or a `MembershipError` (the
+small domain errors of ``tickets.py``, re-exported here), which ``routes.py`` maps to HTTP; it knows
+no status codes and no sockets. Every method is thread-safe (one lock): the transport calls it from
+its event loop, a supervisor from its own threads (`report_failure`, `snapshot`). The clocks are
 injectable, so unit tests drive it in one process without sleeping (tests/test_lighthouse_membership.py).
 """
 
@@ -24,26 +35,41 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from ftlaunch.lighthouse.membership_admit import AdmitMixin
-from ftlaunch.lighthouse.membership_hung import HungMixin
-from ftlaunch.lighthouse.membership_resume import ResumeMixin
-from ftlaunch.lighthouse.membership_spares import SparesMixin
-from ftlaunch.lighthouse.membership_status import ADOPTED, GroupInfo, StatusMixin
-from ftlaunch.lighthouse.progress import ProgressBook, ProgressReport
+from ftlaunch.lighthouse.admission import (
+    Admission,
+    Arrival,
+    arrival,
+    held_elsewhere,
+    implausible_step,
+    refusal,
+)
+from ftlaunch.lighthouse.hung import HungWatch, hung_members, left_behind, silence_limit
+from ftlaunch.lighthouse.progress import GroupProgress, ProgressBook, ProgressReport, Rewind
 from ftlaunch.lighthouse.protocol import ANONYMOUS, advised_heartbeat_interval
 from ftlaunch.lighthouse.quorum import (
     Connection,
-    GroupState,
-    LighthouseState,
     Quorum,
     QuorumIdAllocator,
     QuorumMember,
     QuorumOptions,
     decide_quorum,
+    group_health,
     may_form,
 )
-from ftlaunch.lighthouse.spares import SpareSlots
-from ftlaunch.lighthouse.status import HistoryEvent
+from ftlaunch.lighthouse.resume import adoption, take_resume_report
+from ftlaunch.lighthouse.roster import ADOPTED, Roster, forgettable, newly_silent, slot_holder
+from ftlaunch.lighthouse.round import QuorumRound
+from ftlaunch.lighthouse.slots import Holder
+from ftlaunch.lighthouse.spares import ClaimTicket, SpareSlots
+from ftlaunch.lighthouse.status import (
+    GroupStatus,
+    HistoryEvent,
+    LighthouseStatus,
+    SlotStatus,
+    SparesStatus,
+    SpareStatus,
+    StatusOptions,
+)
 from ftlaunch.lighthouse.tickets import (
     Abandoned,
     Evicted,
@@ -101,7 +127,7 @@ def _new_ids(wall_clock: Callable[[], float]) -> QuorumIdAllocator:
         return QuorumIdAllocator(int(wall_clock() * 1000), floor=_last_issued_id)
 
 
-class Membership(AdmitMixin, SparesMixin, StatusMixin, ResumeMixin, HungMixin):
+class Membership:
     """The replica groups of one lighthouse and their quorum requests (see the module docstring)."""
 
     def __init__(
@@ -122,40 +148,21 @@ class Membership(AdmitMixin, SparesMixin, StatusMixin, ResumeMixin, HungMixin):
             forget_after if forget_after is not None else max(60.0, 4 * options.heartbeat_timeout)
         )
         self.max_groups = max_groups
-        self._next_forget = -math.inf
         self._clock = clock
         self._wall = wall_clock
-        self._ids = ids if ids is not None else _new_ids(wall_clock)
         self._lock = threading.Lock()
-        self._groups: dict[str, GroupState] = {}
-        self._info: dict[str, GroupInfo] = {}
-        self._requests: dict[str, QuorumMember] = {}
-        self._tickets: dict[str, QuorumTicket] = {}
-        self._round_start: float | None = None
-        self._quorum: Quorum | None = None
-        #: The newest quorum groups reported from a previous lighthouse, until this one forms its own.
-        self._adopted: Quorum | None = None
-        self._prev_ids: frozenset[str] = frozenset()
-        #: Members of the previous quorum (or the adopted one) with no pending request; None: to be
-        #: recounted. Kept as requests come and go, so `may_form` checks the fast path in O(1): a
-        #: scan of the previous quorum per request made a round of N requests O(N^2).
-        self._prev_missing: set[str] | None = None
-        self._prev_broken = False
-        self._state_cache: LighthouseState | None = None  # see _state
-        #: Bumped whenever a member of the current quorum goes down or comes back (`lost_in_quorum`).
-        self._lost_version = 0
-        self._lost_cache: tuple[int, int, tuple[str, ...]] | None = None  # (quorum id, version, lost)
-        self._high_step: int | None = None  # the highest step of any quorum formed (see _check_step)
-        self._evicted: dict[str, str] = {}  # replica id -> reason, until the group is told
-        self._history: deque[HistoryEvent] = deque(maxlen=HISTORY_LEN)
-        self._closed = False
+        self._roster = Roster(options)
+        self._round = QuorumRound()
+        self._admission = Admission()
+        self._hung = HungWatch()
         #: The slot table of a job with hot spares, created by the first claim (see `claim`).
         self._spares: SpareSlots | None = None
         # Training progress the group leaders report (lighthouse/progress.py); outlives the groups.
         self._progress = ProgressBook()
-        self._quorum_changes = 0
-        self._kills: dict[str, str] = {}  # replica id -> reason, until its next heartbeat
-        self._blocked: dict[str, tuple[int, float]] = {}  # who waits in a collective (membership_hung)
+        self._ids = ids if ids is not None else _new_ids(wall_clock)
+        self._history: deque[HistoryEvent] = deque(maxlen=HISTORY_LEN)
+        self._closed = False
+        self._next_forget = -math.inf
         self._pace_cache: tuple[int, float | None] = (-1, None)  # (groups, the pace advised for them)
         #: A restarted lighthouse forms its first quorum from the groups' resume reports; until this
         #: time (and without a report) it forms none, so that groups that held the job's state are
@@ -169,14 +176,13 @@ class Membership(AdmitMixin, SparesMixin, StatusMixin, ResumeMixin, HungMixin):
     @property
     def group_count(self) -> int:
         """Replica ids tracked now (what the advised heartbeat pace scales with)."""
-        return len(self._groups)
+        return len(self._roster.groups)
 
     def advised_pace(self) -> float | None:
         """The heartbeat pace advised to the groups now (`protocol.advised_heartbeat_interval`; None:
         none), computed once per group count: the heartbeat answers carry it, and the hung rule's
-        silence limit is several of it (`membership_hung`). Any thread: a racing recount gives the
-        same value."""
-        count = len(self._groups)
+        silence limit is several of it. Any thread: a racing recount gives the same value."""
+        count = len(self._roster.groups)
         cached = self._pace_cache
         if cached[0] != count:
             cached = self._pace_cache = (
@@ -200,22 +206,16 @@ class Membership(AdmitMixin, SparesMixin, StatusMixin, ResumeMixin, HungMixin):
         rid = member.replica_id
         with self._lock:
             now = self._clock()
-            self._check_step(member)
-            self._admit(rid, now, incarnation)
-            member = self._take_resume_report(member, now)
+            implausible = implausible_step(member, self._admission.high_step, self._round.current)
+            if implausible is not None:
+                raise implausible
+            self._admit(rid, now, incarnation, beat=False)
+            member, report = take_resume_report(member)
+            if report is not None and self._round.current is None:
+                self._adopt(rid, report, now)
             self._report_progress(rid, progress)
-            info = self._info[rid]
-            info.step, info.address = member.step, member.address
-            old = self._tickets.get(rid)
-            if old is not None:
-                old._resolve(error=Superseded(f"superseded by a newer quorum request of replica {rid}"))
-            ticket = QuorumTicket(member)
-            self._tickets[rid] = ticket
-            self._requests[rid] = member
-            if self._prev_missing is not None:
-                self._prev_missing.discard(rid)
-            if self._round_start is None:
-                self._round_start = now
+            self._roster.note_request(rid, member.step, member.address)
+            ticket = self._round.park(member, now)
             self._decide(now)
         return ticket
 
@@ -230,29 +230,27 @@ class Membership(AdmitMixin, SparesMixin, StatusMixin, ResumeMixin, HungMixin):
     ) -> str | None:
         """A sign of life (revives a silent, disconnected or failed group), maybe with a progress
         report, ``blocked``: (quorum id, seconds) its step has waited in a collective of that
-        quorum (`membership_hung`: a silent peer is then declared lost sooner), and ``resume``: a
+        quorum (lighthouse/hung.py: a silent peer is then declared lost sooner), and ``resume``: a
         resume report, adopted like one on a quorum request while this lighthouse formed no quorum
         (groups stepping on their last quorum through an outage may all be blocked in a step with a
-        stopped member, and ask for no quorum: `membership_hung` then needs the quorum from here).
+        stopped member, and ask for no quorum: the hung rule then needs the quorum from here).
         Returns the reason of a pending `kill` (once), else None. Raises `ShuttingDown`, `Evicted`
         once, `HeldElsewhere` or `TooManyGroups`."""
         with self._lock:
             now = self._clock()
             if not self._closed:
-                self._note_beat(replica_id, now, blocked)
-            revived = self._admit(replica_id, now, incarnation)
-            self._info[replica_id].heartbeats += 1
+                self._roster.learn_gap(replica_id, now)
+                self._hung.report(replica_id, now, blocked)
+            revived = self._admit(replica_id, now, incarnation, beat=True)
             self._report_progress(replica_id, progress)
             adopted = (
-                resume is not None
-                and self._quorum is None
-                and self.adopt_resume_report(replica_id, resume, now)
+                resume is not None and self._round.current is None and self._adopt(replica_id, resume, now)
             )
-            if (revived and replica_id in self._requests) or (adopted and self._requests):
+            if (revived and replica_id in self._round.requests) or (adopted and self._round.requests):
                 self._decide(now)
             if blocked is not None:
                 self._declare_hung(now)
-            return self._kills.pop(replica_id, None)
+            return self._roster.take_kill(replica_id)
 
     def leave(
         self, replica_id: str, progress: ProgressReport | None = None, *, incarnation: str | None = None
@@ -263,19 +261,27 @@ class Membership(AdmitMixin, SparesMixin, StatusMixin, ResumeMixin, HungMixin):
         incarnation holds the id (a stale process cannot make the group leave)."""
         with self._lock:
             if incarnation is not None:
-                self._check_holder(replica_id, self._clock(), incarnation)
+                info = self._roster.infos.get(replica_id)
+                held = held_elsewhere(
+                    replica_id,
+                    self._roster.groups.get(replica_id),
+                    info.incarnation if info is not None else None,
+                    incarnation,
+                    self._clock(),
+                    self._options,
+                )
+                if held is not None:
+                    raise held
             if not self._closed:
                 self._report_progress(replica_id, progress)
-            self._kills.pop(replica_id, None)
-            self._evicted.pop(replica_id, None)
-            known = self._groups.pop(replica_id, None) is not None
-            self._info.pop(replica_id, None)
-            self._drop_request(replica_id, error=Left(f"replica {replica_id} left"))
+            self._admission.clear(replica_id)
+            known = self._roster.remove(replica_id)
+            self._round.withdraw(replica_id, error=Left(f"replica {replica_id} left"))
             if self._spares is not None:
                 self._spares.left(replica_id)
             if known:
                 self._record("left", replica_id)
-                self._mark_prev_broken(replica_id)
+                self._round.member_changed(replica_id)
                 log.info("lighthouse: replica %s left", replica_id)
                 self._decide(self._clock())
             return known
@@ -291,7 +297,7 @@ class Membership(AdmitMixin, SparesMixin, StatusMixin, ResumeMixin, HungMixin):
     def report_failure(self, replica_id: str, reason: str) -> bool:
         """Mark a group failed at once. Returns False (and records it) if the group is unknown."""
         with self._lock:
-            if replica_id not in self._groups:
+            if replica_id not in self._roster.groups:
                 self._record("failure_report", replica_id, f"unknown replica: {reason}")
                 log.warning("lighthouse: failure reported for unknown replica %s: %s", replica_id, reason)
                 return False
@@ -302,20 +308,57 @@ class Membership(AdmitMixin, SparesMixin, StatusMixin, ResumeMixin, HungMixin):
         """Drop a group; its waiting request, or else its next request, learns it (`Evicted`, once).
         Returns False if the group is unknown."""
         with self._lock:
-            if replica_id not in self._groups:
+            if replica_id not in self._roster.groups:
                 return False
-            del self._groups[replica_id]
-            info = self._info.pop(replica_id, None)
-            if info is not None:
-                self._count_down(replica_id, info)
+            self._count_down(replica_id)
+            self._roster.remove(replica_id)
             error = Evicted(f"replica {replica_id} was evicted: {reason}")
-            if not self._drop_request(replica_id, error=error):  # the parked request is its one notice
-                self._evicted[replica_id] = reason
+            if not self._round.withdraw(replica_id, error=error):  # the parked request is its one notice
+                self._admission.evict(replica_id, reason)
             self._record("evicted", replica_id, reason)
-            self._mark_prev_broken(replica_id)
+            self._round.member_changed(replica_id)
             log.warning("lighthouse: replica %s evicted: %s", replica_id, reason)
             self._decide(self._clock())
             return True
+
+    def kill(self, replica_id: str, reason: str) -> bool:
+        """Tell the group's leader, in the answer to its next heartbeat, to kill its own process
+        (the dashboard's Kill button: a crash on demand). False if the group is unknown."""
+        with self._lock:
+            if not self._roster.request_kill(replica_id, reason):
+                return False
+            self._record("kill_requested", replica_id, reason)
+            log.warning("lighthouse: replica %s asked to kill itself: %s", replica_id, reason)
+            return True
+
+    # ------------------------------------------------------------------ hot spares (lighthouse/spares.py)
+
+    def claim(self, claimant: str, *, slots: int, preferred: int | None) -> ClaimTicket:
+        """Park ``claimant``'s claim for one of the job's ``slots`` replica-group slots (maybe
+        answered at once). The first claim creates the slot table. Raises `ShuttingDown`, or
+        `ClaimError` when ``slots`` differs from the table's."""
+        with self._lock:
+            if self._closed:
+                raise ShuttingDown("lighthouse shutting down")
+            now = self._clock()
+            if self._spares is None:
+                opts = self._options
+                self._spares = SpareSlots(
+                    slots,
+                    started=now,
+                    arrival_grace=opts.heartbeat_timeout,
+                    unclaimed_grace=opts.join_timeout,
+                )
+            ticket = self._spares.claim(claimant, preferred, slots, now)
+            self._decide(now)
+        return ticket
+
+    def end_claim(self, ticket: ClaimTicket, *, timed_out: bool) -> None:
+        """A claim's poll ended unanswered: its timeout passed (``timed_out``; the spare asks
+        again) or its connection closed (the spare is gone, unless another rank still waits)."""
+        with self._lock:
+            if self._spares is not None and not ticket.done:
+                self._spares.withdraw(ticket, self._clock(), timed_out=timed_out)
 
     # ------------------------------------------------------------------ what time and the transport do
 
@@ -326,14 +369,14 @@ class Membership(AdmitMixin, SparesMixin, StatusMixin, ResumeMixin, HungMixin):
             if ticket.done:
                 return
             reason = self._waiting_reason(self._clock())
-            self._drop_request(
+            self._round.withdraw(
                 rid, ticket, QuorumTimeout(f"no quorum containing {rid} within {timeout:g}s: {reason}")
             )
 
     def abandon(self, ticket: QuorumTicket) -> None:
         """Nobody waits for the answer any more (the connection closed): withdraw the request."""
         with self._lock:
-            self._drop_request(ticket.member.replica_id, ticket, Abandoned("the requester went away"))
+            self._round.withdraw(ticket.member.replica_id, ticket, Abandoned("the requester went away"))
 
     def tick(self) -> None:
         """What only the passage of time changes: heartbeat expiry and the join timeout."""
@@ -341,15 +384,14 @@ class Membership(AdmitMixin, SparesMixin, StatusMixin, ResumeMixin, HungMixin):
         with self._lock:
             now = self._clock()
             self._declare_hung(now)
-            for rid, g in self._groups.items():
-                info = self._info[rid]
-                if g.connection is Connection.CONNECTED and now - g.last_seen > hb and not info.silent_noted:
-                    info.silent_noted = True
-                    info.reason = f"no heartbeat for {hb:g}s"
-                    self._count_down(rid, info)
-                    self._record("silent", rid, info.reason)
-                    self._mark_prev_broken(rid)
-                    log.warning("lighthouse: replica %s silent: %s", rid, info.reason)
+            roster = self._roster
+            for rid in newly_silent(roster.groups, roster.infos, now, hb):
+                reason = f"no heartbeat for {hb:g}s"
+                roster.note_silent(rid, reason)
+                self._count_down(rid)
+                self._record("silent", rid, reason)
+                self._round.member_changed(rid)
+                log.warning("lighthouse: replica %s silent: %s", rid, reason)
             if self._spares is not None:
                 self._spares.forget_idle(now, hb)
             if (
@@ -365,10 +407,131 @@ class Membership(AdmitMixin, SparesMixin, StatusMixin, ResumeMixin, HungMixin):
             self._closed = True
             if self._spares is not None:
                 self._spares.close(ShuttingDown("lighthouse shutting down"))
-            for rid in list(self._tickets):
-                self._drop_request(rid, error=ShuttingDown("lighthouse shutting down"))
+            for rid in list(self._round.requests):
+                self._round.withdraw(rid, error=ShuttingDown("lighthouse shutting down"))
 
-    # ------------------------------------------------------------------ under the lock
+    # ------------------------------------------------------------------ heartbeat answers
+
+    def lost_in_quorum(self, replica_id: str) -> tuple[int, tuple[str, ...]] | None:
+        """For the answer to ``replica_id``'s heartbeat: when it is a participant of the current
+        quorum and some of that quorum's participants are no longer live here (silent, disconnected,
+        failed, evicted, left), the quorum's id and theirs; else None.
+
+        Why: a participant that hangs (SIGSTOP, a hung host) keeps its sockets open, so its peers'
+        collectives with it wait out the collective timeout, while the lighthouse knows within its
+        heartbeat timeout. Told in the answer to the heartbeats they send anyway, the live
+        participants abort the quorum's step at once (worker/hang_abort.py). A member that is slow
+        but still beats is live: never in the list. Before this lighthouse formed a quorum, the
+        quorum it adopted from resume reports counts as the current one (its members step on it
+        through the outage, worker/outage.py). O(1) while the quorum is whole (`QuorumRound.lost_in_quorum`).
+        """
+        with self._lock:
+            return self._round.lost_in_quorum(replica_id, self._roster.groups, self._clock, self._options)
+
+    def superseded_for(self, replica_id: str) -> int | None:
+        """For the answer to ``replica_id``'s heartbeat: the current quorum's id when the group was in
+        a quorum before but is not a participant of the current one, else None. Why: a group that
+        was stopped while its peers went on (they aborted their step and formed the next quorum
+        without it) resumes inside a collective of a quorum nobody else uses any more; told so, it
+        aborts that step at once instead of at its collective timeout. O(1)."""
+        with self._lock:
+            info = self._roster.infos.get(replica_id)
+            return self._round.superseded_for(replica_id, info is not None and info.in_a_quorum)
+
+    def left_behind(self, replica_id: str) -> tuple[int, tuple[str, ...]] | None:
+        """For the answer to ``replica_id``'s blocked heartbeat: the quorum id and the participants
+        that left the step it waits in (`hung.left_behind`), else None."""
+        with self._lock:
+            g = self._roster.groups.get(replica_id)
+            return left_behind(
+                replica_id,
+                self._round.watched()[0],
+                self._hung.blocked.get(replica_id),
+                g.last_seen if g is not None else None,
+                self._round.requests,
+                self._round.start,
+                self._clock(),
+            )
+
+    def silence_limit(self, replica_id: str) -> float:
+        """How long ``replica_id``'s heartbeats must have stopped to count as evidence that it is hung
+        (`hung.silence_limit` of its usual heartbeat gap and the pace advised now)."""
+        with self._lock:
+            info = self._roster.infos.get(replica_id)
+            return silence_limit(info.beat_gap if info is not None else 0.0, self.advised_pace())
+
+    # ------------------------------------------------------------------ status
+
+    def snapshot(
+        self,
+        *,
+        address: str = "",
+        quorum_tick: float = 0.0,
+        admin: bool = False,
+        connections: Callable[[str], int] = lambda replica_id: 0,
+    ) -> LighthouseStatus:
+        """The status now; ``connections`` counts a group's bound connections (the transport's)."""
+        opts = self._options
+        hb = opts.heartbeat_timeout
+        with self._lock:
+            now, wall = self._clock(), self._wall()
+            quorum, requests = self._round.current, self._round.requests
+            members = set(quorum.replica_ids) if quorum else set()
+            groups, infos = self._roster.groups, self._roster.infos
+            statuses = tuple(
+                GroupStatus(
+                    replica_id=rid,
+                    health=group_health(g, now, opts),
+                    step=info.step,
+                    address=info.address,
+                    last_seen_age=round(now - g.last_seen, 4),
+                    heartbeat_timeout=hb,
+                    connections=connections(rid),
+                    requesting=rid in requests,
+                    in_quorum=rid in members,
+                    heartbeats=info.heartbeats,
+                    reason=info.reason,
+                    first_seen=info.first_seen,
+                )
+                for rid, g, info in ((rid, groups[rid], infos[rid]) for rid in sorted(groups))
+            )
+            return LighthouseStatus(
+                address=address,
+                time=wall,
+                options=StatusOptions(
+                    opts.min_replicas,
+                    opts.join_timeout,
+                    hb,
+                    quorum_tick,
+                    admin,
+                    expected_replicas=opts.expected_replicas,
+                ),
+                quorum=quorum,
+                next_quorum_id=self._ids.peek(),
+                groups=statuses,
+                pending=tuple(sorted(requests)),
+                decision=self._waiting_reason(now),
+                evicted=tuple(sorted(self._admission.evicted)),
+                history=tuple(reversed(self._history)),
+                spares=self._spares_status(now),
+                progress=self._progress.snapshot(wall),
+                quorum_changes=self._round.changes,
+                step_rate=round(self._progress.job_step_rate(wall), 4),
+                rewinds=self._progress.rewinds(),
+            )
+
+    def progress(self) -> tuple[GroupProgress, ...]:
+        """Every group's training progress, groups that left or died included (cheaper than
+        `snapshot`: the launcher reads it every tick)."""
+        with self._lock:
+            return self._progress.snapshot(self._wall())
+
+    def rewinds(self) -> tuple[Rewind, ...]:
+        """The times the job went back to an earlier step (`progress.Rewind`), oldest first."""
+        with self._lock:
+            return self._progress.rewinds()
+
+    # ------------------------------------------------------------------ appliers (under the lock)
 
     def _record(
         self, event: str, replica_id: str | None, detail: str = "", quorum: Quorum | None = None
@@ -384,62 +547,158 @@ class Membership(AdmitMixin, SparesMixin, StatusMixin, ResumeMixin, HungMixin):
             )
         )
 
-    def _mark_prev_broken(self, replica_id: str) -> None:
-        if replica_id in self._prev_ids:
-            self._prev_broken = True
-            self._lost_version += 1
+    def _report_progress(self, rid: str, progress: ProgressReport | None) -> None:
+        if progress is not None:
+            self._progress.report(rid, progress, self._wall())
 
-    def _prev_ids_now(self) -> frozenset[str]:
-        """The ids of the quorum the next one is compared with (this lighthouse's, or the adopted one:
-        `adopt_resume_report` sets them too)."""
-        return self._prev_ids
+    def _count_down(self, rid: str) -> None:
+        """A group went down: one failure per incident in the progress book."""
+        if self._roster.count_down(rid):
+            self._progress.failed(rid)
 
-    def _state(self) -> LighthouseState:
-        # A view, not a copy: only used under the lock, and the decision functions do not mutate.
-        adopted = self._quorum is None and self._adopted is not None
-        prev = self._adopted if adopted else self._quorum
-        if prev is not None and self._prev_missing is None:  # once per quorum (and per adoption)
-            self._prev_missing = {rid for rid in prev.replica_ids if rid not in self._requests}
-        missing = self._prev_missing if prev is not None else None
-        # Whether an adopted quorum's members are the same incarnations is unknown: new id.
-        broken = self._prev_broken or adopted
-        next_id = self._ids.peek()
-        # The same view serves every request of a round (its mappings and its set are the live
-        # ones, compared by identity): it is made again only when another of its fields changed.
-        state = self._state_cache
-        if (
-            state is not None and state.prev_missing is missing and state.prev_quorum is prev
-            and state.round_start == self._round_start and state.prev_quorum_broken == broken
-            and state.next_quorum_id == next_id and state.groups is self._groups and state.requests is self._requests
-        ):  # fmt: skip
-            return state
-        state = self._state_cache = LighthouseState(
-            groups=self._groups,
-            requests=self._requests,
-            round_start=self._round_start,
-            prev_quorum=prev,
-            prev_quorum_broken=broken,
-            next_quorum_id=next_id,
-            prev_missing=missing,
+    def _admit(self, rid: str, now: float, incarnation: str, *, beat: bool) -> bool:
+        """Admit a group's request (`admission.refusal`, raised; an eviction is told once) and count
+        it as a sign of life (`admission.arrival`; ``beat``: a heartbeat). Returns True if the group
+        was not live before."""
+        roster = self._roster
+        g = roster.groups.get(rid)
+        info = roster.infos.get(rid)
+        refused = refusal(
+            rid,
+            incarnation,
+            now,
+            self._options,
+            closed=self._closed,
+            evicted=self._admission.evicted.get(rid),
+            fenced=self._spares.fenced(rid) if self._spares is not None else None,
+            group=g,
+            holder=info.incarnation if info is not None else None,
         )
-        return state
+        if refused is not None:
+            if isinstance(refused, Evicted):
+                self._admission.clear(rid)  # told now
+            raise refused
+        kind = arrival(g, now, self._options)
+        if kind is Arrival.NEW:
+            if len(roster.groups) >= self.max_groups:
+                self._forget_gone(now, force=True)
+                if len(roster.groups) >= self.max_groups:
+                    raise TooManyGroups(f"the lighthouse tracks {self.max_groups} replica ids already")
+            roster.join(rid, now, self._wall(), incarnation, beat=beat)
+            self._record("joined", rid)
+            log.info("lighthouse: replica %s joined", rid)
+            self._round.member_changed(rid)
+            return True
+        back = kind is Arrival.BACK
+        if back:
+            assert g is not None
+            health = group_health(g, now, self._options)
+            self._record("revived", rid, f"was {health.value}")
+            log.info("lighthouse: replica %s is back (was %s)", rid, health.value)
+            self._round.member_changed(rid)
+        roster.heard(rid, now, incarnation, back=back, beat=beat)
+        return back
+
+    def _forget_gone(self, now: float, *, force: bool = False) -> None:
+        """Forget the ids `roster.forgettable` names."""
+        roster = self._roster
+        gone = forgettable(
+            roster.groups,
+            roster.infos,
+            self._round.requests,
+            now,
+            self._options,
+            self.forget_after,
+            force=force,
+        )
+        if not gone:
+            return
+        roster.forget(gone)
+        self._record(
+            "forgotten", gone[0] if len(gone) == 1 else None, f"{len(gone)} id(s) that never joined a quorum"
+        )
+        log.info(
+            "lighthouse: forgot %d replica id(s) that never joined a quorum (e.g. %s)", len(gone), gone[0]
+        )
+
+    def _adopt(self, reporter: str, report: object, now: float) -> bool:
+        """Adopt the quorum of ``reporter``'s resume report (`resume.adoption`) while this lighthouse
+        formed none: the previous quorum from now on, quorum ids above it, its members not heard
+        of yet standing in. Returns whether it was adopted."""
+        try:
+            quorum = adoption(report, self._round.adopted, self._wall())
+        except ValueError:
+            log.warning("lighthouse: ignoring a malformed resume report from %s", reporter)
+            return False
+        if quorum is None:
+            return False
+        self._round.adopt(quorum)
+        self._ids.ensure_above(quorum.quorum_id)
+        for rid in quorum.replica_ids:
+            if rid not in self._roster.groups:
+                self._roster.stand_in(
+                    rid, now, self._wall(), f"expected: member of quorum {quorum.quorum_id}"
+                )
+        detail = f"adopted quorum {quorum.quorum_id} of {len(quorum.replica_ids)} group(s) from a previous lighthouse"
+        self._record("resumed", reporter, detail)
+        log.info("lighthouse: %s reported by %s", detail, reporter)
+        return True
+
+    def _mark_down(self, rid: str, connection: Connection, reason: str) -> None:
+        if not self._roster.mark_down(rid, connection, reason):
+            return
+        self._count_down(rid)
+        self._record(connection.value, rid, reason)
+        self._round.member_changed(rid)
+        log.warning("lighthouse: replica %s %s: %s", rid, connection.value, reason)
+        self._decide(self._clock())
+
+    def _declare_hung(self, now: float) -> None:
+        """Mark failed the members `hung.hung_members` finds hung, while the quorum they are in is
+        the one the groups step on (marking one down may form the next quorum)."""
+        quorum, adopted = self._round.watched()
+        if quorum is None:
+            return
+        hung = self._hung
+        if hung.blocked:
+            hung.prune(self._roster.groups)
+        found = hung_members(
+            quorum,
+            adopted=adopted,
+            groups=self._roster.groups,
+            infos=self._roster.infos,
+            blocked=hung.blocked,
+            requests=self._round.requests,
+            round_start=self._round.start,
+            now=now,
+            options=self._options,
+            pace=self.advised_pace(),
+        )
+        for member in found:
+            if self._round.watched()[0] is not quorum or member.replica_id not in self._roster.groups:
+                continue
+            if adopted:  # it was in the job's quorum: told `superseded` on waking once the others went on
+                self._roster.note_in_a_quorum(member.replica_id)
+            self._mark_down(member.replica_id, Connection.FAILED, member.reason(quorum.quorum_id))
 
     def _waiting_reason(self, now: float) -> str:
-        if not self._requests:
+        rnd = self._round
+        if not rnd.requests:
             return "no pending quorum requests"
-        if self._quorum is None and self._adopted is None and now < self._grace_until:
+        if rnd.current is None and rnd.adopted is None and now < self._grace_until:
             return f"restarted: waiting {self._grace_until - now:.1f}s more for the groups' resume reports"
-        return decide_quorum(self._state(), now, self._options).reason
+        return decide_quorum(rnd.state(self._roster.groups, self._ids.peek()), now, self._options).reason
 
     def _decide(self, now: float) -> None:
         """Recompute the decision after an event; form the quorum and resolve its members if due."""
         if self._spares is not None:
             self._reconcile_spares(now)
-        if not self._requests:
+        rnd = self._round
+        if not rnd.requests:
             return
-        if self._quorum is None and self._adopted is None and now < self._grace_until:
+        if rnd.current is None and rnd.adopted is None and now < self._grace_until:
             return  # a restarted lighthouse waits for resume reports (see __init__)
-        state = self._state()
+        state = rnd.state(self._roster.groups, self._ids.peek())
         if not may_form(state, now, self._options):  # O(1) on most arrivals; see may_form
             return
         decision = decide_quorum(state, now, self._options)
@@ -455,22 +714,16 @@ class Membership(AdmitMixin, SparesMixin, StatusMixin, ResumeMixin, HungMixin):
                 _last_issued_id = max(_last_issued_id, decision.quorum_id or 0)
         quorum = decision.to_quorum(created=self._wall())
         top = max(p.step for p in quorum.participants)
-        self._high_step = top if self._high_step is None else max(self._high_step, top)
-        changed = self._quorum is None or quorum.quorum_id != self._quorum.quorum_id
-        self._quorum = quorum
-        self._prev_missing = None
-        self._prev_ids = frozenset(quorum.replica_ids)
-        self._prev_broken = False
-        requests, tickets, infos = self._requests, self._tickets, self._info
-        for member in quorum.participants:
-            rid = member.replica_id
-            del requests[rid]
-            info = infos[rid]
-            info.step, info.in_a_quorum = member.step, True
-            tickets.pop(rid)._resolve(quorum=quorum)
-        self._round_start = now if self._requests else None
-        if changed:
-            self._quorum_changes += 1
+        rewind = self._progress.quorum_formed(top, self._wall())
+        if rewind is not None:
+            self._record("rewind", None, f"step {rewind.reached} -> {rewind.restarted_at}", None)
+            log.warning(
+                "lighthouse: progress lost: quorum at step %d after the job had reached step %d "
+                "(no group holding that state is left)", rewind.restarted_at, rewind.reached,
+            )  # fmt: skip
+        self._admission.quorum_formed(quorum)
+        self._roster.note_quorum(quorum)
+        if rnd.form(quorum, now):
             self._record("quorum", None, decision.reason, quorum)
             log.info(
                 "lighthouse: quorum %d formed with %s (%s)",
@@ -481,30 +734,60 @@ class Membership(AdmitMixin, SparesMixin, StatusMixin, ResumeMixin, HungMixin):
         elif log.isEnabledFor(logging.DEBUG):
             log.debug("lighthouse: quorum %d re-formed (%s)", quorum.quorum_id, decision.reason)
 
-    def _drop_request(
-        self, rid: str, ticket: QuorumTicket | None = None, error: MembershipError | None = None
-    ) -> bool:
-        """Withdraw ``rid``'s waiting request (only if it is ``ticket``, when given) and answer it
-        ``error``. Returns True if there was one."""
-        current = self._tickets.get(rid)
-        if current is None or (ticket is not None and current is not ticket):
+    def _refuse_behind_finished(self, participants: tuple[QuorumMember, ...]) -> bool:
+        """The end-of-run race (docs/launcher.md): a group restarting just as the others finish
+        asks for a quorum once they left, and would get one of itself alone, then train from behind
+        with nobody to heal from. So a quorum whose participants are all behind the furthest step at
+        which another group finished is not formed: its requests are answered `TrainingFinished`
+        (their groups end as stragglers of a finished job). Returns whether it refused."""
+        ids = frozenset(p.replica_id for p in participants)
+        finished = self._progress.furthest_finished_step(exclude=ids)
+        if not finished or max(p.step for p in participants) >= finished:
             return False
-        del self._tickets[rid], self._requests[rid]
-        if self._prev_missing is not None and rid in self._prev_ids_now():
-            self._prev_missing.add(rid)
-        if not self._requests:
-            self._round_start = None
-        current._resolve(error=error)
+        for member in participants:
+            rid = member.replica_id
+            reason = (
+                f"the training finished at step {finished}; nothing left to heal from "
+                f"(replica {rid} is at step {member.step})"
+            )
+            self._progress.stopped_after_end(rid)
+            self._record("refused_finished", rid, reason)
+            log.warning("lighthouse: replica %s refused a quorum: %s", rid, reason)
+            self._round.withdraw(rid, error=TrainingFinished(reason, finished))
         return True
 
-    def _mark_down(self, rid: str, connection: Connection, reason: str) -> None:
-        g = self._groups.get(rid)
-        if g is None or g.connection is connection:
-            return
-        self._groups[rid] = GroupState(rid, g.last_seen, connection)
-        self._info[rid].reason = reason
-        self._count_down(rid, self._info[rid])
-        self._record(connection.value, rid, reason)
-        self._mark_prev_broken(rid)
-        log.warning("lighthouse: replica %s %s: %s", rid, connection.value, reason)
-        self._decide(self._clock())
+    def _holder(self, rid: str, now: float) -> Holder:
+        return slot_holder(self._roster.groups.get(rid), self._roster.infos.get(rid), now, self._options)
+
+    def _reconcile_spares(self, now: float) -> None:
+        """Give claimable slots to waiting claimants (`slots.assign`, through the table); forget the
+        replaced holders (the table fences their names) and answer their parked requests."""
+        assert self._spares is not None
+        for change in self._spares.reconcile(now, lambda rid: self._holder(rid, now)):
+            old = change.old
+            if old is not None:
+                self._roster.remove(old)
+                self._round.withdraw(old, error=Evicted(f"replica {old} was replaced by {change.new}"))
+                self._round.member_changed(old)
+                self._record(
+                    "replaced", old, f"slot {change.slot} given to {change.claimant} as {change.new}"
+                )
+            self._record("claimed", change.new, f"slot {change.slot} by {change.claimant}")
+            log.info(
+                "lighthouse: slot %d given to %s as %s%s", change.slot, change.claimant, change.new,
+                f" (replacing {old})" if old else "",
+            )  # fmt: skip
+
+    def _spares_status(self, now: float) -> SparesStatus | None:
+        spares = self._spares
+        if spares is None:
+            return None
+        slots = tuple(
+            SlotStatus(index, rid, holder, state.value, round(now - at, 3) if at is not None else None)
+            for index, rid, holder, state, at in spares.slots(lambda rid: self._holder(rid, now))
+        )
+        waiting = tuple(
+            SpareStatus(name, preferred, round(now - since, 3), polls)
+            for name, preferred, since, polls in spares.waiting()
+        )
+        return SparesStatus(slots, waiting, spares.promotions, tuple(spares.fenced_names))

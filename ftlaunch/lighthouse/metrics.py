@@ -56,6 +56,11 @@ def _job(status: LighthouseStatus) -> Iterator[Metric]:
         "Quorums formed with a new id (membership changed or a step failed).",
         value=status.quorum_changes,
     )
+    yield CounterMetricFamily(
+        "ftlaunch_progress_lost",
+        "Times the job restarted from an earlier step: no group holding the trained state was left.",
+        value=sum(1 for r in status.rewinds if not r.recovered),
+    )
     yield GaugeMetricFamily(
         "ftlaunch_step_rate", "The job's committed steps per second (last 10 s).", value=status.step_rate
     )

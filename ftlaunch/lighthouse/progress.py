@@ -8,6 +8,11 @@ a result. The group leader (rank 0) already talks to the lighthouse every step; 
 reports into `GroupProgress` values that outlive the group (a group that left or died keeps its
 totals: the summary and ``/metrics`` need them at the end).
 
+The book also watches the job's step across quorums (`Rewind`): a quorum formed below the furthest
+step of the quorums before it means no group holding the state of that step was left to heal from,
+and the job restarted from an earlier step (from scratch, without a durable checkpoint). That is
+not a failure of a group but a loss of the job's progress, and ``ftlaunch`` says so.
+
 Pure bookkeeping: no I/O, no clock reads (times are arguments), so it is unit-tested in one process.
 `Membership` owns one book and calls it under its lock.
 """
@@ -28,6 +33,8 @@ RATE_WINDOW_S = 10.0
 MAX_GROUPS = 4096
 #: Longest session id / checksum accepted in a report.
 MAX_TOKEN_LEN = 128
+#: Most rewinds remembered (the oldest are forgotten).
+MAX_REWINDS = 64
 #: Points of each group's step-over-time series (`GroupProgress.timeline`, the dashboard's picture).
 TIMELINE_POINTS = 64
 #: About the points of all the groups' series together: a job of many groups keeps fewer each
@@ -111,6 +118,40 @@ class ProgressReport:
         if "session" not in d:
             raise ValueError("progress needs 'session'")
         return cls(**d)
+
+
+@dataclass(frozen=True)
+class Rewind:
+    """The job went back: a quorum formed at step ``restarted_at`` after quorums had reached step
+    ``reached``, so no group holding the state of ``reached`` was left (every group died, or the
+    only ones holding it died before a healer had its copy). Steps ``restarted_at`` .. ``reached``
+    are trained again. ``recovered``: a group holding ``reached`` (or later) came back afterwards
+    (it had hung, not died) and the job went on from its state: nothing was lost in the end."""
+
+    reached: int
+    restarted_at: int
+    #: The lighthouse's wall time of the quorum that went back.
+    wall: float
+    recovered: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "reached": self.reached,
+            "restarted_at": self.restarted_at,
+            "wall": self.wall,
+            "recovered": self.recovered,
+        }
+
+    @classmethod
+    def from_json(cls, d: Any) -> Rewind:
+        if not isinstance(d, dict):
+            raise ValueError(f"rewind must be a JSON object, got {type(d).__name__}")
+        return cls(
+            reached=_int(d, "reached"),
+            restarted_at=_int(d, "restarted_at"),
+            wall=_num(d, "wall"),
+            recovered=bool(d.get("recovered", False)),
+        )
 
 
 def _num(d: Mapping[str, Any], name: str, default: float = 0.0) -> float:
@@ -322,6 +363,9 @@ class ProgressBook:
         #: Ids of the groups whose current session finished: the lighthouse asks for the furthest
         #: finished step at every quorum it forms (nobody finished for most of a run: no scan).
         self._finished: set[str] = set()
+        #: The furthest step of the quorums since the job last went back (None: no quorum yet).
+        self._reached: int | None = None
+        self._rewinds: deque[Rewind] = deque(maxlen=MAX_REWINDS)
         self._timeline_points = TIMELINE_POINTS
 
     def _totals(self, replica_id: str) -> _Totals:
@@ -376,6 +420,28 @@ class ProgressBook:
             self._finished.add(replica_id)
             if report.checksum:
                 t.checksum, t.checksum_step = report.checksum, report.step
+
+    def quorum_formed(self, top: int, wall: float) -> Rewind | None:
+        """A quorum formed whose furthest member is at step ``top``, at ``wall``. Returns the
+        `Rewind` it makes, if it is below the step the quorums had reached."""
+        reached = self._reached
+        if reached is not None and top > reached + 1 and self._rewinds and not self._rewinds[-1].recovered:
+            # Steps advance one per quorum; a jump to (or past) the lost step is a group of the old
+            # state back (it had hung): the job goes on from it.
+            last = self._rewinds[-1]
+            if top >= last.reached:
+                self._rewinds[-1] = Rewind(last.reached, last.restarted_at, last.wall, recovered=True)
+        if reached is not None and top < reached:
+            rewind = Rewind(reached=reached, restarted_at=top, wall=wall)
+            self._rewinds.append(rewind)
+            self._reached = top
+            return rewind
+        self._reached = top if reached is None else max(reached, top)
+        return None
+
+    def rewinds(self) -> tuple[Rewind, ...]:
+        """The times the job went back, oldest first."""
+        return tuple(self._rewinds)
 
     def failed(self, replica_id: str) -> None:
         """The lighthouse saw the group go down (counted once per incident by the caller)."""

@@ -34,7 +34,7 @@ MAX_REPLICA_ID_LEN = 256
 DEFAULT_QUORUM_TIMEOUT = 60.0
 #: Key of a quorum request's ``data`` carrying a resume report (the group's last quorum: id and
 #: members) after the group found the lighthouse unreachable; the lighthouse consumes it
-#: (`membership.Membership.adopt_resume_report`) and does not echo it in the quorum.
+#: (lighthouse/resume.py) and does not echo it in the quorum.
 RESUME_KEY = "resume"
 #: Most members a resume report may name (larger reports are ignored).
 MAX_RESUME_MEMBERS = 100_000
@@ -50,6 +50,15 @@ MIN_ADVISED_INTERVAL = 0.1
 BEATS_PER_TIMEOUT = 5
 #: Most a client accepts as advised pace (seconds), whatever a lighthouse says.
 MAX_ADVISED_INTERVAL = 5.0
+
+#: How long a step must have waited in a collective of its quorum before it counts as blocked
+#: (seconds): from then on the group's heartbeats report it (``blocked``) and its worker prepares to
+#: abort the step (worker/hang_abort.py), and the lighthouse takes that report as evidence that a
+#: silent peer is hung (lighthouse/hung.py). Above a healthy step's wait on one host, far below the
+#: heartbeat timeout (5 s); preparing the abort costs milliseconds (a fork of the idle Baby spare).
+#: One number on both sides: a worker that reported sooner than the lighthouse listens would be
+#: ignored, one that reported later would slow every hung-peer recovery down to its pace.
+BLOCKED_FOR = 0.5
 
 
 def advised_heartbeat_interval(groups: int, heartbeat_timeout: float) -> float | None:

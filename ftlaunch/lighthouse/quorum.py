@@ -301,10 +301,6 @@ def group_health(group: GroupState, now: float, options: QuorumOptions) -> Healt
     return Health.LIVE
 
 
-def live_groups(state: LighthouseState, now: float, options: QuorumOptions) -> set[str]:
-    return {rid for rid, g in state.groups.items() if group_health(g, now, options) is Health.LIVE}
-
-
 _BY_ID = operator.attrgetter("replica_id")
 
 

@@ -21,7 +21,7 @@ carries a *resume report*: the id and members of the last quorum this group was 
 ``data`` key `RESUME_KEY`). The restarted lighthouse adopts the newest report as its previous
 quorum: it waits (at most its heartbeat timeout) for the reported members it has not heard of yet
 and forms at once when they all asked, instead of forming a quorum of whoever reconnected first;
-its new quorum ids are above every reported one (`Membership.adopt_resume_report`).
+its new quorum ids are above every reported one (lighthouse/resume.py).
 """
 
 from __future__ import annotations

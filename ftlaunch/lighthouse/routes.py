@@ -28,6 +28,7 @@ from ftlaunch.lighthouse.bodies import loads as _loads
 from ftlaunch.lighthouse.bodies import printable as _printable
 from ftlaunch.lighthouse.bodies import too_deep as _too_deep
 from ftlaunch.lighthouse.http import Head, HttpError, LongPoll, Request, Response
+from ftlaunch.lighthouse.hung import parse_blocked
 from ftlaunch.lighthouse.limits import WarningLimiter
 from ftlaunch.lighthouse.membership import (
     ANONYMOUS,
@@ -45,7 +46,6 @@ from ftlaunch.lighthouse.membership import (
     TooManyGroups,
     TrainingFinished,
 )
-from ftlaunch.lighthouse.membership_hung import parse_blocked
 from ftlaunch.lighthouse.progress import ProgressReport
 from ftlaunch.lighthouse.protocol import (
     API_VERSION,
@@ -58,7 +58,7 @@ from ftlaunch.lighthouse.protocol import (
     PATH_PREFIX,
     REPLICA_HEADER,
 )
-from ftlaunch.lighthouse.quorum import Quorum, QuorumMember
+from ftlaunch.lighthouse.quorum import QuorumMember
 from ftlaunch.lighthouse.spares import ClaimError, ClaimTicket
 from ftlaunch.lighthouse.status import LighthouseStatus
 
@@ -94,6 +94,10 @@ _QUORUM_OPTIONAL: _Fields = {"timeout": (float, int), "progress": (dict,), "know
 _REPLICA_REQUIRED: _Fields = {"replica_id": (str,)}
 _HEARTBEAT_OPTIONAL: _Fields = {"progress": (dict,), "blocked": (dict,), "resume": (dict,)}
 _LEAVE_OPTIONAL: _Fields = {"progress": (dict,)}
+_CLAIM_REQUIRED: _Fields = {"claimant": (str,), "slots": (int,)}
+_CLAIM_OPTIONAL: _Fields = {"preferred": (int, type(None)), "timeout": (float, int)}
+#: Longest a claim is parked before it is answered "ask again" (spares wait for hours: they re-poll).
+MAX_CLAIM_TIMEOUT = 300.0
 _REPLICA_HEADER_KEY = REPLICA_HEADER.lower()
 _INCARNATION_HEADER_KEY = INCARNATION_HEADER.lower()
 
@@ -145,6 +149,7 @@ class Routes:
         #: The header a client sends with the token, as LighthouseClient spells it (checked first).
         self._bearer = f"Bearer {token}".encode() if token is not None else b""
         self._snapshot = snapshot
+        self._metrics = metrics.MetricsExporter(snapshot)
         self._table: dict[str, dict[str, Callable[[Request], Response | LongPoll]]] = {
             "/": {"GET": self._dashboard},
             "/status": {"GET": self._status},
@@ -154,7 +159,8 @@ class Routes:
             "/admin/report_failure": {"POST": self._report_failure},
             "/admin/evict": {"POST": self._evict},
             "/claim": {"POST": self._claim},
-            **self._progress_routes(),
+            "/metrics": {"GET": self._serve_metrics},
+            "/admin/kill": {"POST": self._kill},
         }
         self._answers = QuorumAnswers()
         self._warnings = WarningLimiter()
@@ -281,7 +287,21 @@ class Routes:
         return _OK
 
     def _claim(self, request: Request) -> LongPoll:
-        return _claim(self, request)
+        """A hot spare's (or a group's) claim for a replica-group slot (docs/lighthouse.md, *Hot spares*)."""
+        obj = self._read_json(request)
+        _expect(obj, _CLAIM_REQUIRED, _CLAIM_OPTIONAL)
+        claimant = obj["claimant"]
+        _check_replica_id(claimant)
+        timeout = float(obj.get("timeout", 30.0))
+        if not (0 < timeout <= MAX_CLAIM_TIMEOUT):
+            raise HttpError(400, f"timeout must be in (0, {MAX_CLAIM_TIMEOUT:g}] seconds, got {timeout:g}")
+        if obj["slots"] < 1:
+            raise HttpError(400, f"slots must be >= 1, got {obj['slots']}")
+        try:
+            ticket = self._membership.claim(claimant, slots=obj["slots"], preferred=obj.get("preferred"))
+        except ClaimError as e:
+            raise HttpError(409, str(e)) from None
+        return _ClaimPoll(self, ticket, timeout, request)
 
     def _evict(self, request: Request) -> Response:
         rid, reason = self._admin_body(request)
@@ -289,11 +309,7 @@ class Routes:
             raise HttpError(404, f"unknown replica {rid!r}")
         return _OK
 
-    # -- progress and metrics (lighthouse/progress.py, lighthouse/metrics.py)
-
-    def _progress_routes(self) -> dict[str, dict[str, Callable[[Request], Response | LongPoll]]]:
-        self._metrics = metrics.MetricsExporter(self._snapshot)
-        return {"/metrics": {"GET": self._serve_metrics}, "/admin/kill": {"POST": self._kill}}
+    # -- metrics and kills (lighthouse/metrics.py)
 
     def _serve_metrics(self, request: Request) -> Response:
         body, content_type = self._metrics.render()
@@ -383,14 +399,6 @@ class Routes:
         ):
             raise HttpError(403, "wrong token")
 
-    # -- quorum answers
-
-    def quorum_response(self, quorum: Quorum, known: str | None = None) -> Response:
-        """The 200 answer for ``quorum`` to a member holding the answer revision ``known``: the whole
-        quorum, or a delta from the one it holds (`answers.QuorumAnswers`; event-loop thread).
-        Encoded once per quorum and held revision: every member holding the same gets the same bytes."""
-        return self._answers.response(quorum, known)
-
 
 def _progress(obj: dict[str, Any]) -> ProgressReport | None:
     """The request's ``progress`` field, checked (400 with the field named when it is not one)."""
@@ -446,31 +454,6 @@ class _QuorumPoll(_Poll):
             return None
         error = HttpError(ERROR_STATUS[type(ticket.error)], str(ticket.error))
         return self._routes.error(error, self._request.head, self._request.peer)
-
-
-# ---- hot spares: ``POST /claim`` (docs/lighthouse.md, *Hot spares*) ---------------------------------
-
-#: Longest a claim is parked before it is answered "ask again" (spares wait for hours: they re-poll).
-MAX_CLAIM_TIMEOUT = 300.0
-
-
-def _claim(routes: Routes, request: Request) -> LongPoll:
-    obj = routes._read_json(request)
-    _expect(
-        obj, {"claimant": (str,), "slots": (int,)}, {"preferred": (int, type(None)), "timeout": (float, int)}
-    )
-    claimant = obj["claimant"]
-    _check_replica_id(claimant)
-    timeout = float(obj.get("timeout", 30.0))
-    if not (0 < timeout <= MAX_CLAIM_TIMEOUT):
-        raise HttpError(400, f"timeout must be in (0, {MAX_CLAIM_TIMEOUT:g}] seconds, got {timeout:g}")
-    if obj["slots"] < 1:
-        raise HttpError(400, f"slots must be >= 1, got {obj['slots']}")
-    try:
-        ticket = routes._membership.claim(claimant, slots=obj["slots"], preferred=obj.get("preferred"))
-    except ClaimError as e:
-        raise HttpError(409, str(e)) from None
-    return _ClaimPoll(routes, ticket, timeout, request)
 
 
 class _ClaimPoll(_Poll):

@@ -30,7 +30,7 @@ from ftlaunch.addresses import http_url, parse_host_port
 from ftlaunch.env import FTLAUNCH_TOKEN, Duration
 from ftlaunch.errors import ConfigurationError
 from ftlaunch.lighthouse.membership import Membership
-from ftlaunch.lighthouse.progress import GroupProgress
+from ftlaunch.lighthouse.progress import GroupProgress, Rewind
 from ftlaunch.lighthouse.protocol import MAX_BODY_BYTES
 from ftlaunch.lighthouse.quorum import QuorumOptions
 from ftlaunch.lighthouse.routes import Routes
@@ -254,6 +254,10 @@ class LighthouseServer:
     def progress(self) -> tuple[GroupProgress, ...]:
         """Every group's training progress (what the launcher's status line and summary read)."""
         return self._membership.progress()
+
+    def rewinds(self) -> tuple[Rewind, ...]:
+        """The times the job went back to an earlier step (lighthouse/progress.py, `Rewind`)."""
+        return self._membership.rewinds()
 
     def status(self) -> dict[str, Any]:
         """The ``GET /status`` document (see docs/lighthouse.md)."""

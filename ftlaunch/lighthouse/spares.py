@@ -161,9 +161,6 @@ class SpareSlots:
         if any(s.replica_id == replica_id for s in self._slots):
             self._left.add(replica_id)
 
-    def holds(self, replica_id: str) -> bool:
-        return any(s.replica_id == replica_id for s in self._slots)
-
     def reconcile(self, now: float, health: Callable[[str], Holder]) -> list[Reassignment]:
         """Apply the rule to the current state: resolve the tickets of claimants that got a slot
         (or everybody's, with ``done``, when every slot is done) and return the slots that changed

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ftlaunch.lighthouse.progress import GroupProgress
+from ftlaunch.lighthouse.progress import GroupProgress, Rewind
 from ftlaunch.lighthouse.protocol import API_VERSION
 from ftlaunch.lighthouse.quorum import Health, Quorum
 
@@ -39,7 +39,7 @@ def _object(value: Any, what: str) -> Mapping[str, Any]:
     return value
 
 
-#: How the lighthouse starts the reason of a member it declared lost on evidence (membership_hung.py):
+#: How the lighthouse starts the reason of a member it declared lost on evidence (lighthouse/hung.py):
 #: such a member keeps its hot-spare slot until the heartbeat timeout (a short stop must not cost a
 #: takeover).
 HUNG_REASON = "hung: "
@@ -262,9 +262,6 @@ class SparesStatus:
     #: Lighthouse names refused because a newer holder has their slot.
     fenced: tuple[str, ...] = ()
 
-    def holder_of(self, replica_id: str) -> SlotStatus | None:
-        return next((s for s in self.slots if s.replica_id == replica_id), None)
-
     def to_json(self) -> dict[str, Any]:
         return {
             "slots": [s.to_json() for s in self.slots],
@@ -318,6 +315,8 @@ class LighthouseStatus:
     quorum_changes: int = 0
     #: The job's committed steps per second (recent window).
     step_rate: float = 0.0
+    #: Times the job went back to an earlier step (no group holding its state was left), oldest first.
+    rewinds: tuple[Rewind, ...] = ()
 
     def group_progress(self, replica_id: str) -> GroupProgress | None:
         return next((p for p in self.progress if p.replica_id == replica_id), None)
@@ -353,6 +352,7 @@ class LighthouseStatus:
             "progress": [p.to_json() for p in self.progress],
             "quorum_changes": self.quorum_changes,
             "step_rate": self.step_rate,
+            "rewinds": [r.to_json() for r in self.rewinds],
         }
 
     @classmethod
@@ -379,4 +379,5 @@ class LighthouseStatus:
             progress=tuple(GroupProgress.from_json(p) for p in _get(d, "progress", list, [])),
             quorum_changes=_get(d, "quorum_changes", int, 0),
             step_rate=float(_get(d, "step_rate", (float, int), 0.0)),
+            rewinds=tuple(Rewind.from_json(r) for r in _get(d, "rewinds", list, [])),
         )

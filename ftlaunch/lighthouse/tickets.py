@@ -3,7 +3,8 @@ or one of the domain errors below.
 
 Why a module of its own: the tickets and the errors are the membership's vocabulary towards whoever
 waits on it (``routes.py`` maps each error to an HTTP status, and resolves nothing itself), and they
-need nothing of the bookkeeping (`membership.Membership`), which re-exports them.
+need nothing of the bookkeeping: `round.QuorumRound` parks and resolves the tickets, and
+`membership.Membership` re-exports them.
 """
 
 from __future__ import annotations
@@ -94,7 +95,8 @@ class QuorumTicket:
                 return
         callback(self)
 
-    def _resolve(self, quorum: Quorum | None = None, error: MembershipError | None = None) -> bool:
+    def resolve(self, quorum: Quorum | None = None, error: MembershipError | None = None) -> bool:
+        """Answer it (the first answer wins: a second one returns False and changes nothing)."""
         with self._lock:
             if self._done:  # the first answer wins
                 return False

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ftlaunch import env
 from ftlaunch.addresses import format_host_port, http_url, parse_store_addr
 from ftlaunch.errors import CommunicationError
 from ftlaunch.process_group.base import ProcessGroup
@@ -105,7 +106,8 @@ class ParameterServer(ABC):
         self._lock = threading.Lock()
         self._sessions: dict[str, tuple[threading.Thread, ProcessGroup | None]] = {}
         self._closed = False
-        advertised = socket.gethostname() if bind in ("", "0.0.0.0", "::") else bind
+        wildcard = bind in ("", "0.0.0.0", "::")
+        advertised = (env.local_addr() or socket.gethostname()) if wildcard else bind
         self.store = dist.TCPStore(
             advertised, store_port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
         )

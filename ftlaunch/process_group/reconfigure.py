@@ -34,6 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ftlaunch import env
 from ftlaunch.addresses import format_host_port, parse_address
 from ftlaunch.errors import CommunicationError
 from ftlaunch.process_group._store import create_store_client, first_line
@@ -154,7 +155,8 @@ class HandleStore:
 
     Only the member whose handle comes first serves the rendezvous, but any member may be first,
     so every group that hands out a handle hosts one (one listening socket and one thread). It is
-    reachable at ``socket.gethostname()``, as torchft's is.
+    published under ``FTLAUNCH_LOCAL_ADDR`` (the address the launcher chose for the job's other
+    hosts), else ``socket.gethostname()``, as torchft's is.
     """
 
     def __init__(self) -> None:
@@ -166,7 +168,7 @@ class HandleStore:
         """``host:port`` of the server, starting it if needed."""
         with self._lock:
             if self._server is None:
-                host = socket.gethostname()
+                host = env.local_addr() or socket.gethostname()
                 try:
                     self._server = dist.TCPStore(
                         host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)

@@ -34,7 +34,8 @@ from torch._C._distributed_c10d import (
     ScatterOptions,
 )
 
-from ftlaunch.addresses import parse_store_addr
+from ftlaunch import env
+from ftlaunch.addresses import parse_store_addr, reachable_address
 from ftlaunch.errors import CommunicationError
 from ftlaunch.process_group._store import connect_store, first_line
 from ftlaunch.process_group.base import ProcessGroup
@@ -375,7 +376,32 @@ class ProcessGroupGloo(ProcessGroupWrapper):
         return "ftlaunch-gloo"
 
     def _create_pg(self, store: dist.Store, rank: int, world_size: int) -> Any:
-        return dist.ProcessGroupGloo(store, rank, world_size, self._timeout)
+        host = _gloo_host(store)
+        if host is None:  # GLOO_SOCKET_IFNAME, or a store of another kind: torch's own choice
+            return dist.ProcessGroupGloo(store, rank, world_size, self._timeout)
+        opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # torch has no stub for it
+        opts._timeout = self._timeout
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+        return dist.ProcessGroupGloo(store, rank, world_size, opts)
+
+
+def _gloo_host(store: dist.Store) -> str | None:
+    """The address Gloo listens on and hands its peers: ``FTLAUNCH_LOCAL_ADDR``, else the local
+    address of the route to the rendezvous store's host -- the other groups' hosts reach the store,
+    so they reach that address too. torch's default is the address the host name resolves to,
+    which on many machines (Debian's ``127.0.1.1 hostname``) is loopback: peers on other hosts
+    would be told to connect to themselves. None leaves the choice to torch (``GLOO_SOCKET_IFNAME``
+    set, or no TCP store to route to)."""
+    if env.gloo_interface_chosen():
+        return None
+    chosen = env.local_addr()
+    if chosen:
+        return chosen
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    if not isinstance(store, dist.TCPStore):
+        return None
+    return reachable_address(store.host)
 
 
 class ProcessGroupNCCL(ProcessGroupWrapper):

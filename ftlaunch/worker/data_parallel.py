@@ -90,6 +90,11 @@ class DistributedDataParallel(parallel.DistributedDataParallel):
         self._ft_static_graph = bool(kwargs.get("static_graph", False))
         super().__init__(module, process_group=_SoloGroup(), **kwargs)
         self.register_comm_hook(_HookState(manager, intra_group), _comm_hook)
+        if any(b.numel() for b in module.buffers()):
+            # What the groups share is the parameters and the optimizer's state; buffers a forward
+            # pass updates (BatchNorm statistics) follow each group's own data, as each replica's
+            # do in torch's DDP. The job's final checksum leaves them out.
+            manager.set_agreed_state(lambda state: _without_tensors_of(state, module.buffers()))
         # Fix the bucket layout now. Torch's DDP starts with one all-parameter bucket and rebuilds
         # its buckets after the first iteration, in the order gradients became ready; a restarted
         # group would then allreduce a layout its peers no longer use (wrong gradients, or a gloo
@@ -109,6 +114,23 @@ class DistributedDataParallel(parallel.DistributedDataParallel):
             # orders its buckets for backward.
             return params, sparse
         return params[::-1], sparse[::-1]
+
+
+def _without_tensors_of(state: Any, tensors: Any) -> Any:
+    """``state`` without the tensors whose memory is one of ``tensors``' (a state dict's entries
+    are detached views of the module's own buffers)."""
+    ptrs = {t.data_ptr() for t in tensors if t.numel()}
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, torch.Tensor):
+            return None if node.numel() and node.data_ptr() in ptrs else node
+        if isinstance(node, dict):
+            return {k: walk(v) for k, v in node.items()}
+        if isinstance(node, (list, tuple)):
+            return [walk(v) for v in node]
+        return node
+
+    return walk(state)
 
 
 class PureDistributedDataParallel(nn.Module):

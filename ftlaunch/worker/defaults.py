@@ -10,6 +10,7 @@ from __future__ import annotations
 from datetime import timedelta
 
 from ftlaunch import env
+from ftlaunch.addresses import parse_host_port, reachable_address
 from ftlaunch.errors import ConfigurationError, install_brief_errors
 from ftlaunch.lighthouse.client import LighthouseClient, QuorumClient
 from ftlaunch.lighthouse.reconnect import OutageTolerantClient
@@ -76,6 +77,23 @@ def group_env() -> env.GroupEnv:
     """Rank, size, store and restart count of this worker's replica group, as torchelastic set them."""
     install_brief_errors()  # a bad value reads as one line, not a traceback
     return env.GroupEnv.from_environ()
+
+
+def local_addr(lighthouse_addr: str | None = None) -> str | None:
+    """This node's address for the job's other hosts: ``FTLAUNCH_LOCAL_ADDR`` (the launcher's
+    choice), else the local address of the route to the lighthouse (``lighthouse_addr``, else
+    ``FTLAUNCH_LIGHTHOUSE``; `ftlaunch.addresses.reachable_address`). None without either."""
+    chosen = env.local_addr()
+    if chosen:
+        return chosen
+    addr = lighthouse_addr or env.lighthouse_address()
+    if not addr:
+        return None
+    try:
+        host, _ = parse_host_port(addr)
+    except ValueError:
+        return None  # the lighthouse client reports the malformed address
+    return reachable_address(host)
 
 
 def worker_env() -> env.WorkerEnv:

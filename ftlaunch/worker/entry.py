@@ -43,7 +43,7 @@ from ftlaunch.checkpointing.transport import CheckpointTransport
 from ftlaunch.errors import ConfigurationError, install_brief_errors
 from ftlaunch.process_group.base import ProcessGroup
 from ftlaunch.timeouts import Timeouts
-from ftlaunch.worker import spare
+from ftlaunch.worker import defaults, spare
 from ftlaunch.worker.fault_tolerance import FaultTolerance, InitState, Registered, model_state_fns
 from ftlaunch.worker.manager import Manager, release_process_group
 
@@ -214,7 +214,9 @@ def init(
         prestart.release("gloo")  # a child the launcher started early, for the default backend
     pg = make_process_group(chosen_backend, timeouts.as_timedelta("collective"))
     try:
-        ckpt = _make_transport(chosen_transport, pg, dev, timeouts)
+        ckpt = _make_transport(
+            chosen_transport, pg, dev, timeouts, job.local_addr or defaults.local_addr(job.lighthouse)
+        )
         slot: spare.Slot | None = None
         if job.spares:  # hot spares: which replica group this is, the lighthouse decides
             slot = spare.claim_slot(job, group, timeouts.connect, tuned.lighthouse_outage)
@@ -292,10 +294,11 @@ def _intra_group(
 
 
 def _make_transport(
-    name: str, pg: ProcessGroup, device: torch.device, timeouts: Timeouts
+    name: str, pg: ProcessGroup, device: torch.device, timeouts: Timeouts, local_addr: str | None
 ) -> CheckpointTransport[Any]:
     from ftlaunch.checkpointing import HTTPTransport, PGTransport
 
     if name == "pg":
         return PGTransport(pg, timeout=timeouts.as_timedelta("heal"), device=device)
-    return HTTPTransport(timeout=timeouts.as_timedelta("heal"))
+    # Served on the address the other groups' hosts reach (loopback when the job is on one host).
+    return HTTPTransport(timeout=timeouts.as_timedelta("heal"), bind=local_addr or "127.0.0.1")

@@ -4,9 +4,11 @@ Only the group leader (group rank 0) talks to the lighthouse. It relays each ste
 reason it got none) to the other ranks through the group's store, and every rank posts its commit
 vote there, so the ranks of a group always act on the same quorum and commit together.
 
-Keys live under a per-attempt prefix, ``/ftlaunch/<replica_id>/attempt_<restart count>``:
-torchelastic keeps its store across worker restarts, and a restarted group must never read its
-previous incarnation's quorum or votes.
+Keys live under a per-attempt prefix, ``/ftlaunch/<replica_id>/attempt_<incarnation>``: a store
+may outlive a restart of the group's workers (torchelastic keeps its own across restarts), and a
+restarted group must never read its previous incarnation's quorum or votes. The incarnation must be
+the same on every rank (`env.GroupEnv.incarnation`, counted by the rendezvous), or the ranks of a
+multi-node group would wait for each other under different prefixes for ever.
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ def _connect(
                 "a replica group with more than one worker needs its store: set MASTER_ADDR and "
                 "MASTER_PORT (torchrun/ftlaunch do) or pass store_addr/store_port"
             )
-        host = hostname or "127.0.0.1"
+        host = hostname or "127.0.0.1"  # the Manager passes the address other hosts reach
         store = dist.TCPStore(
             host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout)
         )
@@ -247,15 +249,16 @@ class GroupStore:
             self._store.delete_key(f"quorum/{seq - _KEEP_ROUNDS}")
 
     # ---- the commit vote inside the group --------------------------------------------------------
-    def vote(self, seq: int, ok: bool, deadline: float) -> bool:
+    def vote(self, seq: int, ok: bool, deadline: float, topic: str = "commit") -> bool:
         """Post this rank's vote for round ``seq`` and return whether every rank voted yes.
+        ``topic`` names what is voted on (the commit; ``"heal"``: every rank received its state).
 
         Waits until ``deadline`` (monotonic) at most; raises `CommunicationError` when a rank's
         vote does not arrive (it died: its agent restarts the group).
         """
         # Store.set takes bytes too (pybind std::string); torch's stub says str only.
-        self._store.set(f"commit/{seq}/{self._rank}", b"1" if ok else b"0")  # type: ignore[arg-type]
-        keys = [f"commit/{seq}/{r}" for r in range(self._world_size)]
+        self._store.set(f"{topic}/{seq}/{self._rank}", b"1" if ok else b"0")  # type: ignore[arg-type]
+        keys = [f"{topic}/{seq}/{r}" for r in range(self._world_size)]
         try:
             # set_timeout is local to this client: bounding the wait by the deadline costs no
             # extra round trip on the per-step path (a store.wait() before the get would).
@@ -266,7 +269,7 @@ class GroupStore:
                 self._store.set_timeout(self._timeout)
             if self._rank == 0 and seq > _KEEP_ROUNDS:
                 for r in range(self._world_size):
-                    self._store.delete_key(f"commit/{seq - _KEEP_ROUNDS}/{r}")
+                    self._store.delete_key(f"{topic}/{seq - _KEEP_ROUNDS}/{r}")
         except Exception as e:  # noqa: BLE001 - torch raises several types here
-            raise CommunicationError(f"commit vote inside the group failed: {e}") from e
+            raise CommunicationError(f"{topic} vote inside the group failed: {e}") from e
         return all(v == b"1" for v in votes)

@@ -34,17 +34,15 @@ from collections.abc import Callable
 from typing import Any
 
 from ftlaunch.errors import CommunicationError
+from ftlaunch.lighthouse.protocol import BLOCKED_FOR
 
 log = logging.getLogger(__name__)
 
 #: Seconds a step's wait may last before the leader reports it blocked (`Manager._blocked`), the
-#: process group prepares for an abort (`watch`) and a `lost` notice aborts a pending allreduce:
-#: above a healthy step's wait on one host, well below the lighthouse's heartbeat timeout (5 s).
-#: 0.5 s, the lighthouse's other evidence of a hung peer (a quorum request parked 0.5 s), since the
-#: preparation is a fork of the worker's idle Baby spare (prestart.FORKED_SPARES): milliseconds,
-#: not a torch import. A slow peer is never declared for it -- its heartbeats go on -- and a peer
-#: stopped mid-collective cost its peers ~1.1 s at 1 s (soak: 0.6-0.7 s for one stopped between steps).
-SUSPECT_AFTER = 0.5
+#: process group prepares for an abort (`watch`) and a `lost` notice aborts a pending allreduce: the
+#: protocol's `BLOCKED_FOR`, the one threshold the lighthouse's hung rule reads too. A slow peer is
+#: never declared for it -- its heartbeats go on.
+SUSPECT_AFTER = BLOCKED_FOR
 
 
 class LostPeerAbort:

@@ -178,10 +178,10 @@ def check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
 class ShardedState:
     """The live-recovery state of an FSDP2 model and its optimizer: ``{"model": ..., "optim": ...}``.
 
-    Use it instead of ``model.state_dict()`` in the functions you give the Manager. The Manager
-    snapshots the state on its quorum thread while the forward pass runs, and FSDP2's state-dict
-    pre-hook reshards parameters (frees the gathered ones) that the forward pass may be using at
-    that moment. This reads the sharded parameters FSDP keeps -- the DTensors the optimizer updates,
+    Use it instead of ``model.state_dict()`` in the functions you give the Manager. The Manager may
+    read the state on its quorum thread while the forward pass runs (a healer sizing what it will
+    receive; LocalSGD and DiLoCo serving their live state), and FSDP2's state-dict pre-hook reshards
+    parameters (frees the gathered ones) that the forward pass may be using at that moment. This reads the sharded parameters FSDP keeps -- the DTensors the optimizer updates,
     captured here on the calling thread -- and touches nothing; loading goes through
     ``model.load_state_dict`` and runs on the training thread (after the commit vote).
     Build it after sharding, before training.

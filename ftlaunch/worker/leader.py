@@ -43,7 +43,7 @@ class LeaderLink:
     ) -> None:
         """``blocked``: (quorum id, seconds) while the step waits in a collective of the quorum in
         use; the heartbeats report it, so that the lighthouse declares a hung peer lost on evidence
-        (lighthouse/membership_hung.py)."""
+        (lighthouse/hung.py)."""
         self.client = client
         self.replica_id = replica_id
         self._interval = heartbeat_interval

@@ -119,6 +119,11 @@ class LocalSGD(_Hooked):
         self._sync_every = sync_every
         self._bucket_cap_mb = bucket_cap_mb
         self._local_step = 0
+        manager.serve_live_state()  # quorums only at sync points, taken with the state held still
+        # What the groups share: the parameters as averaged at the last sync point.
+        manager.set_agreed_state(
+            lambda _: {"parameters": [local_view(p.detach()) for p in model.parameters()]}
+        )
 
     @property
     def local_step(self) -> int:
@@ -242,6 +247,10 @@ class DiLoCo(_Hooked):
         for f in self._fragments:
             f.save_global()
         manager.register_state_dict_fn(STATE_KEY, self._load_healed, self.state_dict)
+        manager.serve_live_state()  # quorums only at sync points, taken with the state held still
+        # What the groups share: global parameters, outer optimizer state, the schedule. Not the
+        # inner parameters and inner optimizer state, which each group trains on its own data.
+        manager.set_agreed_state(lambda state: {STATE_KEY: state[STATE_KEY]})
 
     # ---------------------------------------------------------------- what users and tests read
     @property

@@ -55,6 +55,7 @@ from ftlaunch.worker import allreduce as allreduce_math
 from ftlaunch.worker import defaults
 from ftlaunch.worker.allreduce import ReduceOpLike
 from ftlaunch.worker.commit import CrossGroupVote, vote_of_all_groups, vote_of_group_ranks, wait_all
+from ftlaunch.worker.committed import CommittedState
 from ftlaunch.worker.group_store import GroupStore
 from ftlaunch.worker.hang_abort import SUSPECT_AFTER, LostPeerAbort
 from ftlaunch.worker.leader import LeaderLink
@@ -62,7 +63,7 @@ from ftlaunch.worker.managed_work import ManagedWork, with_default
 from ftlaunch.worker.manager_quorum import QuorumRound
 from ftlaunch.worker.manager_state import ManagerStateApi
 from ftlaunch.worker.outage import LastQuorumSteps
-from ftlaunch.worker.plan import StepPlan, WorldSizeMode
+from ftlaunch.worker.plan import StepPlan, WorldSizeMode, may_heal, snapshot_due
 from ftlaunch.worker.recovery import DEFAULT_STATE_KEY, StateRegistry
 from ftlaunch.worker.watchdog import progress_timeout
 
@@ -175,6 +176,8 @@ class Manager(QuorumRound, ManagerStateApi):
             raise ValueError("pass both load_state_dict and state_dict, or neither")
         if load_state_dict is not None and state_dict is not None:
             self._state.register(DEFAULT_STATE_KEY, load_state_dict, state_dict)
+        # What a heal source serves and claims: its state as committed, snapshotted at the boundary.
+        self._committed = CommittedState(self._state, self.log)
 
         # Step state: what this replica group has committed, and the step in progress.
         self._step = 0
@@ -184,6 +187,7 @@ class Manager(QuorumRound, ManagerStateApi):
         self._quorum_id: int | None = None
         self._quorum_future: CFuture[None] | None = None
         self._plan: StepPlan | None = None
+        self._last_plan: StepPlan | None = None  # the plan of the last step taken, kept across steps
         self._pending: list[torch.futures.Future[torch.Tensor]] = []  # this step's allreduces
         self._issued_at = 0.0  # when this step's first allreduce went out
         # When the configure of the quorum in use / the commit's waits began (None: not now): a
@@ -192,7 +196,8 @@ class Manager(QuorumRound, ManagerStateApi):
         self._waiting_since: float | None = None
         self._errored: Exception | None = None
         self._error_lock = threading.Lock()
-        self._pending_state: dict[str, Any] | None = None  # a healer's received state, loaded at commit
+        self._pending_state: dict[str, Any] | None = None  # a healer's received state, not loaded yet
+        self._healed_at_start = False  # this step's heal was loaded before its forward pass
         self._sent_checkpoint = False
         self._vote_across_groups = CrossGroupVote()
         self._layout: dict[str, str] | None = None  # published with every quorum request
@@ -217,10 +222,10 @@ class Manager(QuorumRound, ManagerStateApi):
             store_addr if store_addr is not None else group_env.master_addr,
             store_port if store_port is not None else group_env.master_port,
             replica_id=self.replica_id,
-            attempt=group_env.restart_count,
+            attempt=group_env.incarnation,
             rank=self._group_rank,
             world_size=self._group_world_size,
-            hostname=hostname,
+            hostname=hostname or defaults.local_addr(lighthouse_addr),
             timeouts=timeouts,
             leader_outage=outage,
         )
@@ -228,7 +233,10 @@ class Manager(QuorumRound, ManagerStateApi):
         if checkpoint_transport is None:
             from ftlaunch.checkpointing import HTTPTransport
 
-            checkpoint_transport = HTTPTransport(timeout=timeouts.as_timedelta("heal"))
+            checkpoint_transport = HTTPTransport(
+                timeout=timeouts.as_timedelta("heal"),
+                bind=defaults.local_addr(lighthouse_addr) or "127.0.0.1",
+            )
         self._transport: CheckpointTransport[Any] = checkpoint_transport
         # Published once this rank is ready (`quorum_request.become_ready`): the leader's read of
         # every rank's metadata is then also the wait for the whole group to be ready.
@@ -273,26 +281,62 @@ class Manager(QuorumRound, ManagerStateApi):
     def start_quorum(
         self, allow_heal: bool = True, shrink_only: bool = False, timeout: timedelta | float | None = None
     ) -> None:
-        """Begin a step: ask for its quorum (in the background when ``use_async_quorum``)."""
+        """Begin a step: ask for its quorum (in the background when ``use_async_quorum``).
+
+        A group that may heal in this quorum (it was behind, or has just started) waits for the
+        quorum here, and loads the healed state before returning: its forward pass then runs on the
+        state its peers committed, so buffers that a forward updates (BatchNorm statistics) stay
+        the same as theirs. Live mode (`serve_live_state`) loads at the commit instead."""
         if self._shutdown:
             raise FtlaunchError("manager is shut down")
         self._link.touch()
         if self._quorum_future is not None and not self._quorum_future.done():
             # The previous step never waited for its quorum (no allreduce, no commit): finish it.
             self._quorum_future.exception()
+        # The commit boundary: the optimizer applied the last committed step and this step's forward
+        # pass has not begun. A heal due now is served from a snapshot of exactly this state.
+        self._committed.at_boundary(self._step, snapshot_due(self._step, self._last_plan))
+        live = self._committed.live
+        heal_first = allow_heal and not live and may_heal(self._step, self._last_plan)
         self._errored = None
         self._pending = []
         self._pending_state = None
+        self._healed_at_start = False
         self._plan = None
         quorum_timeout = self.timeouts.quorum if timeout is None else to_seconds(timeout)
         if self._progress is not None:
             self._progress.step_started()
         self._quorum_seq += 1
+        synchronous = heal_first or not self._use_async_quorum
         self._quorum_future = self._executor.submit(
-            self._run_quorum, self._quorum_seq, allow_heal, shrink_only, quorum_timeout
+            self._run_quorum, self._quorum_seq, allow_heal, shrink_only, quorum_timeout, synchronous or live
         )
-        if not self._use_async_quorum:
+        if synchronous:
             self.wait_quorum()
+            if not live:
+                self._heal_before_forward()
+
+    def _heal_before_forward(self) -> None:
+        """Load this step's healed state now, if every rank of the group received its part (a group
+        vote: one rank must not move to the source's step while another stays behind). A state
+        that did not arrive everywhere is loaded nowhere, and the step is not committed."""
+        plan = self._plan
+        if plan is None or not plan.heal:
+            return
+        ok = self._pending_state is not None and self._errored is None
+        if self._group_world_size > 1:
+            deadline = time.monotonic() + self.timeouts.heal
+            try:
+                ok = self._group.vote(self._quorum_seq, ok, deadline, topic="heal")
+            except CommunicationError as e:
+                self.report_error(e)
+                ok = False
+        if not ok:
+            self.report_error(CommunicationError("a rank of this group received no state: nobody loads it"))
+            self._pending_state = None
+            return
+        self._load_healed_state()
+        self._healed_at_start = True
 
     def wait_quorum(self) -> None:
         """Block until this step's quorum is known; fatal lighthouse errors and a layout that
@@ -423,7 +467,14 @@ class Manager(QuorumRound, ManagerStateApi):
                 self._pg.abort()
         self._pending = []
         plan = self._plan
-        if plan is not None and plan.heal and self._pending_state is None and self._errored is None:
+        healed = self._healed_at_start
+        if (
+            plan is not None
+            and plan.heal
+            and self._pending_state is None
+            and not healed
+            and self._errored is None
+        ):
             self.report_error(CommunicationError("healing was planned but no state was received"))
 
         # Enough groups up to date (torchft's rule: those at the quorum's max step; at step 0 with
@@ -447,15 +498,19 @@ class Manager(QuorumRound, ManagerStateApi):
             # Every healer has voted, so it has its copy: the state may change again.
             self._transport.disallow_checkpoint()
             self._sent_checkpoint = False
+        self._committed.release()
         self._waiting_since = None
         self._outage.after_step(ok, plan)
 
+        if ok and plan is not None and plan.waits:
+            # Voted yes so that the others commit; behind, this group applies nothing (it heals
+            # from their snapshot of this step's end, at the next quorum).
+            return False
         if ok:
             assert plan is not None
-            if plan.heal:
-                # Only now: every rank of every group agreed, so every healing rank loads together.
-                # Loading before the vote let one rank jump to the source's step while a peer rank
-                # whose heal failed stayed behind, and the group's ranks drifted apart.
+            if plan.heal and not healed:
+                # Live mode: only now, every rank of every group agreed, so every healing rank loads
+                # together (one rank must not jump to the source's step while another stays behind).
                 self._load_healed_state()
             self._step += 1
             self._batches_committed += plan.num_participants
@@ -496,7 +551,7 @@ class Manager(QuorumRound, ManagerStateApi):
         # through a `finally`) reports the state's checksum and "finished"; a group the lighthouse
         # refused because the training finished without it reports neither.
         clean = sys.exc_info()[0] is None and not self._ended_after_finish
-        self._link.close(self._step, self._state.snapshot if clean else None, leave=leave)
+        self._link.close(self._step, self._state.agreed if clean else None, leave=leave)
         self._executor.shutdown(wait=wait, cancel_futures=True)
         self._hang_abort.close()  # its notice watcher and an abort under way
         self._transport.shutdown(wait=wait)

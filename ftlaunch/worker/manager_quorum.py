@@ -3,7 +3,9 @@ plan the step from it, reconfigure the cross-group process group when the quorum
 
 Kept apart from `manager.py` (the step's allreduces, commit and teardown) because it runs on its
 own thread, overlapped with the forward pass, and writes only what the step reads once
-``wait_quorum`` returned: the plan, the quorum id, a healer's received state.
+``wait_quorum`` returned: the plan, the quorum id, a healer's received state. It never reads the
+training tensors of a source: what it claims and serves is the step's snapshot (`worker.committed`),
+taken by the training thread at the commit boundary.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from ftlaunch.lighthouse.quorum import Quorum
 from ftlaunch.process_group.base import ProcessGroup
 from ftlaunch.timeouts import Timeouts
 from ftlaunch.worker import quorum_request, recovery
+from ftlaunch.worker.committed import CommittedState, Snapshot
 from ftlaunch.worker.group_store import GroupStore
 from ftlaunch.worker.hang_abort import LostPeerAbort
 from ftlaunch.worker.leader import LeaderLink
@@ -47,6 +50,7 @@ class QuorumRound:
     _hang_abort: LostPeerAbort
     _progress: ProgressTracker | None
     _state: StateRegistry
+    _committed: CommittedState
     _heal_claims: bool
     _layout: dict[str, str] | None
     _ready: bool
@@ -57,6 +61,7 @@ class QuorumRound:
     _quorum_seq: int
     _quorum_id: int | None
     _plan: StepPlan | None
+    _last_plan: StepPlan | None
     _step: int
     _commit_failures: int
     _sent_checkpoint: bool
@@ -66,18 +71,25 @@ class QuorumRound:
     def _mark(self, phase: str) -> None:
         raise NotImplementedError
 
-    def _run_quorum(self, seq: int, allow_heal: bool, shrink_only: bool, quorum_timeout: float) -> None:
+    def _run_quorum(
+        self, seq: int, allow_heal: bool, shrink_only: bool, quorum_timeout: float, heal_ready: bool = True
+    ) -> None:
         """The quorum thread: quorum -> this group's plan -> reconfigure if it changed -> heal."""
         if not self._ready:  # ask to be counted only once we can take part at once
             quorum_request.become_ready(self._pg, self._group, self._transport, self.log)
             self._ready = True
             self._mark("ready")
-        quorum = self._ask_quorum(seq, shrink_only, quorum_timeout, claiming=False)
+        snapshot = self._committed.current(self._step)
+        ready = heal_ready and allow_heal
+        quorum = self._ask_quorum(seq, shrink_only, quorum_timeout, snapshot, ready, claiming=False)
         if plan_claims_wanted(quorum, init_sync=self._init_sync):
-            # Someone heals: heal sources must agree (worker/plan.py), so every member asks again,
-            # now with a checksum of the state it would offer. A new round of the group's store.
+            # Someone heals from a live state: heal sources must agree (worker/plan.py), so every
+            # member asks again, now with a checksum of the state it would offer. A new round of the
+            # group's store.
             self._quorum_seq += 1
-            quorum = self._ask_quorum(self._quorum_seq, shrink_only, quorum_timeout, claiming=True)
+            quorum = self._ask_quorum(
+                self._quorum_seq, shrink_only, quorum_timeout, snapshot, ready, claiming=True
+            )
         self._mark("quorum")
         plan = plan_step(
             quorum,
@@ -86,6 +98,7 @@ class QuorumRound:
             world_size_mode=self._world_size_mode,
             min_replica_size=self._min_replica_size,
         )
+        self._last_plan = plan
         if plan.quorum_id != self._quorum_id:
             self._reconfigure(plan)
             self._mark("configured")
@@ -98,11 +111,12 @@ class QuorumRound:
             if self._progress is not None:
                 self._progress.quorum_done()
             return
-        # A source serves its state to the healers assigned to it (until the vote); a healer fetches
-        # it now and loads it only once every group agreed to commit.
+        # A source serves its snapshot to the healers assigned to it (until the vote); a healer
+        # fetches it now and loads it before its forward pass (`Manager.start_quorum`; live mode:
+        # only once every group agreed to commit).
         started = time.perf_counter()
         sent, self._pending_state = recovery.exchange(
-            self._transport, plan, quorum, self._step, self._group_rank, self._state,
+            self._transport, plan, quorum, snapshot, self._group_rank, self._state,
             self.timeouts.as_timedelta("heal"), self.log,
         )  # fmt: skip
         self._sent_checkpoint = self._sent_checkpoint or sent
@@ -111,29 +125,54 @@ class QuorumRound:
         if self._progress is not None:
             self._progress.quorum_done(time.perf_counter() - started if plan.heal else 0.0)
 
-    def _ask_quorum(self, seq: int, shrink_only: bool, quorum_timeout: float, claiming: bool) -> Quorum:
+    def _ask_quorum(
+        self,
+        seq: int,
+        shrink_only: bool,
+        quorum_timeout: float,
+        snapshot: Snapshot | None,
+        heal_ready: bool,
+        claiming: bool,
+    ) -> Quorum:
         """Round ``seq``'s quorum. Only the leader asks the lighthouse; the group store relays its
-        answer to the other ranks. ``claiming``: every rank's heal claim goes with the request
-        (the leader gathers them); otherwise the request claims on demand (`plan.claims_wanted`)."""
-        claim = recovery.state_claim(self._state) if claiming and self._heal_claims else None
-        if claiming and self._group_rank != 0:
+        answer to the other ranks. A group whose boundary took a snapshot says so with its claim
+        (every rank's, the leader gathers them); a live one claims on demand, and with ``claiming``
+        (the second round of `plan.claims_wanted`) claims its live state."""
+        live = snapshot is not None and snapshot.live
+        gather = claiming if live else self._committed.due
+        claim = recovery.claim_token(snapshot, self._heal_claims) if gather else None
+        if gather and self._group_rank != 0:
             self._group.publish_claim(seq, claim)
         return self._group.relay_quorum(
-            seq, lambda: self._ask_lighthouse(shrink_only, quorum_timeout, seq, claim)
+            seq,
+            lambda: self._ask_lighthouse(shrink_only, quorum_timeout, seq, gather, claim, live, heal_ready),
         )
 
     def _ask_lighthouse(
-        self, shrink_only: bool, quorum_timeout: float, seq: int, claim: str | None
+        self,
+        shrink_only: bool,
+        quorum_timeout: float,
+        seq: int,
+        gather: bool,
+        claim: str | None,
+        live: bool,
+        heal_ready: bool,
     ) -> Quorum:
         assert self._client is not None  # the leader has one
         if self._transport_metadata is None:  # the first request: once every rank is ready
             self._transport_metadata = self._group.transport_metadata()
             self._link.start_heartbeat()
+        tokens = self._group.claims(seq, claim, self.timeouts.collective) if gather else None
+        if live:  # served live: claims on demand, or (asked again) the claims gathered
+            staged, claims = True, tokens if gather else recovery.on_demand(self._heal_claims)
+        else:  # a snapshot on every rank, or nothing to serve
+            staged = tokens is not None
+            claims = tokens if staged and self._heal_claims else None
         request = quorum_request.member(
             self.replica_id, store_address=self._group.address, step=self._step,
             world_size=self._group_world_size, shrink_only=shrink_only, commit_failures=self._commit_failures,
-            transport_metadata=self._transport_metadata, layout=self._layout,
-            claims=self._group.claims(seq, claim, self.timeouts.collective) if claim else recovery.on_demand(self._heal_claims),
+            transport_metadata=self._transport_metadata, layout=self._layout, claims=claims, staged=staged,
+            heal_ready=heal_ready,
         )  # fmt: skip
         return self._outage.ask(self._client, request, self._quorum_retries, quorum_timeout, self.log)
 

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ftlaunch.process_group.base import ProcessGroup
+from ftlaunch.worker.committed import CommittedState
 from ftlaunch.worker.plan import StepPlan
 from ftlaunch.worker.recovery import StateRegistry
 
@@ -21,6 +22,7 @@ class ManagerStateApi:
     _step: int
     _batches_committed: int
     _state: StateRegistry
+    _committed: CommittedState
     _layout: dict[str, str] | None
     _plan: StepPlan | None
     _quorum_seq: int
@@ -65,6 +67,28 @@ class ManagerStateApi:
     def allow_state_dict_read(self) -> None:
         """Let heals read the state again (see `disallow_state_dict_read`)."""
         self._state.gate.allow()
+
+    def set_agreed_state(self, select: Callable[[dict[str, Any]], Any]) -> None:
+        """Say which part of the state every replica group holds bit-identical after each commit:
+        ``select`` gets the whole state that travels with a heal (the default answer) and returns
+        that part. The group leader reports its checksum at a clean exit, and ``ftlaunch``'s summary
+        compares them across groups. DDP leaves out the module's buffers (BatchNorm statistics are
+        each replica's own, as in torch's DDP), LocalSGD keeps the parameters and DiLoCo its global
+        parameters and outer optimizer state: their groups legitimately differ in the rest."""
+        self._state.agreed_fn = select
+
+    def serve_live_state(self) -> None:
+        """Heals serve the training tensors themselves, at every quorum, instead of a snapshot the
+        Manager copies at the commit boundary when a heal is due (worker/committed.py).
+
+        For training loops that take each quorum synchronously (``start_quorum`` then
+        ``wait_quorum`` before anything else) and change no state until the step's first collective
+        completed -- every healer fetches before it joins one: LocalSGD and DiLoCo, whose quorums
+        are their sync points. They skip the copy of the model at each sync point, and a joining
+        group heals at the first one instead of waiting a sync interval for a snapshot. Any other
+        loop must not call it: its forward pass would change what the heal reads.
+        """
+        self._committed.live = True
 
     # ============================================================================ state (torchft's API)
     def state_dict(self) -> dict[str, int]:

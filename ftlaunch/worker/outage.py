@@ -34,7 +34,7 @@ while others were refused a moment earlier and stepped on, waiting in a collecti
 ones. A group in outage mode (its last quorum came from here) therefore waits at most `ANSWER_WAIT`
 for a quorum answer before stepping on the last quorum again: the parked member joins the step, and
 at the next probe every member asks the lighthouse, which forms at once (it adopted their resume
-reports, lighthouse/membership_resume.py). The same short wait holds for a group that is not in
+reports, lighthouse/resume.py). The same short wait holds for a group that is not in
 outage mode yet whose lighthouse was unreachable since its last quorum: it met the outage only after
 the lighthouse came back (it was SIGSTOPped while its peers stepped on) and parks while they wait in
 a collective for it; with no outage seen it asks again for the rest of the quorum timeout. In outage mode a group tries the lighthouse only every
@@ -96,8 +96,8 @@ def after_heal(quorum: Quorum, plan: StepPlan) -> Quorum | None:
     healers loaded it and stepped with them), or None when the step was not complete otherwise (a
     layout conflict, or participants other than the sources: `WorldSizeMode.FIXED_WITH_SPARES`).
     Every group computes it from the same quorum, so all get the same one, on which nobody heals."""
-    if plan.layout_conflict is not None or plan.num_participants != plan.num_sources:
-        return None
+    if plan.layout_conflict is not None or plan.num_participants != plan.num_sources or plan.deferred:
+        return None  # (deferred: the healers waited, still behind)
     step = plan.max_step + 1
     members = tuple(dataclasses.replace(m, step=step, commit_failures=0) for m in quorum.participants)
     return dataclasses.replace(quorum, participants=members)

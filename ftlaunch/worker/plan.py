@@ -7,24 +7,31 @@ messages: who is in the cross-group process group and at which rank, which group
 ``min_replica_size`` of them). Healing assignments are round-robin over the sources so a burst of
 rejoining groups spreads its load over every healthy group.
 
-Heal sources must agree (`CLAIM_KEY`): each group at the quorum's highest step claims, in its quorum
-data, a checksum of the state it would offer (one per group rank). Healers copy only from sources
+Heal sources serve a snapshot (`STAGED_KEY`): the state they committed, copied at the commit boundary
+(`worker/committed.py`), never the training tensors, which the next forward pass changes (BatchNorm
+statistics) while a heal reads them. Copying costs a pass over the state, so a group snapshots only
+when a heal is due (`snapshot_due`: the step it last planned left a group behind); a healer that first shows up in a quorum without a snapshotted source waits that one step
+(`StepPlan.waits`: it takes part with zero gradients, commits nothing) while its sources commit it and
+snapshot its end, and heals in the next. Training loops that hold their state still while a quorum is
+taken (LocalSGD, DiLoCo: a sync point) serve their live state at every quorum instead.
+
+Heal sources must agree (`CLAIM_KEY`): each snapshotted group at the quorum's highest step claims, in
+its quorum data, a checksum of the state it serves (one per group rank). Healers copy only from sources
 whose claim is the one most of them make; a lone dissenter (a group that lies, or drifted) or a
 group that makes no claim while others do serves nobody. When the most common claims tie, nobody
-can tell which is right: every claimant serves (as before claims; DiLoCo groups legitimately hold
-different local weights at a sync), and each healer checks what it gets against its own source's
-claim (`StepPlan.contested` says so). The
+can tell which is right: every claimant serves (DiLoCo groups legitimately hold different local
+weights at a sync, BatchNorm statistics differ between groups that see different data), and each
+healer checks what it gets against its own source's claim (`StepPlan.contested` says so). The
 healer checks what it receives against the claim (`worker/recovery.py`). A healer whose previous
 heal failed (its ``commit_failures``) is moved to the next agreeing source, so one source that
 serves bad state cannot hold a healer back for good.
 
-Claims are made on demand (`claims_wanted`): a checksum is a pass over the whole state (a third of
-a CPU step for a 30M-parameter MLP with Adam), and it matters only in the rare step where someone
-heals. So a group asks first with an empty claim (``[]``: "I claim on demand"); when the quorum
-then holds a healer and every member claims on demand, every member asks again at once, this time
-with its checksum, and plans from that second quorum. The choice depends on the quorum alone, so
-every rank of every group makes the same one (a group that asked again alone would wait in the
-lighthouse for peers already waiting for it in a collective).
+A snapshot's claim goes with the group's quorum request. Groups serving their live state claim on
+demand instead (`claims_wanted`): they ask with an empty claim (``[]``: "I claim on demand"); when the
+quorum then holds a healer, every member asks again at once, this time with its checksum, and plans
+from that second quorum. The choice depends on the quorum alone, so every rank of every group makes
+the same one (a group that asked again alone would wait in the lighthouse for peers already waiting
+for it in a collective).
 
 Groups that publish a *layout* (how they shard their state, `LAYOUT_KEY` in their quorum data) are
 checked against the sources' layouts: a group laid out differently would average gradient shards
@@ -45,6 +52,12 @@ LAYOUT_KEY = "layout"
 #: Key of a group's heal claim in its quorum data: ``[checksum of group rank 0's state, rank 1's, ...]``
 #: (`worker.recovery.state_claim`), made for the step the group asks with.
 CLAIM_KEY = "claim"
+#: Key of ``true`` in a group's quorum data when every rank of it holds a snapshot of the state it
+#: committed at the step it asks with (`worker.committed`): only such a group serves heals.
+STAGED_KEY = "staged"
+#: Key of ``true`` in a group's quorum data when it can heal in this step: it waits for the heal
+#: before its forward pass (or holds its state still, `worker.committed`'s live mode).
+HEAL_READY_KEY = "heal_ready"
 #: Longest claim list / checksum text a plan accepts (anything else counts as no claim).
 _MAX_CLAIM_RANKS = 4096
 _MAX_CLAIM_LEN = 128
@@ -102,10 +115,22 @@ class StepPlan:
     untrusted_ids: tuple[str, ...] = ()
     #: The up-to-date groups' most common claims tie: no majority says which state is right.
     contested: bool = False
+    #: Groups behind ``max_step`` (healing this step, or waiting for a snapshot to heal from).
+    num_healers: int = 0
+    #: Some healers wait this step: no up-to-date group holds a snapshot to serve yet (they take one
+    #: at the end of this step, `snapshot_due`, and the healers heal in the next), or a healer was
+    #: not ready (`HEAL_READY_KEY`: it asks ready next time).
+    deferred: bool = False
 
     @property
     def heal(self) -> bool:
         return self.recover_src_rank is not None
+
+    @property
+    def waits(self) -> bool:
+        """This group is behind and does not heal this step (`deferred`): it takes part with zero
+        gradients, votes, and commits nothing."""
+        return self.source_rank is None and self.recover_src_rank is None
 
     @property
     def participates(self) -> bool:
@@ -135,11 +160,14 @@ def plan_step(
     else:
         sources = [i for i, m in enumerate(members) if m.step == max_step]
     healers = [i for i in range(len(members)) if i not in sources]
-    trusted, contested = (sources, False) if len(sources) == 1 else _trusted_sources(members, sources)
+    servers = [i for i in sources if staged(members[i])]
+    trusted, contested = (servers, False) if len(servers) <= 1 else _trusted_sources(members, servers)
 
     # Round-robin over the trusted sources; a healer whose last heal failed moves on by its failures.
+    # A healer not ready to heal now (its forward pass already runs on its old state) waits a step.
+    healing = [h for h in healers if members[h].data.get(HEAL_READY_KEY) is True] if trusted else []
     src_of: dict[int, int] = {}
-    for k, h in enumerate(healers):
+    for k, h in enumerate(healing):
         src_of[h] = trusted[(k + members[h].commit_failures) % len(trusted)]
     recover_src = src_of.get(me)
     dsts = tuple(h for h, s in src_of.items() if s == me)
@@ -167,20 +195,57 @@ def plan_step(
         participant_ids=tuple(ids[i] for i in participants),
         num_up_to_date=sum(1 for m in members if m.step == max_step),
         recover_claim=claim_of(members[recover_src]) if recover_src is not None else None,
-        untrusted_ids=tuple(members[i].replica_id for i in sources if i not in trusted),
+        untrusted_ids=tuple(members[i].replica_id for i in servers if i not in trusted),
         contested=contested,
+        num_healers=len(healers),
+        deferred=len(healing) < len(healers),
     )
 
 
 def claims_wanted(quorum: Quorum, *, init_sync: bool = True) -> bool:
     """Whether every member must ask again with its heal claim: someone heals in this quorum (a
-    member behind the highest step, or the start's primary copy) and every member claims on demand
-    (an empty claim). Pure: all members decide the same from the same quorum."""
+    member behind the highest step, or the start's primary copy) and the members that serve claim
+    on demand (an empty claim: they serve their live state, which they hold still meanwhile). Pure:
+    all members decide the same from the same quorum."""
     members = quorum.participants
-    if len(members) < 2 or not all(m.data.get(CLAIM_KEY) == [] for m in members):
+    serving = [m for m in members if staged(m)]
+    if len(members) < 2 or not serving or not all(m.data.get(CLAIM_KEY) == [] for m in serving):
         return False
     max_step = max(m.step for m in members)
     return (init_sync and max_step == 0) or any(m.step < max_step for m in members)
+
+
+def snapshot_due(step: int, last: StepPlan | None) -> bool:
+    """Whether a group at ``step`` snapshots its committed state before its next quorum, given the
+    plan of the step it took last (None: none yet): when a heal is due -- the last step left a group
+    behind (it waited, or the step and its heal did not commit; round robin may pick any source
+    next). Not at a process's first step: most first steps are a restarted group's or a hot spare's,
+    which serve nobody; at the job's start the others wait one step for the primary's snapshot. A
+    group behind itself serves nobody. Pure: every rank of a group decides the same, so all of them
+    snapshot, or none."""
+    if last is None or behind_after(step, last):
+        return False
+    return last.num_healers > 0 and (last.deferred or step == last.max_step)
+
+
+def may_heal(step: int, last: StepPlan | None) -> bool:
+    """Whether a group at ``step`` may heal in its next quorum, given the plan of the step it took
+    last (None: its first): it was behind, or it has just started. Such a group waits for its quorum
+    (and heal) before its forward pass, so that the step runs on the healed state, and says so
+    (`HEAL_READY_KEY`). Pure, like `snapshot_due`."""
+    return last is None or behind_after(step, last)
+
+
+def behind_after(step: int, last: StepPlan) -> bool:
+    """Whether a group now at ``step`` is still behind after the step it planned as ``last``: it was
+    behind there (a healer -- at the start, every group but the primary) and did not catch up (it
+    waited, or its heal did not commit)."""
+    return step < last.max_step or (last.source_rank is None and step <= last.max_step)
+
+
+def staged(m: QuorumMember) -> bool:
+    """Whether the member holds a snapshot of its committed state to serve (`STAGED_KEY`)."""
+    return m.data.get(STAGED_KEY) is True
 
 
 def claim_of(m: QuorumMember) -> tuple[str, ...] | None:

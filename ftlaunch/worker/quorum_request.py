@@ -17,6 +17,7 @@ import os
 import socket
 from typing import Any
 
+from ftlaunch import env
 from ftlaunch.checkpointing.transport import CheckpointTransport
 from ftlaunch.errors import EvictedError, LighthouseError, LighthouseUnavailableError, TrainingFinishedError
 from ftlaunch.lighthouse.client import QuorumClient
@@ -24,7 +25,7 @@ from ftlaunch.lighthouse.quorum import Quorum, QuorumMember
 from ftlaunch.lighthouse.reconnect import OutageTolerantClient
 from ftlaunch.process_group.base import ProcessGroup
 from ftlaunch.worker.group_store import GroupStore
-from ftlaunch.worker.plan import CLAIM_KEY, LAYOUT_KEY
+from ftlaunch.worker.plan import CLAIM_KEY, HEAL_READY_KEY, LAYOUT_KEY, STAGED_KEY
 
 __all__ = ["ask_lighthouse", "become_ready", "member"]
 
@@ -59,18 +60,26 @@ def member(
     transport_metadata: list[str],
     layout: dict[str, str] | None,
     claims: list[str] | None = None,
+    staged: bool = False,
+    heal_ready: bool = False,
 ) -> QuorumMember:
     """This group's quorum request (the leader's process identifies it for status pages).
-    ``claims``: every rank's checksum of the state it would offer at ``step`` (`plan.CLAIM_KEY`);
-    ``[]`` claims on demand (`plan.claims_wanted`); None makes no claim."""
+    ``staged``: every rank holds a snapshot of its state at ``step`` to serve (`plan.STAGED_KEY`);
+    ``heal_ready``: behind, it could heal in this step (`plan.HEAL_READY_KEY`);
+    ``claims``: every rank's checksum of it (`plan.CLAIM_KEY`); ``[]`` claims on demand
+    (`plan.claims_wanted`); None makes no claim."""
     data: dict[str, Any] = {"ckpt": transport_metadata}
     if layout:
         data[LAYOUT_KEY] = layout
+    if staged:
+        data[STAGED_KEY] = True
+    if heal_ready:
+        data[HEAL_READY_KEY] = True
     if claims is not None:
         data[CLAIM_KEY] = claims
     return QuorumMember(
         replica_id=replica_id,
-        address=f"{socket.gethostname()}:{os.getpid()}",
+        address=f"{env.local_addr() or socket.gethostname()}:{os.getpid()}",
         store_address=store_address,
         step=step,
         world_size=world_size,

@@ -1,13 +1,15 @@
 """Live recovery: the state that travels with a heal, and its transfer within a step.
 
 The state is a set of named ``(load_state_dict, state_dict)`` pairs: the Manager's own (step,
-batches committed) plus whatever the user registered. A source group `offer`s a snapshot to the
-healers the step's plan assigns to it; a healing group `fetch`es it, checks it at once (a peer
-that registered other keys then fails the step's vote instead of raising after a commit) and
-``load``s it only once every group agreed to commit. Every group must register the same keys.
+batches committed) plus whatever the user registered. A source group `offer`s its snapshot of the
+step (`worker.committed.Snapshot`: the state it committed, never tensors the next forward pass is
+changing) to the healers the step's plan assigns to it; a healing group `fetch`es it, checks it at
+once (a peer that registered other keys then fails the step's vote instead of raising after a
+commit) and ``load``s it only once every group agreed to commit. Every group must register the
+same keys.
 
-Claims (`state_claim`): when a heal is due (`plan.claims_wanted`), each group asks for its quorum
-again stating a checksum of the state it would offer; the plan heals only from sources whose claims agree (`worker/plan.py`), and `fetch` rejects
+Claims: each source states, with its quorum request, a checksum of the snapshot it serves
+(`worker/plan.py`); the plan heals only from sources whose claims agree, and `fetch` rejects
 received state that does not match its source's claim. So a group that serves other state than
 the one it (and the other up-to-date groups) claimed heals nobody: its payload is refused.
 """
@@ -19,7 +21,7 @@ import threading
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol
 
 from ftlaunch.checkpointing.transport import CheckpointTransport
 from ftlaunch.errors import CommunicationError, FtlaunchError
@@ -34,6 +36,16 @@ DEFAULT_STATE_KEY = "default"
 
 LoadFn = Callable[[Any], None]
 SaveFn = Callable[[], Any]
+
+
+class Served(Protocol):
+    """What a source serves (`worker.committed.Snapshot`): one step's state and its claim."""
+
+    step: int
+
+    def state(self, timeout: float) -> dict[str, Any]: ...
+
+    def claim(self) -> str | None: ...
 
 
 class ReadGate:
@@ -91,6 +103,8 @@ class StateRegistry:
         self._user: dict[str, tuple[LoadFn, SaveFn]] = {}
         #: Closed by the training loop while it changes the state outside a step (see `ReadGate`).
         self.gate = ReadGate()
+        #: Selects, from the whole state, the part every group holds bit-identical (`agreed`).
+        self.agreed_fn: Callable[[dict[str, Any]], Any] | None = None
 
     def register(self, key: str, load_state_dict: LoadFn, state_dict: SaveFn) -> None:
         """Add state under ``key``; ValueError if the key is taken (or is the Manager's own)."""
@@ -106,6 +120,14 @@ class StateRegistry:
         state: dict[str, Any] = {key: save() for key, (_, save) in self._user.items()}
         state[MANAGER_STATE_KEY] = self._own[1]()
         return state
+
+    def agreed(self) -> Any:
+        """What every replica group holds bit-identical after each commit: the job's result, whose
+        checksum the group leader reports at a clean exit (the launcher's summary compares them).
+        All of `snapshot` unless an algorithm said less (``Manager.set_agreed_state``): DiLoCo
+        groups agree on the global parameters and outer state, not on their inner ones."""
+        state = self.snapshot()
+        return self.agreed_fn(state) if self.agreed_fn is not None else state
 
     def missing(self, state: Mapping[str, Any]) -> list[str]:
         """Registered keys that ``state`` lacks (a peer that registered different state)."""
@@ -129,22 +151,24 @@ def on_demand(claims: bool) -> list[str] | None:
     return [] if claims else None
 
 
-def state_claim(registry: StateRegistry) -> str | None:
-    """This rank's heal claim: `state_checksum` of the state it would offer now (every tensor's
-    path, dtype, shape and ``sum64``), or None when the state cannot be read right now (the
-    training loop closed the gate) -- a group without a claim heals nobody while others claim.
+def claim_token(snapshot: Served | None, claims: bool) -> str | None:
+    """What this rank tells its leader about its snapshot (`worker.committed.Snapshot`): its claim
+    (the checksum of the state it serves, every tensor's path, dtype, shape and ``sum64``), or with
+    claims off (``claims`` False: ``FTLAUNCH_HEAL_CLAIMS``, `env.WorkerEnv`) `STAGED_TOKEN`; None
+    when it has nothing to serve.
 
     Tensors only: honest groups that committed the same steps hold bit-identical tensors, while
-    numbers beside them (a prefetching loader's position) may legitimately differ a little.
-    Costs one pass over the state (`sum64`, on the tensors' device), so it is made only when a
-    heal is due (`plan.claims_wanted`); with ``FTLAUNCH_HEAL_CLAIMS=off`` the Manager makes none.
-    """
-    try:
-        with registry.gate.reading(0.0):
-            state = registry.snapshot()
-    except CommunicationError:
+    numbers beside them (a prefetching loader's position) may legitimately differ a little. Costs
+    one pass over the state, made only when a heal is due (a snapshot exists then only)."""
+    if snapshot is None:
         return None
-    return state_checksum(state)
+    if not claims:
+        return STAGED_TOKEN
+    return snapshot.claim()
+
+
+#: A rank's word to its leader that it holds a snapshot, when claims are off.
+STAGED_TOKEN = "staged"
 
 
 def check_claim(state: Mapping[str, Any], plan: StepPlan, group_rank: int) -> None:
@@ -169,21 +193,20 @@ def check_claim(state: Mapping[str, Any], plan: StepPlan, group_rank: int) -> No
 
 
 def offer(
-    transport: CheckpointTransport[Any],
-    plan: StepPlan,
-    step: int,
-    registry: StateRegistry,
-    timeout: timedelta,
+    transport: CheckpointTransport[Any], plan: StepPlan, snapshot: Served | None, timeout: timedelta
 ) -> None:
-    """Source side: serve (or push) a snapshot of step ``step`` to the healers assigned to this group.
+    """Source side: serve (or push) ``snapshot`` (`worker.committed.Snapshot`, None: this rank has
+    none) to the healers assigned to this group.
 
-    The caller must call ``transport.disallow_checkpoint()`` before the state changes again.
-    Raises what the transport raises (`CheckpointTransportError`).
+    The caller must call ``transport.disallow_checkpoint()`` before a live snapshot's state changes
+    again. Raises what the transport raises (`CheckpointTransportError`), and `CommunicationError`
+    without a snapshot or when a live state stays closed for reading for ``timeout``.
     """
-    with registry.gate.reading(timeout.total_seconds()):
-        state = registry.snapshot()
+    if snapshot is None:
+        raise CommunicationError("asked to serve a heal, but this rank holds no snapshot of its state")
+    state = snapshot.state(timeout.total_seconds())
     transport.send_checkpoint(
-        dst_ranks=list(plan.recover_dst_ranks), step=step, state_dict=state, timeout=timeout
+        dst_ranks=list(plan.recover_dst_ranks), step=snapshot.step, state_dict=state, timeout=timeout
     )
 
 
@@ -226,14 +249,14 @@ def exchange(
     transport: CheckpointTransport[Any],
     plan: StepPlan,
     quorum: Quorum,
-    step: int,
+    snapshot: Served | None,
     group_rank: int,
     registry: StateRegistry,
     timeout: timedelta,
     log: logging.LoggerAdapter,
 ) -> tuple[bool, dict[str, Any] | None]:
-    """This group's part of the step's healing: (whether it offered its state -- the caller must
-    ``disallow_checkpoint`` after the vote --, the state it received when it heals, else None)."""
+    """This group's part of the step's healing: (whether it offered its ``snapshot`` -- the caller
+    must ``disallow_checkpoint`` after the vote --, the state it received when it heals, else None)."""
     sent = False
     if plan.untrusted_ids and plan.heal:
         log.warning(
@@ -248,9 +271,12 @@ def exchange(
         )
     if plan.recover_dst_ranks:  # a source: serve our state to the healers assigned to us
         log.info("sending state to replica ranks %s", list(plan.recover_dst_ranks))
-        offer(transport, plan, step, registry, timeout)
+        offer(transport, plan, snapshot, timeout)
         sent = True
     received = None
+    if plan.waits and plan.deferred:
+        log.info("waiting one step to heal: no group at step %d holds a snapshot yet (they take one "
+                 "at the end of this step)", plan.max_step)  # fmt: skip
     if plan.heal:  # behind: fetch the state now; the Manager loads it once every group agreed to commit
         log.info("healing from %s at step %d", plan.recover_src_id, plan.max_step)
         received = fetch(transport, plan, quorum, group_rank, registry, timeout)

@@ -47,7 +47,7 @@ class JobFinished(Exception):
 
 def claimant_name(job: env.JobEnv, group: env.GroupEnv) -> str:
     """One name for all ranks of this incarnation of the group (its restarts get new ones)."""
-    return f"g{job.replica_group_id}.{group.restart_count}"
+    return f"g{job.replica_group_id}.{group.incarnation}"
 
 
 def claim_slot(job: env.JobEnv, group: env.GroupEnv, connect_timeout: float, outage_timeout: float) -> Slot:
@@ -57,11 +57,11 @@ def claim_slot(job: env.JobEnv, group: env.GroupEnv, connect_timeout: float, out
     name = claimant_name(job, group)
     preferred = None if job.starts_as_spare else job.replica_group_id
     start = time.monotonic()
-    if job.starts_as_spare or group.restart_count:
+    if job.starts_as_spare or group.incarnation:
         log.info("[%s] waiting for a replica-group slot (hot spare)", name)
     # A group of a job that reached its lighthouse (restarted by torchelastic, or its agent by the
     # supervisor) rides out an outage here as a running group's Manager does (lighthouse/reconnect.py).
-    outage = outage_timeout if job.lighthouse_reached or group.restart_count else 0.0
+    outage = outage_timeout if job.lighthouse_reached or group.incarnation else 0.0
     with LighthouseClient(job.lighthouse, connect_timeout=connect_timeout, token=job.token) as client:
         grant = _claim(client, name, job.num_replica_groups, preferred, outage)
     waited = time.monotonic() - start

@@ -26,14 +26,61 @@ from ftlaunch.worker.optim import Optimizer
 
 
 def checksum(model: nn.Module, opt: torch.optim.Optimizer) -> str:
+    """Parameters, buffers (BatchNorm statistics, counters) and optimizer state: the whole state."""
     h = hashlib.sha256()
     for p in model.parameters():
         h.update(p.detach().numpy().tobytes())
+    for b in model.buffers():
+        h.update(b.detach().numpy().tobytes())
     for st in opt.state.values():
         for v in st.values():
             if isinstance(v, torch.Tensor):
                 h.update(v.numpy().tobytes())
     return h.hexdigest()[:16]
+
+
+class _Slow(nn.Module):
+    """Stands for real compute in a forward pass: a window in which buffers are mid-update."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(self.seconds)
+        return x
+
+
+class _Counting(nn.Module):
+    """A buffer updated by every forward, in two places: a call counter at the start, a running
+    mean of the input at the end (after the slow part)."""
+
+    def __init__(self, features: int, seconds: float) -> None:
+        super().__init__()
+        self.register_buffer("calls", torch.zeros((), dtype=torch.int64))
+        self.register_buffer("mean", torch.zeros(features))
+        self.slow = _Slow(seconds)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        x = self.slow(x)
+        with torch.no_grad():
+            self.mean.mul_(0.9).add_(x.mean(0), alpha=0.1)
+        return x
+
+
+def make_model(kind: str, forward_seconds: float) -> nn.Module:
+    """``mlp`` (no buffers); ``bn-cnn``: convolutions with BatchNorm; ``counter``: a buffer that
+    every forward updates. The last two take ``forward_seconds`` in their forward pass."""
+    if kind == "bn-cnn":
+        return nn.Sequential(
+            nn.Unflatten(1, (1, 8)), nn.Conv1d(1, 4, 3, padding=1), nn.BatchNorm1d(4), nn.ReLU(),
+            _Slow(forward_seconds), nn.Conv1d(4, 4, 3, padding=1), nn.BatchNorm1d(4), nn.ReLU(),
+            nn.Flatten(), nn.Linear(32, 4),
+        )  # fmt: skip
+    if kind == "counter":
+        return nn.Sequential(nn.Linear(8, 16), _Counting(16, forward_seconds), nn.ReLU(), nn.Linear(16, 4))
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
 
 
 def _slow_healer(out: str, delay: float, timeout: timedelta):  # noqa: ANN202 - an HTTPTransport
@@ -118,6 +165,20 @@ def main() -> int:
     ap.add_argument("--error-at-step", type=int, default=-1, help="report an error on this step (once)")
     ap.add_argument("--always-error", action="store_true")
     ap.add_argument("--max-retries", type=int, default=None)
+    ap.add_argument("--model", choices=["mlp", "bn-cnn", "counter"], default="mlp")
+    ap.add_argument("--forward-seconds", type=float, default=0.02, help="forward time of bn-cnn/counter")
+    ap.add_argument(
+        "--same-data",
+        action="store_true",
+        help="every group draws the same batches (rank r of each group the same): honest groups then "
+        "hold bit-identical state at every step, buffers that the forward updates included",
+    )
+    ap.add_argument(
+        "--hold-file",
+        default=None,
+        help="while this file exists, every step sleeps a second more (a test keeps a survivor from "
+        "finishing before a restarted peer is back, without stopping it)",
+    )
     ap.add_argument("--backend", default="gloo")
     ap.add_argument("--transport", default="http")
     ap.add_argument("--timeout", type=float, default=20.0)
@@ -187,7 +248,7 @@ def main() -> int:
     else:
         pg = ProcessGroupGloo(timeout=timedelta(seconds=args.timeout))
     torch.manual_seed(100 + group)  # groups start with different weights: init_sync must fix that
-    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    model = make_model(args.model, args.forward_seconds)
     inner = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 
     transport = None
@@ -226,7 +287,7 @@ def main() -> int:
         while manager.current_step() < args.steps and time.monotonic() < deadline:
             opt.zero_grad()
             step = manager.current_step()
-            g = torch.Generator().manual_seed(step * 7919 + group * 31 + rank)
+            g = torch.Generator().manual_seed(step * 7919 + (0 if args.same_data else group * 31) + rank)
             x = torch.randn(4, 8, generator=g)
             loss = ddp(x).pow(2).mean()
             loss.backward()
@@ -259,6 +320,8 @@ def main() -> int:
             )
             if args.step_sleep:
                 time.sleep(args.step_sleep)
+            if args.hold_file and os.path.exists(args.hold_file):
+                time.sleep(1.0)
         out.write(
             json.dumps(
                 {
