@@ -123,7 +123,7 @@ def jobs():
 
 def train(steps: int, *extra: str) -> list[str]:
     """train_ddp.py with the fixed shards, whose positions `check_data` follows slot by slot (the
-    exactly-once sampler with spares: tests/test_exactly_once_mp.py)."""
+    exactly-once sampler with spares: tests/processes/test_exactly_once_mp.py)."""
     return [
         TRAIN,
         "--steps",
