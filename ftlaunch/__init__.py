@@ -23,6 +23,7 @@ _LAZY = {
     "FaultTolerance": "ftlaunch.worker.entry",
     "Timeouts": "ftlaunch.timeouts",
     "DistributedSampler": "ftlaunch.worker.data",
+    "ExactlyOnceSampler": "ftlaunch.worker.exactly_once",
     "Manager": "ftlaunch.worker.manager",
     "DistributedDataParallel": "ftlaunch.worker.data_parallel",
     "Optimizer": "ftlaunch.worker.optim",
