@@ -127,6 +127,8 @@ def hsdp(
     max_retries: int = 0,
     mounts: list[str] | None = None,
     tee: int = 3,
+    checkpoint_dir: str = "",
+    checkpoint_every: int = 100,
 ) -> AppDef:
     """Fault-tolerant training over replica groups: a lighthouse role plus one torchrun role per group.
 
@@ -166,6 +168,8 @@ def hsdp(
         max_retries: scheduler retries of a role
         mounts: mounts for container schedulers (type=bind,src=...,dst=... or type=volume,src=PVC,dst=...)
         tee: tee worker streams to console and file (0 none, 1 stdout, 2 stderr, 3 both)
+        checkpoint_dir: durable checkpoints in this directory, shared by the groups (the job resumes from its newest; default: none)
+        checkpoint_every: committed steps between two durable checkpoints (0: resume only)
     """
     from ftlaunch.launcher.torchx_components import hsdp_app
 
@@ -194,6 +198,8 @@ def hsdp(
         mounts=mounts,
         tee=tee,
         spares=spares,
+        checkpoint_dir=checkpoint_dir,
+        checkpoint_every=checkpoint_every,
     )
 
 
@@ -218,6 +224,8 @@ def ddp(
     env: dict[str, str] | None = None,
     max_retries: int = 0,
     tee: int = 3,
+    checkpoint_dir: str = "",
+    checkpoint_every: int = 100,
 ) -> AppDef:
     """Fault-tolerant DDP training: ``hsdp`` with single-node replica groups (the script's model is
     replicated in every worker; ftlaunch averages across groups and heals restarted ones).
@@ -245,6 +253,8 @@ def ddp(
         env: environment variables for every role (e.g. K1=v1,K2=v2)
         max_retries: scheduler retries of a role
         tee: tee worker streams to console and file (0 none, 1 stdout, 2 stderr, 3 both)
+        checkpoint_dir: durable checkpoints in this directory, shared by the groups (the job resumes from its newest; default: none)
+        checkpoint_every: committed steps between two durable checkpoints (0: resume only)
     """
     return hsdp(
         *script_args,
@@ -268,6 +278,8 @@ def ddp(
         max_retries=max_retries,
         tee=tee,
         spares=spares,
+        checkpoint_dir=checkpoint_dir,
+        checkpoint_every=checkpoint_every,
     )
 
 
@@ -297,6 +309,8 @@ def diloco(
     env: dict[str, str] | None = None,
     max_retries: int = 0,
     tee: int = 3,
+    checkpoint_dir: str = "",
+    checkpoint_every: int = 100,
 ) -> AppDef:
     """Fault-tolerant DiLoCo / Streaming DiLoCo: ``ddp``'s roles, with the algorithm's settings.
 
@@ -331,6 +345,8 @@ def diloco(
         env: environment variables for every role (e.g. K1=v1,K2=v2)
         max_retries: scheduler retries of a role
         tee: tee worker streams to console and file (0 none, 1 stdout, 2 stderr, 3 both)
+        checkpoint_dir: durable checkpoints in this directory, shared by the groups (the job resumes from its newest; default: none)
+        checkpoint_every: committed steps between two durable checkpoints (0: resume only)
     """
     from ftlaunch.launcher.torchx_components import diloco_environ
 
@@ -359,6 +375,8 @@ def diloco(
         max_retries=max_retries,
         tee=tee,
         spares=spares,
+        checkpoint_dir=checkpoint_dir,
+        checkpoint_every=checkpoint_every,
     )
 
 

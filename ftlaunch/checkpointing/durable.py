@@ -26,6 +26,7 @@ import json
 import os
 import shutil
 import time
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,7 +72,9 @@ def _is_node(x: Any) -> bool:
     if isinstance(x, Mapping):
         return True
     if type(x) in (list, tuple):
-        return any(isinstance(v, torch.Tensor) or isinstance(v, Mapping) or type(v) in (list, tuple) for v in x)
+        return any(
+            isinstance(v, torch.Tensor) or isinstance(v, Mapping) or type(v) in (list, tuple) for v in x
+        )
     return False
 
 
@@ -85,7 +88,9 @@ def flatten(state: Any) -> tuple[dict[str, Any], Any]:
             items = []
             for k, v in x.items():
                 if type(k) not in (str, int):
-                    raise TypeError(f"a checkpointed state's keys are str or int, got {k!r} at {'.'.join(path)}")
+                    raise TypeError(
+                        f"a checkpointed state's keys are str or int, got {k!r} at {'.'.join(path)}"
+                    )
                 items.append([k, walk(v, (*path, str(k)))])
             return {"t": "dict", "items": items}
         if _is_node(x):
@@ -169,18 +174,22 @@ def write(
             tmp.mkdir()
         if process_group is not None:
             dist.barrier(group=process_group)  # the directory exists before anyone writes
-        dcp.save(
-            flat,
-            storage_writer=FileSystemWriter(tmp, sync_files=True),
-            process_group=process_group,
-            no_dist=process_group is None,
-        )
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*assuming the intent is to")  # DCP on one process
+            dcp.save(
+                flat,
+                storage_writer=FileSystemWriter(tmp, sync_files=True),
+                process_group=process_group,
+                no_dist=process_group is None,
+            )
         if not coordinator:
             return None
         files = sorted(p for p in tmp.iterdir() if p.is_file())
         if not any(p.name == ".metadata" for p in files):
             raise DurableCheckpointError(f"DCP wrote no .metadata into {tmp}")
-        sums = {p.name: {"sha256": _sha256(p), "bytes": p.stat().st_size} for p in files}
+        sums: dict[str, dict[str, Any]] = {
+            p.name: {"sha256": _sha256(p), "bytes": p.stat().st_size} for p in files
+        }
         manifest = {
             "format": FORMAT,
             "version": VERSION,
@@ -208,7 +217,7 @@ def write(
         if isinstance(e, Exception):
             raise DurableCheckpointError(f"checkpoint of step {step} in {root} failed: {_brief(e)}") from e
         raise
-    nbytes = sum(v["bytes"] for v in sums.values()) + len(data)
+    nbytes = sum(int(v["bytes"]) for v in sums.values()) + len(data)
     return Published(final, step, nbytes, time.monotonic() - t0)
 
 
@@ -296,27 +305,33 @@ def newest(directory: str | os.PathLike[str]) -> tuple[int, float] | None:
 
 def read(
     path: str | os.PathLike[str],
-    template: Any,
+    template: Mapping[str, Any],
     *,
     process_group: dist.ProcessGroup | None = None,
-) -> Any:
-    """The state saved at ``path``, as the tree it was saved with.
+) -> dict[str, Any]:
+    """The top-level entries ``template`` names, read from the checkpoint at ``path`` (entries the
+    checkpoint lacks are left out of the result).
 
-    ``template`` is this rank's current state (the same tree, or part of it): an entry whose
-    tensor there has the saved global shape and dtype is loaded *into* that tensor (a DTensor:
-    into its shards -- how a sharded state reshards onto this group's mesh); any other saved
-    tensor (an optimizer's state before its first step, say) is loaded into a new CPU tensor, and
-    other values are read as saved. Every rank of a group calls it, with the group's
-    ``process_group`` (None: a group of one)."""
+    ``template`` holds this rank's current state of each entry: a saved tensor whose counterpart
+    there has the saved global shape and dtype is loaded *into* it (a DTensor: into its shards --
+    how a sharded state reshards onto this group's mesh); any other saved tensor (an optimizer's
+    state before its first step, say) into a new CPU tensor; other values are read as saved. Every
+    rank of a group calls it with the same keys and the group's ``process_group`` (None: a group
+    of one)."""
     p = Path(path)
     try:
         manifest = _manifest(p)
         metadata = FileSystemReader(p).read_metadata()
     except (OSError, ValueError) as e:
         raise DurableCheckpointError(f"checkpoint {p} does not read: {e}") from e
-    have, _ = flatten(template)
+    tree = manifest["tree"]
+    saved = {k: v for k, v in tree["items"]} if isinstance(tree, dict) and tree.get("t") == "dict" else {}
+    keys = [k for k in template if k in saved]
+    have, _ = flatten({k: template[k] for k in keys})
     target: dict[str, Any] = {}
     for name, meta in metadata.state_dict_metadata.items():
+        if not any(name == k or name.startswith(f"{k}.") for k in keys):
+            continue
         current = have.get(name)
         if isinstance(meta, TensorStorageMetadata):
             if (
@@ -329,10 +344,12 @@ def read(
                 target[name] = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
         else:
             target[name] = current
-    dcp.load(
-        target,
-        storage_reader=FileSystemReader(p),
-        process_group=process_group,
-        no_dist=process_group is None,
-    )
-    return unflatten(target, manifest["tree"])
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to")  # DCP on one process
+        dcp.load(
+            target,
+            storage_reader=FileSystemReader(p),
+            process_group=process_group,
+            no_dist=process_group is None,
+        )
+    return {k: unflatten(target, saved[k]) for k in keys}

@@ -54,7 +54,7 @@ import json  # noqa: E402
 import logging  # noqa: E402
 import os  # noqa: E402
 import time  # noqa: E402
-from collections.abc import Mapping  # noqa: E402
+from collections.abc import Callable, Mapping  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 from datetime import timedelta  # noqa: E402
 
@@ -102,6 +102,9 @@ _OUR_KEYS = {
     "lighthouse_linger": "how long a lighthouse started here outlives its group while others use it "
     "(a duration, 0 s to 24 h; default 60)",
     "token": "job token every lighthouse request carries (or env FTLAUNCH_TOKEN); required to host one off loopback",
+    "checkpoint_dir": "durable checkpoints: the directory (or env FTLAUNCH_CHECKPOINT_DIR); the job resumes from its newest",
+    "checkpoint_every": "durable checkpoints: committed steps between saves (or env FTLAUNCH_CHECKPOINT_EVERY; default 100)",
+    "checkpoint_keep": "durable checkpoints: complete ones kept (or env FTLAUNCH_CHECKPOINT_KEEP; default 3, 0: all)",
 }
 _INNER_KEYS = {
     "timeout",
@@ -141,6 +144,8 @@ class FtRendezvousConfig:
     lighthouse_heartbeat_timeout: float = 5.0
     lighthouse_linger: float = 60.0
     token: str | None = None
+    #: Durable checkpoints the workers write and resume from (published as `env.CheckpointEnv`).
+    checkpoint: env.CheckpointEnv = env.CheckpointEnv()
 
     @classmethod
     def from_params(
@@ -231,6 +236,7 @@ class FtRendezvousConfig:
             lighthouse_heartbeat_timeout=as_seconds("lighthouse_heartbeat_timeout", 5.0, HEARTBEAT_TIMEOUT),
             lighthouse_linger=as_seconds("lighthouse_linger", 60.0, _LINGER),
             token=as_str("token", env.FTLAUNCH_TOKEN) or None,
+            checkpoint=_checkpoint_conf(as_str, as_int, environ),
         )
 
     @property
@@ -244,6 +250,25 @@ class FtRendezvousConfig:
             heartbeat_timeout=self.lighthouse_heartbeat_timeout,
             token=self.token,
         )
+
+
+def _checkpoint_conf(
+    as_str: Callable[[str, str | None], str],
+    as_int: Callable[[str, str | None, int | None], int | None],
+    environ: Mapping[str, str] | None,
+) -> env.CheckpointEnv:
+    """The ``checkpoint_*`` keys of ``--rdzv-conf``, over the environment's values."""
+    from_env = env.CheckpointEnv.from_environ(environ)
+    directory = as_str("checkpoint_dir", env.FTLAUNCH_CHECKPOINT_DIR) or None
+    every = as_int("checkpoint_every", None, from_env.every)
+    keep = as_int("checkpoint_keep", None, from_env.keep_last)
+    assert every is not None and keep is not None  # noqa: S101 - have defaults
+    for key, value in (("checkpoint_every", every), ("checkpoint_keep", keep)):
+        if value < 0:
+            raise ConfigurationError(f"ftlaunch rendezvous: {key}={value} must be >= 0")
+    if directory is None and (every != from_env.every or keep != from_env.keep_last):
+        raise ConfigurationError("ftlaunch rendezvous: checkpoint_every/checkpoint_keep need checkpoint_dir")
+    return env.CheckpointEnv(directory, every, keep)
 
 
 def _lighthouse_url(addr: str, what: str) -> str:
@@ -487,6 +512,7 @@ class FtlaunchRendezvousHandler(RendezvousHandler):
             local_addr=advertised,
         )
         env.publish(job.to_environ())
+        env.publish(cfg.checkpoint.to_environ())
 
 
 def _inner_params(params: RendezvousParameters, cfg: FtRendezvousConfig, run_id: str) -> RendezvousParameters:

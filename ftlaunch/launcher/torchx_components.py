@@ -92,6 +92,8 @@ def hsdp_app(
     mounts: list[str] | None,
     tee: int,
     spares: int = 0,
+    checkpoint_dir: str = "",
+    checkpoint_every: int = 100,
 ) -> AppDef:
     """Build the AppDef; see ``ftlaunch.hsdp`` for the meaning and the defaults of every argument.
 
@@ -126,6 +128,9 @@ def hsdp_app(
     if max_restarts < 0:
         raise ConfigurationError("--max_restarts must be >= 0")
     JOIN_TIMEOUT.checked(join_timeout, "--join_timeout")
+    if checkpoint_every < 0:
+        raise ConfigurationError(f"--checkpoint_every must be >= 0 (got {checkpoint_every})")
+    durable_env = ftenv.CheckpointEnv(checkpoint_dir or None, checkpoint_every).to_environ()
     HEARTBEAT_TIMEOUT.checked(heartbeat_timeout, "--heartbeat_timeout")
 
     image = image or torchx.IMAGE
@@ -214,7 +219,7 @@ def hsdp_app(
                     *torchrun,
                 ],
                 num_replicas=nnodes_per_replica,
-                env={**base_env, **_job_environ(group, replicas, lighthouse, spares)},
+                env={**base_env, **durable_env, **_job_environ(group, replicas, lighthouse, spares)},
                 resource=resource,
                 mounts=parsed_mounts,
                 max_retries=max_retries,

@@ -29,6 +29,7 @@ from ftlaunch.worker.manager import Manager
 
 if TYPE_CHECKING:
     from ftlaunch.gang import Gang, Gangs
+    from ftlaunch.worker.durable import DurableCheckpoints
     from ftlaunch.worker.local_sgd import DiLoCo, LocalSGD
 
 
@@ -86,6 +87,8 @@ class FaultTolerance:
     #: Defaults of `local_sgd`/`diloco` the environment gave (``init`` reads them with the rest;
     #: None: read them when one of the two is called).
     sync_env: env.SyncEnv | None = field(default=None, repr=False)
+    #: Durable checkpoints (``checkpoint_dir=``), None without a directory.
+    durable: DurableCheckpoints | None = field(default=None, repr=False)
 
     def _sync_defaults(self) -> env.SyncEnv:
         return self.sync_env if self.sync_env is not None else env.SyncEnv.from_environ()
@@ -107,8 +110,12 @@ class FaultTolerance:
 
         return (
             DistributedDataParallel(self.manager, model, intra_group=self.intra_group),
-            Optimizer(self.manager, optimizer),
+            Optimizer(self.manager, optimizer, self._on_commit()),
         )
+
+    def _on_commit(self) -> Callable[[int], None] | None:
+        """What the commit-gated optimizer calls after each committed update (durable checkpoints)."""
+        return self.durable.committed if self.durable is not None else None
 
     def sampler(self, dataset: Any, key: str = "sampler", **kwargs: Any) -> DistributedSampler:
         """A sampler sharding ``dataset`` over replica groups x ranks whose position travels with
@@ -184,7 +191,7 @@ class FaultTolerance:
         layout = hsdp.layout_of(model)
         self.manager.require_same_layout(layout.digest, layout.text)
         self.manager.log.info("fault-tolerant HSDP: %s", layout.text)
-        return model, Optimizer(self.manager, optimizer)
+        return model, Optimizer(self.manager, optimizer, self._on_commit())
 
     # ---- periodic synchronisation: LocalSGD, DiLoCo, Streaming DiLoCo (docs/diloco.md) ----------
     def local_sgd(
@@ -283,6 +290,8 @@ class FaultTolerance:
         if self._closed:
             return
         self._closed = True
+        if self.durable is not None:
+            self.durable.close(wait=not _failing())  # a save in progress completes on a clean exit
         if _failing():  # called while an exception propagates (``finally:``): a failure, not an end
             self.manager.shutdown(leave=False)
         if self._gangs is not None:
