@@ -210,15 +210,25 @@ def write(
         os.rename(tmp, final)
         _fsync_dir(root)
     except BaseException as e:
+        why = _full_disk(root) or _brief(e)  # before the partial save is removed
         if coordinator:
             shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(e, DurableCheckpointError):
+        if isinstance(e, (DurableCheckpointError, KeyboardInterrupt, SystemExit)):
             raise
-        if isinstance(e, Exception):
-            raise DurableCheckpointError(f"checkpoint of step {step} in {root} failed: {_brief(e)}") from e
-        raise
+        # DCP's own failure, CheckpointException, is a BaseException: wrapped as well.
+        raise DurableCheckpointError(f"checkpoint of step {step} in {root} failed: {why}") from e
     nbytes = sum(int(v["bytes"]) for v in sums.values()) + len(data)
     return Published(final, step, nbytes, time.monotonic() - t0)
+
+
+def _full_disk(root: Path) -> str | None:
+    """ "no space left ..." when the file system of ``root`` is (nearly) full: torch's writer reports
+    ENOSPC as an unrelated-looking ``RuntimeError`` ("unexpected pos ..."), which would hide why."""
+    try:
+        free = shutil.disk_usage(root).free
+    except OSError:
+        return None
+    return f"no space left on the device ({free} bytes free)" if free < _CHUNK else None
 
 
 def _brief(e: BaseException) -> str:
@@ -346,10 +356,15 @@ def read(
             target[name] = current
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to")  # DCP on one process
-        dcp.load(
-            target,
-            storage_reader=FileSystemReader(p),
-            process_group=process_group,
-            no_dist=process_group is None,
-        )
+        try:
+            dcp.load(
+                target,
+                storage_reader=FileSystemReader(p),
+                process_group=process_group,
+                no_dist=process_group is None,
+            )
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:  # DCP's CheckpointException is a BaseException
+            raise DurableCheckpointError(f"checkpoint {p} does not load: {_brief(e)}") from e
     return {k: unflatten(target, saved[k]) for k in keys}
