@@ -81,6 +81,18 @@ class DurableStats:
     #: Newer checkpoints refused at resume, with why.
     refused: list[tuple[int, str]] = field(default_factory=list)
 
+    def report(self) -> dict[str, Any]:
+        """The durable fields of the leader's progress reports (`lighthouse.progress.ProgressReport`)."""
+        return {
+            "durable_step": self.last_step or 0,
+            "durable_time": round(self.last_time or 0.0, 3),
+            "durable_seconds": round(self.last_seconds or 0.0, 6),
+            "durable_saves": self.saves,
+            "durable_skipped": self.skipped,
+            "durable_failed": self.failed,
+            "resumed_from": self.resumed_from or 0,
+        }
+
 
 _SAMPLER_KEYS = frozenset({"num_shards", "position", "epoch", "dataset_len"})
 

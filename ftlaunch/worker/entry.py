@@ -342,6 +342,8 @@ def _durable(
         agree_group=agree_group,
     )
     manager._committed.durable = hook  # noqa: SLF001 - called at every commit boundary
+    if manager._progress is not None:  # noqa: SLF001 - the leader's progress reports carry the stats
+        manager._progress.durable = hook.stats.report
     if resume:
         hook.resume()
     return hook

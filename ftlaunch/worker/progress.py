@@ -70,6 +70,8 @@ class ProgressTracker:
         self._commit_started: float | None = None
         self._fetch_seconds = 0.0
         self._last: ProgressReport | None = None
+        #: The durable-checkpoint fields of each report (`ftlaunch.worker.durable.DurableStats.report`).
+        self.durable: Callable[[], dict[str, Any]] | None = None
 
     @property
     def commits(self) -> int:
@@ -107,6 +109,7 @@ class ProgressTracker:
             step_seconds=round(now - self._started, 6) if self._started is not None else 0.0,
             quorum_seconds=round(self._quorum_seconds, 6),
             commit_seconds=round(now - self._commit_started, 6) if self._commit_started is not None else 0.0,
+            **(self.durable() if self.durable is not None else {}),
         )
         self._publish(self._last)
 
