@@ -19,11 +19,13 @@ position, DiLoCo's outer state) -- as one step's state:
   line and counted, and the previous checkpoint stays the newest. In a group of several ranks, each
   rank writes its own shards over a Gloo group of its own (``dcp_group``), and the ranks agree on
   "still busy" over another (``agree_group``), so they all write, or all skip.
-* **Resume**, at the process's first boundary, before its first quorum: a group that starts with
-  the job (not a restarted group, nor a hot spare taking a failed group's slot -- those heal from
-  live peers) loads the newest complete checkpoint that verifies, a damaged newer one reported in
-  one line. Every group then asks its first quorum at the saved step, so the job's step continues
-  from it; a group that found nothing (or is behind) heals from the others as usual.
+* **Resume**, in ``ftlaunch.init``: a group that starts with the job (not a restarted group, nor a
+  hot spare taking a failed group's slot -- those heal from live peers) loads the newest complete
+  checkpoint that verifies, a damaged newer one reported in one line: the entries registered by
+  then at once, each one registered later (``ft.sampler``, ``ft.diloco``, ``ft.wrap`` of a sharded
+  model) as it registers, until the first step. Every group then asks its first quorum at the saved
+  step, so the job's step continues from it; a group that found nothing (or is behind) heals from
+  the others as usual.
 """
 
 from __future__ import annotations
@@ -147,6 +149,11 @@ class DurableCheckpoints:
         self._lock = threading.Lock()
         self._running: Future[None] | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ftlaunch-durable")
+
+    @property
+    def resuming(self) -> bool:
+        """Whether entries registered now load from the checkpoint resumed from."""
+        return self._resume_path is not None
 
     # ------------------------------------------------------------------------ the boundary
     def first_boundary(self, step: int) -> int:

@@ -181,6 +181,12 @@ class FaultTolerance:
             )
         self.checkpoint_transport.device_mesh = mesh
         if self.registered.kind is Registered.NOTHING:
+            if self.durable is not None and self.durable.resuming:
+                # The checkpoint's optimizer state loads into the optimizer's own DTensors: create
+                # them first (a step with zero gradients and lr 0, torch's own way).
+                from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+                _init_optim_state(optimizer)
             self.manager.register_state_dict_fn(DEFAULT_STATE_KEY, *model_state_fns(model, optimizer))
             self.registered = InitState(Registered.MODEL, model, optimizer)
         elif self.registered.other_than(model, optimizer):
