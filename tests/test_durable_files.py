@@ -224,3 +224,47 @@ def test_full_disk_keeps_the_previous_checkpoint(small_tmpfs: Path) -> None:
     assert durable.verify(small_tmpfs / dp.dir_name(10)) is None
     h = Holder()
     assert h.resume(small_tmpfs)[0] == 10
+
+
+def test_one_writer_by_turn_and_a_save_still_running_is_skipped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+    from types import SimpleNamespace
+
+    from ftlaunch.worker import durable as worker_durable
+
+    h = Holder()
+    plan = SimpleNamespace(participant_rank=0, num_participants=2)
+    hook = DurableCheckpoints(
+        DurableConfig(str(tmp_path), every=10, keep_last=2),
+        h.registry,
+        lambda: plan,
+        logging.getLogger("test"),
+    )
+    hook.first_boundary(0)
+    hook.at_boundary(10)  # (10 // 10) % 2 == 1: the other participant's turn
+    hook.close()
+    assert os.listdir(tmp_path) == [] and hook.stats.saves == 0
+
+    release = threading.Event()
+    real_write = worker_durable.durable.write
+
+    def slow_write(*args: Any, **kwargs: Any) -> Any:
+        release.wait(30)  # a disk that takes its time
+        return real_write(*args, **kwargs)
+
+    monkeypatch.setattr(worker_durable.durable, "write", slow_write)
+    hook = DurableCheckpoints(
+        DurableConfig(str(tmp_path), every=10, keep_last=2),
+        h.registry,
+        lambda: plan,
+        logging.getLogger("test"),
+    )
+    h.own["step"] = 20
+    hook.at_boundary(20)  # our turn: handed to the writer thread, the boundary returns at once
+    hook.at_boundary(40)  # due again while the first is still being written: skipped, counted
+    assert hook.stats.skipped == 1
+    release.set()
+    hook.close()
+    assert hook.stats.saves == 1 and os.listdir(tmp_path) == [dp.dir_name(20)]
