@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 
 import pytest
-from test_lighthouse_progress import make
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 import ftlaunch
@@ -17,8 +16,10 @@ from ftlaunch.launcher import cli
 from ftlaunch.launcher.group import Group
 from ftlaunch.launcher.rendezvous import FtRendezvousConfig
 from ftlaunch.launcher.report import status_text, summary_lines
+from ftlaunch.lighthouse.membership import Membership
 from ftlaunch.lighthouse.metrics import families
 from ftlaunch.lighthouse.progress import GroupProgress, ProgressBook, ProgressReport
+from ftlaunch.lighthouse.quorum import QuorumIdAllocator, QuorumOptions
 from ftlaunch.worker.durable import DurableStats
 
 
@@ -88,7 +89,7 @@ def test_reports_carry_durable_stats_to_status_metrics_and_launcher() -> None:
     assert (progress.durable_step, progress.durable_saves, progress.resumed_from) == (300, 3, 100)
     assert GroupProgress.from_json(progress.to_json()) == progress
 
-    m, _ = make(expected_replicas=1)
+    m = Membership(QuorumOptions(expected_replicas=1), ids=QuorumIdAllocator(1_700_000_000_000))
     m.heartbeat("rg0", report)
     names = {family.name for family in families(m.snapshot())}
     assert {
