@@ -130,6 +130,8 @@ def hsdp(
     tee: int = 3,
     stragglers: str = "report",
     health_check: str = "",
+    checkpoint_dir: str = "",
+    checkpoint_every: int = 100,
 ) -> AppDef:
     """Fault-tolerant training over replica groups: a lighthouse role plus one torchrun role per group.
 
@@ -171,6 +173,8 @@ def hsdp(
         tee: tee worker streams to console and file (0 none, 1 stdout, 2 stderr, 3 both)
         stragglers: slow groups: report them, or replace a persistent one (a hot spare, else a restart)
         health_check: a command each group runs before its workers start or restart (e.g. "python -m ftlaunch.health"); while it fails the group stays out, retried with backoff
+        checkpoint_dir: durable checkpoints in this directory, shared by the groups (the job resumes from its newest; default: none)
+        checkpoint_every: committed steps between two durable checkpoints (0: resume only)
     """
     from ftlaunch.launcher.torchx_components import hsdp_app
 
@@ -201,6 +205,8 @@ def hsdp(
         spares=spares,
         stragglers=stragglers,
         health_check=health_check,
+        checkpoint_dir=checkpoint_dir,
+        checkpoint_every=checkpoint_every,
     )
 
 
@@ -227,6 +233,8 @@ def ddp(
     tee: int = 3,
     stragglers: str = "report",
     health_check: str = "",
+    checkpoint_dir: str = "",
+    checkpoint_every: int = 100,
 ) -> AppDef:
     """Fault-tolerant DDP training: ``hsdp`` with single-node replica groups (the script's model is
     replicated in every worker; ftlaunch averages across groups and heals restarted ones).
@@ -256,6 +264,8 @@ def ddp(
         tee: tee worker streams to console and file (0 none, 1 stdout, 2 stderr, 3 both)
         stragglers: slow groups: report them, or replace a persistent one (a hot spare, else a restart)
         health_check: a command each group runs before its workers start or restart (e.g. "python -m ftlaunch.health"); while it fails the group stays out, retried with backoff
+        checkpoint_dir: durable checkpoints in this directory, shared by the groups (the job resumes from its newest; default: none)
+        checkpoint_every: committed steps between two durable checkpoints (0: resume only)
     """
     return hsdp(
         *script_args,
@@ -281,6 +291,8 @@ def ddp(
         spares=spares,
         stragglers=stragglers,
         health_check=health_check,
+        checkpoint_dir=checkpoint_dir,
+        checkpoint_every=checkpoint_every,
     )
 
 
@@ -312,6 +324,8 @@ def diloco(
     tee: int = 3,
     stragglers: str = "report",
     health_check: str = "",
+    checkpoint_dir: str = "",
+    checkpoint_every: int = 100,
 ) -> AppDef:
     """Fault-tolerant DiLoCo / Streaming DiLoCo: ``ddp``'s roles, with the algorithm's settings.
 
@@ -348,6 +362,8 @@ def diloco(
         tee: tee worker streams to console and file (0 none, 1 stdout, 2 stderr, 3 both)
         stragglers: slow groups: report them, or replace a persistent one (a hot spare, else a restart)
         health_check: a command each group runs before its workers start or restart (e.g. "python -m ftlaunch.health"); while it fails the group stays out, retried with backoff
+        checkpoint_dir: durable checkpoints in this directory, shared by the groups (the job resumes from its newest; default: none)
+        checkpoint_every: committed steps between two durable checkpoints (0: resume only)
     """
     from ftlaunch.launcher.torchx_components import diloco_environ
 
@@ -378,6 +394,8 @@ def diloco(
         spares=spares,
         stragglers=stragglers,
         health_check=health_check,
+        checkpoint_dir=checkpoint_dir,
+        checkpoint_every=checkpoint_every,
     )
 
 

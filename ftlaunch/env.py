@@ -136,6 +136,11 @@ FTLAUNCH_FRAGMENTS = "FTLAUNCH_FRAGMENTS"
 FTLAUNCH_FRAGMENT_SYNC_DELAY = "FTLAUNCH_FRAGMENT_SYNC_DELAY"
 FTLAUNCH_FRAGMENT_UPDATE_ALPHA = "FTLAUNCH_FRAGMENT_UPDATE_ALPHA"
 FTLAUNCH_QUANTIZE = "FTLAUNCH_QUANTIZE"
+#: Durable checkpoints (`CheckpointEnv`): the directory (unset: none are written or read), the
+#: interval in committed steps, and how many complete checkpoints to keep.
+FTLAUNCH_CHECKPOINT_DIR = "FTLAUNCH_CHECKPOINT_DIR"
+FTLAUNCH_CHECKPOINT_EVERY = "FTLAUNCH_CHECKPOINT_EVERY"
+FTLAUNCH_CHECKPOINT_KEEP = "FTLAUNCH_CHECKPOINT_KEEP"
 #: Opt-in start-up phase log (`ftlaunch.phases`): a file path every process of the job appends
 #: timestamped JSON lines to (worker exit noticed, process start, init, Baby child ready, quorum,
 #: configure, heal, first commit). Unset: nothing is recorded.
@@ -191,6 +196,9 @@ ALL_FTLAUNCH_VARS = (
     FTLAUNCH_FRAGMENT_SYNC_DELAY,
     FTLAUNCH_FRAGMENT_UPDATE_ALPHA,
     FTLAUNCH_QUANTIZE,
+    FTLAUNCH_CHECKPOINT_DIR,
+    FTLAUNCH_CHECKPOINT_EVERY,
+    FTLAUNCH_CHECKPOINT_KEEP,
     FTLAUNCH_PHASE_LOG,
     FTLAUNCH_PRESTART_FORK,
     FTLAUNCH_ZYGOTE,
@@ -836,6 +844,41 @@ class SyncEnv:
             ),
             quantize=int(bits) if bits is not None else d.quantize,
         )
+
+
+@dataclass(frozen=True)
+class CheckpointEnv:
+    """Durable checkpoints of the job (``ftlaunch --checkpoint-dir``, the rendezvous conf and the
+    torchx components publish them; ``ftlaunch.init(checkpoint_dir=...)`` overrides them).
+
+    ``directory`` None: no durable checkpoints. ``every``: committed steps between two saves (0:
+    none written, the newest is still resumed from). ``keep_last``: complete checkpoints kept (0: all).
+    """
+
+    directory: str | None = None
+    every: int = 100
+    keep_last: int = 3
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> CheckpointEnv:
+        d = cls()
+        every = count(FTLAUNCH_CHECKPOINT_EVERY, d.every, environ=environ)
+        keep = count(FTLAUNCH_CHECKPOINT_KEEP, d.keep_last, environ=environ)
+        return cls(
+            directory=path(FTLAUNCH_CHECKPOINT_DIR, environ),
+            every=d.every if every is None else every,
+            keep_last=d.keep_last if keep is None else keep,
+        )
+
+    def to_environ(self) -> dict[str, str]:
+        """The variables a launcher sets in every worker (nothing without a directory)."""
+        if not self.directory:
+            return {}
+        return {
+            FTLAUNCH_CHECKPOINT_DIR: self.directory,
+            FTLAUNCH_CHECKPOINT_EVERY: str(self.every),
+            FTLAUNCH_CHECKPOINT_KEEP: str(self.keep_last),
+        }
 
 
 @dataclass(frozen=True)

@@ -174,6 +174,31 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help=duration_help("how long SIGTERM/SIGINT gives groups to stop before SIGKILL", GRACE_PERIOD, "15"),
     )
+    ft.add_argument(
+        "--checkpoint-dir",
+        "--checkpoint_dir",
+        default=None,
+        metavar="DIR",
+        help="durable checkpoints: one group writes the committed state here every --checkpoint-every "
+        "steps, in the background (torch.distributed.checkpoint layout); a job started on a directory "
+        "with a checkpoint resumes from the newest complete one (default: none)",
+    )
+    ft.add_argument(
+        "--checkpoint-every",
+        "--checkpoint_every",
+        type=integer,
+        default=None,
+        metavar="N",
+        help="committed steps between two durable checkpoints (default 100; 0: resume only)",
+    )
+    ft.add_argument(
+        "--checkpoint-keep",
+        "--checkpoint_keep",
+        type=integer,
+        default=None,
+        metavar="K",
+        help="complete durable checkpoints kept, the newest (default 3; 0: all)",
+    )
     ft.add_argument("--chaos", type=_chaos, default=None, metavar="SPEC", help=CHAOS_HELP)
     ft.add_argument(
         "--status",
@@ -350,7 +375,35 @@ def options_from_args(argv: list[str] | None = None) -> LaunchOptions:
     except ConfigurationError as e:
         _fail(str(e))
     _make_log_dir(opts.log_dir)
+    _publish_checkpoints(args)
     return opts
+
+
+def _publish_checkpoints(args: argparse.Namespace) -> None:
+    """``--checkpoint-*`` as the variables every worker reads (`env.CheckpointEnv`), over the
+    environment's own values; checked here, so a bad one is one line before anything starts."""
+    try:
+        from_env = env.CheckpointEnv.from_environ()
+    except ConfigurationError as e:
+        _fail(str(e))
+    directory = args.checkpoint_dir or from_env.directory
+    every = from_env.every if args.checkpoint_every is None else args.checkpoint_every
+    keep = from_env.keep_last if args.checkpoint_keep is None else args.checkpoint_keep
+    for flag, value in (("--checkpoint-every", every), ("--checkpoint-keep", keep)):
+        if value < 0:
+            _fail(f"{flag} {value} must be >= 0")
+    if not directory:
+        if args.checkpoint_every is not None or args.checkpoint_keep is not None:
+            _fail("--checkpoint-every/--checkpoint-keep need --checkpoint-dir")
+        return
+    directory = os.path.abspath(os.path.expanduser(directory))
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as e:
+        _fail(f"--checkpoint-dir {directory}: cannot create it: {e.strerror or e}")
+    if not os.access(directory, os.W_OK | os.X_OK):
+        _fail(f"--checkpoint-dir {directory}: not writable by this user")
+    env.publish(env.CheckpointEnv(directory, every, keep).to_environ())
 
 
 def _check_environment() -> None:

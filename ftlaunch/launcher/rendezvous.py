@@ -61,7 +61,7 @@ import json  # noqa: E402
 import logging  # noqa: E402
 import os  # noqa: E402
 import time  # noqa: E402
-from collections.abc import Mapping  # noqa: E402
+from collections.abc import Callable, Mapping  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 from datetime import timedelta  # noqa: E402
 
@@ -119,6 +119,9 @@ _OUR_KEYS = {
     "health_check_timeout": "how long one run of the health check may take before it is killed "
     "(a duration, 0.1 s to 1 h; or env FTLAUNCH_HEALTH_CHECK_TIMEOUT; default 60)",
     "token": "job token every lighthouse request carries (or env FTLAUNCH_TOKEN); required to host one off loopback",
+    "checkpoint_dir": "durable checkpoints: the directory (or env FTLAUNCH_CHECKPOINT_DIR); the job resumes from its newest",
+    "checkpoint_every": "durable checkpoints: committed steps between saves (or env FTLAUNCH_CHECKPOINT_EVERY; default 100)",
+    "checkpoint_keep": "durable checkpoints: complete ones kept (or env FTLAUNCH_CHECKPOINT_KEEP; default 3, 0: all)",
 }
 _INNER_KEYS = {
     "timeout",
@@ -162,6 +165,8 @@ class FtRendezvousConfig:
     #: The command run before every start and restart of the group's workers ("": none).
     health_check: str = ""
     health_check_timeout: float = env.DEFAULT_HEALTH_CHECK_TIMEOUT
+    #: Durable checkpoints the workers write and resume from (published as `env.CheckpointEnv`).
+    checkpoint: env.CheckpointEnv = env.CheckpointEnv()
 
     @classmethod
     def from_params(
@@ -265,6 +270,7 @@ class FtRendezvousConfig:
                 if params.get("health_check_timeout") is not None
                 else env.health_check_timeout(environ)
             ),
+            checkpoint=_checkpoint_conf(as_str, as_int, environ),
         )
 
     @property
@@ -279,6 +285,25 @@ class FtRendezvousConfig:
             token=self.token,
             stragglers=self.lighthouse_stragglers,
         )
+
+
+def _checkpoint_conf(
+    as_str: Callable[[str, str | None], str],
+    as_int: Callable[[str, str | None, int | None], int | None],
+    environ: Mapping[str, str] | None,
+) -> env.CheckpointEnv:
+    """The ``checkpoint_*`` keys of ``--rdzv-conf``, over the environment's values."""
+    from_env = env.CheckpointEnv.from_environ(environ)
+    directory = as_str("checkpoint_dir", env.FTLAUNCH_CHECKPOINT_DIR) or None
+    every = as_int("checkpoint_every", None, from_env.every)
+    keep = as_int("checkpoint_keep", None, from_env.keep_last)
+    assert every is not None and keep is not None  # noqa: S101 - have defaults
+    for key, value in (("checkpoint_every", every), ("checkpoint_keep", keep)):
+        if value < 0:
+            raise ConfigurationError(f"ftlaunch rendezvous: {key}={value} must be >= 0")
+    if directory is None and (every != from_env.every or keep != from_env.keep_last):
+        raise ConfigurationError("ftlaunch rendezvous: checkpoint_every/checkpoint_keep need checkpoint_dir")
+    return env.CheckpointEnv(directory, every, keep)
 
 
 def _lighthouse_url(addr: str, what: str) -> str:
@@ -572,6 +597,7 @@ class FtlaunchRendezvousHandler(RendezvousHandler):
             local_addr=advertised,
         )
         env.publish(job.to_environ())
+        env.publish(cfg.checkpoint.to_environ())
 
 
 def _inner_params(params: RendezvousParameters, cfg: FtRendezvousConfig, run_id: str) -> RendezvousParameters:

@@ -10,6 +10,7 @@ and never quotes a checksum it did not get from a clean exit.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 from ftlaunch import env
@@ -45,11 +46,55 @@ def lost(rewinds: Sequence[Rewind]) -> list[Rewind]:
     return [r for r in rewinds if not r.recovered]
 
 
+def last_durable(groups: Sequence[Group]) -> Group | None:
+    """The group that published the newest durable checkpoint (None: no group did)."""
+    return max((g for g in groups if g.durable_step), key=lambda g: g.durable_step or 0, default=None)
+
+
+def durable_text(groups: Sequence[Group], wall_now: float) -> str:
+    """`` | durable step 300 (12s ago)`` for the status line, or ``""`` when nothing was saved."""
+    g = last_durable(groups)
+    if g is None or g.durable_step is None:
+        return ""
+    age = f" ({max(0.0, wall_now - g.durable_time):.0f}s ago)" if g.durable_time and wall_now else ""
+    return f" | durable step {g.durable_step}{age}"
+
+
+def durable_lines(groups: Sequence[Group], wall_now: float) -> list[str]:
+    """The summary's account of durable checkpoints: the newest, the saves, the resume point."""
+    g = last_durable(groups)
+    resumed = max((x.resumed_from for x in groups if x.resumed_from), default=None)
+    if g is None and resumed is None:
+        return []
+    parts = []
+    if g is not None and g.durable_step is not None:
+        age = (
+            f", {max(0.0, wall_now - g.durable_time):.0f}s before the end"
+            if g.durable_time and wall_now
+            else ""
+        )
+        parts.append(
+            f"last at step {g.durable_step} (written by {g.replica_id} in {g.durable_seconds:.2f}s{age}); "
+            f"{sum(x.durable_saves for x in groups)} saved, {sum(x.durable_skipped for x in groups)} skipped "
+            f"(the previous still being written), {sum(x.durable_failed for x in groups)} failed"
+        )
+    else:
+        parts.append("none written by this run")
+    if resumed is not None:
+        parts.append(f"resumed from step {resumed}")
+    return ["[ftlaunch] durable checkpoints: " + "; ".join(parts)]
+
+
 def status_text(
-    groups: Sequence[Group], quorum_id: int | None, elapsed: float, rewinds: Sequence[Rewind] = ()
+    groups: Sequence[Group],
+    quorum_id: int | None,
+    elapsed: float,
+    rewinds: Sequence[Rewind] = (),
+    wall_now: float = 0.0,
 ) -> str:
-    """The one-line status: quorum, step, groups up, failures, restarts, time; and whether the job
-    lost progress (the last time it did)."""
+    """The one-line status: quorum, step, groups up, failures, restarts, time; the newest durable
+    checkpoint and its age (``wall_now``: the wall clock); and whether the job lost progress (the
+    last time it did)."""
     up = sum(1 for g in groups if g.state == RUNNING)
     step = max_step(groups)
     losses = lost(rewinds)
@@ -58,6 +103,7 @@ def status_text(
         f"step {step if step is not None else '-'} | groups up {up}/{len(groups)} | "
         f"failures {sum(g.failures for g in groups)} | restarts {sum(g.restarts for g in groups)} | "
         f"{elapsed:.0f}s"
+        + durable_text(groups, wall_now)
         + (
             f" | PROGRESS LOST: restarted from step {losses[-1].restarted_at} after step {losses[-1].reached}"
             if losses
@@ -102,7 +148,7 @@ class StatusLine:
             return
         self._last_draw = now
         self.quorum_id = self._lighthouse.quorum_id() or self.quorum_id
-        self._console.status(status_text(groups, self.quorum_id, now - self._started, rewinds))
+        self._console.status(status_text(groups, self.quorum_id, now - self._started, rewinds, time.time()))
 
     def last_quorum_id(self) -> int | None:
         """The quorum id now, or the last one seen (for the summary)."""
@@ -148,6 +194,7 @@ def summary_lines(
         )
     lines += ["[ftlaunch] " + line for line in format_table(SUMMARY_HEADERS, rows)]
     lines += _checksum_lines(groups)
+    lines += durable_lines(groups, time.time())
     lines += rewind_lines(rewinds, started_wall)
     if lighthouse is not None and lighthouse.progress:
         lines += lighthouse_lines(lighthouse)

@@ -97,6 +97,8 @@ def hsdp_app(
     spares: int = 0,
     stragglers: str = "report",
     health_check: str = "",
+    checkpoint_dir: str = "",
+    checkpoint_every: int = 100,
 ) -> AppDef:
     """Build the AppDef; see ``ftlaunch.hsdp`` for the meaning and the defaults of every argument.
 
@@ -140,6 +142,9 @@ def hsdp_app(
             "(ftlaunch-lighthouse --stragglers)"
         )
     JOIN_TIMEOUT.checked(join_timeout, "--join_timeout")
+    if checkpoint_every < 0:
+        raise ConfigurationError(f"--checkpoint_every must be >= 0 (got {checkpoint_every})")
+    durable_env = ftenv.CheckpointEnv(checkpoint_dir or None, checkpoint_every).to_environ()
     HEARTBEAT_TIMEOUT.checked(heartbeat_timeout, "--heartbeat_timeout")
 
     image = image or torchx.IMAGE
@@ -234,6 +239,7 @@ def hsdp_app(
                 num_replicas=nnodes_per_replica,
                 env={
                     **base_env,
+                    **durable_env,
                     **_job_environ(group, replicas, lighthouse, spares),
                     **ftenv.health_check_environ(health_check.strip() or None, None),
                 },

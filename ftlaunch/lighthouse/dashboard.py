@@ -261,16 +261,27 @@ def _quorum_section(status: LighthouseStatus) -> list[str]:
 
 def _progress_cells(p: GroupProgress | None) -> str:
     if p is None:
-        return "<td></td>" * 6
+        return "<td></td>" * 7
     return (
         f"<td class='num'>{_e(p.committed)}</td><td class='num step-rate'>{_e(f'{p.step_rate:.2f}')}</td>"
         f"<td class='num'>{_e(_secs(p.step_seconds))}</td><td class='num'>{_e(p.heals)}</td>"
         f"<td class='num heal-time'>{_e(f'{p.heal_seconds:.2f}')} s</td><td class='num'>{_e(p.restarts)}</td>"
+        f"<td class='num durable' title='{_e(_durable_title(p))}'>{_e(p.durable_step or '-')}</td>"
+    )
+
+
+def _durable_title(p: GroupProgress) -> str:
+    """The durable-checkpoint figures behind the group's "durable step" cell."""
+    resumed = f", resumed from step {p.resumed_from}" if p.resumed_from else ""
+    return (
+        f"{p.durable_saves} saved ({p.durable_seconds:.2f} s the last), {p.durable_skipped} skipped, "
+        f"{p.durable_failed} failed{resumed}"
     )
 
 
 _PROGRESS_HEADERS = (
     "<th>committed</th><th>steps/s</th><th>step time</th><th>heals</th><th>heal time</th><th>restarts</th>"
+    "<th>durable step</th>"
 )
 
 

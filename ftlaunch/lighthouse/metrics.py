@@ -158,8 +158,35 @@ def _groups(status: LighthouseStatus) -> Iterator[Metric]:
         "ftlaunch_group_compute_seconds",
         "Of the last step: the group's own work before it needed the other groups (the straggler signal).",
     )
+    d_step = gauge(
+        "ftlaunch_group_durable_step", "Step of the newest durable checkpoint the group wrote (0: none)."
+    )
+    d_time = gauge(
+        "ftlaunch_group_durable_timestamp_seconds", "When the group published it (its writer's clock)."
+    )
+    d_secs = gauge(
+        "ftlaunch_group_durable_seconds", "Seconds the group's last durable checkpoint took to write."
+    )
+    d_saves = counter(
+        "ftlaunch_group_durable_saves", "Durable checkpoints the group's current process wrote."
+    )
+    d_skip = counter(
+        "ftlaunch_group_durable_skipped",
+        "Durable checkpoints skipped: the previous one was still being written.",
+    )
+    d_fail = counter("ftlaunch_group_durable_failed", "Durable checkpoints that failed (a full disk, say).")
+    d_resumed = gauge(
+        "ftlaunch_group_resumed_from", "Step the group resumed from a durable checkpoint (0: none)."
+    )
     for p in status.progress:
         key = [p.replica_id]
+        d_step.add_metric(key, p.durable_step)
+        d_time.add_metric(key, p.durable_time)
+        d_secs.add_metric(key, p.durable_seconds)
+        d_saves.add_metric(key, p.durable_saves)
+        d_skip.add_metric(key, p.durable_skipped)
+        d_fail.add_metric(key, p.durable_failed)
+        d_resumed.add_metric(key, p.resumed_from)
         step.add_metric(key, p.step)
         committed.add_metric(key, p.committed)
         failures.add_metric(key, p.failures)
@@ -204,6 +231,7 @@ def _groups(status: LighthouseStatus) -> Iterator[Metric]:
         failing.add_metric([h.replica_id], 0 if h.ok else 1)
         checks_failed.add_metric([h.replica_id], h.failures)
     yield from (failing, checks_failed)
+    yield from (d_step, d_time, d_secs, d_saves, d_skip, d_fail, d_resumed)
 
 
 class MetricsExporter:

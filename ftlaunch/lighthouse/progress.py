@@ -59,7 +59,19 @@ _REPORT_FIELDS: dict[str, tuple[type, ...]] = {
     "compute_seconds": (float, int),
     "checksum": (str,),
     "finished": (bool,),
+    "durable_step": (int,),
+    "durable_time": (float, int),
+    "durable_seconds": (float, int),
+    "durable_saves": (int,),
+    "durable_skipped": (int,),
+    "durable_failed": (int,),
+    "resumed_from": (int,),
 }
+#: The durable-checkpoint fields of a report and of `GroupProgress` (the session's, as last reported).
+DURABLE_FIELDS = (
+    "durable_step", "durable_time", "durable_seconds", "durable_saves", "durable_skipped",
+    "durable_failed", "resumed_from",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -91,6 +103,16 @@ class ProgressReport:
     compute_seconds: float = 0.0
     checksum: str = ""
     finished: bool = False
+    #: Durable checkpoints (`ftlaunch.worker.durable`) of this session: the last one it published
+    #: (step, 0: none; the writer's wall clock; seconds the write took), saves published, skipped
+    #: (the previous still ran) and failed, and the step the process resumed from (0: none).
+    durable_step: int = 0
+    durable_time: float = 0.0
+    durable_seconds: float = 0.0
+    durable_saves: int = 0
+    durable_skipped: int = 0
+    durable_failed: int = 0
+    resumed_from: int = 0
 
     def __post_init__(self) -> None:
         for name, types in _REPORT_FIELDS.items():
@@ -212,6 +234,14 @@ class GroupProgress:
     stopped_after_end: bool = False
     #: ``(wall time, step)`` over the group's life, thinned (`timeline.Series`): the dashboard's picture.
     timeline: tuple[Point, ...] = ()
+    #: Durable checkpoints of its current session, as it last reported them (`ProgressReport`).
+    durable_step: int = 0
+    durable_time: float = 0.0
+    durable_seconds: float = 0.0
+    durable_saves: int = 0
+    durable_skipped: int = 0
+    durable_failed: int = 0
+    resumed_from: int = 0
 
     @property
     def restarts(self) -> int:
@@ -240,6 +270,7 @@ class GroupProgress:
             "unsynced_sessions": self.unsynced_sessions,
             "stopped_after_end": self.stopped_after_end,
             "timeline": [[round(t, 3), v] for t, v in self.timeline],
+            **{name: getattr(self, name) for name in DURABLE_FIELDS},
         }
 
     @classmethod
@@ -284,6 +315,13 @@ class GroupProgress:
             unsynced_sessions=_int(d, "unsynced_sessions"),
             stopped_after_end=bool(d.get("stopped_after_end", False)),
             timeline=_points(d.get("timeline", [])),
+            durable_step=_int(d, "durable_step"),
+            durable_time=_num(d, "durable_time"),
+            durable_seconds=_num(d, "durable_seconds"),
+            durable_saves=_int(d, "durable_saves"),
+            durable_skipped=_int(d, "durable_skipped"),
+            durable_failed=_int(d, "durable_failed"),
+            resumed_from=_int(d, "resumed_from"),
         )
 
 
@@ -512,6 +550,7 @@ class ProgressBook:
                     unsynced_sessions=t.unsynced,
                     stopped_after_end=t.stopped_session == (cur.session if cur else ""),
                     timeline=t.timeline.points(),
+                    **({name: getattr(last, name) for name in DURABLE_FIELDS} if last else {}),
                 )
             )
         return tuple(out)

@@ -30,6 +30,7 @@ from ftlaunch.worker.manager import Manager
 
 if TYPE_CHECKING:
     from ftlaunch.gang import Gang, Gangs
+    from ftlaunch.worker.durable import DurableCheckpoints
     from ftlaunch.worker.local_sgd import DiLoCo, LocalSGD
 
 
@@ -89,6 +90,8 @@ class FaultTolerance:
     sync_env: env.SyncEnv | None = field(default=None, repr=False)
     #: `sampler` made an `ExactlyOnceSampler` (`diloco` checks that its syncs leave it usable).
     _exact_sampler: bool = field(default=False, repr=False)
+    #: Durable checkpoints (``checkpoint_dir=``), None without a directory.
+    durable: DurableCheckpoints | None = field(default=None, repr=False)
 
     def _sync_defaults(self) -> env.SyncEnv:
         return self.sync_env if self.sync_env is not None else env.SyncEnv.from_environ()
@@ -110,8 +113,12 @@ class FaultTolerance:
 
         return (
             DistributedDataParallel(self.manager, model, intra_group=self.intra_group),
-            Optimizer(self.manager, optimizer),
+            Optimizer(self.manager, optimizer, self._on_commit()),
         )
+
+    def _on_commit(self) -> Callable[[int], None] | None:
+        """What the commit-gated optimizer calls after each committed update (durable checkpoints)."""
+        return self.durable.committed if self.durable is not None else None
 
     def sampler(
         self, dataset: Any, key: str = "sampler", mode: str = "exact", **kwargs: Any
@@ -195,6 +202,12 @@ class FaultTolerance:
             )
         self.checkpoint_transport.device_mesh = mesh
         if self.registered.kind is Registered.NOTHING:
+            if self.durable is not None and self.durable.resuming:
+                # The checkpoint's optimizer state loads into the optimizer's own DTensors: create
+                # them first (a step with zero gradients and lr 0, torch's own way).
+                from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+                _init_optim_state(optimizer)
             self.manager.register_state_dict_fn(DEFAULT_STATE_KEY, *model_state_fns(model, optimizer))
             self.registered = InitState(Registered.MODEL, model, optimizer)
         elif self.registered.other_than(model, optimizer):
@@ -205,7 +218,7 @@ class FaultTolerance:
         layout = hsdp.layout_of(model)
         self.manager.require_same_layout(layout.digest, layout.text)
         self.manager.log.info("fault-tolerant HSDP: %s", layout.text)
-        return model, Optimizer(self.manager, optimizer)
+        return model, Optimizer(self.manager, optimizer, self._on_commit())
 
     # ---- periodic synchronisation: LocalSGD, DiLoCo, Streaming DiLoCo (docs/diloco.md) ----------
     def local_sgd(
@@ -310,6 +323,8 @@ class FaultTolerance:
         if self._closed:
             return
         self._closed = True
+        if self.durable is not None:
+            self.durable.close(wait=not _failing())  # a save in progress completes on a clean exit
         if _failing():  # called while an exception propagates (``finally:``): a failure, not an end
             self.manager.shutdown(leave=False)
         if self._gangs is not None:

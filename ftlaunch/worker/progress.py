@@ -76,6 +76,8 @@ class ProgressTracker:
         self._waited = 0.0
         self._compute: float | None = None  # measured once the step first needed its peers
         self._last: ProgressReport | None = None
+        #: The durable-checkpoint fields of each report (`ftlaunch.worker.durable.DurableStats.report`).
+        self.durable: Callable[[], dict[str, Any]] | None = None
 
     @property
     def commits(self) -> int:
@@ -135,6 +137,7 @@ class ProgressTracker:
             quorum_seconds=round(self._quorum_seconds, 6),
             commit_seconds=round(now - self._commit_started, 6) if self._commit_started is not None else 0.0,
             compute_seconds=round(self._compute or 0.0, 6),
+            **(self.durable() if self.durable is not None else {}),
         )
         self._compute_from = now
         self._publish(self._last)
