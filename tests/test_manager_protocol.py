@@ -382,11 +382,11 @@ class Forward:
     thread plans, claims and serves: the served state must be the boundary's, not these bytes."""
 
     def __init__(self, g: Group) -> None:
-        self.g, self.real = g, g.m._run_quorum
+        self.g, self.real = g, g.m._round.run
 
-    def __call__(self, *args: Any) -> None:
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.g.user.value["w"].add_(100.0)  # the forward pass, overlapping the quorum thread
-        self.real(*args)
+        return self.real(*args, **kwargs)
 
 
 def test_a_source_snapshots_its_committed_state_when_a_heal_is_due_and_serves_that(
@@ -403,7 +403,7 @@ def test_a_source_snapshots_its_committed_state_when_a_heal_is_due_and_serves_th
     assert g.step()[0] and g.m.current_step() == 6 and not any(e[0] == "send" for e in g.transport.events)
     assert "staged" not in lighthouse.asked[0].data  # nobody was behind at our boundary
 
-    g.m._run_quorum = Forward(g)  # type: ignore[method-assign]
+    g.m._round.run = Forward(g)  # type: ignore[method-assign]
     assert g.step()[0]
     offered = {"default": {"w": torch.arange(4.0)}, MANAGER_STATE_KEY: {"step": 6, "batches_committed": 11}}
     asked = lighthouse.asked[1]
@@ -415,7 +415,7 @@ def test_a_source_snapshots_its_committed_state_when_a_heal_is_due_and_serves_th
     assert g.transport.sent[-1]["default"]["w"] is not g.user.value["w"]  # a copy, not the training tensor
     assert len(lighthouse.asked) == 2  # no second request: the claim rode on the first
     # The heal committed: nobody behind any more, no snapshot, no claim.
-    g.m._run_quorum = g.m._run_quorum.real  # type: ignore[attr-defined,method-assign]
+    g.m._round.run = g.m._round.run.real  # type: ignore[attr-defined,method-assign]
     assert g.step()[0] and set(lighthouse.asked[-1].data) == {"ckpt"}
 
 
