@@ -31,10 +31,11 @@ from ftlaunch.errors import (
 )
 from ftlaunch.lighthouse.quorum import Quorum, QuorumMember
 from ftlaunch.process_group.fake import FakeProcessGroup
+from ftlaunch.timeouts import Timeouts
 from ftlaunch.worker import committed
 from ftlaunch.worker.group_store import GroupStore
 from ftlaunch.worker.managed_pg import ManagedProcessGroup
-from ftlaunch.worker.manager import Manager
+from ftlaunch.worker.manager import Manager, ManagerParts, ManagerSettings
 from ftlaunch.worker.progress import state_checksum
 from ftlaunch.worker.recovery import MANAGER_STATE_KEY
 
@@ -852,6 +853,41 @@ def test_torchft_style_defaults_name_what_is_missing(make: Callable[..., Group])
                 group_store=dist.HashStore(), quorum_client=ScriptedLighthouse(in_step(1)))  # fmt: skip
     with pytest.raises(ConfigurationError, match="rank 2 is outside world_size 2"):
         make(None, rank=2, world_size=2)
+
+
+def test_the_core_constructor_takes_its_parts_and_reads_no_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``Manager.from_parts`` (what ``ftlaunch.init`` calls) is made of what it is given: a malformed
+    variable of the long form's defaults would raise if it were read."""
+    monkeypatch.setenv(env.REPLICA_GROUP_ID, "abc")
+    monkeypatch.setenv(env.FTLAUNCH_HEAL_CLAIMS, "maybe")
+    monkeypatch.setenv(env.FTLAUNCH_TIMEOUT, "-1")
+    pg = FakeProcessGroup()
+    settings = ManagerSettings(replica_id="rg0", group_rank=0, group_world_size=1, timeouts=Timeouts.derive(5.0),
+                               init_sync=False)  # fmt: skip
+    store = GroupStore(dist.HashStore(), address=OUR_STORE, replica_id="rg0", attempt=0, rank=0, world_size=1,
+                       timeout=5.0)  # fmt: skip
+    transport, user, lighthouse = (
+        MemoryTransport("rg0/r0", pg),
+        UserState(pg),
+        ScriptedLighthouse(in_step(1, "rg1")),
+    )
+    m = Manager.from_parts(ManagerParts(settings, pg, store, transport, lighthouse, user.load, user.save))
+    try:
+        m.start_quorum()
+        m.allreduce(torch.ones(4)).wait()
+        assert m.should_commit() and m.current_step() == 1 and m.num_participants() == 2
+    finally:
+        m.shutdown()
+    assert lighthouse.left == ["rg0"] and lighthouse.closed
+    with pytest.raises(ValueError, match="rank 0"):  # the leader, and only it, holds the client
+        ManagerParts(settings, pg, store, transport, None)
+    with pytest.raises(ValueError, match="both load_state_dict and state_dict"):
+        ManagerParts(settings, pg, store, transport, lighthouse, user.load, None)
+    with pytest.raises(ValueError, match="min_replica_size must be >= 1"):
+        ManagerSettings(replica_id="rg0", group_rank=0, group_world_size=1, timeouts=settings.timeouts,
+                        min_replica_size=0)  # fmt: skip
 
 
 def test_shutdown_leaves_the_lighthouse_and_releases_everything(make: Callable[..., Group]) -> None:

@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 
 class LostPeerAbort:
     """Aborts ``abort()`` (the cross-group process group's) when told that the quorum in use lost
-    a participant. ``interrupted`` tells the step's waits to stop waiting."""
+    a participant. `watch` gives each wait of the step its ``interrupted`` condition."""
 
     def __init__(
         self,
@@ -184,10 +184,6 @@ class LostPeerAbort:
         done = self._abort_done
         if done is not None:
             done.wait(timeout)
-
-    def interrupted(self) -> bool:
-        """True once the quorum in use was told lost (until the next `use`)."""
-        return self._lost.is_set()
 
     def watch(self, prepare: Callable[[], None], after: float = BLOCKED_FOR) -> Callable[[], bool]:
         """The ``interrupted`` condition of one wait of a step (`commit.wait_all`). Once the wait has
