@@ -2,7 +2,7 @@
 
 **Names.** Each variable ftlaunch reads -- its own ``FTLAUNCH_*``, torchelastic's, and the few of
 other programs it honours (``LOGLEVEL``, ``CUDA_VISIBLE_DEVICES``, ...) -- is a constant here, and
-each ``FTLAUNCH_*`` one has a row in README's table (``tests/test_env.py`` checks both).
+each ``FTLAUNCH_*`` one has a row in README's table (``tests/processes/test_env.py`` checks both).
 
 **One grammar.** A *flag* is ``1``/``true``/``yes``/``on`` or ``0``/``false``/``no``/``off`` (any
 case); a *duration* is seconds, optionally with an ``s`` or ``m`` (minutes) suffix (``30``,

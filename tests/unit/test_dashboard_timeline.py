@@ -1,6 +1,6 @@
 """The dashboard's picture (ftlaunch.lighthouse.dashboard.timeline_of): the groups' progress series
 and the marks the lighthouse's history gives, from a membership driven by hand in one process. The
-page as a browser shows it: tests/test_dashboard_browser.py."""
+page as a browser shows it: tests/processes/test_dashboard_browser.py."""
 
 from __future__ import annotations
 

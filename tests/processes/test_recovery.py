@@ -35,7 +35,7 @@ from ftlaunch.process_group.baby import ProcessGroupBabyNCCL
 from ftlaunch.process_group.fake import FakeProcessGroup
 from ftlaunch.worker.manager import Manager
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 class SlowToStart(FakeProcessGroup):

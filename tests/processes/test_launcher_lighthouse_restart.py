@@ -1,7 +1,7 @@
 """The launcher's remedy for a lighthouse that dies, in one process: the hosted
 lighthouse's crash and restart on the same address, ``--chaos signal=MIX`` and ``lighthouse=``, the
 torchx lighthouse role's retry policy and its same-port/same-token restart. The run through the
-``ftlaunch`` command is in tests/test_lighthouse_restart_e2e.py."""
+``ftlaunch`` command is in tests/processes/test_lighthouse_restart_e2e.py."""
 
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 from workers.helpers import REPO, free_port, run, wait_for
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 import gpu_check  # noqa: E402
 
 SCRIPT = str(Path(REPO) / "scripts" / "gpu_check.py")

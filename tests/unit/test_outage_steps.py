@@ -1,10 +1,10 @@
 """Stepping on the last quorum while the lighthouse is unreachable (worker/outage.py).
 
-In one process: the Manager on fakes (tests/test_manager_protocol.py) behind the real
+In one process: the Manager on fakes (tests/unit/test_manager_protocol.py) behind the real
 `OutageTolerantClient`, whose scripted inner client plays the lighthouse dying and coming back; the
 lighthouse's side (a live lighthouse its groups could not reach accepts the steps they took) on
 `Membership` with a hand-driven clock. The real-process run is the soak (scripts/soak.py) and
-tests/test_lighthouse_restart_e2e.py.
+tests/processes/test_lighthouse_restart_e2e.py.
 """
 
 from __future__ import annotations

@@ -292,7 +292,7 @@ def test_a_restarted_group_goes_through_the_standby(tmp_path: Path) -> None:
     restarted (proxied) worker at step 120 really pauses its training for ``stop_for``; no process
     is left (the autouse fixture). ``signal=MIX,seed=4`` picks KILL workers, then STOP workers."""
     log = tmp_path / "ph.jsonl"
-    train = Path(__file__).resolve().parent.parent / "scripts" / "train_ddp.py"
+    train = Path(__file__).resolve().parents[2] / "scripts" / "train_ddp.py"
     run_env = {**os.environ, env.FTLAUNCH_PHASE_LOG: str(log), "OMP_NUM_THREADS": "1"}
     res = subprocess.run(
         [sys.executable, "-m", "ftlaunch.launcher.cli", "--no-status", "--replicas", "2",

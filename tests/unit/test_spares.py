@@ -1,6 +1,6 @@
 """Hot spares in one process: the pure slot rule (ftlaunch.lighthouse.slots) and the slot table inside
 the membership (claims, promotion on a failure, fencing, a spare killed while idle, the job's end),
-with a hand-driven clock. The real processes: tests/test_spares_mp.py."""
+with a hand-driven clock. The real processes: tests/processes/test_spares_mp.py."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 groups killed (SIGKILL), hung (SIGSTOP), a spare killed while idle, a promoted spare killed in its
 first step. Every run must end with the training groups bit-identical and at the exact data
 positions of their slot (the sampler position heals with the weights). The unit rules are in
-tests/test_spares.py.
+tests/unit/test_spares.py.
 
 Agents are the supervisor's groups 0..N+K-1 (their lines are tagged ``[rgA/r0]``); the slot a
 group trains in is the lighthouse's decision, read back from the workers' own lines.

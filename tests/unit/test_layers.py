@@ -9,7 +9,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parent.parent / "ftlaunch"
+PACKAGE = Path(__file__).resolve().parents[2] / "ftlaunch"
 
 #: layer -> the module prefixes that make it up (longest prefix wins).
 LAYERS: dict[str, tuple[str, ...]] = {

@@ -1,6 +1,6 @@
 """``ftlaunch.init()``: environment discovery, backend and transport choice, timeouts, and a real
 single-process run against a lighthouse. The three launch paths run it end to end through
-scripts/train_ddp.py (tests/test_launcher_e2e.py, test_rendezvous.py, test_torchx.py)."""
+scripts/train_ddp.py (tests/processes/test_launcher_e2e.py, test_rendezvous.py, test_torchx.py)."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@
 - small semantics: ``ProcessGroupDummy`` fills gather outputs (torch's DDP and
   ``all_gather_object`` over it work), ``WORK_CLASS``, ``ProcessGroupNCCL(pg=...)``,
   ``ProcessGroupBabyNCCL`` constructible without CUDA, ``reduce``/``gather``/``scatter`` on the
-  groups that tests/test_process_group.py does not run against torch's gloo.
+  groups that tests/processes/test_process_group.py does not run against torch's gloo.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """torchft's Manager options and helpers, on the single-process protocol harness of
-tests/test_manager_protocol.py (scripted lighthouse, FakeProcessGroup, in-memory transport):
+tests/unit/test_manager_protocol.py (scripted lighthouse, FakeProcessGroup, in-memory transport):
 ``world_size_mode``/``WorldSizeMode``, ``port``, ``allreduce`` returning a Work, ``wrap_future``,
 ``allow_state_dict_read``/``disallow_state_dict_read`` and ``set_state_dict_fns``.
 """
@@ -25,7 +25,7 @@ from ftlaunch.worker.manager import WorldSizeMode
 
 pytestmark = pytest.mark.timeout(60)
 
-#: tests/test_manager_protocol.py's fixture: a Manager on fakes, shut down after the test.
+#: tests/unit/test_manager_protocol.py's fixture: a Manager on fakes, shut down after the test.
 make = test_manager_protocol.make
 
 

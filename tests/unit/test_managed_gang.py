@@ -1,6 +1,6 @@
 """`ManagedGang` (the fault-tolerant replica gang) and ``ft.gangs()``'s layout, in one process: the
 Manager on a FakeProcessGroup (a world of identical peers) with a scripted lighthouse, as in
-tests/test_manager_protocol.py. tests/test_gang_ft.py runs them under the real launcher with kills.
+tests/unit/test_manager_protocol.py. tests/processes/test_gang_ft.py runs them under the real launcher with kills.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from ftlaunch.worker.recovery import MANAGER_STATE_KEY
 
 pytestmark = pytest.mark.timeout(60)
 
-#: The Manager-on-fakes factory fixture of tests/test_manager_protocol.py, registered here by this name.
+#: The Manager-on-fakes factory fixture of tests/unit/test_manager_protocol.py, registered here by this name.
 make_group = protocol.make
 
 CPU = torch.device("cpu")
@@ -31,7 +31,7 @@ R = ReduceOperation
 
 #: The table cases a FakeProcessGroup can simulate: its broadcast keeps every rank's own tensor
 #: (identical peers), which a pickled broadcast - length, then bytes - is not. Those run for real
-#: in tests/test_gang_ft.py.
+#: in tests/processes/test_gang_ft.py.
 SIMULATED = [name for name in sc.CASES if not name.startswith("broadcast_objects")]
 
 

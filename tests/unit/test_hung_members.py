@@ -2,8 +2,8 @@
 configure that waits on a dead rendezvous store is released by the lost-peer abort.
 
 The lighthouse's rule on `Membership` with a hand-driven clock; the worker's side (what its
-heartbeats report, the configure) on the Manager with fakes (tests/test_manager_protocol.py).
-The real-process SIGSTOP runs are in tests/test_hung_members_mp.py.
+heartbeats report, the configure) on the Manager with fakes (tests/unit/test_manager_protocol.py).
+The real-process SIGSTOP runs are in tests/processes/test_hung_members_mp.py.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Fault-tolerant HSDP's pieces in one process: FSDP2 on a one-rank group mesh, the Manager on the
-fakes of tests/test_manager_protocol.py (a FakeProcessGroup is a world of identical peers: SUM
+fakes of tests/unit/test_manager_protocol.py (a FakeProcessGroup is a world of identical peers: SUM
 multiplies by its size), so the cross-group average is checked exactly.
 
-The multi-process runs (2 groups x 2 workers, kills, healing) are in tests/test_train_hsdp.py.
+The multi-process runs (2 groups x 2 workers, kills, healing) are in tests/processes/test_train_hsdp.py.
 """
 
 from __future__ import annotations

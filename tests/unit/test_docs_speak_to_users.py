@@ -11,7 +11,7 @@ import re
 import tokenize
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 #: Words of a lab notebook, wherever they appear.
 HISTORY = re.compile(

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 
 import cluster_jobs as jobs  # noqa: E402
 from slurm_cluster import Cluster, missing_capability, node_name  # noqa: E402

@@ -4,8 +4,8 @@ A source that serves other state than it claimed (valid payload, poisoned weight
 whose payload is corrupted or cut off on the wire: the healer rejects it (by its source's claim,
 or by the transport's checksums), the step is committed by nobody, the healer heals again from a
 source that serves honestly, and every group ends bit-identical. The rules themselves are pinned
-down in one process by tests/test_plan.py and tests/test_manager_protocol.py; the hostile header
-by tests/test_checkpointing_http.py.
+down in one process by tests/unit/test_plan.py and tests/unit/test_manager_protocol.py; the hostile header
+by tests/processes/test_checkpointing_http.py.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ In one process: the restarted lighthouse's adoption of the groups' resume report
 waiting out an outage (scripted inner client). Over real sockets: a `LighthouseClient` whose
 lighthouse is stopped and restarted on the same port longer than its connect timeout. The
 multi-process runs (workers training through a SIGKILLed / SIGTERMed lighthouse) are in
-tests/test_lighthouse_restart_e2e.py.
+tests/processes/test_lighthouse_restart_e2e.py.
 """
 
 from __future__ import annotations

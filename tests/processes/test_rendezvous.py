@@ -244,7 +244,7 @@ def test_torchrun_groups_one_of_them_two_nodes(tmp_path) -> None:
     assert os.path.isdir(out)
 
 
-@pytest.mark.slow  # ~30 s; a group started during an outage: tests/test_lighthouse_outage_start.py runs in CI
+@pytest.mark.slow  # ~30 s; a group started during an outage: tests/processes/test_group_starts_during_outage.py runs in CI
 @pytest.mark.timeout(60)
 def test_an_agent_the_supervisor_respawned_waits_out_a_lighthouse_outage(
     monkeypatch: pytest.MonkeyPatch,

@@ -1,7 +1,7 @@
 """The Manager's step protocol, in one process: a scripted lighthouse, an in-memory transport, a
 FakeProcessGroup (a world of identical peers) and an in-memory group store.
 
-tests/test_manager.py runs the same protocol with real processes, sockets and kills; these tests
+tests/processes/test_manager.py runs the same protocol with real processes, sockets and kills; these tests
 pin down each rule of a step (reconfigure, heal, average, vote, refuse) quickly and exactly.
 """
 
@@ -674,7 +674,7 @@ def test_a_lost_notice_for_another_quorum_or_before_the_collective_changes_nothi
     use that comes while nothing waits (between steps; or a crashed peer, whose sockets closed, so
     the collectives failed by themselves) aborts nothing: a Baby child that is still usable is not
     replaced. The next quorum (whose id the loss changed) rebuilds the group and commits. Slow but
-    live peers are never reported (tests/test_lighthouse_membership.py)."""
+    live peers are never reported (tests/unit/test_lighthouse_membership.py)."""
     lighthouse = ScriptedLighthouse(in_step(1, "rg1"), in_step(1, "rg1"), in_step(5, "rg1"))
     g = make(lighthouse, init_sync=False)
     assert g.step()[0]

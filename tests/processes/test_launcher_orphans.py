@@ -5,7 +5,7 @@ the workers, SIGKILL 30 s later. A SIGSTOPped worker cannot act on its SIGTERM, 
 the supervisor by those 30 s. The agent now also watches the supervisor's pid (`lifetime.on_exit`)
 and ends its descendants (`procs.end_descendants`). Here with plain processes: a "supervisor"
 (``sleep``), an "agent" that runs the real watch, and a "worker" that ignores SIGTERM and is
-SIGSTOPped. The whole ``ftlaunch`` path: tests/test_faults_mid_step.py (slow).
+SIGSTOPped. The whole ``ftlaunch`` path: tests/processes/test_faults_mid_step.py (slow).
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from ftlaunch.bootstrap import prestart, zygote_proxy
 from ftlaunch.env import Count, Duration, GroupEnv, JobEnv, SyncEnv, WorkerEnv
 from ftlaunch.errors import ConfigurationError
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "ftlaunch"
 
 

@@ -1,9 +1,9 @@
 """LocalSGD and (Streaming) DiLoCo on one process: a Manager on a FakeProcessGroup and a scripted
-lighthouse (tests/test_manager_protocol.py's fakes), so each rule of a sync point is pinned down
+lighthouse (tests/unit/test_manager_protocol.py's fakes), so each rule of a sync point is pinned down
 exactly: when the quorum and the collectives happen, what a failed sync drops, what a join and a
 heal load, and that the arithmetic equals a plain single-process reference of the algorithm.
 
-tests/test_diloco_mp.py runs the same algorithms with real processes, sockets and kills.
+tests/processes/test_diloco_mp.py runs the same algorithms with real processes, sockets and kills.
 """
 
 from __future__ import annotations
