@@ -1,15 +1,20 @@
 """The ``ftlaunch`` rendezvous backend: configuration errors, registration through the entry point,
 and real ``torchrun --rdzv-backend ftlaunch`` jobs (one torchrun per group node, a 2-node group, a
-restart confined to one group, a lighthouse started by the node on the endpoint host)."""
+restart confined to one group, a lighthouse started by the node on the endpoint host; a worker run
+as ``-m ftlaunch.run SCRIPT`` restarted from the node's warm standby, which dies with the agent)."""
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import sys
+from pathlib import Path
 
+import psutil
 import pytest
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousParameters
-from workers.helpers import WORKER, finish, free_port, records, run, start
+from workers.helpers import WORKER, finish, free_port, kill_tree, records, run, start, wait_for
 
 from ftlaunch.addresses import is_local_host
 from ftlaunch.errors import ConfigurationError
@@ -317,3 +322,75 @@ def test_every_node_of_a_round_gets_rank_0s_incarnation_and_workers_store() -> N
     assert boot_a.master_addr == boot_b.master_addr == "127.0.0.1"  # rank 0's, as published
     assert boot_b.master_port == nodes[0]._worker_store.port != boot_a.master_port  # a fresh store
     nodes[0]._worker_store = None
+
+
+STANDBY_SCRIPT = """
+import json, os, sys, time
+had_torch = "torch" in sys.modules  # before the script's first line: imported by whoever forked it
+restart = os.environ["TORCHELASTIC_RESTART_COUNT"]
+record = {"pid": os.getpid(), "ppid": os.getppid(), "had_torch": had_torch,
+          "torchelastic_pid": int(os.environ.get("FTLAUNCH_WORKER_PID") or os.getpid())}
+path = os.path.join(sys.argv[1], "restart" + restart + ".json")
+with open(path + ".tmp", "w") as f:
+    json.dump(record, f)
+os.replace(path + ".tmp", path)
+while True:  # until killed
+    time.sleep(0.05)
+"""
+
+
+@pytest.mark.timeout(240)
+def test_torchrun_restarts_a_killed_worker_from_the_nodes_standby_which_dies_with_the_agent(
+    tmp_path: Path,
+) -> None:
+    """``torchrun --rdzv-backend ftlaunch ... -m ftlaunch.run SCRIPT``: the rendezvous keeps a warm
+    standby interpreter on the node (`ftlaunch.launcher.standby`); the worker torchelastic starts
+    hands the script to it, so the script runs in a process the standby forked, torch imported
+    before its first line. A SIGKILLed worker's replacement is forked from the same standby. Then
+    torchrun's agent is SIGKILLed: the standby, the workers and their Baby children all end."""
+    out = tmp_path / "out"
+    out.mkdir()
+    script = tmp_path / "sleeper.py"
+    script.write_text(STANDBY_SCRIPT)
+    port = free_port()
+    agent = start(
+        [*TORCHRUN, "--rdzv-backend", "ftlaunch", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "standby",
+         "--rdzv-conf", "replica_group_id=0,num_replica_groups=1", "--nproc-per-node", "1", "--max-restarts", "2",
+         "--monitor-interval", "0.1", "-m", "ftlaunch.run", str(script), str(out)],
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    try:
+
+        def record(n: int) -> dict:
+            wait_for(
+                lambda: (out / f"restart{n}.json").exists() or agent.poll() is not None, 150, f"worker {n}"
+            )
+            assert agent.poll() is None, agent.communicate()[1][-3000:]
+            return json.loads((out / f"restart{n}.json").read_text())
+
+        first = record(0)
+        standby = psutil.Process(first["ppid"])
+        assert "ftlaunch.bootstrap.zygote" in standby.cmdline() and standby.ppid() == agent.pid
+        assert first["pid"] != first["torchelastic_pid"] and first["had_torch"]
+        os.kill(first["torchelastic_pid"], signal.SIGKILL)  # the worker torchelastic knows
+
+        second = record(1)
+        # The replacement: forked by the same standby (torch imported before its first line), proxied
+        # by the new process torchelastic started.
+        assert second["ppid"] == standby.pid and second["had_torch"], second
+        assert second["torchelastic_pid"] != first["torchelastic_pid"]
+        assert psutil.Process(second["torchelastic_pid"]).ppid() == agent.pid
+
+        socket_path = standby.cmdline()[standby.cmdline().index("ftlaunch.bootstrap.zygote") + 1]
+        tree = psutil.Process(agent.pid).children(recursive=True)
+        assert {standby.pid, second["pid"], second["torchelastic_pid"]} <= {p.pid for p in tree}
+        assert psutil.Process(second["pid"]).children(), "the worker's Baby child, forked from it"
+        os.kill(agent.pid, signal.SIGKILL)
+        agent.communicate(timeout=30)
+        _, left = psutil.wait_procs(tree, timeout=15)
+        assert not left, [(p.pid, p.cmdline()[:5]) for p in left if p.is_running()]
+        assert not os.path.exists(os.path.dirname(socket_path))  # the standby removed its socket
+    finally:
+        kill_tree(agent.pid)
+        if agent.poll() is None:
+            agent.communicate(timeout=30)

@@ -88,7 +88,8 @@ def test_hsdp_spec_roles_env_resources_and_no_fixed_ports() -> None:
             _opt(torchrun, "--nproc-per-node"),
             _opt(torchrun, "--max-restarts"),
         ) == ("2", "2", "5")
-        assert torchrun[-3:] == ["train.py", "--lr", "0.1"]
+        # Every worker through ftlaunch.run: forked from its node's warm standby (torch imported).
+        assert torchrun[-5:] == ["-m", "ftlaunch.run", "train.py", "--lr", "0.1"]
     # Nothing binds a fixed port.
     text = " ".join(" ".join(r.args) for r in app.roles)
     assert not re.findall(r"[\w.]+:(\d+)\b", text)
@@ -99,7 +100,7 @@ def test_ddp_with_external_lighthouse_has_no_lighthouse_role() -> None:
     assert [r.name for r in app.roles] == ["rg0", "rg1"]
     ours, torchrun = _group_args(app.roles[0])
     assert _opt(ours, "--lighthouse") == "lh.example:29510" and _opt(torchrun, "--nnodes") == "1"
-    assert torchrun[-2:] == ["-m", "pkg.train"]
+    assert torchrun[-4:] == ["-m", "ftlaunch.run", "-m", "pkg.train"]
     assert app.roles[0].env["FTLAUNCH_LIGHTHOUSE"] == "http://lh.example:29510"
 
 
@@ -238,6 +239,8 @@ def test_local_cwd_run_with_a_group_restart(tmp_path) -> None:
         assert r["is_torchelastic_launched"] is True
         assert r["env"]["NUM_REPLICA_GROUPS"] == "2" and r["env"]["WORLD_SIZE"] == "2"
         assert r["lighthouse_token_accepted"] is True  # a group request went through
+        # Run as `-m ftlaunch.run`: each worker, restarted ones too, forked from its node's standby.
+        assert r["env"].get("FTLAUNCH_WORKER_PID") == str(r["pid"]), r["env"].get("FTLAUNCH_ZYGOTE_SOCKET")
     app_ids = set(re.findall(r"local_cwd://torchx/(\S+)", res.stdout + res.stderr))
     assert app_ids and all(
         not shutil.os.path.exists(f"/tmp/ftlaunch-torchx/{a}") for a in app_ids

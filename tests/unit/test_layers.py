@@ -41,6 +41,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "ftlaunch.parameter_server",
         "ftlaunch.local_sgd",
         "ftlaunch.coordination",
+        "ftlaunch.run",
     ),
 }
 
