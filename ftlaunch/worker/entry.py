@@ -42,11 +42,12 @@ from ftlaunch.bootstrap import prestart
 from ftlaunch.checkpointing.transport import CheckpointTransport
 from ftlaunch.errors import ConfigurationError, install_brief_errors
 from ftlaunch.process_group.base import ProcessGroup
-from ftlaunch.timeouts import Timeouts
+from ftlaunch.timeouts import Timeouts, to_seconds
 from ftlaunch.worker import defaults, spare
 from ftlaunch.worker.durable import DurableCheckpoints, DurableConfig
 from ftlaunch.worker.fault_tolerance import FaultTolerance, InitState, Registered, model_state_fns
-from ftlaunch.worker.manager import Manager, release_process_group
+from ftlaunch.worker.group_store import GroupStore
+from ftlaunch.worker.manager import Manager, ManagerParts, ManagerSettings, release_process_group
 
 __all__ = [
     "BACKENDS",
@@ -183,7 +184,9 @@ def init(
       in the background, in torch.distributed.checkpoint's layout, keeping the newest ``keep_last``
       (default 3); a job started on a directory with a checkpoint resumes from the newest complete
       one (docs/checkpointing.md).
-    - Other keyword arguments go to :class:`ftlaunch.Manager` (e.g. ``max_retries``, ``init_sync``).
+    - Other keyword arguments are the Manager's settings (torchft's names): ``max_retries``,
+      ``init_sync``, ``use_async_quorum``, ``quorum_retries``, ``world_size_mode``,
+      ``heartbeat_interval`` (see :class:`ftlaunch.Manager`).
     """
     phases.mark("init", process_start=phases.process_start_time())
     install_brief_errors()  # a bad environment value reads as one line, not a traceback
@@ -233,23 +236,12 @@ def init(
             slot = spare.claim_slot(job, group, timeouts.connect, tuned.lighthouse_outage)
             job = spare.job_for_slot(job, slot)
 
-        manager = Manager(
-            pg=pg,
-            load_state_dict=load_state_dict,
-            state_dict=state_dict,
-            min_replica_size=min_replica_size,
-            timeouts=timeouts,
-            rank=group.rank,
-            world_size=group.world_size,
-            store_addr=group.master_addr,
-            store_port=group.master_port,
-            lighthouse_addr=job.lighthouse,
-            token=job.token,
-            replica_id=slot.replica_id if slot is not None else job.replica_id,
-            checkpoint_transport=ckpt,
-            worker_env=tuned,
-            **manager_kwargs,
-        )
+        manager = Manager.from_parts(
+            _manager_parts(
+                pg, job, group, timeouts, tuned, ckpt, min_replica_size, load_state_dict, state_dict,
+                replica_id=slot.replica_id if slot is not None else job.replica_id, knobs=manager_kwargs,
+            )
+        )  # fmt: skip
     except BaseException as e:
         release_process_group(pg)
         if owns_intra and dist.is_initialized():
@@ -335,7 +327,7 @@ def _durable(
     hook = DurableCheckpoints(
         config,
         manager._state,  # noqa: SLF001 - the registry a heal carries: a checkpoint saves the same
-        lambda: manager._last_plan,  # noqa: SLF001 - the committed quorum's plan: who writes
+        lambda: manager._round.last_plan,  # noqa: SLF001 - the committed quorum's plan: who writes
         manager.log,
         group_rank=group.rank,
         dcp_group=dcp_group,
@@ -347,6 +339,57 @@ def _durable(
     if resume:
         hook.resume()
     return hook
+
+
+#: The Manager's settings ``init`` passes on from its keyword arguments (torchft's names).
+MANAGER_KNOBS = ("use_async_quorum", "init_sync", "max_retries", "quorum_retries", "world_size_mode")
+
+
+def _manager_parts(
+    pg: ProcessGroup,
+    job: env.JobEnv,
+    group: env.GroupEnv,
+    timeouts: Timeouts,
+    tuned: env.WorkerEnv,
+    transport: CheckpointTransport[Any],
+    min_replica_size: int,
+    load_state_dict: Callable[[Any], None] | None,
+    state_dict: Callable[[], Any] | None,
+    *,
+    replica_id: str,
+    knobs: dict[str, Any],
+) -> ManagerParts:
+    """What the Manager is made of, from what ``init`` read: its settings (with the knobs the script
+    passed), the leader's lighthouse client and the replica group's store."""
+    unknown = sorted(set(knobs) - {*MANAGER_KNOBS, "heartbeat_interval"})
+    if unknown:
+        raise TypeError(
+            f"ftlaunch.init() got unexpected keyword arguments {unknown}; the Manager's are "
+            f"{', '.join((*MANAGER_KNOBS, 'heartbeat_interval'))} and the *_timeout overrides"
+        )
+    interval = to_seconds(knobs.pop("heartbeat_interval", 0.1), "heartbeat_interval")
+    settings = ManagerSettings(
+        replica_id=replica_id, group_rank=group.rank, group_world_size=group.world_size, timeouts=timeouts,
+        min_replica_size=min_replica_size, heartbeat_interval=interval, worker_env=tuned, **knobs,
+    )  # fmt: skip
+    # Only the leader talks to the lighthouse; it waits out a lighthouse outage (lighthouse/reconnect.py).
+    client = None
+    if group.rank == 0:
+        client = defaults.lighthouse_client(
+            job.lighthouse, job.token, timeouts.connect, tuned.lighthouse_outage
+        )
+    try:
+        store = GroupStore.open(
+            None, group.master_addr, group.master_port, replica_id=replica_id, attempt=group.incarnation,
+            rank=group.rank, world_size=group.world_size,
+            hostname=job.local_addr or defaults.local_addr(job.lighthouse), timeouts=timeouts,
+            leader_outage=tuned.lighthouse_outage,
+        )  # fmt: skip
+    except BaseException:
+        if client is not None:
+            client.close()
+        raise
+    return ManagerParts(settings, pg, store, transport, client, load_state_dict, state_dict)
 
 
 def _intra_group(

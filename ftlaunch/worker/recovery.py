@@ -64,10 +64,6 @@ class ReadGate:
         self._readers = 0
         self._allowed = True
 
-    @property
-    def allowed(self) -> bool:
-        return self._allowed
-
     def disallow(self) -> None:
         with self._cond:
             self._allowed = False
