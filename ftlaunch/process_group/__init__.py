@@ -35,11 +35,13 @@ from ftlaunch.process_group.error_swallowing import ErrorSwallowingProcessGroupW
 
 # torchft's name for the error-swallowing wrapper's Work (its tests check the type).
 from ftlaunch.process_group.error_swallowing import SwallowingWork as _ErrorSwallowingWork  # noqa: F401
+from ftlaunch.process_group.fake_wrapper import FakeProcessGroupWrapper
 from ftlaunch.process_group.reconfigure import ReconfigureOptions, reconfigure_with_store
 from ftlaunch.process_group.wrappers import ProcessGroupGloo, ProcessGroupNCCL, ProcessGroupWrapper
 
 __all__ = [
     "ErrorSwallowingProcessGroupWrapper",
+    "FakeProcessGroupWrapper",
     "ProcessGroup",
     "ProcessGroupBaby",
     "ProcessGroupBabyGloo",

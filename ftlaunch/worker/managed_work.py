@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from ftlaunch.errors import CommunicationError
 
-__all__ = ["ManagedWork", "with_default"]
+__all__ = ["ManagedWork", "WorkOnManager", "with_default"]
 
 T = TypeVar("T")
 
@@ -120,3 +120,37 @@ def with_default(
 
     future.add_done_callback(on_done)
     return out
+
+
+class WorkOnManager(dist.Work):
+    """A backend Work bound to a Manager, torchft's ``_ManagedWork(manager, work, default_result)``.
+
+    Code written for torchft builds one around a Work of its own (a DDP comm hook, a test's fake
+    allreduce): ``wait()`` reports a failure to the manager and returns False instead of raising;
+    ``get_future()`` is ``manager.wrap_future(work.get_future(), default_result)``, a future that
+    completes with ``default_result`` when the work fails. The Manager's own allreduce returns a
+    `ManagedWork`.
+    """
+
+    def __init__(self, manager: Any, work: dist.Work, default_result: object) -> None:
+        super().__init__()
+        self._manager = manager
+        self._work = work
+        self._default = default_result
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        try:
+            if timeout:
+                self._work.wait(timeout)
+            else:
+                self._work.wait()
+        except Exception as e:  # noqa: BLE001 - reported to the Manager, the step will not commit
+            self._manager.report_error(e)
+            return False
+        return True
+
+    def is_completed(self) -> bool:
+        return self._work.is_completed()
+
+    def get_future(self) -> torch.futures.Future:
+        return self._manager.wrap_future(self._work.get_future(), self._default)
