@@ -64,6 +64,10 @@ INTERNAL = {
     "the private _checkpoint_lock/_disallowed/_step",
     "process_group_test.py::ProcessGroupTest::test_reconfigure_baby_process_group": "reads the "
     "private _future_thread/_future_pipe/_p",
+    "reconfigure_test.py::ReconfigureTest::test_rendezvous": "the private _rendezvous/_handle_id "
+    "and torchft's store prefix",
+    "reconfigure_test.py::ReconfigureTest::test_manager_reconfigure_pg": "the private "
+    "Manager._reconfigure_pg on a Manager built without __init__",
     "local_sgd_test.py::DiLoCoTest::test_bucketization_correctness": "drives the private "
     "Fragment._grads/_average_grads/_set_grads",
     "local_sgd_test.py::DiLoCoTest::test_gradient_correctness": "drives the private "

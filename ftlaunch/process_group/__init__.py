@@ -37,6 +37,9 @@ from ftlaunch.process_group.error_swallowing import ErrorSwallowingProcessGroupW
 from ftlaunch.process_group.error_swallowing import SwallowingWork as _ErrorSwallowingWork  # noqa: F401
 from ftlaunch.process_group.fake_wrapper import FakeProcessGroupWrapper
 from ftlaunch.process_group.reconfigure import ReconfigureOptions, reconfigure_with_store
+
+# torchft's private name for parsing a member's rendezvous from its options (its tests import it).
+from ftlaunch.process_group.reconfigure import rendezvous_of as _rendezvous  # noqa: F401
 from ftlaunch.process_group.wrappers import ProcessGroupGloo, ProcessGroupNCCL, ProcessGroupWrapper
 
 __all__ = [

@@ -127,9 +127,9 @@ class WorkOnManager(dist.Work):
 
     Code written for torchft builds one around a Work of its own (a DDP comm hook, a test's fake
     allreduce): ``wait()`` reports a failure to the manager and returns False instead of raising;
-    ``get_future()`` is ``manager.wrap_future(work.get_future(), default_result)``, a future that
-    completes with ``default_result`` when the work fails. The Manager's own allreduce returns a
-    `ManagedWork`.
+    ``get_future()`` waits as torchft's does, then completes with the work's result, or with
+    ``default_result`` when the work failed (reported, never raised: a comm hook must hand DDP a
+    finished future). The Manager's own allreduce returns a `ManagedWork`, which does not block.
     """
 
     def __init__(self, manager: Any, work: dist.Work, default_result: object) -> None:
@@ -137,20 +137,37 @@ class WorkOnManager(dist.Work):
         self._manager = manager
         self._work = work
         self._default = default_result
+        self._ok: bool | None = None
 
     def wait(self, timeout: timedelta | None = None) -> bool:
-        try:
-            if timeout:
-                self._work.wait(timeout)
-            else:
-                self._work.wait()
-        except Exception as e:  # noqa: BLE001 - reported to the Manager, the step will not commit
-            self._manager.report_error(e)
-            return False
-        return True
+        if self._ok is None:
+            try:
+                if timeout:
+                    self._work.wait(timeout)
+                else:
+                    self._work.wait()
+                self._ok = True
+            except Exception as e:  # noqa: BLE001 - reported to the Manager, the step will not commit
+                self._manager.report_error(e)
+                self._ok = False
+        return self._ok
 
     def is_completed(self) -> bool:
-        return self._work.is_completed()
+        return self._ok is not None or self._work.is_completed()
 
     def get_future(self) -> torch.futures.Future:
-        return self._manager.wrap_future(self._work.get_future(), self._default)
+        out: torch.futures.Future = torch.futures.Future()
+        if not self.wait():
+            out.set_result(self._default)
+            return out
+        manager, default = self._manager, self._default
+
+        def _done(fut: torch.futures.Future) -> None:
+            try:
+                out.set_result(fut.value())
+            except Exception as e:  # noqa: BLE001 - reported to the Manager, the step will not commit
+                manager.report_error(e)
+                out.set_result(default)
+
+        self._work.get_future().add_done_callback(_done)
+        return out

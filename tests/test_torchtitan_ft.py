@@ -1,0 +1,48 @@
+"""scripts/train_torchtitan_ft.py builds what torchtitan's torchft integration builds - the Manager
+with ``load_state_dict=None, state_dict=None`` and the state functions set afterwards,
+``ManagedProcessGroup(manager).register("dp_replicate")`` all-reduced through with
+``dist.all_reduce(group=...)``, ``Optimizer`` around an optimizers container, ``ProcessGroupGloo``;
+and for semi-synchronous training ``local_sgd.DiLoCo`` over per-fragment module lists with one
+outer optimizer each - from ftlaunch (``import ftlaunch as torchft``), and trains under the
+launcher while a group is killed."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from test_launcher_e2e import checksums
+from workers.helpers import FTLAUNCH, run
+
+SCRIPT = "scripts/train_torchtitan_ft.py"
+
+
+def _launch(*script_args: str, chaos: str, timeout: float) -> str:
+    res = run(
+        [*FTLAUNCH, "--replicas", "2", "--max-restarts", "3", "--chaos", chaos, SCRIPT, *script_args],
+        timeout=timeout,
+    )
+    out = res.stdout
+    assert res.returncode == 0, out[-4000:] + res.stderr[-4000:]
+    assert "[ftlaunch] chaos: 1 injection(s)" in out and "group committed again" in out, out[-3000:]
+    return out
+
+
+@pytest.mark.timeout(200)
+def test_torchtitan_ft_sync_training_survives_a_kill() -> None:
+    out = _launch("--steps", "30", "--step-sleep", "0.1", chaos="steps=10,seed=1", timeout=190)
+    sums = checksums(out)
+    assert set(sums) == {0, 1} and len(set(sums.values())) == 1, sums
+    assert "2/2 groups ended bit-identical" in out
+    # Both groups averaged through the registered ManagedProcessGroup once they met.
+    assert re.search(r"\[rg\d/r0\] step=\d+ committed=True participants=2 ", out)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_torchtitan_ft_diloco_fragments_survive_a_kill() -> None:
+    out = _launch(
+        "--semi-sync", "diloco", "--steps", "8", "--step-sleep", "0.1", chaos="steps=4,seed=1", timeout=230
+    )
+    found = {g: (c, s) for g, c, s in re.findall(r"\[rg(\d)/r0\] global_checksum=(\w+) step=(\d+)", out)}
+    assert set(found) == {"0", "1"} and len(set(found.values())) == 1, found
