@@ -48,6 +48,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--sync-steps", type=int, default=4, help="DiLoCo: inner steps per sync")
     p.add_argument("--process-group-timeout-ms", type=int, default=10000)
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds per step (room for a kill)")
+    p.add_argument(
+        "--progress-dir",
+        default="",
+        help="write '<pid> <step>' to DIR/rg<i> after every step (for a test's kill)",
+    )
     return p.parse_args()
 
 
@@ -136,6 +141,13 @@ def main() -> int:
 
     manager.set_state_dict_fns(ft_load_state_dict, ft_state_dict)
 
+    def progress() -> None:
+        if args.progress_dir:
+            path = os.path.join(args.progress_dir, f"rg{replica_id}")
+            with open(path + ".tmp", "w") as f:
+                f.write(f"{os.getpid()} {manager.current_step()}")
+            os.replace(path + ".tmp", path)
+
     g = torch.Generator().manual_seed(1000 + replica_id)  # each group its own data
     try:
         if use_async_quorum:
@@ -157,6 +169,7 @@ def main() -> int:
                     f"participants={manager.num_participants()} loss={global_loss.item():.5f}",
                     flush=True,
                 )
+                progress()
                 time.sleep(args.step_sleep)
         else:
             # maybe_semi_sync_training: fragments by module names, one outer optimizer each.
@@ -190,6 +203,7 @@ def main() -> int:
                         f"step={manager.current_step()} loss={loss.item():.5f}",
                         flush=True,
                     )
+                    progress()
                     time.sleep(args.step_sleep)
                 # The global parameters are what the groups share (each fragment's local progress
                 # since its last sync is the group's own).

@@ -25,6 +25,7 @@ import json
 import logging
 import secrets
 import socket
+import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -37,7 +38,7 @@ import torch.distributed as dist
 from ftlaunch import env
 from ftlaunch.addresses import format_host_port, parse_address
 from ftlaunch.errors import CommunicationError
-from ftlaunch.process_group._store import first_line
+from ftlaunch.process_group._store import create_store_client, first_line
 from ftlaunch.process_group.work import NO_TIMEOUT
 from ftlaunch.timeouts import as_timedelta
 
@@ -274,11 +275,10 @@ def reconfigure_with_store(
     timeout = as_timedelta(timeout)
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} out of range for world_size {world_size}")
-    # Looked up on the package, as torchft's is: tests written for torchft patch
-    # ``process_group.create_store_client`` to watch the exchange.
-    import ftlaunch.process_group as package
-
-    store = package.create_store_client(store_addr, timeout)
+    # Looked up on the package (imported before any of its modules), as torchft's is: tests
+    # written for torchft patch ``process_group.create_store_client`` to watch the exchange.
+    connect = getattr(sys.modules.get("ftlaunch.process_group"), "create_store_client", create_store_client)
+    store = connect(store_addr, timeout)
     if rank == 0:
         store.set("uuid", str(secrets.randbits(63)))
     store.set(f"handle/{rank}", pg.get_reconfigure_handle())
