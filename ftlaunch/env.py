@@ -2,7 +2,7 @@
 
 **Names.** Each variable ftlaunch reads -- its own ``FTLAUNCH_*``, torchelastic's, and the few of
 other programs it honours (``LOGLEVEL``, ``CUDA_VISIBLE_DEVICES``, ...) -- is a constant here, and
-each ``FTLAUNCH_*`` one has a row in README's table (``tests/test_env.py`` checks both).
+each ``FTLAUNCH_*`` one has a row in README's table (``tests/processes/test_env.py`` checks both).
 
 **One grammar.** A *flag* is ``1``/``true``/``yes``/``on`` or ``0``/``false``/``no``/``off`` (any
 case); a *duration* is seconds, optionally with an ``s`` or ``m`` (minutes) suffix (``30``,
@@ -136,11 +136,12 @@ FTLAUNCH_PHASE_LOG = "FTLAUNCH_PHASE_LOG"
 #: before the script runs and forks its Baby child from there): the child is then its own
 #: interpreter and imports torch itself, while the script does.
 FTLAUNCH_PRESTART_FORK = "FTLAUNCH_PRESTART_FORK"
-#: A flag, default on: off, no warm standby interpreter (`ftlaunch.bootstrap.zygote`) per group in the
-#: launcher's agent: a (re)started worker then imports torch itself instead of being forked, torch
-#: imported, from the standby (``ftlaunch`` launcher only; it costs one idle torch interpreter).
+#: A flag, default on: off, no warm standby interpreter (`ftlaunch.bootstrap.zygote`) per group node
+#: (the ``ftlaunch`` launcher's agent, or the ``ftlaunch`` rendezvous inside torchrun's agent for
+#: workers run as ``-m ftlaunch.run``): a (re)started worker then imports torch itself instead of
+#: being forked, torch imported, from the standby (which costs one idle torch interpreter).
 FTLAUNCH_ZYGOTE = "FTLAUNCH_ZYGOTE"
-#: Set by the agent for its workers: the Unix socket its standby interpreter listens on (internal).
+#: Set by the agent (or the rendezvous) for its workers: the Unix socket its standby listens on (internal).
 FTLAUNCH_ZYGOTE_SOCKET = "FTLAUNCH_ZYGOTE_SOCKET"
 #: Set in a worker forked from the standby: the pid torchelastic started and knows it by (its
 #: proxy, which every signal goes through). Absent in a worker started cold: that pid is its own.

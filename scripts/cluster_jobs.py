@@ -1,6 +1,6 @@
 """Running ftlaunch jobs on a `slurm_cluster.Cluster` (or on this machine) and reading what they did.
 
-Shared by the cluster tests (tests/test_cluster.py) and the cluster figures
+Shared by the cluster tests (tests/processes/test_cluster.py) and the cluster figures
 (scripts/bench_cluster.py): submit a torchx component, find a worker's process and node, kill it,
 wait for the job's end, and read the committed steps ``scripts/train_ddp.py`` prints (each with
 its wall-clock time, ``t=``) to tell when a group committed again and how long the others waited.

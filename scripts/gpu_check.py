@@ -25,7 +25,7 @@ run the same way (torchrun, NCCL, the same host ids).
 
 In CPU mode (``--cpu``, automatic without CUDA) every check that can runs the same code paths with
 Gloo / Baby Gloo and smaller sizes; the CUDA-only ones are SKIP with their reason, and a part that
-ran on CPU still FAILs when it is wrong. ``tests/test_gpu_check.py`` runs CPU mode in CI.
+ran on CPU still FAILs when it is wrong. ``tests/scripts/test_gpu_check.py`` runs CPU mode in CI.
 """
 
 from __future__ import annotations

@@ -1,4 +1,12 @@
-"""Shared test fixtures.
+"""Shared test fixtures, and the layout of the suite.
+
+``tests/unit``: one process, fakes (`ftlaunch.process_group.fake`, the in-process lighthouse),
+no sockets. ``tests/processes``: real processes, sockets and kills, each bounded by a timeout;
+every test collected there carries the ``processes`` marker (``-m "not processes"`` runs the unit
+tests alone). ``tests/scripts``: the tools in ``scripts/`` (benchmarks, soak, GPU check). A long
+scenario is also marked ``slow`` and runs only with ``FTLAUNCH_TESTS=all``. The shared harnesses
+(``mp_harness``, ``pg_helpers``, ``workers/``...) stay at the top of ``tests/``, importable from
+every folder.
 
 Every test that starts processes must leave none behind. Children inherit a per-session marker in
 their environment, so the leak check also finds orphans that were re-parented to init (torchelastic
@@ -8,13 +16,20 @@ workers live in their own process groups and survive their agent).
 from __future__ import annotations
 
 import os
+import sys
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import psutil
 import pytest
+
+_TESTS = Path(__file__).resolve().parent
+for _folder in (_TESTS, _TESTS / "unit", _TESTS / "processes", _TESTS / "scripts"):
+    if str(_folder) not in sys.path:
+        sys.path.insert(0, str(_folder))
 
 MARKER = "FTLAUNCH_TEST_SESSION"
 os.environ.setdefault(MARKER, uuid.uuid4().hex)
@@ -35,6 +50,15 @@ def marked_processes() -> list[psutil.Process]:
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
     return found
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Everything under ``tests/processes`` carries the ``processes`` marker: one marker, set by
+    where a test lives, instead of a decorator each file might forget."""
+    processes = _TESTS / "processes"
+    for item in items:
+        if processes in Path(str(item.fspath)).parents:
+            item.add_marker(pytest.mark.processes)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -10,7 +10,7 @@ It is faithful to `ProcessGroupGang` where a test can see the difference: the sa
 and errors (they are shared, in `base`), sub-gangs numbered in rank order, sub-gangs created only
 from the gang they came from (torch creates groups collectively over the default group, so a real
 sub-gang cannot create another), and a closed gang that refuses further calls.
-tests/test_gang.py runs one table of expectations against both.
+tests/processes/test_gang.py runs one table of expectations against both.
 """
 
 from __future__ import annotations

@@ -29,6 +29,13 @@ group's own rendezvous store (which outlives rounds) and hands the count to the 
 the workers key their group-store traffic by it. torchelastic's restart count cannot serve: it
 counts only the restarts of the node whose worker failed.
 
+**A warm standby interpreter per node** (`ftlaunch.launcher.standby`): before the first workers
+start, the handler starts the node's standby and announces it to them (``FTLAUNCH_ZYGOTE_SOCKET``).
+It imports torch only once a worker asks for it -- one run as ``-m ftlaunch.run SCRIPT`` (the torchx
+components run every worker so) -- and forks that worker and every restarted one with torch
+imported. It ends with the agent (`shutdown`, its exit, or its death). ``FTLAUNCH_ZYGOTE=0`` or
+``FTLAUNCH_PRESTART_FORK=0``: none.
+
 If no lighthouse answers at the endpoint and the endpoint names this machine, the handler hosts one
 inside this agent process (`HostedLighthouse`, as the c10d backend hosts its store). That lighthouse
 lives exactly as long as this agent: a single point of failure for the whole job (see docs/launcher.md).
@@ -72,6 +79,7 @@ from ftlaunch.addresses import format_host_port, is_local_host, parse_host_port,
 from ftlaunch.env import Duration  # noqa: E402
 from ftlaunch.errors import ConfigurationError  # noqa: E402
 from ftlaunch.launcher.lighthouse_host import HostedLighthouse, LighthouseSettings, RemoteLighthouse  # noqa: E402
+from ftlaunch.launcher.standby import Standby  # noqa: E402
 from ftlaunch.lighthouse.quorum import HEARTBEAT_TIMEOUT, JOIN_TIMEOUT  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -279,6 +287,7 @@ class FtlaunchRendezvousHandler(RendezvousHandler):
         self._lighthouse_addr: str | None = None
         self._hosted: HostedLighthouse | None = None
         self._rounds = 0
+        self._standby: Standby | None = None
 
     # torchelastic API
     def get_backend(self) -> str:
@@ -293,6 +302,8 @@ class FtlaunchRendezvousHandler(RendezvousHandler):
         addr = self._ensure_lighthouse()
         advertised = self._advertised_address(addr)
         self._publish_env(addr, advertised)
+        if self._rounds == 0:
+            self._start_standby()
         self._rounds += 1
         if self._rounds > 1:
             logger.info(
@@ -369,7 +380,21 @@ class FtlaunchRendezvousHandler(RendezvousHandler):
             return self._inner.shutdown()
         finally:
             self._worker_store = None
+            self._stop_standby()
             self._stop_hosted_lighthouse()
+
+    # the node's warm standby interpreter
+    def _start_standby(self) -> None:
+        """Start the node's standby, on demand (see `ftlaunch.launcher.standby`), once per agent and
+        before its first workers. Not where one is announced already: the ``ftlaunch`` launcher's
+        agent keeps its own (warming up from its start)."""
+        if env.zygote_socket() is None:
+            self._standby = Standby.start(on_demand=True)
+
+    def _stop_standby(self) -> None:
+        standby, self._standby = self._standby, None
+        if standby is not None:
+            standby.stop()
 
     # lighthouse
     def _ensure_lighthouse(self) -> str:

@@ -14,7 +14,7 @@ defaults are torch's own. What differs is decided here, once per flag, in `TORCH
 
 A flag that a newer torch adds and this table does not know yet is still listed by ``--help`` and
 parsed, but refused unless left at its default -- so a new torch never changes a job silently
-(``tests/test_torchrun_flags.py`` walks torch's parser and fails until the new flag is decided).
+(``tests/processes/test_torchrun_flags.py`` walks torch's parser and fails until the new flag is decided).
 
 On the agent side, `launch_config` turns the options back into torchrun's namespace and hands it to
 torch's own ``config_from_args``, so every accepted flag reaches ``LaunchConfig`` exactly as under

@@ -3,7 +3,7 @@
 Why a folder of its own: one process decides, step by step, which replica groups train together
 (a quorum), and notices a dead group within milliseconds. The workers (`ftlaunch.worker`) ask it
 through `client`; the launcher hosts or reaches it (`ftlaunch.launcher.lighthouse_host`). Inside,
-by concern (which may import which: ``LIGHTHOUSE_RANKS`` in tests/test_layers.py):
+by concern (which may import which: ``LIGHTHOUSE_RANKS`` in tests/unit/test_layers.py):
 
 - the rules, pure functions of state and the caller's clock reading: `quorum` (whether a quorum
   forms, with whom, under which id), `admission` (who may make a request), `hung` (a hung member

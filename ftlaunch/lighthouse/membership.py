@@ -23,7 +23,7 @@ A quorum request is a `QuorumTicket`, resolved once with a `Quorum` or a `Member
 small domain errors of ``tickets.py``, re-exported here), which ``routes.py`` maps to HTTP; it knows
 no status codes and no sockets. Every method is thread-safe (one lock): the transport calls it from
 its event loop, a supervisor from its own threads (`report_failure`, `snapshot`). The clocks are
-injectable, so unit tests drive it in one process without sleeping (tests/test_lighthouse_membership.py).
+injectable, so unit tests drive it in one process without sleeping (tests/unit/test_lighthouse_membership.py).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ position each) and N+K groups of workers. Every group *claims* a slot when it is
 (``POST /claim``); the groups that get none wait as spares. The lighthouse's bookkeeping
 (`ftlaunch.lighthouse.spares`) turns its state into `SlotView`s and `Claimant`s, passes its clock
 reading as ``now`` and applies what `assign` returns. So the rule is unit-tested without sockets or
-sleeps (tests/test_spares.py).
+sleeps (tests/unit/test_spares.py).
 
 Rules (in the order `assign` applies them):
 

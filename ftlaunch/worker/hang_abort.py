@@ -20,7 +20,7 @@ exclude each other, so an abort never lands on the group built for the next quor
 A member that is slow but still heartbeats is live to the lighthouse: no abort.
 
 Known limit: with plain Gloo (no Baby child) the abort of a group whose op waits on a stopped peer
-was seen to block (tests/test_manager.py, a SIGSTOP before the commit vote, 600 s timeout): the step
+was seen to block (tests/processes/test_manager.py, a SIGSTOP before the commit vote, 600 s timeout): the step
 fails at once, but the next configure waits for the abort, so the survivor goes on only when the
 op times out -- as before this abort existed. Baby Gloo (the default) kills its child: immediate.
 """

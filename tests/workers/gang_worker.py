@@ -1,4 +1,4 @@
-"""A fairseq2-style training script on ``ft.gangs()``, for tests/test_gang_ft.py (run by the real
+"""A fairseq2-style training script on ``ft.gangs()``, for tests/processes/test_gang_ft.py (run by the real
 ``ftlaunch`` launcher, which kills and restarts groups).
 
 Each step: ``gangs.rdp.begin_step()``, a forward/backward on this data-parallel rank's batch, the
