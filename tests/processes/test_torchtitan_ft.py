@@ -50,16 +50,16 @@ def _launch(tmp_path: Path, *script_args: str, kill_at: int, timeout: float) -> 
     assert res.returncode == 0, out[-4000:] + res.stderr[-4000:]
     assert killed, "group 1 never reached the step to kill it at"
     restarted = int(progress.read_text().split()[0])
-    assert restarted != killed[0], "group 1's worker was not restarted"
+    assert restarted != killed[0], "group 1's worker was not restarted:\n" + out[-3000:]
     return out
 
 
 @pytest.mark.timeout(200)
 def test_torchtitan_ft_sync_training_survives_a_kill(tmp_path: Path) -> None:
-    out = _launch(tmp_path, "--steps", "60", "--step-sleep", "0.05", kill_at=15, timeout=190)
+    out = _launch(tmp_path, "--steps", "150", "--step-sleep", "0.1", kill_at=10, timeout=190)
     sums = checksums(out)
     assert set(sums) == {0, 1} and len(set(sums.values())) == 1, sums
-    assert set(re.findall(r"final_checksum=\w+ step=(\d+)", out)) == {"60"}
+    assert set(re.findall(r"final_checksum=\w+ step=(\d+)", out)) == {"150"}
     # Both groups averaged through the registered ManagedProcessGroup once they met.
     assert re.search(r"\[rg\d/r0\] step=\d+ committed=True participants=2 ", out)
 
@@ -68,7 +68,7 @@ def test_torchtitan_ft_sync_training_survives_a_kill(tmp_path: Path) -> None:
 @pytest.mark.timeout(240)
 def test_torchtitan_ft_diloco_fragments_survive_a_kill(tmp_path: Path) -> None:
     out = _launch(
-        tmp_path, "--semi-sync", "diloco", "--steps", "12", "--step-sleep", "0.05", kill_at=4, timeout=230
+        tmp_path, "--semi-sync", "diloco", "--steps", "60", "--step-sleep", "0.1", kill_at=4, timeout=230
     )
     found = {g: (c, s) for g, c, s in re.findall(r"\[rg(\d)/r0\] global_checksum=(\w+) step=(\d+)", out)}
     assert set(found) == {"0", "1"} and len(set(found.values())) == 1, found
