@@ -285,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{rel:<42}{pub.passed:>6}/{pub.passed + pub.failed:<7}"
                 f"{internal.passed:>6}/{internal.passed + internal.failed:<7}"
                 f"{n_skipped:>9}{time.monotonic() - t0:>7.0f}"
-                + ("  (does not import: its tests were not collected)" if broken else ""),
+                + ("  (no results: it did not import, or ran past --timeout)" if broken else ""),
                 flush=True,
             )
             unimported += bool(broken)
@@ -304,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
             f"public behaviour: {pub_total.passed} of {pub_total.passed + pub_total.failed} pass "
             f"against {target}; torchft's internals: {int_total.passed} of "
             f"{int_total.passed + int_total.failed}; skipped by the tests themselves: {skipped}; "
-            f"files that do not import: {unimported}"
+            f"files without results (not imported or timed out): {unimported}"
         )
         return 0
     finally:

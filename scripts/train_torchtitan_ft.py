@@ -103,7 +103,7 @@ class OptimizersContainer:
 def checksum(model: nn.Module) -> str:
     h = hashlib.sha256()
     for p in model.parameters():
-        h.update(p.detach().contiguous().numpy().tobytes())
+        h.update(bytes(p.detach().contiguous().view(-1).view(torch.uint8).tolist()))
     return h.hexdigest()[:16]
 
 
@@ -208,7 +208,9 @@ def main() -> int:
                 # The global parameters are what the groups share (each fragment's local progress
                 # since its last sync is the group's own).
                 glob = diloco.global_parameters()
-                h = hashlib.sha256(b"".join(glob[k].contiguous().numpy().tobytes() for k in sorted(glob)))
+                h = hashlib.sha256()
+                for k in sorted(glob):
+                    h.update(bytes(glob[k].contiguous().view(-1).view(torch.uint8).tolist()))
                 print(f"global_checksum={h.hexdigest()[:16]} step={manager.current_step()}", flush=True)
                 return 0
         print(f"final_checksum={checksum(model)} step={manager.current_step()}", flush=True)
