@@ -95,6 +95,10 @@ def hsdp_app(
     mounts: list[str] | None,
     tee: int,
     spares: int = 0,
+    stragglers: str = "report",
+    health_check: str = "",
+    checkpoint_dir: str = "",
+    checkpoint_every: int = 100,
 ) -> AppDef:
     """Build the AppDef; see ``ftlaunch.hsdp`` for the meaning and the defaults of every argument.
 
@@ -128,7 +132,19 @@ def hsdp_app(
         raise ConfigurationError(f"--min_replicas {min_replicas} > --replicas {replicas}")
     if max_restarts < 0:
         raise ConfigurationError("--max_restarts must be >= 0")
+    if stragglers not in ftenv.STRAGGLER_POLICIES:
+        raise ConfigurationError(
+            f"--stragglers {stragglers!r} must be one of {', '.join(ftenv.STRAGGLER_POLICIES)}"
+        )
+    if lighthouse and stragglers != "report":
+        raise ConfigurationError(
+            "--stragglers sets the policy of the lighthouse role; the lighthouse at --lighthouse has its own "
+            "(ftlaunch-lighthouse --stragglers)"
+        )
     JOIN_TIMEOUT.checked(join_timeout, "--join_timeout")
+    if checkpoint_every < 0:
+        raise ConfigurationError(f"--checkpoint_every must be >= 0 (got {checkpoint_every})")
+    durable_env = ftenv.CheckpointEnv(checkpoint_dir or None, checkpoint_every).to_environ()
     HEARTBEAT_TIMEOUT.checked(heartbeat_timeout, "--heartbeat_timeout")
 
     image = image or torchx.IMAGE
@@ -162,6 +178,8 @@ def hsdp_app(
                     str(join_timeout),
                     "--heartbeat-timeout",
                     str(heartbeat_timeout),
+                    "--stragglers",
+                    stragglers,
                     "--bind",
                     lighthouse_bind or AUTO,
                     *(["--cleanup"] if own_job_dir else []),
@@ -219,7 +237,12 @@ def hsdp_app(
                     *torchrun,
                 ],
                 num_replicas=nnodes_per_replica,
-                env={**base_env, **_job_environ(group, replicas, lighthouse, spares)},
+                env={
+                    **base_env,
+                    **durable_env,
+                    **_job_environ(group, replicas, lighthouse, spares),
+                    **ftenv.health_check_environ(health_check.strip() or None, None),
+                },
                 resource=resource,
                 mounts=parsed_mounts,
                 max_retries=max_retries,

@@ -44,6 +44,7 @@ from ftlaunch.errors import ConfigurationError, install_brief_errors
 from ftlaunch.process_group.base import ProcessGroup
 from ftlaunch.timeouts import Timeouts
 from ftlaunch.worker import defaults, spare
+from ftlaunch.worker.durable import DurableCheckpoints, DurableConfig
 from ftlaunch.worker.fault_tolerance import FaultTolerance, InitState, Registered, model_state_fns
 from ftlaunch.worker.manager import Manager, release_process_group
 
@@ -157,6 +158,9 @@ def init(
     lighthouse: str | None = None,
     load_state_dict: Callable[[Any], None] | None = None,
     state_dict: Callable[[], Any] | None = None,
+    checkpoint_dir: str | None = None,
+    checkpoint_every: int | None = None,
+    keep_last: int | None = None,
     **manager_kwargs: Any,
 ) -> FaultTolerance:
     """Connect this worker to its ftlaunch job and return a ready :class:`FaultTolerance`.
@@ -173,6 +177,12 @@ def init(
       (``FTLAUNCH_TRANSPORT``).
     - ``intra_group``: build (or reuse) the replica group's own process group; default: when the
       group has more than one worker.
+    - ``checkpoint_dir``/``checkpoint_every``/``keep_last``: durable checkpoints (else
+      ``FTLAUNCH_CHECKPOINT_DIR``/``_EVERY``/``_KEEP``; ``ftlaunch --checkpoint-dir``): every
+      ``checkpoint_every`` committed steps (default 100) one replica group writes the committed state
+      in the background, in torch.distributed.checkpoint's layout, keeping the newest ``keep_last``
+      (default 3); a job started on a directory with a checkpoint resumes from the newest complete
+      one (docs/checkpointing.md).
     - Other keyword arguments go to :class:`ftlaunch.Manager` (e.g. ``max_retries``, ``init_sync``).
     """
     phases.mark("init", process_start=phases.process_start_time())
@@ -187,6 +197,7 @@ def init(
     group = env.GroupEnv.from_environ()
     tuned = env.WorkerEnv.from_environ()  # what the user tuned: handed to the Manager below
     sync_env = env.SyncEnv.from_environ()  # defaults of ft.local_sgd() / ft.diloco()
+    durable_config = _durable_config(checkpoint_dir, checkpoint_every, keep_last)
 
     # Timeouts: one knob, explicit overrides validated together before anything connects.
     overrides = {
@@ -247,6 +258,12 @@ def init(
             logging.getLogger(__name__).info("%s", e)
             raise SystemExit(0) from None
         raise
+    durable_ckpt = None
+    if durable_config is not None:
+        # Resume from disk only in a group that starts with the job: a restarted group, or a hot
+        # spare taking a failed group's slot, heals from live peers (the disk is the safety net).
+        starts_with_job = group.incarnation == 0 and (slot is None or slot.replaced is None)
+        durable_ckpt = _durable(durable_config, manager, group, intra, starts_with_job)
     manager.log.info(
         "ftlaunch.init: replica group %d of %d, rank %d of %d, backend %s, transport %s, device %s",
         job.replica_group_id, job.num_replica_groups, group.rank, group.world_size, chosen_backend,
@@ -268,9 +285,68 @@ def init(
         checkpoint_transport=ckpt,
         registered=registered,
         sync_env=sync_env,
+        durable=durable_ckpt,
     )
     _track(ft)
     return ft
+
+
+def _durable_config(directory: str | None, every: int | None, keep_last: int | None) -> DurableConfig | None:
+    """Durable checkpoints from ``init``'s arguments, else the environment (None: no directory)."""
+    from_env = env.CheckpointEnv.from_environ()
+    chosen = directory if directory is not None else from_env.directory
+    if not chosen:
+        if every is not None or keep_last is not None:
+            raise ConfigurationError(
+                "checkpoint_every/keep_last need checkpoint_dir (or FTLAUNCH_CHECKPOINT_DIR)"
+            )
+        return None
+    return DurableConfig(
+        str(chosen),
+        from_env.every if every is None else every,
+        from_env.keep_last if keep_last is None else keep_last,
+    )
+
+
+def _durable(
+    config: DurableConfig,
+    manager: Manager,
+    group: env.GroupEnv,
+    intra: dist.ProcessGroup | None,
+    resume: bool,
+) -> DurableCheckpoints:
+    """Attach durable checkpoints to ``manager``'s commit boundary (`worker.committed`).
+
+    A group of several ranks writes (and reads) its shards over Gloo groups of its own: one for
+    DCP on the writer thread, one for the ranks' agreement on the training thread (a process group
+    is used by one thread at a time). Every rank builds them here, in the same order.
+
+    The Manager is reached through its committed-state holder, its registry and its last plan:
+    the hook lives beside the Manager, not inside its step protocol."""
+    dcp_group = agree_group = None
+    if group.world_size > 1:
+        if intra is None:
+            raise ConfigurationError(
+                "durable checkpoints of a replica group of several workers need its process group: "
+                "leave intra_group on"
+            )
+        dcp_group = dist.new_group(backend="gloo")
+        agree_group = dist.new_group(backend="gloo")
+    hook = DurableCheckpoints(
+        config,
+        manager._state,  # noqa: SLF001 - the registry a heal carries: a checkpoint saves the same
+        lambda: manager._last_plan,  # noqa: SLF001 - the committed quorum's plan: who writes
+        manager.log,
+        group_rank=group.rank,
+        dcp_group=dcp_group,
+        agree_group=agree_group,
+    )
+    manager._committed.durable = hook  # noqa: SLF001 - called at every commit boundary
+    if manager._progress is not None:  # noqa: SLF001 - the leader's progress reports carry the stats
+        manager._progress.durable = hook.stats.report
+    if resume:
+        hook.resume()
+    return hook
 
 
 def _intra_group(

@@ -343,6 +343,10 @@ class Manager(QuorumRound, ManagerStateApi):
         differs from the up-to-date groups' (`require_same_layout`) are raised here."""
         if self._quorum_future is None:
             raise FtlaunchError("wait_quorum() before start_quorum()")
+        if self._progress is not None and not self._quorum_future.done():
+            waiting_since = time.perf_counter()
+            self._quorum_future.exception()  # waits; raised below
+            self._progress.waited(time.perf_counter() - waiting_since)
         try:
             self._quorum_future.result()
         except TrainingFinishedError as e:
@@ -382,6 +386,8 @@ class Manager(QuorumRound, ManagerStateApi):
         """
         reduce_op, should_quantize = allreduce_math.torchft_positional(reduce_op, should_quantize)
         bits = allreduce_math.check_args(tensor, reduce_op, should_quantize)
+        if self._progress is not None:
+            self._progress.peers_needed()
         self.wait_quorum()
         plan = self._plan
         if plan is None or self._pg.errored() is not None:
@@ -456,6 +462,7 @@ class Manager(QuorumRound, ManagerStateApi):
         budget = self.timeouts.commit if timeout is None else to_seconds(timeout)
         deadline = time.monotonic() + budget
         if self._progress is not None:
+            self._progress.peers_needed()
             self._progress.commit_started()
         self.wait_quorum()
         self._waiting_since = time.monotonic()
@@ -527,6 +534,8 @@ class Manager(QuorumRound, ManagerStateApi):
                 self._phases = False  # nothing more to time: the step path stays free of it
             return True
         self._commit_failures += 1
+        if self._progress is not None:
+            self._progress.not_committed()
         self.log.info("step not committed (consecutive failures: %d)", self._commit_failures)
         if self._max_retries is not None and self._commit_failures > self._max_retries:
             raise FtlaunchError(

@@ -25,6 +25,7 @@ class ManagerStateApi:
     _committed: CommittedState
     _layout: dict[str, str] | None
     _plan: StepPlan | None
+    _quorum_seq: int
     _pg: ProcessGroup
     _group_rank: int
 
@@ -116,6 +117,14 @@ class ManagerStateApi:
 
     def is_participating(self) -> bool:
         return self.participating_rank() is not None
+
+    def latest_plan(self) -> tuple[int, StepPlan | None]:
+        """``(attempt, plan)`` of the latest step, read without waiting: ``attempt`` changes whenever
+        a step begins (it numbers the quorum requests), ``plan`` is None until that step's quorum is
+        known and when the step failed before planning. Between two steps it describes the step
+        that just ended -- who took part (``plan.participant_ids``), from which step
+        (``plan.max_step``) -- which is what the exactly-once sampler reads after a commit."""
+        return self._quorum_seq, self._plan
 
     @property
     def pg(self) -> ProcessGroup:

@@ -53,6 +53,10 @@ def _params(conf: dict, endpoint: str = "127.0.0.1:1", max_nodes: int = 1) -> Re
             {"replica_group_id": "0", "num_replica_groups": "1", "lighthouse_min_replicas": "0"},
             "must be >= 1",
         ),
+        (
+            {"replica_group_id": "0", "num_replica_groups": "1", "lighthouse_stragglers": "evict"},
+            "lighthouse_stragglers='evict' must be one of report, replace",
+        ),
     ],
 )
 def test_config_errors_name_the_key(conf: dict, message: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -75,6 +79,16 @@ def test_config_from_environment_and_passthrough_keys(monkeypatch: pytest.Monkey
         "tok",
         False,
     )
+
+
+def test_the_straggler_policy_of_a_lighthouse_started_here(monkeypatch: pytest.MonkeyPatch) -> None:
+    conf = {"replica_group_id": "0", "num_replica_groups": "2"}
+    monkeypatch.delenv("FTLAUNCH_STRAGGLERS", raising=False)
+    assert FtRendezvousConfig.from_params(_params(conf)).lighthouse_settings.stragglers == "report"
+    monkeypatch.setenv("FTLAUNCH_STRAGGLERS", "replace")
+    assert FtRendezvousConfig.from_params(_params(conf)).lighthouse_settings.stragglers == "replace"
+    explicit = FtRendezvousConfig.from_params(_params({**conf, "lighthouse_stragglers": "Report"}))
+    assert explicit.lighthouse_settings.stragglers == "report"  # the key wins over the environment
 
 
 def test_multi_node_group_needs_a_meeting_point() -> None:
@@ -322,6 +336,63 @@ def test_every_node_of_a_round_gets_rank_0s_incarnation_and_workers_store() -> N
     assert boot_a.master_addr == boot_b.master_addr == "127.0.0.1"  # rank 0's, as published
     assert boot_b.master_port == nodes[0]._worker_store.port != boot_a.master_port  # a fresh store
     nodes[0]._worker_store = None
+
+
+def test_the_health_check_runs_before_the_round_and_keeps_the_group_out_until_it_passes(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``health_check`` (or ``FTLAUNCH_HEALTH_CHECK``): the handler runs it before every round --
+    torchelastic's agent rendezvouses before each start and restart of its workers -- and goes on
+    to the group's own rendezvous only once it passed; the lighthouse has the reports."""
+    import os
+
+    from ftlaunch.launcher.rendezvous import FtlaunchRendezvousHandler
+    from ftlaunch.lighthouse.server import LighthouseServer
+
+    count = tmp_path / "count"
+    check = f"n=$(cat {count} 2>/dev/null || echo 0); echo $((n+1)) > {count}; [ $n -ge 1 ] || {{ echo 'disk full'; exit 1; }}"
+    monkeypatch.setenv("FTLAUNCH_HEALTH_CHECK", check)
+    monkeypatch.setenv("FTLAUNCH_HEALTH_CHECK_TIMEOUT", "20s")
+    # A standby announced already: the handler starts none of its own (not what this test is about).
+    monkeypatch.setenv("FTLAUNCH_ZYGOTE_SOCKET", str(tmp_path / "standby.sock"))
+    cfg = FtRendezvousConfig.from_params(_params({"replica_group_id": "1", "num_replica_groups": "2"}))
+    assert (cfg.health_check, cfg.health_check_timeout) == (check, 20.0)
+    explicit = FtRendezvousConfig.from_params(
+        _params(
+            {
+                "replica_group_id": "1",
+                "num_replica_groups": "2",
+                "health_check": "true",
+                "health_check_timeout": "1m",
+            }
+        )
+    )
+    assert (explicit.health_check, explicit.health_check_timeout) == ("true", 60.0)  # the keys win
+    with pytest.raises(ConfigurationError, match="health_check_timeout='0' "):
+        FtRendezvousConfig.from_params(
+            _params({"replica_group_id": "1", "num_replica_groups": "2", "health_check_timeout": "0"})
+        )
+
+    class Inner:
+        runs_seen: list[str] = []
+
+        def next_rendezvous(self):  # type: ignore[no-untyped-def]
+            self.runs_seen.append(count.read_text().strip())
+            raise RuntimeError("stop here")  # the rest of the round is tested above
+
+    saved = dict(os.environ)
+    try:
+        with LighthouseServer("127.0.0.1:0") as server:
+            handler = FtlaunchRendezvousHandler(cfg, Inner(), "", "t", local_addr="127.0.0.1")  # type: ignore[arg-type]
+            handler._lighthouse_addr = server.address
+            with pytest.raises(RuntimeError, match="stop here"):
+                handler.next_rendezvous()
+            assert Inner.runs_seen == ["2"]  # failed once, passed the second time, then the round
+            (health,) = server.snapshot().health
+            assert (health.replica_id, health.ok, health.failures) == ("rg1", True, 1)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 STANDBY_SCRIPT = """

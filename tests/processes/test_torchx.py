@@ -104,6 +104,17 @@ def test_ddp_with_external_lighthouse_has_no_lighthouse_role() -> None:
     assert app.roles[0].env["FTLAUNCH_LIGHTHOUSE"] == "http://lh.example:29510"
 
 
+def test_the_straggler_policy_goes_to_the_lighthouse_role() -> None:
+    app = _app("ftlaunch:ddp", ["--replicas", "2", "--stragglers", "replace", "--script", "x.py"])
+    assert _opt(app.roles[0].args, "--stragglers") == "replace"
+    default = _app("ftlaunch:diloco", ["--replicas", "2", "--script", "x.py"])
+    assert _opt(default.roles[0].args, "--stragglers") == "report"
+    with pytest.raises(ValueError, match="--stragglers 'evict' must be one of report, replace"):
+        _app("ftlaunch:hsdp", ["--replicas", "2", "--stragglers", "evict", "--script", "x.py"])
+    with pytest.raises(ValueError, match="has its own"):
+        _app("ftlaunch:ddp", ["--stragglers", "replace", "--lighthouse", "h:1", "--script", "x.py"])
+
+
 def test_component_errors() -> None:
     with pytest.raises(ValueError, match="give --script or -m, not both"):
         _app("ftlaunch:hsdp", ["--replicas", "2", "--script", "x.py", "-m", "pkg.train"])
@@ -245,3 +256,15 @@ def test_local_cwd_run_with_a_group_restart(tmp_path) -> None:
     assert app_ids and all(
         not shutil.os.path.exists(f"/tmp/ftlaunch-torchx/{a}") for a in app_ids
     )  # cleaned up
+
+
+def test_the_health_check_goes_to_every_group_role() -> None:
+    app = _app(
+        "ftlaunch:ddp", ["--replicas", "2", "--health_check", "python -m ftlaunch.health", "--script", "x.py"]
+    )
+    groups = [r for r in app.roles if r.name != "lighthouse"]
+    assert len(groups) == 2
+    assert all(r.env["FTLAUNCH_HEALTH_CHECK"] == "python -m ftlaunch.health" for r in groups)
+    assert "FTLAUNCH_HEALTH_CHECK" not in app.roles[0].env  # the lighthouse role runs no check
+    default = _app("ftlaunch:hsdp", ["--replicas", "2", "--script", "x.py"])
+    assert not any("FTLAUNCH_HEALTH_CHECK" in r.env for r in default.roles)

@@ -31,7 +31,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     # fairseq2's Gang API over torch.distributed; its fault-tolerant gang lives in worker/.
     "gang": ("ftlaunch.gang",),
     "worker": ("ftlaunch.worker",),
-    "launcher": ("ftlaunch.launcher",),
+    "launcher": ("ftlaunch.launcher", "ftlaunch.health"),
     # The public face: the package itself and torchft's module paths (one-line re-exports).
     "api": (
         "ftlaunch",
@@ -158,6 +158,8 @@ LIGHTHOUSE_RANKS: dict[str, int] = {
     "quorum": 0,  # the pure decision
     "slots": 0,  # the pure rule: which spare takes which replica-group slot
     "progress": 0,  # training progress the group leaders report, and its totals (pure)
+    "stragglers": 0,  # slow groups found from the progress reports (pure rule) and its memory
+    "health": 0,  # the groups' health-check reports, and what the lighthouse keeps of them
     "quorum_delta": 1,  # a quorum as the difference from one a member holds (pure; server and client)
     "status": 1,  # the typed status document
     "spares": 1,  # the slot table of a job with hot spares (no HTTP)
@@ -191,6 +193,8 @@ LIGHTHOUSE_RANKS: dict[str, int] = {
 #: Lighthouse modules that do no I/O: they may not import sockets, event loops or HTTP.
 LIGHTHOUSE_NO_IO = {
     "protocol",
+    "health",
+    "stragglers",
     "quorum",
     "quorum_delta",
     "progress",
