@@ -326,7 +326,10 @@ class Manager:
 
     # ============================================================================ 2. allreduce
     def allreduce(
-        self, tensor: torch.Tensor, reduce_op: ReduceOpLike = "avg", should_quantize: bool | int = False
+        self,
+        tensor: torch.Tensor,
+        reduce_op: ReduceOpLike | bool | int = "avg",
+        should_quantize: bool | int | ReduceOpLike = False,
     ) -> ManagedWork:
         """Fault-tolerant allreduce over the replica groups; averages over the participating groups.
 
@@ -335,8 +338,10 @@ class Manager:
         (``errored()``), the future completes with the tensor as is, and ``should_commit()`` will
         refuse the step. ``should_quantize`` (True or 8, or 4: the bit width) sends low-bit codes
         instead of the values (`ftlaunch.worker.quantization`; avg/sum of floating point tensors
-        only, else ValueError).
+        only, else ValueError). torchft's positional order, ``allreduce(tensor, should_quantize,
+        reduce_op)``, is accepted too (`allreduce_math.torchft_positional`).
         """
+        reduce_op, should_quantize = allreduce_math.torchft_positional(reduce_op, should_quantize)
         bits = allreduce_math.check_args(tensor, reduce_op, should_quantize)
         if self._progress is not None:
             self._progress.peers_needed()

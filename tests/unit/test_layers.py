@@ -42,6 +42,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "ftlaunch.local_sgd",
         "ftlaunch.coordination",
         "ftlaunch.run",
+        "ftlaunch.work",
     ),
 }
 
@@ -178,6 +179,7 @@ LIGHTHOUSE_RANKS: dict[str, int] = {
     "channel": 1,  # one keep-alive HTTP connection to the lighthouse, retries, how answers read
     "client": 2,
     "reconnect": 3,  # the leader's client riding out a lighthouse outage
+    "torchft_client": 3,  # torchft's form of the client (ftlaunch.coordination.LighthouseClient)
     "connection": 3,  # one client connection: parsing, answering, long polls, deadlines
     "transport": 4,  # the asyncio server: listening, the connection cap, identities
     "answers": 3,  # quorum answers encoded once per quorum and held revision (whole or delta)
