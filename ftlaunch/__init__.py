@@ -23,6 +23,7 @@ _LAZY = {
     "FaultTolerance": "ftlaunch.worker.entry",
     "Timeouts": "ftlaunch.timeouts",
     "DistributedSampler": "ftlaunch.worker.data",
+    "ExactlyOnceSampler": "ftlaunch.worker.exactly_once",
     "Manager": "ftlaunch.worker.manager",
     "DistributedDataParallel": "ftlaunch.worker.data_parallel",
     "Optimizer": "ftlaunch.worker.optim",
@@ -127,6 +128,10 @@ def hsdp(
     max_retries: int = 0,
     mounts: list[str] | None = None,
     tee: int = 3,
+    stragglers: str = "report",
+    health_check: str = "",
+    checkpoint_dir: str = "",
+    checkpoint_every: int = 100,
 ) -> AppDef:
     """Fault-tolerant training over replica groups: a lighthouse role plus one torchrun role per group.
 
@@ -166,6 +171,10 @@ def hsdp(
         max_retries: scheduler retries of a role
         mounts: mounts for container schedulers (type=bind,src=...,dst=... or type=volume,src=PVC,dst=...)
         tee: tee worker streams to console and file (0 none, 1 stdout, 2 stderr, 3 both)
+        stragglers: slow groups: report them, or replace a persistent one (a hot spare, else a restart)
+        health_check: a command each group runs before its workers start or restart (e.g. "python -m ftlaunch.health"); while it fails the group stays out, retried with backoff
+        checkpoint_dir: durable checkpoints in this directory, shared by the groups (the job resumes from its newest; default: none)
+        checkpoint_every: committed steps between two durable checkpoints (0: resume only)
     """
     from ftlaunch.launcher.torchx_components import hsdp_app
 
@@ -194,6 +203,10 @@ def hsdp(
         mounts=mounts,
         tee=tee,
         spares=spares,
+        stragglers=stragglers,
+        health_check=health_check,
+        checkpoint_dir=checkpoint_dir,
+        checkpoint_every=checkpoint_every,
     )
 
 
@@ -218,6 +231,10 @@ def ddp(
     env: dict[str, str] | None = None,
     max_retries: int = 0,
     tee: int = 3,
+    stragglers: str = "report",
+    health_check: str = "",
+    checkpoint_dir: str = "",
+    checkpoint_every: int = 100,
 ) -> AppDef:
     """Fault-tolerant DDP training: ``hsdp`` with single-node replica groups (the script's model is
     replicated in every worker; ftlaunch averages across groups and heals restarted ones).
@@ -245,6 +262,10 @@ def ddp(
         env: environment variables for every role (e.g. K1=v1,K2=v2)
         max_retries: scheduler retries of a role
         tee: tee worker streams to console and file (0 none, 1 stdout, 2 stderr, 3 both)
+        stragglers: slow groups: report them, or replace a persistent one (a hot spare, else a restart)
+        health_check: a command each group runs before its workers start or restart (e.g. "python -m ftlaunch.health"); while it fails the group stays out, retried with backoff
+        checkpoint_dir: durable checkpoints in this directory, shared by the groups (the job resumes from its newest; default: none)
+        checkpoint_every: committed steps between two durable checkpoints (0: resume only)
     """
     return hsdp(
         *script_args,
@@ -268,6 +289,10 @@ def ddp(
         max_retries=max_retries,
         tee=tee,
         spares=spares,
+        stragglers=stragglers,
+        health_check=health_check,
+        checkpoint_dir=checkpoint_dir,
+        checkpoint_every=checkpoint_every,
     )
 
 
@@ -297,6 +322,10 @@ def diloco(
     env: dict[str, str] | None = None,
     max_retries: int = 0,
     tee: int = 3,
+    stragglers: str = "report",
+    health_check: str = "",
+    checkpoint_dir: str = "",
+    checkpoint_every: int = 100,
 ) -> AppDef:
     """Fault-tolerant DiLoCo / Streaming DiLoCo: ``ddp``'s roles, with the algorithm's settings.
 
@@ -331,6 +360,10 @@ def diloco(
         env: environment variables for every role (e.g. K1=v1,K2=v2)
         max_retries: scheduler retries of a role
         tee: tee worker streams to console and file (0 none, 1 stdout, 2 stderr, 3 both)
+        stragglers: slow groups: report them, or replace a persistent one (a hot spare, else a restart)
+        health_check: a command each group runs before its workers start or restart (e.g. "python -m ftlaunch.health"); while it fails the group stays out, retried with backoff
+        checkpoint_dir: durable checkpoints in this directory, shared by the groups (the job resumes from its newest; default: none)
+        checkpoint_every: committed steps between two durable checkpoints (0: resume only)
     """
     from ftlaunch.launcher.torchx_components import diloco_environ
 
@@ -359,6 +392,10 @@ def diloco(
         max_retries=max_retries,
         tee=tee,
         spares=spares,
+        stragglers=stragglers,
+        health_check=health_check,
+        checkpoint_dir=checkpoint_dir,
+        checkpoint_every=checkpoint_every,
     )
 
 

@@ -80,6 +80,14 @@ FTLAUNCH_SPARES = "FTLAUNCH_SPARES"
 FTLAUNCH_TOKEN = "FTLAUNCH_TOKEN"
 #: Address the lighthouse binds when the launcher/rendezvous starts one (default loopback).
 FTLAUNCH_LIGHTHOUSE_BIND = "FTLAUNCH_LIGHTHOUSE_BIND"
+#: What a lighthouse does with slow groups (``ftlaunch.lighthouse.stragglers``): ``report`` (default)
+#: or ``replace``; read where no ``--stragglers`` (or rendezvous ``lighthouse_stragglers``) is given.
+FTLAUNCH_STRAGGLERS = "FTLAUNCH_STRAGGLERS"
+#: A command each group's agent runs before its workers start or restart (``--health-check``; the
+#: rendezvous's ``health_check`` key wins): a nonzero exit keeps the group out, retried with backoff.
+FTLAUNCH_HEALTH_CHECK = "FTLAUNCH_HEALTH_CHECK"
+#: How long one run of the health check may take before it is killed and counted failed.
+FTLAUNCH_HEALTH_CHECK_TIMEOUT = "FTLAUNCH_HEALTH_CHECK_TIMEOUT"
 #: The address of this node that the job's other hosts reach its replica group on: the group's
 #: store, its state transport and its Gloo connections are published under it. Set by the
 #: rendezvous for the workers (torchrun's ``--local-addr``, else the local address of the route to
@@ -128,6 +136,11 @@ FTLAUNCH_FRAGMENTS = "FTLAUNCH_FRAGMENTS"
 FTLAUNCH_FRAGMENT_SYNC_DELAY = "FTLAUNCH_FRAGMENT_SYNC_DELAY"
 FTLAUNCH_FRAGMENT_UPDATE_ALPHA = "FTLAUNCH_FRAGMENT_UPDATE_ALPHA"
 FTLAUNCH_QUANTIZE = "FTLAUNCH_QUANTIZE"
+#: Durable checkpoints (`CheckpointEnv`): the directory (unset: none are written or read), the
+#: interval in committed steps, and how many complete checkpoints to keep.
+FTLAUNCH_CHECKPOINT_DIR = "FTLAUNCH_CHECKPOINT_DIR"
+FTLAUNCH_CHECKPOINT_EVERY = "FTLAUNCH_CHECKPOINT_EVERY"
+FTLAUNCH_CHECKPOINT_KEEP = "FTLAUNCH_CHECKPOINT_KEEP"
 #: Opt-in start-up phase log (`ftlaunch.phases`): a file path every process of the job appends
 #: timestamped JSON lines to (worker exit noticed, process start, init, Baby child ready, quorum,
 #: configure, heal, first commit). Unset: nothing is recorded.
@@ -136,11 +149,12 @@ FTLAUNCH_PHASE_LOG = "FTLAUNCH_PHASE_LOG"
 #: before the script runs and forks its Baby child from there): the child is then its own
 #: interpreter and imports torch itself, while the script does.
 FTLAUNCH_PRESTART_FORK = "FTLAUNCH_PRESTART_FORK"
-#: A flag, default on: off, no warm standby interpreter (`ftlaunch.bootstrap.zygote`) per group in the
-#: launcher's agent: a (re)started worker then imports torch itself instead of being forked, torch
-#: imported, from the standby (``ftlaunch`` launcher only; it costs one idle torch interpreter).
+#: A flag, default on: off, no warm standby interpreter (`ftlaunch.bootstrap.zygote`) per group node
+#: (the ``ftlaunch`` launcher's agent, or the ``ftlaunch`` rendezvous inside torchrun's agent for
+#: workers run as ``-m ftlaunch.run``): a (re)started worker then imports torch itself instead of
+#: being forked, torch imported, from the standby (which costs one idle torch interpreter).
 FTLAUNCH_ZYGOTE = "FTLAUNCH_ZYGOTE"
-#: Set by the agent for its workers: the Unix socket its standby interpreter listens on (internal).
+#: Set by the agent (or the rendezvous) for its workers: the Unix socket its standby listens on (internal).
 FTLAUNCH_ZYGOTE_SOCKET = "FTLAUNCH_ZYGOTE_SOCKET"
 #: Set in a worker forked from the standby: the pid torchelastic started and knows it by (its
 #: proxy, which every signal goes through). Absent in a worker started cold: that pid is its own.
@@ -164,6 +178,9 @@ ALL_FTLAUNCH_VARS = (
     FTLAUNCH_TOKEN,
     FTLAUNCH_SPARES,
     FTLAUNCH_LIGHTHOUSE_BIND,
+    FTLAUNCH_STRAGGLERS,
+    FTLAUNCH_HEALTH_CHECK,
+    FTLAUNCH_HEALTH_CHECK_TIMEOUT,
     FTLAUNCH_LOCAL_ADDR,
     FTLAUNCH_GROUP_INCARNATION,
     FTLAUNCH_BACKEND,
@@ -179,6 +196,9 @@ ALL_FTLAUNCH_VARS = (
     FTLAUNCH_FRAGMENT_SYNC_DELAY,
     FTLAUNCH_FRAGMENT_UPDATE_ALPHA,
     FTLAUNCH_QUANTIZE,
+    FTLAUNCH_CHECKPOINT_DIR,
+    FTLAUNCH_CHECKPOINT_EVERY,
+    FTLAUNCH_CHECKPOINT_KEEP,
     FTLAUNCH_PHASE_LOG,
     FTLAUNCH_PRESTART_FORK,
     FTLAUNCH_ZYGOTE,
@@ -486,6 +506,43 @@ def lighthouse_bind(environ: Mapping[str, str] | None = None) -> str | None:
     return text(FTLAUNCH_LIGHTHOUSE_BIND, environ)
 
 
+#: The straggler policies (``--stragglers``; ``ftlaunch.lighthouse.stragglers``).
+STRAGGLER_POLICIES = ("report", "replace")
+
+
+def stragglers(environ: Mapping[str, str] | None = None) -> str | None:
+    """``FTLAUNCH_STRAGGLERS``: a straggler policy, None when unset (`ConfigurationError` for others)."""
+    return choice(FTLAUNCH_STRAGGLERS, STRAGGLER_POLICIES, environ)
+
+
+#: ``FTLAUNCH_HEALTH_CHECK_TIMEOUT`` (and ``--health-check-timeout``): 0.1 s .. 1 h.
+HEALTH_CHECK_TIMEOUT = Duration(0.1, 3600.0)
+#: Seconds one run of the health check may take by default (a small CUDA op, a file write, a request).
+DEFAULT_HEALTH_CHECK_TIMEOUT = 60.0
+
+
+def health_check(environ: Mapping[str, str] | None = None) -> str | None:
+    """``FTLAUNCH_HEALTH_CHECK``: the command a group's agent runs before its workers (re)start."""
+    return text(FTLAUNCH_HEALTH_CHECK, environ)
+
+
+def health_check_timeout(environ: Mapping[str, str] | None = None) -> float:
+    """``FTLAUNCH_HEALTH_CHECK_TIMEOUT`` (`HEALTH_CHECK_TIMEOUT`), else `DEFAULT_HEALTH_CHECK_TIMEOUT`."""
+    value = duration(
+        FTLAUNCH_HEALTH_CHECK_TIMEOUT, HEALTH_CHECK_TIMEOUT, DEFAULT_HEALTH_CHECK_TIMEOUT, environ
+    )
+    assert value is not None  # noqa: S101 - has a default
+    return value
+
+
+def health_check_environ(command: str | None, timeout: float | None) -> dict[str, str]:
+    """What the launcher writes in each agent's environment for ``--health-check`` (and its timeout)."""
+    out = {FTLAUNCH_HEALTH_CHECK: command} if command else {}
+    if command and timeout is not None:
+        out[FTLAUNCH_HEALTH_CHECK_TIMEOUT] = f"{timeout:g}"
+    return out
+
+
 def zygote_wanted(environ: Mapping[str, str] | None = None) -> bool:
     """``FTLAUNCH_ZYGOTE`` (a flag, default on): whether the agent keeps a standby interpreter."""
     return flag(FTLAUNCH_ZYGOTE, True, environ)
@@ -790,6 +847,41 @@ class SyncEnv:
 
 
 @dataclass(frozen=True)
+class CheckpointEnv:
+    """Durable checkpoints of the job (``ftlaunch --checkpoint-dir``, the rendezvous conf and the
+    torchx components publish them; ``ftlaunch.init(checkpoint_dir=...)`` overrides them).
+
+    ``directory`` None: no durable checkpoints. ``every``: committed steps between two saves (0:
+    none written, the newest is still resumed from). ``keep_last``: complete checkpoints kept (0: all).
+    """
+
+    directory: str | None = None
+    every: int = 100
+    keep_last: int = 3
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> CheckpointEnv:
+        d = cls()
+        every = count(FTLAUNCH_CHECKPOINT_EVERY, d.every, environ=environ)
+        keep = count(FTLAUNCH_CHECKPOINT_KEEP, d.keep_last, environ=environ)
+        return cls(
+            directory=path(FTLAUNCH_CHECKPOINT_DIR, environ),
+            every=d.every if every is None else every,
+            keep_last=d.keep_last if keep is None else keep,
+        )
+
+    def to_environ(self) -> dict[str, str]:
+        """The variables a launcher sets in every worker (nothing without a directory)."""
+        if not self.directory:
+            return {}
+        return {
+            FTLAUNCH_CHECKPOINT_DIR: self.directory,
+            FTLAUNCH_CHECKPOINT_EVERY: str(self.every),
+            FTLAUNCH_CHECKPOINT_KEEP: str(self.keep_last),
+        }
+
+
+@dataclass(frozen=True)
 class ProcessMarks:
     """What a launcher reads in *another* process's environment (psutil's snapshot of it) to tell its
     workers apart: lenient, since it is not ours to validate -- a value that does not read is None."""
@@ -800,6 +892,8 @@ class ProcessMarks:
     restart_count: int
     #: torchelastic started it (``TORCHELASTIC_RUN_ID`` is set): a worker, not a helper process.
     torchelastic: bool
+    #: Forked from the warm standby: the pid torchelastic knows it by (its proxy; None: not forked).
+    worker_pid: int | None = None
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> ProcessMarks:
@@ -815,6 +909,7 @@ class ProcessMarks:
             local_rank=integer(LOCAL_RANK),
             restart_count=integer(TORCHELASTIC_RESTART_COUNT) or 0,
             torchelastic=is_set(TORCHELASTIC_RUN_ID, environ),
+            worker_pid=integer(FTLAUNCH_WORKER_PID),
         )
 
 

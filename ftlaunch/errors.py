@@ -12,6 +12,8 @@ The Gang API (`ftlaunch.gang`, fairseq2's interface) adds fairseq2's names to th
 
 from __future__ import annotations
 
+import urllib.error
+
 
 class FtlaunchError(RuntimeError):
     """Base class of every error ftlaunch raises on purpose."""
@@ -48,6 +50,21 @@ class TrainingFinishedError(LighthouseError):
 
 class CheckpointTransportError(CommunicationError):
     """A live-recovery transfer failed, timed out, or delivered a corrupt payload."""
+
+
+class CheckpointUnreachableError(CheckpointTransportError, urllib.error.URLError):
+    """The HTTP checkpoint server could not be reached, or did not answer before the deadline.
+
+    Also a ``urllib.error.URLError`` (so an ``OSError``), which is what torchft's HTTP transport
+    raises then: code written for torchft that catches ``URLError`` keeps catching it, and
+    ftlaunch code catches `CheckpointTransportError`. Its text reads as a URLError's
+    (``<urlopen error ...>``).
+    """
+
+    def __init__(self, message: str) -> None:
+        urllib.error.URLError.__init__(self, message)
+
+    __str__ = urllib.error.URLError.__str__
 
 
 class ConfigurationError(FtlaunchError, ValueError):

@@ -5,5 +5,6 @@ Kept so that a torchft script ports by changing ``torchft`` to ``ftlaunch``
 """
 
 from ftlaunch.worker.local_sgd import DiLoCo, LocalSGD
+from ftlaunch.worker.sync_point import extract_local_tensor
 
-__all__ = ["DiLoCo", "LocalSGD"]
+__all__ = ["DiLoCo", "LocalSGD", "extract_local_tensor"]

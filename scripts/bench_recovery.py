@@ -22,6 +22,7 @@ Usage: python scripts/bench_recovery.py [--steps 60] [--runs 2] [--overhead-only
        python scripts/bench_recovery.py --launcher [--runs 2]   (from the kill, through `ftlaunch`)
               [--cold-only] [--compare-env FTLAUNCH_PRESTART_FORK=0]   (no spares; A/B in the same run)
               [--zygote-ab]   (the warm standby interpreter on vs off, interleaved in the same run)
+       python scripts/bench_recovery.py --torchrun [--runs 3]   (README's way 2: with `-m ftlaunch.run` vs without)
        python scripts/bench_recovery.py --interleaved 150 [--runs 3]   (step-time ratios, robust to load)
 """
 
@@ -30,12 +31,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import socket
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -450,8 +453,6 @@ def launcher_episode(
     the survivor's (rg0) longest gap between committed steps, from its last commit before the
     kill until 3 s after the replacement's first commit; kill -> the replacement's first commit
     (its worker-side timestamp); and the restarted group's phases (with ``spares`` 0)."""
-    import re
-
     from ftlaunch import phases
 
     log = tmp / f"phases_{spares}_{time.monotonic_ns()}.jsonl"
@@ -662,6 +663,160 @@ def main_launcher(args: argparse.Namespace) -> int:
     return 0
 
 
+# ------------------------------------------------------------ through torchrun (README's way 2)
+def _kill_tree(proc: subprocess.Popen[str]) -> None:
+    """End a torchrun and everything it started (SIGTERM first: torchelastic stops its workers)."""
+    import psutil
+
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        tree = []
+    for p in tree:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(tree, timeout=10)
+    if proc.poll() is None:
+        proc.wait(timeout=10)
+
+
+def torchrun_episode(tmp: Path, fast: bool, steps_before_kill: int = 60, timeout: float = 240) -> dict:
+    """One kill and rejoin under README's way 2: ``ftlaunch-lighthouse`` and one ``torchrun
+    --rdzv-backend ftlaunch`` per group (2 groups of 1 worker, ``scripts/train_ddp.py``), with
+    ``-m ftlaunch.run`` in front of the script (``fast``) or not. Group 1's worker (the process
+    torchelastic started) is SIGKILLed once it committed ``steps_before_kill`` steps; counted: kill
+    -> the restarted worker's first committed step (its ``first_commit`` phase), the survivor's
+    longest gap between commits until 3 s after that, and whether the restart was forked from the
+    node's standby."""
+    import psutil
+
+    from ftlaunch import phases
+
+    log = tmp / f"torchrun_phases_{int(fast)}_{time.monotonic_ns()}.jsonl"
+    run_env = dict(os.environ, OMP_NUM_THREADS="1", FTLAUNCH_PHASE_LOG=str(log))
+    port = _free_port()
+    lighthouse = subprocess.Popen(
+        [sys.executable, "-m", "ftlaunch.lighthouse.cli", "--bind", f"127.0.0.1:{port}", "--expected-replicas", "2"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=run_env,
+    )  # fmt: skip
+    script = [str(HERE.parent / "train_ddp.py"), "--steps", "100000", "--width", str(WIDTH),
+              "--batch-size", str(BATCH), "--step-sleep", "0.02"]  # fmt: skip
+    lines: dict[int, list[str]] = {0: [], 1: []}
+    groups = []
+    for g in (0, 1):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--rdzv-backend", "ftlaunch", "--rdzv-endpoint",
+               f"127.0.0.1:{port}", "--rdzv-id", "bench", "--rdzv-conf", f"replica_group_id={g},num_replica_groups=2",
+               "--max-restarts", "3", "--nproc-per-node", "1", *(["-m", "ftlaunch.run"] if fast else []), *script]  # fmt: skip
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=run_env)
+        groups.append(proc)
+
+        def read(proc: subprocess.Popen[str] = proc, into: list[str] = lines[g]) -> None:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                into.append(line)
+
+        threading.Thread(target=read, daemon=True).start()
+    try:
+        deadline = time.monotonic() + timeout
+
+        def committed(g: int) -> int:
+            return sum(1 for x in list(lines[g]) if "committed=True" in x)
+
+        while committed(1) < steps_before_kill:
+            if time.monotonic() > deadline or any(p.poll() is not None for p in groups):
+                raise RuntimeError("group 1 never reached its kill step:\n" + "".join(lines[1][-20:]))
+            time.sleep(0.05)
+        victims = [
+            c
+            for c in psutil.Process(groups[1].pid).children()
+            if any("train_ddp.py" in a for a in c.cmdline())
+        ]
+        if len(victims) != 1:
+            raise RuntimeError(f"expected one worker under group 1's torchrun, found {victims}")
+        t_kill = time.time()
+        victims[0].kill()
+        first = None
+        while first is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+            first = next(
+                (r["t"] for r in phases.read(log) if r["phase"] == "first_commit" and r.get("replica") == "1"
+                 and r["t"] > t_kill),
+                None,
+            )  # fmt: skip
+        if first is not None:
+            time.sleep(3.0)
+    finally:
+        for proc in groups:
+            _kill_tree(proc)
+        lighthouse.terminate()
+        lighthouse.wait(timeout=30)
+    recs = phases.read(log)
+    survivor = sorted(
+        float(m.group(1)) for m in (re.search(r"committed=True.* t=([0-9.]+)", x) for x in lines[0]) if m
+    )
+    before = [t for t in survivor if t <= t_kill]
+    end = (first if first is not None else t_kill) + 3.0
+    window = before[-1:] + [t for t in survivor if t_kill < t <= end]
+    gaps = [b - a for a, b in zip(window, window[1:], strict=False)]
+    restarted = {
+        r["pid"] for r in recs if r["phase"] == "init" and r.get("replica") == "1" and r["t"] > t_kill
+    }
+    forked = any(r["phase"] == "zygote_forked" and r["pid"] in restarted for r in recs)
+    return {
+        "cold": (first - t_kill) if first is not None else float("inf"),
+        "gap": max(gaps) if gaps else float("inf"),
+        "forked": forked,
+    }
+
+
+def main_torchrun(args: argparse.Namespace) -> int:
+    """Kill -> first commit under torchrun, with ``-m ftlaunch.run`` and without, interleaved."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    note = "ftlaunch not precompiled" if args.no_precompile else precompile()
+    load = os.getloadavg()[0]
+    fast_runs, plain_runs = [], []
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        for i in range(args.runs):
+            at = os.getloadavg()[0]
+            fast_runs.append(torchrun_episode(tmp, fast=True))
+            plain_runs.append(torchrun_episode(tmp, fast=False))
+            f, p = fast_runs[-1], plain_runs[-1]
+            print(
+                f"run {i + 1} (load {at:.1f}): kill -> first commit {f['cold']:.2f} s with -m ftlaunch.run "
+                f"(forked from the standby: {f['forked']}), {p['cold']:.2f} s without; survivor's longest gap "
+                f"{f['gap']:.2f} s / {p['gap']:.2f} s",
+                flush=True,
+            )
+    med = statistics.median
+    fast, plain = med(r["cold"] for r in fast_runs), med(r["cold"] for r in plain_runs)
+    ratios = [p["cold"] / f["cold"] for f, p in zip(fast_runs, plain_runs, strict=True) if f["cold"] > 0]
+    print(
+        f"\nthrough README's way 2: ftlaunch-lighthouse + `torchrun --rdzv-backend ftlaunch` per group, 2 groups x "
+        f"1 worker of scripts/train_ddp.py (MLP 3x{WIDTH}, batch {BATCH}, 20 ms sleep per step), group 1's worker "
+        f"SIGKILLed at its step 60; {args.runs} run(s) each, interleaved, medians; load average {load:.1f} -> "
+        f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; {note}"
+    )
+    print(f"{'figure':<62}{'-m ftlaunch.run':>16}{'script alone':>14}")
+    print(f"{'kill -> first commit of the restarted group':<62}{fast:>14.2f} s{plain:>12.2f} s")
+    gf, gp = med(r["gap"] for r in fast_runs), med(r["gap"] for r in plain_runs)
+    print(f"{'survivor longest gap, kill + rejoin':<62}{gf:>14.2f} s{gp:>12.2f} s")
+    print(
+        f"without / with, per run: {', '.join(f'{x:.2f}' for x in ratios)} (median {med(ratios):.2f}); "
+        f"restarts forked from the standby: {sum(r['forked'] for r in fast_runs)}/{len(fast_runs)} with, "
+        f"{sum(r['forked'] for r in plain_runs)}/{len(plain_runs)} without"
+    )
+    return 0
+
+
 def transfer_rate() -> str:
     bench = HERE.parent / "bench_transport.py"
     if not bench.exists():
@@ -768,6 +923,12 @@ def main() -> int:
         "interleaved in the same run (--compare-env FTLAUNCH_ZYGOTE=0)",
     )
     ap.add_argument(
+        "--torchrun",
+        action="store_true",
+        help="kill -> first commit under `torchrun --rdzv-backend ftlaunch` (README's way 2), with "
+        "`-m ftlaunch.run` in front of the script and without, interleaved in the same run; --runs repeats",
+    )
+    ap.add_argument(
         "--interleaved",
         type=int,
         metavar="ROUNDS",
@@ -794,6 +955,8 @@ def main() -> int:
         return main_interleaved(args)
     if args.launcher:
         return main_launcher(args)
+    if args.torchrun:
+        return main_torchrun(args)
 
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)

@@ -1,11 +1,13 @@
 #!/usr/bin/env python3
 """A small, real fault-tolerant DDP training run, in ftlaunch's two-line form.
 
-An MLP learns a fixed random linear "teacher" from a synthetic dataset. The dataset is sharded over
-replica groups x workers by ``ft.sampler``, whose position travels with live recovery: a restarted
-group resumes exactly at its peers' position. Gradients are averaged inside the group and across
-groups. Logs one line per step (step, committed, participants, loss, data position) and, at the
-end, a checksum of the weights so runs can check that every group ended bit-identical.
+An MLP learns a fixed random linear "teacher" from a synthetic dataset, drawn by ``ft.sampler``:
+every sample trained exactly once per epoch by the job, whatever fails (``--sampler shard``: a fixed
+shard per replica group x worker instead). Its position travels with live recovery: a restarted
+group continues exactly at its peers' position. Gradients are averaged inside the group and across
+groups. Logs one line per step (step, committed, participants, loss, data position; with
+``--print-ids`` the ``epoch:index`` of every sample the worker trained in it) and, at the end, a
+checksum of the weights so runs can check that every group ended bit-identical.
 
 The two lines::
 
@@ -78,7 +80,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the one timeout knob in seconds (default: FTLAUNCH_TIMEOUT, else 60)",
     )
     p.add_argument("--dataset-size", type=int, default=4096, help="samples in the synthetic dataset")
+    p.add_argument(
+        "--sampler",
+        choices=["exact", "shard"],
+        default="exact",
+        help="exact: every sample once per epoch, whatever fails (default); shard: fixed shards",
+    )
+    p.add_argument("--epochs", type=int, default=None, help="stop after this many epochs (default: --steps)")
+    p.add_argument(
+        "--print-ids",
+        action="store_true",
+        help="print the epoch:index of every sample a committed step trained on this worker (ids=)",
+    )
     p.add_argument("--step-sleep", type=float, default=0.0, help="extra seconds per step (demos, chaos)")
+    p.add_argument(
+        "--compute-ms",
+        type=float,
+        default=0.0,
+        help="extra CPU work per step, in milliseconds of this thread's CPU time (a stand-in for a larger "
+        "model: a slowed or contended worker takes longer for it, as for real compute; a sleep would not)",
+    )
     p.add_argument("--max-seconds", type=float, default=600.0, help="give up after this long (safety net)")
     p.add_argument(
         "--long-form",
@@ -118,6 +139,15 @@ def device_of(args: argparse.Namespace) -> torch.device:
     return torch.device("cpu")
 
 
+def burn(ms: float) -> None:
+    """Busy work until this thread used ``ms`` milliseconds of CPU time."""
+    if ms <= 0:
+        return
+    until = time.thread_time() + ms / 1e3
+    while time.thread_time() < until:
+        pass
+
+
 def checksum(model: nn.Module) -> str:
     """A hash of the weights' bytes (torch only: NumPy is not a dependency)."""
     h = hashlib.sha256()
@@ -138,6 +168,7 @@ def long_form(
     from ftlaunch import (
         DistributedDataParallel,
         DistributedSampler,
+        ExactlyOnceSampler,
         Manager,
         Optimizer,
         ProcessGroupBabyGloo,
@@ -178,7 +209,7 @@ def long_form(
         quorum_timeout=2 * timeout,
         checkpoint_transport=transport,
     )
-    sampler = DistributedSampler(dataset)
+    sampler = DistributedSampler(dataset) if args.sampler == "shard" else ExactlyOnceSampler(dataset, manager)
     manager.register_state_dict_fn("sampler", sampler.load_state_dict, sampler.state_dict)
     return (
         manager,
@@ -213,33 +244,44 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if ft is not None:
         ddp, opt = ft.wrap(model, inner)
-        manager, sampler = ft.manager, ft.sampler(dataset)
+        manager, sampler = ft.manager, ft.sampler(dataset, mode=args.sampler)
     loader = torch.utils.data.DataLoader(dataset, batch_size=args.batch_size, sampler=sampler)
     loss_fn = nn.MSELoss()
     deadline = time.monotonic() + args.max_seconds
     try:
-        for _epoch in sampler.epochs(1 << 30):
+        for _epoch in sampler.epochs(args.epochs if args.epochs is not None else 1 << 30):
             for idx, x, y in loader:
-                if manager.current_step() >= args.steps:
+                if args.epochs is None and manager.current_step() >= args.steps:
                     break
                 if time.monotonic() > deadline:
                     log.error("gave up after %.0f s at step %d", args.max_seconds, manager.current_step())
                     return 3
+                if args.print_ids:  # what this batch is: read before the step (a heal moves the position)
+                    drawn = (
+                        sampler.drawn()
+                        if hasattr(sampler, "drawn")
+                        else [(sampler.epoch, int(i)) for i in idx]
+                    )
                 x, y = x.to(device), y.to(device)
                 t0 = time.perf_counter()
                 opt.zero_grad()
+                burn(args.compute_ms)
                 loss = loss_fn(ddp(x), y)
                 loss.backward()
                 committed = opt.step()
+                ids = ""
+                if args.print_ids:
+                    trained = committed and manager.is_participating()
+                    ids = " ids=" + (",".join(f"{e}:{i}" for e, i in drawn) if trained else "-")
                 print(
                     f"step={manager.current_step()} committed={committed} participants={manager.num_participants()} "
                     f"loss={loss.item():.5f} ms={(time.perf_counter() - t0) * 1e3:.1f} "
-                    f"data={sampler.epoch}:{sampler.position} first={int(idx[0])} t={time.time():.4f}",
+                    f"data={sampler.epoch}:{sampler.position} first={int(idx[0])} t={time.time():.4f}{ids}",
                     flush=True,
                 )
                 if args.step_sleep:
                     time.sleep(args.step_sleep)
-            if manager.current_step() >= args.steps:
+            if args.epochs is None and manager.current_step() >= args.steps:
                 break
         print(f"final_checksum={checksum(model)} step={manager.current_step()}", flush=True)
     finally:

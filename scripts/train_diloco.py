@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """A small, real fault-tolerant DiLoCo training run, in ftlaunch's two-line form.
 
-An MLP learns a fixed random nonlinear "teacher" from a synthetic dataset sharded over replica
-groups by ``ft.sampler`` (its position travels with live recovery). Groups train alone for
+An MLP learns a fixed random nonlinear "teacher" from a synthetic dataset drawn by ``ft.sampler``
+(every sample once per epoch; its position travels with live recovery). Groups train alone for
 ``--sync-every`` inner steps and meet only to sync: DiLoCo by default, Streaming DiLoCo with
 ``--fragments`` > 1 (plus ``--fragment-sync-delay`` to overlap the exchange with inner steps and
 ``--quantize 8|4`` for low-bit pseudo-gradients), or ``--algorithm local_sgd`` / ``ddp``.
@@ -183,7 +183,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"train_diloco.py: {e}", file=sys.stderr)
         return 2
     counter = ByteCounter(ft.pg) if args.count_bytes else None
-    sampler = ft.sampler(dataset)  # before the join: the healed data position is loaded with it
+    delay = args.fragment_sync_delay
+    if delay is None:
+        delay = (ft.sync_env or env.SyncEnv.from_environ()).fragment_sync_delay
+    # Before the join: the healed data position is loaded with it. Exactly once (the default) counts
+    # the samples drawn between two syncs; a sync that overlaps the next inner steps
+    # (fragment_sync_delay) mixes two intervals' draws, so that needs the fixed shards.
+    sampler = ft.sampler(dataset, mode="shard" if delay and args.algorithm == "diloco" else "exact")
     sync_every = args.sync_every or env.count(env.FTLAUNCH_SYNC_EVERY, 20) or 20
     diloco = local_sgd = None
     net = model

@@ -6,8 +6,8 @@ The model is a byte-level GPT (token and position embeddings, pre-norm blocks of
 self-attention and an MLP, a final norm and an output head) learning to continue Python's own
 standard library source code, read from the running interpreter: a real corpus that ships with every
 Python, no download. Each block is an FSDP2 unit; the embeddings, final norm and head form the root
-unit. The dataset is sharded over replica groups x workers by ``ft.sampler``, whose position travels
-with live recovery. Logs one line per step and rank (step, committed, participants, loss, data
+unit. The samples are drawn by ``ft.sampler`` (every sample once per epoch, ``--sampler shard``: fixed
+shards per replica group x worker), whose position travels with live recovery. Logs one line per step and rank (step, committed, participants, loss, data
 position) and, at the end, a checksum of the full (gathered) weights so runs can check that every
 group ended bit-identical.
 
@@ -98,6 +98,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the one timeout knob in seconds (default: FTLAUNCH_TIMEOUT, else 60)",
     )
     p.add_argument("--step-sleep", type=float, default=0.0, help="extra seconds per step (demos, chaos)")
+    p.add_argument(
+        "--sampler",
+        choices=["exact", "shard"],
+        default="exact",
+        help="exact: every sample once per epoch, whatever fails (default); shard: fixed shards, "
+        "what --reference follows",
+    )
     p.add_argument("--max-seconds", type=float, default=600.0, help="give up after this long (safety net)")
     p.add_argument(
         "--long-form",
@@ -213,7 +220,7 @@ def short_form(args: argparse.Namespace, model: nn.Module, dataset: torch.utils.
     model = ft.shard(model, mp_policy=mp_policy(args))
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     model, optimizer = ft.wrap(model, optimizer)
-    return ft, ft.manager, model, optimizer, ft.sampler(dataset)
+    return ft, ft.manager, model, optimizer, ft.sampler(dataset, mode=args.sampler)
 
 
 def long_form(args: argparse.Namespace, model: nn.Module, dataset: torch.utils.data.Dataset) -> tuple:
@@ -222,6 +229,7 @@ def long_form(args: argparse.Namespace, model: nn.Module, dataset: torch.utils.d
 
     from ftlaunch import (
         DistributedSampler,
+        ExactlyOnceSampler,
         Manager,
         Optimizer,
         ProcessGroupBabyGloo,
@@ -273,14 +281,15 @@ def long_form(args: argparse.Namespace, model: nn.Module, dataset: torch.utils.d
     # pass, and FSDP2's state-dict hook would reshard parameters in use (see ShardedState).
     state = ShardedState(model, inner)
     manager.register_state_dict_fn("default", state.load_state_dict, state.state_dict)
-    sampler = DistributedSampler(dataset)
+    sampler = DistributedSampler(dataset) if args.sampler == "shard" else ExactlyOnceSampler(dataset, manager)
     manager.register_state_dict_fn("sampler", sampler.load_state_dict, sampler.state_dict)
     return None, manager, model, Optimizer(manager, inner), sampler
 
 
 # ------------------------------------------------------------------------------------------ reference
 def reference(args: argparse.Namespace, groups: int, workers: int) -> int:
-    """The losses a ``groups x workers`` run logs, from one process and the full model.
+    """The losses a ``groups x workers`` run with ``--sampler shard`` logs, from one process and the
+    full model (each worker's batches: its fixed shard's).
 
     Steps 0 and 1: only group 0's shards count. Every other group heals from it: in step 0 it waits
     while group 0 commits the step and snapshots its end, in step 1 it heals before its forward pass

@@ -10,8 +10,9 @@ The ``ftlaunch`` launcher runs each worker as ``python -u -m ftlaunch.bootstrap.
 script exactly as ``python SCRIPT`` would (``__main__``, ``sys.argv``, ``sys.path[0]``). The first
 ``ProcessGroupBabyGloo`` the script builds (``ftlaunch.init`` builds it) adopts the child through
 `take`; one nobody adopts is killed at exit (and dies with the worker anyway: PDEATHSIG, its
-watchdog, the closed socket). ``torchrun --rdzv-backend ftlaunch`` and torchx run the user's
-command line unchanged: there the child starts in ``ftlaunch.init``.
+watchdog, the closed socket). The torchx components run every worker this way too; under plain
+``torchrun`` the user asks for it with ``-m ftlaunch.run`` (`ftlaunch.run`, this module's public
+name) in front of the script. A worker run otherwise starts its child in ``ftlaunch.init``.
 
 **One torch import, not two** (`fork`): by default `main` imports torch here -- the script would
 import it first thing anyway -- and forks the child from this process, so the child starts with
@@ -27,7 +28,8 @@ must set something in its environment before torch is imported): the child is th
 interpreter importing torch while the script does.
 
 **No import at all where a warm standby is announced** (`ftlaunch.bootstrap.zygote`): the ``ftlaunch``
-launcher's agent keeps, per group, an interpreter that has imported torch already. `main` first
+launcher's agent, and the ``ftlaunch`` rendezvous inside torchrun's, keep per group node an
+interpreter that has imported torch already. `main` first
 hands the script over to it (`ftlaunch.bootstrap.zygote_proxy.hand_over`): the standby forks, the fork runs
 `run` with this process's argv, cwd, environment and standard streams, and this process stays as
 its proxy until it ends. Without a standby, or if it refuses, this process runs the script itself.
@@ -346,13 +348,23 @@ def _import_torch() -> bool:
 _script_globals: list[dict[str, object]] = []
 
 
-def main(argv: list[str] | None = None) -> None:
-    """``python -m ftlaunch.bootstrap.prestart [-m MODULE | SCRIPT] ARGS...``: hand the script to the agent's
-    warm standby interpreter if there is one (`ftlaunch.bootstrap.zygote_proxy`: this process then stays as
-    its proxy), else start the child and run the script here."""
+def main(
+    argv: list[str] | None = None, prog: str = "ftlaunch.bootstrap.prestart", description: str | None = None
+) -> None:
+    """``python -m ftlaunch.bootstrap.prestart [-m MODULE | SCRIPT] ARGS...`` (public name:
+    ``ftlaunch.run``, ``prog``, whose ``description`` is its ``--help``): hand the script to the
+    agent's warm standby interpreter if there is one (`ftlaunch.bootstrap.zygote_proxy`: this
+    process then stays as its proxy), else start the child and run the script here."""
     argv = sys.argv[1:] if argv is None else argv
+    usage = f"usage: python -m {prog} [-m MODULE | SCRIPT] [ARGS...]"
+    if argv[:1] in (["-h"], ["--help"]):  # only in front: after the script, the flags are the script's
+        print(
+            description
+            or f"{usage}\n\nRun SCRIPT (or MODULE) as `python SCRIPT` would, as an ftlaunch worker."
+        )
+        raise SystemExit(0)
     if not argv or argv == ["-m"]:
-        raise SystemExit("usage: python -m ftlaunch.bootstrap.prestart [-m MODULE | SCRIPT] [ARGS...]")
+        raise SystemExit(f"{usage}\n(python -m {prog} --help says more)")
     streams.guard_std_streams()  # a full log disk must not end training (ftlaunch/streams.py)
     if fork_wanted():  # FTLAUNCH_PRESTART_FORK=0: the script must run before torch is imported
         from ftlaunch.bootstrap import zygote_proxy

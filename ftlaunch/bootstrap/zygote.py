@@ -2,13 +2,17 @@
 
 Why: from a worker's death to its replacement's first committed step, most of the seconds are the
 new interpreter's imports -- ``import torch`` and, at the first optimizer, ``torch._dynamo`` -- not
-ftlaunch. The launcher's agent starts this process once (``python -u -m ftlaunch.bootstrap.zygote SOCKET
---parent-pid AGENT``): it imports what every training script imports, then waits on a Unix socket.
-It listens from its first instant, so a worker that starts while it warms up (the group's first
-start, or the first after its agent was respawned) waits for it instead of importing torch beside it;
-the warm-up runs at a lower CPU priority where it can be raised back afterwards (`_lower_priority`:
-it competes with the groups that train). A worker started by torchelastic (``python -u -m
-ftlaunch.bootstrap.prestart SCRIPT ...``) connects (`ftlaunch.bootstrap.zygote_proxy`) and sends its argv, cwd, environment, ``sys.path`` and its fds 0/1/2;
+ftlaunch. The process that starts a group node's workers starts this one once (``python -u -m
+ftlaunch.bootstrap.zygote SOCKET --fd FD --parent-pid AGENT``; `ftlaunch.launcher.standby`: the
+``ftlaunch`` launcher's agent, or the ``ftlaunch`` rendezvous inside torchrun's agent): it imports
+what every training script imports, then waits on a Unix socket. It listens from its first instant
+(the socket comes bound and listening), so a worker that starts while it warms up (the group's
+first start, or the first after its agent was respawned) waits for it instead of importing torch
+beside it; the warm-up runs at a lower CPU priority where it can be raised back afterwards
+(`_lower_priority`: it competes with the groups that train). With ``--on-demand`` (torchrun's agent,
+which cannot tell whether its workers will ask) it warms up only when the first worker connects,
+at full priority (that worker waits for it). A worker started by torchelastic (``python -u -m
+ftlaunch.run SCRIPT ...``, or ``-m ftlaunch.bootstrap.prestart``) connects (`ftlaunch.bootstrap.zygote_proxy`) and sends its argv, cwd, environment, ``sys.path`` and its fds 0/1/2;
 this process forks, and the child takes all of them over and runs the script exactly as
 ``python -u SCRIPT`` would (`ftlaunch.bootstrap.prestart.run`, which forks the Baby child from there too).
 The worker stays as the child's proxy.
@@ -35,6 +39,7 @@ import gc
 import importlib
 import os
 import resource
+import select
 import selectors
 import signal
 import socket
@@ -147,7 +152,11 @@ class Zygote:
     """The server: accepts proxies, forks workers, relays their ends. `serve` returns only in a
     forked child (the `Job` it must run) or when told to stop (None)."""
 
-    def __init__(self, path: str, parent_pid: int | None = None) -> None:
+    def __init__(
+        self, path: str, parent_pid: int | None = None, listener: socket.socket | None = None
+    ) -> None:
+        """Listen on ``path``, or on ``listener``: a socket bound to ``path`` and listening already,
+        handed over by the process that starts this one (`ftlaunch.launcher.standby`)."""
         self.path = path
         self._parent_pid = parent_pid
         self._pairs: dict[int, _Pair] = {}  # real worker pid -> pair
@@ -157,16 +166,28 @@ class Zygote:
         os.set_blocking(self._wake_w, False)
         os.set_blocking(self._wake_r, False)
         self._saved = {sig: signal.getsignal(sig) for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT)}
-        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-        self._listener.bind(path)
-        # Listening before the warm-up: a worker that starts meanwhile connects and waits in the
-        # backlog for the fork (`zygote_proxy.hand_over`) instead of importing torch itself.
-        self._listener.listen(64)
+        if listener is None:
+            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+            listener.bind(path)
+            # Listening before the warm-up: a worker that starts meanwhile connects and waits in the
+            # backlog for the fork (`zygote_proxy.hand_over`) instead of importing torch itself.
+            listener.listen(64)
+        self._listener = listener
         self._sel = selectors.DefaultSelector()
+
+    def wait_for_a_worker(self) -> None:
+        """Block until a worker connects (it then waits in the backlog while this process warms
+        up), or end this process once its parent is gone."""
+        while True:
+            readable, _, _ = select.select([self._listener], [], [], 1.0)
+            if readable:
+                return
+            if self._parent_pid is not None and os.getppid() != self._parent_pid:
+                os.kill(os.getpid(), signal.SIGTERM)  # the agent is gone (PDEATHSIG should have said so)
 
     def serve(self) -> Job | None:
         signal.signal(signal.SIGCHLD, lambda *_: None)  # wakes the selector (set_wakeup_fd)
@@ -443,15 +464,33 @@ def _lower_priority() -> int | None:
     return base
 
 
+def _forget_socket(path: str, with_dir: bool, exit_now: bool = False) -> None:
+    """Remove the socket file (and its directory, where this process's starter made it for it);
+    with ``exit_now``, then end this process (a SIGTERM before serving: no worker to stop yet)."""
+    for remove, target in ((os.unlink, path), (os.rmdir, os.path.dirname(path) if with_dir else "")):
+        if target:
+            try:
+                remove(target)
+            except OSError:
+                pass
+    if exit_now:
+        os._exit(0)
+
+
 def main(argv: list[str] | None = None) -> NoReturn:
     ap = argparse.ArgumentParser(description="ftlaunch's warm standby interpreter (started by the agent)")
     ap.add_argument("socket")
     ap.add_argument("--parent-pid", type=int, default=None)
+    ap.add_argument("--fd", type=int, default=None, help="a listening socket bound to SOCKET, inherited")
+    ap.add_argument(
+        "--on-demand", action="store_true", help="warm up when the first worker connects, not at start"
+    )
     args = ap.parse_args(argv)
     if args.parent_pid is not None:
         die_with_parent(signal.SIGTERM, expected_parent=args.parent_pid)
     try:
-        server = Zygote(args.socket, args.parent_pid)
+        listener = None if args.fd is None else socket.socket(fileno=args.fd)
+        server = Zygote(args.socket, args.parent_pid, listener)
     except OSError as e:
         print(
             f"ftlaunch.bootstrap.zygote: cannot listen on {args.socket} ({e}); workers start cold",
@@ -459,8 +498,18 @@ def main(argv: list[str] | None = None) -> NoReturn:
             flush=True,
         )
         sys.exit(1)
+    # The socket goes with this process, however it ends (its agent's death: PDEATHSIG's SIGTERM),
+    # and with it the directory made for it by the starter that handed it over (``--fd``). Set
+    # only now: the forked workers restore the handlers saved when the server was built.
+    own_dir = args.fd is not None
+    signal.signal(signal.SIGTERM, lambda *_: _forget_socket(args.socket, own_dir, exit_now=True))
+    if args.on_demand:
+        # Its starter cannot tell whether its workers will ask (`ftlaunch.launcher.standby`): until
+        # one does, this is a bare interpreter. The one that asked waits for the warm-up, so it runs
+        # at the priority that worker would have imported torch at.
+        server.wait_for_a_worker()
     t0 = time.monotonic()
-    restore = _lower_priority()
+    restore = None if args.on_demand else _lower_priority()
     try:
         warm_up()
     except Exception as e:  # noqa: BLE001 - no standby then: workers start cold (their connections are reset)
@@ -489,6 +538,7 @@ def main(argv: list[str] | None = None) -> NoReturn:
         # Stopped (its agent ended or died: PDEATHSIG): end without the interpreter's teardown, which
         # takes 0.8-0.9 s with torch imported on a loaded 2-core machine -- while this process still
         # holds the agent's stdout/stderr, which its supervisor waits on. Nothing is left to clean up.
+        _forget_socket(args.socket, own_dir)
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()

@@ -33,7 +33,7 @@ from ftlaunch.checkpointing.serialization.layout import RUN_BYTES, Segment, layo
 from ftlaunch.checkpointing.serialization.limits import Deadline, ReceiveLimits
 from ftlaunch.checkpointing.serialization.receive import Slot, finish, plan_slots
 from ftlaunch.checkpointing.serialization.spec import ALIGNMENT
-from ftlaunch.errors import CheckpointTransportError
+from ftlaunch.errors import CheckpointTransportError, CheckpointUnreachableError
 
 __all__ = ["Fetch"]
 
@@ -340,11 +340,11 @@ class Fetch:
 
     def _wrap(self, e: BaseException, what: str) -> CheckpointTransportError:
         if isinstance(e, ConnectionRefusedError):
-            return CheckpointTransportError(
+            return CheckpointUnreachableError(
                 f"cannot connect to the checkpoint server {self.url} for step {self.step}: {e!r}"
             )
         if isinstance(e, (TimeoutError, BlockingIOError)) or time.monotonic() >= self.deadline:
-            return CheckpointTransportError(
+            return CheckpointUnreachableError(
                 f"timed out after {self.timeout:.1f}s {what} of step {self.step} from {self.url}"
             )
         if isinstance(e, (http.client.IncompleteRead, ConnectionError, http.client.RemoteDisconnected)):

@@ -33,18 +33,22 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
-from typing import TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
 from ftlaunch import env
 from ftlaunch.addresses import http_url, parse_host_port
+from ftlaunch.checkpointing import dtensors
 from ftlaunch.checkpointing._http_fetch import Fetch
 from ftlaunch.checkpointing._http_server import CheckpointServer, Snapshot
 from ftlaunch.checkpointing.serialization.encode import encode
 from ftlaunch.checkpointing.serialization.limits import ReceiveLimits
 from ftlaunch.checkpointing.transport import CheckpointTransport
 from ftlaunch.errors import CheckpointTransportError
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +57,27 @@ __all__ = ["HTTPTransport", "default_num_chunks"]
 T = TypeVar("T")
 
 _CPU = torch.device("cpu")
+
+
+#: The key of a served state that holds DTensors: ``{_DTENSORS: [spec, ...], "state": locals}``. A
+#: state without DTensors is served as it is, so the plain wire format does not change.
+_DTENSORS = "__ftlaunch_dtensor_specs__"
+
+
+def _with_specs(state: Any) -> Any:
+    """``state`` as served: DTensors replaced by their local shards, and their specs beside it."""
+    local, specs = dtensors.split(state)
+    if not specs:
+        return state
+    return {_DTENSORS: dtensors.specs_to_json(specs), "state": local}
+
+
+def _without_specs(received: Any, mesh: DeviceMesh | None, mine: Any) -> Any:
+    """A received state with its DTensors rebuilt (`dtensors.join`)."""
+    if not (isinstance(received, dict) and set(received) == {_DTENSORS, "state"}):
+        return received
+    specs = dtensors.specs_from_json(received[_DTENSORS])
+    return dtensors.join(received["state"], specs, mesh, mine)
 
 
 def _parse_bind(bind: str) -> tuple[str, int]:
@@ -85,6 +110,11 @@ class HTTPTransport(CheckpointTransport[T]):
     matching dtype and shape are written into it in place (on failure their contents are
     unspecified — the heal is retried). Tensors received without a match are freshly allocated,
     each with its own storage.
+
+    DTensors travel as the PG transport's do (`ftlaunch.checkpointing.dtensors`): each rank serves
+    its local shard plus the sharding spec, and the receiver rebuilds the DTensor on
+    ``device_mesh`` (settable later as ``transport.device_mesh``), else on the mesh of its own
+    DTensor at the same path in ``state_dict()``, after checking the sharding is the same.
     """
 
     def __init__(
@@ -94,6 +124,7 @@ class HTTPTransport(CheckpointTransport[T]):
         bind: str = "127.0.0.1",
         *,
         state_dict: Callable[[], T] | None = None,
+        device_mesh: DeviceMesh | None = None,
     ) -> None:
         if num_chunks is None:
             num_chunks = default_num_chunks()
@@ -106,6 +137,7 @@ class HTTPTransport(CheckpointTransport[T]):
         self._num_chunks = num_chunks
         self._state_dict = state_dict
         self._limits: ReceiveLimits | None = None  # set by `expect_like`
+        self.device_mesh = device_mesh
         host, port = _parse_bind(bind)
         self._server = CheckpointServer((host, port), timeout.total_seconds())
         port = int(self._server.server_address[1])
@@ -137,7 +169,7 @@ class HTTPTransport(CheckpointTransport[T]):
         if self._closed:
             raise CheckpointTransportError("checkpoint transport is shut down")
         t0 = time.perf_counter()
-        snap = Snapshot(step, encode(state_dict, step, device=_CPU))
+        snap = Snapshot(step, encode(_with_specs(state_dict), step, device=_CPU))
         self._server.publish(snap, wait=self._timeout.total_seconds())
         logger.info(
             "checkpoint transport: serving step %d (%d tensors, %d bytes) to ranks %s; prepared in %.3fs",
@@ -154,12 +186,14 @@ class HTTPTransport(CheckpointTransport[T]):
         layer that bounds it (unlike a process group's op timeout), so it is never unbounded.
         """
         t0 = time.perf_counter()
-        template = self._state_dict() if self._state_dict is not None else None
+        mine = self._state_dict() if self._state_dict is not None else None
+        template = _with_specs(mine) if mine is not None else None
         seconds = (timeout or self._timeout).total_seconds()
         limits = (
             self._limits if self._limits is not None or template is None else ReceiveLimits.like(template)
         )
-        result = Fetch(metadata, step, seconds, self._num_chunks, template, limits).run()
+        received = Fetch(metadata, step, seconds, self._num_chunks, template, limits).run()
+        result: T = _without_specs(received, self.device_mesh, mine)
         logger.info(
             "checkpoint transport: received step %d from rank %d (%s) in %.3fs",
             step, src_rank, metadata, time.perf_counter() - t0,
@@ -169,7 +203,7 @@ class HTTPTransport(CheckpointTransport[T]):
     def expect_like(self, state: T | None) -> None:
         """Refuse, before reading or allocating it, a received header far larger than ``state``'s
         (`ReceiveLimits.like`); None: only the format's limits (or the ``state_dict`` template's)."""
-        self._limits = None if state is None else ReceiveLimits.like(state)
+        self._limits = None if state is None else ReceiveLimits.like(_with_specs(state))
 
     def shutdown(self, wait: bool = True) -> None:
         if self._closed:

@@ -7,10 +7,18 @@ plain Gloo/NCCL groups and ftlaunch's reconfigurable groups both work.
 
 Protocol, per receiver (tags are fixed, so messages cannot be confused):
   1. ``int64[1]`` — length of the header frame            (tag ``TAG_BASE``)
-  2. ``uint8[length]`` — the header frame (JSON + crc32)  (tag ``TAG_BASE + 1``)
+  2. ``uint8[length]`` — the header frame (JSON + crc32), its checksums pending
+                                                           (tag ``TAG_BASE + 1``)
   3. each non-empty tensor's bytes as ``uint8``            (tag ``TAG_BASE + 2 + index``)
+  4. ``uint8[]`` — the sums frame: every tensor's checksum (tag ``TAG_BASE - 1``; its size follows
+     from the header)
 The receiver validates the header before posting any tensor receive, receives in place into the
 tensors of ``state_dict()`` where dtype and shape match, then verifies every tensor's checksum.
+
+Why the checksums come last: the sends run on the process group's own threads, so the sender
+checksums its tensors while they travel, and the receiver checksums each tensor as soon as it has
+landed, while the next ones arrive. With the checksums in the header, a 256 MB state paid a full
+pass over the bytes on each side before the first byte moved and after the last one landed.
 
 Sharded state (DTensors, e.g. FSDP2 parameters and optimizer state): each rank sends its local
 shards only, with their sharding as plain JSON beside the state (`ftlaunch.checkpointing.dtensors`):
@@ -34,8 +42,17 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ftlaunch.checkpointing import dtensors
 from ftlaunch.checkpointing.serialization.buffers import byte_view, tensor_bytes
+from ftlaunch.checkpointing.serialization.checksum import BLOCK_BYTES, checksum, checksums
 from ftlaunch.checkpointing.serialization.encode import encode
-from ftlaunch.checkpointing.serialization.header import FRAME_PREFIX_LEN, MAX_FRAME_BYTES, parse_header
+from ftlaunch.checkpointing.serialization.header import (
+    FRAME_PREFIX_LEN,
+    MAX_FRAME_BYTES,
+    frame_sums,
+    parse_header,
+    parse_sums,
+    sums_frame_nbytes,
+    with_sums,
+)
 from ftlaunch.checkpointing.serialization.limits import Deadline, ReceiveLimits
 from ftlaunch.checkpointing.serialization.receive import finish, plan_slots
 from ftlaunch.checkpointing.serialization.spec import invalid
@@ -47,6 +64,8 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 TAG_BASE = 1 << 20
+#: Tag of the sums frame (message 4).
+TAG_SUMS = TAG_BASE - 1
 _PG_ERRORS = (RuntimeError, OSError, CommunicationError)
 
 
@@ -123,20 +142,29 @@ class PGTransport(CheckpointTransport[T]):
         deadline = self._deadline(timeout)
         local_state, specs = dtensors.split(state_dict)
         payload = {"state": local_state, "dtensors": dtensors.specs_to_json(specs)}
-        enc = encode(payload, step, device=self._device)
+        enc = encode(payload, step, device=self._device, sums=False)
         frame = torch.frombuffer(bytearray(enc.frame), dtype=torch.uint8).to(self._device)
         length = torch.tensor([frame.numel()], dtype=torch.int64, device=self._device)
         pending = []
+        body = [
+            (f"tensor {e.index}", tensor_bytes(t), TAG_BASE + 2 + e.index)
+            for e, t in zip(enc.header.tensors, enc.tensors, strict=True)
+            if e.nbytes
+        ]
         for dst in dst_ranks:
-            messages = [("header length", length, TAG_BASE), ("header", frame, TAG_BASE + 1)]
-            messages += [
-                (f"tensor {e.index}", tensor_bytes(t), TAG_BASE + 2 + e.index)
-                for e, t in zip(enc.header.tensors, enc.tensors, strict=True)
-                if e.nbytes
-            ]
-            for name, tensor, tag in messages:
+            for name, tensor, tag in [
+                ("header length", length, TAG_BASE),
+                ("header", frame, TAG_BASE + 1),
+                *body,
+            ]:
                 what = f"sending the {name} of step {step} to rank {dst}"
                 pending.append((what, self._post(self._pg.send, tensor, dst, tag, what)))
+        # The tensors travel on the process group's threads meanwhile.
+        sums = torch.frombuffer(bytearray(frame_sums(checksums(enc.tensors))), dtype=torch.uint8)
+        sums = sums.to(self._device)
+        for dst in dst_ranks:
+            what = f"sending the checksums of step {step} to rank {dst}"
+            pending.append((what, self._post(self._pg.send, sums, dst, TAG_SUMS, what)))
         for what, work in pending:
             self._wait(work, deadline, what)
         logger.info(
@@ -168,21 +196,32 @@ class PGTransport(CheckpointTransport[T]):
         # Parsing and allocating obey the deadline too (a header of many tiny tensors costs CPU).
         stages = None if deadline == math.inf else Deadline(deadline - time.monotonic(), what, deadline)
         header = parse_header(byte_view(frame.cpu()).tobytes(), expected_step=step,
-                              max_tensors=limits.max_tensors, deadline=stages)  # fmt: skip
+                              max_tensors=limits.max_tensors, deadline=stages, sums_follow=True)  # fmt: skip
         mine = self._state_dict() if self._state_dict is not None else None
         template = {"state": dtensors.locals_of(mine)} if mine is not None else None
         slots = plan_slots(header, self._device, template, stages)
         pending = []
-        for s in slots:
+        for i, s in enumerate(slots):
             if s.entry.nbytes:
                 what = f"receiving tensor {s.entry.index} of step {step} from rank {src_rank}"
                 tag = TAG_BASE + 2 + s.entry.index
                 pending.append(
-                    (what, self._post(self._pg.recv, tensor_bytes(s.landing), src_rank, tag, what))
+                    (i, what, self._post(self._pg.recv, tensor_bytes(s.landing), src_rank, tag, what))
                 )
-        for what, work in pending:
-            self._wait(work, deadline, what)
-        payload = finish(header, slots)
+        what = f"receiving the checksums of step {step} from rank {src_rank}"
+        sums = torch.empty(sums_frame_nbytes(len(slots)), dtype=torch.uint8, device=self._device)
+        sums_work = self._post(self._pg.recv, sums, src_rank, TAG_SUMS, what)
+        # Checksum each large tensor as soon as it has landed, while the next ones arrive.
+        got: list[str | None] = [None] * len(slots)
+        for i, what_i, work in pending:
+            self._wait(work, deadline, what_i)
+            if slots[i].entry.nbytes >= BLOCK_BYTES:
+                got[i] = checksum(slots[i].landing)
+        self._wait(sums_work, deadline, what)
+        header = with_sums(header, parse_sums(byte_view(sums.cpu()), len(slots)))
+        for s, e in zip(slots, header.tensors, strict=True):
+            s.entry = e
+        payload = finish(header, slots, got)
         if not isinstance(payload, dict) or set(payload) != {"state", "dtensors"}:
             raise invalid(f"payload from rank {src_rank} is not a PGTransport state")
         specs = dtensors.specs_from_json(payload["dtensors"])

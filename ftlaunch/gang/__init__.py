@@ -12,7 +12,8 @@ The layout:
 * `fake` - `FakeGang`, a gang of identical peers simulated in one process;
 * `process_group` - `ProcessGroupGang`, a gang over a torch ProcessGroup (gloo, NCCL);
 * `product` - `ProductGang`, the outer x inner grid that spans replica groups;
-* `gangs` - `Gangs` and the factories (`create_parallel_gangs`, `create_fsdp_gangs`, ...).
+* `gangs` - `Gangs`, the factories (`create_parallel_gangs`, `create_fsdp_gangs`, ...) and the
+  current gangs (`get_current_gangs`, `set_gangs`, the defaults, `GangContext`).
 
 This layer knows torch.distributed and ftlaunch's error types, nothing of the Manager.
 """
@@ -23,11 +24,17 @@ from ftlaunch.errors import GangError, InvalidOperationError, NotSupportedError,
 from ftlaunch.gang.base import Gang, ReduceOperation, all_sum, broadcast_flag, raise_operational_gang_error
 from ftlaunch.gang.fake import FakeGang
 from ftlaunch.gang.gangs import (
+    GangContext,
     Gangs,
+    StandardGangContext,
     create_fake_gangs,
     create_fsdp_gangs,
     create_parallel_gangs,
+    get_current_gangs,
+    get_default_gangs,
     maybe_get_current_gangs,
+    set_default_gangs,
+    set_gangs,
 )
 from ftlaunch.gang.process_group import ProcessGroupGang
 from ftlaunch.gang.product import ProductGang
@@ -35,7 +42,9 @@ from ftlaunch.gang.product import ProductGang
 __all__ = [
     "FakeGang",
     "Gang",
+    "GangContext",
     "GangError",
+    "StandardGangContext",
     "Gangs",
     "InvalidOperationError",
     "NotSupportedError",
@@ -48,6 +57,10 @@ __all__ = [
     "create_fake_gangs",
     "create_fsdp_gangs",
     "create_parallel_gangs",
+    "get_current_gangs",
+    "get_default_gangs",
     "maybe_get_current_gangs",
+    "set_default_gangs",
+    "set_gangs",
     "raise_operational_gang_error",
 ]

@@ -14,7 +14,11 @@ from the data parallel gang instead, which torch refuses on CPU when tensor para
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
+import warnings
+from abc import ABC, abstractmethod
+from collections import defaultdict
+from collections.abc import Iterable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -23,18 +27,24 @@ from ftlaunch.gang.base import Gang
 from ftlaunch.gang.fake import FakeGang
 
 __all__ = [
+    "GangContext",
     "Gangs",
+    "StandardGangContext",
     "create_fake_gangs",
     "create_fsdp_gangs",
     "create_parallel_gangs",
+    "get_current_gangs",
+    "get_default_gangs",
     "maybe_get_current_gangs",
+    "set_default_gangs",
+    "set_gangs",
 ]
 
 
 @dataclass(frozen=True, kw_only=True)
 class Gangs:
     """The gangs of one process, one per parallelism. Use as a context manager to make them the
-    calling thread's current gangs (`maybe_get_current_gangs`)."""
+    calling thread's current gangs of their device (`get_current_gangs`), as `set_gangs` does."""
 
     #: Every process of the job.
     root: Gang
@@ -73,27 +83,151 @@ class Gangs:
                 gang.close()
 
     def __enter__(self) -> Gangs:
-        _stack().append(self)
+        _push(self, meta=False)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        _stack().pop()
+        _pop(self.device, meta=False)
 
 
+# -- the current gangs ----------------------------------------------------------------------------
+#
+# fairseq2's model: gangs are looked up per device. Each thread has a stack of gangs per device
+# (`set_gangs`, ``with gangs:``); below the stack are the process's default gangs of the device
+# (`set_default_gangs`), and below those one set of fake gangs of size 1 per device, so a lookup
+# always answers. ``meta=True`` also files the gangs under the meta device, where models are
+# built before being materialized.
+
+_META = torch.device("meta")
 _current = threading.local()
+_defaults_lock = threading.Lock()
+_defaults: dict[torch.device, Gangs] = {}
+_fakes: dict[torch.device, Gangs] = {}
 
 
-def _stack() -> list[Gangs]:
-    stack: list[Gangs] | None = getattr(_current, "stack", None)
-    if stack is None:
-        stack = _current.stack = []
-    return stack
+def _stacks() -> defaultdict[torch.device, list[Gangs]]:
+    stacks: defaultdict[torch.device, list[Gangs]] | None = getattr(_current, "stacks", None)
+    if stacks is None:
+        stacks = _current.stacks = defaultdict(list)
+    return stacks
+
+
+def _order() -> list[Gangs]:
+    """The calling thread's set gangs in the order they were set, whatever their device."""
+    order: list[Gangs] | None = getattr(_current, "order", None)
+    if order is None:
+        order = _current.order = []
+    return order
+
+
+def _push(gangs: Gangs, meta: bool) -> None:
+    stacks = _stacks()
+    stacks[gangs.device].append(gangs)
+    if meta:
+        stacks[_META].append(gangs)
+    _order().append(gangs)
+
+
+def _pop(device: torch.device, meta: bool) -> None:
+    stacks = _stacks()
+    gangs = stacks[device].pop()
+    if meta:
+        stacks[_META].pop()
+    order = _order()
+    for i in range(len(order) - 1, -1, -1):
+        if order[i] is gangs:
+            del order[i]
+            break
+
+
+def _current_device() -> torch.device:
+    """The device a lookup without one is for: this process's CUDA device if it has one, else CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def get_default_gangs(device: torch.device | None = None) -> Gangs:
+    """The process's default gangs of ``device`` (default: the current device); fake gangs of size 1
+    when none were set (`set_default_gangs`)."""
+    device = _current_device() if device is None else torch.device(device)
+    with _defaults_lock:
+        gangs = _defaults.get(device)
+        if gangs is None:
+            fake_device = torch.device("cpu") if device.type == "meta" else device
+            gangs = _fakes.get(fake_device)
+            if gangs is None:
+                gangs = _fakes[fake_device] = create_fake_gangs(fake_device)
+    return gangs
+
+
+def set_default_gangs(gangs: Gangs, *, meta: bool = False) -> None:
+    """Make ``gangs`` the process's default gangs of their device (and of the meta device, with
+    ``meta=True``): what `get_current_gangs` answers in any thread that set none of its own."""
+    with _defaults_lock:
+        _defaults[gangs.device] = gangs
+        if meta:
+            _defaults[_META] = gangs
+
+
+def set_gangs(gangs: Gangs, *, meta: bool = False) -> AbstractContextManager[None]:
+    """A context manager: within it, `get_current_gangs` of the calling thread answers ``gangs`` for
+    their device (and for the meta device, with ``meta=True``)."""
+    return _set_gangs(gangs, meta)
+
+
+@contextmanager
+def _set_gangs(gangs: Gangs, meta: bool) -> Iterator[None]:
+    _push(gangs, meta)
+    try:
+        yield
+    finally:
+        _pop(gangs.device, meta)
+
+
+def get_current_gangs(device: torch.device | None = None) -> Gangs:
+    """The calling thread's current gangs of ``device`` (default: the current device): the innermost
+    `set_gangs` / ``with gangs:``, else the default gangs (`get_default_gangs`)."""
+    device = _current_device() if device is None else torch.device(device)
+    stack = _stacks().get(device)
+    if stack:
+        return stack[-1]
+    return get_default_gangs(device)
 
 
 def maybe_get_current_gangs() -> Gangs | None:
-    """The calling thread's current gangs (the innermost ``with gangs:``), or None."""
-    stack = _stack()
-    return stack[-1] if stack else None
+    """Deprecated (as in fairseq2): the gangs the calling thread set last (``with gangs:`` or
+    `set_gangs`), whatever their device, or None. Use `get_current_gangs`."""
+    warnings.warn(
+        "maybe_get_current_gangs is deprecated (as in fairseq2): use get_current_gangs(device)",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    order = _order()
+    return order[-1] if order else None
+
+
+class GangContext(ABC):
+    """fairseq2's interface to the current gangs, for code that takes it as a dependency instead
+    of calling the module's functions."""
+
+    @abstractmethod
+    def get_current_gangs(self, device: torch.device | None = None) -> Gangs:
+        """See `get_current_gangs`."""
+
+    @abstractmethod
+    def set_gangs(self, gangs: Gangs, *, meta: bool = False) -> AbstractContextManager[None]:
+        """See `set_gangs`."""
+
+
+class StandardGangContext(GangContext):
+    """The `GangContext` of this module's functions (per thread, per device, defaults per process)."""
+
+    def get_current_gangs(self, device: torch.device | None = None) -> Gangs:
+        return get_current_gangs(device)
+
+    def set_gangs(self, gangs: Gangs, *, meta: bool = False) -> AbstractContextManager[None]:
+        return set_gangs(gangs, meta=meta)
 
 
 def create_fake_gangs(device: torch.device) -> Gangs:

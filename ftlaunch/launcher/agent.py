@@ -10,8 +10,10 @@ its own workers (up to ``max_restarts``) exactly as under ``torchrun``. Besides,
   status -- read with
   ``waitid(WNOWAIT)``, which leaves the child for torchelastic to reap, so the supervisor can tell
   the lighthouse within milliseconds instead of after torchelastic's monitor tick;
-* keeps the group's warm standby interpreter (`Standby`, `ftlaunch.bootstrap.zygote`), from which a
-  restarted worker is forked with torch already imported (``FTLAUNCH_ZYGOTE=0``: not);
+* keeps the group's warm standby interpreter (`ftlaunch.launcher.standby.Standby`,
+  `ftlaunch.bootstrap.zygote`), warming up from the agent's start, from which a restarted worker
+  is forked with torch already imported (``FTLAUNCH_ZYGOTE=0``: not). The ``ftlaunch`` rendezvous
+  sees it announced and starts none of its own;
 * writes a result file (success, or the root cause from torchelastic's error files) before exiting;
 * dies with the supervisor (``PR_SET_PDEATHSIG``), taking its workers down through torchelastic's
   own signal handling -- and within 2 s even a SIGSTOPped worker, which that handling would leave
@@ -25,11 +27,8 @@ import glob
 import json
 import logging
 import os
-import shutil
 import signal
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -40,6 +39,7 @@ import psutil
 from ftlaunch import env, phases
 from ftlaunch.launcher import procs
 from ftlaunch.launcher.options import LaunchOptions
+from ftlaunch.launcher.standby import Standby
 from ftlaunch.lifetime import die_with_parent, on_exit
 from ftlaunch.streams import is_full_disk
 
@@ -272,7 +272,7 @@ def run_agent(cfg: AgentConfig) -> int:
     """Run the group to completion; returns the agent's exit code (0 = workers succeeded)."""
     # The standby first: it warms up while this process imports torchelastic (seconds), so that the
     # workers find it ready, or nearly (they wait for it rather than import torch beside it).
-    standby = Standby.start(cfg.options)
+    standby = Standby.start() if _through_prestart(cfg.options) else None
     try:
         return _run_agent(cfg, standby)
     finally:
@@ -352,61 +352,6 @@ def _run_agent(cfg: AgentConfig, standby: Standby | None) -> int:
     return code
 
 
-class Standby:
-    """The group's warm standby interpreter (`ftlaunch.bootstrap.zygote`): started with the agent, announced
-    to the workers through ``FTLAUNCH_ZYGOTE_SOCKET`` in the environment they inherit, stopped at
-    the end. Only for workers run through ``ftlaunch.bootstrap.prestart`` (the hand-over happens there)."""
-
-    def __init__(self, proc: subprocess.Popen[bytes], directory: str) -> None:
-        self.proc = proc
-        self.directory = directory
-
-    @classmethod
-    def start(cls, opts: LaunchOptions) -> Standby | None:
-        from ftlaunch.bootstrap import prestart, zygote_proxy
-
-        if not zygote_proxy.enabled() or not prestart.fork_wanted():
-            return None
-        args = _worker_args(opts)
-        if args[:3] != ["-u", "-m", "ftlaunch.bootstrap.prestart"]:
-            return None
-        # A Unix socket's path has at most 107 bytes: a long TMPDIR falls back to /tmp.
-        directory = tempfile.mkdtemp(
-            prefix="ftlaunch-zygote-", dir="/tmp" if len(tempfile.gettempdir()) > 60 else None
-        )
-        path = os.path.join(directory, "sock")
-        try:
-            proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-u",
-                    "-m",
-                    "ftlaunch.bootstrap.zygote",
-                    path,
-                    "--parent-pid",
-                    str(os.getpid()),
-                ],
-                stdin=subprocess.DEVNULL,
-            )
-        except OSError as e:
-            logger.warning("no standby interpreter (%s): workers start cold", e)
-            shutil.rmtree(directory, ignore_errors=True)
-            return None
-        env.publish({env.FTLAUNCH_ZYGOTE_SOCKET: path})  # the workers inherit the agent's environment
-        return cls(proc, directory)
-
-    def stop(self) -> None:
-        env.unpublish(env.FTLAUNCH_ZYGOTE_SOCKET)
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        shutil.rmtree(self.directory, ignore_errors=True)
-
-
 def _worker_args(opts: LaunchOptions) -> list[str]:
     """The workers' command line: ``python -u -m ftlaunch.bootstrap.prestart SCRIPT ...`` for a Python
     script or module, so its Baby child imports torch while the script does (`ftlaunch.bootstrap.prestart`);
@@ -415,6 +360,12 @@ def _worker_args(opts: LaunchOptions) -> list[str]:
     if opts.run_path or args[:1] != ["-u"] or not os.path.basename(opts.entrypoint).startswith("python"):
         return args
     return ["-u", "-m", "ftlaunch.bootstrap.prestart", *args[1:]]
+
+
+def _through_prestart(opts: LaunchOptions) -> bool:
+    """Whether the workers hand over to a standby: only a worker run through
+    ``ftlaunch.bootstrap.prestart`` connects to one."""
+    return _worker_args(opts)[:3] == ["-u", "-m", "ftlaunch.bootstrap.prestart"]
 
 
 def _supervisor_gone() -> None:

@@ -9,7 +9,9 @@ Safety rules: never the last healthy group (nobody could heal the others), never
 still recovering, and nothing once a group has finished or failed for good (the job is ending).
 
 ``signal=MIX`` picks SIGKILL of the workers, SIGSTOP of the workers or SIGKILL of the agent at each
-injection. ``lighthouse=SECONDS`` crashes the lighthouse the launcher hosts once, that long after
+injection. ``slow=FACTOR`` slows the group's workers down instead, for ``slow_for`` seconds
+(`ftlaunch.launcher.throttle`: a SIGSTOP/SIGCONT duty cycle in short periods); their stops are no
+hang, so `Chaos.throttling` tells the supervisor which stopped workers to leave alone. ``lighthouse=SECONDS`` crashes the lighthouse the launcher hosts once, that long after
 training started, and keeps it down ``lighthouse_down`` seconds; the supervisor then restarts it on
 the same address (`LighthouseCrash`, reported beside the injections).
 """
@@ -19,13 +21,20 @@ from __future__ import annotations
 import os
 import random
 import signal
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from ftlaunch import phases
+from ftlaunch.launcher import procs
 from ftlaunch.launcher.group import FAILED, SUCCEEDED, Group
 from ftlaunch.launcher.options import ChaosSpec
 from ftlaunch.launcher.output import Console
+from ftlaunch.launcher.throttle import RUN_SLICE, Throttle, stop_slice
+
+#: Seconds after a slowdown ended in which a report of one of its stops may still arrive (the
+#: agent's pipe): such a stop is no hang either.
+_STOP_REPORT_S = 2.0
 
 
 @dataclass
@@ -39,6 +48,14 @@ class Injection:
     step: int | None
     #: Seconds from the injection to the victim's next committed step (None: it never committed again).
     rejoined_after: float | None = None
+    #: ``SLOW``: how many times slower, and for how long (the planned duration until it ended).
+    factor: float | None = None
+    lasted: float | None = None
+
+    @property
+    def until(self) -> float | None:
+        """A slowdown's end: when it ended, else when it is planned to (None: not a slowdown)."""
+        return self.at + self.lasted if self.lasted is not None else None
 
 
 @dataclass
@@ -84,12 +101,21 @@ class ChaosSchedule:
 
 
 def choose_target(
-    spec: ChaosSpec, groups: Sequence[Group], training_started: float | None, rng: random.Random
+    spec: ChaosSpec,
+    groups: Sequence[Group],
+    training_started: float | None,
+    rng: random.Random,
+    busy: Collection[int] = (),
 ) -> Group | None:
-    """The group to hit now, or None when no group can safely be hit."""
+    """The group to hit now, or None when no group can safely be hit (``busy``: groups slowed down
+    now, not hit again until that ends)."""
     # Only groups that are training: a group still starting up is not a meaningful target (unless
     # the script prints no step lines at all).
-    healthy = [g for g in groups if g.healthy and g.worker_pids and (g.stepped or training_started is None)]
+    healthy = [
+        g
+        for g in groups
+        if g.healthy and g.worker_pids and (g.stepped or training_started is None) and g.gid not in busy
+    ]
     if spec.group is not None:
         target = groups[spec.group]
         others = [g for g in healthy if g is not target]
@@ -110,7 +136,10 @@ class Chaos:
         started: float,
         kill: Callable[[int, int], None] = os.kill,
         crash_lighthouse: Callable[[float], bool] | None = None,
+        slow: Callable[[Group, int | None], Throttle | None] | None = None,
     ) -> None:
+        """``slow(group, agent pid)``: starts the `Throttle` of a ``slow=`` injection (None: no
+        process to slow); by default over `procs.worker_processes`."""
         self.spec = spec
         self.injections: list[Injection] = []
         #: ``lighthouse=``: the crash, once it happened.
@@ -123,10 +152,16 @@ class Chaos:
         self._rng = random.Random(spec.seed)
         self._kill = kill
         self._stopped: dict[int, tuple[list[int], float]] = {}  # group -> (SIGSTOPped pids, resume at)
+        self._slow = slow or self._throttle
+        #: ``slow=``: the throttle of each group slowed now, and its injection.
+        self._throttles: dict[int, tuple[Throttle, Injection]] = {}
+        #: Pids a throttle stopped, and until when their stop reports may still arrive (monotonic).
+        self._throttled_pids: dict[int, float] = {}
 
     def tick(self, now: float, training_started: float | None, agent_pids: dict[int, int]) -> None:
         """Resume stopped workers that are due, then inject if an injection is due and safe."""
         self._resume_due(now)
+        self._throttles_ended(now)
         spec = self.spec
         if any(g.finishing or g.state in (SUCCEEDED, FAILED) for g in self._groups):
             return  # the job is ending (or degraded): do not pile on
@@ -138,7 +173,7 @@ class Chaos:
         step = max((g.last_step for g in self._groups if g.last_step is not None), default=None)
         if not self._schedule.due(now, training_started, step):
             return
-        target = choose_target(spec, self._groups, training_started, self._rng)
+        target = choose_target(spec, self._groups, training_started, self._rng, self._throttles)
         if target is None:
             return  # not safe right now (a group is still recovering); try again on the next tick
         if self._inject(target, now, step, agent_pids.get(target.gid)):
@@ -177,15 +212,53 @@ class Chaos:
     def forget(self, gid: int) -> None:
         """Group ``gid``'s workers are gone (its agent died): nothing of it is stopped any more."""
         self._stopped.pop(gid, None)
+        self._end_throttle(gid, time.monotonic())
 
     def resume_all(self) -> None:
-        """SIGCONT every stopped worker (before teardown, so they can handle SIGTERM)."""
+        """SIGCONT every stopped worker, end every slowdown (before teardown, so they can handle SIGTERM)."""
         for gid in list(self._stopped):
             self._resume(gid)
+        for gid in list(self._throttles):
+            self._end_throttle(gid, time.monotonic())
+
+    def throttling(self, pid: int, now: float) -> bool:
+        """Whether a stop of process ``pid`` reported now is a slowdown's (``slow=``), not a hang:
+        a throttle stops it, or did until a moment ago (its last stop's report may still be on its way)."""
+        until = self._throttled_pids.get(pid)
+        return until is not None and now <= until
+
+    def _throttle(self, group: Group, agent_pid: int | None) -> Throttle | None:
+        processes = procs.worker_processes(group.worker_pids.values(), agent_pid)
+        if not processes:
+            return None
+        return Throttle(processes, self.spec.slow or 2.0, self.spec.slow_for).start()
+
+    def _throttles_ended(self, now: float) -> None:
+        for gid, (throttle, _) in list(self._throttles.items()):
+            if not throttle.running:
+                self._end_throttle(gid, now)
+        for pid in [pid for pid, until in self._throttled_pids.items() if until < now]:
+            del self._throttled_pids[pid]
+
+    def _end_throttle(self, gid: int, now: float) -> None:
+        entry = self._throttles.pop(gid, None)
+        if entry is None:
+            return
+        throttle, injection = entry
+        throttle.stop()
+        ended = throttle.ended if throttle.ended is not None else now
+        injection.lasted = max(0.0, ended - injection.at)
+        for pid in self._throttled_pids:
+            self._throttled_pids[pid] = min(self._throttled_pids[pid], ended + _STOP_REPORT_S)
+        self._console.err(
+            f"[ftlaunch] chaos: replica group {gid} runs at full speed again after {injection.lasted:.1f}s"
+        )
 
     def _inject(self, group: Group, now: float, step: int | None, agent_pid: int | None) -> bool:
         kinds = self.spec.kinds
         sig, target = kinds[0] if len(kinds) == 1 else self._rng.choice(kinds)
+        if sig == "SLOW":
+            return self._inject_slow(group, now, step, agent_pid)
         if target == "agent" and agent_pid is None:
             sig, target = "KILL", "workers"
         if target == "agent":
@@ -211,6 +284,24 @@ class Chaos:
         self._console.err(
             f"[ftlaunch] chaos: SIG{sig} -> replica group {group.gid} {target} "
             f"(pids {','.join(map(str, sent))})" + (f" at step {step}" if step is not None else "")
+        )
+        return True
+
+    def _inject_slow(self, group: Group, now: float, step: int | None, agent_pid: int | None) -> bool:
+        throttle = self._slow(group, agent_pid)
+        if throttle is None:
+            return False
+        factor, lasts = throttle.factor, throttle.duration
+        injection = Injection(now, group.gid, "SLOW", "workers", step, factor=factor, lasted=lasts)
+        self._throttles[group.gid] = (throttle, injection)
+        for pid in (*throttle.pids, *group.worker_pids.values()):  # the proxies mirror their forks' stops
+            self._throttled_pids[pid] = float("inf")
+        phases.mark("chaos_slow", group=group.gid, factor=factor, pids=list(throttle.pids))
+        self.injections.append(injection)
+        self._console.err(
+            f"[ftlaunch] chaos: replica group {group.gid} workers slowed down {factor:g}x for {lasts:g}s "
+            f"(pids {','.join(map(str, throttle.pids))}; stopped {stop_slice(factor) * 1e3:.0f} ms per "
+            f"{RUN_SLICE * 1e3:.0f} ms running)" + (f" at step {step}" if step is not None else "")
         )
         return True
 

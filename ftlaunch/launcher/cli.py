@@ -31,6 +31,7 @@ examples:
   ftlaunch --replicas 2 scripts/train_ddp.py --steps 100
   ftlaunch --replicas 3 --nproc-per-node 2 --chaos every=10 scripts/train_ddp.py
   ftlaunch --replicas 2 --chaos steps=20/40,group=1,signal=STOP scripts/train_ddp.py
+  ftlaunch --replicas 3 --spares 1 --stragglers replace --chaos steps=20,group=1,slow=2,slow_for=60 scripts/train_ddp.py
   ftlaunch --replicas 2 --lighthouse http://lh-host:29510 -m mypkg.train
 
 workers see torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, ...) for their own
@@ -110,6 +111,36 @@ def build_parser() -> argparse.ArgumentParser:
         "in the quorum until --heartbeat-timeout and goes on where it was when continued)",
     )
     ft.add_argument(
+        "--stragglers",
+        choices=env.STRAGGLER_POLICIES,
+        default=None,
+        help="slow groups (a throttled GPU, a bad link): report them in the status, metrics and summary, "
+        "or also replace a persistent one -- its slot to a hot spare when one waits, else a restart -- "
+        f"never below --min-replicas, one at a time (default: ${env.FTLAUNCH_STRAGGLERS}, else report)",
+    )
+    ft.add_argument(
+        "--health-check",
+        "--health_check",
+        default=None,
+        metavar="CMD",
+        help="a shell command each group's agent runs before its workers start or restart, e.g. "
+        "'python -m ftlaunch.health': a nonzero exit keeps the group out (reported with the check's "
+        "last output line in the status, metrics and summary) and retries it with backoff while the "
+        f"job trains on (default: ${env.FTLAUNCH_HEALTH_CHECK}, else none)",
+    )
+    ft.add_argument(
+        "--health-check-timeout",
+        "--health_check_timeout",
+        type=duration(env.HEALTH_CHECK_TIMEOUT),
+        default=None,
+        metavar="SECONDS",
+        help=duration_help(
+            "how long one run of the health check may take before it is killed and counts as failed",
+            env.HEALTH_CHECK_TIMEOUT,
+            f"${env.FTLAUNCH_HEALTH_CHECK_TIMEOUT}, else 60",
+        ),
+    )
+    ft.add_argument(
         "--lighthouse",
         dest="lighthouse",
         default=None,
@@ -142,6 +173,31 @@ def build_parser() -> argparse.ArgumentParser:
         default=15.0,
         metavar="SECONDS",
         help=duration_help("how long SIGTERM/SIGINT gives groups to stop before SIGKILL", GRACE_PERIOD, "15"),
+    )
+    ft.add_argument(
+        "--checkpoint-dir",
+        "--checkpoint_dir",
+        default=None,
+        metavar="DIR",
+        help="durable checkpoints: one group writes the committed state here every --checkpoint-every "
+        "steps, in the background (torch.distributed.checkpoint layout); a job started on a directory "
+        "with a checkpoint resumes from the newest complete one (default: none)",
+    )
+    ft.add_argument(
+        "--checkpoint-every",
+        "--checkpoint_every",
+        type=integer,
+        default=None,
+        metavar="N",
+        help="committed steps between two durable checkpoints (default 100; 0: resume only)",
+    )
+    ft.add_argument(
+        "--checkpoint-keep",
+        "--checkpoint_keep",
+        type=integer,
+        default=None,
+        metavar="K",
+        help="complete durable checkpoints kept, the newest (default 3; 0: all)",
     )
     ft.add_argument("--chaos", type=_chaos, default=None, metavar="SPEC", help=CHAOS_HELP)
     ft.add_argument(
@@ -285,6 +341,9 @@ def options_from_args(argv: list[str] | None = None) -> LaunchOptions:
             join_timeout=args.join_timeout,
             heartbeat_timeout=args.heartbeat_timeout,
             kill_stopped=args.kill_stopped,
+            stragglers=args.stragglers,
+            health_check=args.health_check or env.health_check(),
+            health_check_timeout=args.health_check_timeout,
             lighthouse=_lighthouse(args),
             lighthouse_bind=args.lighthouse_bind,
             token=args.token,
@@ -316,7 +375,35 @@ def options_from_args(argv: list[str] | None = None) -> LaunchOptions:
     except ConfigurationError as e:
         _fail(str(e))
     _make_log_dir(opts.log_dir)
+    _publish_checkpoints(args)
     return opts
+
+
+def _publish_checkpoints(args: argparse.Namespace) -> None:
+    """``--checkpoint-*`` as the variables every worker reads (`env.CheckpointEnv`), over the
+    environment's own values; checked here, so a bad one is one line before anything starts."""
+    try:
+        from_env = env.CheckpointEnv.from_environ()
+    except ConfigurationError as e:
+        _fail(str(e))
+    directory = args.checkpoint_dir or from_env.directory
+    every = from_env.every if args.checkpoint_every is None else args.checkpoint_every
+    keep = from_env.keep_last if args.checkpoint_keep is None else args.checkpoint_keep
+    for flag, value in (("--checkpoint-every", every), ("--checkpoint-keep", keep)):
+        if value < 0:
+            _fail(f"{flag} {value} must be >= 0")
+    if not directory:
+        if args.checkpoint_every is not None or args.checkpoint_keep is not None:
+            _fail("--checkpoint-every/--checkpoint-keep need --checkpoint-dir")
+        return
+    directory = os.path.abspath(os.path.expanduser(directory))
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as e:
+        _fail(f"--checkpoint-dir {directory}: cannot create it: {e.strerror or e}")
+    if not os.access(directory, os.W_OK | os.X_OK):
+        _fail(f"--checkpoint-dir {directory}: not writable by this user")
+    env.publish(env.CheckpointEnv(directory, every, keep).to_environ())
 
 
 def _check_environment() -> None:
@@ -330,6 +417,8 @@ def _check_environment() -> None:
         env.SyncEnv.from_environ()
         env.zygote_wanted()
         env.prestart_fork()
+        env.stragglers()
+        env.health_check_timeout()
         Timeouts.derive()
     except ConfigurationError as e:
         _fail(str(e))

@@ -88,6 +88,16 @@ class Group:
     stopped_after_end: bool = False
     #: Its workers are SIGSTOPped (chaos).
     paused: bool = False
+    #: Durable checkpoints its leader reported (`GroupProgress`): the newest it published (step,
+    #: the writer's wall clock, seconds the write took), its current process's saves, skipped and
+    #: failed saves, and the step the group resumed from (None: none).
+    durable_step: int | None = None
+    durable_time: float | None = None
+    durable_seconds: float = 0.0
+    durable_saves: int = 0
+    durable_skipped: int = 0
+    durable_failed: int = 0
+    resumed_from: int | None = None
 
     # --- derived ---------------------------------------------------------------------------------
 
@@ -253,6 +263,13 @@ class Group:
         self.checksum_step = p.checksum_step if self.checksum else None
         self.unsynced_sessions = p.unsynced_sessions
         self.stopped_after_end = p.stopped_after_end
+        if p.durable_step and p.durable_step > (self.durable_step or 0):
+            self.durable_step, self.durable_time = p.durable_step, p.durable_time
+            self.durable_seconds = p.durable_seconds
+        self.durable_saves, self.durable_skipped = p.durable_saves, p.durable_skipped
+        self.durable_failed = p.durable_failed
+        if p.resumed_from:
+            self.resumed_from = p.resumed_from
         new = p.committed > self.committed
         self.committed = max(self.committed, p.committed)
         self.session = p.session
@@ -276,6 +293,13 @@ class Group:
         self.paused = True
         self.failure_at = now
         self.down_session = None
+
+    def replaced_as_straggler(self, at: float) -> None:
+        """The lighthouse replaced it as a straggler at ``at``: down from then (its process was fenced,
+        or told to end) until a hot spare in its slot, or its own restart, commits."""
+        if self.failure_at is None:
+            self.failure_at = at
+            self.down_session = self.session
 
     def resumed(self) -> None:
         self.paused = False

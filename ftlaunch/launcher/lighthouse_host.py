@@ -29,7 +29,7 @@ from urllib.parse import urlsplit
 from ftlaunch import env
 from ftlaunch.errors import FtlaunchError, LighthouseError
 from ftlaunch.lighthouse.progress import GroupProgress, Rewind
-from ftlaunch.lighthouse.status import LighthouseStatus
+from ftlaunch.lighthouse.status import LighthouseStatus, StragglersStatus
 
 if TYPE_CHECKING:
     from ftlaunch.lighthouse.client import LighthouseClient
@@ -55,6 +55,8 @@ class LighthouseSettings:
     expected_replicas: int = 0
     #: Job token required by the admin endpoints (None: they are disabled).
     token: str | None = None
+    #: Slow groups: ``report`` them, or also ``replace`` persistent ones (lighthouse/stragglers.py).
+    stragglers: str = "report"
 
 
 class JobLighthouse(abc.ABC):
@@ -101,6 +103,17 @@ class JobLighthouse(abc.ABC):
 
     def _progress(self) -> tuple[GroupProgress, ...]:
         return self.snapshot().progress
+
+    def stragglers(self) -> StragglersStatus | None:
+        """The slow groups the lighthouse found and replaced, or None when it cannot be read (or
+        judges none: an older lighthouse)."""
+        try:
+            return self._stragglers()
+        except Exception:  # noqa: BLE001 - informational: the caller reads it again later
+            return None
+
+    def _stragglers(self) -> StragglersStatus | None:
+        return self.snapshot().stragglers
 
     def rewinds(self) -> tuple[Rewind, ...] | None:
         """The times the job went back to an earlier step because no group holding its state was
@@ -200,6 +213,9 @@ class HostedLighthouse(JobLighthouse):
     def _progress(self) -> tuple[GroupProgress, ...]:
         return self._running().progress()  # in process, without building the whole status
 
+    def _stragglers(self) -> StragglersStatus | None:
+        return self._running().stragglers()
+
     def _rewinds(self) -> tuple[Rewind, ...]:
         return self._running().rewinds()
 
@@ -243,6 +259,7 @@ def _new_server(settings: LighthouseSettings, bind: str, *, restarted: bool = Fa
         # The first quorum of the job waits for the groups the launcher starts; a restarted
         # lighthouse instead takes the groups' resume reports (their last quorum).
         expected_replicas=0 if restarted else settings.expected_replicas,
+        stragglers=settings.stragglers,
     )
 
 

@@ -15,6 +15,7 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from ftlaunch import env
 from ftlaunch.launcher.group import Group
 from ftlaunch.launcher.lighthouse_host import (
     HostedLighthouse,
@@ -53,6 +54,7 @@ class LighthouseKeeper:
             join_timeout=opts.join_timeout,
             heartbeat_timeout=opts.heartbeat_timeout,
             token=self._token,
+            stragglers=opts.stragglers or env.stragglers() or "report",
         )
         self.lighthouse = open_job_lighthouse(opts.lighthouse, settings)
         return self.lighthouse

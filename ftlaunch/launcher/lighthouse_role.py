@@ -76,6 +76,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--join-timeout", type=duration(JOIN_TIMEOUT), default=60.0)
     p.add_argument("--heartbeat-timeout", type=duration(HEARTBEAT_TIMEOUT), default=5.0)
+    p.add_argument(
+        "--stragglers",
+        choices=env.STRAGGLER_POLICIES,
+        default=None,
+        help=f"slow groups: report them, or also replace persistent ones (default: ${env.FTLAUNCH_STRAGGLERS}, "
+        "else report)",
+    )
     p.add_argument("--cleanup", action="store_true", help="remove --job-dir when every group has finished")
     return p
 
@@ -125,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     where = placement.detect(args.rank0_env)
     try:
+        stragglers = args.stragglers or env.stragglers() or "report"
         job_dir = placement.job_dir(args.job_dir, args.app_id, where, needed=True)
         bind = placement.lighthouse_bind(args.bind, where)
         loopback = placement.is_loopback_bind(bind)
@@ -144,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         join_timeout=args.join_timeout,
         heartbeat_timeout=args.heartbeat_timeout,
         token=token,
+        stragglers=stragglers,
     )
     try:
         lighthouse = HostedLighthouse.start(settings, restarted=restarted)

@@ -10,14 +10,17 @@ import signal
 from dataclasses import dataclass, field
 from signal import Signals
 
-from ftlaunch.env import DAY, Count, Duration
+from ftlaunch.env import DAY, STRAGGLER_POLICIES, Count, Duration
 from ftlaunch.errors import ConfigurationError
+from ftlaunch.launcher.throttle import MAX_FACTOR
 from ftlaunch.lighthouse.quorum import HEARTBEAT_TIMEOUT, JOIN_TIMEOUT
 
 CHAOS_SIGNALS = ("KILL", "STOP", "TERM", "INT", "SEGV", "MIX")
 #: What ``signal=MIX`` picks from at each injection: (signal, target).
 CHAOS_MIX = (("KILL", "workers"), ("STOP", "workers"), ("KILL", "agent"))
 CHAOS_TARGETS = ("workers", "agent")
+#: The largest ``slow=`` factor (its stops stay far from a hang: `ftlaunch.launcher.throttle`).
+MAX_SLOW = MAX_FACTOR
 
 #: Replica groups (with the hot spares) one ``ftlaunch`` starts on this machine: each is an agent,
 #: its workers and their Baby children, so a mistyped ``--replicas 100000`` would fork the machine
@@ -51,8 +54,12 @@ fault injection, a comma-separated list of key=value:
   stop_for=SECONDS how long a SIGSTOP lasts (default 5)
   start=SECONDS    with every=: count from launch + SECONDS instead of from the first step line
   seed=S           seed of the random group choice
+  slow=FACTOR      slow the group's workers down FACTOR x (1 < FACTOR <= 4) instead of a signal: a
+                   SIGSTOP/SIGCONT duty cycle, stopped (FACTOR-1) x 20 ms per 20 ms running
+  slow_for=SECONDS how long a slowdown lasts (default 30), then the workers run free again
 A bare number is every=NUMBER. Durations: 10 ms to 24 h (start, lighthouse: from 0).
-Never hits the last healthy group, nor after a group has finished."""
+Never hits the last healthy group, nor after a group has finished.
+e.g. steps=20,group=1,slow=2,slow_for=60: group 1 runs at half speed from step 20 for a minute."""
 
 
 @dataclass(frozen=True)
@@ -70,12 +77,17 @@ class ChaosSpec:
     lighthouse: float | None = None
     #: ... and keep it down this long before the launcher restarts it on the same address.
     lighthouse_down: float = 12.0
+    #: Instead of a signal, slow the group's workers down this many times (`launcher.throttle`)...
+    slow: float | None = None
+    #: ... for this long.
+    slow_for: float = 30.0
 
     def __post_init__(self) -> None:
         for name, bounds in (
             ("every", CHAOS_PAUSE),
             ("stop_for", CHAOS_PAUSE),
             ("lighthouse_down", CHAOS_PAUSE),
+            ("slow_for", CHAOS_PAUSE),
             ("start", CHAOS_OFFSET),
             ("lighthouse", CHAOS_OFFSET),
         ):
@@ -102,6 +114,15 @@ class ChaosSpec:
             raise ConfigurationError(f"--chaos group={self.group} must be >= 0")
         if self.target == "agent" and self.signal == "STOP":
             raise ConfigurationError("--chaos signal=STOP applies to workers, not target=agent")
+        if self.slow is not None:
+            if not 1.0 < self.slow <= MAX_SLOW:
+                raise ConfigurationError(
+                    f"--chaos slow={self.slow:g} must be > 1 and <= {MAX_SLOW:g} (times slower)"
+                )
+            if self.signal != "KILL" or self.target != "workers":
+                raise ConfigurationError(
+                    "--chaos slow= slows the group's workers down: it takes no signal= or target="
+                )
 
     @property
     def signum(self) -> Signals:  # not signal.Signals: the `signal` field shadows the module here
@@ -109,7 +130,10 @@ class ChaosSpec:
 
     @property
     def kinds(self) -> tuple[tuple[str, str], ...]:
-        """The (signal, target) pairs an injection picks from: one, or `CHAOS_MIX` for ``signal=MIX``."""
+        """The (signal, target) pairs an injection picks from: one, or `CHAOS_MIX` for ``signal=MIX``
+        (``SLOW``: the workers slowed down, ``slow=``)."""
+        if self.slow is not None:
+            return (("SLOW", "workers"),)
         return CHAOS_MIX if self.signal == "MIX" else ((self.signal, self.target),)
 
     @classmethod
@@ -132,7 +156,7 @@ class ChaosSpec:
                 raise ConfigurationError(f"--chaos: {item!r} is not key=value")
             if key in kwargs:
                 raise ConfigurationError(f"--chaos: {key} given twice")
-            if key in ("every", "stop_for", "start", "lighthouse", "lighthouse_down"):
+            if key in ("every", "stop_for", "start", "lighthouse", "lighthouse_down", "slow_for"):
                 kwargs[key] = _seconds(
                     key, value, CHAOS_OFFSET if key in ("start", "lighthouse") else CHAOS_PAUSE
                 )
@@ -148,6 +172,13 @@ class ChaosSpec:
                     kwargs[key] = int(value)
                 except ValueError:
                     raise ConfigurationError(f"--chaos {key}={value!r} is not an integer") from None
+            elif key == "slow":
+                try:
+                    kwargs[key] = float(value.lower().removesuffix("x"))
+                except ValueError:
+                    raise ConfigurationError(
+                        f"--chaos slow={value!r} is not a number (times slower, e.g. 2)"
+                    ) from None
             elif key == "signal":
                 kwargs[key] = value.upper().removeprefix("SIG")
             elif key == "target":
@@ -155,8 +186,12 @@ class ChaosSpec:
             else:
                 raise ConfigurationError(
                     f"--chaos: unknown key {key!r} (every, steps, group, signal, target, count, stop_for, start, seed, "
-                    "lighthouse, lighthouse_down)"
+                    "slow, slow_for, lighthouse, lighthouse_down)"
                 )
+        if "slow" in kwargs and ("signal" in kwargs or "target" in kwargs):
+            raise ConfigurationError(
+                "--chaos slow= slows the group's workers down: it takes no signal= or target="
+            )
         return cls(**kwargs)  # type: ignore[arg-type]
 
 
@@ -183,6 +218,13 @@ class LaunchOptions:
     heartbeat_timeout: float = 5.0
     #: A worker stopped by a signal is killed at once (its group restarts) instead of waited for.
     kill_stopped: bool = False
+    #: The hosted lighthouse's straggler policy, ``report`` or ``replace`` (None: not given, then
+    #: ``FTLAUNCH_STRAGGLERS``, else ``report``).
+    stragglers: str | None = None
+    #: The command each group's agent runs before its workers (re)start (launcher/health_gate.py),
+    #: and how long one run may take (None: ``FTLAUNCH_HEALTH_CHECK_TIMEOUT``, else 60 s).
+    health_check: str | None = None
+    health_check_timeout: float | None = None
     lighthouse: str | None = None
     lighthouse_bind: str = "127.0.0.1:0"
     token: str | None = None
@@ -235,6 +277,15 @@ class LaunchOptions:
         if not 1 <= self.min_replicas <= self.replicas:
             raise ConfigurationError(
                 f"--min-replicas must be in 1..{self.replicas} (got {self.min_replicas})"
+            )
+        if self.stragglers is not None and self.stragglers not in STRAGGLER_POLICIES:
+            raise ConfigurationError(
+                f"--stragglers {self.stragglers!r} must be one of {', '.join(STRAGGLER_POLICIES)}"
+            )
+        if self.stragglers is not None and self.lighthouse:
+            raise ConfigurationError(
+                "--stragglers sets the policy of the lighthouse ftlaunch starts; the one at --lighthouse "
+                "has its own (ftlaunch-lighthouse --stragglers)"
             )
         if self.local_ranks_filter and not all(
             r.strip().isdigit() for r in self.local_ranks_filter.split(",")

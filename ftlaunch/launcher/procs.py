@@ -154,6 +154,31 @@ def group_processes(gid: int, worker_pids: Iterable[int], agents: set[int]) -> l
     return list(found.values())
 
 
+def worker_processes(worker_pids: Iterable[int], agent_pid: int | None) -> list[psutil.Process]:
+    """The processes that run the workers' code: each of ``worker_pids`` (the pids torchelastic
+    knows), or, for a worker forked from the agent's warm standby (`ftlaunch.bootstrap.zygote`), the
+    fork that stands behind that pid (its proxy), found among ``agent_pid``'s descendants by the
+    proxy's pid in its environment (``FTLAUNCH_WORKER_PID``). Why: a signal the proxy cannot
+    forward (SIGSTOP) reaches the fork only once the standby notices, within 50 ms."""
+    pids = list(worker_pids)
+    behind: dict[int, psutil.Process] = {}
+    if agent_pid is not None:
+        for p in descendants(agent_pid):
+            proxy = marks_of(p).worker_pid
+            if proxy in pids and proxy != p.pid:
+                behind[proxy] = p
+    found = []
+    for pid in pids:
+        if pid in behind:
+            found.append(behind[pid])
+            continue
+        try:
+            found.append(psutil.Process(pid))
+        except psutil.Error:
+            continue
+    return found
+
+
 def stop_job(
     agents: list[subprocess.Popen], extra: list[psutil.Process], grace: float, sig: int = signal.SIGTERM
 ) -> None:

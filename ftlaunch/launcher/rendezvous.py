@@ -29,6 +29,13 @@ group's own rendezvous store (which outlives rounds) and hands the count to the 
 the workers key their group-store traffic by it. torchelastic's restart count cannot serve: it
 counts only the restarts of the node whose worker failed.
 
+**A warm standby interpreter per node** (`ftlaunch.launcher.standby`): before the first workers
+start, the handler starts the node's standby and announces it to them (``FTLAUNCH_ZYGOTE_SOCKET``).
+It imports torch only once a worker asks for it -- one run as ``-m ftlaunch.run SCRIPT`` (the torchx
+components run every worker so) -- and forks that worker and every restarted one with torch
+imported. It ends with the agent (`shutdown`, its exit, or its death). ``FTLAUNCH_ZYGOTE=0`` or
+``FTLAUNCH_PRESTART_FORK=0``: none.
+
 If no lighthouse answers at the endpoint and the endpoint names this machine, the handler hosts one
 inside this agent process (`HostedLighthouse`, as the c10d backend hosts its store). That lighthouse
 lives exactly as long as this agent: a single point of failure for the whole job (see docs/launcher.md).
@@ -54,7 +61,7 @@ import json  # noqa: E402
 import logging  # noqa: E402
 import os  # noqa: E402
 import time  # noqa: E402
-from collections.abc import Mapping  # noqa: E402
+from collections.abc import Callable, Mapping  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 from datetime import timedelta  # noqa: E402
 
@@ -71,7 +78,11 @@ from ftlaunch import env, phases  # noqa: E402
 from ftlaunch.addresses import format_host_port, is_local_host, parse_host_port, reachable_address  # noqa: E402
 from ftlaunch.env import Duration  # noqa: E402
 from ftlaunch.errors import ConfigurationError  # noqa: E402
+from ftlaunch.launcher.health_gate import HealthGate  # noqa: E402
 from ftlaunch.launcher.lighthouse_host import HostedLighthouse, LighthouseSettings, RemoteLighthouse  # noqa: E402
+from ftlaunch.launcher.standby import Standby  # noqa: E402
+from ftlaunch.lighthouse.client import LighthouseClient  # noqa: E402
+from ftlaunch.lighthouse.health import HealthReport  # noqa: E402
 from ftlaunch.lighthouse.quorum import HEARTBEAT_TIMEOUT, JOIN_TIMEOUT  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -99,9 +110,18 @@ _OUR_KEYS = {
     "lighthouse_min_replicas": "min_replicas of a lighthouse started here (default 1)",
     "lighthouse_join_timeout": "join timeout of a lighthouse started here (a duration, 0 s to 24 h; default 60)",
     "lighthouse_heartbeat_timeout": "heartbeat timeout of a lighthouse started here (0.5 s to 24 h; default 5)",
+    "lighthouse_stragglers": "slow groups, for a lighthouse started here: report or replace (or env "
+    "FTLAUNCH_STRAGGLERS; default report)",
     "lighthouse_linger": "how long a lighthouse started here outlives its group while others use it "
     "(a duration, 0 s to 24 h; default 60)",
+    "health_check": "a command run before this group's workers start or restart; a failure keeps the group "
+    "out, retried with backoff (or env FTLAUNCH_HEALTH_CHECK; e.g. 'python -m ftlaunch.health')",
+    "health_check_timeout": "how long one run of the health check may take before it is killed "
+    "(a duration, 0.1 s to 1 h; or env FTLAUNCH_HEALTH_CHECK_TIMEOUT; default 60)",
     "token": "job token every lighthouse request carries (or env FTLAUNCH_TOKEN); required to host one off loopback",
+    "checkpoint_dir": "durable checkpoints: the directory (or env FTLAUNCH_CHECKPOINT_DIR); the job resumes from its newest",
+    "checkpoint_every": "durable checkpoints: committed steps between saves (or env FTLAUNCH_CHECKPOINT_EVERY; default 100)",
+    "checkpoint_keep": "durable checkpoints: complete ones kept (or env FTLAUNCH_CHECKPOINT_KEEP; default 3, 0: all)",
 }
 _INNER_KEYS = {
     "timeout",
@@ -139,8 +159,14 @@ class FtRendezvousConfig:
     lighthouse_min_replicas: int = 1
     lighthouse_join_timeout: float = 60.0
     lighthouse_heartbeat_timeout: float = 5.0
+    lighthouse_stragglers: str = "report"
     lighthouse_linger: float = 60.0
     token: str | None = None
+    #: The command run before every start and restart of the group's workers ("": none).
+    health_check: str = ""
+    health_check_timeout: float = env.DEFAULT_HEALTH_CHECK_TIMEOUT
+    #: Durable checkpoints the workers write and resume from (published as `env.CheckpointEnv`).
+    checkpoint: env.CheckpointEnv = env.CheckpointEnv()
 
     @classmethod
     def from_params(
@@ -217,6 +243,12 @@ class FtRendezvousConfig:
             raise ConfigurationError(
                 f"ftlaunch rendezvous: lighthouse_min_replicas={min_replicas} must be >= 1"
             )
+        stragglers = as_str("lighthouse_stragglers").lower()
+        if stragglers and stragglers not in env.STRAGGLER_POLICIES:
+            raise ConfigurationError(
+                f"ftlaunch rendezvous: lighthouse_stragglers={stragglers!r} must be one of "
+                f"{', '.join(env.STRAGGLER_POLICIES)}"
+            )
         return cls(
             replica_group_id=group,
             num_replica_groups=num,
@@ -229,8 +261,16 @@ class FtRendezvousConfig:
             lighthouse_min_replicas=min_replicas,
             lighthouse_join_timeout=as_seconds("lighthouse_join_timeout", 60.0, JOIN_TIMEOUT),
             lighthouse_heartbeat_timeout=as_seconds("lighthouse_heartbeat_timeout", 5.0, HEARTBEAT_TIMEOUT),
+            lighthouse_stragglers=stragglers or env.stragglers(environ) or "report",
             lighthouse_linger=as_seconds("lighthouse_linger", 60.0, _LINGER),
             token=as_str("token", env.FTLAUNCH_TOKEN) or None,
+            health_check=as_str("health_check", env.FTLAUNCH_HEALTH_CHECK),
+            health_check_timeout=(
+                as_seconds("health_check_timeout", 0.0, env.HEALTH_CHECK_TIMEOUT)
+                if params.get("health_check_timeout") is not None
+                else env.health_check_timeout(environ)
+            ),
+            checkpoint=_checkpoint_conf(as_str, as_int, environ),
         )
 
     @property
@@ -243,7 +283,27 @@ class FtRendezvousConfig:
             join_timeout=self.lighthouse_join_timeout,
             heartbeat_timeout=self.lighthouse_heartbeat_timeout,
             token=self.token,
+            stragglers=self.lighthouse_stragglers,
         )
+
+
+def _checkpoint_conf(
+    as_str: Callable[[str, str | None], str],
+    as_int: Callable[[str, str | None, int | None], int | None],
+    environ: Mapping[str, str] | None,
+) -> env.CheckpointEnv:
+    """The ``checkpoint_*`` keys of ``--rdzv-conf``, over the environment's values."""
+    from_env = env.CheckpointEnv.from_environ(environ)
+    directory = as_str("checkpoint_dir", env.FTLAUNCH_CHECKPOINT_DIR) or None
+    every = as_int("checkpoint_every", None, from_env.every)
+    keep = as_int("checkpoint_keep", None, from_env.keep_last)
+    assert every is not None and keep is not None  # noqa: S101 - have defaults
+    for key, value in (("checkpoint_every", every), ("checkpoint_keep", keep)):
+        if value < 0:
+            raise ConfigurationError(f"ftlaunch rendezvous: {key}={value} must be >= 0")
+    if directory is None and (every != from_env.every or keep != from_env.keep_last):
+        raise ConfigurationError("ftlaunch rendezvous: checkpoint_every/checkpoint_keep need checkpoint_dir")
+    return env.CheckpointEnv(directory, every, keep)
 
 
 def _lighthouse_url(addr: str, what: str) -> str:
@@ -279,6 +339,11 @@ class FtlaunchRendezvousHandler(RendezvousHandler):
         self._lighthouse_addr: str | None = None
         self._hosted: HostedLighthouse | None = None
         self._rounds = 0
+        self._health: HealthGate | None = None
+        #: Started by the `ftlaunch` supervisor (which stops a group its check keeps out once the
+        #: training finished); under plain torchrun the gate itself gives up then.
+        self._supervised = env.lighthouse_reached()
+        self._standby: Standby | None = None
 
     # torchelastic API
     def get_backend(self) -> str:
@@ -293,6 +358,9 @@ class FtlaunchRendezvousHandler(RendezvousHandler):
         addr = self._ensure_lighthouse()
         advertised = self._advertised_address(addr)
         self._publish_env(addr, advertised)
+        self._check_health(addr)
+        if self._rounds == 0:
+            self._start_standby()
         self._rounds += 1
         if self._rounds > 1:
             logger.info(
@@ -306,6 +374,34 @@ class FtlaunchRendezvousHandler(RendezvousHandler):
         incarnation, bootstrap = self._round(info, advertised)
         env.publish(env.incarnation_environ(incarnation))
         return RendezvousInfo(info.store, info.rank, info.world_size, bootstrap)
+
+    def _check_health(self, lighthouse: str) -> None:
+        """Run the group's health check until it passes, before this round (launcher/health_gate.py):
+        while it fails the group stays out of the job, which trains on without it."""
+        cfg = self.config
+        if not cfg.health_check:
+            return
+        if self._health is None:
+
+            def report(replica_id: str, health: HealthReport) -> None:
+                with LighthouseClient(lighthouse, connect_timeout=5.0, token=cfg.token) as client:
+                    client.report_health(replica_id, health)
+
+            def finished() -> bool:
+                with LighthouseClient(lighthouse, connect_timeout=5.0, token=cfg.token) as client:
+                    return any(p.finished for p in client.snapshot().progress)
+
+            rid = env.replica_id(cfg.replica_group_id)
+            self._health = HealthGate(
+                cfg.health_check,
+                cfg.health_check_timeout,
+                rid,
+                report,
+                finished=None if self._supervised else finished,
+            )
+        phases.mark("health_check_start", round=self._rounds + 1)
+        failed = self._health.wait_until_healthy()
+        phases.mark("health_check_done", round=self._rounds + 1, failures=failed)
 
     def _advertised_address(self, lighthouse: str) -> str:
         """This node's address for the job's other hosts (see the module docstring)."""
@@ -369,7 +465,21 @@ class FtlaunchRendezvousHandler(RendezvousHandler):
             return self._inner.shutdown()
         finally:
             self._worker_store = None
+            self._stop_standby()
             self._stop_hosted_lighthouse()
+
+    # the node's warm standby interpreter
+    def _start_standby(self) -> None:
+        """Start the node's standby, on demand (see `ftlaunch.launcher.standby`), once per agent and
+        before its first workers. Not where one is announced already: the ``ftlaunch`` launcher's
+        agent keeps its own (warming up from its start)."""
+        if env.zygote_socket() is None:
+            self._standby = Standby.start(on_demand=True)
+
+    def _stop_standby(self) -> None:
+        standby, self._standby = self._standby, None
+        if standby is not None:
+            standby.stop()
 
     # lighthouse
     def _ensure_lighthouse(self) -> str:
@@ -487,6 +597,7 @@ class FtlaunchRendezvousHandler(RendezvousHandler):
             local_addr=advertised,
         )
         env.publish(job.to_environ())
+        env.publish(cfg.checkpoint.to_environ())
 
 
 def _inner_params(params: RendezvousParameters, cfg: FtRendezvousConfig, run_id: str) -> RendezvousParameters:

@@ -10,6 +10,7 @@ and never quotes a checksum it did not get from a clean exit.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 from ftlaunch import env
@@ -18,7 +19,7 @@ from ftlaunch.launcher.group import RUNNING, Group
 from ftlaunch.launcher.lighthouse_host import JobLighthouse
 from ftlaunch.launcher.output import Console, format_table
 from ftlaunch.lighthouse.progress import Rewind
-from ftlaunch.lighthouse.status import LighthouseStatus
+from ftlaunch.lighthouse.status import HealthStatus, LighthouseStatus, StragglersStatus
 
 #: Seconds between two redraws of the status line (each reads the lighthouse status).
 STATUS_INTERVAL_S = 0.5
@@ -45,11 +46,55 @@ def lost(rewinds: Sequence[Rewind]) -> list[Rewind]:
     return [r for r in rewinds if not r.recovered]
 
 
+def last_durable(groups: Sequence[Group]) -> Group | None:
+    """The group that published the newest durable checkpoint (None: no group did)."""
+    return max((g for g in groups if g.durable_step), key=lambda g: g.durable_step or 0, default=None)
+
+
+def durable_text(groups: Sequence[Group], wall_now: float) -> str:
+    """`` | durable step 300 (12s ago)`` for the status line, or ``""`` when nothing was saved."""
+    g = last_durable(groups)
+    if g is None or g.durable_step is None:
+        return ""
+    age = f" ({max(0.0, wall_now - g.durable_time):.0f}s ago)" if g.durable_time and wall_now else ""
+    return f" | durable step {g.durable_step}{age}"
+
+
+def durable_lines(groups: Sequence[Group], wall_now: float) -> list[str]:
+    """The summary's account of durable checkpoints: the newest, the saves, the resume point."""
+    g = last_durable(groups)
+    resumed = max((x.resumed_from for x in groups if x.resumed_from), default=None)
+    if g is None and resumed is None:
+        return []
+    parts = []
+    if g is not None and g.durable_step is not None:
+        age = (
+            f", {max(0.0, wall_now - g.durable_time):.0f}s before the end"
+            if g.durable_time and wall_now
+            else ""
+        )
+        parts.append(
+            f"last at step {g.durable_step} (written by {g.replica_id} in {g.durable_seconds:.2f}s{age}); "
+            f"{sum(x.durable_saves for x in groups)} saved, {sum(x.durable_skipped for x in groups)} skipped "
+            f"(the previous still being written), {sum(x.durable_failed for x in groups)} failed"
+        )
+    else:
+        parts.append("none written by this run")
+    if resumed is not None:
+        parts.append(f"resumed from step {resumed}")
+    return ["[ftlaunch] durable checkpoints: " + "; ".join(parts)]
+
+
 def status_text(
-    groups: Sequence[Group], quorum_id: int | None, elapsed: float, rewinds: Sequence[Rewind] = ()
+    groups: Sequence[Group],
+    quorum_id: int | None,
+    elapsed: float,
+    rewinds: Sequence[Rewind] = (),
+    wall_now: float = 0.0,
 ) -> str:
-    """The one-line status: quorum, step, groups up, failures, restarts, time; and whether the job
-    lost progress (the last time it did)."""
+    """The one-line status: quorum, step, groups up, failures, restarts, time; the newest durable
+    checkpoint and its age (``wall_now``: the wall clock); and whether the job lost progress (the
+    last time it did)."""
     up = sum(1 for g in groups if g.state == RUNNING)
     step = max_step(groups)
     losses = lost(rewinds)
@@ -58,6 +103,7 @@ def status_text(
         f"step {step if step is not None else '-'} | groups up {up}/{len(groups)} | "
         f"failures {sum(g.failures for g in groups)} | restarts {sum(g.restarts for g in groups)} | "
         f"{elapsed:.0f}s"
+        + durable_text(groups, wall_now)
         + (
             f" | PROGRESS LOST: restarted from step {losses[-1].restarted_at} after step {losses[-1].reached}"
             if losses
@@ -102,7 +148,7 @@ class StatusLine:
             return
         self._last_draw = now
         self.quorum_id = self._lighthouse.quorum_id() or self.quorum_id
-        self._console.status(status_text(groups, self.quorum_id, now - self._started, rewinds))
+        self._console.status(status_text(groups, self.quorum_id, now - self._started, rewinds, time.time()))
 
     def last_quorum_id(self) -> int | None:
         """The quorum id now, or the last one seen (for the summary)."""
@@ -148,20 +194,30 @@ def summary_lines(
         )
     lines += ["[ftlaunch] " + line for line in format_table(SUMMARY_HEADERS, rows)]
     lines += _checksum_lines(groups)
+    lines += durable_lines(groups, time.time())
     lines += rewind_lines(rewinds, started_wall)
     if lighthouse is not None and lighthouse.progress:
         lines += lighthouse_lines(lighthouse)
+    if lighthouse is not None and lighthouse.stragglers is not None:
+        lines += straggler_lines(lighthouse.stragglers)
+    if lighthouse is not None:
+        lines += health_lines(lighthouse.health)
     if injections is not None:
         lines.append(f"[ftlaunch] chaos: {len(injections)} injection(s)")
         for inj in injections:
-            fate = (
-                f"group committed again {inj.rejoined_after:.1f}s later"
-                if inj.rejoined_after is not None
-                else "group did not commit again"
-            )
             at = f" at step {inj.step}" if inj.step is not None else ""
+            if inj.signal == "SLOW":
+                what = f"slowed down {inj.factor:g}x"
+                fate = f"for {inj.lasted:.1f}s" if inj.lasted is not None else "until the end"
+            else:
+                what = inj.signal
+                fate = (
+                    f"group committed again {inj.rejoined_after:.1f}s later"
+                    if inj.rejoined_after is not None
+                    else "group did not commit again"
+                )
             lines.append(
-                f"[ftlaunch]   t={inj.at - started:.1f}s {inj.signal} {env.replica_id(inj.group)} {inj.target}{at}: {fate}"
+                f"[ftlaunch]   t={inj.at - started:.1f}s {what} {env.replica_id(inj.group)} {inj.target}{at}: {fate}"
             )
         total = sum(g.committed for g in groups)
         losses = lost(rewinds)
@@ -196,7 +252,17 @@ def _checksum_lines(groups: Sequence[Group]) -> list[str]:
     return [f"[ftlaunch] WARNING: groups ended with different weights: {sorted(s for s in sums if s)}"]
 
 
-LIGHTHOUSE_HEADERS = ["group", "heals", "heal time", "step time", "quorum wait", "commit", "steps/s"]
+LIGHTHOUSE_HEADERS = [
+    "group",
+    "heals",
+    "heal time",
+    "step time",
+    "quorum wait",
+    "commit",
+    "own work",
+    "slowdown",
+    "steps/s",
+]
 
 
 def lighthouse_lines(status: LighthouseStatus) -> list[str]:
@@ -205,6 +271,12 @@ def lighthouse_lines(status: LighthouseStatus) -> list[str]:
         f"[ftlaunch] lighthouse: {status.quorum_changes} quorum change(s); per group, as the group "
         "leaders reported (times of the last committed step):"
     ]
+    judged = {v.replica_id: v for v in status.stragglers.groups} if status.stragglers is not None else {}
+
+    def slowdown(rid: str) -> str:
+        v = judged.get(rid)
+        return "-" if v is None else f"{v.slowdown:.1f}x" + (" straggler" if v.straggler else "")
+
     rows = [
         [
             p.replica_id,
@@ -213,8 +285,48 @@ def lighthouse_lines(status: LighthouseStatus) -> list[str]:
             f"{p.step_seconds * 1e3:.1f}ms",
             f"{p.quorum_seconds * 1e3:.1f}ms",
             f"{p.commit_seconds * 1e3:.1f}ms",
+            f"{p.compute_seconds * 1e3:.1f}ms",
+            slowdown(p.replica_id),
             f"{p.step_rate:.1f}",
         ]
         for p in status.progress
     ]
     return lines + ["[ftlaunch]   " + line for line in format_table(LIGHTHOUSE_HEADERS, rows)]
+
+
+def straggler_lines(st: StragglersStatus) -> list[str]:
+    """The stragglers the lighthouse judged at the end (slowdown: a group's own work per step over
+    the other groups'), and those it replaced (``--stragglers replace``)."""
+    lines = []
+    if st.stragglers:
+        found = ", ".join(f"{v.replica_id} {v.slowdown:.1f}x slower" for v in st.stragglers)
+        lines.append(f"[ftlaunch] stragglers at the end (--stragglers {st.policy}): {found}")
+    for r in st.replaced:
+        how = "its slot went to a hot spare" if r.how == "spare" else "it was restarted (no hot spare waited)"
+        came = (
+            f", whose first step committed {r.arrived - r.time:.1f}s later"
+            if r.arrived is not None
+            else "; its replacement committed no step"
+        )
+        lines.append(f"[ftlaunch] straggler {r.replica_id} ({r.slowdown:.1f}x slower) replaced: {how}{came}")
+    return lines
+
+
+def health_lines(health: Sequence[HealthStatus]) -> list[str]:
+    """The groups whose health check failed before they (re)joined (``--health-check``): which
+    check, how often, and -- for one still failing at the end, kept out -- its last line."""
+    lines = []
+    for h in health:
+        if not h.failures:
+            continue
+        if h.ok:
+            lines.append(
+                f"[ftlaunch] health check of {h.replica_id} failed {h.failures} time(s), then passed "
+                f"(the group joined): {h.check}"
+            )
+        else:
+            lines.append(
+                f"[ftlaunch] WARNING: health check of {h.replica_id} still failing at the end "
+                f"({h.failures} failure(s); the group stayed out): {h.check}: {h.last_line}"
+            )
+    return lines

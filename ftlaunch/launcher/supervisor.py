@@ -111,6 +111,12 @@ class Supervisor:
         self._status: StatusLine | None = None
         self._exit_root_cause: str | None = None
         self._progress_read_at = 0.0
+        self._kept_out_read_at = 0.0
+        #: Lighthouse name -> the group that trained under it (with spares a slot's names change hands).
+        self._names: dict[str, int] = {g.replica_id: g.gid for g in self.groups}
+        #: Stragglers already told (until they are no more), replacements already told.
+        self._slow_seen: set[str] = set()
+        self._replaced_seen: set[tuple[str, float]] = set()
         #: The times the job went back to an earlier step (the lighthouse's `Rewind`s), kept across
         #: lighthouse restarts, keyed by when and where.
         self._rewinds: dict[tuple[float, int, int], Rewind] = {}
@@ -239,11 +245,14 @@ class Supervisor:
             group_dir=os.path.join(self._log_dir, group.replica_id),
             incarnation=group.incarnation,
             news=self._events,
-            extra_env=(
-                {env.CUDA_VISIBLE_DEVICES: ",".join(self._devices[group.gid])}
-                if self._devices is not None
-                else None
-            ),
+            extra_env={
+                **(
+                    {env.CUDA_VISIBLE_DEVICES: ",".join(self._devices[group.gid])}
+                    if self._devices is not None
+                    else {}
+                ),
+                **env.health_check_environ(self.opts.health_check, self.opts.health_check_timeout),
+            },
         )
         if not config_written:
             self._log_disk.poll(force=True)
@@ -271,6 +280,7 @@ class Supervisor:
             self._log_disk.poll(now)
             for group in self.groups:
                 self._check_agent(group, now)
+            self._stop_kept_out(now)  # first: a group its check keeps out is not "recovering"
             self._stop_stragglers()
             procs.reap_zombies({a.proc.pid for a in self._agents.values()})
             self._read_progress(now)
@@ -342,7 +352,9 @@ class Supervisor:
             except Exception:  # noqa: BLE001 - informational: read again at the next interval
                 return
             groups = {name: self.groups[gid] for name, gid in self._takeovers.names(spares).items()}
+        self._names.update({name: g.gid for name, g in groups.items()})
         wall_offset = time.time() - time.monotonic()
+        self._read_stragglers(lighthouse, now, wall_offset)
         for p in progress:
             group = groups.get(p.replica_id)
             if group is None:
@@ -367,6 +379,49 @@ class Supervisor:
                     self._chaos.rejoined(group.gid, rejoined_at)
         self._timeline.sample(now, self.groups)
 
+    def _read_stragglers(self, lighthouse: JobLighthouse, now: float, wall_offset: float) -> None:
+        """Tell the user when the lighthouse finds a straggler or replaces one, and mark both on the
+        timeline (the replacement is the incident: its workers' end that follows is the same)."""
+        found = lighthouse.stragglers()
+        if found is None:
+            return
+        for v in found.stragglers:
+            if v.replica_id in self._slow_seen:
+                continue
+            self._slow_seen.add(v.replica_id)
+            gid = self._names.get(v.replica_id)
+            detail = (
+                f"straggler: {v.slowdown:.1f}x slower than the others ({v.compute_seconds * 1e3:.1f} ms of its "
+                f"own work per step against {v.reference_seconds * 1e3:.1f} ms)"
+            )
+            then = (
+                "replacing it"
+                if found.policy == "replace"
+                else "reported (--stragglers replace would replace it)"
+            )
+            self.console.err(f"[ftlaunch] replica group {v.replica_id} is a {detail}; {then}")
+            if gid is not None:
+                self._timeline.found_slow(gid, (v.since - wall_offset) if v.since else now, detail)
+        self._slow_seen &= {v.replica_id for v in found.stragglers}
+        for r in found.replaced:
+            key = (r.replica_id, r.time)
+            if key in self._replaced_seen:
+                continue
+            self._replaced_seen.add(key)
+            how = (
+                "its slot went to a hot spare"
+                if r.how == "spare"
+                else "told to restart (no hot spare waited)"
+            )
+            self.console.err(
+                f"[ftlaunch] replica group {r.replica_id} replaced as a straggler ({r.slowdown:.1f}x): {how}"
+            )
+            gid = self._names.get(r.replica_id)
+            if gid is not None:
+                at = min(r.time - wall_offset, now)
+                self.groups[gid].replaced_as_straggler(at)
+                self._timeline.straggler_replaced(gid, at, f"straggler ({r.slowdown:.1f}x): {how}")
+
     def _on_event(self, group: Group, ev: dict[str, Any]) -> None:
         now = time.monotonic()
         kind = ev.get("event")
@@ -379,6 +434,8 @@ class Supervisor:
                 self._timeline.failed(group.gid, now, failure)
                 self._keeper.report_failure(group, failure)
         elif kind == "worker_stopped":
+            if self._chaos is not None and self._chaos.throttling(int(ev.get("pid", -1)), now):
+                return  # a slowdown's stop (--chaos slow=), no hang
             stopped = f"rank {ev.get('rank')} (pid {ev.get('pid')}) stopped by {ev.get('signal')}"
             self._timeline.failed(group.gid, now, stopped, HANG)
             if not self.opts.kill_stopped:
@@ -465,6 +522,38 @@ class Supervisor:
             self.console.err(
                 f"[ftlaunch] replica group {group.gid}: the training finished while it was recovering "
                 "(nobody left to heal it from); stopped"
+            )
+
+    def _stop_kept_out(self, now: float) -> None:
+        """Once a group finished, stop the groups whose health check still keeps them out
+        (``--health-check``; the lighthouse has their reports): they never trained, and the job is
+        done without them. Looked up at most once a second."""
+        if not self.opts.health_check or now < self._kept_out_read_at + 1.0:
+            return
+        if not any(g.state == SUCCEEDED or g.finishing for g in self.groups):
+            return
+        waiting = [g for g in self.groups if g.state == STARTING and not g.terminal]
+        lighthouse = self._lighthouse
+        if not waiting or lighthouse is None:
+            return
+        self._kept_out_read_at = now
+        try:
+            failing = {h.replica_id: h for h in lighthouse.snapshot().health if not h.ok}
+        except Exception:  # noqa: BLE001 - informational: read again a second later
+            return
+        for group in waiting:
+            health = failing.get(group.replica_id)
+            if health is None:
+                continue
+            agent = self._agents.get(group.gid)
+            victims = self._group_processes(group)
+            if agent is not None and agent.proc.poll() is None:
+                victims.append(psutil.Process(agent.proc.pid))
+            procs.kill_procs(victims, timeout=5.0)
+            group.stopped_by_launcher()
+            self.console.err(
+                f"[ftlaunch] replica group {group.gid}: the training finished while its health check kept "
+                f"it out ({health.failures} failure(s), last: {health.last_line}); stopped"
             )
 
     def _group_processes(self, group: Group) -> list[psutil.Process]:

@@ -3,15 +3,16 @@
 `JobTimeline` records, on the supervisor's main thread: each group's step whenever the supervisor
 reads the progress from the lighthouse (every 0.1 s with the lighthouse it hosts; a `Series` per
 group, bounded however long the job runs), and what the supervisor learned happen to the groups --
-a chaos injection, a worker's or agent's death, a hang, a group failing for good, a rejoin, a hot
-spare taking a slot, the lighthouse down and back. It reads no clock (times are arguments, the
+a chaos injection (a slowdown is a span on the group's line), a worker's or agent's death, a hang, a
+group failing for good, a rejoin, a hot spare taking a slot, the lighthouse down and back, and what
+the lighthouse said about slow groups (found a straggler, replaced one). It reads no clock (times are arguments, the
 supervisor's monotonic clock) and writes nothing: `Timeline` is the renderer's input
 (`ftlaunch.lighthouse.timeline_svg`), and the supervisor writes the file.
 
 **One incident, one mark.** A chaos SIGKILL is followed, milliseconds later, by the agent's report
 of the worker's death; a SIGSTOP by the agent's report of the stopped worker. The injection is the
 mark (it says what was done), and the first report of the group's failure after it is the same
-incident. A second failure before the group is back (its restart died too) is a mark of its own.
+incident; so is a straggler replacement and its workers' end. A second failure before the group is back (its restart died too) is a mark of its own.
 
 `keep_timeline` decides whether a job's picture is written (see its docstring; docs/launcher.md).
 """
@@ -31,6 +32,8 @@ from ftlaunch.lighthouse.timeline import (
     GAVE_UP,
     HANG,
     LIGHTHOUSE,
+    SLOW,
+    STRAGGLER,
     Line,
     Mark,
     Series,
@@ -64,6 +67,7 @@ class JobTimeline:
         #: Groups whose last mark is a chaos injection not yet matched by the failure it causes.
         self._injected: set[int] = set()
         self._lighthouse_down_at: float | None = None
+        self._slowdowns: list[Injection] = []
 
     @property
     def failures(self) -> int:
@@ -81,7 +85,11 @@ class JobTimeline:
             series.add(now - self._started, g.last_step)
 
     def injected(self, injection: Injection) -> None:
-        """``--chaos`` hit a group."""
+        """``--chaos`` hit a group. A slowdown (``slow=``) is a span on the group's line, drawn to
+        where it ended (its injection says, once it did); the group trains on meanwhile."""
+        if injection.signal == "SLOW":
+            self._slowdowns.append(injection)
+            return
         kind = HANG if injection.signal == "SIGSTOP" else AGENT if injection.target == "agent" else FAILURE
         at = f" at step {injection.step}" if injection.step is not None else ""
         self._mark(
@@ -96,6 +104,16 @@ class JobTimeline:
             self._injected.discard(gid)
             return
         self._mark(now, kind, gid, detail)
+
+    def found_slow(self, gid: int, at: float, detail: str) -> None:
+        """The lighthouse found group ``gid`` a straggler (a moment, not a span)."""
+        self._mark(at, SLOW, gid, detail)
+
+    def straggler_replaced(self, gid: int, at: float, detail: str) -> None:
+        """The lighthouse replaced group ``gid`` as a straggler; the failure of its workers that
+        follows (fenced, or told to end) is the same incident."""
+        self._mark(at, STRAGGLER, gid, detail)
+        self._injected.add(gid)
 
     def recovered(self, gid: int, at: float, kind: str, detail: str = "") -> None:
         """Group ``gid`` is back (`REJOIN`), or a spare took its slot (`TAKEOVER`, on the spare)."""
@@ -126,6 +144,13 @@ class JobTimeline:
         marks = list(self._marks)
         if self._lighthouse_down_at is not None:
             marks.append(Mark(self._lighthouse_down_at - self._started, LIGHTHOUSE, None, "not restarted"))
+        for inj in self._slowdowns:
+            until = min(inj.until if inj.until is not None else now, now)
+            at = f" at step {inj.step}" if inj.step is not None else ""
+            detail = f"chaos: slowed down {inj.factor:g}x for {until - inj.at:.1f}s{at}"
+            marks.append(
+                Mark(inj.at - self._started, SLOW, env.replica_id(inj.group), detail, until - self._started)
+            )
         lines = tuple(Line(env.replica_id(gid), self._series[gid].points()) for gid in sorted(self._series))
         return Timeline(
             title,

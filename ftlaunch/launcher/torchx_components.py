@@ -4,9 +4,10 @@ torchx addresses ``ftlaunch:hsdp`` by the function *defined* in ``ftlaunch/__ini
 that file's source), so the thin, documented definitions live there and call `hsdp_app` here.
 
 The app has one ``lighthouse`` role (first) and one role per replica group (``rg0``, ``rg1``, ...),
-each ``torchrun --rdzv-backend ftlaunch --nnodes nnodes_per_replica`` run by
-`ftlaunch.launcher.group_role` -- so torchelastic restarts a group's workers on its own, a group
-never waits for another, and a group's end never ends the others. No port is fixed: the lighthouse
+each ``torchrun --rdzv-backend ftlaunch --nnodes nnodes_per_replica ... -m ftlaunch.run SCRIPT``
+run by `ftlaunch.launcher.group_role` -- so torchelastic restarts a group's workers on its own, a
+group never waits for another, and a group's end never ends the others; and each worker is forked
+from its node's warm standby interpreter (`ftlaunch.run`), so a restart costs no torch import. No port is fixed: the lighthouse
 role binds a free port and publishes its address in the job directory; multi-node groups meet in a
 file store there too. What depends on the scheduler (the job directory, loopback or all interfaces,
 the lighthouse's host) is decided by each role at start-up from torchx's macros
@@ -28,6 +29,8 @@ _ANNOTATION_NAMES = {"str": str, "int": int, "float": float, "bool": bool, "dict
 #: What ``ftlaunch:hsdp`` runs when neither ``--script`` nor ``-m`` is given (relative to the role's
 #: working directory: the checkout for ``local_cwd``, the image's for containers).
 DEFAULT_SCRIPT = "scripts/train_hsdp.py"
+#: What torchrun runs in front of the script: ``python -u -m ftlaunch.run SCRIPT ...`` (`ftlaunch.run`).
+WORKER_MODULE = ("-m", "ftlaunch.run")
 #: Retries the lighthouse role gets at least (``max_retries`` applies if larger).
 LIGHTHOUSE_ROLE_RETRIES = 3
 
@@ -92,6 +95,10 @@ def hsdp_app(
     mounts: list[str] | None,
     tee: int,
     spares: int = 0,
+    stragglers: str = "report",
+    health_check: str = "",
+    checkpoint_dir: str = "",
+    checkpoint_every: int = 100,
 ) -> AppDef:
     """Build the AppDef; see ``ftlaunch.hsdp`` for the meaning and the defaults of every argument.
 
@@ -125,7 +132,19 @@ def hsdp_app(
         raise ConfigurationError(f"--min_replicas {min_replicas} > --replicas {replicas}")
     if max_restarts < 0:
         raise ConfigurationError("--max_restarts must be >= 0")
+    if stragglers not in ftenv.STRAGGLER_POLICIES:
+        raise ConfigurationError(
+            f"--stragglers {stragglers!r} must be one of {', '.join(ftenv.STRAGGLER_POLICIES)}"
+        )
+    if lighthouse and stragglers != "report":
+        raise ConfigurationError(
+            "--stragglers sets the policy of the lighthouse role; the lighthouse at --lighthouse has its own "
+            "(ftlaunch-lighthouse --stragglers)"
+        )
     JOIN_TIMEOUT.checked(join_timeout, "--join_timeout")
+    if checkpoint_every < 0:
+        raise ConfigurationError(f"--checkpoint_every must be >= 0 (got {checkpoint_every})")
+    durable_env = ftenv.CheckpointEnv(checkpoint_dir or None, checkpoint_every).to_environ()
     HEARTBEAT_TIMEOUT.checked(heartbeat_timeout, "--heartbeat_timeout")
 
     image = image or torchx.IMAGE
@@ -159,6 +178,8 @@ def hsdp_app(
                     str(join_timeout),
                     "--heartbeat-timeout",
                     str(heartbeat_timeout),
+                    "--stragglers",
+                    stragglers,
                     "--bind",
                     lighthouse_bind or AUTO,
                     *(["--cleanup"] if own_job_dir else []),
@@ -189,7 +210,9 @@ def hsdp_app(
             "--tee",
             str(tee),
         ]
-        torchrun += [script] if script is not None else ["-m", m or ""]
+        # Every worker through `ftlaunch.run`: forked from its node's warm standby, torch imported
+        # (the group's rendezvous starts the standby), its Baby child forked before the script runs.
+        torchrun += [*WORKER_MODULE, *([script] if script is not None else ["-m", m or ""])]
         torchrun += list(script_args)
         roles.append(
             specs.Role(
@@ -214,7 +237,12 @@ def hsdp_app(
                     *torchrun,
                 ],
                 num_replicas=nnodes_per_replica,
-                env={**base_env, **_job_environ(group, replicas, lighthouse, spares)},
+                env={
+                    **base_env,
+                    **durable_env,
+                    **_job_environ(group, replicas, lighthouse, spares),
+                    **ftenv.health_check_environ(health_check.strip() or None, None),
+                },
                 resource=resource,
                 mounts=parsed_mounts,
                 max_retries=max_retries,

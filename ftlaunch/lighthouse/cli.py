@@ -81,6 +81,13 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     p.add_argument(
+        "--stragglers",
+        choices=env.STRAGGLER_POLICIES,
+        default=None,
+        help="slow groups (docs/lighthouse.md, Stragglers): report them, or also replace a persistent "
+        f"one with a hot spare or by restarting it (default: ${env.FTLAUNCH_STRAGGLERS}, else report)",
+    )
+    p.add_argument(
         "--token",
         default=env.job_token(),
         help=f"job token every group and admin request must carry (default: ${env.FTLAUNCH_TOKEN}); "
@@ -98,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     from ftlaunch.lighthouse.server import LighthouseServer, collect_less
 
     try:
+        stragglers = args.stragglers or env.stragglers() or "report"
         server = LighthouseServer(
             args.bind,
             min_replicas=args.min_replicas,
@@ -107,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
             heartbeat_timeout=args.heartbeat_timeout,
             token=args.token,
             startup_grace=args.startup_grace,
+            stragglers=stragglers,
         )
     except ConfigurationError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)

@@ -30,6 +30,7 @@ from typing import Any, Protocol
 from ftlaunch.addresses import http_url, parse_host_port
 from ftlaunch.errors import EvictedError, LighthouseError
 from ftlaunch.lighthouse.channel import Channel, raise_for
+from ftlaunch.lighthouse.health import HealthReport
 from ftlaunch.lighthouse.progress import ProgressReport
 from ftlaunch.lighthouse.protocol import MAX_ADVISED_INTERVAL, PATH_PREFIX
 from ftlaunch.lighthouse.quorum import Quorum, QuorumMember
@@ -485,6 +486,12 @@ class LighthouseClient:
             "/admin/report_failure",
             {"replica_id": replica_id, "reason": reason},
             f"report_failure of {replica_id}",
+        )
+
+    def report_health(self, replica_id: str, report: HealthReport) -> None:
+        """Tell the lighthouse how the group's health check went (its agent, before the workers)."""
+        self._call(
+            "/health", {"replica_id": replica_id, **report.to_json()}, f"health report of {replica_id}"
         )
 
     def kill(self, replica_id: str, reason: str = "") -> None:

@@ -26,8 +26,19 @@ from typing import Any
 from ftlaunch.lighthouse import timeline_svg
 from ftlaunch.lighthouse.progress import GroupProgress
 from ftlaunch.lighthouse.quorum import decode_quorum_id
-from ftlaunch.lighthouse.status import HUNG_REASON, LighthouseStatus, SparesStatus
-from ftlaunch.lighthouse.timeline import FAILURE, HANG, REJOIN, TAKEOVER, Line, Mark, Timeline
+from ftlaunch.lighthouse.status import HUNG_REASON, LighthouseStatus, SparesStatus, StragglersStatus
+from ftlaunch.lighthouse.stragglers import STRAGGLER_REASON
+from ftlaunch.lighthouse.timeline import (
+    FAILURE,
+    HANG,
+    REJOIN,
+    SLOW,
+    STRAGGLER,
+    TAKEOVER,
+    Line,
+    Mark,
+    Timeline,
+)
 
 REFRESH_SECONDS = 2
 
@@ -127,6 +138,8 @@ def render(status: LighthouseStatus) -> str:
     out += _groups_section(status)
     if status.spares is not None:
         out += _spares_html(status.spares)
+    if status.stragglers is not None:
+        out += _stragglers_html(status.stragglers)
     out += _history_section(status)
     out.append(f"<p class='muted'>as of {_e(when(status.time))}</p>")
     out.append("</div>")
@@ -137,19 +150,22 @@ def render(status: LighthouseStatus) -> str:
 
 #: History events in which the lighthouse saw a group go down, and the mark each one makes.
 _DOWN_EVENTS = {"failed": FAILURE, "disconnected": FAILURE, "evicted": FAILURE, "silent": HANG}
+#: History events a mark of a group's own starts from (the picture's t = 0 is no later than them).
+_MARKED = {*_DOWN_EVENTS, "straggler", "straggler_replaced"}
 
 
 def timeline_of(status: LighthouseStatus) -> Timeline:
     """The dashboard's picture of ``status``: each group's step over time (its progress series) and
     what the history says happened to it. A group goes down when the lighthouse records it
-    ``failed`` (a hang when it was declared hung), ``disconnected``, ``evicted`` or ``silent``; it is
-    back at the first quorum with it in again. A hang also ends when the group is heard from again
+    ``failed`` (a hang when it was declared hung), ``disconnected``, ``evicted`` or ``silent``, or the
+    lighthouse replaced it as a straggler (``straggler_replaced``, or ``failed`` for it); it is
+    back at the first quorum with it in again. ``straggler``: it was found slow (a moment). A hang also ends when the group is heard from again
     while no quorum has left it out (the same process carried on); a failed group's process is gone,
     whatever a last heartbeat of it says. A hot spare ``claimed`` a slot: it took over. t = 0 is the
     first thing the picture shows."""
     history = sorted(status.history, key=lambda h: h.time)  # the status lists it newest first
     firsts = [p.timeline[0][0] for p in status.progress if p.timeline]
-    origin = min(firsts + [h.time for h in history if h.replica_id and h.event in _DOWN_EVENTS], default=0.0)
+    origin = min(firsts + [h.time for h in history if h.replica_id and h.event in _MARKED], default=0.0)
     lines = tuple(Line(p.replica_id, tuple((t - origin, v) for t, v in p.timeline)) for p in status.progress)
     marks: list[Mark] = []
     down: dict[str, str] = {}  # replica id -> the kind of mark that took it down
@@ -163,8 +179,19 @@ def timeline_of(status: LighthouseStatus) -> Timeline:
                 del down[back]
         elif rid is None:
             continue
+        elif h.event == "straggler":
+            marks.append(Mark(at, SLOW, rid, f"straggler: {h.detail}"))
+        elif h.event == "straggler_replaced" and rid not in down:
+            marks.append(Mark(at, STRAGGLER, rid, h.detail))
+            down[rid] = STRAGGLER
         elif h.event in _DOWN_EVENTS and rid not in down:
-            kind = HANG if h.detail.startswith(HUNG_REASON) else _DOWN_EVENTS[h.event]
+            kind = (
+                HANG
+                if h.detail.startswith(HUNG_REASON)
+                else STRAGGLER
+                if h.detail.startswith(STRAGGLER_REASON)
+                else _DOWN_EVENTS[h.event]
+            )
             marks.append(Mark(at, kind, rid, f"{h.event}: {h.detail}" if h.detail else h.event))
             down[rid] = kind
         elif h.event == "revived" and down.get(rid) == HANG and rid in in_quorum:
@@ -234,16 +261,27 @@ def _quorum_section(status: LighthouseStatus) -> list[str]:
 
 def _progress_cells(p: GroupProgress | None) -> str:
     if p is None:
-        return "<td></td>" * 6
+        return "<td></td>" * 7
     return (
         f"<td class='num'>{_e(p.committed)}</td><td class='num step-rate'>{_e(f'{p.step_rate:.2f}')}</td>"
         f"<td class='num'>{_e(_secs(p.step_seconds))}</td><td class='num'>{_e(p.heals)}</td>"
         f"<td class='num heal-time'>{_e(f'{p.heal_seconds:.2f}')} s</td><td class='num'>{_e(p.restarts)}</td>"
+        f"<td class='num durable' title='{_e(_durable_title(p))}'>{_e(p.durable_step or '-')}</td>"
+    )
+
+
+def _durable_title(p: GroupProgress) -> str:
+    """The durable-checkpoint figures behind the group's "durable step" cell."""
+    resumed = f", resumed from step {p.resumed_from}" if p.resumed_from else ""
+    return (
+        f"{p.durable_saves} saved ({p.durable_seconds:.2f} s the last), {p.durable_skipped} skipped, "
+        f"{p.durable_failed} failed{resumed}"
     )
 
 
 _PROGRESS_HEADERS = (
     "<th>committed</th><th>steps/s</th><th>step time</th><th>heals</th><th>heal time</th><th>restarts</th>"
+    "<th>durable step</th>"
 )
 
 
@@ -334,4 +372,49 @@ def _spares_html(spares: SparesStatus) -> list[str]:
         out.append(
             f"<p>Replaced (refused if heard again): <span class='mono'>{_e(', '.join(spares.fenced))}</span></p>"
         )
+    return out
+
+
+def _stragglers_html(st: StragglersStatus) -> list[str]:
+    """Slow groups: each judged member's own work per step against the others' (medians of its last
+    committed steps), which are stragglers, and the ones replaced."""
+    found = st.stragglers
+    title = f"{len(found)} straggler(s)" if found else "none now"
+    out = [
+        f"<h2>Stragglers ({_e(title)}; policy <span class='mono'>{_e(st.policy)}</span>)</h2>",
+        f"<p class='muted'>A member whose own work per step (before it needs the others) is "
+        f"{_e(f'{st.enter:g}')}x the other members' (medians of its last {_e(st.window)} committed "
+        f"steps) is a straggler until it is back under {_e(f'{st.leave:g}')}x"
+        + (
+            "; replace gives a persistent one's slot to a hot spare, else restarts it"
+            if st.policy == "replace"
+            else ""
+        )
+        + ".</p>",
+    ]
+    if st.groups:
+        out.append(
+            "<table id='stragglers'><tr><th>replica</th><th>slowdown</th><th>own work per step</th>"
+            "<th>others'</th><th>steps</th><th>straggler</th></tr>"
+        )
+        for g in st.groups:
+            flag = f"since {_e(when(g.since))}" if g.straggler and g.since else ("yes" if g.straggler else "")
+            style = " style='color:#cf222e;font-weight:600'" if g.straggler else ""
+            out.append(
+                f"<tr data-replica='{_e(g.replica_id)}'><td class='mono'>{_e(g.replica_id)}</td>"
+                f"<td class='num slowdown'{style}>{_e(f'{g.slowdown:.2f}')}x</td>"
+                f"<td class='num'>{_e(_secs(g.compute_seconds))}</td><td class='num'>{_e(_secs(g.reference_seconds))}</td>"
+                f"<td class='num'>{_e(g.steps)}</td><td>{flag}</td></tr>"
+            )
+        out.append("</table>")
+    else:
+        out.append("<p class='muted'>no verdict yet (every member needs a few committed steps)</p>")
+    if st.replacing:
+        out.append(f"<p>Replacement in flight: <span class='mono'>{_e(st.replacing)}</span></p>")
+    if st.replaced:
+        items = ", ".join(
+            f"{r.replica_id} ({r.slowdown:.1f}x, {'hot spare' if r.how == 'spare' else 'restarted'}, {when(r.time)})"
+            for r in st.replaced
+        )
+        out.append(f"<p>Replaced: <span class='mono'>{_e(items)}</span></p>")
     return out

@@ -11,11 +11,14 @@ the lighthouse's state, each the only writer of its own:
 - `hung.HungWatch`: which members report their step blocked in a collective;
 - `spares.SpareSlots`: the slot table of a job with hot spares (created by the first claim);
 - `progress.ProgressBook`: the training progress the group leaders report;
+- `stragglers.StragglerWatch`: each member's compute times, the slow ones, their replacements;
+- `health.HealthBook`: what each group's agent reported of its health check before it (re)joined;
 
 and keeps two things of its own: the history of events (for the status) and the quorum ids. After
 every event it asks the pure rules what should happen -- `admission.refusal` and `arrival`, the
 quorum decision (`quorum.decide_quorum`), `hung.hung_members`, `resume.adoption`,
-`roster.forgettable`, the slot rule (`slots.assign`, through the table) -- and applies the answer
+`roster.forgettable`, the slot rule (`slots.assign`, through the table), the straggler rule
+(`stragglers.judge`, `stragglers.to_replace`) -- and applies the answer
 to the collaborators, records it and logs it. So what changes the state is read here; what the
 rules are is read in their modules.
 
@@ -43,11 +46,13 @@ from ftlaunch.lighthouse.admission import (
     implausible_step,
     refusal,
 )
+from ftlaunch.lighthouse.health import FAILING, HealthBook, HealthReport
 from ftlaunch.lighthouse.hung import HungWatch, hung_members, left_behind, silence_limit
 from ftlaunch.lighthouse.progress import GroupProgress, ProgressBook, ProgressReport, Rewind
 from ftlaunch.lighthouse.protocol import ANONYMOUS, advised_heartbeat_interval
 from ftlaunch.lighthouse.quorum import (
     Connection,
+    Health,
     Quorum,
     QuorumIdAllocator,
     QuorumMember,
@@ -65,10 +70,22 @@ from ftlaunch.lighthouse.status import (
     GroupStatus,
     HistoryEvent,
     LighthouseStatus,
+    ReplacedStatus,
     SlotStatus,
     SparesStatus,
     SpareStatus,
     StatusOptions,
+    StragglersStatus,
+    StragglerStatus,
+)
+from ftlaunch.lighthouse.stragglers import (
+    REPLACE,
+    REPORT,
+    STRAGGLER_REASON,
+    Standing,
+    StragglerRule,
+    StragglerWatch,
+    to_replace,
 )
 from ftlaunch.lighthouse.tickets import (
     Abandoned,
@@ -140,7 +157,11 @@ class Membership:
         forget_after: float | None = None,
         max_groups: int = MAX_GROUPS,
         startup_grace: float = 0.0,
+        stragglers: str = REPORT,
+        straggler_rule: StragglerRule | None = None,
     ) -> None:
+        """``stragglers``: the policy for slow groups (lighthouse/stragglers.py), ``report`` (show
+        them) or ``replace`` (also replace persistent ones); ``straggler_rule``: its thresholds."""
         self._options = options
         #: Seconds an id that never joined a quorum is kept once it is no longer live (silent,
         #: disconnected, failed): max(60 s, 4 x heartbeat_timeout) unless given.
@@ -159,6 +180,10 @@ class Membership:
         self._spares: SpareSlots | None = None
         # Training progress the group leaders report (lighthouse/progress.py); outlives the groups.
         self._progress = ProgressBook()
+        # Slow groups, judged from the compute times of those reports (lighthouse/stragglers.py).
+        self._stragglers = StragglerWatch(stragglers, straggler_rule)
+        # Health checks the groups' agents ran before (re)joining (lighthouse/health.py).
+        self._health = HealthBook()
         self._ids = ids if ids is not None else _new_ids(wall_clock)
         self._history: deque[HistoryEvent] = deque(maxlen=HISTORY_LEN)
         self._closed = False
@@ -304,6 +329,23 @@ class Membership:
             self._mark_down(replica_id, Connection.FAILED, reason)
             return True
 
+    def report_health(self, replica_id: str, report: HealthReport) -> None:
+        """A group's agent ran its health check (before the group's workers start or restart):
+        remembered for the status; the history records when a group's check starts failing and
+        when it passes again. Nothing else changes: a group kept out by its check simply does not
+        ask for a quorum, so the others go on without it."""
+        with self._lock:
+            change = self._health.report(replica_id, report, self._wall())
+            if change == FAILING:
+                detail = f"{report.check}: {report.last_line}" if report.last_line else report.check
+                self._record(change, replica_id, detail)
+                log.warning("lighthouse: replica %s kept out by its health check: %s", replica_id, detail)
+            elif change is not None:
+                entry = self._health.entry(replica_id)
+                failed = entry.failures if entry is not None else 0
+                self._record(change, replica_id, f"{report.check} passed ({failed} failure(s) in all)")
+                log.info("lighthouse: replica %s passed its health check", replica_id)
+
     def evict(self, replica_id: str, reason: str) -> bool:
         """Drop a group; its waiting request, or else its next request, learns it (`Evicted`, once).
         Returns False if the group is unknown."""
@@ -384,6 +426,8 @@ class Membership:
         with self._lock:
             now = self._clock()
             self._declare_hung(now)
+            if self._stragglers.due(now):
+                self._judge_stragglers(now)
             roster = self._roster
             for rid in newly_silent(roster.groups, roster.infos, now, hb):
                 reason = f"no heartbeat for {hb:g}s"
@@ -517,8 +561,16 @@ class Membership:
                 progress=self._progress.snapshot(wall),
                 quorum_changes=self._round.changes,
                 step_rate=round(self._progress.job_step_rate(wall), 4),
+                stragglers=self._stragglers_status(),
                 rewinds=self._progress.rewinds(),
+                health=self._health.snapshot(),
             )
+
+    def stragglers(self) -> StragglersStatus:
+        """The straggler verdicts and replacements (cheaper than `snapshot`: the launcher reads it
+        with the progress)."""
+        with self._lock:
+            return self._stragglers_status()
 
     def progress(self) -> tuple[GroupProgress, ...]:
         """Every group's training progress, groups that left or died included (cheaper than
@@ -549,7 +601,11 @@ class Membership:
 
     def _report_progress(self, rid: str, progress: ProgressReport | None) -> None:
         if progress is not None:
-            self._progress.report(rid, progress, self._wall())
+            wall = self._wall()
+            self._progress.report(rid, progress, wall)
+            watch = self._stragglers
+            if watch.report(rid, progress.session, progress.commits, progress.compute_seconds, wall):
+                log.info("lighthouse: %s committed: the straggler replacement arrived", rid)
 
     def _count_down(self, rid: str) -> None:
         """A group went down: one failure per incident in the progress book."""
@@ -681,6 +737,86 @@ class Membership:
                 self._roster.note_in_a_quorum(member.replica_id)
             self._mark_down(member.replica_id, Connection.FAILED, member.reason(quorum.quorum_id))
 
+    def _judge_stragglers(self, now: float) -> None:
+        """Judge the members of the quorum in use (`stragglers.judge`), record who became a
+        straggler or stopped being one, and with the policy ``replace`` replace a persistent one
+        (`stragglers.to_replace`)."""
+        watch = self._stragglers
+        quorum = self._round.current
+        if quorum is None:
+            return
+        wall = self._wall()
+        became, cleared = watch.judge(quorum.replica_ids, self._roster.groups, now, wall)
+        for s in became:
+            detail = _slow(s)
+            self._record("straggler", s.replica_id, detail)
+            log.warning("lighthouse: replica %s is a straggler: %s", s.replica_id, detail)
+        for s in cleared:
+            self._record("straggler_cleared", s.replica_id, f"{s.slowdown:.2f}x the others' compute now")
+            log.info("lighthouse: replica %s is no straggler any more (%.2fx)", s.replica_id, s.slowdown)
+        if watch.policy != REPLACE:
+            return
+        live = [
+            rid
+            for rid in quorum.replica_ids
+            if (g := self._roster.groups.get(rid)) is not None
+            and group_health(g, now, self._options) is Health.LIVE
+        ]
+        chosen = to_replace(
+            watch.standings, live, self._options.min_replicas, watch.busy(now), watch.rule, now
+        )
+        if chosen is not None:
+            self._replace_straggler(chosen, now, wall)
+
+    def _replace_straggler(self, s: Standing, now: float, wall: float) -> None:
+        """Give the straggler's slot to a hot spare when one waits: it is marked failed (its peers
+        abort the step they share with it, as for a hung member) and the slot rule hands the slot
+        on, fencing its name. Otherwise tell it to end its process (as the dashboard's Kill does):
+        its agent restarts it, and it rejoins and heals."""
+        rid = s.replica_id
+        reason = f"{STRAGGLER_REASON}{_slow(s)}"
+        spares = self._spares
+        if spares is not None and any(polls for _name, _pref, _since, polls in spares.waiting()):
+            self._mark_down(rid, Connection.FAILED, reason)  # the slot rule runs: a spare takes it
+            if spares.fenced(rid) is not None:
+                self._stragglers.replaced(s, "spare", now, wall)
+                self._record("straggler_replaced", rid, f"{reason}; its slot went to a hot spare")
+                log.warning("lighthouse: replaced straggler %s with a hot spare: %s", rid, reason)
+                return
+            # The spare stopped asking meanwhile: restart the straggler instead.
+        self._stragglers.replaced(s, "restart", now, wall)
+        self._roster.request_kill(rid, f"{reason}; restarting it (no hot spare waits)")
+        self._record("straggler_replaced", rid, f"{reason}; told to restart (no hot spare waits)")
+        log.warning("lighthouse: restarting straggler %s (no hot spare waits): %s", rid, reason)
+
+    def _stragglers_status(self) -> StragglersStatus:
+        watch = self._stragglers
+        rule = watch.rule
+        return StragglersStatus(
+            policy=watch.policy,
+            window=rule.window,
+            enter=rule.enter,
+            leave=rule.leave,
+            groups=tuple(
+                StragglerStatus(
+                    s.replica_id,
+                    round(s.slowdown, 3),
+                    round(s.compute, 6),
+                    round(s.reference, 6),
+                    s.steps,
+                    s.straggler,
+                    watch.flagged_at(s.replica_id),
+                )
+                for s in sorted(watch.standings.values(), key=lambda s: s.replica_id)
+            ),
+            replacing=watch.replacing,
+            replaced=tuple(
+                ReplacedStatus(r.replica_id, round(r.slowdown, 3), r.how, r.time, r.arrived)
+                for r in watch.history
+            ),
+            replacements=watch.replacements,
+        )
+
     def _waiting_reason(self, now: float) -> str:
         rnd = self._round
         if not rnd.requests:
@@ -791,3 +927,11 @@ class Membership:
             for name, preferred, since, polls in spares.waiting()
         )
         return SparesStatus(slots, waiting, spares.promotions, tuple(spares.fenced_names))
+
+
+def _slow(s: Standing) -> str:
+    """How slow a straggler is, for its history entry and the log."""
+    return (
+        f"{s.slowdown:.1f}x slower than the others: {s.compute * 1e3:.1f} ms of its own work per "
+        f"committed step against {s.reference * 1e3:.1f} ms (medians)"
+    )

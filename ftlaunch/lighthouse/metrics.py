@@ -87,6 +87,18 @@ def _job(status: LighthouseStatus) -> Iterator[Metric]:
     spares = _spares(status)
     if spares is not None:
         yield GaugeMetricFamily("ftlaunch_spares", "Hot spare groups waiting to be promoted.", value=spares)
+    stragglers = status.stragglers
+    if stragglers is not None:
+        yield GaugeMetricFamily(
+            "ftlaunch_stragglers",
+            "Members of the current quorum judged stragglers.",
+            value=len(stragglers.stragglers),
+        )
+        yield CounterMetricFamily(
+            "ftlaunch_stragglers_replaced",
+            "Stragglers replaced (--stragglers replace): by a hot spare or a restart.",
+            value=stragglers.replacements,
+        )
 
 
 def _spares(status: LighthouseStatus) -> int | None:
@@ -142,8 +154,39 @@ def _groups(status: LighthouseStatus) -> Iterator[Metric]:
     commit_s = gauge(
         "ftlaunch_group_commit_seconds", "Of the last step: the commit (pending allreduces and the votes)."
     )
+    compute_s = gauge(
+        "ftlaunch_group_compute_seconds",
+        "Of the last step: the group's own work before it needed the other groups (the straggler signal).",
+    )
+    d_step = gauge(
+        "ftlaunch_group_durable_step", "Step of the newest durable checkpoint the group wrote (0: none)."
+    )
+    d_time = gauge(
+        "ftlaunch_group_durable_timestamp_seconds", "When the group published it (its writer's clock)."
+    )
+    d_secs = gauge(
+        "ftlaunch_group_durable_seconds", "Seconds the group's last durable checkpoint took to write."
+    )
+    d_saves = counter(
+        "ftlaunch_group_durable_saves", "Durable checkpoints the group's current process wrote."
+    )
+    d_skip = counter(
+        "ftlaunch_group_durable_skipped",
+        "Durable checkpoints skipped: the previous one was still being written.",
+    )
+    d_fail = counter("ftlaunch_group_durable_failed", "Durable checkpoints that failed (a full disk, say).")
+    d_resumed = gauge(
+        "ftlaunch_group_resumed_from", "Step the group resumed from a durable checkpoint (0: none)."
+    )
     for p in status.progress:
         key = [p.replica_id]
+        d_step.add_metric(key, p.durable_step)
+        d_time.add_metric(key, p.durable_time)
+        d_secs.add_metric(key, p.durable_seconds)
+        d_saves.add_metric(key, p.durable_saves)
+        d_skip.add_metric(key, p.durable_skipped)
+        d_fail.add_metric(key, p.durable_failed)
+        d_resumed.add_metric(key, p.resumed_from)
         step.add_metric(key, p.step)
         committed.add_metric(key, p.committed)
         failures.add_metric(key, p.failures)
@@ -154,7 +197,41 @@ def _groups(status: LighthouseStatus) -> Iterator[Metric]:
         step_s.add_metric(key, p.step_seconds)
         quorum_s.add_metric(key, p.quorum_seconds)
         commit_s.add_metric(key, p.commit_seconds)
-    yield from (step, committed, failures, restarts, heals, heal_s, rate, step_s, quorum_s, commit_s)
+        compute_s.add_metric(key, p.compute_seconds)
+    yield from (
+        step,
+        committed,
+        failures,
+        restarts,
+        heals,
+        heal_s,
+        rate,
+        step_s,
+        quorum_s,
+        commit_s,
+        compute_s,
+    )
+    slowdown = gauge(
+        "ftlaunch_group_slowdown",
+        "The group's own work per step over the other groups' (medians of the last committed steps).",
+    )
+    straggler = gauge("ftlaunch_group_straggler", "1 while the lighthouse judges the group a straggler.")
+    for v in status.stragglers.groups if status.stragglers is not None else ():
+        slowdown.add_metric([v.replica_id], v.slowdown)
+        straggler.add_metric([v.replica_id], 1 if v.straggler else 0)
+    yield from (slowdown, straggler)
+    failing = gauge(
+        "ftlaunch_group_health_failing",
+        "1 while the group's health check fails (its agent keeps it out and runs the check again).",
+    )
+    checks_failed = counter(
+        "ftlaunch_group_health_check_failures", "Runs of the group's health check that failed."
+    )
+    for h in status.health:
+        failing.add_metric([h.replica_id], 0 if h.ok else 1)
+        checks_failed.add_metric([h.replica_id], h.failures)
+    yield from (failing, checks_failed)
+    yield from (d_step, d_time, d_secs, d_saves, d_skip, d_fail, d_resumed)
 
 
 class MetricsExporter:

@@ -56,9 +56,22 @@ _REPORT_FIELDS: dict[str, tuple[type, ...]] = {
     "step_seconds": (float, int),
     "quorum_seconds": (float, int),
     "commit_seconds": (float, int),
+    "compute_seconds": (float, int),
     "checksum": (str,),
     "finished": (bool,),
+    "durable_step": (int,),
+    "durable_time": (float, int),
+    "durable_seconds": (float, int),
+    "durable_saves": (int,),
+    "durable_skipped": (int,),
+    "durable_failed": (int,),
+    "resumed_from": (int,),
 }
+#: The durable-checkpoint fields of a report and of `GroupProgress` (the session's, as last reported).
+DURABLE_FIELDS = (
+    "durable_step", "durable_time", "durable_seconds", "durable_saves", "durable_skipped",
+    "durable_failed", "resumed_from",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -84,8 +97,22 @@ class ProgressReport:
     quorum_seconds: float = 0.0
     #: Of which the commit: waiting for the step's allreduces and the votes.
     commit_seconds: float = 0.0
+    #: The group's own work in the last committed step: from the previous commit decision to the
+    #: step's first collective (or its commit), less the time it waited for the quorum. What tells
+    #: a slow group from the fast ones, which wait for it in the collectives (lighthouse/stragglers.py).
+    compute_seconds: float = 0.0
     checksum: str = ""
     finished: bool = False
+    #: Durable checkpoints (`ftlaunch.worker.durable`) of this session: the last one it published
+    #: (step, 0: none; the writer's wall clock; seconds the write took), saves published, skipped
+    #: (the previous still ran) and failed, and the step the process resumed from (0: none).
+    durable_step: int = 0
+    durable_time: float = 0.0
+    durable_seconds: float = 0.0
+    durable_saves: int = 0
+    durable_skipped: int = 0
+    durable_failed: int = 0
+    resumed_from: int = 0
 
     def __post_init__(self) -> None:
         for name, types in _REPORT_FIELDS.items():
@@ -186,6 +213,8 @@ class GroupProgress:
     step_seconds: float = 0.0
     quorum_seconds: float = 0.0
     commit_seconds: float = 0.0
+    #: The last committed step's own work, before it needed the other groups (`ProgressReport`).
+    compute_seconds: float = 0.0
     #: Committed steps per second over the last `RATE_WINDOW_S`.
     step_rate: float = 0.0
     #: The current (last) session's id, and the lighthouse's wall time of its first commit report.
@@ -205,6 +234,14 @@ class GroupProgress:
     stopped_after_end: bool = False
     #: ``(wall time, step)`` over the group's life, thinned (`timeline.Series`): the dashboard's picture.
     timeline: tuple[Point, ...] = ()
+    #: Durable checkpoints of its current session, as it last reported them (`ProgressReport`).
+    durable_step: int = 0
+    durable_time: float = 0.0
+    durable_seconds: float = 0.0
+    durable_saves: int = 0
+    durable_skipped: int = 0
+    durable_failed: int = 0
+    resumed_from: int = 0
 
     @property
     def restarts(self) -> int:
@@ -222,6 +259,7 @@ class GroupProgress:
             "step_seconds": self.step_seconds,
             "quorum_seconds": self.quorum_seconds,
             "commit_seconds": self.commit_seconds,
+            "compute_seconds": self.compute_seconds,
             "step_rate": self.step_rate,
             "session": self.session,
             "session_first_commit": self.session_first_commit,
@@ -232,6 +270,7 @@ class GroupProgress:
             "unsynced_sessions": self.unsynced_sessions,
             "stopped_after_end": self.stopped_after_end,
             "timeline": [[round(t, 3), v] for t, v in self.timeline],
+            **{name: getattr(self, name) for name in DURABLE_FIELDS},
         }
 
     @classmethod
@@ -265,6 +304,7 @@ class GroupProgress:
             step_seconds=_num(d, "step_seconds"),
             quorum_seconds=_num(d, "quorum_seconds"),
             commit_seconds=_num(d, "commit_seconds"),
+            compute_seconds=_num(d, "compute_seconds"),
             step_rate=_num(d, "step_rate"),
             session=d.get("session", ""),
             session_first_commit=opt_num("session_first_commit"),
@@ -275,6 +315,13 @@ class GroupProgress:
             unsynced_sessions=_int(d, "unsynced_sessions"),
             stopped_after_end=bool(d.get("stopped_after_end", False)),
             timeline=_points(d.get("timeline", [])),
+            durable_step=_int(d, "durable_step"),
+            durable_time=_num(d, "durable_time"),
+            durable_seconds=_num(d, "durable_seconds"),
+            durable_saves=_int(d, "durable_saves"),
+            durable_skipped=_int(d, "durable_skipped"),
+            durable_failed=_int(d, "durable_failed"),
+            resumed_from=_int(d, "resumed_from"),
         )
 
 
@@ -492,6 +539,7 @@ class ProgressBook:
                     step_seconds=last.step_seconds if last else 0.0,
                     quorum_seconds=last.quorum_seconds if last else 0.0,
                     commit_seconds=last.commit_seconds if last else 0.0,
+                    compute_seconds=last.compute_seconds if last else 0.0,
                     step_rate=round(_rate(t.samples, wall), 4),
                     session=cur.session if cur else "",
                     session_first_commit=cur.first_commit if cur else None,
@@ -502,6 +550,7 @@ class ProgressBook:
                     unsynced_sessions=t.unsynced,
                     stopped_after_end=t.stopped_session == (cur.session if cur else ""),
                     timeline=t.timeline.points(),
+                    **({name: getattr(last, name) for name in DURABLE_FIELDS} if last else {}),
                 )
             )
         return tuple(out)

@@ -27,6 +27,7 @@ from ftlaunch.lighthouse.bodies import expect_fields as _expect
 from ftlaunch.lighthouse.bodies import loads as _loads
 from ftlaunch.lighthouse.bodies import printable as _printable
 from ftlaunch.lighthouse.bodies import too_deep as _too_deep
+from ftlaunch.lighthouse.health import HealthReport
 from ftlaunch.lighthouse.http import Head, HttpError, LongPoll, Request, Response
 from ftlaunch.lighthouse.hung import parse_blocked
 from ftlaunch.lighthouse.limits import WarningLimiter
@@ -96,6 +97,8 @@ _HEARTBEAT_OPTIONAL: _Fields = {"progress": (dict,), "blocked": (dict,), "resume
 _LEAVE_OPTIONAL: _Fields = {"progress": (dict,)}
 _CLAIM_REQUIRED: _Fields = {"claimant": (str,), "slots": (int,)}
 _CLAIM_OPTIONAL: _Fields = {"preferred": (int, type(None)), "timeout": (float, int)}
+_HEALTH_REQUIRED: _Fields = {"replica_id": (str,), "check": (str,), "ok": (bool,)}
+_HEALTH_OPTIONAL: _Fields = {"last_line": (str,), "retry_in": (float, int, type(None))}
 #: Longest a claim is parked before it is answered "ask again" (spares wait for hours: they re-poll).
 MAX_CLAIM_TIMEOUT = 300.0
 _REPLICA_HEADER_KEY = REPLICA_HEADER.lower()
@@ -159,6 +162,7 @@ class Routes:
             "/admin/report_failure": {"POST": self._report_failure},
             "/admin/evict": {"POST": self._evict},
             "/claim": {"POST": self._claim},
+            "/health": {"POST": self._health},
             "/metrics": {"GET": self._serve_metrics},
             "/admin/kill": {"POST": self._kill},
         }
@@ -284,6 +288,18 @@ class Routes:
         rid, reason = self._admin_body(request)
         if not self._membership.report_failure(rid, reason or f"reported failed by admin {request.peer}"):
             raise HttpError(404, f"unknown replica {rid!r}")
+        return _OK
+
+    def _health(self, request: Request) -> Response:
+        """A group's agent ran its health check (lighthouse/health.py)."""
+        obj = self._read_json(request)
+        _expect(obj, _HEALTH_REQUIRED, _HEALTH_OPTIONAL)
+        rid = self._replica_id(request, obj["replica_id"])
+        try:
+            report = HealthReport.from_json(obj)
+        except ValueError as e:
+            raise HttpError(400, str(e)) from None
+        self._membership.report_health(rid, report)
         return _OK
 
     def _claim(self, request: Request) -> LongPoll:

@@ -34,7 +34,8 @@ from ftlaunch.lighthouse.progress import GroupProgress, Rewind
 from ftlaunch.lighthouse.protocol import MAX_BODY_BYTES
 from ftlaunch.lighthouse.quorum import QuorumOptions
 from ftlaunch.lighthouse.routes import Routes
-from ftlaunch.lighthouse.status import LighthouseStatus
+from ftlaunch.lighthouse.status import LighthouseStatus, StragglersStatus
+from ftlaunch.lighthouse.stragglers import REPORT, check_policy
 from ftlaunch.lighthouse.transport import LISTEN_BACKLOG, HttpServer
 
 log = logging.getLogger(__name__)
@@ -114,9 +115,12 @@ class LighthouseServer:
         token: str | None = None,
         expected_replicas: int = 0,
         startup_grace: float = 0.0,
+        stragglers: str = REPORT,
     ) -> None:
         """``expected_replicas``: the groups the launcher starts; the first quorum waits for them
-        (up to ``join_timeout``) instead of forming with whoever asks first (0: nobody announced)."""
+        (up to ``join_timeout``) instead of forming with whoever asks first (0: nobody announced).
+        ``stragglers``: ``report`` slow groups, or also ``replace`` persistent ones
+        (lighthouse/stragglers.py)."""
         try:
             self._options = QuorumOptions(
                 min_replicas=min_replicas,
@@ -125,6 +129,10 @@ class LighthouseServer:
                 expected_replicas=expected_replicas,
             )
         except (TypeError, ValueError) as e:
+            raise ConfigurationError(f"lighthouse: {e}") from None
+        try:
+            check_policy(stragglers)
+        except ValueError as e:
             raise ConfigurationError(f"lighthouse: {e}") from None
         quorum_tick = QUORUM_TICK.checked(quorum_tick, "lighthouse: quorum_tick")
         startup_grace = STARTUP_GRACE.checked(startup_grace, "lighthouse: startup_grace")
@@ -148,7 +156,7 @@ class LighthouseServer:
         self._tick = float(quorum_tick)
         # startup_grace > 0 for a lighthouse started again for a running job (docs/lighthouse.md,
         # "When the lighthouse dies"): no first quorum before it unless the groups' reports arrive.
-        self._membership = Membership(self._options, startup_grace=startup_grace)
+        self._membership = Membership(self._options, startup_grace=startup_grace, stragglers=stragglers)
         self._http = HttpServer(
             sock,
             Routes(self._membership, token=self._token, snapshot=self.snapshot),
@@ -169,12 +177,14 @@ class LighthouseServer:
         self._http.start()
         self._http.call_every(self._tick, self._membership.tick)
         log.info(
-            "lighthouse: serving on %s (min_replicas=%d join_timeout=%.3gs heartbeat_timeout=%.3gs tick=%.3gs token=%s)",
+            "lighthouse: serving on %s (min_replicas=%d join_timeout=%.3gs heartbeat_timeout=%.3gs tick=%.3gs "
+            "stragglers=%s token=%s)",
             self._address,
             self._options.min_replicas,
             self._options.join_timeout,
             self._options.heartbeat_timeout,
             self._tick,
+            self._membership.stragglers().policy,
             "required" if self._token else "none",
         )
         if not self._token:
@@ -254,6 +264,10 @@ class LighthouseServer:
     def progress(self) -> tuple[GroupProgress, ...]:
         """Every group's training progress (what the launcher's status line and summary read)."""
         return self._membership.progress()
+
+    def stragglers(self) -> StragglersStatus:
+        """The slow groups and their replacements (what the launcher's notices and timeline read)."""
+        return self._membership.stragglers()
 
     def rewinds(self) -> tuple[Rewind, ...]:
         """The times the job went back to an earlier step (lighthouse/progress.py, `Rewind`)."""

@@ -33,6 +33,7 @@ under it (a hung holder that wakes up) is refused, so two processes never train 
 from __future__ import annotations
 
 import enum
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -79,6 +80,18 @@ class Claimant:
 def replica_id_for(slot: int, generation: int) -> str:
     """The lighthouse name of slot ``slot``'s ``generation``-th holder (0: ``rg<slot>``, as without spares)."""
     return f"rg{slot}" if generation == 0 else f"rg{slot}.{generation}"
+
+
+_HOLDER_NAME = re.compile(r"rg(\d+)(?:\.\d+)?")
+_TRAILING_NUMBER = re.compile(r".*?(\d+)")
+
+
+def slot_of(replica_id: str) -> int | None:
+    """The replica-group slot a lighthouse name stands for: ``rg1``, ``rg1.1`` and ``rg1.2`` are all
+    slot 1 (`replica_id_for`). A name of another form counts by the number it ends in (torchft-style
+    ``train_ddp_3`` is slot 3); None when it ends in none."""
+    m = _HOLDER_NAME.fullmatch(replica_id) or _TRAILING_NUMBER.fullmatch(replica_id)
+    return int(m.group(1)) if m is not None else None
 
 
 def claimable(

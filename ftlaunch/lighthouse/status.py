@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ftlaunch.lighthouse.health import HealthStatus
 from ftlaunch.lighthouse.progress import GroupProgress, Rewind
 from ftlaunch.lighthouse.protocol import API_VERSION
 from ftlaunch.lighthouse.quorum import Health, Quorum
@@ -152,7 +153,7 @@ class GroupStatus:
 class HistoryEvent:
     """One entry of the history: ``joined``, ``quorum``, ``silent``, ``disconnected``, ``failed``,
     ``revived``, ``left``, ``evicted``, ``failure_report`` or ``refused_finished``; with hot spares also ``claimed`` and
-    ``replaced`` (docs/lighthouse.md)."""
+    ``replaced``; ``straggler``, ``straggler_cleared`` and ``straggler_replaced`` (docs/lighthouse.md)."""
 
     time: float
     event: str
@@ -284,6 +285,128 @@ class SparesStatus:
         )
 
 
+# ---- stragglers (lighthouse/stragglers.py) ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StragglerStatus:
+    """One member's straggler verdict: its compute per step (the median of its window), the other
+    members' median, the ratio (``slowdown``), and whether it is a straggler (since when)."""
+
+    replica_id: str
+    slowdown: float = 1.0
+    compute_seconds: float = 0.0
+    reference_seconds: float = 0.0
+    #: Committed steps its current process reported.
+    steps: int = 0
+    straggler: bool = False
+    #: Unix time it became a straggler (None: it is not one).
+    since: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "replica_id": self.replica_id,
+            "slowdown": self.slowdown,
+            "compute_seconds": self.compute_seconds,
+            "reference_seconds": self.reference_seconds,
+            "steps": self.steps,
+            "straggler": self.straggler,
+            "since": self.since,
+        }
+
+    @classmethod
+    def from_json(cls, d: Any) -> StragglerStatus:
+        d = _object(d, "straggler")
+        since = _get(d, "since", (float, int, type(None)), None)
+        return cls(
+            replica_id=_get(d, "replica_id", str),
+            slowdown=float(_get(d, "slowdown", (float, int), 1.0)),
+            compute_seconds=float(_get(d, "compute_seconds", (float, int), 0.0)),
+            reference_seconds=float(_get(d, "reference_seconds", (float, int), 0.0)),
+            steps=_get(d, "steps", int, 0),
+            straggler=_get(d, "straggler", bool, False),
+            since=float(since) if since is not None else None,
+        )
+
+
+@dataclass(frozen=True)
+class ReplacedStatus:
+    """A straggler the lighthouse replaced (policy ``replace``): by a hot spare (``how`` = ``spare``)
+    or by restarting it (``restart``), at ``time``; its replacement first committed at ``arrived``."""
+
+    replica_id: str
+    slowdown: float
+    how: str
+    time: float
+    arrived: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"replica_id": self.replica_id, "slowdown": self.slowdown, "how": self.how, "time": self.time,
+                "arrived": self.arrived}  # fmt: skip
+
+    @classmethod
+    def from_json(cls, d: Any) -> ReplacedStatus:
+        d = _object(d, "replaced straggler")
+        arrived = _get(d, "arrived", (float, int, type(None)), None)
+        return cls(
+            replica_id=_get(d, "replica_id", str),
+            slowdown=float(_get(d, "slowdown", (float, int), 1.0)),
+            how=_get(d, "how", str, ""),
+            time=float(_get(d, "time", (float, int), 0.0)),
+            arrived=float(arrived) if arrived is not None else None,
+        )
+
+
+@dataclass(frozen=True)
+class StragglersStatus:
+    """The straggler rule's state: the policy, its thresholds, each judged member's verdict, the
+    replacement in flight and the last ones done."""
+
+    policy: str = "report"
+    #: Committed steps per window, and the slowdowns to become a straggler and to stop being one.
+    window: int = 0
+    enter: float = 0.0
+    leave: float = 0.0
+    #: The members of the quorum in use with a verdict, by replica id.
+    groups: tuple[StragglerStatus, ...] = ()
+    #: The replica id whose replacement has not committed yet (None: none in flight).
+    replacing: str | None = None
+    #: The last replacements, oldest first.
+    replaced: tuple[ReplacedStatus, ...] = ()
+    #: Replacements since the lighthouse started.
+    replacements: int = 0
+
+    @property
+    def stragglers(self) -> tuple[StragglerStatus, ...]:
+        return tuple(g for g in self.groups if g.straggler)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "policy": self.policy,
+            "window": self.window,
+            "enter": self.enter,
+            "leave": self.leave,
+            "groups": [g.to_json() for g in self.groups],
+            "replacing": self.replacing,
+            "replaced": [r.to_json() for r in self.replaced],
+            "replacements": self.replacements,
+        }
+
+    @classmethod
+    def from_json(cls, d: Any) -> StragglersStatus:
+        d = _object(d, "stragglers")
+        return cls(
+            policy=_get(d, "policy", str, "report"),
+            window=_get(d, "window", int, 0),
+            enter=float(_get(d, "enter", (float, int), 0.0)),
+            leave=float(_get(d, "leave", (float, int), 0.0)),
+            groups=tuple(StragglerStatus.from_json(g) for g in _get(d, "groups", list, [])),
+            replacing=_get(d, "replacing", (str, type(None)), None),
+            replaced=tuple(ReplacedStatus.from_json(r) for r in _get(d, "replaced", list, [])),
+            replacements=_get(d, "replacements", int, 0),
+        )
+
+
 @dataclass(frozen=True)
 class LighthouseStatus:
     """Everything the lighthouse knows, at one instant (``GET /status``)."""
@@ -315,8 +438,12 @@ class LighthouseStatus:
     quorum_changes: int = 0
     #: The job's committed steps per second (recent window).
     step_rate: float = 0.0
+    #: Slow groups (lighthouse/stragglers.py); None from a lighthouse that does not judge them.
+    stragglers: StragglersStatus | None = None
     #: Times the job went back to an earlier step (no group holding its state was left), oldest first.
     rewinds: tuple[Rewind, ...] = ()
+    #: Each group's health check before it (re)joined (lighthouse/health.py), by replica id.
+    health: tuple[HealthStatus, ...] = ()
 
     def group_progress(self, replica_id: str) -> GroupProgress | None:
         return next((p for p in self.progress if p.replica_id == replica_id), None)
@@ -352,7 +479,9 @@ class LighthouseStatus:
             "progress": [p.to_json() for p in self.progress],
             "quorum_changes": self.quorum_changes,
             "step_rate": self.step_rate,
+            **({"stragglers": self.stragglers.to_json()} if self.stragglers is not None else {}),
             "rewinds": [r.to_json() for r in self.rewinds],
+            "health": [h.to_json() for h in self.health],
         }
 
     @classmethod
@@ -379,5 +508,9 @@ class LighthouseStatus:
             progress=tuple(GroupProgress.from_json(p) for p in _get(d, "progress", list, [])),
             quorum_changes=_get(d, "quorum_changes", int, 0),
             step_rate=float(_get(d, "step_rate", (float, int), 0.0)),
+            stragglers=StragglersStatus.from_json(d["stragglers"])
+            if d.get("stragglers") is not None
+            else None,
             rewinds=tuple(Rewind.from_json(r) for r in _get(d, "rewinds", list, [])),
+            health=tuple(HealthStatus.from_json(h) for h in _get(d, "health", list, [])),
         )

@@ -34,11 +34,16 @@ REJOIN = "rejoin"
 TAKEOVER = "takeover"
 #: The job's lighthouse was down (a span: ``at`` to ``until``; no group of its own).
 LIGHTHOUSE = "lighthouse"
+#: The group was slowed (``--chaos slow=``: a span ``at`` to ``until``), or the lighthouse found it a
+#: straggler: it trains on, slowly (not a failure).
+SLOW = "slow"
+#: The lighthouse replaced the group as a straggler: its slot went to a hot spare, or it restarts.
+STRAGGLER = "straggler"
 
-FAILURE_KINDS = frozenset({FAILURE, HANG, AGENT, GAVE_UP})
+FAILURE_KINDS = frozenset({FAILURE, HANG, AGENT, GAVE_UP, STRAGGLER})
 RECOVERY_KINDS = frozenset({REJOIN, TAKEOVER})
 #: Every kind, in the legend's order.
-MARK_KINDS = (FAILURE, HANG, AGENT, GAVE_UP, LIGHTHOUSE, REJOIN, TAKEOVER)
+MARK_KINDS = (FAILURE, HANG, AGENT, GAVE_UP, SLOW, STRAGGLER, LIGHTHOUSE, REJOIN, TAKEOVER)
 
 
 @dataclass(frozen=True)
@@ -58,7 +63,8 @@ class Mark:
     line: str | None = None
     #: What the tooltip says.
     detail: str = ""
-    #: The end of a span (`LIGHTHOUSE`); None: still down when the picture was taken.
+    #: The end of a span: `LIGHTHOUSE` (None: still down when the picture was taken), `SLOW` (None:
+    #: a moment, the lighthouse's verdict, not a span).
     until: float | None = None
 
 

@@ -29,6 +29,8 @@ from ftlaunch.lighthouse.timeline import (
     MARK_KINDS,
     RECOVERY_KINDS,
     REJOIN,
+    SLOW,
+    STRAGGLER,
     TAKEOVER,
     Line,
     Mark,
@@ -72,7 +74,10 @@ LABELS = {
     LIGHTHOUSE: "lighthouse down",
     REJOIN: "rejoined",
     TAKEOVER: "spare took over",
+    SLOW: "slowed / straggler found",
+    STRAGGLER: "straggler replaced",
 }
+_AMBER = "#e6a100"
 
 _GLYPHS = {
     FAILURE: (
@@ -91,6 +96,12 @@ _GLYPHS = {
     REJOIN: "<circle r='6' fill='#2ca02c' stroke='#fff' stroke-width='1.5'/>",
     TAKEOVER: "<path d='M0,-7L7,0L0,7L-7,0Z' fill='#008080' stroke='#fff' stroke-width='1.5'/>",
     LIGHTHOUSE: "<rect x='-6' y='-7' width='12' height='14' fill='#888' fill-opacity='0.3'/>",
+    SLOW: (
+        "<path d='M-6,-7L6,-7L-6,7L6,7Z' fill='#fff' stroke='#b07800' stroke-width='2' stroke-linejoin='round'/>"
+    ),
+    STRAGGLER: (
+        f"<path d='M-7,-6L7,-6L0,7Z' fill='{_RED}' stroke='#fff' stroke-width='1.5' stroke-linejoin='round'/>"
+    ),
 }
 
 _NOT_XML = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ufffe\uffff]")
@@ -225,6 +236,7 @@ def render(timeline: Timeline, width: int = WIDTH, height: int = HEIGHT) -> str:
             f"<text class='empty' x='{_f((frame.x0 + frame.x1) / 2)}' y='{_f((frame.y0 + frame.y1) / 2)}' "
             f"text-anchor='middle' fill='{_MUTED}' font-size='14'>no step committed yet</text>"
         )
+    out += _slow_bands(frame, lines, marks)
     out += _down_bands(frame, lines, marks)
     n = len(lines)
     for i, line in enumerate(lines):
@@ -343,6 +355,23 @@ def _down_bands(frame: _Frame, lines: Sequence[Line], marks: Sequence[Mark]) -> 
     return out
 
 
+def _slow_bands(frame: _Frame, lines: Sequence[Line], marks: Sequence[Mark]) -> list[str]:
+    """An amber band over a group's line while it was slowed (`SLOW` spans: those with an end)."""
+    out = []
+    by_name = {line.name: line.points for line in lines}
+    for m in marks:
+        if m.kind != SLOW or m.until is None or m.line is None or m.line not in by_name:
+            continue
+        seg = _segment(by_name[m.line], m.at, m.until)
+        if len(seg) < 2:
+            continue
+        out.append(
+            f"<path class='slowed' data-line='{escape(m.line)}' d='{_path(frame, seg)}' fill='none' "
+            f"stroke='{_AMBER}' stroke-opacity='0.35' stroke-width='10' stroke-linecap='round'/>"
+        )
+    return out
+
+
 def _legend(
     timeline: Timeline, marks: Sequence[Mark], colours: dict[str, str], width: int, height: int
 ) -> tuple[list[str], int]:
@@ -364,6 +393,13 @@ def _legend(
             (
                 f"<line x1='-9' x2='9' y1='0' y2='0' stroke='{_RED}' stroke-opacity='0.28' stroke-width='10'/>",
                 "down (failure to rejoin)",
+            )
+        )
+    if any(m.kind == SLOW and m.until is not None for m in marks):
+        items.append(
+            (
+                f"<line x1='-9' x2='9' y1='0' y2='0' stroke='{_AMBER}' stroke-opacity='0.35' stroke-width='10'/>",
+                "slowed (while it lasted)",
             )
         )
     for kind in MARK_KINDS:

@@ -20,18 +20,31 @@ They know nothing of the Manager or the lighthouse. The layout:
 
 from __future__ import annotations
 
+from datetime import timedelta
+
+import torch.distributed as dist
+from torch.distributed import PrefixStore, TCPStore
+
 from ftlaunch.addresses import parse_store_addr
-from ftlaunch.process_group._store import create_store_client
+from ftlaunch.process_group import _store
 from ftlaunch.process_group.baby import ProcessGroupBaby, ProcessGroupBabyGloo, ProcessGroupBabyNCCL
 from ftlaunch.process_group.base import ProcessGroup
 from ftlaunch.process_group.device_mesh import extend_device_mesh
 from ftlaunch.process_group.dummy import ProcessGroupDummy
 from ftlaunch.process_group.error_swallowing import ErrorSwallowingProcessGroupWrapper
+
+# torchft's name for the error-swallowing wrapper's Work (its tests check the type).
+from ftlaunch.process_group.error_swallowing import SwallowingWork as _ErrorSwallowingWork  # noqa: F401
+from ftlaunch.process_group.fake_wrapper import FakeProcessGroupWrapper
 from ftlaunch.process_group.reconfigure import ReconfigureOptions, reconfigure_with_store
+
+# torchft's private name for parsing a member's rendezvous from its options (its tests import it).
+from ftlaunch.process_group.reconfigure import rendezvous_of as _rendezvous  # noqa: F401
 from ftlaunch.process_group.wrappers import ProcessGroupGloo, ProcessGroupNCCL, ProcessGroupWrapper
 
 __all__ = [
     "ErrorSwallowingProcessGroupWrapper",
+    "FakeProcessGroupWrapper",
     "ProcessGroup",
     "ProcessGroupBaby",
     "ProcessGroupBabyGloo",
@@ -40,12 +53,26 @@ __all__ = [
     "ProcessGroupGloo",
     "ProcessGroupNCCL",
     "ProcessGroupWrapper",
+    "PrefixStore",
     "ReconfigureOptions",
+    "TCPStore",
     "create_store_client",
     "extend_device_mesh",
     "parse_store_addr",
     "reconfigure_with_store",
 ]
+
+
+def create_store_client(store_addr: str, timeout: timedelta | float = timedelta(seconds=60)) -> dist.Store:
+    """A client of the TCPStore at ``store_addr`` ("host:port/prefix"), wrapped in a PrefixStore
+    when a prefix is given; `CommunicationError` when it cannot connect, ValueError for a malformed
+    address.
+
+    ``TCPStore``/``PrefixStore`` are looked up in this module when called, as torchft's
+    ``process_group.create_store_client`` does: tests written for torchft patch
+    ``process_group.TCPStore`` to see how an address is taken apart.
+    """
+    return _store.create_store_client(store_addr, timeout, TCPStore, PrefixStore)
 
 
 def __getattr__(name: str) -> object:

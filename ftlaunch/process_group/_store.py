@@ -7,6 +7,7 @@ rendezvous can never collide with those of an earlier (possibly half-failed) con
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -20,25 +21,36 @@ logger = logging.getLogger(__name__)
 __all__ = ["connect_store", "create_store_client", "first_line"]
 
 
-def connect_store(addr: StoreAddress, timeout: timedelta) -> dist.TCPStore:
+def connect_store(
+    addr: StoreAddress, timeout: timedelta, tcp_store: Callable[..., dist.Store] = dist.TCPStore
+) -> dist.Store:
     """A client connection to the TCPStore server at `addr` (prefix ignored)."""
     try:
-        return dist.TCPStore(addr.host, addr.port, is_master=False, timeout=timeout, wait_for_workers=False)
+        return tcp_store(
+            host_name=addr.host, port=addr.port, is_master=False, timeout=timeout, wait_for_workers=False
+        )
     except RuntimeError as e:
         raise CommunicationError(
             f"cannot connect to store {addr.host}:{addr.port} (prefix {addr.prefix!r}): {first_line(e)}"
         ) from e
 
 
-def create_store_client(store_addr: str, timeout: timedelta | float = timedelta(seconds=60)) -> dist.Store:
+def create_store_client(
+    store_addr: str,
+    timeout: timedelta | float = timedelta(seconds=60),
+    tcp_store: Callable[..., dist.Store] = dist.TCPStore,
+    prefix_store: Callable[[str, dist.Store], dist.Store] = dist.PrefixStore,
+) -> dist.Store:
     """A client of the TCPStore at `store_addr`, wrapped in a PrefixStore when a prefix is given.
 
-    Connection failures raise `CommunicationError`; malformed addresses raise ValueError.
+    Connection failures raise `CommunicationError`; malformed addresses raise ValueError. The store
+    classes are parameters so that the package's public form can pass the ones it names (see
+    ``ftlaunch.process_group.create_store_client``).
     """
     addr = parse_store_addr(store_addr)
-    store: dist.Store = connect_store(addr, as_timedelta(timeout))
+    store = connect_store(addr, as_timedelta(timeout), tcp_store)
     if addr.prefix:
-        store = dist.PrefixStore(addr.prefix, store)
+        store = prefix_store(addr.prefix, store)
     return store
 
 

@@ -22,7 +22,7 @@ from ftlaunch.process_group.wrappers import ProcessGroupWrapper
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ErrorSwallowingProcessGroupWrapper"]
+__all__ = ["ErrorSwallowingProcessGroupWrapper", "SwallowingWork"]
 
 
 class ErrorSwallowingProcessGroupWrapper(ProcessGroupWrapper):
@@ -65,7 +65,7 @@ class ErrorSwallowingProcessGroupWrapper(ProcessGroupWrapper):
         except CommunicationError as e:
             self.report_error(e)
             return DoneWork(result)
-        return _SwallowingWork(self, work, result)
+        return SwallowingWork(self, work, result)
 
 
 def _result_of(method: str, args: tuple[Any, ...]) -> Any:
@@ -76,7 +76,7 @@ def _result_of(method: str, args: tuple[Any, ...]) -> Any:
     return first if isinstance(first, list) else [first]
 
 
-class _SwallowingWork(dist.Work):
+class SwallowingWork(dist.Work):
     """Reports a failure to its wrapper instead of raising it."""
 
     def __init__(self, pg: ErrorSwallowingProcessGroupWrapper, inner: dist.Work, result: Any) -> None:

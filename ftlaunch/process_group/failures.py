@@ -77,11 +77,17 @@ class FailureRecord:
         quiet: bool = False,
     ) -> CommunicationError:
         """``exc`` as a `CommunicationError`, remembered (first one wins) when it belongs to the
-        configuration in use (``generation`` None: the current one). Returns it for raising."""
+        configuration in use (``generation`` None: the current one). Returns it for raising.
+
+        The remembered error says that the group is aborted (its backend is closed until the next
+        ``configure``): torchft's errors say so too, and code written for it matches "aborted".
+        """
         err = self.as_error(op, exc, peer)
         with self._lock:
             first = self._error is None and (generation is None or generation == self._generation)
             if first:
+                if "aborted" not in str(err):
+                    err = CommunicationError(f"{err} (the group is aborted until the next configure)")
                 self._error = err
                 current = self._generation
         if first:

@@ -25,6 +25,7 @@ import json
 import logging
 import secrets
 import socket
+import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -107,7 +108,8 @@ def decode_handle(text: str | bytes) -> Handle:
         raise ValueError(f"not an ftlaunch reconfigure handle: {raw[:200]!r}")
     if global_rank is not None and (isinstance(global_rank, bool) or not isinstance(global_rank, int)):
         raise ValueError(f"bad global_rank in reconfigure handle: {raw[:200]!r}")
-    parse_address(store, min_port=1)  # ValueError for a malformed address
+    # The address is checked where it is used (`rendezvous_of`: the first handle's): only that one
+    # store is ever contacted, so a member may name a placeholder (torchft's "unused").
     return Handle(group_id, store, global_rank)
 
 
@@ -125,8 +127,8 @@ class Rendezvous:
 def rendezvous_of(opts: Any, group_id: str) -> Rendezvous:
     """The rendezvous ``opts`` implies for the member whose group id is ``group_id``.
 
-    ValueError when ``opts`` lacks a uuid or handles, a handle is malformed, or ``group_id`` is
-    not among the handles exactly once (a caller that forgot its own handle, or sent it twice).
+    ValueError when ``opts`` lacks a uuid or handles, a handle is malformed, the first handle's
+    store address (where all meet) is malformed, or ``group_id`` is not among the handles exactly once (a caller that forgot its own handle, or sent it twice).
     """
     uuid = getattr(opts, "uuid", None)
     raw = getattr(opts, "handles", None)
@@ -140,6 +142,7 @@ def rendezvous_of(opts: Any, group_id: str) -> Rendezvous:
         raise ValueError(
             f"this group's handle appears {len(mine)} times in ReconfigureOptions.handles (must be exactly once)"
         )
+    parse_address(handles[0].store, min_port=1)  # ValueError for a malformed address
     ranks = [h.global_rank for h in handles]
     global_ranks = None if any(r is None for r in ranks) else [int(r) for r in ranks if r is not None]
     return Rendezvous(
@@ -272,7 +275,10 @@ def reconfigure_with_store(
     timeout = as_timedelta(timeout)
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} out of range for world_size {world_size}")
-    store = create_store_client(store_addr, timeout)
+    # Looked up on the package (imported before any of its modules), as torchft's is: tests
+    # written for torchft patch ``process_group.create_store_client`` to watch the exchange.
+    connect = getattr(sys.modules.get("ftlaunch.process_group"), "create_store_client", create_store_client)
+    store = connect(store_addr, timeout)
     if rank == 0:
         store.set("uuid", str(secrets.randbits(63)))
     store.set(f"handle/{rank}", pg.get_reconfigure_handle())

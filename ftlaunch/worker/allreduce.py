@@ -33,6 +33,25 @@ def is_avg(op: ReduceOpLike) -> bool:
     return bool(op == dist.ReduceOp.AVG)
 
 
+def torchft_positional(
+    reduce_op: ReduceOpLike | bool | int, should_quantize: bool | int | ReduceOpLike
+) -> tuple[ReduceOpLike, bool | int]:
+    """``(reduce_op, should_quantize)`` from a call in either order.
+
+    torchft's ``Manager.allreduce(tensor, should_quantize=False, reduce_op=ReduceOp.AVG)`` takes
+    the flag second; ftlaunch's takes ``reduce_op`` second. A reduce op is never a bool or an int
+    (torch's ``ReduceOp`` is neither), so a bool/int in second place is torchft's flag, and code
+    written for torchft (``allreduce(t, False)``, ``allreduce(t, True, ReduceOp.SUM)``) keeps working.
+    """
+    if isinstance(reduce_op, (bool, int)):
+        flag = reduce_op
+        op = should_quantize if not isinstance(should_quantize, (bool, int)) else "avg"
+        return op, flag
+    if not isinstance(should_quantize, (bool, int)):
+        raise TypeError(f"should_quantize must be a bool or a bit width, got {should_quantize!r}")
+    return reduce_op, should_quantize
+
+
 def check_args(
     tensor: torch.Tensor, reduce_op: ReduceOpLike, should_quantize: bool | int
 ) -> quantization.Bits | None:

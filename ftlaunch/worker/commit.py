@@ -1,6 +1,8 @@
-"""The mechanics of a commit decision: waiting (bounded) for a step's collectives, the vote across
-replica groups that makes a step failed anywhere committed nowhere, and the vote among a group's
-ranks. A failed vote is reported (the step's error) and counts as "no", never raised.
+"""A step's commit decision (`StepCommit`: wait, then vote, giving a `Verdict`) and its mechanics:
+waiting (bounded) for a step's collectives, the vote across replica groups that makes a step failed
+anywhere committed nowhere, and the vote among a group's ranks. A failed vote is reported (the
+step's error) and counts as "no", never raised -- except a rank of the group that does not vote
+(`vote_of_group_ranks`): that ends the worker.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from enum import Enum
 from typing import Any
 
 import torch
@@ -17,6 +20,18 @@ import torch.distributed as dist
 from ftlaunch.errors import CommunicationError
 from ftlaunch.process_group.base import ProcessGroup
 from ftlaunch.worker.group_store import GroupStore
+from ftlaunch.worker.hang_abort import LostPeerAbort
+from ftlaunch.worker.manager_parts import ManagerSettings
+from ftlaunch.worker.step import StepAttempt
+
+__all__ = [
+    "CrossGroupVote",
+    "StepCommit",
+    "Verdict",
+    "vote_of_all_groups",
+    "vote_of_group_ranks",
+    "wait_all",
+]
 
 #: How often a wait looks at its ``interrupted`` condition.
 _INTERRUPT_POLL = 0.05
@@ -141,3 +156,90 @@ def vote_of_group_ranks(
             f"a rank of replica group {replica_id} did not vote within the commit timeout "
             f"(dead or hung): {e}; this worker ends so that its agent restarts the group"
         ) from e
+
+
+class Verdict(Enum):
+    """What a step's commit decided, the same on every rank of every participating group."""
+
+    #: Every rank of every group finished the step cleanly: apply it.
+    COMMIT = "commit"
+    #: Everyone agreed, but this group is behind and waits to heal (`StepPlan.waits`): it voted yes
+    #: so that the others commit, and applies nothing (it heals from their snapshot of this step).
+    STAND_BY = "stand by"
+    #: A rank somewhere failed the step: nobody applies it.
+    REFUSE = "refuse"
+
+    @property
+    def agreed(self) -> bool:
+        return self is not Verdict.REFUSE
+
+
+class StepCommit:
+    """One rank's part in deciding each step: `wait` for the step's collectives (bounded by the
+    commit deadline, cut short when the lighthouse says a peer of the quorum is lost), then `vote`.
+    Failures are reported to ``report`` (the step's error) as they are found."""
+
+    def __init__(
+        self,
+        settings: ManagerSettings,
+        pg: ProcessGroup,
+        group: GroupStore,
+        hang_abort: LostPeerAbort,
+        report: Callable[[Exception], None],
+    ) -> None:
+        self._settings = settings
+        self._pg = pg
+        self._group = group
+        self._hang_abort = hang_abort
+        self._report = report
+        self._vote_across_groups = CrossGroupVote()
+
+    def wait(self, attempt: StepAttempt, deadline: float, budget: float) -> Callable[[], bool]:
+        """Wait for the step's allreduces until ``deadline``; returns the ``interrupted`` condition
+        the votes wait with too (`LostPeerAbort.watch`)."""
+        attempt.waiting_since = time.monotonic()
+        interrupted = self._hang_abort.watch(self._pg.prepare_abort)
+        if not wait_all(attempt.pending, deadline, interrupted):
+            # A collective of this step hangs (a peer stopped, not died). Give up on the step and
+            # abort the process group so the hung op is released; the next quorum rebuilds it.
+            # When the lighthouse said the peer is lost, that abort is under way already.
+            lost = self._hang_abort.error
+            self._hang_abort.settle()
+            self._report(lost or CommunicationError(
+                f"commit timed out after {budget:g} s waiting for this step's allreduces"))  # fmt: skip
+            if lost is None:
+                self._pg.abort()
+        attempt.settled()
+        return interrupted
+
+    def vote(
+        self, attempt: StepAttempt, seq: int, deadline: float, interrupted: Callable[[], bool]
+    ) -> Verdict:
+        """This rank's readiness, then the vote of every group (MIN over the cross-group process
+        group), then of every rank of this group (round ``seq`` of its store)."""
+        plan = attempt.plan
+        healed = attempt.received is not None or attempt.healed_at_start
+        if plan is not None and plan.heal and not healed and attempt.error is None:
+            self._report(CommunicationError("healing was planned but no state was received"))
+        # Enough groups up to date (torchft's rule: those at the quorum's max step; at step 0 with
+        # init_sync that is every group, though only the primary's gradients count).
+        ok = (
+            attempt.error is None
+            and plan is not None
+            and plan.num_up_to_date >= self._settings.min_replica_size
+        )
+        if plan is not None and plan.replica_world_size > 1:
+            lost = self._hang_abort.error
+            if lost is not None:  # the quorum lost a peer: no vote with it (every live peer was told)
+                self._report(lost)
+                ok = False
+            else:
+                ok = vote_of_all_groups(self._vote_across_groups, self._pg, ok, deadline, self._report,
+                                        interrupted)  # fmt: skip
+        if self._settings.group_world_size > 1:
+            ok = vote_of_group_ranks(self._group, seq, ok, deadline, self._report, self._settings.replica_id)
+        if self._hang_abort.error is not None:
+            self._hang_abort.settle()  # the aborted ops fail within this step
+        if not ok or plan is None:
+            return Verdict.REFUSE
+        return Verdict.STAND_BY if plan.waits else Verdict.COMMIT

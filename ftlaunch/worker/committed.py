@@ -16,21 +16,31 @@ healer would stop committing. What a source offers, and claims, is one `Snapshot
   and once per step, at every quorum: no copy of the model at each sync point, no step of waiting.
 
 A durable checkpoint needs the same snapshot (a writer in the background must not see the next
-step's tensors): it asks for a staged one at the boundary by the same ``due`` argument.
+step's tensors): `CommittedState.durable` (`ftlaunch.worker.durable`), when set, is called at every
+boundary -- at the first, to resume from disk before the process's first quorum; at each, to hand
+a copy to its writer when a save is due, the heal snapshot itself when this boundary took one.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from typing import Any
+from typing import Any, Protocol
 
 from ftlaunch.checkpointing.staging import StagedState, stage
 from ftlaunch.errors import CommunicationError
 from ftlaunch.worker.progress import state_checksum
 from ftlaunch.worker.recovery import StateRegistry
 
-__all__ = ["CommittedState", "Snapshot"]
+__all__ = ["BoundaryHook", "CommittedState", "Snapshot"]
+
+
+class BoundaryHook(Protocol):
+    """Called at each commit boundary (`ftlaunch.worker.durable.DurableCheckpoints`)."""
+
+    def first_boundary(self, step: int) -> int: ...
+
+    def at_boundary(self, step: int, staged: StagedState | None = None) -> None: ...
 
 
 class Snapshot:
@@ -48,6 +58,11 @@ class Snapshot:
     @property
     def live(self) -> bool:
         return self._staged is None
+
+    @property
+    def staged(self) -> StagedState | None:
+        """The staged copy (None: a live snapshot)."""
+        return self._staged
 
     def state(self, timeout: float) -> dict[str, Any]:
         """The state to serve. Live: read under the registry's gate, waiting up to ``timeout`` for
@@ -83,11 +98,21 @@ class CommittedState:
         self.live = False
         self._snapshot: Snapshot | None = None
         self._due = False
+        #: Durable checkpoints (`ftlaunch.worker.durable`): resumed at the first boundary, saved at due ones.
+        self.durable: BoundaryHook | None = None
 
     def at_boundary(self, step: int, due: bool) -> None:
         """The commit boundary of ``step`` (the training thread, before the step's forward pass):
         take the step's snapshot when ``due`` (a heal is due), or a live one in live mode."""
         self._snapshot = None
+        if self.durable is not None:
+            step = self.durable.first_boundary(step)  # a resume from disk moves the step
+        self._boundary(step, due)
+        if self.durable is not None:
+            staged = self._snapshot.staged if self._snapshot is not None else None
+            self.durable.at_boundary(step, staged)
+
+    def _boundary(self, step: int, due: bool) -> None:
         self._due = due or self.live
         if self.live:
             self._snapshot = Snapshot(step, self._registry)

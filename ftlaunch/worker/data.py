@@ -25,16 +25,28 @@ from __future__ import annotations
 
 import logging
 import math
-import operator
 import threading
-from collections.abc import Callable, Iterator, Mapping
-from typing import Any, Protocol
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import torch
 from torch.utils.data import Sampler
 
 from ftlaunch import env
 from ftlaunch.errors import ConfigurationError
+from ftlaunch.worker.sampler_args import (
+    LAUNCH_HINT_GROUPS,
+    LAUNCH_HINT_RANKS,
+    StateRegistrar,
+    alias,
+    as_bool,
+    as_int,
+    as_seed,
+    check_epoch,
+    dataset_length,
+    epoch_order,
+    resolve_pair,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -52,91 +64,6 @@ STATE_DICT_KEYS = (
     "shuffle",
     "drop_last",
 )
-
-#: ``torch.Generator.manual_seed`` takes at most 64 bits; ``seed + epoch`` must stay below this.
-_MAX_SEED = 2**64
-
-_LAUNCH_HINT_GROUPS = (
-    f"launch with `ftlaunch --replicas N train.py` (it sets {env.REPLICA_GROUP_ID} and "
-    f"{env.NUM_REPLICA_GROUPS}) or pass replica_group_id= and num_replica_groups="
-)
-_LAUNCH_HINT_RANKS = (
-    f"launch with `ftlaunch` or torchrun (they set {env.RANK} and {env.WORLD_SIZE}: the worker's rank "
-    "and the number of workers inside its replica group) or pass rank= and num_replicas="
-)
-
-
-class _StateRegistry(Protocol):
-    """What `DistributedSampler.register` needs from a manager (``ftlaunch.Manager`` has it)."""
-
-    def register_state_dict_fn(
-        self, key: str, load_state_dict: Callable[[Any], None], state_dict: Callable[[], Any]
-    ) -> None: ...
-
-
-def _as_int(value: object, name: str) -> int:
-    """``value`` as an int; bools and floats are rejected (``True`` as a rank is always a bug)."""
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be an int, got bool {value!r}")
-    try:
-        return operator.index(value)  # type: ignore[arg-type]
-    except TypeError:
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}") from None
-
-
-def _as_bool(value: object, name: str) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
-    return value
-
-
-def _from_env(value: object, name: str, env_name: str) -> tuple[int | None, str]:
-    """The argument if given, else the environment variable; plus where it came from (for errors)."""
-    if value is not None:
-        return _as_int(value, name), f"{name}={value!r}"
-    from_env = env.count(env_name)  # malformed value: ConfigurationError naming the variable
-    return from_env, f"{env_name}={from_env}"
-
-
-def _resolve_pair(
-    index: object,
-    count: object,
-    index_name: str,
-    count_name: str,
-    index_env: str,
-    count_env: str,
-    hint: str,
-    default: tuple[int, int] | None = None,
-) -> tuple[int, int]:
-    """Resolve and validate an (index, count) pair such as (replica_group_id, num_replica_groups)."""
-    idx, idx_src = _from_env(index, index_name, index_env)
-    cnt, cnt_src = _from_env(count, count_name, count_env)
-    if idx is None and cnt is None and default is not None:
-        return default
-    missing = [
-        f"{arg} (no {arg}= given and {var} is not set)"
-        for arg, var, got in ((index_name, index_env, idx), (count_name, count_env, cnt))
-        if got is None
-    ]
-    if missing:
-        raise ConfigurationError(
-            f"DistributedSampler cannot tell its shard: missing {' and '.join(missing)}; {hint}"
-        )
-    assert idx is not None and cnt is not None
-    if cnt < 1:
-        raise ConfigurationError(f"{count_name} must be >= 1, got {cnt_src}")
-    if not 0 <= idx < cnt:
-        raise ConfigurationError(f"{index_name} must be in 0..{cnt - 1}, got {idx_src} with {cnt_src}")
-    return idx, cnt
-
-
-def _alias(value: int | None, alias: int | None, name: str, alias_name: str) -> int | None:
-    """One of two names for the same argument (ours and torchft's); both only if they agree."""
-    if alias is None:
-        return value
-    if value is not None and value != alias:
-        raise TypeError(f"{name}={value!r} and {alias_name}={alias!r} name the same argument")
-    return alias
 
 
 class DistributedSampler(Sampler[int]):
@@ -186,39 +113,30 @@ class DistributedSampler(Sampler[int]):
         replica_rank: int | None = None,
         group_rank: int | None = None,
     ) -> None:
-        replica_group_id = _alias(replica_group_id, replica_rank, "replica_group_id", "replica_rank")
-        rank = _alias(rank, group_rank, "rank", "group_rank")
-        try:
-            dataset_len = len(dataset)
-        except TypeError:
-            raise TypeError(
-                f"DistributedSampler needs a sized (map-style) dataset, got {type(dataset).__name__} "
-                "without __len__ (an IterableDataset shards itself; it cannot use a sampler)"
-            ) from None
-        self.replica_group_id, self.num_replica_groups = _resolve_pair(
+        replica_group_id = alias(replica_group_id, replica_rank, "replica_group_id", "replica_rank")
+        rank = alias(rank, group_rank, "rank", "group_rank")
+        dataset_len = dataset_length(dataset, "DistributedSampler")
+        who = "DistributedSampler cannot tell its shard"
+        self.replica_group_id, self.num_replica_groups = resolve_pair(
             replica_group_id,
             num_replica_groups,
-            "replica_group_id",
-            "num_replica_groups",
-            env.REPLICA_GROUP_ID,
-            env.NUM_REPLICA_GROUPS,
-            _LAUNCH_HINT_GROUPS,
+            ("replica_group_id", "num_replica_groups"),
+            (env.REPLICA_GROUP_ID, env.NUM_REPLICA_GROUPS),
+            LAUNCH_HINT_GROUPS,
+            who,
         )
-        self.rank, self.num_replicas = _resolve_pair(
+        self.rank, self.num_replicas = resolve_pair(
             rank,
             num_replicas,
-            "rank",
-            "num_replicas",
-            env.RANK,
-            env.WORLD_SIZE,
-            _LAUNCH_HINT_RANKS,
+            ("rank", "num_replicas"),
+            (env.RANK, env.WORLD_SIZE),
+            LAUNCH_HINT_RANKS,
+            who,
             default=(0, 1),
         )
-        self.shuffle = _as_bool(shuffle, "shuffle")
-        self.drop_last = _as_bool(drop_last, "drop_last")
-        self.seed = _as_int(seed, "seed")
-        if not 0 <= self.seed < _MAX_SEED:
-            raise ValueError(f"seed must be in 0..2**64-1, got {self.seed}")
+        self.shuffle = as_bool(shuffle, "shuffle")
+        self.drop_last = as_bool(drop_last, "drop_last")
+        self.seed = as_seed(seed)
 
         self.dataset = dataset
         self.dataset_len = dataset_len
@@ -281,12 +199,7 @@ class DistributedSampler(Sampler[int]):
                 "sampler was built: build a new sampler"
             )
         n = self.dataset_len
-        if self.shuffle:
-            gen = torch.Generator()
-            gen.manual_seed(self.seed + epoch)
-            order = torch.randperm(n, generator=gen)
-        else:
-            order = torch.arange(n)
+        order = epoch_order(n, self.shuffle, self.seed, epoch)
         if self.total_size > n:  # pad by wrapping around (repeats the head, several times if needed)
             order = order[torch.arange(self.total_size) % n]
         else:  # drop_last (or already divisible): cut the tail
@@ -294,14 +207,7 @@ class DistributedSampler(Sampler[int]):
         return order[self.shard_index :: self.num_shards].tolist()
 
     def _check_epoch(self, epoch: object) -> int:
-        e = _as_int(epoch, "epoch")
-        if e < 0:
-            raise ValueError(f"epoch must be >= 0, got {e}")
-        if self.seed + e >= _MAX_SEED:
-            raise ValueError(
-                f"seed + epoch must be below 2**64 (torch seeds are 64-bit), got {self.seed + e}"
-            )
-        return e
+        return check_epoch(epoch, self.seed)
 
     # ------------------------------------------------------------------------------ iteration
     def __iter__(self) -> Iterator[int]:
@@ -381,7 +287,7 @@ class DistributedSampler(Sampler[int]):
                 for batch in loader:
                     ...
         """
-        n = _as_int(num_epochs, "num_epochs")
+        n = as_int(num_epochs, "num_epochs")
         while True:
             current = self._epoch
             if current >= n:
@@ -427,7 +333,7 @@ class DistributedSampler(Sampler[int]):
             raise ValueError(
                 f"sampler state has no entries {missing} (expected keys {list(STATE_DICT_KEYS)})"
             )
-        sd = {k: _as_int(state_dict[k], f"sampler state[{k!r}]") for k in STATE_DICT_KEYS}
+        sd = {k: as_int(state_dict[k], f"sampler state[{k!r}]") for k in STATE_DICT_KEYS}
         if sd["version"] != STATE_DICT_VERSION:
             raise ValueError(
                 f"sampler state has version {sd['version']}, this ftlaunch reads version {STATE_DICT_VERSION}"
@@ -466,7 +372,7 @@ class DistributedSampler(Sampler[int]):
             *old,
         )
 
-    def register(self, manager: _StateRegistry, key: str = "sampler") -> None:
+    def register(self, manager: StateRegistrar, key: str = "sampler") -> None:
         """Make the position travel with live recovery: ``manager.register_state_dict_fn(key, ...)``.
 
         Every replica group must register under the same key (the healed state is looked up by key).

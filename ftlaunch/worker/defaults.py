@@ -1,50 +1,35 @@
 """torchft-compatible defaults: what a Manager that was not given them reads from the environment.
 
 torchft's Manager finds its replica group, rank and lighthouse in the environment when they are
-not passed, and scripts ported from torchft rely on it. Those reads live here, so the Manager
-itself works only with explicit values (``ftlaunch.init`` passes every one of them).
+not passed, and scripts ported from torchft rely on it. Those reads live here, and so does the
+long form's factory (`manager_parts`: torchft's arguments in, `ManagerParts` out), so the Manager
+itself works only with explicit values and collaborators (``ftlaunch.init`` builds every one).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
 
 from ftlaunch import env
 from ftlaunch.addresses import parse_host_port, reachable_address
+from ftlaunch.checkpointing.transport import CheckpointTransport
 from ftlaunch.errors import ConfigurationError, install_brief_errors
 from ftlaunch.lighthouse.client import LighthouseClient, QuorumClient
 from ftlaunch.lighthouse.reconnect import OutageTolerantClient
+from ftlaunch.process_group.base import ProcessGroup
 from ftlaunch.timeouts import Timeouts, to_seconds
+from ftlaunch.worker.group_store import GroupStore
+from ftlaunch.worker.manager_parts import ManagerParts, ManagerSettings, check_knobs
 from ftlaunch.worker.plan import WorldSizeMode
 
 _Seconds = timedelta | float | None
 
 
-#: The leader's heartbeat period: below 10 ms it would mostly send heartbeats, and a lighthouse's
-#: heartbeat timeout is never under 0.5 s (`ftlaunch.lighthouse.quorum.HEARTBEAT_TIMEOUT`).
-HEARTBEAT_INTERVAL = env.Duration(0.01, 60.0)
-
-
-def check_arguments(
-    min_replica_size: int,
-    max_retries: int | None,
-    world_size_mode: WorldSizeMode,
-    port: int | None,
-    heartbeat_interval: timedelta | float = 0.1,
-) -> None:
-    """The Manager's arguments that torch would only reject much later, or never."""
-    if min_replica_size < 1:
-        raise ValueError(f"min_replica_size must be >= 1, got {min_replica_size}")
-    if max_retries is not None and max_retries < 0:
-        raise ValueError(f"max_retries must be >= 0 or None, got {max_retries}")
-    if not isinstance(world_size_mode, WorldSizeMode):
-        raise TypeError(f"world_size_mode must be a WorldSizeMode, got {world_size_mode!r}")
-    if port is not None and not 0 <= port <= 65535:
-        raise ValueError(f"port must be in 0..65535, got {port}")
-    HEARTBEAT_INTERVAL.checked(to_seconds(heartbeat_interval, "heartbeat_interval"), "heartbeat_interval")
-
-
-def timeouts(
+def _timeouts(
     given: Timeouts | None,
     timeout: _Seconds,
     *,
@@ -62,7 +47,7 @@ def timeouts(
     return given
 
 
-def replica_id() -> str:
+def _replica_id() -> str:
     """This worker's replica id from ``REPLICA_GROUP_ID``; `ConfigurationError` naming the fix."""
     group = env.count(env.REPLICA_GROUP_ID)
     if group is None:
@@ -96,7 +81,7 @@ def local_addr(lighthouse_addr: str | None = None) -> str | None:
     return reachable_address(host)
 
 
-def worker_env() -> env.WorkerEnv:
+def _worker_env() -> env.WorkerEnv:
     """What the user tuned through the environment (``ftlaunch.init`` reads it once and passes it)."""
     install_brief_errors()  # a bad value reads as one line, not a traceback
     return env.WorkerEnv.from_environ()
@@ -122,3 +107,92 @@ def lighthouse_client(
     # wait out even before its first answer.
     reached = (env.count(env.TORCHELASTIC_RESTART_COUNT, 0) or 0) > 0 or env.lighthouse_reached()
     return OutageTolerantClient(client, outage_timeout, known_reachable=reached)
+
+
+def manager_parts(
+    pg: ProcessGroup,
+    load_state_dict: Callable[[Any], None] | None,
+    state_dict: Callable[[], Any] | None,
+    min_replica_size: int = 1,
+    use_async_quorum: bool = True,
+    timeout: _Seconds = None,
+    quorum_timeout: _Seconds = None,
+    connect_timeout: _Seconds = None,
+    rank: int | None = None,
+    world_size: int | None = None,
+    world_size_mode: WorldSizeMode = WorldSizeMode.DYNAMIC,
+    store_addr: str | None = None,
+    store_port: int | None = None,
+    lighthouse_addr: str | None = None,
+    replica_id: str | None = None,
+    port: int | None = None,
+    hostname: str | None = None,
+    heartbeat_interval: timedelta | float = timedelta(milliseconds=100),
+    checkpoint_transport: CheckpointTransport[Any] | None = None,
+    init_sync: bool = True,
+    max_retries: int | None = None,
+    quorum_retries: int = 0,
+    token: str | None = None,
+    heal_timeout: _Seconds = None,
+    commit_timeout: _Seconds = None,
+    timeouts: Timeouts | None = None,
+    quorum_client: QuorumClient | None = None,
+    group_store: dist.Store | None = None,
+    worker_env: env.WorkerEnv | None = None,
+) -> ManagerParts:
+    """torchft's long-form constructor (`ftlaunch.Manager`'s arguments, documented there): what is
+    not given comes from the environment. Checks come before anything connects, and a missing
+    lighthouse address is raised before a store or a transport is left behind."""
+    interval = to_seconds(heartbeat_interval, "heartbeat_interval")
+    check_knobs(min_replica_size, max_retries, world_size_mode, interval)
+    if port is not None and not 0 <= port <= 65535:
+        raise ValueError(f"port must be in 0..65535, got {port}")
+    if (load_state_dict is None) != (state_dict is None):
+        raise ValueError("pass both load_state_dict and state_dict, or neither")
+    derived = _timeouts(
+        timeouts,
+        timeout,
+        quorum=quorum_timeout,
+        connect=connect_timeout,
+        heal=heal_timeout,
+        commit=commit_timeout,
+    )
+    group = group_env()
+    settings = ManagerSettings(
+        replica_id=_replica_id() if replica_id is None else replica_id,
+        group_rank=group.rank if rank is None else rank,
+        group_world_size=group.world_size if world_size is None else world_size,
+        timeouts=derived,
+        min_replica_size=min_replica_size,
+        world_size_mode=world_size_mode,
+        use_async_quorum=use_async_quorum,
+        init_sync=init_sync,
+        max_retries=max_retries,
+        quorum_retries=quorum_retries,
+        heartbeat_interval=interval,
+        worker_env=_worker_env() if worker_env is None else worker_env,
+    )
+    client = None
+    if settings.group_rank == 0:  # only the leader talks to the lighthouse
+        client = quorum_client or lighthouse_client(
+            lighthouse_addr, token, derived.connect, settings.worker_env.lighthouse_outage
+        )
+    store = GroupStore.open(
+        group_store,
+        store_addr if store_addr is not None else group.master_addr,
+        store_port if store_port is not None else group.master_port,
+        replica_id=settings.replica_id,
+        attempt=group.incarnation,
+        rank=settings.group_rank,
+        world_size=settings.group_world_size,
+        hostname=hostname or local_addr(lighthouse_addr),
+        timeouts=derived,
+        leader_outage=settings.worker_env.lighthouse_outage,
+    )
+    if checkpoint_transport is None:
+        from ftlaunch.checkpointing import HTTPTransport
+
+        checkpoint_transport = HTTPTransport(
+            timeout=derived.as_timedelta("heal"), bind=local_addr(lighthouse_addr) or "127.0.0.1"
+        )
+    return ManagerParts(settings, pg, store, checkpoint_transport, client, load_state_dict, state_dict)

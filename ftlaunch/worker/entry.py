@@ -42,10 +42,12 @@ from ftlaunch.bootstrap import prestart
 from ftlaunch.checkpointing.transport import CheckpointTransport
 from ftlaunch.errors import ConfigurationError, install_brief_errors
 from ftlaunch.process_group.base import ProcessGroup
-from ftlaunch.timeouts import Timeouts
+from ftlaunch.timeouts import Timeouts, to_seconds
 from ftlaunch.worker import defaults, spare
+from ftlaunch.worker.durable import DurableCheckpoints, DurableConfig
 from ftlaunch.worker.fault_tolerance import FaultTolerance, InitState, Registered, model_state_fns
-from ftlaunch.worker.manager import Manager, release_process_group
+from ftlaunch.worker.group_store import GroupStore
+from ftlaunch.worker.manager import Manager, ManagerParts, ManagerSettings, release_process_group
 
 __all__ = [
     "BACKENDS",
@@ -157,6 +159,9 @@ def init(
     lighthouse: str | None = None,
     load_state_dict: Callable[[Any], None] | None = None,
     state_dict: Callable[[], Any] | None = None,
+    checkpoint_dir: str | None = None,
+    checkpoint_every: int | None = None,
+    keep_last: int | None = None,
     **manager_kwargs: Any,
 ) -> FaultTolerance:
     """Connect this worker to its ftlaunch job and return a ready :class:`FaultTolerance`.
@@ -173,7 +178,15 @@ def init(
       (``FTLAUNCH_TRANSPORT``).
     - ``intra_group``: build (or reuse) the replica group's own process group; default: when the
       group has more than one worker.
-    - Other keyword arguments go to :class:`ftlaunch.Manager` (e.g. ``max_retries``, ``init_sync``).
+    - ``checkpoint_dir``/``checkpoint_every``/``keep_last``: durable checkpoints (else
+      ``FTLAUNCH_CHECKPOINT_DIR``/``_EVERY``/``_KEEP``; ``ftlaunch --checkpoint-dir``): every
+      ``checkpoint_every`` committed steps (default 100) one replica group writes the committed state
+      in the background, in torch.distributed.checkpoint's layout, keeping the newest ``keep_last``
+      (default 3); a job started on a directory with a checkpoint resumes from the newest complete
+      one (docs/checkpointing.md).
+    - Other keyword arguments are the Manager's settings (torchft's names): ``max_retries``,
+      ``init_sync``, ``use_async_quorum``, ``quorum_retries``, ``world_size_mode``,
+      ``heartbeat_interval`` (see :class:`ftlaunch.Manager`).
     """
     phases.mark("init", process_start=phases.process_start_time())
     install_brief_errors()  # a bad environment value reads as one line, not a traceback
@@ -187,6 +200,7 @@ def init(
     group = env.GroupEnv.from_environ()
     tuned = env.WorkerEnv.from_environ()  # what the user tuned: handed to the Manager below
     sync_env = env.SyncEnv.from_environ()  # defaults of ft.local_sgd() / ft.diloco()
+    durable_config = _durable_config(checkpoint_dir, checkpoint_every, keep_last)
 
     # Timeouts: one knob, explicit overrides validated together before anything connects.
     overrides = {
@@ -222,23 +236,12 @@ def init(
             slot = spare.claim_slot(job, group, timeouts.connect, tuned.lighthouse_outage)
             job = spare.job_for_slot(job, slot)
 
-        manager = Manager(
-            pg=pg,
-            load_state_dict=load_state_dict,
-            state_dict=state_dict,
-            min_replica_size=min_replica_size,
-            timeouts=timeouts,
-            rank=group.rank,
-            world_size=group.world_size,
-            store_addr=group.master_addr,
-            store_port=group.master_port,
-            lighthouse_addr=job.lighthouse,
-            token=job.token,
-            replica_id=slot.replica_id if slot is not None else job.replica_id,
-            checkpoint_transport=ckpt,
-            worker_env=tuned,
-            **manager_kwargs,
-        )
+        manager = Manager.from_parts(
+            _manager_parts(
+                pg, job, group, timeouts, tuned, ckpt, min_replica_size, load_state_dict, state_dict,
+                replica_id=slot.replica_id if slot is not None else job.replica_id, knobs=manager_kwargs,
+            )
+        )  # fmt: skip
     except BaseException as e:
         release_process_group(pg)
         if owns_intra and dist.is_initialized():
@@ -247,6 +250,12 @@ def init(
             logging.getLogger(__name__).info("%s", e)
             raise SystemExit(0) from None
         raise
+    durable_ckpt = None
+    if durable_config is not None:
+        # Resume from disk only in a group that starts with the job: a restarted group, or a hot
+        # spare taking a failed group's slot, heals from live peers (the disk is the safety net).
+        starts_with_job = group.incarnation == 0 and (slot is None or slot.replaced is None)
+        durable_ckpt = _durable(durable_config, manager, group, intra, starts_with_job)
     manager.log.info(
         "ftlaunch.init: replica group %d of %d, rank %d of %d, backend %s, transport %s, device %s",
         job.replica_group_id, job.num_replica_groups, group.rank, group.world_size, chosen_backend,
@@ -268,9 +277,119 @@ def init(
         checkpoint_transport=ckpt,
         registered=registered,
         sync_env=sync_env,
+        durable=durable_ckpt,
     )
     _track(ft)
     return ft
+
+
+def _durable_config(directory: str | None, every: int | None, keep_last: int | None) -> DurableConfig | None:
+    """Durable checkpoints from ``init``'s arguments, else the environment (None: no directory)."""
+    from_env = env.CheckpointEnv.from_environ()
+    chosen = directory if directory is not None else from_env.directory
+    if not chosen:
+        if every is not None or keep_last is not None:
+            raise ConfigurationError(
+                "checkpoint_every/keep_last need checkpoint_dir (or FTLAUNCH_CHECKPOINT_DIR)"
+            )
+        return None
+    return DurableConfig(
+        str(chosen),
+        from_env.every if every is None else every,
+        from_env.keep_last if keep_last is None else keep_last,
+    )
+
+
+def _durable(
+    config: DurableConfig,
+    manager: Manager,
+    group: env.GroupEnv,
+    intra: dist.ProcessGroup | None,
+    resume: bool,
+) -> DurableCheckpoints:
+    """Attach durable checkpoints to ``manager``'s commit boundary (`worker.committed`).
+
+    A group of several ranks writes (and reads) its shards over Gloo groups of its own: one for
+    DCP on the writer thread, one for the ranks' agreement on the training thread (a process group
+    is used by one thread at a time). Every rank builds them here, in the same order.
+
+    The Manager is reached through its committed-state holder, its registry and its last plan:
+    the hook lives beside the Manager, not inside its step protocol."""
+    dcp_group = agree_group = None
+    if group.world_size > 1:
+        if intra is None:
+            raise ConfigurationError(
+                "durable checkpoints of a replica group of several workers need its process group: "
+                "leave intra_group on"
+            )
+        dcp_group = dist.new_group(backend="gloo")
+        agree_group = dist.new_group(backend="gloo")
+    hook = DurableCheckpoints(
+        config,
+        manager._state,  # noqa: SLF001 - the registry a heal carries: a checkpoint saves the same
+        lambda: manager._round.last_plan,  # noqa: SLF001 - the committed quorum's plan: who writes
+        manager.log,
+        group_rank=group.rank,
+        dcp_group=dcp_group,
+        agree_group=agree_group,
+    )
+    manager._committed.durable = hook  # noqa: SLF001 - called at every commit boundary
+    if manager._progress is not None:  # noqa: SLF001 - the leader's progress reports carry the stats
+        manager._progress.durable = hook.stats.report
+    if resume:
+        hook.resume()
+    return hook
+
+
+#: The Manager's settings ``init`` passes on from its keyword arguments (torchft's names).
+MANAGER_KNOBS = ("use_async_quorum", "init_sync", "max_retries", "quorum_retries", "world_size_mode")
+
+
+def _manager_parts(
+    pg: ProcessGroup,
+    job: env.JobEnv,
+    group: env.GroupEnv,
+    timeouts: Timeouts,
+    tuned: env.WorkerEnv,
+    transport: CheckpointTransport[Any],
+    min_replica_size: int,
+    load_state_dict: Callable[[Any], None] | None,
+    state_dict: Callable[[], Any] | None,
+    *,
+    replica_id: str,
+    knobs: dict[str, Any],
+) -> ManagerParts:
+    """What the Manager is made of, from what ``init`` read: its settings (with the knobs the script
+    passed), the leader's lighthouse client and the replica group's store."""
+    unknown = sorted(set(knobs) - {*MANAGER_KNOBS, "heartbeat_interval"})
+    if unknown:
+        raise TypeError(
+            f"ftlaunch.init() got unexpected keyword arguments {unknown}; the Manager's are "
+            f"{', '.join((*MANAGER_KNOBS, 'heartbeat_interval'))} and the *_timeout overrides"
+        )
+    interval = to_seconds(knobs.pop("heartbeat_interval", 0.1), "heartbeat_interval")
+    settings = ManagerSettings(
+        replica_id=replica_id, group_rank=group.rank, group_world_size=group.world_size, timeouts=timeouts,
+        min_replica_size=min_replica_size, heartbeat_interval=interval, worker_env=tuned, **knobs,
+    )  # fmt: skip
+    # Only the leader talks to the lighthouse; it waits out a lighthouse outage (lighthouse/reconnect.py).
+    client = None
+    if group.rank == 0:
+        client = defaults.lighthouse_client(
+            job.lighthouse, job.token, timeouts.connect, tuned.lighthouse_outage
+        )
+    try:
+        store = GroupStore.open(
+            None, group.master_addr, group.master_port, replica_id=replica_id, attempt=group.incarnation,
+            rank=group.rank, world_size=group.world_size,
+            hostname=job.local_addr or defaults.local_addr(job.lighthouse), timeouts=timeouts,
+            leader_outage=tuned.lighthouse_outage,
+        )  # fmt: skip
+    except BaseException:
+        if client is not None:
+            client.close()
+        raise
+    return ManagerParts(settings, pg, store, transport, client, load_state_dict, state_dict)
 
 
 def _intra_group(

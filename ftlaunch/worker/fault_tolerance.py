@@ -25,10 +25,12 @@ from ftlaunch.errors import ConfigurationError
 from ftlaunch.process_group.base import ProcessGroup
 from ftlaunch.timeouts import Timeouts
 from ftlaunch.worker.data import DistributedSampler
+from ftlaunch.worker.exactly_once import ExactlyOnceSampler
 from ftlaunch.worker.manager import Manager
 
 if TYPE_CHECKING:
     from ftlaunch.gang import Gang, Gangs
+    from ftlaunch.worker.durable import DurableCheckpoints
     from ftlaunch.worker.local_sgd import DiLoCo, LocalSGD
 
 
@@ -86,6 +88,10 @@ class FaultTolerance:
     #: Defaults of `local_sgd`/`diloco` the environment gave (``init`` reads them with the rest;
     #: None: read them when one of the two is called).
     sync_env: env.SyncEnv | None = field(default=None, repr=False)
+    #: `sampler` made an `ExactlyOnceSampler` (`diloco` checks that its syncs leave it usable).
+    _exact_sampler: bool = field(default=False, repr=False)
+    #: Durable checkpoints (``checkpoint_dir=``), None without a directory.
+    durable: DurableCheckpoints | None = field(default=None, repr=False)
 
     def _sync_defaults(self) -> env.SyncEnv:
         return self.sync_env if self.sync_env is not None else env.SyncEnv.from_environ()
@@ -107,20 +113,42 @@ class FaultTolerance:
 
         return (
             DistributedDataParallel(self.manager, model, intra_group=self.intra_group),
-            Optimizer(self.manager, optimizer),
+            Optimizer(self.manager, optimizer, self._on_commit()),
         )
 
-    def sampler(self, dataset: Any, key: str = "sampler", **kwargs: Any) -> DistributedSampler:
-        """A sampler sharding ``dataset`` over replica groups x ranks whose position travels with
-        live recovery, so a healed group resumes exactly where its peers are."""
-        s = DistributedSampler(
-            dataset,
-            replica_group_id=self.replica_group_id,
-            num_replica_groups=self.num_replica_groups,
-            rank=self.rank,
-            num_replicas=self.world_size,
-            **kwargs,
-        )
+    def _on_commit(self) -> Callable[[int], None] | None:
+        """What the commit-gated optimizer calls after each committed update (durable checkpoints)."""
+        return self.durable.committed if self.durable is not None else None
+
+    def sampler(
+        self, dataset: Any, key: str = "sampler", mode: str = "exact", **kwargs: Any
+    ) -> ExactlyOnceSampler | DistributedSampler:
+        """A sampler for ``dataset`` whose position travels with live recovery (registered under
+        ``key``), so a healed group continues exactly where its peers are.
+
+        ``mode="exact"`` (the default): `ExactlyOnceSampler`, every sample trained exactly once
+        per epoch by the job whatever fails; the groups of each committed step take consecutive
+        slices of what is left. ``mode="shard"``: `DistributedSampler`, a fixed shard per replica
+        group x worker (a group that is down skips its shard's samples meanwhile). Keyword
+        arguments (``shuffle``, ``seed``, ``drop_last``) go to the sampler. See docs/data.md.
+        """
+        if mode == "exact":
+            s: ExactlyOnceSampler | DistributedSampler = ExactlyOnceSampler(
+                dataset, self.manager, rank=self.rank, num_replicas=self.world_size,
+                num_replica_groups=self.num_replica_groups, **kwargs,
+            )  # fmt: skip
+            self._exact_sampler = True
+        elif mode == "shard":
+            s = DistributedSampler(
+                dataset,
+                replica_group_id=self.replica_group_id,
+                num_replica_groups=self.num_replica_groups,
+                rank=self.rank,
+                num_replicas=self.world_size,
+                **kwargs,
+            )
+        else:
+            raise ConfigurationError(f"ft.sampler(mode={mode!r}): mode is 'exact' (the default) or 'shard'")
         s.register(self.manager, key)
         return s
 
@@ -174,6 +202,12 @@ class FaultTolerance:
             )
         self.checkpoint_transport.device_mesh = mesh
         if self.registered.kind is Registered.NOTHING:
+            if self.durable is not None and self.durable.resuming:
+                # The checkpoint's optimizer state loads into the optimizer's own DTensors: create
+                # them first (a step with zero gradients and lr 0, torch's own way).
+                from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+                _init_optim_state(optimizer)
             self.manager.register_state_dict_fn(DEFAULT_STATE_KEY, *model_state_fns(model, optimizer))
             self.registered = InitState(Registered.MODEL, model, optimizer)
         elif self.registered.other_than(model, optimizer):
@@ -184,7 +218,7 @@ class FaultTolerance:
         layout = hsdp.layout_of(model)
         self.manager.require_same_layout(layout.digest, layout.text)
         self.manager.log.info("fault-tolerant HSDP: %s", layout.text)
-        return model, Optimizer(self.manager, optimizer)
+        return model, Optimizer(self.manager, optimizer, self._on_commit())
 
     # ---- periodic synchronisation: LocalSGD, DiLoCo, Streaming DiLoCo (docs/diloco.md) ----------
     def local_sgd(
@@ -236,6 +270,12 @@ class FaultTolerance:
         if fragments is None:
             fragments = defaults.fragments
         delay = defaults.fragment_sync_delay if fragment_sync_delay is None else fragment_sync_delay
+        if delay and self._exact_sampler:
+            raise ConfigurationError(
+                f"fragment_sync_delay={delay} lets the inner steps draw data while a sync is open, which "
+                "ft.sampler's exactly-once accounting cannot follow: build it with ft.sampler(dataset, "
+                "mode='shard') (docs/data.md)"
+            )
         alpha = defaults.fragment_update_alpha if fragment_update_alpha is None else fragment_update_alpha
         quantize = (defaults.quantize or False) if should_quantize is None else should_quantize
         modules = split_fragments(model, fragments) if isinstance(fragments, int) else fragments
@@ -283,6 +323,8 @@ class FaultTolerance:
         if self._closed:
             return
         self._closed = True
+        if self.durable is not None:
+            self.durable.close(wait=not _failing())  # a save in progress completes on a clean exit
         if _failing():  # called while an exception propagates (``finally:``): a failure, not an end
             self.manager.shutdown(leave=False)
         if self._gangs is not None:

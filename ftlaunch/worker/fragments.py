@@ -30,6 +30,15 @@ class Fragment:
             for p in self.params
         ]
 
+    @property
+    def original_parameters(self) -> dict[str, torch.Tensor]:
+        """The global parameters by name (torchft's ``Fragment.original_parameters``)."""
+        return self.state_dict()
+
+    def save_parameters(self) -> None:
+        """torchft's name of `save_global`: back the current parameters up as the global ones."""
+        self.save_global()
+
     def locals(self) -> list[torch.Tensor]:
         return [local_view(p.detach()) for p in self.params]
 

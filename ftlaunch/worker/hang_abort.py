@@ -10,7 +10,7 @@ changes -- forms without the lost group (or with a hot spare in its place).
 
 Only the quorum in use is aborted: a stale answer (an older quorum id: the group already moved on)
 is ignored, and each quorum is aborted at most once. The abort comes only once an op of the step
-has been pending for `SUSPECT_AFTER` -- seen by a wait of ours (`watch`), or by a thread the notice starts
+has been pending for `protocol.BLOCKED_FOR` -- seen by a wait of ours (`watch`), or by a thread the notice starts
 (DDP's backward waits for the allreduces itself) -- not from the notice alone: a crashed peer (also "lost") makes the
 collectives fail at once by itself, and aborting then would only replace a Baby child that is still
 usable. A configure in flight is aborted at once (the Manager's `stuck`): it cannot complete
@@ -38,16 +38,10 @@ from ftlaunch.lighthouse.protocol import BLOCKED_FOR
 
 log = logging.getLogger(__name__)
 
-#: Seconds a step's wait may last before the leader reports it blocked (`Manager._blocked`), the
-#: process group prepares for an abort (`watch`) and a `lost` notice aborts a pending allreduce: the
-#: protocol's `BLOCKED_FOR`, the one threshold the lighthouse's hung rule reads too. A slow peer is
-#: never declared for it -- its heartbeats go on.
-SUSPECT_AFTER = BLOCKED_FOR
-
 
 class LostPeerAbort:
     """Aborts ``abort()`` (the cross-group process group's) when told that the quorum in use lost
-    a participant. ``interrupted`` tells the step's waits to stop waiting."""
+    a participant. `watch` gives each wait of the step its ``interrupted`` condition."""
 
     def __init__(
         self,
@@ -66,7 +60,7 @@ class LostPeerAbort:
         self._log = logger
         self._tell_group = tell_group
         self._told_by_leader = told_by_leader
-        #: Whether an op of the step has been pending for `SUSPECT_AFTER` (the Manager's allreduces,
+        #: Whether an op of the step has been pending for `protocol.BLOCKED_FOR` (the Manager's allreduces,
         #: which DDP's backward waits for): after a notice, a thread aborts once it is.
         self._stuck = stuck
         self._lock = threading.Lock()  # guards the fields below; never held while aborting
@@ -191,13 +185,11 @@ class LostPeerAbort:
         if done is not None:
             done.wait(timeout)
 
-    def interrupted(self) -> bool:
-        """True once the quorum in use was told lost (until the next `use`)."""
-        return self._lost.is_set()
-
-    def watch(self, prepare: Callable[[], None], after: float = SUSPECT_AFTER) -> Callable[[], bool]:
+    def watch(self, prepare: Callable[[], None], after: float = BLOCKED_FOR) -> Callable[[], bool]:
         """The ``interrupted`` condition of one wait of a step (`commit.wait_all`). Once the wait has
-        lasted ``after`` seconds it calls ``prepare`` (the process group's `prepare_abort`: a Baby
+        lasted ``after`` seconds (`protocol.BLOCKED_FOR`: the threshold at which the leader reports
+        the step blocked and the lighthouse's hung rule acts; a slow peer that still heartbeats is
+        never declared for it) it calls ``prepare`` (the process group's `prepare_abort`: a Baby
         group starts its replacement child while the lighthouse still waits out its heartbeat
         timeout), and if the quorum in use was told lost it aborts the process group and ends the
         wait. Only a wait that lasts: a crashed peer's sockets close, so the collectives fail by

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from ftlaunch.errors import CommunicationError
 
-__all__ = ["ManagedWork", "with_default"]
+__all__ = ["ManagedWork", "WorkOnManager", "with_default"]
 
 T = TypeVar("T")
 
@@ -120,3 +120,54 @@ def with_default(
 
     future.add_done_callback(on_done)
     return out
+
+
+class WorkOnManager(dist.Work):
+    """A backend Work bound to a Manager, torchft's ``_ManagedWork(manager, work, default_result)``.
+
+    Code written for torchft builds one around a Work of its own (a DDP comm hook, a test's fake
+    allreduce): ``wait()`` reports a failure to the manager and returns False instead of raising;
+    ``get_future()`` waits as torchft's does, then completes with the work's result, or with
+    ``default_result`` when the work failed (reported, never raised: a comm hook must hand DDP a
+    finished future). The Manager's own allreduce returns a `ManagedWork`, which does not block.
+    """
+
+    def __init__(self, manager: Any, work: dist.Work, default_result: object) -> None:
+        super().__init__()
+        self._manager = manager
+        self._work = work
+        self._default = default_result
+        self._ok: bool | None = None
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        if self._ok is None:
+            try:
+                if timeout:
+                    self._work.wait(timeout)
+                else:
+                    self._work.wait()
+                self._ok = True
+            except Exception as e:  # noqa: BLE001 - reported to the Manager, the step will not commit
+                self._manager.report_error(e)
+                self._ok = False
+        return self._ok
+
+    def is_completed(self) -> bool:
+        return self._ok is not None or self._work.is_completed()
+
+    def get_future(self) -> torch.futures.Future:
+        out: torch.futures.Future = torch.futures.Future()
+        if not self.wait():
+            out.set_result(self._default)
+            return out
+        manager, default = self._manager, self._default
+
+        def _done(fut: torch.futures.Future) -> None:
+            try:
+                out.set_result(fut.value())
+            except Exception as e:  # noqa: BLE001 - reported to the Manager, the step will not commit
+                manager.report_error(e)
+                out.set_result(default)
+
+        self._work.get_future().add_done_callback(_done)
+        return out

@@ -14,21 +14,22 @@ gone, this group was evicted, or ``max_retries`` consecutive steps failed. One e
 instead: the training finished ahead of this group with nobody left to heal it from (``SystemExit(0)``,
 see `Manager._end_after_finish`).
 
-The class reads in that order; the quorum thread's round (ask, plan, reconfigure, heal) is the
-`manager_quorum.QuorumRound` it mixes in. The mechanics live beside it: `plan` (what this group does in the
-step, from the quorum), `quorum_request` (what the leader asks the lighthouse with, and retries),
-`group_store` (the quorum relay and the commit vote among the group's ranks), `allreduce` (the
-arithmetic of one tensor's average across groups), `commit` (bounded waits, the vote across
-groups), `recovery` (what travels with a heal, and its transfer), `defaults` (the
-torchft-compatible defaults read from the environment).
+The Manager is the holder of its collaborators and reads in the step's order; each owns its state:
+`step.StepCount` (what the group committed), `step.StepAttempt` (the step in progress, one per
+``start_quorum``), `step_quorum.StepQuorum` (the quorum thread's round: ask, plan, reconfigure,
+heal; it returns a `QuorumResult`), `commit.StepCommit` (wait, vote: a `Verdict`), `leader.LeaderLink`
+(heartbeats, progress, watchdog), `hang_abort.LostPeerAbort`, `outage.LastQuorumSteps`,
+`committed.CommittedState` (what a heal serves) and `recovery.StateRegistry` (what travels with it).
+It is made from `manager_parts.ManagerParts` (`Manager.from_parts`); torchft's long-form
+constructor fills those from its arguments and the environment (`defaults.manager_parts`).
 """
 
 from __future__ import annotations
 
 import logging
 import sys
-import threading
 import time
+import warnings
 from collections.abc import Callable, MutableMapping
 from concurrent.futures import Future as CFuture
 from concurrent.futures import ThreadPoolExecutor
@@ -48,28 +49,37 @@ from ftlaunch.errors import (
     TrainingFinishedError,
 )
 from ftlaunch.lighthouse.client import QuorumClient
+from ftlaunch.lighthouse.protocol import BLOCKED_FOR
 from ftlaunch.process_group.base import ProcessGroup, release_process_group
 from ftlaunch.process_group.work import completed_future
 from ftlaunch.timeouts import Timeouts, to_seconds
 from ftlaunch.worker import allreduce as allreduce_math
 from ftlaunch.worker import defaults
 from ftlaunch.worker.allreduce import ReduceOpLike
-from ftlaunch.worker.commit import CrossGroupVote, vote_of_all_groups, vote_of_group_ranks, wait_all
+from ftlaunch.worker.commit import StepCommit, Verdict
 from ftlaunch.worker.committed import CommittedState
-from ftlaunch.worker.group_store import GroupStore
-from ftlaunch.worker.hang_abort import SUSPECT_AFTER, LostPeerAbort
+from ftlaunch.worker.hang_abort import LostPeerAbort
 from ftlaunch.worker.leader import LeaderLink
 from ftlaunch.worker.managed_work import ManagedWork, with_default
-from ftlaunch.worker.manager_quorum import QuorumRound
-from ftlaunch.worker.manager_state import ManagerStateApi
+from ftlaunch.worker.manager_parts import ManagerParts, ManagerSettings
 from ftlaunch.worker.outage import LastQuorumSteps
 from ftlaunch.worker.plan import StepPlan, WorldSizeMode, may_heal, snapshot_due
 from ftlaunch.worker.recovery import DEFAULT_STATE_KEY, StateRegistry
+from ftlaunch.worker.step import StepAttempt, StepCount
+from ftlaunch.worker.step_quorum import QuorumResult, StepQuorum
 from ftlaunch.worker.watchdog import progress_timeout
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Manager", "ManagedWork", "ReduceOpLike", "WorldSizeMode", "release_process_group"]
+__all__ = [
+    "ManagedWork",
+    "Manager",
+    "ManagerParts",
+    "ManagerSettings",
+    "ReduceOpLike",
+    "WorldSizeMode",
+    "release_process_group",
+]
 
 T = TypeVar("T")
 
@@ -77,16 +87,16 @@ T = TypeVar("T")
 class _StepLog(logging.LoggerAdapter):
     """Prefixes every record with ``[rg1/r0 step 42]`` so interleaved worker logs stay readable."""
 
-    def __init__(self, manager: Manager) -> None:
+    def __init__(self, settings: ManagerSettings, count: StepCount) -> None:
         super().__init__(logger, {})
-        self._m = manager
+        self._prefix = f"[{settings.replica_id}/r{settings.group_rank} step "
+        self._count = count
 
     def process(self, msg: Any, kwargs: MutableMapping[str, Any]) -> tuple[Any, MutableMapping[str, Any]]:
-        m = self._m
-        return f"[{m.replica_id}/r{m._group_rank} step {m._step}] {msg}", kwargs
+        return f"{self._prefix}{self._count.step}] {msg}", kwargs
 
 
-class Manager(QuorumRound, ManagerStateApi):
+class Manager:
     """Per-step quorum, fault-tolerant allreduce, commit and live recovery (torchft's API)."""
 
     def __init__(
@@ -121,10 +131,10 @@ class Manager(QuorumRound, ManagerStateApi):
         group_store: dist.Store | None = None,
         worker_env: env.WorkerEnv | None = None,
     ) -> None:
-        """Arguments not given default the way torchft's do, from the launcher's environment:
-        ``replica_id`` from ``REPLICA_GROUP_ID``, ``rank``/``world_size``/``store_addr``/
-        ``store_port`` from torchelastic's variables, ``lighthouse_addr``/``token`` from
-        ``FTLAUNCH_LIGHTHOUSE``/``FTLAUNCH_TOKEN``.
+        """torchft's long form. Arguments not given default the way torchft's do, from the
+        launcher's environment: ``replica_id`` from ``REPLICA_GROUP_ID``, ``rank``/``world_size``/
+        ``store_addr``/``store_port`` from torchelastic's variables, ``lighthouse_addr``/``token``
+        from ``FTLAUNCH_LIGHTHOUSE``/``FTLAUNCH_TOKEN``.
 
         Timeouts: ``timeout`` is the one knob (else ``FTLAUNCH_TIMEOUT``, else 60 s); the quorum,
         connect, heal and commit timeouts derive from it unless given, and the set is validated
@@ -141,141 +151,90 @@ class Manager(QuorumRound, ManagerStateApi):
         for the other groups, and may be omitted for a ``TCPStore``).
         ``worker_env``: what the user tuned through the environment (``ftlaunch.init`` reads it
         once); read from the environment when not given.
+
+        A thin factory: `defaults.manager_parts` builds the collaborators, `from_parts` the Manager.
         """
-        defaults.check_arguments(min_replica_size, max_retries, world_size_mode, port, heartbeat_interval)
-        timeouts = defaults.timeouts(
-            timeouts,
-            timeout,
-            quorum=quorum_timeout,
-            connect=connect_timeout,
-            heal=heal_timeout,
-            commit=commit_timeout,
-        )
-        self.timeouts = timeouts
-        self._pg = pg
-        self._min_replica_size = min_replica_size
-        self._world_size_mode = world_size_mode
-        self._use_async_quorum = use_async_quorum
-        self._init_sync = init_sync
-        self._max_retries = max_retries
-        self._quorum_retries = quorum_retries
+        parts = defaults.manager_parts(
+            pg, load_state_dict, state_dict, min_replica_size=min_replica_size,
+            use_async_quorum=use_async_quorum, timeout=timeout, quorum_timeout=quorum_timeout,
+            connect_timeout=connect_timeout, rank=rank, world_size=world_size, world_size_mode=world_size_mode,
+            store_addr=store_addr, store_port=store_port, lighthouse_addr=lighthouse_addr, replica_id=replica_id,
+            port=port, hostname=hostname, heartbeat_interval=heartbeat_interval,
+            checkpoint_transport=checkpoint_transport, init_sync=init_sync, max_retries=max_retries,
+            quorum_retries=quorum_retries, token=token, heal_timeout=heal_timeout, commit_timeout=commit_timeout,
+            timeouts=timeouts, quorum_client=quorum_client, group_store=group_store, worker_env=worker_env,
+        )  # fmt: skip
+        self._assemble(parts)
+        if port is not None:
+            self.log.info("port=%d is not used: ftlaunch has no per-group manager server", port)
 
-        # torchft-compatible defaults: what is not passed, torchelastic and the launcher published.
-        group_env = defaults.group_env()
-        self._group_rank = group_env.rank if rank is None else rank
-        self._group_world_size = group_env.world_size if world_size is None else world_size
-        if not 0 <= self._group_rank < self._group_world_size:
-            raise ConfigurationError(
-                f"rank {self._group_rank} is outside world_size {self._group_world_size}"
-            )
-        self.replica_id = defaults.replica_id() if replica_id is None else replica_id
-        self.log = _StepLog(self)
+    @classmethod
+    def from_parts(cls, parts: ManagerParts) -> Manager:
+        """The core constructor: a Manager made of ``parts`` (``ftlaunch.init`` builds them)."""
+        manager = cls.__new__(cls)
+        manager._assemble(parts)
+        return manager
 
-        self._state = StateRegistry(self.load_state_dict, self.state_dict)
-        if (load_state_dict is None) != (state_dict is None):
-            raise ValueError("pass both load_state_dict and state_dict, or neither")
-        if load_state_dict is not None and state_dict is not None:
-            self._state.register(DEFAULT_STATE_KEY, load_state_dict, state_dict)
+    def _assemble(self, parts: ManagerParts) -> None:
+        s = self._settings = parts.settings
+        self.timeouts = s.timeouts
+        self.replica_id = s.replica_id
+        self._pg = parts.pg
+        self._group = parts.group
+        self._transport = parts.transport
+        self._count = StepCount()
+        self.log = _StepLog(s, self._count)
+        self._state = StateRegistry(self._count.load_state_dict, self._count.state_dict)
+        if parts.load_state_dict is not None and parts.state_dict is not None:
+            self._state.register(DEFAULT_STATE_KEY, parts.load_state_dict, parts.state_dict)
         # What a heal source serves and claims: its state as committed, snapshotted at the boundary.
         self._committed = CommittedState(self._state, self.log)
-
-        # Step state: what this replica group has committed, and the step in progress.
-        self._step = 0
-        self._batches_committed = 0
-        self._commit_failures = 0
-        self._quorum_seq = 0
-        self._quorum_id: int | None = None
-        self._quorum_future: CFuture[None] | None = None
-        self._plan: StepPlan | None = None
-        self._last_plan: StepPlan | None = None  # the plan of the last step taken, kept across steps
-        self._pending: list[torch.futures.Future[torch.Tensor]] = []  # this step's allreduces
-        self._issued_at = 0.0  # when this step's first allreduce went out
-        # When the configure of the quorum in use / the commit's waits began (None: not now): a
-        # step waiting on a peer is told apart from one that computes (`_stuck`, `_blocked`).
-        self._configuring_since: float | None = None
-        self._waiting_since: float | None = None
-        self._errored: Exception | None = None
-        self._error_lock = threading.Lock()
-        self._pending_state: dict[str, Any] | None = None  # a healer's received state, not loaded yet
-        self._healed_at_start = False  # this step's heal was loaded before its forward pass
-        self._sent_checkpoint = False
-        self._vote_across_groups = CrossGroupVote()
-        self._layout: dict[str, str] | None = None  # published with every quorum request
+        self._attempt = StepAttempt()  # the step in progress (a fresh one at each start_quorum)
+        self._quorum_future: CFuture[QuorumResult] | None = None
         self._shutdown = False
         #: The lighthouse said the training finished ahead of this group (`_end_after_finish`).
         self._ended_after_finish = False
-
-        # Only the leader talks to the lighthouse. Built before anything connects: a missing address
-        # is a configuration error, raised before a store or a transport is left behind.
-        # It waits out a lighthouse outage (lighthouse/reconnect.py); the other ranks wait as long.
-        self._client: QuorumClient | None = None
-        tuned = defaults.worker_env() if worker_env is None else worker_env
-        outage = tuned.lighthouse_outage
-        self._outage = LastQuorumSteps(tuned.outage_steps)  # the leader steps on through an outage
-        self._heal_claims = tuned.heal_claims
-        if self._group_rank == 0:
-            self._client = quorum_client or defaults.lighthouse_client(
-                lighthouse_addr, token, timeouts.connect, outage
-            )
-        self._group = GroupStore.open(
-            group_store,
-            store_addr if store_addr is not None else group_env.master_addr,
-            store_port if store_port is not None else group_env.master_port,
-            replica_id=self.replica_id,
-            attempt=group_env.incarnation,
-            rank=self._group_rank,
-            world_size=self._group_world_size,
-            hostname=hostname or defaults.local_addr(lighthouse_addr),
-            timeouts=timeouts,
-            leader_outage=outage,
-        )
-
-        if checkpoint_transport is None:
-            from ftlaunch.checkpointing import HTTPTransport
-
-            checkpoint_transport = HTTPTransport(
-                timeout=timeouts.as_timedelta("heal"),
-                bind=defaults.local_addr(lighthouse_addr) or "127.0.0.1",
-            )
-        self._transport: CheckpointTransport[Any] = checkpoint_transport
-        # Published once this rank is ready (`quorum_request.become_ready`): the leader's read of
-        # every rank's metadata is then also the wait for the whole group to be ready.
-        self._ready = False
-        self._transport_metadata: list[str] | None = None  # every rank's, read once by the leader
+        self._outage = LastQuorumSteps(s.worker_env.outage_steps)  # the leader steps on through an outage
         self._phases = phases.enabled()  # the opt-in start-up phase log, until the first commit
-
         self._executor = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix=f"ftlaunch-quorum-{self.replica_id}"
+            max_workers=1, thread_name_prefix=f"ftlaunch-quorum-{s.replica_id}"
         )
         # The leader's heartbeats (from its first request), progress reports, progress watchdog and
         # lost-peer abort (worker/leader.py): a participant of the quorum in use that the lighthouse
         # declares lost (hung, gone) aborts the step at once, not after the collective timeout.
-        multi_rank = self._group_world_size > 1
+        multi_rank = s.group_world_size > 1
         self._hang_abort = LostPeerAbort(
             self._pg.abort, self.log,
-            tell_group=self._group.tell_lost if multi_rank and self._group_rank == 0 else None,
-            told_by_leader=self._group.was_lost if multi_rank and self._group_rank != 0 else None,
+            tell_group=self._group.tell_lost if multi_rank and s.group_rank == 0 else None,
+            told_by_leader=self._group.was_lost if multi_rank and s.group_rank != 0 else None,
             stuck=self._stuck,
         )  # fmt: skip
-        in_flight = lambda: self._quorum_future is not None and not self._quorum_future.done()  # noqa: E731
         self._link = LeaderLink(
-            self._client, self.replica_id, heartbeat_interval=to_seconds(heartbeat_interval),
-            progress_limit=progress_timeout(timeouts.collective, tuned.progress_timeout), in_flight=in_flight, hang_abort=self._hang_abort,
-            blocked=self._blocked, logger=self.log,
+            parts.client, s.replica_id, heartbeat_interval=s.heartbeat_interval,
+            progress_limit=progress_timeout(s.timeouts.collective, s.worker_env.progress_timeout),
+            in_flight=self._quorum_in_flight, hang_abort=self._hang_abort, blocked=self._blocked, logger=self.log,
         )  # fmt: skip
         self._progress = self._link.progress
+        self._round = StepQuorum(
+            s, pg=self._pg, group=self._group, transport=self._transport, outage=self._outage,
+            hang_abort=self._hang_abort, link=self._link, state=self._state, committed=self._committed,
+            mark=self._mark, log=self.log,
+        )  # fmt: skip
+        self._commit = StepCommit(s, self._pg, self._group, self._hang_abort, self.report_error)
         self.log.info(
             "manager up: group world_size=%d store=%s transport=%s",
-            self._group_world_size, self._group.address, type(self._transport).__name__,
+            s.group_world_size, self._group.address, type(self._transport).__name__,
         )  # fmt: skip
-        timeouts.log(self.log)
-        if port is not None:
-            self.log.info("port=%d is not used: ftlaunch has no per-group manager server", port)
+        s.timeouts.log(self.log)
         self._mark("manager_up")
 
     def _mark(self, phase: str) -> None:
         if self._phases:
-            phases.mark(phase, step=self._step)
+            phases.mark(phase, step=self._count.step)
+
+    def _quorum_in_flight(self) -> bool:
+        future = self._quorum_future
+        return future is not None and not future.done()
 
     # ============================================================================ 1. the quorum
     def start_quorum(
@@ -290,27 +249,25 @@ class Manager(QuorumRound, ManagerStateApi):
         if self._shutdown:
             raise FtlaunchError("manager is shut down")
         self._link.touch()
-        if self._quorum_future is not None and not self._quorum_future.done():
+        if self._quorum_in_flight():
             # The previous step never waited for its quorum (no allreduce, no commit): finish it.
+            assert self._quorum_future is not None
             self._quorum_future.exception()
+        step, last_plan = self._count.step, self._round.last_plan
         # The commit boundary: the optimizer applied the last committed step and this step's forward
         # pass has not begun. A heal due now is served from a snapshot of exactly this state.
-        self._committed.at_boundary(self._step, snapshot_due(self._step, self._last_plan))
+        self._committed.at_boundary(step, snapshot_due(step, last_plan))
         live = self._committed.live
-        heal_first = allow_heal and not live and may_heal(self._step, self._last_plan)
-        self._errored = None
-        self._pending = []
-        self._pending_state = None
-        self._healed_at_start = False
-        self._plan = None
+        heal_first = allow_heal and not live and may_heal(step, last_plan)
+        self._attempt = StepAttempt()
         quorum_timeout = self.timeouts.quorum if timeout is None else to_seconds(timeout)
         if self._progress is not None:
             self._progress.step_started()
-        self._quorum_seq += 1
-        synchronous = heal_first or not self._use_async_quorum
+        synchronous = heal_first or not self._settings.use_async_quorum
         self._quorum_future = self._executor.submit(
-            self._run_quorum, self._quorum_seq, allow_heal, shrink_only, quorum_timeout, synchronous or live
-        )
+            self._round.run, self._round.begin(), step, self._count.commit_failures, allow_heal=allow_heal,
+            shrink_only=shrink_only, timeout=quorum_timeout, heal_ready=synchronous or live,
+        )  # fmt: skip
         if synchronous:
             self.wait_quorum()
             if not live:
@@ -320,23 +277,23 @@ class Manager(QuorumRound, ManagerStateApi):
         """Load this step's healed state now, if every rank of the group received its part (a group
         vote: one rank must not move to the source's step while another stays behind). A state
         that did not arrive everywhere is loaded nowhere, and the step is not committed."""
-        plan = self._plan
-        if plan is None or not plan.heal:
+        attempt = self._attempt
+        if attempt.plan is None or not attempt.plan.heal:
             return
-        ok = self._pending_state is not None and self._errored is None
-        if self._group_world_size > 1:
+        ok = attempt.received is not None and attempt.error is None
+        if self._settings.group_world_size > 1:
             deadline = time.monotonic() + self.timeouts.heal
             try:
-                ok = self._group.vote(self._quorum_seq, ok, deadline, topic="heal")
+                ok = self._group.vote(self._round.seq, ok, deadline, topic="heal")
             except CommunicationError as e:
                 self.report_error(e)
                 ok = False
         if not ok:
             self.report_error(CommunicationError("a rank of this group received no state: nobody loads it"))
-            self._pending_state = None
+            attempt.take_received()
             return
-        self._load_healed_state()
-        self._healed_at_start = True
+        self._load_healed_state(attempt)
+        attempt.healed_at_start = True
 
     def wait_quorum(self) -> None:
         """Block until this step's quorum is known; fatal lighthouse errors and a layout that
@@ -344,13 +301,17 @@ class Manager(QuorumRound, ManagerStateApi):
         if self._quorum_future is None:
             raise FtlaunchError("wait_quorum() before start_quorum()")
         try:
-            self._quorum_future.result()
+            result = self._quorum_future.result()
         except TrainingFinishedError as e:
             self._end_after_finish(e)
         except (LighthouseError, ConfigurationError):
             raise
         except Exception as e:  # noqa: BLE001 - reconfigure/heal failures: survive, skip the step
             self.report_error(e)
+            return
+        self._attempt.take_quorum(result.plan, result.received)
+        if result.error is not None:  # the heal transfer failed: the step goes on, to be refused
+            self.report_error(result.error)
 
     def _end_after_finish(self, e: TrainingFinishedError) -> None:
         """The training finished while this group was behind it (restarted just as the others
@@ -365,7 +326,10 @@ class Manager(QuorumRound, ManagerStateApi):
 
     # ============================================================================ 2. allreduce
     def allreduce(
-        self, tensor: torch.Tensor, reduce_op: ReduceOpLike = "avg", should_quantize: bool | int = False
+        self,
+        tensor: torch.Tensor,
+        reduce_op: ReduceOpLike | bool | int = "avg",
+        should_quantize: bool | int | ReduceOpLike = False,
     ) -> ManagedWork:
         """Fault-tolerant allreduce over the replica groups; averages over the participating groups.
 
@@ -374,53 +338,54 @@ class Manager(QuorumRound, ManagerStateApi):
         (``errored()``), the future completes with the tensor as is, and ``should_commit()`` will
         refuse the step. ``should_quantize`` (True or 8, or 4: the bit width) sends low-bit codes
         instead of the values (`ftlaunch.worker.quantization`; avg/sum of floating point tensors
-        only, else ValueError).
+        only, else ValueError). torchft's positional order, ``allreduce(tensor, should_quantize,
+        reduce_op)``, is accepted too (`allreduce_math.torchft_positional`).
         """
+        reduce_op, should_quantize = allreduce_math.torchft_positional(reduce_op, should_quantize)
         bits = allreduce_math.check_args(tensor, reduce_op, should_quantize)
+        if self._progress is not None:
+            self._progress.peers_needed()
         self.wait_quorum()
-        plan = self._plan
+        attempt = self._attempt
+        plan = attempt.plan
         if plan is None or self._pg.errored() is not None:
             # No usable process group this step (quorum or reconfigure failed): nothing to talk to.
             return self._work(completed_future(tensor))
         # Even after a local error we still take part: every group must issue the same sequence of
         # collectives, or peers hang (or gloo aborts on a size mismatch). The commit vote discards the step.
-        zeros = not plan.participates or self._errored is not None
+        zeros = not plan.participates or attempt.error is not None
         fut = allreduce_math.reduce_across_groups(
             self._pg, plan, tensor, reduce_op, bits, zeros, self.report_error
         )
         if fut is None:
             return self._work(completed_future(tensor))
-        if not self._pending:
-            self._issued_at = time.monotonic()
-        self._pending.append(fut)
+        attempt.issued(fut)
         return self._work(fut)
 
     def _stuck(self) -> bool:
         """After the lighthouse said the quorum in use lost a participant (hang_abort): whether to
         abort now. A configure in flight, at once: it cannot complete without every participant
         (nor at all when the lost one hosted the rendezvous store: it waited a second for nothing,
-        and its peers for it, in the soak); an allreduce, once it has been pending for `SUSPECT_AFTER` (a
-        dead peer makes it fail by itself, and an abort would replace a usable Baby child)."""
-        if self._configuring_since is not None:
+        and its peers for it, in the soak); an allreduce, once it has been pending for
+        `protocol.BLOCKED_FOR` (a dead peer makes it fail by itself, and an abort would replace a
+        usable Baby child)."""
+        if self._round.configuring_since is not None:
             return True
-        pending = list(self._pending)
-        return any(not f.done() for f in pending) and time.monotonic() - self._issued_at >= SUSPECT_AFTER
+        return self._attempt.allreduce_pending_for(time.monotonic()) >= BLOCKED_FOR
 
     def _blocked(self) -> tuple[int, float] | None:
         """For the leader's heartbeats (``blocked``): the quorum in use and how long this step has
         waited in its collectives (configure, allreduces, the commit's waits), once that is
-        `SUSPECT_AFTER` or more; else None. The lighthouse declares a silent peer lost on it."""
-        quorum_id = self._quorum_id
-        starts = [t for t in (self._configuring_since, self._waiting_since) if t is not None]
-        if any(not f.done() for f in list(self._pending)):
-            starts.append(self._issued_at)
-        if quorum_id is None or not starts:
+        `protocol.BLOCKED_FOR` or more; else None. The lighthouse declares a silent peer lost on it."""
+        quorum_id = self._round.quorum_id
+        since = self._attempt.blocked_since(self._round.configuring_since)
+        if quorum_id is None or since is None:
             return None
-        waited = time.monotonic() - min(starts)
-        return (quorum_id, waited) if waited >= SUSPECT_AFTER else None
+        waited = time.monotonic() - since
+        return (quorum_id, waited) if waited >= BLOCKED_FOR else None
 
     def _work(self, future: torch.futures.Future[torch.Tensor]) -> ManagedWork:
-        return ManagedWork(future, lambda: self._errored is not None, self.report_error)
+        return ManagedWork(future, lambda: self.errored() is not None, self.report_error)
 
     def wrap_future(
         self, fut: torch.futures.Future[T], default: T, timeout: timedelta | float | None = None
@@ -433,14 +398,12 @@ class Manager(QuorumRound, ManagerStateApi):
 
     def report_error(self, e: Exception) -> None:
         """Record a failure of this step: it will not be committed (by any group)."""
-        with self._error_lock:
-            if self._errored is None:
-                self._errored = e
-                self.log.warning("step failed, will not commit: %s: %s", type(e).__name__, e)
+        if self._attempt.report_error(e):
+            self.log.warning("step failed, will not commit: %s: %s", type(e).__name__, e)
 
     def errored(self) -> Exception | None:
         """This step's first failure, or None."""
-        return self._errored
+        return self._attempt.error
 
     # ============================================================================ 3. the commit
     def should_commit(self, timeout: timedelta | float | None = None) -> bool:
@@ -451,91 +414,160 @@ class Manager(QuorumRound, ManagerStateApi):
         budget = self.timeouts.commit if timeout is None else to_seconds(timeout)
         deadline = time.monotonic() + budget
         if self._progress is not None:
+            self._progress.peers_needed()
             self._progress.commit_started()
         self.wait_quorum()
-        self._waiting_since = time.monotonic()
-        interrupted = self._hang_abort.watch(self._pg.prepare_abort)
-        if not wait_all(self._pending, deadline, interrupted):
-            # A collective of this step hangs (a peer stopped, not died). Give up on the step and
-            # abort the process group so the hung op is released; the next quorum rebuilds it.
-            # When the lighthouse said the peer is lost, that abort is under way already.
-            lost = self._hang_abort.error
-            self._hang_abort.settle()
-            self.report_error(lost or CommunicationError(
-                f"commit timed out after {budget:g} s waiting for this step's allreduces"))  # fmt: skip
-            if lost is None:
-                self._pg.abort()
-        self._pending = []
-        plan = self._plan
-        healed = self._healed_at_start
-        if (
-            plan is not None
-            and plan.heal
-            and self._pending_state is None
-            and not healed
-            and self._errored is None
-        ):
-            self.report_error(CommunicationError("healing was planned but no state was received"))
-
-        # Enough groups up to date (torchft's rule: those at the quorum's max step; at step 0 with
-        # init_sync that is every group, though only the primary's gradients count).
-        ok = self._errored is None and plan is not None and plan.num_up_to_date >= self._min_replica_size
-        if plan is not None and plan.replica_world_size > 1:
-            lost = self._hang_abort.error
-            if lost is not None:  # the quorum lost a peer: no vote with it (every live peer was told)
-                self.report_error(lost)
-                ok = False
-            else:
-                ok = vote_of_all_groups(self._vote_across_groups, self._pg, ok, deadline, self.report_error,
-                                        interrupted)  # fmt: skip
-        if self._group_world_size > 1:
-            ok = vote_of_group_ranks(
-                self._group, self._quorum_seq, ok, deadline, self.report_error, self.replica_id
-            )
-        if self._hang_abort.error is not None:
-            self._hang_abort.settle()  # the aborted ops fail within this step
-        if self._sent_checkpoint:
-            # Every healer has voted, so it has its copy: the state may change again.
-            self._transport.disallow_checkpoint()
-            self._sent_checkpoint = False
-        self._committed.release()
-        self._waiting_since = None
-        self._outage.after_step(ok, plan)
-
-        if ok and plan is not None and plan.waits:
-            # Voted yes so that the others commit; behind, this group applies nothing (it heals
-            # from their snapshot of this step's end, at the next quorum).
-            return False
-        if ok:
-            assert plan is not None
-            if plan.heal and not healed:
-                # Live mode: only now, every rank of every group agreed, so every healing rank loads
-                # together (one rank must not jump to the source's step while another stays behind).
-                self._load_healed_state()
-            self._step += 1
-            self._batches_committed += plan.num_participants
-            self._commit_failures = 0
-            if self._progress is not None:
-                self._progress.committed(self._step, healed=plan.heal)
-            if self._phases:
-                self._mark("first_commit")
-                self._phases = False  # nothing more to time: the step path stays free of it
+        attempt = self._attempt
+        # wait: for the step's collectives (bounded; cut short when a peer is lost)
+        interrupted = self._commit.wait(attempt, deadline, budget)
+        # vote: every group, then every rank of this group
+        verdict = self._commit.vote(attempt, self._round.seq, deadline, interrupted)
+        self._round.heals_over()
+        attempt.waiting_since = None
+        self._outage.after_step(verdict.agreed, attempt.plan)
+        # apply, or count the failure
+        if verdict is Verdict.COMMIT:
+            self._apply(attempt)
             return True
-        self._commit_failures += 1
-        self.log.info("step not committed (consecutive failures: %d)", self._commit_failures)
-        if self._max_retries is not None and self._commit_failures > self._max_retries:
-            raise FtlaunchError(
-                f"{self._commit_failures} consecutive steps failed to commit (max_retries="
-                f"{self._max_retries}); last error: {self._errored!r}"
-            )
+        if verdict is Verdict.REFUSE:
+            self._count_failure(attempt)
         return False
 
-    def _load_healed_state(self) -> None:
-        state, self._pending_state = self._pending_state, None
+    def _apply(self, attempt: StepAttempt) -> None:
+        """Every rank of every group agreed on the step: it counts (and a live heal loads now)."""
+        plan = attempt.plan
+        assert plan is not None  # a committed step had one
+        if plan.heal and not attempt.healed_at_start:
+            # Live mode: only now, every rank of every group agreed, so every healing rank loads
+            # together (one rank must not jump to the source's step while another stays behind).
+            self._load_healed_state(attempt)
+        self._count.committed(plan.num_participants)
+        if self._progress is not None:
+            self._progress.committed(self._count.step, healed=plan.heal)
+        if self._phases:
+            self._mark("first_commit")
+            self._phases = False  # nothing more to time: the step path stays free of it
+
+    def _count_failure(self, attempt: StepAttempt) -> None:
+        if self._progress is not None:
+            self._progress.not_committed()
+        failures = self._count.failed()
+        self.log.info("step not committed (consecutive failures: %d)", failures)
+        max_retries = self._settings.max_retries
+        if max_retries is not None and failures > max_retries:
+            raise FtlaunchError(
+                f"{failures} consecutive steps failed to commit (max_retries={max_retries}); "
+                f"last error: {attempt.error!r}"
+            )
+
+    def _load_healed_state(self, attempt: StepAttempt) -> None:
+        state = attempt.take_received()
         if state is None:  # guarded before the vote; kept as a clear error rather than a TypeError
             raise FtlaunchError("healing was planned but no state was received")
         self._state.load(state)
-        self.log.info("healed: loaded state at step %d", self._step)
+        self.log.info("healed: loaded state at step %d", self._count.step)
+
+    # ============================================================================ state (torchft's API)
+    def register_state_dict_fn(
+        self, key: str, load_state_dict: Callable[[Any], None], state_dict: Callable[[], Any]
+    ) -> None:
+        """Add state that travels with live recovery (e.g. a data loader position)."""
+        self._state.register(key, load_state_dict, state_dict)
+
+    def set_state_dict_fns(
+        self, load_state_dict: Callable[[Any], None], state_dict: Callable[[], Any]
+    ) -> None:
+        """torchft's older name: `register_state_dict_fn` under the key ``"set_state_dict_fns"``."""
+        warnings.warn(
+            "set_state_dict_fns is deprecated: use register_state_dict_fn", DeprecationWarning, stacklevel=2
+        )
+        self.register_state_dict_fn("set_state_dict_fns", load_state_dict, state_dict)
+
+    def require_same_layout(self, digest: str, text: str = "") -> None:
+        """Publish how this group lays out its state (e.g. how it shards the model: ``digest``
+        identifies it, ``text`` describes it for error messages) and refuse to take part in a step
+        whose up-to-date groups publish another layout: gradient shards would be averaged with the
+        wrong peers' shards and healed state would land in the wrong places. The refusal is a
+        `ConfigurationError` raised into the training loop. Call it before the first step, with
+        the same value on every rank of the group.
+        """
+        self._round.layout = {"digest": digest, "text": text}
+
+    def disallow_state_dict_read(self) -> None:
+        """Keep the state from being read for a heal while the caller changes it outside a step
+        (waits for a read in progress). Healing this step's peers then waits, up to the heal
+        timeout, for `allow_state_dict_read`."""
+        self._state.gate.disallow()
+
+    def allow_state_dict_read(self) -> None:
+        """Let heals read the state again (see `disallow_state_dict_read`)."""
+        self._state.gate.allow()
+
+    def set_agreed_state(self, select: Callable[[dict[str, Any]], Any]) -> None:
+        """Say which part of the state every replica group holds bit-identical after each commit:
+        ``select`` gets the whole state that travels with a heal (the default answer) and returns
+        that part. The group leader reports its checksum at a clean exit, and ``ftlaunch``'s summary
+        compares them across groups. DDP leaves out the module's buffers (BatchNorm statistics are
+        each replica's own, as in torch's DDP), LocalSGD keeps the parameters and DiLoCo its global
+        parameters and outer optimizer state: their groups legitimately differ in the rest."""
+        self._state.agreed_fn = select
+
+    def serve_live_state(self) -> None:
+        """Heals serve the training tensors themselves, at every quorum, instead of a snapshot the
+        Manager copies at the commit boundary when a heal is due (worker/committed.py).
+
+        For training loops that take each quorum synchronously (``start_quorum`` then
+        ``wait_quorum`` before anything else) and change no state until the step's first collective
+        completed -- every healer fetches before it joins one: LocalSGD and DiLoCo, whose quorums
+        are their sync points. They skip the copy of the model at each sync point, and a joining
+        group heals at the first one instead of waiting a sync interval for a snapshot. Any other
+        loop must not call it: its forward pass would change what the heal reads.
+        """
+        self._committed.live = True
+
+    def state_dict(self) -> dict[str, int]:
+        return self._count.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        self._count.load_state_dict(state_dict)
+
+    def current_step(self) -> int:
+        return self._count.step
+
+    def batches_committed(self) -> int:
+        return self._count.batches_committed
+
+    def num_participants(self) -> int:
+        """Groups whose gradients count this step (the divisor of the average): the up-to-date
+        groups, at most ``min_replica_size`` of them with `WorldSizeMode.FIXED_WITH_SPARES`."""
+        self.wait_quorum()
+        plan = self._attempt.plan
+        return plan.num_participants if plan is not None else 0
+
+    def participating_rank(self) -> int | None:
+        """This group's rank among the participants, None while it heals or stands by as a spare."""
+        self.wait_quorum()
+        plan = self._attempt.plan
+        return plan.participant_rank if plan is not None else None
+
+    def is_participating(self) -> bool:
+        return self.participating_rank() is not None
+
+    def latest_plan(self) -> tuple[int, StepPlan | None]:
+        """``(attempt, plan)`` of the latest step, read without waiting: ``attempt`` changes whenever
+        a step begins (it numbers the quorum requests), ``plan`` is None until that step's quorum is
+        known and when the step failed before planning. Between two steps it describes the step
+        that just ended -- who took part (``plan.participant_ids``), from which step
+        (``plan.max_step``) -- which is what the exactly-once sampler reads after a commit."""
+        return self._round.seq, self._attempt.plan
+
+    @property
+    def pg(self) -> ProcessGroup:
+        return self._pg
+
+    @property
+    def group_rank(self) -> int:
+        return self._settings.group_rank
 
     # ============================================================================ teardown
     def shutdown(self, wait: bool = True, *, leave: bool = True) -> None:
@@ -551,7 +583,7 @@ class Manager(QuorumRound, ManagerStateApi):
         # through a `finally`) reports the state's checksum and "finished"; a group the lighthouse
         # refused because the training finished without it reports neither.
         clean = sys.exc_info()[0] is None and not self._ended_after_finish
-        self._link.close(self._step, self._state.agreed if clean else None, leave=leave)
+        self._link.close(self._count.step, self._state.agreed if clean else None, leave=leave)
         self._executor.shutdown(wait=wait, cancel_futures=True)
         self._hang_abort.close()  # its notice watcher and an abort under way
         self._transport.shutdown(wait=wait)

@@ -4,6 +4,7 @@ update only when every group agreed to commit — so a failed step is discarded,
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -14,10 +15,18 @@ from ftlaunch.worker.manager import Manager
 class Optimizer(torch.optim.Optimizer):
     """``Optimizer(manager, optimizer)``: wraps any torch optimizer (torchft's OptimizerWrapper)."""
 
-    def __init__(self, manager: Manager, optim: torch.optim.Optimizer) -> None:
+    def __init__(
+        self,
+        manager: Manager,
+        optim: torch.optim.Optimizer,
+        on_commit: Callable[[int], None] | None = None,
+    ) -> None:
+        """``on_commit(step)``: called after each committed update, with the step it made
+        (``ft.wrap`` passes durable checkpointing's, `ftlaunch.worker.durable`)."""
         # Deliberately not calling super().__init__: all state lives in the wrapped optimizer.
         self.manager = manager
         self.optim = optim
+        self._on_commit = on_commit
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.manager.start_quorum()
@@ -28,6 +37,8 @@ class Optimizer(torch.optim.Optimizer):
             raise ValueError("ftlaunch.Optimizer does not support closures (the commit decision is per step)")
         if self.manager.should_commit():
             self.optim.step()
+            if self._on_commit is not None:
+                self._on_commit(self.manager.current_step())
             return True
         return False
 

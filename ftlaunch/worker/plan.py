@@ -103,6 +103,8 @@ class StepPlan:
     num_participants: int = 0
     #: This group's rank among them; None when it heals or is a spare (it contributes zeros).
     participant_rank: int | None = None
+    #: Their replica ids, in quorum order (whose batches a committed step trained).
+    participant_ids: tuple[str, ...] = ()
     #: Groups at ``max_step`` when the quorum formed (with init_sync at step 0: all of them, though
     #: only the primary is a source): what ``min_replica_size`` is checked against, as in torchft.
     num_up_to_date: int = 0
@@ -190,6 +192,7 @@ def plan_step(
         layout_conflict=_layout_conflict(members[me], [members[i] for i in sources]),
         num_participants=len(participants),
         participant_rank=participants.index(me) if me in participants else None,
+        participant_ids=tuple(ids[i] for i in participants),
         num_up_to_date=sum(1 for m in members if m.step == max_step),
         recover_claim=claim_of(members[recover_src]) if recover_src is not None else None,
         untrusted_ids=tuple(members[i].replica_id for i in servers if i not in trusted),

@@ -69,7 +69,15 @@ class ProgressTracker:
         self._quorum_seconds = 0.0
         self._commit_started: float | None = None
         self._fetch_seconds = 0.0
+        # The step's own work (`ProgressReport.compute_seconds`): from when the training thread
+        # last stopped waiting on the other groups (the previous decision, or the first step's
+        # start) to the step's first collective, less the time it waited for the quorum meanwhile.
+        self._compute_from: float | None = None
+        self._waited = 0.0
+        self._compute: float | None = None  # measured once the step first needed its peers
         self._last: ProgressReport | None = None
+        #: The durable-checkpoint fields of each report (`ftlaunch.worker.durable.DurableStats.report`).
+        self.durable: Callable[[], dict[str, Any]] | None = None
 
     @property
     def commits(self) -> int:
@@ -81,6 +89,27 @@ class ProgressTracker:
         self._started = self._clock()
         self._quorum_seconds = 0.0
         self._fetch_seconds = 0.0
+        if self._compute_from is None:
+            self._compute_from = self._started
+        self._waited = 0.0
+        self._compute = None
+
+    def waited(self, seconds: float) -> None:
+        """The training thread waited ``seconds`` for the step's quorum (a synchronous quorum, an
+        early ``wait_quorum``): not the group's own work, when it comes before its first collective."""
+        if self._compute is None:
+            self._waited += seconds
+
+    def peers_needed(self) -> None:
+        """The step's first collective (or its commit) is about to wait on the other groups: the
+        group's own work of the step ends here. A slow group arrives late; the fast ones arrive
+        early and then wait for it -- in the collectives, which this does not count."""
+        if self._compute is None and self._compute_from is not None:
+            self._compute = max(0.0, self._clock() - self._compute_from - self._waited)
+
+    def not_committed(self) -> None:
+        """The step was decided and not committed: the next step's work starts now."""
+        self._compute_from = self._clock()
 
     def quorum_done(self, fetch_seconds: float = 0.0) -> None:
         """The quorum thread finished: quorum, reconfigure and (``fetch_seconds`` of it) the heal."""
@@ -107,7 +136,10 @@ class ProgressTracker:
             step_seconds=round(now - self._started, 6) if self._started is not None else 0.0,
             quorum_seconds=round(self._quorum_seconds, 6),
             commit_seconds=round(now - self._commit_started, 6) if self._commit_started is not None else 0.0,
+            compute_seconds=round(self._compute or 0.0, 6),
+            **(self.durable() if self.durable is not None else {}),
         )
+        self._compute_from = now
         self._publish(self._last)
 
     def finish(self, step: int, state: Callable[[], Mapping[str, Any]] | None) -> ProgressReport:

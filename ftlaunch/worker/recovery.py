@@ -64,10 +64,6 @@ class ReadGate:
         self._readers = 0
         self._allowed = True
 
-    @property
-    def allowed(self) -> bool:
-        return self._allowed
-
     def disallow(self) -> None:
         with self._cond:
             self._allowed = False
@@ -105,12 +101,21 @@ class StateRegistry:
         self.gate = ReadGate()
         #: Selects, from the whole state, the part every group holds bit-identical (`agreed`).
         self.agreed_fn: Callable[[dict[str, Any]], Any] | None = None
+        #: Called with each entry registered from now on (a durable checkpoint being resumed from
+        #: loads the entry's saved state into it as it is registered: `ftlaunch.worker.durable`).
+        self.on_register: Callable[[str, LoadFn, SaveFn], None] | None = None
 
     def register(self, key: str, load_state_dict: LoadFn, state_dict: SaveFn) -> None:
         """Add state under ``key``; ValueError if the key is taken (or is the Manager's own)."""
         if key in self._user or key == MANAGER_STATE_KEY:
             raise ValueError(f"state dict key {key!r} is already registered")
         self._user[key] = (load_state_dict, state_dict)
+        if self.on_register is not None:
+            self.on_register(key, load_state_dict, state_dict)
+
+    def entries(self) -> dict[str, tuple[LoadFn, SaveFn]]:
+        """Every entry's ``(load_state_dict, state_dict)``, the Manager's own first."""
+        return {MANAGER_STATE_KEY: self._own, **self._user}
 
     def keys(self) -> list[str]:
         return [MANAGER_STATE_KEY, *self._user]

@@ -55,6 +55,16 @@ def local_view(t: torch.Tensor) -> torch.Tensor:
     return to_local() if callable(to_local) else t
 
 
+def extract_local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A detached copy of what this process holds of ``t`` (a DTensor's local shard), without a
+    gradient: torchft's helper of the same name, which DiLoCo code outside torchft calls to back
+    parameters up."""
+    with torch.no_grad():
+        out = local_view(t).detach().clone()
+    out.grad = None
+    return out
+
+
 def wait(work: Any) -> None:
     """Wait for what ``Manager.allreduce`` returned (a torch Future or a Work)."""
     work.wait()

@@ -19,9 +19,11 @@ from test_checkpointing_http import CTX, with_timeout_join
 from test_checkpointing_serialization import assert_state_equal, make_state
 
 from ftlaunch.checkpointing import PGTransport
-from ftlaunch.checkpointing.pg_transport import TAG_BASE
+from ftlaunch.checkpointing.pg_transport import TAG_BASE, TAG_SUMS
 from ftlaunch.checkpointing.serialization.buffers import tensor_bytes
+from ftlaunch.checkpointing.serialization.checksum import checksums
 from ftlaunch.checkpointing.serialization.encode import encode
+from ftlaunch.checkpointing.serialization.header import frame_sums
 from ftlaunch.errors import CheckpointTransportError
 
 TIMEOUT = timedelta(seconds=30)
@@ -39,7 +41,11 @@ def _outcome(fn: Callable[[], Any]) -> str:
 
 
 def _raw_send(
-    pg: dist.ProcessGroup, dst: int, frame: bytes, tensors: list[torch.Tensor] | None = None
+    pg: dist.ProcessGroup,
+    dst: int,
+    frame: bytes,
+    tensors: list[torch.Tensor] | None = None,
+    sums: bytes | None = None,
 ) -> None:
     """Speak the PGTransport protocol by hand (to send what an honest sender never would)."""
     t = torch.frombuffer(bytearray(frame), dtype=torch.uint8)
@@ -48,6 +54,8 @@ def _raw_send(
     for i, x in enumerate(tensors or []):
         if x.numel():
             pg.send([tensor_bytes(x)], dst, TAG_BASE + 2 + i).wait()
+    if sums is not None:
+        pg.send([torch.frombuffer(bytearray(sums), dtype=torch.uint8)], dst, TAG_SUMS).wait()
 
 
 def _main_scenario(rank: int, pg: dist.ProcessGroup, ready: Any) -> dict[str, str]:
@@ -62,17 +70,25 @@ def _main_scenario(rank: int, pg: dist.ProcessGroup, ready: Any) -> dict[str, st
         transport: PGTransport = PGTransport(pg, TIMEOUT, CPU)
         out["send"] = _outcome(lambda: transport.send_checkpoint([1, 2], 5, state, TIMEOUT))
         barrier()
-        enc = encode(state, 5, CPU)
+        payload = {"state": state, "dtensors": []}
+        enc = encode(payload, 5, CPU, sums=False)
         frame = bytearray(enc.frame)
         frame[len(frame) // 2] ^= 0x10
         _raw_send(pg, 1, bytes(frame))
         barrier()
         _raw_send(pg, 1, pickle.dumps({"w": torch.zeros(3)}))
         barrier()
+        honest_sums = frame_sums(checksums(enc.tensors))
         tensors = [tensor_bytes(t).clone() for t in enc.tensors]  # bytes exactly (bool clones normalize)
         big = enc.header.tensors[-1].index
         tensor_bytes(tensors[big])[1000] ^= 0x01
-        _raw_send(pg, 1, enc.frame, tensors)
+        _raw_send(pg, 1, enc.frame, tensors, honest_sums)
+        barrier()
+        bad_sums = bytearray(honest_sums)
+        bad_sums[-1] ^= 0x01
+        _raw_send(pg, 1, enc.frame, enc.tensors, bytes(bad_sums))
+        barrier()
+        _raw_send(pg, 1, encode(payload, 5, CPU).frame)  # sums in the header: not this protocol
         barrier()
         # torchft's forms: no timeout (the transport's own), and timedelta(0) (no deadline of the call's own)
         out["send default timeout"] = _outcome(lambda: transport.send_checkpoint([1], 6, make_state(6, 10)))
@@ -97,6 +113,10 @@ def _main_scenario(rank: int, pg: dist.ProcessGroup, ready: Any) -> dict[str, st
         barrier()
         out["corrupt body"] = _outcome(lambda: transport.recv_checkpoint(0, "<pg>", 5, TIMEOUT))
         barrier()
+        out["corrupt sums"] = _outcome(lambda: transport.recv_checkpoint(0, "<pg>", 5, TIMEOUT))
+        barrier()
+        out["sums in the header"] = _outcome(lambda: transport.recv_checkpoint(0, "<pg>", 5, TIMEOUT))
+        barrier()
         out["recv no deadline"] = _outcome(
             lambda: assert_state_equal(
                 transport.recv_checkpoint(0, "<pg>", 6, timedelta(0)), make_state(6, 10)
@@ -117,7 +137,7 @@ def _main_scenario(rank: int, pg: dist.ProcessGroup, ready: Any) -> dict[str, st
                 assert t is mine["model"][k] and t.data_ptr() == ptrs[k], f"{k} not received in place"
 
         out["recv in place"] = _outcome(recv_in_place)
-        for _ in range(5):
+        for _ in range(7):
             barrier()
         out["recv default timeout"] = _outcome(
             lambda: assert_state_equal(
@@ -220,6 +240,10 @@ def test_send_receive_and_hostile_payloads() -> None:
     assert "header checksum mismatch" in res[1]["corrupt header"]
     assert "bad magic" in res[1]["pickle"]
     assert f"float32[{BIG}]): payload corrupted" in res[1]["corrupt body"], res[1]["corrupt body"]
+    assert "sums frame checksum mismatch" in res[1]["corrupt sums"], res[1]["corrupt sums"]
+    assert "where the sums frame was to carry it" in res[1]["sums in the header"], res[1][
+        "sums in the header"
+    ]
     assert "checkpoint is for step 7, expected step 8" in res[1]["wrong step"]
     assert res[0]["wrong step"] == "ok" or res[0]["wrong step"].startswith("CheckpointTransportError")
 

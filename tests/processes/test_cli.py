@@ -80,6 +80,8 @@ def test_lighthouse_alias_rdzv_endpoint() -> None:
             ChaosSpec(steps=(20, 40), group=1, signal="STOP", stop_for=2),
         ),
         ("every=1,target=agent,start=0", ChaosSpec(every=1, target="agent", start=0.0)),
+        ("steps=20,group=1,slow=2,slow_for=60", ChaosSpec(steps=(20,), group=1, slow=2.0, slow_for=60.0)),
+        ("every=1m,slow=1.5x", ChaosSpec(every=60.0, slow=1.5)),
     ],
 )
 def test_chaos_spec_parse(text: str, expected: ChaosSpec) -> None:
@@ -102,6 +104,13 @@ def test_chaos_spec_parse(text: str, expected: ChaosSpec) -> None:
         ("steps=a/b", "expected integers"),
         ("every=1,every=2", "given twice"),
         ("every", "not key=value"),
+        ("steps=1,slow=1", "slow=1 must be > 1 and <= 4"),
+        ("steps=1,slow=5", "slow=5 must be > 1 and <= 4"),
+        ("steps=1,slow=nan", "slow=nan must be"),
+        ("steps=1,slow=fast", "slow='fast' is not a number"),
+        ("steps=1,slow=2,signal=STOP", "takes no signal= or target="),
+        ("steps=1,target=agent,slow=2", "takes no signal= or target="),
+        ("steps=1,slow=2,slow_for=0", "slow_for='0' is out of range"),
     ],
 )
 def test_chaos_spec_errors(text: str, message: str) -> None:
@@ -124,6 +133,55 @@ def test_options_validation() -> None:
         LaunchOptions(entrypoint="x", replicas=2, min_replicas=3)
     with pytest.raises(ConfigurationError, match="only 2 groups"):
         LaunchOptions(entrypoint="x", replicas=2, chaos=ChaosSpec(every=1, group=2))
+    with pytest.raises(ConfigurationError, match="--stragglers 'evict' must be one of report, replace"):
+        LaunchOptions(entrypoint="x", stragglers="evict")
+    with pytest.raises(ConfigurationError, match="the one at --lighthouse has its own"):
+        LaunchOptions(entrypoint="x", stragglers="replace", lighthouse="http://h:1")
+
+
+def test_the_health_check_reaches_every_agent(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--health-check`` (else ``FTLAUNCH_HEALTH_CHECK``) and its timeout go into every agent's
+    environment, where the group's rendezvous reads them."""
+    from ftlaunch import env
+
+    monkeypatch.delenv("FTLAUNCH_HEALTH_CHECK", raising=False)
+    opts = options_from_args(
+        ["--health-check", "python -m ftlaunch.health", "--health-check-timeout", "30s", WORKER]
+    )
+    assert (opts.health_check, opts.health_check_timeout) == ("python -m ftlaunch.health", 30.0)
+    assert env.health_check_environ(opts.health_check, opts.health_check_timeout) == {
+        "FTLAUNCH_HEALTH_CHECK": "python -m ftlaunch.health",
+        "FTLAUNCH_HEALTH_CHECK_TIMEOUT": "30",
+    }
+    assert options_from_args([WORKER]).health_check is None
+    monkeypatch.setenv("FTLAUNCH_HEALTH_CHECK", "true")
+    assert options_from_args([WORKER]).health_check == "true"
+    assert env.health_check_environ(None, 5.0) == {}
+
+
+def test_the_stragglers_policy_reaches_the_lighthouse(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ftlaunch import env
+    from ftlaunch.launcher.lighthouse_keeper import LighthouseKeeper
+    from ftlaunch.launcher.output import Console
+
+    assert options_from_args([WORKER]).stragglers is None
+    assert options_from_args(["--stragglers", "replace", WORKER]).stragglers == "replace"
+    seen = []
+    monkeypatch.setattr(
+        "ftlaunch.launcher.lighthouse_keeper.open_job_lighthouse",
+        lambda _addr, settings: seen.append(settings),
+    )
+    for given, environ, policy in (
+        (None, None, "report"),
+        (None, "replace", "replace"),
+        ("report", "replace", "report"),
+    ):
+        if environ is None:
+            monkeypatch.delenv(env.FTLAUNCH_STRAGGLERS, raising=False)
+        else:
+            monkeypatch.setenv(env.FTLAUNCH_STRAGGLERS, environ)
+        LighthouseKeeper(LaunchOptions(entrypoint="x", stragglers=given), "t", Console()).open()
+        assert seen[-1].stragglers == policy
 
 
 def _one_line_error(args: list[str], expected: str) -> None:
@@ -149,6 +207,8 @@ def _one_line_error(args: list[str], expected: str) -> None:
         (["--min-replicas", "3", "--replicas", "2", WORKER], "--min-replicas must be in 1..2"),
         (["--nnodes", "2", WORKER], "one `torchrun --rdzv-backend ftlaunch` per node"),
         (["--chaos", "every=-2", WORKER], "every='-2' is out of range"),
+        (["--chaos", "steps=5,slow=9", WORKER], "slow=9 must be > 1 and <= 4"),
+        (["--stragglers", "evict", WORKER], "argument --stragglers: invalid choice: 'evict'"),
         (["--tee", "7", WORKER], "--tee '7'"),
         (["-m", "no_such_module_xyz"], "module not found: no_such_module_xyz"),
         (["--no-python", "no-such-program-xyz"], "program not found"),
@@ -184,6 +244,7 @@ def test_bad_input_is_one_line_and_exit_2(args: list[str], expected: str) -> Non
             "--shutdown-timeout=99999 is out of range: use an integer 0 to 3600",
         ),
         (["--chaos", "every=1,stop_for=inf"], "stop_for='inf' is not a duration"),
+        (["--health-check-timeout", "0"], "'0' is out of range: use a duration of 0.1 s to 1 h"),
     ],
 )
 def test_every_number_flag_is_bounded(
@@ -229,6 +290,7 @@ def test_a_bad_log_level_is_one_line(
         ("FTLAUNCH_ZYGOTE", "2"),
         ("FTLAUNCH_QUANTIZE", "3"),
         ("FTLAUNCH_TIMEOUT", "1h"),
+        ("FTLAUNCH_HEALTH_CHECK_TIMEOUT", "forever"),
     ],
 )
 def test_the_workers_environment_is_checked_before_anything_starts(

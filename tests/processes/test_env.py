@@ -511,3 +511,10 @@ def test_train_ddp_by_hand_fails_in_one_line(environ: dict[str, str], code: int,
     assert proc.returncode == code, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if "Traceback" in line or message in line]
     assert len(errors) == 1 and message in errors[0], proc.stderr[-3000:]
+
+
+def test_the_straggler_policy() -> None:
+    assert env.stragglers({}) is None
+    assert env.stragglers({env.FTLAUNCH_STRAGGLERS: "Replace"}) == "replace"
+    with pytest.raises(ConfigurationError, match="FTLAUNCH_STRAGGLERS='evict' is not one of report, replace"):
+        env.stragglers({env.FTLAUNCH_STRAGGLERS: "evict"})

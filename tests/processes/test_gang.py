@@ -6,6 +6,7 @@ sub-gang, a dead peer's `GangError`, and a teardown that leaves no thread, socke
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import gang_scenarios as sc
@@ -17,13 +18,19 @@ from workers.helpers import free_port
 from ftlaunch.errors import CommunicationError, FtlaunchError, GangError, NotSupportedError
 from ftlaunch.gang import (
     FakeGang,
+    GangContext,
     Gangs,
     ProductGang,
     ReduceOperation,
+    StandardGangContext,
     create_fake_gangs,
     create_fsdp_gangs,
     create_parallel_gangs,
+    get_current_gangs,
+    get_default_gangs,
     maybe_get_current_gangs,
+    set_default_gangs,
+    set_gangs,
 )
 
 start_unmarked_resource_tracker()
@@ -145,7 +152,8 @@ def test_names_and_signatures_are_fairseq2s() -> None:
     assert set(g.__all__) >= {
         "Gang", "ProcessGroupGang", "FakeGang", "Gangs", "ReduceOperation", "create_parallel_gangs",
         "create_fsdp_gangs", "create_fake_gangs", "maybe_get_current_gangs", "broadcast_flag", "all_sum",
-        "GangError", "raise_operational_gang_error",
+        "GangError", "raise_operational_gang_error", "GangContext", "get_current_gangs", "set_gangs",
+        "get_default_gangs", "set_default_gangs",
     }  # fmt: skip
     assert [(op.name, op.value) for op in g.ReduceOperation] == [
         ("SUM", 1), ("MEAN", 2), ("PRODUCT", 3), ("MIN", 4), ("MAX", 5)]  # fmt: skip
@@ -163,6 +171,12 @@ def test_names_and_signatures_are_fairseq2s() -> None:
         g.create_fsdp_gangs: "gangs, intra_node_size=None",
         g.create_fake_gangs: "device",
         g.maybe_get_current_gangs: "",
+        g.get_current_gangs: "device=None",
+        g.set_gangs: "gangs, *, meta=False",
+        g.get_default_gangs: "device=None",
+        g.set_default_gangs: "gangs, *, meta=False",
+        g.GangContext.get_current_gangs: "device=None",
+        g.GangContext.set_gangs: "gangs, *, meta=False",
         g.broadcast_flag: "gang, flag, source_rank=0",
         g.all_sum: "gang, value",
         g.raise_operational_gang_error: "cause",
@@ -172,6 +186,46 @@ def test_names_and_signatures_are_fairseq2s() -> None:
     }
     for name in ("rank", "size", "device", "supports_process_group"):
         assert isinstance(getattr(g.Gang, name), property)
+
+
+def test_current_gangs_per_thread_per_device_over_process_defaults() -> None:
+    """fairseq2's current-gang context: a thread's `set_gangs` (or ``with gangs:``) for the gangs'
+    device, else the process's defaults for that device, else one set of fake gangs of size 1."""
+    import threading
+
+    import ftlaunch.gang.gangs as gangs_module
+
+    meta = torch.device("meta")
+    fallback = get_default_gangs(CPU)
+    assert get_current_gangs(CPU) is fallback and get_default_gangs(CPU) is fallback  # one fake set
+    assert fallback.root.size == 1 and isinstance(fallback.dp, FakeGang)
+    assert get_default_gangs(meta) is fallback  # the meta device falls back to CPU's fakes
+    defaults, mine, inner = create_fake_gangs(CPU), create_fake_gangs(CPU), create_fake_gangs(CPU)
+    context: GangContext = StandardGangContext()
+    try:
+        set_default_gangs(defaults)
+        assert get_default_gangs(CPU) is defaults and get_current_gangs(CPU) is defaults
+        assert get_default_gangs(meta) is fallback  # not filed under meta without meta=True
+        with set_gangs(mine, meta=True):
+            assert get_current_gangs(CPU) is mine and context.get_current_gangs(meta) is mine
+            with context.set_gangs(inner):
+                assert get_current_gangs(CPU) is inner and get_current_gangs(meta) is mine
+            assert get_current_gangs(CPU) is mine
+            seen: list[Gangs] = []
+            t = threading.Thread(target=lambda: seen.append(get_current_gangs(CPU)))
+            t.start()
+            t.join()
+            assert seen == [defaults]  # another thread sees the process's defaults
+        assert get_current_gangs(CPU) is defaults and get_current_gangs(meta) is fallback
+        with pytest.raises(RuntimeError):  # the stack pops even when the body fails
+            with set_gangs(mine):
+                raise RuntimeError("boom")
+        assert get_current_gangs(CPU) is defaults
+        set_default_gangs(mine, meta=True)
+        assert get_default_gangs(meta) is mine
+    finally:
+        with gangs_module._defaults_lock:
+            gangs_module._defaults.clear()
 
 
 def test_gang_error_is_one_communication_error_type() -> None:
@@ -184,21 +238,32 @@ def test_gangs_check_the_coordinator_and_track_the_current_gangs() -> None:
     with pytest.raises(ValueError, match="coordinator"):
         Gangs(root=lead, dp=other, rdp=lead, sdp=lead, tp=lead, pp=lead)
     gangs, inner = create_fake_gangs(CPU), create_fake_gangs(CPU)
-    assert maybe_get_current_gangs() is None
+    with pytest.deprecated_call():
+        assert maybe_get_current_gangs() is None
     with gangs:
-        assert maybe_get_current_gangs() is gangs
+        with pytest.deprecated_call():
+            assert maybe_get_current_gangs() is gangs
         with inner:
-            assert maybe_get_current_gangs() is inner
-        assert maybe_get_current_gangs() is gangs
+            with pytest.deprecated_call():
+                assert maybe_get_current_gangs() is inner
+        with pytest.deprecated_call():
+            assert maybe_get_current_gangs() is gangs
 
         import threading
 
         seen: list[Gangs | None] = []
-        t = threading.Thread(target=lambda: seen.append(maybe_get_current_gangs()))
+
+        def look() -> None:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)
+                seen.append(maybe_get_current_gangs())
+
+        t = threading.Thread(target=look)
         t.start()
         t.join()
         assert seen == [None]  # per thread
-    assert maybe_get_current_gangs() is None
+    with pytest.deprecated_call():
+        assert maybe_get_current_gangs() is None
     t = torch.tensor([2.0])
     gangs.dp.all_reduce(t, ReduceOperation.SUM)
     assert t.item() == 2.0 and gangs.device == CPU

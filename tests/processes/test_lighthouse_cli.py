@@ -106,6 +106,22 @@ def test_console_script_with_token_from_environment():
     assert code == 0
 
 
+def test_the_straggler_policy_from_the_flag_or_the_environment():
+    env = {**os.environ, "FTLAUNCH_STRAGGLERS": "replace"}
+    for args, policy in (((), "replace"), (("--stragglers", "report"), "report")):
+        proc, addr = _start(MODULE_CMD, *args, env=env)
+        try:
+            assert _get(addr + "/status")["stragglers"]["policy"] == policy
+        finally:
+            assert _stop(proc, signal.SIGTERM) == 0
+    bad = subprocess.run(
+        MODULE_CMD, capture_output=True, text=True, timeout=60, env={**env, "FTLAUNCH_STRAGGLERS": "evict"}
+    )
+    assert bad.returncode == 1 and bad.stderr.strip().splitlines() == [
+        "ftlaunch-lighthouse: error: environment variable FTLAUNCH_STRAGGLERS='evict' is not one of report, replace"
+    ]
+
+
 @pytest.mark.parametrize(
     "args,code,fragment",
     [
@@ -126,6 +142,7 @@ def test_console_script_with_token_from_environment():
         (["--join-timeout", "inf"], 2, "--join-timeout: 'inf' is not a duration"),
         (["--startup-grace", "nan"], 2, "--startup-grace: 'nan' is not a duration"),
         (["--expected-replicas", "-1"], 2, "--expected-replicas: '-1' is out of range"),
+        (["--stragglers", "evict"], 2, "argument --stragglers: invalid choice: 'evict'"),
         (["--bind", "127.0.0.1:99999"], 1, "bind"),
         (["--bind", "no.such.host.invalid:0"], 1, "cannot bind"),
     ],

@@ -7,7 +7,8 @@ Real processes throughout: ``python -m ftlaunch.bootstrap.prestart SCRIPT`` as t
 - a fork is refused when another thread is alive at the fork (the child is killed before it runs
   anything of its own, and reaped) and an interpreter is started instead;
 - ``FTLAUNCH_PRESTART_FORK=0``: no early torch import, the child is its own interpreter;
-- a SIGKILLed worker leaves no forked child behind.
+- a SIGKILLed worker leaves no forked child behind;
+- ``python -m ftlaunch.run`` (the public name) explains itself and refuses a missing script.
 """
 
 from __future__ import annotations
@@ -169,3 +170,19 @@ def test_a_killed_worker_leaves_no_forked_child(tmp_path: Path) -> None:
         while p.is_running() and p.status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not p.is_running() or p.status() == psutil.STATUS_ZOMBIE
+
+
+def test_the_public_name_explains_itself() -> None:
+    """``python -m ftlaunch.run --help`` says what it is for and how torchrun uses it; without a
+    script it prints its usage and fails, pointing at ``--help``."""
+    helped = subprocess.run(
+        [sys.executable, "-m", "ftlaunch.run", "--help"], capture_output=True, text=True, timeout=60
+    )
+    assert helped.returncode == 0, helped.stderr
+    assert "torchrun --rdzv-backend ftlaunch ... -m ftlaunch.run train.py" in helped.stdout
+    assert "FTLAUNCH_ZYGOTE=0" in helped.stdout and "standby" in helped.stdout
+    bare = subprocess.run([sys.executable, "-m", "ftlaunch.run"], capture_output=True, text=True, timeout=60)
+    assert bare.returncode == 1 and bare.stderr.startswith(
+        "usage: python -m ftlaunch.run [-m MODULE | SCRIPT]"
+    )
+    assert "python -m ftlaunch.run --help" in bare.stderr

@@ -1,15 +1,20 @@
 """The ``ftlaunch`` rendezvous backend: configuration errors, registration through the entry point,
 and real ``torchrun --rdzv-backend ftlaunch`` jobs (one torchrun per group node, a 2-node group, a
-restart confined to one group, a lighthouse started by the node on the endpoint host)."""
+restart confined to one group, a lighthouse started by the node on the endpoint host; a worker run
+as ``-m ftlaunch.run SCRIPT`` restarted from the node's warm standby, which dies with the agent)."""
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import sys
+from pathlib import Path
 
+import psutil
 import pytest
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousParameters
-from workers.helpers import WORKER, finish, free_port, records, run, start
+from workers.helpers import WORKER, finish, free_port, kill_tree, records, run, start, wait_for
 
 from ftlaunch.addresses import is_local_host
 from ftlaunch.errors import ConfigurationError
@@ -48,6 +53,10 @@ def _params(conf: dict, endpoint: str = "127.0.0.1:1", max_nodes: int = 1) -> Re
             {"replica_group_id": "0", "num_replica_groups": "1", "lighthouse_min_replicas": "0"},
             "must be >= 1",
         ),
+        (
+            {"replica_group_id": "0", "num_replica_groups": "1", "lighthouse_stragglers": "evict"},
+            "lighthouse_stragglers='evict' must be one of report, replace",
+        ),
     ],
 )
 def test_config_errors_name_the_key(conf: dict, message: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -70,6 +79,16 @@ def test_config_from_environment_and_passthrough_keys(monkeypatch: pytest.Monkey
         "tok",
         False,
     )
+
+
+def test_the_straggler_policy_of_a_lighthouse_started_here(monkeypatch: pytest.MonkeyPatch) -> None:
+    conf = {"replica_group_id": "0", "num_replica_groups": "2"}
+    monkeypatch.delenv("FTLAUNCH_STRAGGLERS", raising=False)
+    assert FtRendezvousConfig.from_params(_params(conf)).lighthouse_settings.stragglers == "report"
+    monkeypatch.setenv("FTLAUNCH_STRAGGLERS", "replace")
+    assert FtRendezvousConfig.from_params(_params(conf)).lighthouse_settings.stragglers == "replace"
+    explicit = FtRendezvousConfig.from_params(_params({**conf, "lighthouse_stragglers": "Report"}))
+    assert explicit.lighthouse_settings.stragglers == "report"  # the key wins over the environment
 
 
 def test_multi_node_group_needs_a_meeting_point() -> None:
@@ -317,3 +336,132 @@ def test_every_node_of_a_round_gets_rank_0s_incarnation_and_workers_store() -> N
     assert boot_a.master_addr == boot_b.master_addr == "127.0.0.1"  # rank 0's, as published
     assert boot_b.master_port == nodes[0]._worker_store.port != boot_a.master_port  # a fresh store
     nodes[0]._worker_store = None
+
+
+def test_the_health_check_runs_before_the_round_and_keeps_the_group_out_until_it_passes(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``health_check`` (or ``FTLAUNCH_HEALTH_CHECK``): the handler runs it before every round --
+    torchelastic's agent rendezvouses before each start and restart of its workers -- and goes on
+    to the group's own rendezvous only once it passed; the lighthouse has the reports."""
+    import os
+
+    from ftlaunch.launcher.rendezvous import FtlaunchRendezvousHandler
+    from ftlaunch.lighthouse.server import LighthouseServer
+
+    count = tmp_path / "count"
+    check = f"n=$(cat {count} 2>/dev/null || echo 0); echo $((n+1)) > {count}; [ $n -ge 1 ] || {{ echo 'disk full'; exit 1; }}"
+    monkeypatch.setenv("FTLAUNCH_HEALTH_CHECK", check)
+    monkeypatch.setenv("FTLAUNCH_HEALTH_CHECK_TIMEOUT", "20s")
+    # A standby announced already: the handler starts none of its own (not what this test is about).
+    monkeypatch.setenv("FTLAUNCH_ZYGOTE_SOCKET", str(tmp_path / "standby.sock"))
+    cfg = FtRendezvousConfig.from_params(_params({"replica_group_id": "1", "num_replica_groups": "2"}))
+    assert (cfg.health_check, cfg.health_check_timeout) == (check, 20.0)
+    explicit = FtRendezvousConfig.from_params(
+        _params(
+            {
+                "replica_group_id": "1",
+                "num_replica_groups": "2",
+                "health_check": "true",
+                "health_check_timeout": "1m",
+            }
+        )
+    )
+    assert (explicit.health_check, explicit.health_check_timeout) == ("true", 60.0)  # the keys win
+    with pytest.raises(ConfigurationError, match="health_check_timeout='0' "):
+        FtRendezvousConfig.from_params(
+            _params({"replica_group_id": "1", "num_replica_groups": "2", "health_check_timeout": "0"})
+        )
+
+    class Inner:
+        runs_seen: list[str] = []
+
+        def next_rendezvous(self):  # type: ignore[no-untyped-def]
+            self.runs_seen.append(count.read_text().strip())
+            raise RuntimeError("stop here")  # the rest of the round is tested above
+
+    saved = dict(os.environ)
+    try:
+        with LighthouseServer("127.0.0.1:0") as server:
+            handler = FtlaunchRendezvousHandler(cfg, Inner(), "", "t", local_addr="127.0.0.1")  # type: ignore[arg-type]
+            handler._lighthouse_addr = server.address
+            with pytest.raises(RuntimeError, match="stop here"):
+                handler.next_rendezvous()
+            assert Inner.runs_seen == ["2"]  # failed once, passed the second time, then the round
+            (health,) = server.snapshot().health
+            assert (health.replica_id, health.ok, health.failures) == ("rg1", True, 1)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+STANDBY_SCRIPT = """
+import json, os, sys, time
+had_torch = "torch" in sys.modules  # before the script's first line: imported by whoever forked it
+restart = os.environ["TORCHELASTIC_RESTART_COUNT"]
+record = {"pid": os.getpid(), "ppid": os.getppid(), "had_torch": had_torch,
+          "torchelastic_pid": int(os.environ.get("FTLAUNCH_WORKER_PID") or os.getpid())}
+path = os.path.join(sys.argv[1], "restart" + restart + ".json")
+with open(path + ".tmp", "w") as f:
+    json.dump(record, f)
+os.replace(path + ".tmp", path)
+while True:  # until killed
+    time.sleep(0.05)
+"""
+
+
+@pytest.mark.timeout(240)
+def test_torchrun_restarts_a_killed_worker_from_the_nodes_standby_which_dies_with_the_agent(
+    tmp_path: Path,
+) -> None:
+    """``torchrun --rdzv-backend ftlaunch ... -m ftlaunch.run SCRIPT``: the rendezvous keeps a warm
+    standby interpreter on the node (`ftlaunch.launcher.standby`); the worker torchelastic starts
+    hands the script to it, so the script runs in a process the standby forked, torch imported
+    before its first line. A SIGKILLed worker's replacement is forked from the same standby. Then
+    torchrun's agent is SIGKILLed: the standby, the workers and their Baby children all end."""
+    out = tmp_path / "out"
+    out.mkdir()
+    script = tmp_path / "sleeper.py"
+    script.write_text(STANDBY_SCRIPT)
+    port = free_port()
+    agent = start(
+        [*TORCHRUN, "--rdzv-backend", "ftlaunch", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "standby",
+         "--rdzv-conf", "replica_group_id=0,num_replica_groups=1", "--nproc-per-node", "1", "--max-restarts", "2",
+         "--monitor-interval", "0.1", "-m", "ftlaunch.run", str(script), str(out)],
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    try:
+
+        def record(n: int) -> dict:
+            wait_for(
+                lambda: (out / f"restart{n}.json").exists() or agent.poll() is not None, 150, f"worker {n}"
+            )
+            assert agent.poll() is None, agent.communicate()[1][-3000:]
+            return json.loads((out / f"restart{n}.json").read_text())
+
+        first = record(0)
+        standby = psutil.Process(first["ppid"])
+        assert "ftlaunch.bootstrap.zygote" in standby.cmdline() and standby.ppid() == agent.pid
+        assert first["pid"] != first["torchelastic_pid"] and first["had_torch"]
+        os.kill(first["torchelastic_pid"], signal.SIGKILL)  # the worker torchelastic knows
+
+        second = record(1)
+        # The replacement: forked by the same standby (torch imported before its first line), proxied
+        # by the new process torchelastic started.
+        assert second["ppid"] == standby.pid and second["had_torch"], second
+        assert second["torchelastic_pid"] != first["torchelastic_pid"]
+        assert psutil.Process(second["torchelastic_pid"]).ppid() == agent.pid
+
+        socket_path = standby.cmdline()[standby.cmdline().index("ftlaunch.bootstrap.zygote") + 1]
+        tree = psutil.Process(agent.pid).children(recursive=True)
+        assert {standby.pid, second["pid"], second["torchelastic_pid"]} <= {p.pid for p in tree}
+        assert psutil.Process(second["pid"]).children(), "the worker's Baby child, forked from it"
+        os.kill(agent.pid, signal.SIGKILL)
+        agent.communicate(timeout=30)
+        _, left = psutil.wait_procs(tree, timeout=15)
+        assert not left, [(p.pid, p.cmdline()[:5]) for p in left if p.is_running()]
+        assert not os.path.exists(os.path.dirname(socket_path))  # the standby removed its socket
+    finally:
+        kill_tree(agent.pid)
+        if agent.poll() is None:
+            agent.communicate(timeout=30)

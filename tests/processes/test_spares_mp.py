@@ -122,7 +122,20 @@ def jobs():
 
 
 def train(steps: int, *extra: str) -> list[str]:
-    return [TRAIN, "--steps", str(steps), "--width", "64", "--step-sleep", "0.05", *extra]
+    """train_ddp.py with the fixed shards, whose positions `check_data` follows slot by slot (the
+    exactly-once sampler with spares: tests/processes/test_exactly_once_mp.py)."""
+    return [
+        TRAIN,
+        "--steps",
+        str(steps),
+        "--width",
+        "64",
+        "--step-sleep",
+        "0.05",
+        "--sampler",
+        "shard",
+        *extra,
+    ]
 
 
 def takeovers(text: str) -> list[tuple[int, str, int, str, str]]:

@@ -88,7 +88,8 @@ def test_hsdp_spec_roles_env_resources_and_no_fixed_ports() -> None:
             _opt(torchrun, "--nproc-per-node"),
             _opt(torchrun, "--max-restarts"),
         ) == ("2", "2", "5")
-        assert torchrun[-3:] == ["train.py", "--lr", "0.1"]
+        # Every worker through ftlaunch.run: forked from its node's warm standby (torch imported).
+        assert torchrun[-5:] == ["-m", "ftlaunch.run", "train.py", "--lr", "0.1"]
     # Nothing binds a fixed port.
     text = " ".join(" ".join(r.args) for r in app.roles)
     assert not re.findall(r"[\w.]+:(\d+)\b", text)
@@ -99,8 +100,19 @@ def test_ddp_with_external_lighthouse_has_no_lighthouse_role() -> None:
     assert [r.name for r in app.roles] == ["rg0", "rg1"]
     ours, torchrun = _group_args(app.roles[0])
     assert _opt(ours, "--lighthouse") == "lh.example:29510" and _opt(torchrun, "--nnodes") == "1"
-    assert torchrun[-2:] == ["-m", "pkg.train"]
+    assert torchrun[-4:] == ["-m", "ftlaunch.run", "-m", "pkg.train"]
     assert app.roles[0].env["FTLAUNCH_LIGHTHOUSE"] == "http://lh.example:29510"
+
+
+def test_the_straggler_policy_goes_to_the_lighthouse_role() -> None:
+    app = _app("ftlaunch:ddp", ["--replicas", "2", "--stragglers", "replace", "--script", "x.py"])
+    assert _opt(app.roles[0].args, "--stragglers") == "replace"
+    default = _app("ftlaunch:diloco", ["--replicas", "2", "--script", "x.py"])
+    assert _opt(default.roles[0].args, "--stragglers") == "report"
+    with pytest.raises(ValueError, match="--stragglers 'evict' must be one of report, replace"):
+        _app("ftlaunch:hsdp", ["--replicas", "2", "--stragglers", "evict", "--script", "x.py"])
+    with pytest.raises(ValueError, match="has its own"):
+        _app("ftlaunch:ddp", ["--stragglers", "replace", "--lighthouse", "h:1", "--script", "x.py"])
 
 
 def test_component_errors() -> None:
@@ -238,7 +250,21 @@ def test_local_cwd_run_with_a_group_restart(tmp_path) -> None:
         assert r["is_torchelastic_launched"] is True
         assert r["env"]["NUM_REPLICA_GROUPS"] == "2" and r["env"]["WORLD_SIZE"] == "2"
         assert r["lighthouse_token_accepted"] is True  # a group request went through
+        # Run as `-m ftlaunch.run`: each worker, restarted ones too, forked from its node's standby.
+        assert r["env"].get("FTLAUNCH_WORKER_PID") == str(r["pid"]), r["env"].get("FTLAUNCH_ZYGOTE_SOCKET")
     app_ids = set(re.findall(r"local_cwd://torchx/(\S+)", res.stdout + res.stderr))
     assert app_ids and all(
         not shutil.os.path.exists(f"/tmp/ftlaunch-torchx/{a}") for a in app_ids
     )  # cleaned up
+
+
+def test_the_health_check_goes_to_every_group_role() -> None:
+    app = _app(
+        "ftlaunch:ddp", ["--replicas", "2", "--health_check", "python -m ftlaunch.health", "--script", "x.py"]
+    )
+    groups = [r for r in app.roles if r.name != "lighthouse"]
+    assert len(groups) == 2
+    assert all(r.env["FTLAUNCH_HEALTH_CHECK"] == "python -m ftlaunch.health" for r in groups)
+    assert "FTLAUNCH_HEALTH_CHECK" not in app.roles[0].env  # the lighthouse role runs no check
+    default = _app("ftlaunch:hsdp", ["--replicas", "2", "--script", "x.py"])
+    assert not any("FTLAUNCH_HEALTH_CHECK" in r.env for r in default.roles)

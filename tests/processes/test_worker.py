@@ -253,7 +253,7 @@ def test_commit_timeout_refuses_a_step_whose_collective_hangs(job: LighthouseSer
         ddp, fopt = ft.wrap(model, opt)
         fopt.zero_grad()
         ddp(torch.randn(4, 8)).sum().backward()
-        ft.manager._pending.append(torch.futures.Future())  # an allreduce that never finishes
+        ft.manager._attempt.issued(torch.futures.Future())  # an allreduce that never finishes
         assert fopt.step() is False
         assert aborted == [True]
         assert "commit timed out after 0.3 s" in str(ft.manager.errored())

@@ -349,3 +349,43 @@ def test_a_refusal_reaches_the_worker_as_its_reason(tmp_path: Path, monkeypatch:
     server._listener.close()
     os.close(server._wake_r)
     os.close(server._wake_w)
+
+
+STARTER = """
+import sys, time
+from ftlaunch.launcher.standby import Standby
+standby = Standby.start(on_demand=True)
+print(standby.proc.pid, standby.path, flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_an_on_demand_standby_imports_nothing_until_asked_and_dies_with_its_starter(tmp_path: Path) -> None:
+    """The standby torchrun's rendezvous starts (`ftlaunch.launcher.standby`, ``--on-demand``):
+    listening from the start, a bare interpreter until a worker connects (a job whose workers never
+    ask pays one idle interpreter), then warming up; its starter SIGKILLed meanwhile, it ends and
+    removes its socket and the socket's directory."""
+    starter = subprocess.Popen([sys.executable, "-c", STARTER], stdout=subprocess.PIPE, text=True)
+    try:
+        assert starter.stdout is not None
+        pid_text, path = starter.stdout.readline().split()
+        standby = psutil.Process(int(pid_text))
+        assert standby.ppid() == starter.pid and os.path.exists(path)
+        time.sleep(2.0)
+        assert "libtorch" not in Path(f"/proc/{pid_text}/maps").read_text(), "it imported torch unasked"
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        probe.connect(path)  # listening from its first instant (the starter bound it)
+        probe.close()  # an empty request (dropped once it serves): the warm-up starts
+        deadline = time.monotonic() + 60
+        while "libtorch" not in Path(f"/proc/{pid_text}/maps").read_text():
+            assert time.monotonic() < deadline, "a worker's connection did not start the warm-up"
+            time.sleep(0.05)
+        os.kill(starter.pid, signal.SIGKILL)  # mid-warm-up
+        starter.wait(timeout=30)
+        assert _gone(standby.pid), "the standby outlived its starter"
+        assert not os.path.exists(os.path.dirname(path))
+    finally:
+        if starter.poll() is None:
+            starter.kill()
+            starter.wait(timeout=30)

@@ -531,3 +531,36 @@ def test_property_garbage_is_rejected(raw: bytes) -> None:
     for candidate in (raw, MAGIC + raw, MAGIC + struct.pack("<QI", len(raw), zlib.crc32(raw)) + raw):
         with pytest.raises(CheckpointTransportError):
             loads(candidate)
+
+
+def test_checksums_may_follow_the_body_in_a_sums_frame() -> None:
+    """A streaming sender's header has pending sums; the sums frame fills them in, protected by its
+    own crc32, and a receiver takes pending sums only where it asked for them."""
+    from ftlaunch.checkpointing.serialization.checksum import checksums
+    from ftlaunch.checkpointing.serialization.header import (
+        PENDING_SUM,
+        frame_sums,
+        parse_header,
+        parse_sums,
+        sums_frame_nbytes,
+        with_sums,
+    )
+
+    state = {"w": torch.randn(3000), "b": torch.arange(5), "empty": torch.zeros(0)}
+    enc = encode(state, 4, torch.device("cpu"), sums=False)
+    header = parse_header(enc.frame, 4, sums_follow=True)
+    assert all(e.sum == PENDING_SUM for e in header.tensors)
+    with pytest.raises(CheckpointTransportError, match="bad checksum"):
+        parse_header(enc.frame, 4)
+    with pytest.raises(CheckpointTransportError, match="where the sums frame was to carry it"):
+        parse_header(encode(state, 4, torch.device("cpu")).frame, 4, sums_follow=True)
+    frame = frame_sums(checksums(enc.tensors))
+    assert len(frame) == sums_frame_nbytes(len(enc.tensors))
+    filled = with_sums(header, parse_sums(frame, len(enc.tensors)))
+    assert filled == parse_header(encode(state, 4, torch.device("cpu")).frame, 4)
+    bad = bytearray(frame)
+    bad[-1] ^= 1
+    with pytest.raises(CheckpointTransportError, match="sums frame checksum mismatch"):
+        parse_sums(bytes(bad), len(enc.tensors))
+    with pytest.raises(CheckpointTransportError, match="expected"):
+        parse_sums(frame, len(enc.tensors) + 1)

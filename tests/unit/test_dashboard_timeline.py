@@ -11,7 +11,7 @@ from ftlaunch.lighthouse.membership import Membership
 from ftlaunch.lighthouse.progress import ProgressReport
 from ftlaunch.lighthouse.quorum import QuorumIdAllocator, QuorumMember, QuorumOptions
 from ftlaunch.lighthouse.status import HistoryEvent, LighthouseStatus
-from ftlaunch.lighthouse.timeline import FAILURE, HANG, REJOIN, TAKEOVER
+from ftlaunch.lighthouse.timeline import FAILURE, HANG, REJOIN, SLOW, STRAGGLER, TAKEOVER
 
 
 class Clock:
@@ -87,3 +87,40 @@ def test_hangs_spares_and_a_group_heard_again_without_leaving_the_quorum() -> No
         (7.0, REJOIN, "rg0"),
         (7.0, REJOIN, "rg2"),
     ]
+
+
+def test_stragglers_found_and_replaced() -> None:
+    """A straggler found is a moment on its line; replaced -- with a spare (``failed``, then
+    ``straggler_replaced``) or by a restart (``straggler_replaced``, then its disconnect) -- it is
+    down from then on, one mark per incident, until the spare or its restart is in a quorum."""
+
+    def h(t: float, event: str, rid: str | None, detail: str = "", participants=None) -> HistoryEvent:
+        return HistoryEvent(t, event, rid, detail, 1 if participants else None, participants)
+
+    slow = (
+        "straggler: 2.1x slower than the others: 62.0 ms of its own work per committed step against 30.0 ms"
+    )
+    history = (
+        h(100.0, "quorum", None, "", ("rg0", "rg1", "rg2")),
+        h(110.0, "straggler", "rg1", "2.1x slower than the others"),
+        h(125.0, "failed", "rg1", slow),
+        h(125.0, "replaced", "rg1", "slot 1 given to g3.0 as rg1.1"),
+        h(125.0, "claimed", "rg1.1", "slot 1 by g3.0"),
+        h(125.0, "straggler_replaced", "rg1", f"{slow}; its slot went to a hot spare"),
+        h(130.0, "straggler", "rg2", "1.8x slower than the others"),
+        h(150.0, "straggler_replaced", "rg2", f"{slow}; told to restart (no hot spare waits)"),
+        h(150.2, "disconnected", "rg2", "connection closed without leave"),
+        h(160.0, "quorum", None, "", ("rg0", "rg1.1", "rg2")),
+    )
+    status = LighthouseStatus(time=170.0, history=tuple(reversed(history)))
+    marks = [(m.at, m.kind, m.line) for m in dashboard.timeline_of(status).marks]
+    assert marks == [
+        (0.0, SLOW, "rg1"),  # t = 0: the first mark (no progress series here)
+        (15.0, STRAGGLER, "rg1"),
+        (15.0, TAKEOVER, "rg1.1"),
+        (20.0, SLOW, "rg2"),
+        (40.0, STRAGGLER, "rg2"),
+        (50.0, REJOIN, "rg2"),
+    ], marks
+    svg = dashboard.render(status)
+    assert "straggler replaced (2)" in svg and "slowed / straggler found (2)" in svg

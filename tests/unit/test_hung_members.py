@@ -23,7 +23,6 @@ from ftlaunch.lighthouse.hung import PARKED_FOR, QUICK_SILENCE, parse_blocked
 from ftlaunch.lighthouse.membership import Membership
 from ftlaunch.lighthouse.protocol import BLOCKED_FOR
 from ftlaunch.lighthouse.quorum import QuorumMember
-from ftlaunch.worker.hang_abort import SUSPECT_AFTER
 
 make_group = test_manager_protocol.make  # the fixture: a Manager on fakes
 
@@ -160,7 +159,7 @@ def test_the_blocked_field_is_parsed_strictly() -> None:
     for bad in (None, [], {"quorum_id": "7", "seconds": 1}, {"quorum_id": True, "seconds": 1},
                 {"quorum_id": 7, "seconds": -1}, {"quorum_id": 7, "seconds": float("nan")}, {"quorum_id": 7}):  # fmt: skip
         assert parse_blocked(bad) is None
-    assert QUICK_SILENCE >= 0.5 and PARKED_FOR >= 0.5 and BLOCKED_FOR >= SUSPECT_AFTER
+    assert QUICK_SILENCE >= 0.5 and PARKED_FOR >= 0.5 and BLOCKED_FOR > 0
 
 
 # ------------------------------------------------------------------ the worker's side
@@ -180,10 +179,10 @@ def test_the_leaders_heartbeats_report_a_step_blocked_in_a_collective(
     g.m.start_quorum()
     g.pg.hang_next("allreduce")
     g.m.allreduce(torch.full((4,), 6.0))
-    assert blocked() is None  # pending, but not for SUSPECT_AFTER yet
-    time.sleep(SUSPECT_AFTER + 0.1)
+    assert blocked() is None  # pending, but not for BLOCKED_FOR yet
+    time.sleep(BLOCKED_FOR + 0.1)
     got = blocked()
-    assert got is not None and got[0] == 1 and got[1] >= SUSPECT_AFTER
+    assert got is not None and got[0] == 1 and got[1] >= BLOCKED_FOR
     g.pg.resume()
     assert g.m.should_commit() and blocked() is None
 
@@ -193,7 +192,7 @@ def test_a_configure_waiting_on_a_dead_store_is_aborted_when_the_lighthouse_says
 ) -> None:
     """Quorum 2's rendezvous store belongs to rg1, which died right after the quorum formed: the
     configure waits on it (60 s and more before). The lighthouse's ``lost`` for quorum 2 aborts it
-    (the notice comes after SUSPECT_AFTER here, so the heartbeats said the step was blocked); the
+    (the notice comes after BLOCKED_FOR here, so the heartbeats said the step was blocked); the
     step is not committed and quorum 3 (without rg1) commits. The collective timeout here is 120 s,
     above this test's own timeout."""
     lighthouse = ScriptedLighthouse(in_step(1, "rg1"), in_step(2, "rg1"), in_step(3))
@@ -214,7 +213,7 @@ def test_a_configure_waiting_on_a_dead_store_is_aborted_when_the_lighthouse_says
         real_configure(store_addr, rank, world_size)
 
     g.pg._configure = configure  # type: ignore[method-assign]
-    threading.Timer(SUSPECT_AFTER + 0.3, lighthouse.tell_lost, args=(2, "rg1")).start()
+    threading.Timer(BLOCKED_FOR + 0.3, lighthouse.tell_lost, args=(2, "rg1")).start()
     t0 = time.monotonic()
     committed, _ = g.step()
     assert not committed and released.is_set() and time.monotonic() - t0 < 30
@@ -228,13 +227,13 @@ def test_a_configure_of_a_quorum_that_lost_a_participant_is_aborted_at_once(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A configure cannot complete without every participant, so the lighthouse's ``lost`` aborts
-    one in flight at once -- not only after it waited SUSPECT_AFTER, as an allreduce must (a dead
+    one in flight at once -- not only after it waited BLOCKED_FOR, as an allreduce must (a dead
     peer makes that fail by itself). In the soak the store's host died as the quorum formed: the
     joining group's configure waited a second for nothing, its peers in the next quorum with it.
-    (SUSPECT_AFTER is made longer than this test's timeout: only the at-once rule can release it.)"""
+    (BLOCKED_FOR is made longer than this test's timeout: only the at-once rule can release it.)"""
     from ftlaunch.worker import manager
 
-    monkeypatch.setattr(manager, "SUSPECT_AFTER", 1000.0)
+    monkeypatch.setattr(manager, "BLOCKED_FOR", 1000.0)
     lighthouse = ScriptedLighthouse(in_step(1, "rg1"), in_step(2, "rg1"), in_step(3))
     g = make_group(lighthouse, init_sync=False, timeout=120.0)
     assert g.step()[0]

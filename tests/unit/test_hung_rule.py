@@ -4,6 +4,7 @@ rule applied by the membership, step by step: tests/unit/test_hung_members.py, t
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 from hypothesis import given, settings
@@ -22,7 +23,7 @@ from ftlaunch.lighthouse.hung import (
 from ftlaunch.lighthouse.protocol import BLOCKED_FOR
 from ftlaunch.lighthouse.quorum import Connection, GroupState, Quorum, QuorumMember, QuorumOptions
 from ftlaunch.lighthouse.roster import GroupInfo
-from ftlaunch.worker import hang_abort
+from ftlaunch.worker import hang_abort, manager
 
 NOW = 1000.0
 QID = 7
@@ -226,4 +227,6 @@ def test_the_silence_limit_is_the_quick_silence_or_several_gaps() -> None:
 def test_the_worker_reports_a_block_when_the_lighthouse_counts_it() -> None:
     """One threshold, read on both sides: a worker reporting sooner would be ignored, later would
     slow every hung-peer recovery down."""
-    assert hang_abort.SUSPECT_AFTER is protocol.BLOCKED_FOR
+    watch_after = inspect.signature(hang_abort.LostPeerAbort.watch).parameters["after"].default
+    assert watch_after is protocol.BLOCKED_FOR
+    assert manager.BLOCKED_FOR is protocol.BLOCKED_FOR  # `Manager._blocked`, `Manager._stuck`

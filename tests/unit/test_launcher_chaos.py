@@ -1,16 +1,24 @@
 """``--chaos`` scheduling, target choice and injection (ftlaunch.launcher.chaos) in one process: the
-signals go to a recording fake instead of ``os.kill``."""
+signals go to a recording fake instead of ``os.kill``; a slowdown's duty cycle
+(ftlaunch.launcher.throttle) on a real busy process."""
 
 from __future__ import annotations
 
 import io
 import random
 import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
 
 from ftlaunch.launcher.chaos import Chaos, ChaosSchedule, choose_target
 from ftlaunch.launcher.group import Group
 from ftlaunch.launcher.options import ChaosSpec
 from ftlaunch.launcher.output import Console
+from ftlaunch.launcher.throttle import Throttle
 
 
 def training(n: int, stepped: bool = True) -> list[Group]:
@@ -141,3 +149,97 @@ def test_count_and_ending_jobs_stop_the_chaos() -> None:
     c, _ = chaos(ChaosSpec(every=1), groups, kills)
     c.tick(110.0, 105.0, {})
     assert kills.sent == []
+
+
+class FakeThrottle:
+    """What `Chaos` needs of a `Throttle`: its pids, factor, duration, whether it runs, stop."""
+
+    def __init__(self, pids: tuple[int, ...], factor: float, duration: float) -> None:
+        self.pids, self.factor, self.duration = pids, factor, duration
+        self.running = True
+        self.ended: float | None = None
+
+    def stop(self) -> None:
+        self.running = False
+
+
+def test_slow_throttles_the_workers_without_a_hang_then_releases_them() -> None:
+    groups, kills = training(3), Kills()
+    started: list[FakeThrottle] = []
+
+    def slow(group: Group, agent_pid: int | None) -> FakeThrottle:
+        assert agent_pid == 51  # the standby's forks are found under the agent
+        started.append(FakeThrottle(tuple(p + 1000 for p in group.worker_pids.values()), 2.0, 60.0))
+        return started[-1]
+
+    err = io.StringIO()
+    spec = ChaosSpec.parse("steps=1,group=1,slow=2,slow_for=60")
+    c = Chaos(spec, groups, Console(io.StringIO(), err, status=False), 100.0, kill=kills, slow=slow)  # type: ignore[arg-type]
+    c.tick(110.0, 105.0, {0: 50, 1: 51, 2: 52})
+    assert kills.sent == [] and len(started) == 1  # no signal of its own: the throttle's duty cycle
+    assert (
+        "[ftlaunch] chaos: replica group 1 workers slowed down 2x for 60s (pids 1101; stopped 20 ms per 20 ms running) at step 1"
+        in err.getvalue()
+    )
+    inj = c.injections[0]
+    assert (inj.signal, inj.group, inj.factor, inj.until) == ("SLOW", 1, 2.0, 170.0)
+    assert groups[1].healthy and not groups[1].paused  # slow, not hung
+    # Its stops (of the fork, mirrored to the proxy torchelastic watches) are no hang.
+    assert c.throttling(1101, 111.0) and c.throttling(101, 111.0) and not c.throttling(100, 111.0)
+    # Not hit again while slowed, and released when its time is up.
+    c.tick(111.0, 105.0, {})
+    assert len(started) == 1
+    started[0].running, started[0].ended = False, 170.0
+    c.tick(170.1, 105.0, {})
+    assert inj.lasted == 60.0 and "runs at full speed again after 60.0s" in err.getvalue()
+    assert c.throttling(1101, 171.0) and not c.throttling(1101, 172.5)  # late stop reports only
+
+
+def test_slow_ends_at_teardown() -> None:
+    groups, kills = training(2), Kills()
+    throttle = FakeThrottle((100,), 3.0, 600.0)
+    c = Chaos(ChaosSpec(steps=(1,), group=0, slow=3.0), groups, Console(io.StringIO(), io.StringIO(), status=False),
+              100.0, kill=kills, slow=lambda g, a: throttle)  # type: ignore[arg-type]  # fmt: skip
+    c.tick(110.0, 105.0, {})
+    c.resume_all()
+    assert not throttle.running and c.injections[0].lasted is not None
+
+
+@pytest.mark.timeout(60)
+def test_a_real_throttle_slows_a_process_by_its_factor_and_leaves_it_running() -> None:
+    """A busy process slowed 2x for 1.5 s gets about half the CPU time of the wall time meanwhile,
+    is never stopped for long (each stop is a slice of 20 ms: no hang), and ends continued."""
+    proc = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        p = psutil.Process(proc.pid)
+        time.sleep(0.3)
+        cpu0, t0 = sum(p.cpu_times()[:2]), time.monotonic()
+        throttle = Throttle([p], 2.0, 1.5).start()
+        longest_stop, stopped_since = 0.0, None
+        while throttle.running:
+            now = time.monotonic()
+            if p.status() == psutil.STATUS_STOPPED:
+                stopped_since = stopped_since if stopped_since is not None else now
+                longest_stop = max(longest_stop, now - stopped_since)
+            else:
+                stopped_since = None
+            time.sleep(0.002)
+        share = (sum(p.cpu_times()[:2]) - cpu0) / (time.monotonic() - t0)
+        assert throttle.periods >= 20 and 0.2 <= share <= 0.75, (throttle.periods, share)
+        assert longest_stop < 0.25, longest_stop  # slices, far below the hung rule's half second
+        time.sleep(0.05)
+        assert p.status() != psutil.STATUS_STOPPED
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_throttle_refuses_nonsense_and_skips_gone_processes() -> None:
+    with pytest.raises(ValueError, match="factor"):
+        Throttle([], 1.0, 1.0)
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    p = psutil.Process(proc.pid)
+    proc.wait()
+    throttle = Throttle([p], 2.0, 30.0).start()
+    throttle._thread.join(timeout=5)  # nothing left to slow: it ends at once
+    assert not throttle.running and throttle.periods == 0

@@ -116,22 +116,42 @@ def test_equal_checksums_at_different_steps_are_not_bit_identical() -> None:
 
 def test_summary_prints_the_lighthouse_figures() -> None:
     from ftlaunch.lighthouse.progress import GroupProgress
+    from ftlaunch.lighthouse.status import ReplacedStatus, StragglersStatus, StragglerStatus
 
     status = LighthouseStatus(
         quorum_changes=3,
         progress=(
             GroupProgress(
-                "rg0", heals=0, step_seconds=0.05, quorum_seconds=0.01, commit_seconds=0.002, step_rate=19.5
+                "rg0",
+                heals=0,
+                step_seconds=0.05,
+                quorum_seconds=0.01,
+                commit_seconds=0.002,
+                compute_seconds=0.02,
+                step_rate=19.5,
             ),
             GroupProgress("rg1", heals=2, heal_seconds=1.25),
+        ),
+        stragglers=StragglersStatus(
+            "replace",
+            groups=(StragglerStatus("rg0", 1.0), StragglerStatus("rg1", 2.1, straggler=True)),
+            replaced=(ReplacedStatus("rg2", 3.04, "spare", 100.0, 104.5),),
         ),
     )
     lines = summary_lines(
         0, 5.0, groups_after_a_kill(), None, None, started=0.0, log_dir="/logs", lighthouse=status
     )
     assert any(line.startswith("[ftlaunch] lighthouse: 3 quorum change(s)") for line in lines)
-    assert "[ftlaunch]   rg0    0      0.00s      50.0ms     10.0ms       2.0ms   19.5" in lines
-    assert any(line.split()[1:4] == ["rg1", "2", "1.25s"] for line in lines)
+    assert (
+        "[ftlaunch]   rg0    0      0.00s      50.0ms     10.0ms       2.0ms   20.0ms    1.0x            19.5"
+        in lines
+    )
+    assert any(line.split()[1:4] == ["rg1", "2", "1.25s"] and "2.1x straggler" in line for line in lines)
+    assert "[ftlaunch] stragglers at the end (--stragglers replace): rg1 2.1x slower" in lines
+    assert (
+        "[ftlaunch] straggler rg2 (3.0x slower) replaced: its slot went to a hot spare, whose first step "
+        "committed 4.5s later" in lines
+    )
 
 
 def test_lost_progress_is_in_the_status_line_and_the_summary_and_keeps_the_logs() -> None:

@@ -6,7 +6,17 @@ from __future__ import annotations
 from ftlaunch.launcher.chaos import Injection
 from ftlaunch.launcher.group import Group
 from ftlaunch.launcher.timeline import JobTimeline, keep_timeline
-from ftlaunch.lighthouse.timeline import AGENT, FAILURE, GAVE_UP, HANG, LIGHTHOUSE, REJOIN, TAKEOVER
+from ftlaunch.lighthouse.timeline import (
+    AGENT,
+    FAILURE,
+    GAVE_UP,
+    HANG,
+    LIGHTHOUSE,
+    REJOIN,
+    SLOW,
+    STRAGGLER,
+    TAKEOVER,
+)
 
 
 def groups(n: int) -> list[Group]:
@@ -123,3 +133,30 @@ def test_the_picture_is_written_whole_or_not_at_all(tmp_path) -> None:
     assert not (tmp_path / "timeline.svg").exists()
     assert err.getvalue().startswith(f"[ftlaunch] could not write the timeline {tmp_path / 'timeline.svg'}: ")
     assert len(err.getvalue().splitlines()) == 1
+
+
+def test_a_slowdown_is_a_span_and_a_straggler_replacement_one_incident() -> None:
+    """``--chaos slow=`` draws a span to where it ended (known only at its end); the lighthouse's
+    verdict is a moment; its replacement of the group is the incident, the failure of the group's
+    workers that follows (fenced, or told to end) the same one."""
+    tl = JobTimeline(started=0.0)
+    slow = Injection(10.0, 1, "SLOW", "workers", 20, factor=2.0, lasted=60.0)
+    tl.injected(slow)
+    tl.found_slow(1, 22.0, "straggler: 2.0x slower")
+    tl.straggler_replaced(1, 40.0, "straggler (2.0x): its slot went to a hot spare")
+    tl.failed(1, 41.0, "rank 0 (pid 9) exited with code 1")  # the fenced worker ends: same incident
+    tl.recovered(1, 40.5, TAKEOVER, "rg3, a hot spare, took its slot")
+    slow.lasted = 31.5  # its workers ended: the slowdown with them
+    marks = tl.timeline(100.0, "", "").marks
+    assert [(m.at, m.kind, m.line, m.until) for m in marks] == [
+        (10.0, SLOW, "rg1", 41.5),
+        (22.0, SLOW, "rg1", None),
+        (40.0, STRAGGLER, "rg1", None),
+        (40.5, TAKEOVER, "rg1", None),
+    ]
+    assert marks[0].detail == "chaos: slowed down 2x for 31.5s at step 20"
+    assert tl.failures == 1
+    # Still slowed when the picture is taken: the span ends there.
+    tl2 = JobTimeline(started=0.0)
+    tl2.injected(Injection(10.0, 0, "SLOW", "workers", None, factor=3.0, lasted=600.0))
+    assert tl2.timeline(50.0, "", "").marks[0].until == 50.0

@@ -31,7 +31,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     # fairseq2's Gang API over torch.distributed; its fault-tolerant gang lives in worker/.
     "gang": ("ftlaunch.gang",),
     "worker": ("ftlaunch.worker",),
-    "launcher": ("ftlaunch.launcher",),
+    "launcher": ("ftlaunch.launcher", "ftlaunch.health"),
     # The public face: the package itself and torchft's module paths (one-line re-exports).
     "api": (
         "ftlaunch",
@@ -41,6 +41,8 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "ftlaunch.parameter_server",
         "ftlaunch.local_sgd",
         "ftlaunch.coordination",
+        "ftlaunch.run",
+        "ftlaunch.work",
     ),
 }
 
@@ -156,6 +158,8 @@ LIGHTHOUSE_RANKS: dict[str, int] = {
     "quorum": 0,  # the pure decision
     "slots": 0,  # the pure rule: which spare takes which replica-group slot
     "progress": 0,  # training progress the group leaders report, and its totals (pure)
+    "stragglers": 0,  # slow groups found from the progress reports (pure rule) and its memory
+    "health": 0,  # the groups' health-check reports, and what the lighthouse keeps of them
     "quorum_delta": 1,  # a quorum as the difference from one a member holds (pure; server and client)
     "status": 1,  # the typed status document
     "spares": 1,  # the slot table of a job with hot spares (no HTTP)
@@ -175,6 +179,7 @@ LIGHTHOUSE_RANKS: dict[str, int] = {
     "channel": 1,  # one keep-alive HTTP connection to the lighthouse, retries, how answers read
     "client": 2,
     "reconnect": 3,  # the leader's client riding out a lighthouse outage
+    "torchft_client": 3,  # torchft's form of the client (ftlaunch.coordination.LighthouseClient)
     "connection": 3,  # one client connection: parsing, answering, long polls, deadlines
     "transport": 4,  # the asyncio server: listening, the connection cap, identities
     "answers": 3,  # quorum answers encoded once per quorum and held revision (whole or delta)
@@ -188,6 +193,8 @@ LIGHTHOUSE_RANKS: dict[str, int] = {
 #: Lighthouse modules that do no I/O: they may not import sockets, event loops or HTTP.
 LIGHTHOUSE_NO_IO = {
     "protocol",
+    "health",
+    "stragglers",
     "quorum",
     "quorum_delta",
     "progress",

@@ -31,10 +31,11 @@ from ftlaunch.errors import (
 )
 from ftlaunch.lighthouse.quorum import Quorum, QuorumMember
 from ftlaunch.process_group.fake import FakeProcessGroup
+from ftlaunch.timeouts import Timeouts
 from ftlaunch.worker import committed
 from ftlaunch.worker.group_store import GroupStore
 from ftlaunch.worker.managed_pg import ManagedProcessGroup
-from ftlaunch.worker.manager import Manager
+from ftlaunch.worker.manager import Manager, ManagerParts, ManagerSettings
 from ftlaunch.worker.progress import state_checksum
 from ftlaunch.worker.recovery import MANAGER_STATE_KEY
 
@@ -382,11 +383,11 @@ class Forward:
     thread plans, claims and serves: the served state must be the boundary's, not these bytes."""
 
     def __init__(self, g: Group) -> None:
-        self.g, self.real = g, g.m._run_quorum
+        self.g, self.real = g, g.m._round.run
 
-    def __call__(self, *args: Any) -> None:
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.g.user.value["w"].add_(100.0)  # the forward pass, overlapping the quorum thread
-        self.real(*args)
+        return self.real(*args, **kwargs)
 
 
 def test_a_source_snapshots_its_committed_state_when_a_heal_is_due_and_serves_that(
@@ -403,7 +404,7 @@ def test_a_source_snapshots_its_committed_state_when_a_heal_is_due_and_serves_th
     assert g.step()[0] and g.m.current_step() == 6 and not any(e[0] == "send" for e in g.transport.events)
     assert "staged" not in lighthouse.asked[0].data  # nobody was behind at our boundary
 
-    g.m._run_quorum = Forward(g)  # type: ignore[method-assign]
+    g.m._round.run = Forward(g)  # type: ignore[method-assign]
     assert g.step()[0]
     offered = {"default": {"w": torch.arange(4.0)}, MANAGER_STATE_KEY: {"step": 6, "batches_committed": 11}}
     asked = lighthouse.asked[1]
@@ -415,7 +416,7 @@ def test_a_source_snapshots_its_committed_state_when_a_heal_is_due_and_serves_th
     assert g.transport.sent[-1]["default"]["w"] is not g.user.value["w"]  # a copy, not the training tensor
     assert len(lighthouse.asked) == 2  # no second request: the claim rode on the first
     # The heal committed: nobody behind any more, no snapshot, no claim.
-    g.m._run_quorum = g.m._run_quorum.real  # type: ignore[attr-defined,method-assign]
+    g.m._round.run = g.m._round.run.real  # type: ignore[attr-defined,method-assign]
     assert g.step()[0] and set(lighthouse.asked[-1].data) == {"ckpt"}
 
 
@@ -852,6 +853,41 @@ def test_torchft_style_defaults_name_what_is_missing(make: Callable[..., Group])
                 group_store=dist.HashStore(), quorum_client=ScriptedLighthouse(in_step(1)))  # fmt: skip
     with pytest.raises(ConfigurationError, match="rank 2 is outside world_size 2"):
         make(None, rank=2, world_size=2)
+
+
+def test_the_core_constructor_takes_its_parts_and_reads_no_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``Manager.from_parts`` (what ``ftlaunch.init`` calls) is made of what it is given: a malformed
+    variable of the long form's defaults would raise if it were read."""
+    monkeypatch.setenv(env.REPLICA_GROUP_ID, "abc")
+    monkeypatch.setenv(env.FTLAUNCH_HEAL_CLAIMS, "maybe")
+    monkeypatch.setenv(env.FTLAUNCH_TIMEOUT, "-1")
+    pg = FakeProcessGroup()
+    settings = ManagerSettings(replica_id="rg0", group_rank=0, group_world_size=1, timeouts=Timeouts.derive(5.0),
+                               init_sync=False)  # fmt: skip
+    store = GroupStore(dist.HashStore(), address=OUR_STORE, replica_id="rg0", attempt=0, rank=0, world_size=1,
+                       timeout=5.0)  # fmt: skip
+    transport, user, lighthouse = (
+        MemoryTransport("rg0/r0", pg),
+        UserState(pg),
+        ScriptedLighthouse(in_step(1, "rg1")),
+    )
+    m = Manager.from_parts(ManagerParts(settings, pg, store, transport, lighthouse, user.load, user.save))
+    try:
+        m.start_quorum()
+        m.allreduce(torch.ones(4)).wait()
+        assert m.should_commit() and m.current_step() == 1 and m.num_participants() == 2
+    finally:
+        m.shutdown()
+    assert lighthouse.left == ["rg0"] and lighthouse.closed
+    with pytest.raises(ValueError, match="rank 0"):  # the leader, and only it, holds the client
+        ManagerParts(settings, pg, store, transport, None)
+    with pytest.raises(ValueError, match="both load_state_dict and state_dict"):
+        ManagerParts(settings, pg, store, transport, lighthouse, user.load, None)
+    with pytest.raises(ValueError, match="min_replica_size must be >= 1"):
+        ManagerSettings(replica_id="rg0", group_rank=0, group_world_size=1, timeouts=settings.timeouts,
+                        min_replica_size=0)  # fmt: skip
 
 
 def test_shutdown_leaves_the_lighthouse_and_releases_everything(make: Callable[..., Group]) -> None:

@@ -63,3 +63,38 @@ def test_state_checksum_sees_every_tensor_and_nothing_else() -> None:
     assert state_checksum(reshaped) != state_checksum(a)
     big = {"w": torch.randn(100_000)}  # past one 64 KiB checksum block
     assert state_checksum(big) == state_checksum({"w": big["w"].clone()})
+
+
+def test_compute_is_the_groups_own_work_before_it_needs_the_others() -> None:
+    """``compute_seconds``: from the previous decision to the step's first collective, less the time
+    it waited for the quorum -- what tells a slow group from the fast ones that wait for it in the
+    collectives (lighthouse/stragglers.py)."""
+    sent: list[ProgressReport] = []
+    clock = Clock()
+    t = ProgressTracker(sent.append, clock=clock)
+    t.step_started()  # the first step: its own work counts from here
+    clock.now = 0.2
+    t.waited(0.05)  # a synchronous quorum: waiting, not working
+    clock.now = 0.3
+    t.peers_needed()  # the first allreduce
+    clock.now = 0.8
+    t.waited(0.4)  # waits after it change nothing ...
+    t.peers_needed()  # ... nor do later collectives
+    t.commit_started()
+    clock.now = 1.0
+    t.committed(step=1, healed=False)
+    assert sent[-1].compute_seconds == 0.25 and sent[-1].step_seconds == 1.0
+    clock.now = 1.1  # the optimizer step, the next batch: the group's own work too
+    t.step_started()
+    clock.now = 1.2
+    t.peers_needed()
+    clock.now = 2.0
+    t.not_committed()  # a failed step: the next one's work starts at its decision
+    clock.now = 2.1
+    t.step_started()
+    clock.now = 2.15
+    t.peers_needed()
+    t.commit_started()
+    clock.now = 2.5
+    t.committed(step=2, healed=False)
+    assert sent[-1].compute_seconds == 0.15

@@ -15,7 +15,7 @@ import torch
 
 from ftlaunch.checkpointing.serialization.buffers import byte_view
 from ftlaunch.checkpointing.serialization.checksum import checksums
-from ftlaunch.checkpointing.serialization.header import Header, TensorEntry, frame_header
+from ftlaunch.checkpointing.serialization.header import PENDING_SUM, Header, TensorEntry, frame_header
 from ftlaunch.checkpointing.serialization.spec import ALIGNMENT, is_int
 from ftlaunch.checkpointing.serialization.tree import TreeEncoder
 
@@ -40,12 +40,14 @@ class Encoded:
         return self.header.body_nbytes
 
 
-def encode(state_dict: Any, step: int, device: torch.device | None = None) -> Encoded:
+def encode(state_dict: Any, step: int, device: torch.device | None = None, *, sums: bool = True) -> Encoded:
     """Describe ``state_dict`` for sending. Unsupported leaves raise TypeError (misuse).
 
     Tensors are moved to ``device`` when given (the HTTP transport serves CPU bytes); contiguous
     tensors already there are not copied. Checksums are computed here, so a caller who mutates a
     tensor while it is being served is caught by the receiver instead of silently tearing the copy.
+    ``sums=False``: the header says `PENDING_SUM`; the caller sends a sums frame after the body
+    (``header.frame_sums(checksums(enc.tensors))``), computed while the tensors travel.
     """
     if not is_int(step):
         raise TypeError(f"step must be an int, got {type(step).__name__}")
@@ -54,11 +56,11 @@ def encode(state_dict: Any, step: int, device: torch.device | None = None) -> En
     # Body offsets: each tensor at the next ALIGNMENT boundary; empty tensors take no bytes.
     entries = []
     offset = 0
-    sums = checksums(enc.tensors)
+    digests = checksums(enc.tensors) if sums else [PENDING_SUM] * len(enc.tensors)
     for i, t in enumerate(enc.tensors):
         nbytes = t.numel() * t.element_size()
         off = -(-offset // ALIGNMENT) * ALIGNMENT if nbytes else 0
-        entries.append(TensorEntry(i, t.dtype, tuple(t.shape), off, nbytes, sums[i], enc.requires_grad[i]))
+        entries.append(TensorEntry(i, t.dtype, tuple(t.shape), off, nbytes, digests[i], enc.requires_grad[i]))
         if nbytes:
             offset = off + nbytes
     header = Header(step=step, body_nbytes=offset, tensors=tuple(entries), tree=tree)

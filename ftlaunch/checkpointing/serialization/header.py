@@ -8,6 +8,12 @@ and the length before reading the JSON, the crc32 before parsing it, and then th
 (known keys, exact types, whitelisted dtypes, every tensor inside the body and none overlapping),
 so a `Header` it returns describes a body that can be received into tensors of validated dtype
 and shape. The header is small, so crc32 protects it; tensor bytes carry `checksum.checksum`.
+
+A sender that streams the tensors while it checksums them (the process-group transport: its sends
+run on the process group's threads) cannot know the checksums when the header goes out. Its header
+says ``"sum": ""`` (`PENDING_SUM`) for every tensor, and a *sums frame* follows the body:
+crc32 (uint32 LE) | the tensors' checksums, 32 hex digits each, in order (`frame_sums`,
+`parse_sums`). A receiver accepts pending sums only where it asked for them (``sums_follow``).
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ import json
 import struct
 import sys
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -48,10 +54,20 @@ __all__ = [
     "MAX_FRAME_BYTES",
     "Header",
     "TensorEntry",
+    "PENDING_SUM",
     "frame_header",
+    "frame_sums",
     "parse_frame_prefix",
     "parse_header",
+    "parse_sums",
+    "sums_frame_nbytes",
+    "with_sums",
 ]
+
+#: A tensor's ``sum`` in a header whose checksums follow the body in a sums frame.
+PENDING_SUM = ""
+_SUM_LEN = 32
+_CRC = struct.Struct("<I")
 
 _PREFIX = struct.Struct("<8sQI")
 #: Bytes before the JSON in a header frame: magic, JSON length, crc32.
@@ -145,11 +161,14 @@ def parse_header(
     *,
     max_tensors: int | None = None,
     deadline: Deadline | None = None,
+    sums_follow: bool = False,
 ) -> Header:
     """Parse and fully validate a header frame. Anything malformed -> CheckpointTransportError.
 
     ``max_tensors`` (`limits.ReceiveLimits`) is checked right after the JSON is parsed, before any
-    entry is validated; ``deadline`` between the stages and every few thousand entries."""
+    entry is validated; ``deadline`` between the stages and every few thousand entries.
+    ``sums_follow``: every tensor's checksum must be `PENDING_SUM` (a sums frame follows the
+    body); otherwise each must be a checksum."""
     length = parse_frame_prefix(frame)
     _magic, _len, crc = _PREFIX.unpack_from(frame)
     if len(frame) != FRAME_PREFIX_LEN + length:
@@ -169,13 +188,13 @@ def parse_header(
                 f"header lists {len(doc['tensors'])} tensors, more than the {max_tensors} this "
                 "receiver accepts (its own state has far fewer)"
             )
-    header = _validate_header(doc, deadline)
+    header = _validate_header(doc, deadline, sums_follow)
     if expected_step is not None and header.step != expected_step:
         raise CheckpointTransportError(f"checkpoint is for step {header.step}, expected step {expected_step}")
     return header
 
 
-def _validate_header(doc: Any, deadline: Deadline | None = None) -> Header:
+def _validate_header(doc: Any, deadline: Deadline | None = None, sums_follow: bool = False) -> Header:
     if not isinstance(doc, dict) or set(doc) != _HEADER_KEYS:
         keys = sorted(doc) if isinstance(doc, dict) else type(doc).__name__
         raise invalid(f"header must be an object with keys {sorted(_HEADER_KEYS)}, got {keys}")
@@ -194,7 +213,7 @@ def _validate_header(doc: Any, deadline: Deadline | None = None) -> Header:
     for i, e in enumerate(doc["tensors"]):
         if deadline is not None and i % _CHECK_EVERY == _CHECK_EVERY - 1:
             deadline.check("validating the header")
-        checked.append(_validate_entry(i, e, body_nbytes))
+        checked.append(_validate_entry(i, e, body_nbytes, sums_follow))
     entries = tuple(checked)
     end = 0
     for e in sorted((e for e in entries if e.nbytes), key=lambda e: e.offset):
@@ -210,7 +229,7 @@ def _validate_header(doc: Any, deadline: Deadline | None = None) -> Header:
     return Header(step=step, body_nbytes=body_nbytes, tensors=entries, tree=doc["tree"])
 
 
-def _validate_entry(i: int, e: Any, body_nbytes: int) -> TensorEntry:
+def _validate_entry(i: int, e: Any, body_nbytes: int, sums_follow: bool) -> TensorEntry:
     if not isinstance(e, dict) or set(e) != _TENSOR_KEYS:
         raise invalid(f"tensor {i}: must be an object with keys {sorted(_TENSOR_KEYS)}")
     dtype = DTYPES.get(e["dtype"]) if isinstance(e["dtype"], str) else None
@@ -232,8 +251,54 @@ def _validate_entry(i: int, e: Any, body_nbytes: int) -> TensorEntry:
             f"tensor {i}: bytes [{offset}, {offset + nbytes}) lie outside the body ({body_nbytes} bytes)"
         )
     s = e["sum"]
-    if not isinstance(s, str) or len(s) != 32 or any(c not in "0123456789abcdef" for c in s):
+    if sums_follow:
+        if s != PENDING_SUM:
+            raise invalid(f"tensor {i}: checksum {s!r} where the sums frame was to carry it")
+    elif not _is_sum(s):
         raise invalid(f"tensor {i}: bad checksum {s!r}")
     if type(e["requires_grad"]) is not bool:
         raise invalid(f"tensor {i}: requires_grad must be a boolean")
     return TensorEntry(i, dtype, tuple(shape), offset, nbytes, s, e["requires_grad"])
+
+
+def _is_sum(s: Any) -> bool:
+    return isinstance(s, str) and len(s) == _SUM_LEN and all(c in "0123456789abcdef" for c in s)
+
+
+def sums_frame_nbytes(ntensors: int) -> int:
+    """Size of the sums frame of a header with ``ntensors`` tensors."""
+    return _CRC.size + _SUM_LEN * ntensors
+
+
+def frame_sums(sums: list[str]) -> bytes:
+    """The sums frame that follows a body whose header had pending sums (see the module docstring)."""
+    raw = "".join(sums).encode("ascii")
+    if len(raw) != _SUM_LEN * len(sums):
+        raise ValueError("every checksum must be 32 hex digits")
+    return _CRC.pack(zlib.crc32(raw)) + raw
+
+
+def parse_sums(frame: bytes | bytearray | memoryview, ntensors: int) -> list[str]:
+    """Validate a sums frame for ``ntensors`` tensors; its checksums, in order."""
+    if len(frame) != sums_frame_nbytes(ntensors):
+        raise invalid(f"sums frame is {len(frame)} bytes, expected {sums_frame_nbytes(ntensors)}")
+    raw = bytes(frame[_CRC.size :])
+    if zlib.crc32(raw) != _CRC.unpack_from(frame)[0]:
+        raise invalid("sums frame checksum mismatch (corrupted)")
+    try:
+        text = raw.decode("ascii")
+    except UnicodeDecodeError:
+        raise invalid("sums frame is not ASCII") from None
+    sums = [text[k : k + _SUM_LEN] for k in range(0, len(text), _SUM_LEN)]
+    bad = next((k for k, s in enumerate(sums) if not _is_sum(s)), None)
+    if bad is not None:
+        raise invalid(f"tensor {bad}: bad checksum {sums[bad]!r} in the sums frame")
+    return sums
+
+
+def with_sums(header: Header, sums: list[str]) -> Header:
+    """``header`` with its pending checksums filled in from a parsed sums frame."""
+    if len(sums) != len(header.tensors):
+        raise invalid(f"{len(sums)} checksums for {len(header.tensors)} tensors")
+    entries = tuple(replace(e, sum=s) for e, s in zip(header.tensors, sums, strict=True))
+    return replace(header, tensors=entries)

@@ -118,14 +118,17 @@ def _fits(t: torch.Tensor, e: TensorEntry) -> bool:
     )
 
 
-def finish(header: Header, slots: Sequence[Slot]) -> Any:
-    """Verify every received tensor, copy into the caller's tensors where needed, rebuild the tree."""
-    rest = [s for s in slots if s.incremental is None]
-    for s, got in zip(rest, checksums([s.landing for s in rest]), strict=True):
-        s.verify(got)
-    for s in slots:
-        if s.incremental is not None:
-            s.verify()
+def finish(header: Header, slots: Sequence[Slot], got: Sequence[str | None] | None = None) -> Any:
+    """Verify every received tensor, copy into the caller's tensors where needed, rebuild the tree.
+
+    ``got``: checksums the transport already computed of some landed tensors (None where not), so
+    that verifying them here costs nothing; the rest are computed now."""
+    known: list[str | None] = list(got) if got is not None else [None] * len(slots)
+    rest = [i for i, s in enumerate(slots) if s.incremental is None and known[i] is None]
+    for i, digest in zip(rest, checksums([slots[i].landing for i in rest]), strict=True):
+        known[i] = digest
+    for s, known_sum in zip(slots, known, strict=True):
+        s.verify(known_sum)
     return _build(header, [s.commit() for s in slots])
 
 

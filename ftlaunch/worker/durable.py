@@ -1,0 +1,334 @@
+"""Durable checkpoints of a replica group: saved from the committed state, in the background, by
+one group at a time; resumed from at the start of a job.
+
+Live recovery is the fast path and the disk the safety net: a group that dies heals from a live
+peer and never reads the disk; only a job that lost *every* group (a Ctrl-C and re-run, a requeue,
+the node with the lighthouse) comes back from the newest complete checkpoint. What is saved is what
+a heal carries -- the Manager's step, every registered state (model, optimizer, the sampler's
+position, DiLoCo's outer state) -- as one step's state:
+
+* **At the commit boundary** (`worker.committed.CommittedState.at_boundary`, on the training thread
+  after the optimizer applied step ``s - 1`` and before step ``s``'s forward pass), when step ``s``
+  is due (`durable_plan.save_due`), the group whose turn it is (`durable_plan.is_writer`, from the
+  participants of the committed quorum: every group derives the same answer, without a message)
+  takes a staged copy (`checkpointing.staging`; the heal snapshot of the same boundary when it took
+  one) and hands it to its writer thread. The other groups do nothing at all.
+* **In the background**, the writer thread writes the copy in DCP's layout and publishes it
+  atomically (`checkpointing.durable.write`), then applies retention. A save due while the previous
+  one still runs is skipped and counted, not queued; a failed save (a full disk) is logged in one
+  line and counted, and the previous checkpoint stays the newest. In a group of several ranks, each
+  rank writes its own shards over a Gloo group of its own (``dcp_group``), and the ranks agree on
+  "still busy" over another (``agree_group``), so they all write, or all skip.
+* **Resume**, in ``ftlaunch.init``: a group that starts with the job (not a restarted group, nor a
+  hot spare taking a failed group's slot -- those heal from live peers) loads the newest complete
+  checkpoint that verifies, a damaged newer one reported in one line: the entries registered by
+  then at once, each one registered later (``ft.sampler``, ``ft.diloco``, ``ft.wrap`` of a sharded
+  model) as it registers, until the first step. Every group then asks its first quorum at the saved
+  step, so the job's step continues from it; a group that found nothing (or is behind) heals from
+  the others as usual.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ftlaunch.checkpointing import durable, durable_plan
+from ftlaunch.checkpointing.staging import StagedState, stage
+from ftlaunch.errors import CommunicationError, ConfigurationError
+from ftlaunch.worker.plan import StepPlan
+from ftlaunch.worker.recovery import MANAGER_STATE_KEY, StateRegistry
+
+__all__ = ["DurableCheckpoints", "DurableConfig", "DurableStats", "reshard_sampler_states"]
+
+
+@dataclass(frozen=True)
+class DurableConfig:
+    """Where and how often (see `ftlaunch.env.CheckpointEnv`)."""
+
+    directory: str
+    every: int = 100
+    keep_last: int = 3
+
+    def __post_init__(self) -> None:
+        if self.every < 0:
+            raise ConfigurationError(f"checkpoint_every={self.every} must be >= 0 (0: resume only)")
+        if self.keep_last < 0:
+            raise ConfigurationError(f"keep_last={self.keep_last} must be >= 0 (0: keep all)")
+
+
+@dataclass
+class DurableStats:
+    """What this process's durable checkpointing did (for logs and the leader's progress reports)."""
+
+    #: Checkpoints this group published, saves skipped (the previous one still ran), saves failed.
+    saves: int = 0
+    skipped: int = 0
+    failed: int = 0
+    #: The last checkpoint this group published: its step, when, how long the write took.
+    last_step: int | None = None
+    last_time: float | None = None
+    last_seconds: float | None = None
+    #: The step this process resumed from (None: it did not read the disk).
+    resumed_from: int | None = None
+    #: Newer checkpoints refused at resume, with why.
+    refused: list[tuple[int, str]] = field(default_factory=list)
+
+    def report(self) -> dict[str, Any]:
+        """The durable fields of the leader's progress reports (`lighthouse.progress.ProgressReport`)."""
+        return {
+            "durable_step": self.last_step or 0,
+            "durable_time": round(self.last_time or 0.0, 3),
+            "durable_seconds": round(self.last_seconds or 0.0, 6),
+            "durable_saves": self.saves,
+            "durable_skipped": self.skipped,
+            "durable_failed": self.failed,
+            "resumed_from": self.resumed_from or 0,
+        }
+
+
+_SAMPLER_KEYS = frozenset({"num_shards", "position", "epoch", "dataset_len"})
+
+
+def _is_sampler_state(value: Any) -> bool:
+    """Whether ``value`` is a data sampler's position (`ftlaunch.worker.data.DistributedSampler`)."""
+    return isinstance(value, dict) and _SAMPLER_KEYS <= value.keys()
+
+
+def reshard_sampler_states(saved: Any, here: Any) -> Any:
+    """``saved`` with every sampler position (`ftlaunch.worker.data.DistributedSampler`'s state:
+    a dict with ``num_shards`` and ``position``) moved onto the sharding of the same entry in
+    ``here``: a job that resumes with another number of replica groups continues from the same
+    number of samples seen in the epoch (``position * num_shards``), not from the same index in a
+    shard of another size. Pure; other entries are returned as they are."""
+    if isinstance(saved, dict) and isinstance(here, dict):
+        if _is_sampler_state(saved) and _is_sampler_state(here):
+            old, new = int(saved["num_shards"]), int(here["num_shards"])
+            if old != new and new > 0:
+                return {**saved, "num_shards": new, "position": int(saved["position"]) * old // new}
+            return saved
+        return {k: reshard_sampler_states(v, here.get(k)) for k, v in saved.items()}
+    return saved
+
+
+class DurableCheckpoints:
+    """One process's side of durable checkpointing (see the module docstring)."""
+
+    def __init__(
+        self,
+        config: DurableConfig,
+        registry: StateRegistry,
+        last_plan: Callable[[], StepPlan | None],
+        log: logging.Logger | logging.LoggerAdapter,
+        *,
+        group_rank: int = 0,
+        dcp_group: dist.ProcessGroup | None = None,
+        agree_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        self.config = config
+        self._registry = registry
+        self._last_plan = last_plan
+        self._log = log
+        self._group_rank = group_rank
+        self._dcp_group = dcp_group
+        self._agree_group = agree_group
+        self.stats = DurableStats()
+        self._started = False
+        self._resume_path: Path | None = None
+        self._data_at_commit: tuple[int, dict[str, Any]] | None = None
+        self._last_due: int | None = None
+        self._lock = threading.Lock()
+        self._running: Future[None] | None = None
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ftlaunch-durable")
+
+    @property
+    def resuming(self) -> bool:
+        """Whether entries registered now load from the checkpoint resumed from."""
+        return self._resume_path is not None
+
+    # ------------------------------------------------------------------------ the boundary
+    def first_boundary(self, step: int) -> int:
+        """The process's first commit boundary: entries registered from now on are not loaded
+        from the checkpoint resumed from (the training has begun)."""
+        if not self._started:
+            self._started = True
+            self._resume_path = None
+            self._registry.on_register = None
+        return step
+
+    def at_boundary(self, step: int, staged: StagedState | None = None) -> None:
+        """The commit boundary of ``step``: hand a staged copy of the state to the writer thread
+        when this group writes ``step``'s checkpoint. ``staged``: a copy this boundary took already
+        (the heal snapshot), used instead of a second one."""
+        every = self.config.every
+        if not durable_plan.save_due(step, every, self.stats.resumed_from) or step == self._last_due:
+            return
+        plan = self._last_plan()
+        if plan is None or not durable_plan.is_writer(
+            step, every, plan.participant_rank, plan.num_participants
+        ):
+            return
+        self._last_due = step
+        if self._busy():
+            with self._lock:
+                self.stats.skipped += 1
+            self._log.warning(
+                "durable checkpoint of step %d skipped: the previous save is still being written (%d skipped)",
+                step, self.stats.skipped,
+            )  # fmt: skip
+            return
+        if staged is None or staged.step != step:
+            try:
+                with self._registry.gate.reading(0.0):  # the training thread itself: never wait
+                    staged = stage(self._registry.snapshot(), step)
+            except CommunicationError:
+                self._log.warning(
+                    "durable checkpoint of step %d skipped: the state was closed for reading", step
+                )
+                return
+        state = staged.state
+        at_commit = self._data_at_commit
+        if at_commit is not None and at_commit[0] == step:
+            state = {**state, **at_commit[1]}  # a new dict: a heal may be serving ``staged`` as is
+        self._data_at_commit = None
+        self._running = self._executor.submit(self._write, staged, state)
+
+    def committed(self, step: int) -> None:
+        """The optimizer has just applied the update that made ``step`` (``ft.wrap``'s optimizer
+        calls it): when ``step`` is due, record the data positions now.
+
+        Why: a training loop draws the next batch before it starts the next step (the boundary),
+        so at the boundary a sampler's position already counts a batch no step has used; a job
+        resumed from it would skip that batch. The position at the commit is the one to resume
+        from. Only sampler states are taken here (other state, an LR scheduler's, legitimately
+        moves between the commit and the boundary)."""
+        if not durable_plan.save_due(step, self.config.every, self.stats.resumed_from):
+            return
+        data = {}
+        for key, (_, save) in self._registry.entries().items():
+            if key == MANAGER_STATE_KEY:
+                continue
+            value = save()
+            if _is_sampler_state(value):
+                data[key] = dict(value)
+        self._data_at_commit = (step, data)
+
+    def _busy(self) -> bool:
+        """Whether the previous save still runs -- on any rank of the group, so all ranks write
+        (their shards, in one DCP save) or none does."""
+        running = self._running
+        busy = running is not None and not running.done()
+        if self._agree_group is None:
+            return busy
+        flag = torch.tensor([1 if busy else 0], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._agree_group)
+        return bool(flag.item())
+
+    def _write(self, staged: StagedState, state: Any) -> None:
+        staged.wait()
+        step = staged.step
+        try:
+            published = durable.write(
+                state,
+                self.config.directory,
+                step,
+                process_group=self._dcp_group,
+                coordinator=self._group_rank == 0,
+            )
+        except Exception as e:  # noqa: BLE001 - a failed save must never reach the training loop
+            with self._lock:
+                self.stats.failed += 1
+            self._log.warning(
+                "durable checkpoint of step %d failed, the previous one stays the newest: %s", step, e
+            )
+            return
+        if published is None:  # a rank other than the coordinator: its shards are written
+            return
+        removed = durable.retain(self.config.directory, self.config.keep_last, step)
+        with self._lock:
+            self.stats.saves += 1
+            self.stats.last_step = step
+            self.stats.last_time = time.time()
+            self.stats.last_seconds = published.seconds
+        self._log.info(
+            "durable checkpoint of step %d: %s, %.1f MB in %.2f s%s",
+            step, published.path, published.nbytes / 1e6, published.seconds,
+            f" (removed {', '.join(removed)})" if removed else "",
+        )  # fmt: skip
+
+    # ------------------------------------------------------------------------ resume
+    def resume(self) -> int | None:
+        """Resume from the newest complete, intact checkpoint (a damaged newer one is reported in
+        one line and passed over): load it into every entry registered so far -- the Manager's
+        step among them -- and into each entry registered later, as it registers, until the first
+        commit boundary (``ft.sampler``, ``ft.diloco`` and ``ft.wrap`` of a sharded model register
+        after ``ftlaunch.init``). Returns the step resumed from, None when there is none."""
+        root = Path(self.config.directory)
+        try:
+            names = [p.name for p in root.iterdir()] if root.is_dir() else []
+        except OSError as e:
+            self._log.warning("durable checkpoints: cannot list %s (%s): starting from scratch", root, e)
+            return None
+        listing = durable_plan.list_dir(names)
+        choice = durable_plan.choose_resume(
+            listing.complete, lambda s: durable.verify(root / durable_plan.dir_name(s))
+        )
+        for step, why in choice.refused:
+            self._log.warning(
+                "durable checkpoint %s is not usable (%s): resuming from an older one",
+                root / durable_plan.dir_name(step), why,
+            )  # fmt: skip
+        self.stats.refused = list(choice.refused)
+        if choice.step is None:
+            if listing.complete:
+                self._log.warning("no usable durable checkpoint in %s: starting from scratch", root)
+            return None
+        t0 = time.monotonic()
+        self._resume_path = root / durable_plan.dir_name(choice.step)
+        entries = self._registry.entries()
+        self._load(entries)
+        step = int(entries[MANAGER_STATE_KEY][1]()["step"])
+        self.stats.resumed_from = step
+        self._registry.on_register = self._on_register
+        self._log.info(
+            "resumed from durable checkpoint %s (step %d) in %.2f s",
+            self._resume_path, step, time.monotonic() - t0,
+        )  # fmt: skip
+        return step
+
+    def _on_register(self, key: str, load: Callable[[Any], None], save: Callable[[], Any]) -> None:
+        if self._resume_path is not None:
+            self._load({key: (load, save)})
+
+    def _load(self, entries: dict[str, tuple[Callable[[Any], None], Callable[[], Any]]]) -> None:
+        path = self._resume_path
+        assert path is not None  # noqa: S101 - set by resume
+        here = {key: save() for key, (_, save) in entries.items()}
+        saved = durable.read(path, here, process_group=self._dcp_group)
+        for key, (load, _) in entries.items():
+            if key not in saved:
+                self._log.warning(
+                    "durable checkpoint %s has no state %r: it starts as the script made it", path, key
+                )
+                continue
+            try:
+                load(reshard_sampler_states(saved[key], here[key]))
+            except Exception as e:
+                raise ConfigurationError(
+                    f"durable checkpoint {path}: its state {key!r} does not load here ({type(e).__name__}: "
+                    f"{e}); was it saved by this training script? (move it away to start from scratch)"
+                ) from e
+
+    # ------------------------------------------------------------------------ teardown
+    def close(self, wait: bool = True) -> None:
+        """Let a save in progress finish (``wait``), then stop the writer thread."""
+        self._executor.shutdown(wait=wait)
