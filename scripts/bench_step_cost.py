@@ -72,7 +72,10 @@ def _plain_worker(steps: int) -> None:
             loss = loss_fn(ddp(x), y)
             loss.backward()
             opt.step()
-            print(f"step={step} committed=True loss={loss.item():.5f} ms={(time.perf_counter() - t0) * 1e3:.1f}", flush=True)
+            print(
+                f"step={step} committed=True loss={loss.item():.5f} ms={(time.perf_counter() - t0) * 1e3:.1f}",
+                flush=True,
+            )
             step += 1
     dist.destroy_process_group()
 
@@ -214,7 +217,12 @@ def main() -> None:
     if args.worker == "torchft":
         return _torchft_worker(args.steps)
 
-    names = ["plain DDP", "ftlaunch (defaults)", "ftlaunch FTLAUNCH_HEAL_CLAIMS=0", "ftlaunch FTLAUNCH_BACKEND=gloo"]
+    names = [
+        "plain DDP",
+        "ftlaunch (defaults)",
+        "ftlaunch FTLAUNCH_HEAL_CLAIMS=0",
+        "ftlaunch FTLAUNCH_BACKEND=gloo",
+    ]
     if args.torchft_python:
         names.append("torchft")
     if args.only:
@@ -229,8 +237,7 @@ def main() -> None:
                 med[n].append(statistics.median(ms))
             load = os.getloadavg()[0]
             print(
-                f"round {r + 1} (load {load:.1f}): "
-                + ", ".join(f"{n} {med[n][-1]:.2f} ms" for n in names),
+                f"round {r + 1} (load {load:.1f}): " + ", ".join(f"{n} {med[n][-1]:.2f} ms" for n in names),
                 flush=True,
             )
     finally:
