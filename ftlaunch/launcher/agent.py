@@ -309,6 +309,8 @@ def _run_agent(cfg: AgentConfig, standby: Standby | None) -> int:
         lighthouse=job.lighthouse,
         rdzv_configs=rdzv_conf,
         log_line_prefix_template=WORKER_PREFIX_TEMPLATE.format(replica_id=job.replica_id),
+        # The launcher runs every group (spares included) on this machine.
+        workers_on_host=opts.nproc_per_node * (job.num_replica_groups + job.spares),
     )
     if opts.run_path:
         from torch.distributed.run import run_script_path

@@ -258,17 +258,22 @@ def launch_config(
     lighthouse: str,
     rdzv_configs: Mapping[str, Any],
     log_line_prefix_template: str,
+    workers_on_host: int | None = None,
 ) -> LaunchConfig:
     """One replica group's ``LaunchConfig``, built by torchrun's own ``config_from_args``.
 
     Every torchrun flag goes through torch's translation; then the group's rendezvous (ftlaunch
     backend, the lighthouse as endpoint, the group's keys), run id, line prefix and shutdown timeout
     replace torchrun's. Like torchrun, it sets ``OMP_NUM_THREADS=1`` in this (the agent's) process when
-    a group has several workers and it is unset.
+    it is unset and the host runs several workers -- ``workers_on_host``: every group's, since the
+    ``ftlaunch`` launcher puts all its groups on one machine (default: this group's). Torch's
+    intra-op threads default to the core count in each worker; with two one-worker groups on a host
+    they spin against each other and starve in-process Gloo's collective thread (a step ~10x slower).
     """
     from torch.distributed.run import config_from_args
 
-    if not env.is_set(env.OMP_NUM_THREADS) and opts.nproc_per_node > 1:
+    on_host = opts.nproc_per_node if workers_on_host is None else workers_on_host
+    if not env.is_set(env.OMP_NUM_THREADS) and on_host > 1:
         env.publish({env.OMP_NUM_THREADS: "1"})  # what torchrun does, without its banner in every group
     values: dict[str, Any] = {a.dest: a.default for a in torchrun_actions()}
     values.update(

@@ -235,6 +235,7 @@ def test_agent_launch_config_carries_every_flag(caplog, monkeypatch) -> None:
     assert "Setting OMP_NUM_THREADS" not in caplog.text  # set quietly, once per group
     assert os.environ["OMP_NUM_THREADS"] == "1"
     assert (config.min_nodes, config.max_nodes, config.nproc_per_node) == (1, 1, 2)
+
     assert (config.max_restarts, config.monitor_interval, config.start_method, config.role) == (
         4,
         0.3,
@@ -306,3 +307,22 @@ def test_signals_to_handle_stop_the_job_and_reach_the_workers(tmp_path) -> None:
     assert res.returncode == 128 + signal.SIGUSR1, res.stderr[-2000:]
     assert res.stderr.strip().splitlines()[-1] == "ftlaunch: error: stopped by SIGUSR1"
     assert not [pid for pid in pids if alive(pid)]
+
+
+@pytest.mark.parametrize(("nproc", "on_host", "expected"), [(1, 2, "1"), (1, 1, None), (2, None, "1")])
+def test_omp_threads_are_one_when_the_host_runs_several_workers(
+    monkeypatch: pytest.MonkeyPatch, nproc: int, on_host: int | None, expected: str | None
+) -> None:
+    """Two one-worker groups on one host count as two workers: each gets one intra-op thread
+    (torch's default, the core count, makes them spin against each other's collectives)."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    launch_config(
+        LaunchOptions(entrypoint="train.py", nproc_per_node=nproc),
+        run_id="job-rg0",
+        log_dir="/tmp/x",
+        lighthouse="http://127.0.0.1:1",
+        rdzv_configs={"replica_group_id": "0"},
+        log_line_prefix_template="[rg0/r${rank}] ",
+        workers_on_host=on_host,
+    )
+    assert os.environ.get("OMP_NUM_THREADS") == expected
