@@ -19,8 +19,9 @@ position, DiLoCo's outer state) -- as one step's state:
   line and counted, and the previous checkpoint stays the newest. In a group of several ranks, each
   rank writes its own shards over a Gloo group of its own (``dcp_group``), and the ranks agree on
   "still busy" over another (``agree_group``), so they all write, or all skip.
-* **Resume**, in ``ftlaunch.init``: a group that starts with the job (not a restarted group, nor a
-  hot spare taking a failed group's slot -- those heal from live peers) loads the newest complete
+* **Resume**, in ``ftlaunch.init``: a group that starts with the job (a restarted group, or a hot
+  spare taking a failed group's slot, only when no live peer holds the state:
+  `resume_unless_a_peer_holds_it`; otherwise it heals from that peer) loads the newest complete
   checkpoint that verifies, a damaged newer one reported in one line: the entries registered by
   then at once, each one registered later (``ft.sampler``, ``ft.diloco``, ``ft.wrap`` of a sharded
   model) as it registers, until the first step. Every group then asks its first quorum at the saved
