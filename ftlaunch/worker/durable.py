@@ -327,8 +327,8 @@ class DurableCheckpoints:
         commit boundary (``ft.sampler``, ``ft.diloco`` and ``ft.wrap`` of a sharded model register
         after ``ftlaunch.init``). Returns the step resumed from, None when there is none.
 
-        ``decide``: for a group that (re)starts while the job runs, whether to load the checkpoint
-        of the step it is given (None: none usable) at all (`durable_plan.resume_from_disk`); the
+        ``decide``: for a group that (re)starts while the job runs, whether to load the newest
+        complete checkpoint, of the step it is given (None: none), at all (`durable_plan.resume_from_disk`); the
         group's rank 0 decides, and every rank follows its answer (``agree_group``)."""
         root = Path(self.config.directory)
         try:
@@ -336,19 +336,22 @@ class DurableCheckpoints:
         except OSError as e:
             self._log.warning("durable checkpoints: cannot list %s (%s): starting from scratch", root, e)
             names = None
-        choice = self._choose(root, names) if names is not None else durable_plan.ResumeChoice(None)
         if decide is not None:
-            load = self._agree(decide(choice.step) if self._group_rank == 0 else False)
+            # Decided on the listing alone: a group that heals live reads no checkpoint's files
+            # (an older intact one is chosen below when the newest is damaged: still no newer
+            # than what a peer ahead would give).
+            newest = max(durable_plan.list_dir(names or ()).complete, default=None)
+            load = self._agree(decide(newest) if self._group_rank == 0 else False)
             if not load:
-                if choice.step is not None:
+                if newest is not None:
                     self._log.info(
                         "durable checkpoint of step %d not read: a live group holds that state or a "
-                        "newer one (healing from it)", choice.step,
+                        "newer one (healing from it)", newest,
                     )  # fmt: skip
                 return None
         if names is None:
             return None
-        return self._load_choice(root, choice)
+        return self._load_choice(root, self._choose(root, names))
 
     def _agree(self, load: bool) -> bool:
         """Rank 0's ``load``, on every rank of the group."""
