@@ -26,6 +26,7 @@ __all__ = [
     "is_writer",
     "list_dir",
     "parse_name",
+    "resume_from_disk",
     "save_due",
     "stale",
     "to_delete",
@@ -133,3 +134,21 @@ def choose_resume(complete: Sequence[int], verify: Callable[[int], str | None]) 
             return ResumeChoice(step, tuple(refused))
         refused.append((step, why))
     return ResumeChoice(None, tuple(refused))
+
+
+def resume_from_disk(checkpoint_step: int | None, live_peer_steps: Iterable[int]) -> bool:
+    """Whether a group that (re)starts while the job runs -- its agent restarted it, or a hot spare
+    took a failed group's slot -- loads the newest usable checkpoint (of ``checkpoint_step``, None:
+    none) rather than healing from a live peer (``live_peer_steps``: the steps of the other groups
+    the lighthouse sees live).
+
+    Why: live recovery is the fast path and never reads the disk, so a peer that holds the
+    checkpoint's state or a newer one (at ``checkpoint_step`` or later) is healed from. Only when
+    no live group holds it -- every group died, or the only one holding it died mid-heal -- is the
+    disk the way back; without it the job would restart from step 0. Groups restarting together
+    each see no live peer ahead and load the same checkpoint, so they agree; a group that loads
+    while a peer turns out to be ahead still heals from it at its first quorum (loading is never
+    wrong, only slower)."""
+    if checkpoint_step is None:
+        return False
+    return all(step < checkpoint_step for step in live_peer_steps)

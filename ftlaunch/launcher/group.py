@@ -98,6 +98,9 @@ class Group:
     durable_skipped: int = 0
     durable_failed: int = 0
     resumed_from: int | None = None
+    #: Every step one of its processes resumed from a durable checkpoint (the job's start, and each
+    #: time every group was lost while the job ran): tells a rewind to a checkpoint from a loss.
+    resumed_steps: set[int] = field(default_factory=set)
 
     # --- derived ---------------------------------------------------------------------------------
 
@@ -270,6 +273,7 @@ class Group:
         self.durable_failed = p.durable_failed
         if p.resumed_from:
             self.resumed_from = p.resumed_from
+            self.resumed_steps.add(p.resumed_from)
         new = p.committed > self.committed
         self.committed = max(self.committed, p.committed)
         self.session = p.session

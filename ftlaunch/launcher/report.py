@@ -41,9 +41,17 @@ def max_step(groups: Sequence[Group]) -> int | None:
     return max((g.last_step for g in groups if g.last_step is not None), default=None)
 
 
-def lost(rewinds: Sequence[Rewind]) -> list[Rewind]:
-    """The rewinds that lost progress (not those undone by a group that came back with the state)."""
-    return [r for r in rewinds if not r.recovered]
+def from_checkpoint(rewind: Rewind, groups: Sequence[Group]) -> bool:
+    """Whether the job went back to a durable checkpoint: a group resumed from one at the step the
+    job restarted from (without one, a restarted group starts from scratch)."""
+    return rewind.restarted_at > 0 and any(rewind.restarted_at in g.resumed_steps for g in groups)
+
+
+def lost(rewinds: Sequence[Rewind], groups: Sequence[Group] = ()) -> list[Rewind]:
+    """The rewinds that lost progress: not those undone by a group that came back with the state,
+    nor those that resumed from a durable checkpoint (of ``groups``' resume points): those cost the
+    steps since the checkpoint, trained again, not the run."""
+    return [r for r in rewinds if not r.recovered and not from_checkpoint(r, groups)]
 
 
 def last_durable(groups: Sequence[Group]) -> Group | None:
@@ -97,7 +105,8 @@ def status_text(
     last time it did)."""
     up = sum(1 for g in groups if g.state == RUNNING)
     step = max_step(groups)
-    losses = lost(rewinds)
+    losses = lost(rewinds, groups)
+    resumes = [r for r in rewinds if not r.recovered and from_checkpoint(r, groups)]
     return (
         f"[ftlaunch] quorum {quorum_id if quorum_id is not None else '-'} | "
         f"step {step if step is not None else '-'} | groups up {up}/{len(groups)} | "
@@ -107,18 +116,27 @@ def status_text(
         + (
             f" | PROGRESS LOST: restarted from step {losses[-1].restarted_at} after step {losses[-1].reached}"
             if losses
+            else f" | resumed from durable step {resumes[-1].restarted_at} after step {resumes[-1].reached}"
+            if resumes
             else ""
         )
     )
 
 
-def rewind_lines(rewinds: Sequence[Rewind], started_wall: float) -> list[str]:
+def rewind_lines(rewinds: Sequence[Rewind], started_wall: float, groups: Sequence[Group] = ()) -> list[str]:
     """The summary's account of the times the job went back to an earlier step (``started_wall``:
-    the launch, on the lighthouse's wall clock, for the times)."""
+    the launch, on the lighthouse's wall clock, for the times; ``groups``: whose resume points
+    tell a return to a durable checkpoint from lost progress)."""
     lines = []
     for r in rewinds:
         at = f"t={r.wall - started_wall:.1f}s"
-        if r.recovered:
+        if not r.recovered and from_checkpoint(r, groups):
+            lines.append(
+                f"[ftlaunch] note: at {at} no replica group holding the trained state of step {r.reached} was "
+                f"left; the job resumed from the durable checkpoint of step {r.restarted_at} and trained "
+                f"{r.reached - r.restarted_at} step(s) again ({r.restarted_at}..{r.reached})"
+            )
+        elif r.recovered:
             lines.append(
                 f"[ftlaunch] note: at {at} no group holding step {r.reached} was reachable and the job went "
                 f"back to step {r.restarted_at}; a group holding that state came back and training went on from it"
@@ -195,7 +213,7 @@ def summary_lines(
     lines += ["[ftlaunch] " + line for line in format_table(SUMMARY_HEADERS, rows)]
     lines += _checksum_lines(groups)
     lines += durable_lines(groups, time.time())
-    lines += rewind_lines(rewinds, started_wall)
+    lines += rewind_lines(rewinds, started_wall, groups)
     if lighthouse is not None and lighthouse.progress:
         lines += lighthouse_lines(lighthouse)
     if lighthouse is not None and lighthouse.stragglers is not None:
@@ -220,7 +238,7 @@ def summary_lines(
                 f"[ftlaunch]   t={inj.at - started:.1f}s {what} {env.replica_id(inj.group)} {inj.target}{at}: {fate}"
             )
         total = sum(g.committed for g in groups)
-        losses = lost(rewinds)
+        losses = lost(rewinds, groups)
         lines.append(
             f"[ftlaunch] training {'finished' if code == 0 else 'did not finish'} despite "
             f"{sum(g.failures for g in groups)} failure(s); {total} committed group-steps"
@@ -231,7 +249,7 @@ def summary_lines(
             lines.append(f"[ftlaunch] root cause: {g.root_cause}")
     if timeline is not None:
         lines.append(f"[ftlaunch] timeline (steps per group, failures and rejoins): {timeline}")
-    if code != 0 or lost(rewinds):
+    if code != 0 or lost(rewinds, groups):
         lines.append(f"[ftlaunch] logs kept in {log_dir}")
     return lines
 

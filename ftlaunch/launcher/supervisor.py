@@ -187,7 +187,7 @@ class Supervisor:
                 )
         if code != EXIT_OK and self._exit_root_cause:
             self.console.err(f"ftlaunch: error: {self._exit_root_cause}")
-        if code == EXIT_OK and self._own_log_dir and not lost(list(self._rewinds.values())):
+        if code == EXIT_OK and self._own_log_dir and not lost(list(self._rewinds.values()), self.groups):
             if timeline is None:
                 shutil.rmtree(self._log_dir, ignore_errors=True)
             else:  # the picture stays where the summary said; the worker logs go

@@ -854,8 +854,9 @@ class Membership:
         if rewind is not None:
             self._record("rewind", None, f"step {rewind.reached} -> {rewind.restarted_at}", None)
             log.warning(
-                "lighthouse: progress lost: quorum at step %d after the job had reached step %d "
-                "(no group holding that state is left)", rewind.restarted_at, rewind.reached,
+                "lighthouse: the job went back: quorum at step %d after it had reached step %d (no group "
+                "holding that state is left: steps since are trained again, from a durable checkpoint "
+                "or from scratch)", rewind.restarted_at, rewind.reached,
             )  # fmt: skip
         self._admission.quorum_formed(quorum)
         self._roster.note_quorum(quorum)

@@ -10,8 +10,9 @@ totals: the summary and ``/metrics`` need them at the end).
 
 The book also watches the job's step across quorums (`Rewind`): a quorum formed below the furthest
 step of the quorums before it means no group holding the state of that step was left to heal from,
-and the job restarted from an earlier step (from scratch, without a durable checkpoint). That is
-not a failure of a group but a loss of the job's progress, and ``ftlaunch`` says so.
+and the job restarted from an earlier step: from a durable checkpoint (the groups' reports say
+which step they resumed from), else from scratch. That is not a failure of a group but steps of the
+job trained again (without a checkpoint, its progress lost), and ``ftlaunch`` says so.
 
 Pure bookkeeping: no I/O, no clock reads (times are arguments), so it is unit-tested in one process.
 `Membership` owns one book and calls it under its lock.

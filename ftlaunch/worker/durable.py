@@ -19,8 +19,9 @@ position, DiLoCo's outer state) -- as one step's state:
   line and counted, and the previous checkpoint stays the newest. In a group of several ranks, each
   rank writes its own shards over a Gloo group of its own (``dcp_group``), and the ranks agree on
   "still busy" over another (``agree_group``), so they all write, or all skip.
-* **Resume**, in ``ftlaunch.init``: a group that starts with the job (not a restarted group, nor a
-  hot spare taking a failed group's slot -- those heal from live peers) loads the newest complete
+* **Resume**, in ``ftlaunch.init``: a group that starts with the job (a restarted group, or a hot
+  spare taking a failed group's slot, only when no live peer holds the state:
+  `resume_unless_a_peer_holds_it`; otherwise it heals from that peer) loads the newest complete
   checkpoint that verifies, a damaged newer one reported in one line: the entries registered by
   then at once, each one registered later (``ft.sampler``, ``ft.diloco``, ``ft.wrap`` of a sharded
   model) as it registers, until the first step. Every group then asks its first quorum at the saved
@@ -45,10 +46,19 @@ import torch.distributed as dist
 from ftlaunch.checkpointing import durable, durable_plan
 from ftlaunch.checkpointing.staging import StagedState, stage
 from ftlaunch.errors import CommunicationError, ConfigurationError
+from ftlaunch.lighthouse.client import LighthouseClient
+from ftlaunch.lighthouse.status import LighthouseStatus
 from ftlaunch.worker.plan import StepPlan
 from ftlaunch.worker.recovery import MANAGER_STATE_KEY, StateRegistry
 
-__all__ = ["DurableCheckpoints", "DurableConfig", "DurableStats", "reshard_sampler_states"]
+__all__ = [
+    "DurableCheckpoints",
+    "DurableConfig",
+    "DurableStats",
+    "live_peer_steps",
+    "resume_unless_a_peer_holds_it",
+    "reshard_sampler_states",
+]
 
 
 @dataclass(frozen=True)
@@ -118,6 +128,50 @@ def reshard_sampler_states(saved: Any, here: Any) -> Any:
             return saved
         return {k: reshard_sampler_states(v, here.get(k)) for k, v in saved.items()}
     return saved
+
+
+def live_peer_steps(status: LighthouseStatus, replica_id: str) -> list[int]:
+    """The steps of the groups other than ``replica_id`` that the lighthouse sees live (the step
+    of each one's last quorum request: the state it holds). ``replica_id``'s own entry is the
+    process this one replaces."""
+    return [g.step for g in status.groups if g.live and g.replica_id != replica_id]
+
+
+def resume_unless_a_peer_holds_it(
+    lighthouse: str,
+    token: str | None,
+    connect_timeout: float,
+    replica_id: str,
+    log: logging.Logger | logging.LoggerAdapter,
+) -> Callable[[int | None], bool]:
+    """``DurableCheckpoints.resume``'s ``decide`` for a group that (re)starts while the job runs:
+    load the checkpoint only when no live group holds its step or a newer one
+    (`durable_plan.resume_from_disk`), from the lighthouse's status read now -- before this
+    process's first quorum request, so of groups restarting together at least one sees the others
+    as they are (dead, or at the step they asked with), never a stale step. A lighthouse that
+    cannot be read: load (loading is never wrong; a peer ahead is still healed from)."""
+
+    def decide(checkpoint_step: int | None) -> bool:
+        if checkpoint_step is None:
+            return False
+        client = LighthouseClient(lighthouse, connect_timeout=connect_timeout, token=token)
+        try:
+            peers = live_peer_steps(client.snapshot(), replica_id)
+        except Exception as e:  # noqa: BLE001 - any failure to read: the disk is the safe answer
+            log.warning(
+                "durable checkpoints: cannot read the lighthouse's status (%s): resuming from disk", e
+            )
+            return True
+        finally:
+            client.close()
+        load = durable_plan.resume_from_disk(checkpoint_step, peers)
+        log.info(
+            "durable checkpoint of step %d, live peers at steps %s: %s",
+            checkpoint_step, sorted(peers) or "none", "resuming from it" if load else "healing from a peer",
+        )  # fmt: skip
+        return load
+
+    return decide
 
 
 class DurableCheckpoints:
@@ -266,18 +320,48 @@ class DurableCheckpoints:
         )  # fmt: skip
 
     # ------------------------------------------------------------------------ resume
-    def resume(self) -> int | None:
+    def resume(self, decide: Callable[[int | None], bool] | None = None) -> int | None:
         """Resume from the newest complete, intact checkpoint (a damaged newer one is reported in
         one line and passed over): load it into every entry registered so far -- the Manager's
         step among them -- and into each entry registered later, as it registers, until the first
         commit boundary (``ft.sampler``, ``ft.diloco`` and ``ft.wrap`` of a sharded model register
-        after ``ftlaunch.init``). Returns the step resumed from, None when there is none."""
+        after ``ftlaunch.init``). Returns the step resumed from, None when there is none.
+
+        ``decide``: for a group that (re)starts while the job runs, whether to load the newest
+        complete checkpoint, of the step it is given (None: none), at all (`durable_plan.resume_from_disk`); the
+        group's rank 0 decides, and every rank follows its answer (``agree_group``)."""
         root = Path(self.config.directory)
         try:
             names = [p.name for p in root.iterdir()] if root.is_dir() else []
         except OSError as e:
             self._log.warning("durable checkpoints: cannot list %s (%s): starting from scratch", root, e)
+            names = None
+        if decide is not None:
+            # Decided on the listing alone: a group that heals live reads no checkpoint's files
+            # (an older intact one is chosen below when the newest is damaged: still no newer
+            # than what a peer ahead would give).
+            newest = max(durable_plan.list_dir(names or ()).complete, default=None)
+            load = self._agree(decide(newest) if self._group_rank == 0 else False)
+            if not load:
+                if newest is not None:
+                    self._log.info(
+                        "durable checkpoint of step %d not read: a live group holds that state or a "
+                        "newer one (healing from it)", newest,
+                    )  # fmt: skip
+                return None
+        if names is None:
             return None
+        return self._load_choice(root, self._choose(root, names))
+
+    def _agree(self, load: bool) -> bool:
+        """Rank 0's ``load``, on every rank of the group."""
+        if self._agree_group is None:
+            return load
+        flag = torch.tensor([1 if load else 0], dtype=torch.int32)
+        dist.broadcast(flag, src=dist.get_global_rank(self._agree_group, 0), group=self._agree_group)
+        return bool(flag.item())
+
+    def _choose(self, root: Path, names: list[str]) -> durable_plan.ResumeChoice:
         listing = durable_plan.list_dir(names)
         choice = durable_plan.choose_resume(
             listing.complete, lambda s: durable.verify(root / durable_plan.dir_name(s))
@@ -288,9 +372,12 @@ class DurableCheckpoints:
                 root / durable_plan.dir_name(step), why,
             )  # fmt: skip
         self.stats.refused = list(choice.refused)
+        if choice.step is None and listing.complete:
+            self._log.warning("no usable durable checkpoint in %s: starting from scratch", root)
+        return choice
+
+    def _load_choice(self, root: Path, choice: durable_plan.ResumeChoice) -> int | None:
         if choice.step is None:
-            if listing.complete:
-                self._log.warning("no usable durable checkpoint in %s: starting from scratch", root)
             return None
         t0 = time.monotonic()
         self._resume_path = root / durable_plan.dir_name(choice.step)

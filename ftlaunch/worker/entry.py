@@ -44,7 +44,7 @@ from ftlaunch.errors import ConfigurationError, install_brief_errors
 from ftlaunch.process_group.base import ProcessGroup
 from ftlaunch.timeouts import Timeouts, to_seconds
 from ftlaunch.worker import defaults, spare
-from ftlaunch.worker.durable import DurableCheckpoints, DurableConfig
+from ftlaunch.worker.durable import DurableCheckpoints, DurableConfig, resume_unless_a_peer_holds_it
 from ftlaunch.worker.fault_tolerance import FaultTolerance, InitState, Registered, model_state_fns
 from ftlaunch.worker.group_store import GroupStore
 from ftlaunch.worker.manager import Manager, ManagerParts, ManagerSettings, release_process_group
@@ -252,10 +252,15 @@ def init(
         raise
     durable_ckpt = None
     if durable_config is not None:
-        # Resume from disk only in a group that starts with the job: a restarted group, or a hot
-        # spare taking a failed group's slot, heals from live peers (the disk is the safety net).
+        # A group that starts with the job resumes from disk; a restarted group, or a hot spare
+        # taking a failed group's slot, only when no live peer holds the state (the safety net).
         starts_with_job = group.incarnation == 0 and (slot is None or slot.replaced is None)
-        durable_ckpt = _durable(durable_config, manager, group, intra, starts_with_job)
+        decide = None
+        if not starts_with_job:
+            decide = resume_unless_a_peer_holds_it(
+                job.lighthouse, job.token, timeouts.connect, manager.replica_id, manager.log
+            )
+        durable_ckpt = _durable(durable_config, manager, group, intra, decide)
     manager.log.info(
         "ftlaunch.init: replica group %d of %d, rank %d of %d, backend %s, transport %s, device %s",
         job.replica_group_id, job.num_replica_groups, group.rank, group.world_size, chosen_backend,
@@ -305,7 +310,7 @@ def _durable(
     manager: Manager,
     group: env.GroupEnv,
     intra: dist.ProcessGroup | None,
-    resume: bool,
+    decide: Callable[[int | None], bool] | None,
 ) -> DurableCheckpoints:
     """Attach durable checkpoints to ``manager``'s commit boundary (`worker.committed`).
 
@@ -336,8 +341,7 @@ def _durable(
     manager._committed.durable = hook  # noqa: SLF001 - called at every commit boundary
     if manager._progress is not None:  # noqa: SLF001 - the leader's progress reports carry the stats
         manager._progress.durable = hook.stats.report
-    if resume:
-        hook.resume()
+    hook.resume(decide)  # decide None: the group starts with the job and always resumes
     return hook
 
 

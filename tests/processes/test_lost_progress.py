@@ -28,7 +28,7 @@ STEP_LINE = re.compile(r"^\[rg(\d)/r0\] step=(\d+) committed=True")
 class Job:
     """``ftlaunch`` running scripts/train_ddp.py, its stdout read as it comes."""
 
-    def __init__(self, tmp_path: Path, steps: int) -> None:
+    def __init__(self, tmp_path: Path, steps: int, extra: tuple[str, ...] | list[str] = ()) -> None:
         self.proc = start(
             [
                 *FTLAUNCH,
@@ -37,6 +37,7 @@ class Job:
                 "--status",
                 "--log-dir",
                 str(tmp_path / "logs"),
+                *extra,
                 "scripts/train_ddp.py",
                 "--steps",
                 str(steps),

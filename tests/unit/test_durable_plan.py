@@ -68,3 +68,24 @@ def test_names_sort_and_parse_back(step: int) -> None:
     assert dp.parse_name(dp.dir_name(step, tmp=True)) == (step, False)
     listing = dp.list_dir([dp.dir_name(step), dp.dir_name(step + 1, tmp=True), "notes.txt", "step-12"])
     assert listing == dp.Listing((step,), (step + 1,))
+
+
+@given(checkpoint=st.none() | steps, peers=st.lists(steps, max_size=6))
+def test_a_restarted_group_reads_the_disk_only_when_no_live_peer_holds_the_state(
+    checkpoint: int | None, peers: list[int]
+) -> None:
+    load = dp.resume_from_disk(checkpoint, peers)
+    if checkpoint is None:
+        assert not load  # nothing to read: heal (or start) as without checkpoints
+    elif any(p >= checkpoint for p in peers):
+        assert not load  # a live peer holds that state or a newer one: live recovery, no disk
+    else:
+        assert load  # no live group holds it: the checkpoint, not step 0
+
+
+@given(checkpoint=steps, groups=st.integers(min_value=1, max_value=8))
+def test_groups_restarting_together_all_load_the_same_checkpoint(checkpoint: int, groups: int) -> None:
+    # Every group died: none is live while each decides, so each loads the checkpoint.
+    assert all(dp.resume_from_disk(checkpoint, []) for _ in range(groups))
+    # One asked its quorum at the checkpoint's step already: a later one heals from it instead.
+    assert not dp.resume_from_disk(checkpoint, [checkpoint])

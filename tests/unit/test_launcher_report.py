@@ -10,7 +10,7 @@ from ftlaunch.launcher.chaos import Injection
 from ftlaunch.launcher.group import Group
 from ftlaunch.launcher.lighthouse_host import JobLighthouse
 from ftlaunch.launcher.output import Console
-from ftlaunch.launcher.report import StatusLine, status_text, summary_lines
+from ftlaunch.launcher.report import StatusLine, lost, status_text, summary_lines
 from ftlaunch.lighthouse.progress import Rewind
 from ftlaunch.lighthouse.quorum import Quorum
 from ftlaunch.lighthouse.status import LighthouseStatus
@@ -181,3 +181,25 @@ def test_lost_progress_is_in_the_status_line_and_the_summary_and_keeps_the_logs(
     assert not any("WARNING" in line or "logs kept" in line for line in lines)
     assert any(line.startswith("[ftlaunch] note: at t=12.5s no group holding step 50") for line in lines)
     assert "PROGRESS LOST" not in status_text(groups, 7, 12.4, [back])
+
+
+def test_a_rewind_to_a_durable_checkpoint_says_so_and_is_no_lost_progress() -> None:
+    """Every group died and the restarted ones resumed from the durable checkpoint of step 40 (their
+    leaders reported it): the summary says so and how many steps were trained again; no "progress
+    lost", no kept logs. A rewind to a step no group resumed from is still lost progress."""
+    groups = groups_after_a_kill()
+    groups[0].resumed_steps.add(40)
+    back = Rewind(reached=47, restarted_at=40, wall=1012.5)
+    assert status_text(groups, 7, 12.4, [back]).endswith("| 12s | resumed from durable step 40 after step 47")
+    lines = summary_lines(0, 30.0, groups, 42, [], started=100.0, log_dir="/logs", rewinds=[back],
+                          started_wall=1000.0)  # fmt: skip
+    assert (
+        "[ftlaunch] note: at t=12.5s no replica group holding the trained state of step 47 was left; the job "
+        "resumed from the durable checkpoint of step 40 and trained 7 step(s) again (40..47)"
+    ) in lines
+    assert not any("WARNING" in line or "logs kept" in line or "progress was lost" in line for line in lines)
+    scratch = Rewind(reached=47, restarted_at=0, wall=1012.5)
+    assert lost([back, scratch], groups) == [scratch]
+    assert "PROGRESS LOST: restarted from step 0 after step 47" in status_text(
+        groups, 7, 12.4, [back, scratch]
+    )

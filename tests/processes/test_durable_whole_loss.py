@@ -1,0 +1,75 @@
+"""Every group lost while the job runs, with durable checkpoints: real processes, real SIGKILLs, the
+real launcher (scripts/train_ddp.py under ``ftlaunch --replicas 2 --checkpoint-dir D``).
+
+Both groups are SIGKILLed at once after a checkpoint was published; their agents restart them in
+the same ``ftlaunch`` job. No live group holds the state, so the restarted groups resume from the
+newest checkpoint -- not from step 0 -- (a group that comes back after the other asked its quorum
+heals from it, live) and every group ends bit-identical. The summary says the job resumed from the durable checkpoint and how many steps it trained again, not
+that progress was lost.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+from processes.test_lost_progress import STEP_LINE, Job
+from workers.helpers import wait_for
+
+from ftlaunch.checkpointing import durable_plan as dp
+
+pytestmark = pytest.mark.timeout(400)
+
+STEPS = 40
+EVERY = 10
+
+
+def test_both_groups_killed_resume_from_the_durable_checkpoint_bit_identical(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    durable = ["--checkpoint-dir", str(ckpt), "--checkpoint-every", str(EVERY)]
+    job = Job(tmp_path, steps=STEPS, extra=durable)
+    try:
+        wait_for(
+            lambda: EVERY in dp.list_dir(p.name for p in ckpt.iterdir()).complete
+            and min(job.step(0), job.step(1)) >= EVERY + 2,
+            150, "the checkpoint of step 10 and step 12 in both groups", interval=0.1,
+        )  # fmt: skip
+        job.kill(0)
+        job.kill(1)
+        reached = max(job.step(0), job.step(1))
+        saved = max(dp.list_dir(p.name for p in ckpt.iterdir()).complete)
+        assert reached < STEPS, "the job ended before the kills"
+        code, out, err = job.finish(240)
+    except subprocess.TimeoutExpired:
+        job.close()
+        raise
+    finally:
+        job.close()
+    assert code == 0, out[-4000:] + err[-4000:]
+    firsts = []  # each group's first step after the kill: never from step 0
+    for group in (0, 1):
+        steps = [
+            int(m[2]) for line in out.splitlines() if (m := STEP_LINE.match(line)) and int(m[1]) == group
+        ]
+        back = [b for a, b in zip(steps, steps[1:], strict=False) if b <= a]
+        assert back and back[0] > saved, (group, saved, back)
+        firsts.append(back[0])
+    # The job's first step after the kill follows the checkpoint: a group that restarted later
+    # healed from the one that had loaded it (live, not from the disk).
+    assert min(firsts) == saved + 1, (saved, firsts)
+    resumed = err.count(f"resumed from durable checkpoint {ckpt / dp.dir_name(saved)}") + out.count(
+        f"resumed from durable checkpoint {ckpt / dp.dir_name(saved)}"
+    )
+    assert resumed >= 1
+    note = re.search(
+        r"\[ftlaunch\] note: at t=[\d.]+s no replica group holding the trained state of step (\d+) was left; "
+        rf"the job resumed from the durable checkpoint of step {saved} and trained (\d+) step\(s\) again",
+        out,
+    )
+    assert note, out[-4000:]
+    assert int(note[2]) == int(note[1]) - saved
+    assert "progress lost" not in out.lower() and "PROGRESS LOST" not in out
+    assert "2/2 groups ended bit-identical" in out
