@@ -31,6 +31,7 @@ def no_hang(text: str) -> None:
     assert "hung: " not in text, text[-6000:]
 
 
+@pytest.mark.slow  # a 2-core host under load blurs a 3x slowdown (the verdict then comes late or never)
 @pytest.mark.timeout(300)
 def test_a_slowed_group_is_replaced_by_the_spare_and_the_job_ends_bit_identical(jobs) -> None:
     job = jobs(["--replicas", "2", "--spares", "1", "--stragglers", "replace",
