@@ -60,8 +60,8 @@ import bench_lighthouse_sim as sim  # scripts/: the floor server and the lean si
 
 TARGET_MS = {2: 1.0, 64: 5.0, 1024: 20.0}
 TORCHFT = {2: "~2 ms"}
-# : Every group's own heartbeat interval (the Manager's default); a large job's lighthouse advises a slower
-# one.
+#: Every group's own heartbeat interval (the Manager's default); a large job's lighthouse advises a
+#: slower one.
 HEARTBEAT_INTERVAL = 0.1
 
 

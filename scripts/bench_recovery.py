@@ -16,16 +16,15 @@ group's first committed step with a phase breakdown from ``FTLAUNCH_PHASE_LOG`` 
 and the floor (kill -> a bare ``import torch`` done in the restarted worker, same agent, the other
 group busy; and kill -> its first ``torch.optim`` optimizer built, which imports ``torch._dynamo``:
 what any training script pays besides); and kill -> first commit with ``--spares 1`` where the CLI has that
-flag ("n/a" else).
-Each beside torchft's figures and the targets.
+flag ("n/a" else). Each beside torchft's figures and the targets.
 
 Usage: python scripts/bench_recovery.py [--steps 60] [--runs 2] [--overhead-only] [--breakdown]
        python scripts/bench_recovery.py --launcher [--runs 2]   (from the kill, through `ftlaunch`)
               [--cold-only] [--compare-env FTLAUNCH_PRESTART_FORK=0]   (no spares; A/B in the same run)
               [--zygote-ab]   (the warm standby interpreter on vs off, interleaved in the same run)
        python scripts/bench_recovery.py --torchrun [--runs 3]   (README's way 2: with `-m ftlaunch.run` vs
-       without)
-       python scripts/bench_recovery.py --interleaved 150 [--runs 3]   (step-time ratios, robust to load)
+       without) python scripts/bench_recovery.py --interleaved 150 [--runs 3]   (step-time ratios, robust to
+       load)
 """
 
 from __future__ import annotations

@@ -859,8 +859,7 @@ class Ctx:
 
     def worker(self, *args: str) -> list[str]:
         """This script as an ftlaunch worker runs: through ``ftlaunch.bootstrap.prestart``, which forks the
-        Baby
-        Gloo child (and a spare) before the script where Baby Gloo is the default (CPU)."""
+        Baby Gloo child (and a spare) before the script where Baby Gloo is the default (CPU)."""
         return [sys.executable, "-u", "-m", "ftlaunch.bootstrap.prestart", str(HERE), *args]
 
     def launcher(self, *args: str) -> list[str]:

@@ -8,9 +8,8 @@ standard library source code, read from the running interpreter: a real corpus t
 Python, no download. Each block is an FSDP2 unit; the embeddings, final norm and head form the root
 unit. The samples are drawn by ``ft.sampler`` (every sample once per epoch, ``--sampler shard``: fixed
 shards per replica group x worker), whose position travels with live recovery. Logs one line per step and rank
-(step, committed, participants, loss, data
-position) and, at the end, a checksum of the full (gathered) weights so runs can check that every
-group ended bit-identical.
+(step, committed, participants, loss, data position) and, at the end, a checksum of the full (gathered)
+weights so runs can check that every group ended bit-identical.
 
 The fault-tolerant lines::
 

@@ -1,8 +1,8 @@
 """The ``ftlaunch`` torchelastic rendezvous backend.
 
 ``torchrun --rdzv-backend ftlaunch --rdzv-endpoint HOST:PORT --rdzv-conf
-replica_group_id=0,num_replica_groups=2``
-needs no import in user code: the backend is registered through the ``torchrun.handlers`` entry point.
+replica_group_id=0,num_replica_groups=2`` needs no import in user code: the backend is registered through the
+``torchrun.handlers`` entry point.
 
 Two levels of membership, kept apart on purpose:
 

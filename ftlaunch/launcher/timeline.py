@@ -6,8 +6,7 @@ group, bounded however long the job runs), and what the supervisor learned happe
 a chaos injection (a slowdown is a span on the group's line), a worker's or agent's death, a hang, a
 group failing for good, a rejoin, a hot spare taking a slot, the lighthouse down and back, and what
 the lighthouse said about slow groups (found a straggler, replaced one). It reads no clock (times are
-arguments, the
-supervisor's monotonic clock) and writes nothing: `Timeline` is the renderer's input
+arguments, the supervisor's monotonic clock) and writes nothing: `Timeline` is the renderer's input
 (`ftlaunch.lighthouse.timeline_svg`), and the supervisor writes the file.
 
 **One incident, one mark.** A chaos SIGKILL is followed, milliseconds later, by the agent's report

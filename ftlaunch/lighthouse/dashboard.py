@@ -166,10 +166,9 @@ def timeline_of(status: LighthouseStatus) -> Timeline:
     ``failed`` (a hang when it was declared hung), ``disconnected``, ``evicted`` or ``silent``, or the
     lighthouse replaced it as a straggler (``straggler_replaced``, or ``failed`` for it); it is
     back at the first quorum with it in again. ``straggler``: it was found slow (a moment). A hang also ends
-    when the group is heard from again
-    while no quorum has left it out (the same process carried on); a failed group's process is gone,
-    whatever a last heartbeat of it says. A hot spare ``claimed`` a slot: it took over. t = 0 is the
-    first thing the picture shows."""
+    when the group is heard from again while no quorum has left it out (the same process carried on); a failed
+    group's process is gone, whatever a last heartbeat of it says. A hot spare ``claimed`` a slot: it took
+    over. t = 0 is the first thing the picture shows."""
     history = sorted(status.history, key=lambda h: h.time)  # the status lists it newest first
     firsts = [p.timeline[0][0] for p in status.progress if p.timeline]
     origin = min(firsts + [h.time for h in history if h.replica_id and h.event in _MARKED], default=0.0)

@@ -12,9 +12,8 @@ reached (a wrong address, one not started yet) still fails after the connect tim
 misconfiguration is reported at once; except in a worker that torchelastic restarted
 (``known_reachable``: the job reached its lighthouse before), which waits from the start, so a group
 restarted during an outage joins the others when the lighthouse is back. Nothing is committed meanwhile: a
-step needs its quorum before its
-collectives, so a group waits at the start of the step (a step whose quorum had already formed
-finishes and commits normally; its collectives do not involve the lighthouse).
+step needs its quorum before its collectives, so a group waits at the start of the step (a step whose quorum
+had already formed finishes and commits normally; its collectives do not involve the lighthouse).
 
 A lighthouse that comes back knows nothing. So the first quorum request after the leader noticed
 the lighthouse unreachable (a failed quorum call or any failed connection, heartbeats included)

@@ -257,8 +257,8 @@ class FaultTolerance:
 
         ``fragments``: a number (``model``'s parameters split into that many contiguous fragments,
         `ftlaunch.worker.fragments.split_fragments`) or the fragment modules themselves. What is not passed
-        comes from the
-        environment (``FTLAUNCH_SYNC_EVERY``, ``FTLAUNCH_FRAGMENTS``, ``FTLAUNCH_FRAGMENT_SYNC_DELAY``,
+        comes from the environment (``FTLAUNCH_SYNC_EVERY``, ``FTLAUNCH_FRAGMENTS``,
+        ``FTLAUNCH_FRAGMENT_SYNC_DELAY``,
         ``FTLAUNCH_FRAGMENT_UPDATE_ALPHA``, ``FTLAUNCH_QUANTIZE``: what ``torchx run ftlaunch:diloco``
         sets), else the defaults: 100 steps, 1 fragment, no overlap, alpha 0, full precision.
         Other keyword arguments go to `ftlaunch.DiLoCo`.

@@ -183,8 +183,8 @@ class ShardedState:
     read the state on its quorum thread while the forward pass runs (a healer sizing what it will
     receive; LocalSGD and DiLoCo serving their live state), and FSDP2's state-dict pre-hook reshards
     parameters (frees the gathered ones) that the forward pass may be using at that moment. This reads the
-    sharded parameters FSDP keeps -- the DTensors the optimizer updates,
-    captured here on the calling thread -- and touches nothing; loading goes through
+    sharded parameters FSDP keeps -- the DTensors the optimizer updates, captured here on the calling thread
+    -- and touches nothing; loading goes through
     ``model.load_state_dict`` and runs on the training thread (after the commit vote).
     Build it after sharding, before training.
     """

@@ -10,9 +10,8 @@ reached for `UNREACHABLE_AFTER` seconds and this group's last step *committed* o
 healthy* quorum (every group a participant, all at the same step, nobody healing, no layout
 conflict) -- or on a complete quorum in which some groups healed, then with every member at the step
 they all reached (`after_heal`) -- the group steps on that quorum again: the leader returns it as the step's
-quorum, so the
-group's other ranks (through the group store) and `plan_step` see exactly what they saw last step,
-the quorum id does not change and the process group is not reconfigured.
+quorum, so the group's other ranks (through the group store) and `plan_step` see exactly what they saw last
+step, the quorum id does not change and the process group is not reconfigured.
 
 Why it is safe -- a step commits only if every participant of the quorum's process group votes for
 it in the same collectives (worker/commit.py), so:
@@ -39,10 +38,9 @@ reports, lighthouse/resume.py). The same short wait holds for a group that is no
 outage mode yet whose lighthouse was unreachable since its last quorum: it met the outage only after
 the lighthouse came back (it was SIGSTOPped while its peers stepped on) and parks while they wait in
 a collective for it; with no outage seen it asks again for the rest of the quorum timeout. In outage mode a
-group tries the lighthouse only every
-`PROBE_EVERY` steps, with one connection attempt: all members are at the same step, so they try
-together, and the steps between cost nothing. Quorum ids stay above every reported one, and the step
-each group reports is the one it reached, so nothing is committed twice or lost.
+group tries the lighthouse only every `PROBE_EVERY` steps, with one connection attempt: all members are at the
+same step, so they try together, and the steps between cost nothing. Quorum ids stay above every reported one,
+and the step each group reports is the one it reached, so nothing is committed twice or lost.
 
 ``FTLAUNCH_OUTAGE_STEPS=off`` turns it off (the groups wait for the lighthouse instead).
 """

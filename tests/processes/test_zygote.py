@@ -7,8 +7,7 @@ its script as ``python SCRIPT`` would (argv, cwd, environment, stdout/stderr, ex
 with torch already imported; the proxy ends as the real worker did (exit code, signal); a
 SIGKILLed proxy takes the real worker (and its Baby child) down; a SIGSTOPped proxy stops the real
 worker and SIGCONT continues it (and the other way round); SIGTERM to the proxy reaches the real worker; and
-with the
-standby gone the worker starts cold. Through ``ftlaunch``: a restarted worker goes through the
+with the standby gone the worker starts cold. Through ``ftlaunch``: a restarted worker goes through the
 standby and the group trains on (slow).
 """
 

@@ -5,12 +5,10 @@ Each step: ``gangs.rdp.begin_step()``, a forward/backward on this data-parallel 
 gradients averaged over ``gangs.sdp`` (inside the replica group) and ``gangs.rdp`` (across groups,
 through the Manager), and the update applied only if ``gangs.rdp.should_commit()``. Prints ``step=N
 committed=...`` lines and ``final_checksum=...`` (read by the launcher's report); it trains past ``--steps``
-until
-a step is committed by every group, so a group restarted late still ends identical and writes one JSON
-record per incarnation into ``--out``: the table of tests/gang_scenarios.py on the fault-tolerant
-gangs (first incarnation only, at the first step both groups are in and up to date), each step's replica gang
-size,
-and what was left after ``gangs.close()``.
+until a step is committed by every group, so a group restarted late still ends identical and writes one JSON
+record per incarnation into ``--out``: the table of tests/gang_scenarios.py on the fault-tolerant gangs (first
+incarnation only, at the first step both groups are in and up to date), each step's replica gang size, and
+what was left after ``gangs.close()``.
 """
 
 from __future__ import annotations
