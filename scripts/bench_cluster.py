@@ -141,14 +141,9 @@ def local_episode(kind: str, tmp: Path) -> dict:
     env = {**os.environ, "FTLAUNCH_PHASE_LOG": str(log), "PYTHONPATH": jobs.REPO}
     argv = ["torchx", "run", "-s", "local_cwd", "-cfg", f"log_dir={cwd / 'logs'}", *COMPONENTS[kind]]
     argv += ["--script", jobs.TRAIN, "--", *TRAIN_ARGS]
-    proc = subprocess.Popen(
-        argv,
-        cwd=jobs.REPO,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+    proc = subprocess.Popen(argv, cwd=jobs.REPO, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL,
+                            start_new_session=True)  # fmt: skip
 
     def text(role: str) -> str:
         return "".join(
@@ -229,11 +224,9 @@ def lost_node_torchx(c: Cluster, tmp: Path) -> dict:
         [*COMPONENTS["one-node"], "--script", jobs.TRAIN, "--", *TRAIN_ARGS], cwd=str(cwd), env=c.env
     )
     try:
-        jobs.wait_until(
-            lambda: len(jobs.commits(jobs.read(cwd / f"slurm-{job}-rg1-0.out"))) >= WARM_COMMITS,
-            400,
-            "the torchx job to train",
-        )
+        jobs.wait_until(lambda: len(jobs.commits(jobs.read(cwd / f"slurm-{job}-rg1-0.out"))) >= WARM_COMMITS,
+                        400,
+                        "the torchx job to train")  # fmt: skip
         (worker,) = jobs.find_workers("train_ddp.py", c.node_pids, REPLICA_GROUP_ID="1")
         assert worker.node is not None
         lost = worker.node
@@ -284,14 +277,9 @@ def main() -> int:
     loads = []
     with tempfile.TemporaryDirectory(prefix="ftlaunch-bench-cluster-") as d:
         tmp = Path(d)
-        c = Cluster(
-            nodes=5,
-            root="/tmp/ftlaunch-slurm-bench",
-            prefix="ftslb",
-            subnet="10.233.0",
-            ctld_port=6837,
-            extra_env={"PYTHONPATH": jobs.REPO},
-        )
+        c = Cluster(nodes=5, root="/tmp/ftlaunch-slurm-bench", prefix="ftslb", subnet="10.233.0",
+                    ctld_port=6837,
+                    extra_env={"PYTHONPATH": jobs.REPO})  # fmt: skip
         with c:
             for run in range(args.runs):
                 for kind in COMPONENTS:

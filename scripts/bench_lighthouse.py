@@ -588,17 +588,11 @@ def main() -> None:
     if args.small:
         for lean in kinds:
             for full in forms:
-                rows.append(
-                    bench_quorum(
-                        args.small,
-                        min(args.small, args.procs64),
-                        args.rounds64,
-                        simulated=True,
-                        full=full,
-                        token=token,
-                        lean=lean,
-                    )
-                )
+                rows.append(bench_quorum(
+                    args.small, min(args.small, args.procs64), args.rounds64, simulated=True, full=full,
+                    token=token,
+                    lean=lean,
+                ))  # fmt: skip
     if args.groups_large:
         for lean in kinds:
             floors = [(False, "floor"), (False, "transport")] if args.floor else []

@@ -712,43 +712,20 @@ def torchrun_episode(tmp: Path, fast: bool, steps_before_kill: int = 60, timeout
     run_env = dict(os.environ, OMP_NUM_THREADS="1", FTLAUNCH_PHASE_LOG=str(log))
     port = _free_port()
     lighthouse = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "ftlaunch.lighthouse.cli",
-            "--bind",
-            f"127.0.0.1:{port}",
-            "--expected-replicas",
-            "2",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env=run_env,
-    )
+        [sys.executable, "-m", "ftlaunch.lighthouse.cli", "--bind", f"127.0.0.1:{port}",
+         "--expected-replicas", "2"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=run_env,
+    )  # fmt: skip
     script = [str(HERE.parent / "train_ddp.py"), "--steps", "100000", "--width", str(WIDTH),
               "--batch-size", str(BATCH), "--step-sleep", "0.02"]  # fmt: skip
     lines: dict[int, list[str]] = {0: [], 1: []}
     groups = []
     for g in (0, 1):
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--rdzv-backend",
-            "ftlaunch",
-            "--rdzv-endpoint",
-            f"127.0.0.1:{port}",
-            "--rdzv-id",
-            "bench",
-            "--rdzv-conf",
-            f"replica_group_id={g},num_replica_groups=2",
-            "--max-restarts",
-            "3",
-            "--nproc-per-node",
-            "1",
-            *(["-m", "ftlaunch.run"] if fast else []),
-            *script,
-        ]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--rdzv-backend", "ftlaunch", "--rdzv-endpoint",
+               f"127.0.0.1:{port}", "--rdzv-id", "bench", "--rdzv-conf",
+               f"replica_group_id={g},num_replica_groups=2",
+               "--max-restarts", "3", "--nproc-per-node", "1", *(["-m", "ftlaunch.run"] if fast else []),
+               *script]  # fmt: skip
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=run_env)
         groups.append(proc)
 

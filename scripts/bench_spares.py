@@ -61,31 +61,14 @@ def one_run(
     script = HERE.parent / "train_ddp.py"
     chaos = f"steps={kill_at},group=1" + (f",signal=STOP,stop_for={stop_for:g}" if hang else "")
     hb = ["--heartbeat-timeout", str(heartbeat_timeout)] if heartbeat_timeout is not None else []
-    cmd = [
-        sys.executable,
-        "-m",
-        "ftlaunch.launcher.cli",
-        "--replicas",
-        "2",
-        "--spares",
-        str(spares),
-        "--no-status",
-        "--chaos",
-        chaos,
-        *hb,
-        str(script),
-        "--steps",
-        str(steps),
-        "--width",
-        str(WIDTH),
-        "--batch-size",
-        str(BATCH),
-        # A SIGSTOP after a step line lands in the next step (no sleep between steps), while the
-        # survivor waits for the stopped group in a collective: the case the abort is for.
-        "--step-sleep",
-        "0" if hang else "0.02",
-        *(["--timeout", str(script_timeout)] if script_timeout else []),
-    ]
+    cmd = [sys.executable, "-m", "ftlaunch.launcher.cli", "--replicas", "2", "--spares", str(spares),
+           "--no-status",
+           "--chaos", chaos, *hb,
+           str(script), "--steps", str(steps), "--width", str(WIDTH), "--batch-size", str(BATCH),
+           # A SIGSTOP after a step line lands in the next step (no sleep between steps), while the
+           # survivor waits for the stopped group in a collective: the case the abort is for.
+           "--step-sleep", "0" if hang else "0.02",
+           *(["--timeout", str(script_timeout)] if script_timeout else [])]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     t_kill: float | None = None

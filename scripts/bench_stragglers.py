@@ -54,25 +54,11 @@ def one_run(
     policy: str, factor: float, slow_for: float, before: float, compute_ms: float, slow_at: int
 ) -> Run:
     script = HERE.parent / "train_ddp.py"
-    cmd = [
-        sys.executable,
-        "-m",
-        "ftlaunch.launcher.cli",
-        "--replicas",
-        str(REPLICAS),
-        "--spares",
-        str(SPARES),
-        "--stragglers",
-        policy,
-        "--no-status",
-        "--chaos",
-        f"steps={slow_at},group={SLOWED},slow={factor:g},slow_for={slow_for:g}",
-        str(script),
-        "--steps",
-        "1000000",
-        "--compute-ms",
-        str(compute_ms),
-    ]
+    cmd = [sys.executable, "-m", "ftlaunch.launcher.cli", "--replicas", str(REPLICAS), "--spares",
+           str(SPARES),
+           "--stragglers", policy, "--no-status",
+           "--chaos", f"steps={slow_at},group={SLOWED},slow={factor:g},slow_for={slow_for:g}",
+           str(script), "--steps", "1000000", "--compute-ms", str(compute_ms)]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     frontier: list[tuple[float, int]] = []  # (arrival, the job's furthest committed step)

@@ -211,18 +211,11 @@ def run_ftlaunch(args: argparse.Namespace, chaos: str | None, label: str) -> Run
     run.tail = "".join(tail[-60:])
     run.orphans = orphans(marker, grace=10.0)
     run.phases = [
-        {
-            **r,
-            "t": r["t"] - wall_offset,
-            **(
-                {"process_start": r["process_start"] - wall_offset}
-                if isinstance(r.get("process_start"), float)
-                else {}
-            ),
-        }
-        for r in phases.read(phase_log)
-        if isinstance(r.get("t"), float)
-    ]
+        {**r, "t": r["t"] - wall_offset,
+         **({"process_start": r["process_start"] - wall_offset} if isinstance(r.get("process_start"),
+                                                                              float) else {})}
+        for r in phases.read(phase_log) if isinstance(r.get("t"), float)
+    ]  # fmt: skip
     if args.keep_output:  # the phases too, timed as the kept output (--reanalyze reads them back)
         kept = [{**r, "t": r["t"] - start, **({"process_start": r["process_start"] - start}
                                                if isinstance(r.get("process_start"), float) else {})}

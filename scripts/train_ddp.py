@@ -117,16 +117,10 @@ def make_model(width: int, kind: str = "mlp") -> nn.Module:
     torch.manual_seed((env.count(env.REPLICA_GROUP_ID, 0) or 0) + 1000)  # groups start different
     if kind == "bn-cnn":  # each sample's 64 features as a 1-channel signal
         return nn.Sequential(
-            nn.Unflatten(1, (1, 64)),
-            nn.Conv1d(1, 16, 3, padding=1),
-            nn.BatchNorm1d(16),
-            nn.ReLU(),
-            nn.Conv1d(16, 16, 3, padding=1),
-            nn.BatchNorm1d(16),
-            nn.ReLU(),
-            nn.Flatten(),
-            nn.Linear(16 * 64, 8),
-        )
+            nn.Unflatten(1, (1, 64)), nn.Conv1d(1, 16, 3, padding=1), nn.BatchNorm1d(16), nn.ReLU(),
+            nn.Conv1d(16, 16, 3, padding=1), nn.BatchNorm1d(16), nn.ReLU(), nn.Flatten(), nn.Linear(16 * 64,
+                                                                                                    8),
+        )  # fmt: skip
     return nn.Sequential(
         nn.Linear(64, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 8)
     )

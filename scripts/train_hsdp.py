@@ -304,18 +304,11 @@ def reference(args: argparse.Namespace, groups: int, workers: int) -> int:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     dataset = make_dataset(args.seq_len)
     loaders = {
-        (g, r): iter(
-            torch.utils.data.DataLoader(
-                dataset,
-                batch_size=args.batch_size,
-                sampler=DistributedSampler(
-                    dataset, replica_group_id=g, num_replica_groups=groups, rank=r, num_replicas=workers
-                ),
-            )
-        )
-        for g in range(groups)
-        for r in range(workers)
-    }
+        (g, r): iter(torch.utils.data.DataLoader(dataset, batch_size=args.batch_size,
+                                                 sampler=DistributedSampler(
+            dataset, replica_group_id=g, num_replica_groups=groups, rank=r, num_replicas=workers)))
+        for g in range(groups) for r in range(workers)
+    }  # fmt: skip
     for step in range(args.steps):
         optimizer.zero_grad()
         contributing = [k for k in loaders if step > 1 or k[0] == 0]

@@ -130,15 +130,11 @@ def hung_members(
     # Reporters that said so themselves (no extrapolation) and still beat: a stale report of a
     # member that stopped since says nothing.
     waiting = [
-        (rid, now - since)
-        for rid, (qid, since) in blocked.items()
-        if qid == quorum.quorum_id
-        and rid in members
-        and (g := groups.get(rid)) is not None
-        and g.last_seen - since >= BLOCKED_FOR
-        and now - g.last_seen < limit(rid)
+        (rid, now - since) for rid, (qid, since) in blocked.items()
+        if qid == quorum.quorum_id and rid in members and (g := groups.get(rid)) is not None
+        and g.last_seen - since >= BLOCKED_FOR and now - g.last_seen < limit(rid)
         and g.connection is connected
-    ]
+    ]  # fmt: skip
     if not waiting and parked:
         assert round_start is not None
         waiting = [

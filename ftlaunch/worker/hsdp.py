@@ -201,12 +201,10 @@ class ShardedState:
 
     def state_dict(self) -> dict[str, Any]:
         buffers = dict(self.model.named_buffers(remove_duplicate=False))
-        state: dict[str, Any] = {
-            "model": {
-                **{k: p.detach() for k, p in self._params.items()},
-                **{k: buffers[k].detach() for k in self._buffer_keys},
-            }
-        }
+        state: dict[str, Any] = {"model": {
+            **{k: p.detach() for k, p in self._params.items()},
+            **{k: buffers[k].detach() for k in self._buffer_keys}
+        }}  # fmt: skip
         if self.optimizer is not None:
             state["optim"] = self.optimizer.state_dict()
         return state

@@ -150,9 +150,9 @@ class LastQuorumSteps:
             # In outage mode one connection attempt: the lighthouse is known to have been down.
             give_up = 0.0 if self.in_outage else self.unreachable_after
             try:
-                quorum = quorum_request.ask_lighthouse(
-                    client, request, retries, wait, log, give_up_after=give_up, final=(QuorumTimeoutError,)
-                )
+                quorum = quorum_request.ask_lighthouse(client, request, retries, wait, log,
+                                                       give_up_after=give_up,
+                                                       final=(QuorumTimeoutError,))  # fmt: skip
             except LighthouseUnavailableError as e:
                 return self._step_on(fallback, f"lighthouse unreachable ({e})", log)
             except QuorumTimeoutError:
@@ -162,12 +162,9 @@ class LastQuorumSteps:
                     raise
                 quorum = self._ask_again(client, request, retries, timeout - wait, fallback, log)
             if self.in_outage:
-                log.info(
-                    "lighthouse back: quorum %d after %d step(s) on quorum %d",
-                    quorum.quorum_id,
-                    self.steps,
-                    fallback.quorum_id,
-                )
+                log.info("lighthouse back: quorum %d after %d step(s) on quorum %d", quorum.quorum_id,
+                         self.steps,
+                         fallback.quorum_id)  # fmt: skip
             self.in_outage = False
         self._current = quorum
         return quorum
@@ -192,12 +189,9 @@ class LastQuorumSteps:
 
     def _step_on(self, quorum: Quorum, why: str, log: logging.LoggerAdapter[Any]) -> Quorum:
         if not self.in_outage:
-            log.warning(
-                "%s: stepping on the last quorum %d (%d groups) until it is back",
-                why,
-                quorum.quorum_id,
-                len(quorum.participants),
-            )
+            log.warning("%s: stepping on the last quorum %d (%d groups) until it is back", why,
+                        quorum.quorum_id,
+                        len(quorum.participants))  # fmt: skip
         self.in_outage = True
         self.steps += 1
         self._current = quorum

@@ -429,29 +429,13 @@ def test_torchrun_restarts_a_killed_worker_from_the_nodes_standby_which_dies_wit
     script.write_text(STANDBY_SCRIPT)
     port = free_port()
     agent = start(
-        [
-            *TORCHRUN,
-            "--rdzv-backend",
-            "ftlaunch",
-            "--rdzv-endpoint",
-            f"127.0.0.1:{port}",
-            "--rdzv-id",
-            "standby",
-            "--rdzv-conf",
-            "replica_group_id=0,num_replica_groups=1",
-            "--nproc-per-node",
-            "1",
-            "--max-restarts",
-            "2",
-            "--monitor-interval",
-            "0.1",
-            "-m",
-            "ftlaunch.run",
-            str(script),
-            str(out),
-        ],
+        [*TORCHRUN, "--rdzv-backend", "ftlaunch", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id",
+         "standby",
+         "--rdzv-conf", "replica_group_id=0,num_replica_groups=1", "--nproc-per-node", "1", "--max-restarts",
+         "2",
+         "--monitor-interval", "0.1", "-m", "ftlaunch.run", str(script), str(out)],
         env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    )  # fmt: skip
     try:
 
         def record(n: int) -> dict:

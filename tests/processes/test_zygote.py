@@ -114,22 +114,13 @@ def _worker(tmp_path: Path, sock: str, *args: str, **extra: str) -> subprocess.P
     script = tmp_path / "sub" / "script.py"
     script.parent.mkdir(exist_ok=True)
     script.write_text(SCRIPT)
-    run_env = {
-        **os.environ,
-        env.FTLAUNCH_ZYGOTE_SOCKET: sock,
-        env.FTLAUNCH_PHASE_LOG: str(tmp_path / "ph.jsonl"),
-        "ZYGOTE_TEST_VAR": "hello",
-        "OMP_NUM_THREADS": "1",
-        **extra,
-    }
-    return subprocess.Popen(
-        [sys.executable, "-u", "-m", "ftlaunch.bootstrap.prestart", str(script), *args],
-        cwd=tmp_path,
-        env=run_env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    run_env = {**os.environ, env.FTLAUNCH_ZYGOTE_SOCKET: sock,
+               env.FTLAUNCH_PHASE_LOG: str(tmp_path / "ph.jsonl"),
+               "ZYGOTE_TEST_VAR": "hello", "OMP_NUM_THREADS": "1", **extra}  # fmt: skip
+    return subprocess.Popen([sys.executable, "-u", "-m", "ftlaunch.bootstrap.prestart", str(script), *args],
+                            cwd=tmp_path,
+                            env=run_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)  # fmt: skip
 
 
 def _wait_for_file(path: Path, proc: subprocess.Popen[str]) -> int:
@@ -238,9 +229,9 @@ def test_a_worker_that_starts_while_the_standby_warms_up_waits_for_it(tmp_path: 
     afterwards runs at the priority it would have had."""
     path = str(tmp_path / "z.sock")
     run_env = {**os.environ, env.FTLAUNCH_PHASE_LOG: str(tmp_path / "ph.jsonl")}
-    zygote = subprocess.Popen(
-        [sys.executable, "-u", "-m", "ftlaunch.bootstrap.zygote", path], stdin=subprocess.DEVNULL, env=run_env
-    )
+    zygote = subprocess.Popen([sys.executable, "-u", "-m", "ftlaunch.bootstrap.zygote", path],
+                              stdin=subprocess.DEVNULL,
+                              env=run_env)  # fmt: skip
     try:
         deadline = time.monotonic() + 60
         while not os.path.exists(path):  # bound: from here on a worker may connect
@@ -308,26 +299,11 @@ def test_a_restarted_group_goes_through_the_standby(tmp_path: Path) -> None:
     train = Path(__file__).resolve().parents[2] / "scripts" / "train_ddp.py"
     run_env = {**os.environ, env.FTLAUNCH_PHASE_LOG: str(log), "OMP_NUM_THREADS": "1"}
     res = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "ftlaunch.launcher.cli",
-            "--no-status",
-            "--replicas",
-            "2",
-            "--chaos",
-            "steps=40/120,group=1,signal=MIX,seed=4,stop_for=2",
-            str(train),
-            "--steps",
-            "220",
-            "--step-sleep",
-            "0.03",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=380,
-        env=run_env,
-    )
+        [sys.executable, "-m", "ftlaunch.launcher.cli", "--no-status", "--replicas", "2",
+         "--chaos", "steps=40/120,group=1,signal=MIX,seed=4,stop_for=2", str(train), "--steps", "220",
+         "--step-sleep", "0.03"],
+        capture_output=True, text=True, timeout=380, env=run_env,
+    )  # fmt: skip
     assert res.returncode == 0, res.stderr[-3000:]
     recs = phases.read(log)
     handed = [

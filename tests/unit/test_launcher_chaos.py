@@ -198,14 +198,9 @@ def test_slow_throttles_the_workers_without_a_hang_then_releases_them() -> None:
 def test_slow_ends_at_teardown() -> None:
     groups, kills = training(2), Kills()
     throttle = FakeThrottle((100,), 3.0, 600.0)
-    c = Chaos(
-        ChaosSpec(steps=(1,), group=0, slow=3.0),
-        groups,
-        Console(io.StringIO(), io.StringIO(), status=False),
-        100.0,
-        kill=kills,
-        slow=lambda g, a: throttle,
-    )
+    c = Chaos(ChaosSpec(steps=(1,), group=0, slow=3.0), groups, Console(io.StringIO(), io.StringIO(),
+                                                                        status=False),
+              100.0, kill=kills, slow=lambda g, a: throttle)  # type: ignore[arg-type]  # fmt: skip
     c.tick(110.0, 105.0, {})
     c.resume_all()
     assert not throttle.running and c.injections[0].lasted is not None

@@ -119,11 +119,9 @@ def main() -> int:
     after = sc.resources()
     ft.shutdown()  # a no-op by now
     record["before"], record["after"] = before, after
-    print(
-        f"close_check threads={after['threads'] - before['threads']} sockets={after['sockets']} "
-        f"children={len(after['children'])} py_threads={','.join(after['py_threads'])}",
-        flush=True,
-    )
+    print(f"close_check threads={after['threads'] - before['threads']} sockets={after['sockets']} "
+          f"children={len(after['children'])} py_threads={','.join(after['py_threads'])}",
+          flush=True)  # fmt: skip
     out.write_text(json.dumps(record))
     return 0 if record["final_step"] >= args.steps else 3
 
