@@ -165,15 +165,20 @@ def hsdp(
         join_timeout: seconds the lighthouse waits for stragglers before forming a quorum
         heartbeat_timeout: seconds after which a silent group leaves the quorum
         lighthouse: HOST:PORT of an existing lighthouse (then no lighthouse role is started)
-        lighthouse_bind: where the lighthouse role listens (default: 127.0.0.1:0 when all roles share this machine, else 0.0.0.0:0 with a job token)
-        job_dir: directory shared by all roles (default: /tmp/ftlaunch-torchx/<app_id> on one machine, .ftlaunch-torchx/<app_id> in the submission directory on Slurm; required on Kubernetes unless lighthouse is given)
+        lighthouse_bind: where the lighthouse role listens (default: 127.0.0.1:0 when all roles share this
+        machine, else 0.0.0.0:0 with a job token)
+        job_dir: directory shared by all roles (default: /tmp/ftlaunch-torchx/<app_id> on one machine,
+        .ftlaunch-torchx/<app_id> in the submission directory on Slurm; required on Kubernetes unless
+        lighthouse is given)
         env: environment variables for every role (e.g. K1=v1,K2=v2)
         max_retries: scheduler retries of a role
         mounts: mounts for container schedulers (type=bind,src=...,dst=... or type=volume,src=PVC,dst=...)
         tee: tee worker streams to console and file (0 none, 1 stdout, 2 stderr, 3 both)
         stragglers: slow groups: report them, or replace a persistent one (a hot spare, else a restart)
-        health_check: a command each group runs before its workers start or restart (e.g. "python -m ftlaunch.health"); while it fails the group stays out, retried with backoff
-        checkpoint_dir: durable checkpoints in this directory, shared by the groups (the job resumes from its newest; default: none)
+        health_check: a command each group runs before its workers start or restart (e.g. "python -m
+        ftlaunch.health"); while it fails the group stays out, retried with backoff
+        checkpoint_dir: durable checkpoints in this directory, shared by the groups (the job resumes from its
+        newest; default: none)
         checkpoint_every: committed steps between two durable checkpoints (0: resume only)
     """
     from ftlaunch.launcher.torchx_components import hsdp_app
@@ -257,14 +262,19 @@ def ddp(
         max_restarts: torchelastic restarts of a group's workers before the group fails
         min_replicas: smallest quorum of replica groups
         lighthouse: HOST:PORT of an existing lighthouse (then no lighthouse role is started)
-        lighthouse_bind: where the lighthouse role listens (default: 127.0.0.1:0 when all roles share this machine, else 0.0.0.0:0 with a job token)
-        job_dir: directory shared by all roles (default: /tmp/ftlaunch-torchx/<app_id> on one machine, .ftlaunch-torchx/<app_id> in the submission directory on Slurm; required on Kubernetes unless lighthouse is given)
+        lighthouse_bind: where the lighthouse role listens (default: 127.0.0.1:0 when all roles share this
+        machine, else 0.0.0.0:0 with a job token)
+        job_dir: directory shared by all roles (default: /tmp/ftlaunch-torchx/<app_id> on one machine,
+        .ftlaunch-torchx/<app_id> in the submission directory on Slurm; required on Kubernetes unless
+        lighthouse is given)
         env: environment variables for every role (e.g. K1=v1,K2=v2)
         max_retries: scheduler retries of a role
         tee: tee worker streams to console and file (0 none, 1 stdout, 2 stderr, 3 both)
         stragglers: slow groups: report them, or replace a persistent one (a hot spare, else a restart)
-        health_check: a command each group runs before its workers start or restart (e.g. "python -m ftlaunch.health"); while it fails the group stays out, retried with backoff
-        checkpoint_dir: durable checkpoints in this directory, shared by the groups (the job resumes from its newest; default: none)
+        health_check: a command each group runs before its workers start or restart (e.g. "python -m
+        ftlaunch.health"); while it fails the group stays out, retried with backoff
+        checkpoint_dir: durable checkpoints in this directory, shared by the groups (the job resumes from its
+        newest; default: none)
         checkpoint_every: committed steps between two durable checkpoints (0: resume only)
     """
     return hsdp(
@@ -361,8 +371,10 @@ def diloco(
         max_retries: scheduler retries of a role
         tee: tee worker streams to console and file (0 none, 1 stdout, 2 stderr, 3 both)
         stragglers: slow groups: report them, or replace a persistent one (a hot spare, else a restart)
-        health_check: a command each group runs before its workers start or restart (e.g. "python -m ftlaunch.health"); while it fails the group stays out, retried with backoff
-        checkpoint_dir: durable checkpoints in this directory, shared by the groups (the job resumes from its newest; default: none)
+        health_check: a command each group runs before its workers start or restart (e.g. "python -m
+        ftlaunch.health"); while it fails the group stays out, retried with backoff
+        checkpoint_dir: durable checkpoints in this directory, shared by the groups (the job resumes from its
+        newest; default: none)
         checkpoint_every: committed steps between two durable checkpoints (0: resume only)
     """
     from ftlaunch.launcher.torchx_components import diloco_environ

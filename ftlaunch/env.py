@@ -673,7 +673,8 @@ class JobEnv:
         if not 0 <= self.replica_group_id < self.num_replica_groups + self.spares:
             spares = f", {FTLAUNCH_SPARES}={self.spares}" if self.spares else ""
             raise ConfigurationError(
-                f"replica group id {self.replica_group_id} is outside 0..{self.num_replica_groups + self.spares - 1} "
+                f"replica group id {self.replica_group_id} is outside "
+                f"0..{self.num_replica_groups + self.spares - 1} "
                 f"({NUM_REPLICA_GROUPS}={self.num_replica_groups}{spares})"
             )
         object.__setattr__(self, "lighthouse", normalize_lighthouse(self.lighthouse, FTLAUNCH_LIGHTHOUSE))

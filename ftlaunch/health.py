@@ -76,7 +76,8 @@ def check_device() -> Result:
                 return Result("device", FAIL, f"cuda:{i} computed {got!r} for a sum of {want!r}")
             free, total = torch.cuda.mem_get_info(dev)
             seen.append(
-                f"cuda:{i} {torch.cuda.get_device_name(dev)} ({free / 2**30:.1f}/{total / 2**30:.1f} GiB free)"
+                f"cuda:{i} {torch.cuda.get_device_name(dev)} ({free / 2**30:.1f}/{total / 2**30:.1f} "
+                "GiB free)"
             )
         return Result("device", OK, "; ".join(seen))
     except Exception as e:  # noqa: BLE001 - a sick GPU fails in many ways: each is the verdict

@@ -86,9 +86,10 @@ class StopSignals:
     loop: a Python signal handler runs on the main thread between two of its bytecodes, and
     `threading.Event.set` takes the event's lock, which the main thread itself holds for a moment
     in every `Event.wait` call (`Condition._acquire_restore`). A signal landing in that moment
-    hangs the process for good: once in 300-1,000 signals with a 10 µs wait (tests/processes/test_lifetime.py),
-    rarely with a 1 s wait but more often on a loaded host -- a lighthouse or a torchx role that a
-    scheduler can no longer stop. The handler here stores the signal number and writes a byte to a
+    hangs the process for good: once in 300-1,000 signals with a 10 µs wait
+    (tests/processes/test_lifetime.py), rarely with a 1 s wait but more often on a loaded host -- a lighthouse
+    or a torchx role that a scheduler can no longer stop. The handler here stores the signal number and writes
+    a byte to a
     pipe: nothing that can block, so `wait` wakes at once.
     """
 

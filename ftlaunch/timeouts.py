@@ -325,7 +325,8 @@ def _base_timeout(
         return DEFAULT_TIMEOUT, "the default"
     if not (math.isfinite(value) and MIN_TIMEOUT <= value <= MAX_QUORUM_TIMEOUT):
         problems.append(
-            f"timeout {value:g} s ({src.removeprefix('set by ')}) is out of range: it must be a finite number of seconds "
+            f"timeout {value:g} s ({src.removeprefix('set by ')}) is out of range: it must be a "
+            "finite number of seconds "
             f"between {MIN_TIMEOUT:g} s (torch counts timeouts in milliseconds) and 24 h (the "
             "lighthouse's longest quorum request)"
         )

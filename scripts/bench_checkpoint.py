@@ -118,7 +118,8 @@ for step in range(1, steps + 1):
     nn.functional.mse_loss(ddp(x), x[:, :8]).backward()
     opt.step()
     if every and step % every == 0:  # what a user writes by hand: a synchronous DCP save
-        dcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=f"{ckpt}/step-{step}")
+        dcp.save({"model": model.state_dict(), "optim": opt.state_dict()},
+                 checkpoint_id=f"{ckpt}/step-{step}")
     if dist.get_rank() == 0:
         print(f"baseline step={step}", flush=True)
 dist.destroy_process_group()
@@ -140,7 +141,8 @@ def baseline(steps: int, every: int, ckpt: Path) -> float:
 
 def overhead(args: argparse.Namespace, work: Path) -> None:
     print(
-        f"== overhead: checkpoint every {EVERY} vs none, {args.model}, {args.steps} steps, {args.rounds} rounds"
+        f"== overhead: checkpoint every {EVERY} vs none, {args.model}, {args.steps} steps, "
+        f"{args.rounds} rounds"
     )
     ours: dict[str, list[float]] = {"none": [], "every": []}
     base: dict[str, list[float]] = {"none": [], "every": []}
@@ -198,7 +200,8 @@ def whole_job_loss(args: argparse.Namespace, work: Path) -> None:
         lost = killed - (first - 1)
         print(
             f"  kill at step {killed}: resumed at step {first - 1}, steps lost {lost} (<= {EVERY}); "
-            f"first committed step {resumed_first:.2f} s after the command (fresh start: {fresh_first:.2f} s, "
+            f"first committed step {resumed_first:.2f} s after the command (fresh start: "
+            f"{fresh_first:.2f} s, "
             f"difference {resumed_first - fresh_first:+.2f} s)",
             flush=True,
         )

@@ -141,7 +141,8 @@ def local_episode(kind: str, tmp: Path) -> dict:
     env = {**os.environ, "FTLAUNCH_PHASE_LOG": str(log), "PYTHONPATH": jobs.REPO}
     argv = ["torchx", "run", "-s", "local_cwd", "-cfg", f"log_dir={cwd / 'logs'}", *COMPONENTS[kind]]
     argv += ["--script", jobs.TRAIN, "--", *TRAIN_ARGS]
-    proc = subprocess.Popen(argv, cwd=jobs.REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    proc = subprocess.Popen(argv, cwd=jobs.REPO, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL,
                             start_new_session=True)  # fmt: skip
 
     def text(role: str) -> str:
@@ -223,7 +224,8 @@ def lost_node_torchx(c: Cluster, tmp: Path) -> dict:
         [*COMPONENTS["one-node"], "--script", jobs.TRAIN, "--", *TRAIN_ARGS], cwd=str(cwd), env=c.env
     )
     try:
-        jobs.wait_until(lambda: len(jobs.commits(jobs.read(cwd / f"slurm-{job}-rg1-0.out"))) >= WARM_COMMITS, 400,
+        jobs.wait_until(lambda: len(jobs.commits(jobs.read(cwd / f"slurm-{job}-rg1-0.out"))) >= WARM_COMMITS,
+                        400,
                         "the torchx job to train")  # fmt: skip
         (worker,) = jobs.find_workers("train_ddp.py", c.node_pids, REPLICA_GROUP_ID="1")
         assert worker.node is not None
@@ -275,7 +277,8 @@ def main() -> int:
     loads = []
     with tempfile.TemporaryDirectory(prefix="ftlaunch-bench-cluster-") as d:
         tmp = Path(d)
-        c = Cluster(nodes=5, root="/tmp/ftlaunch-slurm-bench", prefix="ftslb", subnet="10.233.0", ctld_port=6837,
+        c = Cluster(nodes=5, root="/tmp/ftlaunch-slurm-bench", prefix="ftslb", subnet="10.233.0",
+                    ctld_port=6837,
                     extra_env={"PYTHONPATH": jobs.REPO})  # fmt: skip
         with c:
             for run in range(args.runs):
@@ -285,12 +288,14 @@ def main() -> int:
                         loads.append(os.getloadavg()[0])
                         r = cluster_episode(c, kind, tmp) if place == "cluster" else local_episode(kind, tmp)
                         results.setdefault((kind, place), []).append(r)
-                        print(f"  {kind:8} {place:8} first commit {r['first']:.2f} s, longest gap {r['gap']:.2f} s",
+                        print(f"  {kind:8} {place:8} first commit {r['first']:.2f} s, longest gap "
+                              f"{r['gap']:.2f} s",
                               flush=True)  # fmt: skip
                 if not args.skip_lost_node:
                     loads.append(os.getloadavg()[0])
                     lost["torchx"].append(lost_node_torchx(c, tmp))
-                    print(f"  lost node, torchx job: requeued whole after {lost['torchx'][-1]['requeued']:.1f} s",
+                    print("  lost node, torchx job: requeued whole after "
+                          f"{lost['torchx'][-1]['requeued']:.1f} s",
                           flush=True)  # fmt: skip
             if not args.skip_lost_node:
                 c.drain(1, "lighthouse")
@@ -298,12 +303,15 @@ def main() -> int:
                     loads.append(os.getloadavg()[0])
                     lost["array"].append(lost_node_array(c, tmp))
                     a = lost["array"][-1]
-                    print(f"  lost node, job array: back after {a['first']:.1f} s, survivor's gap {a['gap']:.2f} s",
+                    print(f"  lost node, job array: back after {a['first']:.1f} s, survivor's gap "
+                          f"{a['gap']:.2f} s",
                           flush=True)  # fmt: skip
-    print(f"\nKill -> recovery, 2 replica groups, train_ddp.py width 32 (load average {min(loads):.1f}-{max(loads):.1f}, "
+    print("\nKill -> recovery, 2 replica groups, train_ddp.py width 32 (load average "
+          f"{min(loads):.1f}-{max(loads):.1f}, "
           f"2-core machine shared with other jobs):")  # fmt: skip
     print(
-        "| group | where | kill -> its first commit | survivor's longest gap | restarted worker's phases (s after the kill) |"
+        "| group | where | kill -> its first commit | survivor's longest gap | restarted worker's "
+        "phases (s after the kill) |"
     )
     print("|---|---|---|---|---|")
     for (kind, place), runs in results.items():
@@ -313,13 +321,18 @@ def main() -> int:
         arr, whole = lost["array"], lost["torchx"]
         print("\nA lost node (SlurmdTimeout 10 s, cred_expire 10 s):")
         print(
-            "| job shape | survivor's longest gap | kill -> Slurm requeues | -> runs again | -> first commit |"
+            "| job shape | survivor's longest gap | kill -> Slurm requeues | -> runs again | -> "
+            "first commit |"
         )
         print("|---|---|---|---|---|")
-        print(f"| job array (one task per group) | {_fmt([r['gap'] for r in arr])} | {_fmt([r['requeued'] for r in arr])} | "
+        print(f"| job array (one task per group) | {_fmt([r['gap'] for r in arr])} | "
+              f"{_fmt([r['requeued'] for r in arr])} | "
               f"{_fmt([r['running'] for r in arr])} | {_fmt([r['first'] for r in arr])} |")  # fmt: skip
-        print(f"| torchx's job | trains alone until the requeue ({_fmt([r['survivor_trained'] for r in whole])}) | "
-              f"{_fmt([r['requeued'] for r in whole])}, the whole job | from the start | from step 0 |")  # fmt: skip
+        print(
+            "| torchx's job | trains alone until the requeue "
+            f"({_fmt([r['survivor_trained'] for r in whole])}) | "
+            f"{_fmt([r['requeued'] for r in whole])}, the whole job | from the start | from step 0 |"
+        )
     return 0
 
 

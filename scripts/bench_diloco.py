@@ -86,7 +86,8 @@ def run(args: list[str], groups: int, steps: int, width: int) -> dict[str, float
             e = dict(base)
             e.update({env.REPLICA_GROUP_ID: str(g), env.NUM_REPLICA_GROUPS: str(groups),
                       env.FTLAUNCH_LIGHTHOUSE: lh.address})  # fmt: skip
-            procs.append(subprocess.Popen(cmd, env=e, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            procs.append(subprocess.Popen(cmd, env=e, cwd=REPO, stdout=subprocess.PIPE,
+                                          stderr=subprocess.PIPE,
                                           text=True))  # fmt: skip
         outs = []
         for p in procs:

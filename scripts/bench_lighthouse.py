@@ -60,7 +60,8 @@ import bench_lighthouse_sim as sim  # scripts/: the floor server and the lean si
 
 TARGET_MS = {2: 1.0, 64: 5.0, 1024: 20.0}
 TORCHFT = {2: "~2 ms"}
-#: Every group's own heartbeat interval (the Manager's default); a large job's lighthouse advises a slower one.
+#: Every group's own heartbeat interval (the Manager's default); a large job's lighthouse advises a
+#: slower one.
 HEARTBEAT_INTERVAL = 0.1
 
 
@@ -181,7 +182,10 @@ def _sim_worker(
 
     def post(path: str, obj: dict, replica: str | None = None, step: int | None = None) -> bytes:
         body = json.dumps(obj).encode()
-        head = f"POST {path} HTTP/1.1\r\nHost: lh\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+        head = (
+            f"POST {path} HTTP/1.1\r\nHost: lh\r\nContent-Type: application/json\r\nContent-Length: "
+            f"{len(body)}\r\n"
+        )
         head += fixed
         if replica:
             head += f"X-Ftlaunch-Replica: {replica}\r\n"
@@ -293,7 +297,8 @@ def _dead_worker(workers: list, *, any_exit: bool) -> str | None:
         if code is not None and (any_exit or code != 0):
             how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
             return (
-                f"benchmark worker {w.name} (pid {w.pid}) ended with {how} before it was done (its traceback, if "
+                f"benchmark worker {w.name} (pid {w.pid}) ended with {how} before it was done (its "
+                "traceback, if "
                 "any, is above: e.g. ftlaunch not importable in a spawned process)"
             )
     return None
@@ -584,7 +589,8 @@ def main() -> None:
         for lean in kinds:
             for full in forms:
                 rows.append(bench_quorum(
-                    args.small, min(args.small, args.procs64), args.rounds64, simulated=True, full=full, token=token,
+                    args.small, min(args.small, args.procs64), args.rounds64, simulated=True, full=full,
+                    token=token,
                     lean=lean,
                 ))  # fmt: skip
     if args.groups_large:
@@ -600,7 +606,8 @@ def main() -> None:
     print("\nfast-quorum round trip (last request sent -> every group has the quorum)")
     print(
         f"{'groups':>6} {'clients':>26} {'procs':>5} {'rounds':>6} {'p50 ms':>8} {'p99 ms':>8} "
-        f"{'last caller p50':>15} {'server CPU':>13} {'clients CPU':>13} {'target p50':>10} {'met':>4} {'torchft p50':>11}"
+        f"{'last caller p50':>15} {'server CPU':>13} {'clients CPU':>13} {'target p50':>10} "
+        f"{'met':>4} {'torchft p50':>11}"
     )
     for r in rows:
         target = TARGET_MS.get(r["groups"])
@@ -609,7 +616,8 @@ def main() -> None:
         clients = r["clients_cpu_per_round"]
         clients_text = f"{clients:>7.2f} ms/rd" if clients is not None else "-"
         print(
-            f"{r['groups']:>6} {r['kind']:>26} {r['procs']:>5} {r['rounds']:>6} {r['p50']:>8.3f} {r['p99']:>8.3f} "
+            f"{r['groups']:>6} {r['kind']:>26} {r['procs']:>5} {r['rounds']:>6} {r['p50']:>8.3f} "
+            f"{r['p99']:>8.3f} "
             f"{r['last_p50']:>12.3f} ms {r['cpu_per_round']:>7.2f} ms/rd {clients_text:>13} "
             f"{goal:>10} {met:>4} {TORCHFT.get(r['groups'], '-'):>11}"
         )

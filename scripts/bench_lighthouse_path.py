@@ -71,7 +71,10 @@ class _Transport(asyncio.Transport):
 
 def _post(path: str, obj: dict, token: str | None, replica: str | None = None) -> bytes:
     body = json.dumps(obj).encode()
-    head = f"POST {path} HTTP/1.1\r\nHost: lh\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: lh\r\nContent-Type: application/json\r\nContent-Length: "
+        f"{len(body)}\r\n"
+    )
     if token:
         head += f"Authorization: Bearer {token}\r\n"
     if replica:
@@ -182,7 +185,8 @@ def main() -> None:
     )
     print(
         f"{args.groups} groups, {'whole' if args.whole else 'deltas'}, token {'yes' if token else 'no'}: "
-        f"{best['round_ms']:.2f} ms CPU a round ({best['quorum_round_ms']:.2f} ms for the quorum requests and "
+        f"{best['round_ms']:.2f} ms CPU a round ({best['quorum_round_ms']:.2f} ms for the quorum "
+        "requests and "
         f"answers: {best['per_request_us']:.1f} us a request; heartbeats {best['per_beat_us']:.1f} us each; "
         f"fastest round {best['min_round_ms']:.2f} ms), best of {args.repeat}"
     )

@@ -15,15 +15,16 @@ longest gap between committed steps over the whole kill + rejoin episode; kill -
 group's first committed step with a phase breakdown from ``FTLAUNCH_PHASE_LOG`` (`ftlaunch.phases`)
 and the floor (kill -> a bare ``import torch`` done in the restarted worker, same agent, the other
 group busy; and kill -> its first ``torch.optim`` optimizer built, which imports ``torch._dynamo``:
-what any training script pays besides); and kill -> first commit with ``--spares 1`` where the CLI has that flag ("n/a" else).
-Each beside torchft's figures and the targets.
+what any training script pays besides); and kill -> first commit with ``--spares 1`` where the CLI has that
+flag ("n/a" else). Each beside torchft's figures and the targets.
 
 Usage: python scripts/bench_recovery.py [--steps 60] [--runs 2] [--overhead-only] [--breakdown]
        python scripts/bench_recovery.py --launcher [--runs 2]   (from the kill, through `ftlaunch`)
               [--cold-only] [--compare-env FTLAUNCH_PRESTART_FORK=0]   (no spares; A/B in the same run)
               [--zygote-ab]   (the warm standby interpreter on vs off, interleaved in the same run)
-       python scripts/bench_recovery.py --torchrun [--runs 3]   (README's way 2: with `-m ftlaunch.run` vs without)
-       python scripts/bench_recovery.py --interleaved 150 [--runs 3]   (step-time ratios, robust to load)
+       python scripts/bench_recovery.py --torchrun [--runs 3]   (README's way 2: with `-m ftlaunch.run` vs
+       without) python scripts/bench_recovery.py --interleaved 150 [--runs 3]   (step-time ratios, robust to
+       load)
 """
 
 from __future__ import annotations
@@ -602,8 +603,10 @@ def main_launcher(args: argparse.Namespace) -> int:
                 spare_runs.append(launcher_episode(tmp, spares=1))
             r = runs[-1]
             print(
-                f"run {i + 1} (load {at:.1f}): survivor's longest gap {r['gap']:.3f} s (at kill{r['gap_at']:+.2f} s), "
-                f"kill -> first commit {r['cold']:.2f} s, floor {floors[-1][0]:.2f} s (+ an optimizer: {floors[-1][1]:.2f} s)"
+                f"run {i + 1} (load {at:.1f}): survivor's longest gap {r['gap']:.3f} s (at "
+                f"kill{r['gap_at']:+.2f} s), "
+                f"kill -> first commit {r['cold']:.2f} s, floor {floors[-1][0]:.2f} s (+ an "
+                f"optimizer: {floors[-1][1]:.2f} s)"
                 + (f", with --spares 1: {spare_runs[-1]['cold']:.2f} s" if spare_runs else "")
                 + (f" [{r['gap_note']}]" if r["gap_note"] else ""),
                 flush=True,
@@ -612,23 +615,27 @@ def main_launcher(args: argparse.Namespace) -> int:
             if cmp_runs:
                 c = cmp_runs[-1]
                 print(
-                    f"    with {' '.join(args.compare_env)}: kill -> first commit {c['cold']:.2f} s; {_run_line(c)}",
+                    f"    with {' '.join(args.compare_env)}: kill -> first commit {c['cold']:.2f} s; "
+                    f"{_run_line(c)}",
                     flush=True,
                 )
     med = statistics.median
     gap, cold, fl = med(r["gap"] for r in runs), med(r["cold"] for r in runs), med(f[0] for f in floors)
     print(
-        f"\nthrough `ftlaunch --replicas 2 --chaos steps=60,group=1 scripts/train_ddp.py` (defaults: Baby Gloo, "
+        "\nthrough `ftlaunch --replicas 2 --chaos steps=60,group=1 scripts/train_ddp.py` (defaults: "
+        "Baby Gloo, "
         f"pg transport), MLP 3x{WIDTH}, batch {BATCH}, 20 ms sleep per step; {args.runs} run(s), medians; "
         f"load average {load:.1f} -> {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; {note}"
     )
     print(f"{'figure':<58}{'ftlaunch':>10}   {'torchft':<34}{'before':<12}target")
     f_gap, f_cold, f_spare = ISSUE11["gap"], ISSUE11["cold"], ISSUE11["spare"]
     print(
-        f"{'(a) survivor longest gap, whole kill+rejoin episode':<58}{gap:>8.3f} s   {f_gap[0]:<34}{f_gap[1]:<12}{f_gap[2]}"
+        f"{'(a) survivor longest gap, whole kill+rejoin episode':<58}{gap:>8.3f} s   "
+        f"{f_gap[0]:<34}{f_gap[1]:<12}{f_gap[2]}"
     )
     print(
-        f"{'(b) kill -> first commit of the restarted group':<58}{cold:>8.2f} s   {f_cold[0]:<34}{f_cold[1]:<12}{f_cold[2]}"
+        f"{'(b) kill -> first commit of the restarted group':<58}{cold:>8.2f} s   "
+        f"{f_cold[0]:<34}{f_cold[1]:<12}{f_cold[2]}"
     )
     print(
         f"{'    floor: kill -> bare `import torch` done, same agent':<58}{fl:>8.2f} s   "
@@ -652,7 +659,8 @@ def main_launcher(args: argparse.Namespace) -> int:
     else:
         spare = f"{med(r['cold'] for r in spare_runs):>8.2f} s" if spare_runs else f"{'n/a':>10}"
         print(
-            f"{'(c) kill -> first commit with --spares 1':<58}{spare}   {f_spare[0]:<34}{f_spare[1]:<12}{f_spare[2]}"
+            f"{'(c) kill -> first commit with --spares 1':<58}{spare}   "
+            f"{f_spare[0]:<34}{f_spare[1]:<12}{f_spare[2]}"
             + ("" if spare_runs else "   (this ftlaunch has no --spares)")
         )
     print("\n(b) phase breakdown, seconds after the kill (median over runs; delta from the previous phase):")
@@ -704,7 +712,8 @@ def torchrun_episode(tmp: Path, fast: bool, steps_before_kill: int = 60, timeout
     run_env = dict(os.environ, OMP_NUM_THREADS="1", FTLAUNCH_PHASE_LOG=str(log))
     port = _free_port()
     lighthouse = subprocess.Popen(
-        [sys.executable, "-m", "ftlaunch.lighthouse.cli", "--bind", f"127.0.0.1:{port}", "--expected-replicas", "2"],
+        [sys.executable, "-m", "ftlaunch.lighthouse.cli", "--bind", f"127.0.0.1:{port}",
+         "--expected-replicas", "2"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=run_env,
     )  # fmt: skip
     script = [str(HERE.parent / "train_ddp.py"), "--steps", "100000", "--width", str(WIDTH),
@@ -713,8 +722,10 @@ def torchrun_episode(tmp: Path, fast: bool, steps_before_kill: int = 60, timeout
     groups = []
     for g in (0, 1):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--rdzv-backend", "ftlaunch", "--rdzv-endpoint",
-               f"127.0.0.1:{port}", "--rdzv-id", "bench", "--rdzv-conf", f"replica_group_id={g},num_replica_groups=2",
-               "--max-restarts", "3", "--nproc-per-node", "1", *(["-m", "ftlaunch.run"] if fast else []), *script]  # fmt: skip
+               f"127.0.0.1:{port}", "--rdzv-id", "bench", "--rdzv-conf",
+               f"replica_group_id={g},num_replica_groups=2",
+               "--max-restarts", "3", "--nproc-per-node", "1", *(["-m", "ftlaunch.run"] if fast else []),
+               *script]  # fmt: skip
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=run_env)
         groups.append(proc)
 
@@ -792,7 +803,8 @@ def main_torchrun(args: argparse.Namespace) -> int:
             f, p = fast_runs[-1], plain_runs[-1]
             print(
                 f"run {i + 1} (load {at:.1f}): kill -> first commit {f['cold']:.2f} s with -m ftlaunch.run "
-                f"(forked from the standby: {f['forked']}), {p['cold']:.2f} s without; survivor's longest gap "
+                f"(forked from the standby: {f['forked']}), {p['cold']:.2f} s without; survivor's "
+                "longest gap "
                 f"{f['gap']:.2f} s / {p['gap']:.2f} s",
                 flush=True,
             )
@@ -800,9 +812,12 @@ def main_torchrun(args: argparse.Namespace) -> int:
     fast, plain = med(r["cold"] for r in fast_runs), med(r["cold"] for r in plain_runs)
     ratios = [p["cold"] / f["cold"] for f, p in zip(fast_runs, plain_runs, strict=True) if f["cold"] > 0]
     print(
-        f"\nthrough README's way 2: ftlaunch-lighthouse + `torchrun --rdzv-backend ftlaunch` per group, 2 groups x "
-        f"1 worker of scripts/train_ddp.py (MLP 3x{WIDTH}, batch {BATCH}, 20 ms sleep per step), group 1's worker "
-        f"SIGKILLed at its step 60; {args.runs} run(s) each, interleaved, medians; load average {load:.1f} -> "
+        "\nthrough README's way 2: ftlaunch-lighthouse + `torchrun --rdzv-backend ftlaunch` per "
+        "group, 2 groups x "
+        f"1 worker of scripts/train_ddp.py (MLP 3x{WIDTH}, batch {BATCH}, 20 ms sleep per step), "
+        "group 1's worker "
+        f"SIGKILLed at its step 60; {args.runs} run(s) each, interleaved, medians; load average "
+        f"{load:.1f} -> "
         f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; {note}"
     )
     print(f"{'figure':<62}{'-m ftlaunch.run':>16}{'script alone':>14}")
@@ -1010,7 +1025,8 @@ def main() -> int:
         f"target {TARGET['rejoin']})"
     )
     print(
-        f"live recovery transfer (256 MB)   {transfer}   (torchft {BASELINE['transfer']}, target {TARGET['transfer']})"
+        f"live recovery transfer (256 MB)   {transfer}   (torchft {BASELINE['transfer']}, target "
+        f"{TARGET['transfer']})"
     )
     return 0
 

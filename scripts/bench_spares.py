@@ -56,16 +56,19 @@ def one_run(
     spares: int = 1,
     stop_for: float = 30.0,
 ) -> tuple[float, float]:
-    """(kill -> the spare's first committed step (nan without spares), the survivor's longest gap) in seconds."""
+    """(kill -> the spare's first committed step (nan without spares), the survivor's longest gap)
+    in seconds."""
     script = HERE.parent / "train_ddp.py"
     chaos = f"steps={kill_at},group=1" + (f",signal=STOP,stop_for={stop_for:g}" if hang else "")
     hb = ["--heartbeat-timeout", str(heartbeat_timeout)] if heartbeat_timeout is not None else []
-    cmd = [sys.executable, "-m", "ftlaunch.launcher.cli", "--replicas", "2", "--spares", str(spares), "--no-status",
+    cmd = [sys.executable, "-m", "ftlaunch.launcher.cli", "--replicas", "2", "--spares", str(spares),
+           "--no-status",
            "--chaos", chaos, *hb,
            str(script), "--steps", str(steps), "--width", str(WIDTH), "--batch-size", str(BATCH),
            # A SIGSTOP after a step line lands in the next step (no sleep between steps), while the
            # survivor waits for the stopped group in a collective: the case the abort is for.
-           "--step-sleep", "0" if hang else "0.02", *(["--timeout", str(script_timeout)] if script_timeout else [])]  # fmt: skip
+           "--step-sleep", "0" if hang else "0.02",
+           *(["--timeout", str(script_timeout)] if script_timeout else [])]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     t_kill: float | None = None
@@ -153,7 +156,8 @@ def main() -> int:
               f"{statistics.median(replaced):.3f} s (min {min(replaced):.3f}, max {max(replaced):.3f}); "
               f"target {target}; baseline: {baseline['replaced']}")  # fmt: skip
     print(
-        f"survivor's longest gap over the episode: median {statistics.median(gaps):.3f} s (max {max(gaps):.3f})"
+        f"survivor's longest gap over the episode: median {statistics.median(gaps):.3f} s (max "
+        f"{max(gaps):.3f})"
         + (f"; target {HANG_TARGET}; baseline: {HANG_BASELINE['gap']}" if args.hang else "")
     )
     return 0

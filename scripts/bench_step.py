@@ -122,13 +122,16 @@ def main() -> int:
     what = (
         "CPU time of the Manager's step in one process" if args.in_process else "replica group 0's step time"
     )
-    print(f"\n{what} (median of {args.steps - args.warmup} steps per run, "
-          f"{args.rounds} rounds, {time.monotonic() - started:.0f} s, load {os.getloadavg()[0]:.1f}):")  # fmt: skip
+    print(
+        f"\n{what} (median of {args.steps - args.warmup} steps per run, "
+        f"{args.rounds} rounds, {time.monotonic() - started:.0f} s, load {os.getloadavg()[0]:.1f}):"
+    )
     for name in names:
         ratios = [m / b for m, b in zip(medians[name], medians[base], strict=True)]
         spread = f"{min(medians[name]):.3f}-{max(medians[name]):.3f}"
         print(f"  {name:>12}: median {statistics.median(medians[name]):.3f} ms (rounds {spread}), "
-              f"÷ {base}: {statistics.median(ratios):.3f} (rounds {' '.join(f'{x:.2f}' for x in ratios)})")  # fmt: skip
+              f"÷ {base}: {statistics.median(ratios):.3f} (rounds "
+              f"{' '.join(f'{x:.2f}' for x in ratios)})")  # fmt: skip
     return 0
 
 

@@ -54,7 +54,8 @@ def one_run(
     policy: str, factor: float, slow_for: float, before: float, compute_ms: float, slow_at: int
 ) -> Run:
     script = HERE.parent / "train_ddp.py"
-    cmd = [sys.executable, "-m", "ftlaunch.launcher.cli", "--replicas", str(REPLICAS), "--spares", str(SPARES),
+    cmd = [sys.executable, "-m", "ftlaunch.launcher.cli", "--replicas", str(REPLICAS), "--spares",
+           str(SPARES),
            "--stragglers", policy, "--no-status",
            "--chaos", f"steps={slow_at},group={SLOWED},slow={factor:g},slow_for={slow_for:g}",
            str(script), "--steps", "1000000", "--compute-ms", str(compute_ms)]  # fmt: skip
@@ -135,16 +136,19 @@ def main() -> int:
                 if r.replaced_after is not None
                 else ""
             )
-            print(f"  pair {i + 1} {policy:7s}: {r.before:.2f} steps/s before, {r.during:.2f} during the slowdown"
+            print(f"  pair {i + 1} {policy:7s}: {r.before:.2f} steps/s before, {r.during:.2f} during the "
+                  "slowdown"
                   f"{took}; replaced: {', '.join(r.replacements) or 'none'}", flush=True)  # fmt: skip
     print(f"load {os.getloadavg()[0]:.1f} at the end")
     for policy, rs in runs.items():
-        print(f"{policy:7s}: job steps/s during the slowdown median {statistics.median(r.during for r in rs):.2f} "
+        print(f"{policy:7s}: job steps/s during the slowdown median "
+              f"{statistics.median(r.during for r in rs):.2f} "
               f"(unslowed before it: {statistics.median(r.before for r in rs):.2f})")  # fmt: skip
     took = [r.replaced_after for r in runs["replace"] if r.replaced_after is not None]
     if took:
         print(f"replace: slowdown -> the spare's first committed step median {statistics.median(took):.1f} s "
-              f"(min {min(took):.1f}, max {max(took):.1f}; {len(took)}/{len(runs['replace'])} runs replaced); "
+              f"(min {min(took):.1f}, max {max(took):.1f}; {len(took)}/{len(runs['replace'])} runs "
+              "replaced); "
               f"baseline: report never replaces")  # fmt: skip
     else:
         print("replace: the slowed group was never replaced")

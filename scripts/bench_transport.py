@@ -124,7 +124,8 @@ def _rates_line(
     if sockets is not None:
         floor = statistics.median(t / c for t, c in zip(sockets, copies, strict=True))
         lines.append(
-            f"      one loopback TCP connection, no protocol: {_rates(sockets, nbytes)} -> {floor:.2f}x memcpy's time"
+            f"      one loopback TCP connection, no protocol: {_rates(sockets, nbytes)} -> "
+            f"{floor:.2f}x memcpy's time"
         )
     return lines
 
@@ -239,7 +240,8 @@ def bench_http(size: int, ntensors: int, chunks: int | None, runs: int) -> list[
             lines.append(f"      data ok={ok} | torchft's HTTP transport: {TORCHFT_HTTP_GBPS} GB/s")
             if not inplace:
                 lines.append(
-                    "      (new memory every run, as in a restarted process, for both; the first run is a new process's)"
+                    "      (new memory every run, as in a restarted process, for both; the first run "
+                    "is a new process's)"
                 )
             lines.append(
                 f"      CPU per GB (user+system, all threads): receiver {recv_cpu / gb * 1e3:.0f} ms, "

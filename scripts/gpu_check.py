@@ -858,8 +858,8 @@ class Ctx:
         return [sys.executable, "-u", str(HERE), *args]
 
     def worker(self, *args: str) -> list[str]:
-        """This script as an ftlaunch worker runs: through ``ftlaunch.bootstrap.prestart``, which forks the Baby
-        Gloo child (and a spare) before the script where Baby Gloo is the default (CPU)."""
+        """This script as an ftlaunch worker runs: through ``ftlaunch.bootstrap.prestart``, which forks the
+        Baby Gloo child (and a spare) before the script where Baby Gloo is the default (CPU)."""
         return [sys.executable, "-u", "-m", "ftlaunch.bootstrap.prestart", str(HERE), *args]
 
     def launcher(self, *args: str) -> list[str]:
@@ -1017,7 +1017,8 @@ def check_baby(ctx: Ctx) -> list[Result]:
         problems.append(f"processes left after shutdown: {left}")
     conf = r0["configure_s"] + r1["configure_s"]
     figure = (
-        f"Baby {backend.upper()}: {n} reconfigures x 2 ranks (configure median {statistics.median(conf):.2f} s, "
+        f"Baby {backend.upper()}: {n} reconfigures x 2 ranks (configure median "
+        f"{statistics.median(conf):.2f} s, "
         f"max {max(conf):.2f} s), {2 * n + 2} allreduces checked; abort of a configure waiting for an absent "
         f"peer -> error in {_fmt_s(r0.get('abort_to_error_s'))}, reconfigured after it in "
         f"{_fmt_s(r0['after_abort_configure_s'])}; shutdown: {len(left)} of "
@@ -1355,7 +1356,8 @@ def check_ddp(ctx: Ctx) -> list[Result]:
         f"2 groups x 1 worker ({pg}) through `ftlaunch --replicas 2 --min-replicas 2 --chaos "
         f"steps={s.ddp_kill_at},group=1`: {facts['steps_together']} steps committed by both, rg1 SIGKILLed, "
         f"restarted by the standby, healed at step {facts['healed_at']}, {s.ddp_steps} steps, checksums "
-        f"{'/'.join(facts['checksums']) or '-'}; first starts forked by the standby: {facts['first_by_standby']}"
+        f"{'/'.join(facts['checksums']) or '-'}; first starts forked by the standby: "
+        f"{facts['first_by_standby']}"
     )
     results = [
         Result(
@@ -1380,8 +1382,10 @@ def check_ddp(ctx: Ctx) -> list[Result]:
             Result(
                 "ddp-step-time",
                 "PASS",
-                f"ftlaunch {ft * 1e3:.2f} ms / plain torch DDP (torchrun) {plain * 1e3:.2f} ms = {ft / plain:.2f} "
-                f"({backend}; median step, steps {s.warm_steps}-{last}, MLP 3x{s.ddp_width}, batch {s.ddp_batch})",
+                f"ftlaunch {ft * 1e3:.2f} ms / plain torch DDP (torchrun) {plain * 1e3:.2f} ms = "
+                f"{ft / plain:.2f} "
+                f"({backend}; median step, steps {s.warm_steps}-{last}, MLP 3x{s.ddp_width}, batch "
+                f"{s.ddp_batch})",
             )
         )
     results.append(_recovery_result("kill-to-commit", "DDP, 2 groups x 1 worker", recovery_phases(phase_log)))
@@ -1482,7 +1486,8 @@ CHECKS = (
     ),
     Check(
         "nccl-one-gpu",
-        "two plain NCCL ranks share the one GPU (own host ids, sockets on loopback): the ground every NCCL check stands on",
+        "two plain NCCL ranks share the one GPU (own host ids, sockets on loopback): the ground "
+        "every NCCL check stands on",
         check_nccl_one_gpu,
         90,
         0,
@@ -1490,14 +1495,16 @@ CHECKS = (
     ),
     Check(
         "baby",
-        "a Baby NCCL group created, reconfigured 20 times, a waiting configure aborted, shut down: no process, no GPU memory left",
+        "a Baby NCCL group created, reconfigured 20 times, a waiting configure aborted, shut down: "
+        "no process, no GPU memory left",
         check_baby,
         150,
         90,
     ),
     Check(
         "standby",
-        "workers forked by the warm standby and by prestart find CUDA untouched and can use it (and Baby NCCL)",
+        "workers forked by the warm standby and by prestart find CUDA untouched and can use it (and "
+        "Baby NCCL)",
         check_standby,
         120,
         90,
@@ -1520,7 +1527,8 @@ CHECKS = (
     ),
     Check(
         "hsdp",
-        "FT-HSDP with FSDP2 in bf16, 2 groups x 2 workers on the GPU via `ftlaunch`, a SIGKILLed group heals its shards",
+        "FT-HSDP with FSDP2 in bf16, 2 groups x 2 workers on the GPU via `ftlaunch`, a SIGKILLed "
+        "group heals its shards",
         check_hsdp,
         180,
         150,

@@ -212,7 +212,8 @@ def run_ftlaunch(args: argparse.Namespace, chaos: str | None, label: str) -> Run
     run.orphans = orphans(marker, grace=10.0)
     run.phases = [
         {**r, "t": r["t"] - wall_offset,
-         **({"process_start": r["process_start"] - wall_offset} if isinstance(r.get("process_start"), float) else {})}
+         **({"process_start": r["process_start"] - wall_offset} if isinstance(r.get("process_start"),
+                                                                              float) else {})}
         for r in phases.read(phase_log) if isinstance(r.get("t"), float)
     ]  # fmt: skip
     if args.keep_output:  # the phases too, timed as the kept output (--reanalyze reads them back)

@@ -248,13 +248,15 @@ def phase_medians(tl: Timeline) -> dict[str, dict[str, float]]:
 def print_breakdown(b: dict[str, Any]) -> None:
     if b.get("design_bound_goodput") is not None:
         print(
-            f"  waiting bound: {b['imposed_by_the_faults_s']:.1f} s are the faults' own (stop_for per SIGSTOP, "
+            f"  waiting bound: {b['imposed_by_the_faults_s']:.1f} s are the faults' own (stop_for per "
+            "SIGSTOP, "
             f"the lighthouse's downtime); survivors that waited them out would reach at most "
             f"{b['design_bound_goodput']:.1%} (they no longer do: a hung group is declared on evidence, "
             f"an outage is stepped through on the last quorum)"
         )
     print(
-        f"  where the {b['lost_s']:.1f} s lost went (fault-free step interval {b['baseline_step_interval_s']:.3f} s; "
+        f"  where the {b['lost_s']:.1f} s lost went (fault-free step interval "
+        f"{b['baseline_step_interval_s']:.3f} s; "
         f"a stall: no group committed for > {b['stall_threshold_s']:.1f} s):"
     )
     for cause, seconds in b["lost_by_cause_s"].items():

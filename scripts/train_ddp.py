@@ -21,8 +21,10 @@ Launch: ``ftlaunch --replicas 2 scripts/train_ddp.py`` (or torchrun/torchx, see 
 against a lighthouse::
 
     ftlaunch-lighthouse --bind 127.0.0.1:29510 --min-replicas 1 &
-    REPLICA_GROUP_ID=0 NUM_REPLICA_GROUPS=2 FTLAUNCH_LIGHTHOUSE=http://127.0.0.1:29510 python scripts/train_ddp.py
-    REPLICA_GROUP_ID=1 NUM_REPLICA_GROUPS=2 FTLAUNCH_LIGHTHOUSE=http://127.0.0.1:29510 python scripts/train_ddp.py
+    REPLICA_GROUP_ID=0 NUM_REPLICA_GROUPS=2 FTLAUNCH_LIGHTHOUSE=http://127.0.0.1:29510 python
+    scripts/train_ddp.py
+    REPLICA_GROUP_ID=1 NUM_REPLICA_GROUPS=2 FTLAUNCH_LIGHTHOUSE=http://127.0.0.1:29510 python
+    scripts/train_ddp.py
 """
 
 from __future__ import annotations
@@ -59,13 +61,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--device",
         choices=["cpu", "cuda"],
         default="cpu",
-        help="cuda: the worker's GPU (LOCAL_RANK, modulo the GPUs visible); Baby NCCL across groups by default",
+        help="cuda: the worker's GPU (LOCAL_RANK, modulo the GPUs visible); Baby NCCL across groups by "
+        "default",
     )
     p.add_argument(
         "--backend",
         choices=["baby-gloo", "gloo", "baby-nccl", "nccl"],
         default=None,
-        help="cross-group process group (default: ftlaunch.init's choice: Baby Gloo on CPU, Baby NCCL on GPU)",
+        help="cross-group process group (default: ftlaunch.init's choice: Baby Gloo on CPU, Baby NCCL on "
+        "GPU)",
     )
     p.add_argument(
         "--transport",
@@ -114,7 +118,8 @@ def make_model(width: int, kind: str = "mlp") -> nn.Module:
     if kind == "bn-cnn":  # each sample's 64 features as a 1-channel signal
         return nn.Sequential(
             nn.Unflatten(1, (1, 64)), nn.Conv1d(1, 16, 3, padding=1), nn.BatchNorm1d(16), nn.ReLU(),
-            nn.Conv1d(16, 16, 3, padding=1), nn.BatchNorm1d(16), nn.ReLU(), nn.Flatten(), nn.Linear(16 * 64, 8),
+            nn.Conv1d(16, 16, 3, padding=1), nn.BatchNorm1d(16), nn.ReLU(), nn.Flatten(), nn.Linear(16 * 64,
+                                                                                                    8),
         )  # fmt: skip
     return nn.Sequential(
         nn.Linear(64, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 8)
@@ -274,7 +279,8 @@ def main(argv: list[str] | None = None) -> int:
                     trained = committed and manager.is_participating()
                     ids = " ids=" + (",".join(f"{e}:{i}" for e, i in drawn) if trained else "-")
                 print(
-                    f"step={manager.current_step()} committed={committed} participants={manager.num_participants()} "
+                    f"step={manager.current_step()} committed={committed} "
+                    f"participants={manager.num_participants()} "
                     f"loss={loss.item():.5f} ms={(time.perf_counter() - t0) * 1e3:.1f} "
                     f"data={sampler.epoch}:{sampler.position} first={int(idx[0])} t={time.time():.4f}{ids}",
                     flush=True,

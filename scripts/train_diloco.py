@@ -10,7 +10,8 @@ An MLP learns a fixed random nonlinear "teacher" from a synthetic dataset drawn 
 The two lines::
 
     ft = ftlaunch.init(model, inner_optimizer)                             # what the launcher published
-    ft.diloco(model, inner_optimizer, outer_optimizer, sync_every=100)     # joins, hooks inner_optimizer.step()
+    ft.diloco(model, inner_optimizer, outer_optimizer, sync_every=100)     # joins, hooks
+    inner_optimizer.step()
 
 after which the training loop is a plain PyTorch loop. Prints one line per sync point (``step=`` is
 the job's inner step count, ``committed=`` whether the sync committed, with the participants and
@@ -295,7 +296,10 @@ def report_sync(
             for t in s.values()
             if isinstance(t, torch.Tensor)
         ]
-        info = f" syncs={diloco.syncs} global={checksum(diloco.global_parameters().values())} outer={checksum(outer)}"
+        info = (
+            f" syncs={diloco.syncs} global={checksum(diloco.global_parameters().values())} "
+            f"outer={checksum(outer)}"
+        )
     loss = sum(losses) / len(losses) if losses else float("nan")
     print(
         f"step={step} committed={committed} participants={participants} loss={loss:.5f}{info} "

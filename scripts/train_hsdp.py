@@ -7,9 +7,9 @@ self-attention and an MLP, a final norm and an output head) learning to continue
 standard library source code, read from the running interpreter: a real corpus that ships with every
 Python, no download. Each block is an FSDP2 unit; the embeddings, final norm and head form the root
 unit. The samples are drawn by ``ft.sampler`` (every sample once per epoch, ``--sampler shard``: fixed
-shards per replica group x worker), whose position travels with live recovery. Logs one line per step and rank (step, committed, participants, loss, data
-position) and, at the end, a checksum of the full (gathered) weights so runs can check that every
-group ended bit-identical.
+shards per replica group x worker), whose position travels with live recovery. Logs one line per step and rank
+(step, committed, participants, loss, data position) and, at the end, a checksum of the full (gathered)
+weights so runs can check that every group ended bit-identical.
 
 The fault-tolerant lines::
 
@@ -89,7 +89,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--backend",
         choices=["baby-gloo", "gloo", "baby-nccl", "nccl"],
         default=None,
-        help="cross-group process group (default: ftlaunch.init's choice: Baby Gloo on CPU, Baby NCCL on GPU)",
+        help="cross-group process group (default: ftlaunch.init's choice: Baby Gloo on CPU, Baby NCCL on "
+        "GPU)",
     )
     p.add_argument(
         "--timeout",
@@ -303,7 +304,8 @@ def reference(args: argparse.Namespace, groups: int, workers: int) -> int:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     dataset = make_dataset(args.seq_len)
     loaders = {
-        (g, r): iter(torch.utils.data.DataLoader(dataset, batch_size=args.batch_size, sampler=DistributedSampler(
+        (g, r): iter(torch.utils.data.DataLoader(dataset, batch_size=args.batch_size,
+                                                 sampler=DistributedSampler(
             dataset, replica_group_id=g, num_replica_groups=groups, rank=r, num_replicas=workers)))
         for g in range(groups) for r in range(workers)
     }  # fmt: skip
@@ -370,8 +372,10 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 committed = optimizer.step()  # applied only if every group and rank committed
                 print(
-                    f"step={manager.current_step()} committed={committed} participants={manager.num_participants()} "
-                    f"loss={loss.item():.6f} norm={float(norm.full_tensor() if isinstance(norm, DTensor) else norm):.4f} "
+                    f"step={manager.current_step()} committed={committed} "
+                    f"participants={manager.num_participants()} "
+                    f"loss={loss.item():.6f} "
+                    f"norm={float(norm.full_tensor() if isinstance(norm, DTensor) else norm):.4f} "
                     f"ms={(time.perf_counter() - t0) * 1e3:.1f} data={sampler.epoch}:{sampler.position} "
                     f"first={int(idx[0])}",
                     flush=True,

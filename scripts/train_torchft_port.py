@@ -229,7 +229,8 @@ def main() -> int:
                         e.mul_(0.9).add_(p.detach(), alpha=0.1)
                     manager.allow_state_dict_read()
                 print(
-                    f"step={manager.current_step()} committed={committed} participants={manager.num_participants()} "
+                    f"step={manager.current_step()} committed={committed} "
+                    f"participants={manager.num_participants()} "
                     f"participating_rank={manager.participating_rank()} ok={ok} "
                     f"loss={float(mean_loss.wait().reshape(-1)[0]):.5f}",
                     flush=True,

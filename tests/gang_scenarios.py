@@ -1,5 +1,6 @@
 """One table of gang expectations, run against `FakeGang` in the test process and against
-`ProcessGroupGang` over gloo in real worker processes (tests/processes/test_gang.py, via pg_helpers.WorkerPool).
+`ProcessGroupGang` over gloo in real worker processes (tests/processes/test_gang.py, via
+pg_helpers.WorkerPool).
 
 Every case gives each process the same inputs - the world a `FakeGang` simulates - so a real gang
 must produce, rank by rank, exactly what the fake produces; `expected` pins both to the documented

@@ -12,8 +12,9 @@ beside it; the warm-up runs at a lower CPU priority where it can be raised back 
 (`_lower_priority`: it competes with the groups that train). With ``--on-demand`` (torchrun's agent,
 which cannot tell whether its workers will ask) it warms up only when the first worker connects,
 at full priority (that worker waits for it). A worker started by torchelastic (``python -u -m
-ftlaunch.run SCRIPT ...``, or ``-m ftlaunch.bootstrap.prestart``) connects (`ftlaunch.bootstrap.zygote_proxy`) and sends its argv, cwd, environment, ``sys.path`` and its fds 0/1/2;
-this process forks, and the child takes all of them over and runs the script exactly as
+ftlaunch.run SCRIPT ...``, or ``-m ftlaunch.bootstrap.prestart``) connects (`ftlaunch.bootstrap.zygote_proxy`)
+and sends its argv, cwd, environment, ``sys.path`` and its fds 0/1/2; this process forks, and the child takes
+all of them over and runs the script exactly as
 ``python -u SCRIPT`` would (`ftlaunch.bootstrap.prestart.run`, which forks the Baby child from there too).
 The worker stays as the child's proxy.
 

@@ -204,7 +204,8 @@ class Fetch:
                 if length > self.limits.max_header_bytes:  # refused before a byte of it is read
                     raise CheckpointTransportError(
                         f"invalid checkpoint payload: the header from {self.url} is {length} bytes, more "
-                        f"than the {self.limits.max_header_bytes} this receiver accepts (its own state's is far smaller)"
+                        f"than the {self.limits.max_header_bytes} this receiver accepts (its own "
+                        "state's is far smaller)"
                     )
                 return resp.read(), resp.getheader("ETag") or ""
             except _NotServedYet as e:
@@ -349,7 +350,8 @@ class Fetch:
             )
         if isinstance(e, (http.client.IncompleteRead, ConnectionError, http.client.RemoteDisconnected)):
             return CheckpointTransportError(
-                f"truncated transfer: {what} of step {self.step} from {self.url}: the connection closed early ({e!r})"
+                f"truncated transfer: {what} of step {self.step} from {self.url}: the connection "
+                f"closed early ({e!r})"
             )
         return CheckpointTransportError(
             f"{what} of step {self.step} from {self.url} failed: {type(e).__name__}: {e}"

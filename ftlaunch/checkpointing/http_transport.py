@@ -104,7 +104,8 @@ class HTTPTransport(CheckpointTransport[T]):
     """Serves this group's state over HTTP and fetches peers' states with parallel range requests.
 
     ``num_chunks``: parallel connections per receive (default `default_num_chunks`: the usable
-    CPUs, at most 4; 0 means no chunking - one connection - as in torchft). ``bind`` is ``host`` or ``host:port`` (loopback by default; use
+    CPUs, at most 4; 0 means no chunking - one connection - as in torchft). ``bind`` is ``host`` or
+    ``host:port`` (loopback by default; use
     ``0.0.0.0``/``::`` to serve other hosts — the state is readable by anyone who can reach the
     port). ``state_dict``, when given, returns this group's current state: received tensors of
     matching dtype and shape are written into it in place (on failure their contents are

@@ -238,7 +238,8 @@ def broadcast_pickled(
     received = _loads(_bytes_of(buf.cpu()), safe)
     if len(received) != len(objects):
         raise ValueError(
-            f"broadcast_objects: rank {source_rank} sent {len(received)} objects, this process passed {len(objects)}"
+            f"broadcast_objects: rank {source_rank} sent {len(received)} objects, this process passed "
+            f"{len(objects)}"
         )
     objects[:] = received
 

@@ -110,7 +110,8 @@ class FakeGang(Gang):
             payload = pickle.dumps(list(objects))
         except Exception as e:  # noqa: BLE001 - as in base.broadcast_pickled
             raise TypeError(
-                f"broadcast_objects: the objects of rank {source_rank} cannot be pickled: {type(e).__name__}: {e}"
+                f"broadcast_objects: the objects of rank {source_rank} cannot be pickled: "
+                f"{type(e).__name__}: {e}"
             ) from e
         if source_rank != self._rank:
             objects[:] = pickle.loads(payload)  # noqa: S301 - our own pickle

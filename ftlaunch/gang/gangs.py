@@ -293,7 +293,8 @@ def create_fsdp_gangs(gangs: Gangs, intra_node_size: int | None = None) -> Gangs
         return Gangs(root=root, dp=dp, rdp=FakeGang(gangs.device), sdp=dp, tp=tp, pp=gangs.pp)
     if not isinstance(intra_node_size, int) or intra_node_size <= 1 or dp.size % intra_node_size:
         raise ValueError(
-            f"intra_node_size must be an int > 1 dividing the dp gang's size {dp.size}, got {intra_node_size!r}"
+            f"intra_node_size must be an int > 1 dividing the dp gang's size {dp.size}, got "
+            f"{intra_node_size!r}"
         )
     if root.size != dp.size * tp.size or root.rank != dp.rank * tp.size + tp.rank:
         raise ValueError("gangs must be laid out as create_parallel_gangs lays them out (root = dp x tp)")

@@ -11,9 +11,10 @@ still recovering, and nothing once a group has finished or failed for good (the 
 ``signal=MIX`` picks SIGKILL of the workers, SIGSTOP of the workers or SIGKILL of the agent at each
 injection. ``slow=FACTOR`` slows the group's workers down instead, for ``slow_for`` seconds
 (`ftlaunch.launcher.throttle`: a SIGSTOP/SIGCONT duty cycle in short periods); their stops are no
-hang, so `Chaos.throttling` tells the supervisor which stopped workers to leave alone. ``lighthouse=SECONDS`` crashes the lighthouse the launcher hosts once, that long after
-training started, and keeps it down ``lighthouse_down`` seconds; the supervisor then restarts it on
-the same address (`LighthouseCrash`, reported beside the injections).
+hang, so `Chaos.throttling` tells the supervisor which stopped workers to leave alone. ``lighthouse=SECONDS``
+crashes the lighthouse the launcher hosts once, that long after training started, and keeps it down
+``lighthouse_down`` seconds; the supervisor then restarts it on the same address (`LighthouseCrash`, reported
+beside the injections).
 """
 
 from __future__ import annotations

@@ -31,7 +31,8 @@ examples:
   ftlaunch --replicas 2 scripts/train_ddp.py --steps 100
   ftlaunch --replicas 3 --nproc-per-node 2 --chaos every=10 scripts/train_ddp.py
   ftlaunch --replicas 2 --chaos steps=20/40,group=1,signal=STOP scripts/train_ddp.py
-  ftlaunch --replicas 3 --spares 1 --stragglers replace --chaos steps=20,group=1,slow=2,slow_for=60 scripts/train_ddp.py
+  ftlaunch --replicas 3 --spares 1 --stragglers replace --chaos steps=20,group=1,slow=2,slow_for=60 \
+scripts/train_ddp.py
   ftlaunch --replicas 2 --lighthouse http://lh-host:29510 -m mypkg.train
 
 workers see torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, ...) for their own

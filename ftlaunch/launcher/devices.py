@@ -28,5 +28,6 @@ def sharing_warning(gpus: int, nproc_per_node: int, groups: int) -> str | None:
     return (
         f"{groups} replica groups x {nproc_per_node} worker(s) on {gpus} GPU(s): the groups share GPUs, "
         "and NCCL refuses two ranks of one communicator on one device; give each group its own GPUs "
-        "(fewer groups or workers, or more GPUs), or run the cross-group backend on CPU (FTLAUNCH_BACKEND=baby-gloo)"
+        "(fewer groups or workers, or more GPUs), or run the cross-group backend on CPU "
+        "(FTLAUNCH_BACKEND=baby-gloo)"
     )

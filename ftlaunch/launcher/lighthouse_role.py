@@ -80,7 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--stragglers",
         choices=env.STRAGGLER_POLICIES,
         default=None,
-        help=f"slow groups: report them, or also replace persistent ones (default: ${env.FTLAUNCH_STRAGGLERS}, "
+        help="slow groups: report them, or also replace persistent ones (default: "
+        f"${env.FTLAUNCH_STRAGGLERS}, "
         "else report)",
     )
     p.add_argument("--cleanup", action="store_true", help="remove --job-dir when every group has finished")

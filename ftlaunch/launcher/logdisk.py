@@ -54,7 +54,8 @@ class LogDiskWatch:
         if not self.full and free < FULL_BELOW:
             self.full = True
             self._say(
-                f"[ftlaunch] WARNING: the log directory {self.path} is full ({free} bytes free): the workers' "
+                f"[ftlaunch] WARNING: the log directory {self.path} is full ({free} bytes free): the "
+                "workers' "
                 "output written there is being dropped; training goes on"
             )
         elif self.full and free > FREE_ABOVE:

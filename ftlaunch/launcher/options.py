@@ -185,7 +185,8 @@ class ChaosSpec:
                 kwargs[key] = value.lower()
             else:
                 raise ConfigurationError(
-                    f"--chaos: unknown key {key!r} (every, steps, group, signal, target, count, stop_for, start, seed, "
+                    f"--chaos: unknown key {key!r} (every, steps, group, signal, target, count, "
+                    "stop_for, start, seed, "
                     "slow, slow_for, lighthouse, lighthouse_down)"
                 )
         if "slow" in kwargs and ("signal" in kwargs or "target" in kwargs):

@@ -11,8 +11,8 @@ So a report that failed is kept (`failed`), and once the restarted lighthouse kn
 (a resume report named it: `due` is given the ids it knows) it is sent again -- but only while no
 process of the group is running: a replacement that started may already be talking to the new
 lighthouse, and reporting it failed would throw a live group out of the quorum. A group that is
-back (committed again) or ended well needs no report either; one that failed for good does. Pure bookkeeping (no clock, no lighthouse):
-the supervisor sends what `due` returns.
+back (committed again) or ended well needs no report either; one that failed for good does. Pure bookkeeping
+(no clock, no lighthouse): the supervisor sends what `due` returns.
 """
 
 from __future__ import annotations

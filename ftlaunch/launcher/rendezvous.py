@@ -1,7 +1,8 @@
 """The ``ftlaunch`` torchelastic rendezvous backend.
 
-``torchrun --rdzv-backend ftlaunch --rdzv-endpoint HOST:PORT --rdzv-conf replica_group_id=0,num_replica_groups=2``
-needs no import in user code: the backend is registered through the ``torchrun.handlers`` entry point.
+``torchrun --rdzv-backend ftlaunch --rdzv-endpoint HOST:PORT --rdzv-conf
+replica_group_id=0,num_replica_groups=2`` needs no import in user code: the backend is registered through the
+``torchrun.handlers`` entry point.
 
 Two levels of membership, kept apart on purpose:
 
@@ -104,12 +105,16 @@ _OUR_KEYS = {
     "spares": "hot spares of the job (or env FTLAUNCH_SPARES); groups num_replica_groups.. start as spares",
     "group_endpoint": "HOST:PORT (or file:/shared/path) where the nodes of a multi-node group meet",
     "lighthouse_file": "read the lighthouse address from this file (written by a lighthouse role)",
-    "lighthouse_timeout": "how long to wait for a lighthouse to answer (a duration, 0.1 s to 24 h; default 60)",
-    "start_lighthouse": "host a lighthouse here if none answers and the endpoint is this machine (default true)",
+    "lighthouse_timeout": "how long to wait for a lighthouse to answer (a duration, 0.1 s to 24 h; "
+    "default 60)",
+    "start_lighthouse": "host a lighthouse here if none answers and the endpoint is this machine "
+    "(default true)",
     "lighthouse_bind": "address a lighthouse started here binds (default: the endpoint)",
     "lighthouse_min_replicas": "min_replicas of a lighthouse started here (default 1)",
-    "lighthouse_join_timeout": "join timeout of a lighthouse started here (a duration, 0 s to 24 h; default 60)",
-    "lighthouse_heartbeat_timeout": "heartbeat timeout of a lighthouse started here (0.5 s to 24 h; default 5)",
+    "lighthouse_join_timeout": "join timeout of a lighthouse started here (a duration, 0 s to 24 h; "
+    "default 60)",
+    "lighthouse_heartbeat_timeout": "heartbeat timeout of a lighthouse started here (0.5 s to 24 h; "
+    "default 5)",
     "lighthouse_stragglers": "slow groups, for a lighthouse started here: report or replace (or env "
     "FTLAUNCH_STRAGGLERS; default report)",
     "lighthouse_linger": "how long a lighthouse started here outlives its group while others use it "
@@ -118,10 +123,14 @@ _OUR_KEYS = {
     "out, retried with backoff (or env FTLAUNCH_HEALTH_CHECK; e.g. 'python -m ftlaunch.health')",
     "health_check_timeout": "how long one run of the health check may take before it is killed "
     "(a duration, 0.1 s to 1 h; or env FTLAUNCH_HEALTH_CHECK_TIMEOUT; default 60)",
-    "token": "job token every lighthouse request carries (or env FTLAUNCH_TOKEN); required to host one off loopback",
-    "checkpoint_dir": "durable checkpoints: the directory (or env FTLAUNCH_CHECKPOINT_DIR); the job resumes from its newest",
-    "checkpoint_every": "durable checkpoints: committed steps between saves (or env FTLAUNCH_CHECKPOINT_EVERY; default 100)",
-    "checkpoint_keep": "durable checkpoints: complete ones kept (or env FTLAUNCH_CHECKPOINT_KEEP; default 3, 0: all)",
+    "token": "job token every lighthouse request carries (or env FTLAUNCH_TOKEN); required to host one "
+    "off loopback",
+    "checkpoint_dir": "durable checkpoints: the directory (or env FTLAUNCH_CHECKPOINT_DIR); the job "
+    "resumes from its newest",
+    "checkpoint_every": "durable checkpoints: committed steps between saves (or env "
+    "FTLAUNCH_CHECKPOINT_EVERY; default 100)",
+    "checkpoint_keep": "durable checkpoints: complete ones kept (or env FTLAUNCH_CHECKPOINT_KEEP; "
+    "default 3, 0: all)",
 }
 _INNER_KEYS = {
     "timeout",
@@ -616,8 +625,10 @@ def _inner_params(params: RendezvousParameters, cfg: FtRendezvousConfig, run_id:
         local_addr = local_addr or "127.0.0.1"
     else:
         raise ConfigurationError(
-            f"ftlaunch rendezvous: replica group {cfg.replica_group_id} spans up to {params.max_nodes} nodes, "
-            "so its nodes need a meeting point: add group_endpoint=HOST:PORT (or group_endpoint=file:/shared/path) "
+            f"ftlaunch rendezvous: replica group {cfg.replica_group_id} spans up to "
+            f"{params.max_nodes} nodes, "
+            "so its nodes need a meeting point: add group_endpoint=HOST:PORT (or "
+            "group_endpoint=file:/shared/path) "
             "to --rdzv-conf"
         )
     return RendezvousParameters(

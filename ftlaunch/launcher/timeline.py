@@ -5,14 +5,15 @@ reads the progress from the lighthouse (every 0.1 s with the lighthouse it hosts
 group, bounded however long the job runs), and what the supervisor learned happen to the groups --
 a chaos injection (a slowdown is a span on the group's line), a worker's or agent's death, a hang, a
 group failing for good, a rejoin, a hot spare taking a slot, the lighthouse down and back, and what
-the lighthouse said about slow groups (found a straggler, replaced one). It reads no clock (times are arguments, the
-supervisor's monotonic clock) and writes nothing: `Timeline` is the renderer's input
+the lighthouse said about slow groups (found a straggler, replaced one). It reads no clock (times are
+arguments, the supervisor's monotonic clock) and writes nothing: `Timeline` is the renderer's input
 (`ftlaunch.lighthouse.timeline_svg`), and the supervisor writes the file.
 
 **One incident, one mark.** A chaos SIGKILL is followed, milliseconds later, by the agent's report
 of the worker's death; a SIGSTOP by the agent's report of the stopped worker. The injection is the
 mark (it says what was done), and the first report of the group's failure after it is the same
-incident; so is a straggler replacement and its workers' end. A second failure before the group is back (its restart died too) is a mark of its own.
+incident; so is a straggler replacement and its workers' end. A second failure before the group is back (its
+restart died too) is a mark of its own.
 
 `keep_timeline` decides whether a job's picture is written (see its docstring; docs/launcher.md).
 """

@@ -57,7 +57,10 @@ def _nnodes(value: Any) -> str | None:
 def _rdzv_backend(value: Any) -> str | None:
     if value == BACKEND:
         return None
-    return "ftlaunch groups always use the ftlaunch rendezvous (each group its own, the lighthouse across groups)"
+    return (
+        "ftlaunch groups always use the ftlaunch rendezvous (each group its own, the lighthouse "
+        "across groups)"
+    )
 
 
 def _node_rank(value: Any) -> str | None:

@@ -7,12 +7,12 @@ The app has one ``lighthouse`` role (first) and one role per replica group (``rg
 each ``torchrun --rdzv-backend ftlaunch --nnodes nnodes_per_replica ... -m ftlaunch.run SCRIPT``
 run by `ftlaunch.launcher.group_role` -- so torchelastic restarts a group's workers on its own, a
 group never waits for another, and a group's end never ends the others; and each worker is forked
-from its node's warm standby interpreter (`ftlaunch.run`), so a restart costs no torch import. No port is fixed: the lighthouse
-role binds a free port and publishes its address in the job directory; multi-node groups meet in a
-file store there too. What depends on the scheduler (the job directory, loopback or all interfaces,
+from its node's warm standby interpreter (`ftlaunch.run`), so a restart costs no torch import. No port is
+fixed: the lighthouse role binds a free port and publishes its address in the job directory; multi-node groups
+meet in a file store there too. What depends on the scheduler (the job directory, loopback or all interfaces,
 the lighthouse's host) is decided by each role at start-up from torchx's macros
-(`ftlaunch.launcher.placement`), because a component is built before the scheduler is known.
-With ``lighthouse=HOST:PORT`` of a lighthouse you run there is no lighthouse role.
+(`ftlaunch.launcher.placement`), because a component is built before the scheduler is known. With
+``lighthouse=HOST:PORT`` of a lighthouse you run there is no lighthouse role.
 """
 
 from __future__ import annotations

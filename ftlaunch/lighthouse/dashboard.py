@@ -67,9 +67,11 @@ _SCRIPT = """
     var rid=button.dataset.replica, action=button.dataset.action;
     if(!window.confirm(action+' '+rid+'?'))return;
     fetch('/admin/'+action,{method:'POST',headers:{'Authorization':'Bearer '+token,
-      'Content-Type':'application/json'},body:JSON.stringify({replica_id:rid,reason:action+' from the dashboard'})})
+      'Content-Type':'application/json'},body:JSON.stringify(\
+{replica_id:rid,reason:action+' from the dashboard'})})
       .then(function(r){return r.json().then(function(j){
-        out.textContent=r.ok?(action+' '+rid+': done'):(action+' '+rid+': HTTP '+r.status+' '+(j.error||''));});})
+        out.textContent=r.ok?(action+' '+rid+': done'):\
+(action+' '+rid+': HTTP '+r.status+' '+(j.error||''));});})
       .catch(function(e){out.textContent=action+' failed: '+e;});
   }
   document.addEventListener('click',function(ev){
@@ -107,7 +109,10 @@ def quorum_label(quorum_id: int | None) -> str:
     if quorum_id is None:
         return ""
     _, counter = decode_quorum_id(quorum_id)
-    return f"<span class='qid mono' title='quorum id {_e(quorum_id)}' data-quorum-id='{_e(quorum_id)}'>#{_e(counter)}</span>"
+    return (
+        f"<span class='qid mono' title='quorum id {_e(quorum_id)}' "
+        f"data-quorum-id='{_e(quorum_id)}'>#{_e(counter)}</span>"
+    )
 
 
 def _secs(seconds: float) -> str:
@@ -127,7 +132,8 @@ def render(status: LighthouseStatus) -> str:
         f"min_replicas={_e(opts.min_replicas)} &middot; "
         + (f"expected_replicas={_e(opts.expected_replicas)} &middot; " if opts.expected_replicas else "")
         + f"join_timeout={_e(opts.join_timeout)}s &middot; ",
-        f"heartbeat_timeout={_e(opts.heartbeat_timeout)}s &middot; quorum_tick={_e(opts.quorum_tick)}s &middot; ",
+        f"heartbeat_timeout={_e(opts.heartbeat_timeout)}s &middot; "
+        f"quorum_tick={_e(opts.quorum_tick)}s &middot; ",
         f"admin endpoints {'enabled' if opts.admin else 'disabled'} &middot; ",
         "JSON: <a href='/status'>/status</a> &middot; Prometheus: <a href='/metrics'>/metrics</a></p>",
         _admin_form(opts.admin),
@@ -159,10 +165,10 @@ def timeline_of(status: LighthouseStatus) -> Timeline:
     what the history says happened to it. A group goes down when the lighthouse records it
     ``failed`` (a hang when it was declared hung), ``disconnected``, ``evicted`` or ``silent``, or the
     lighthouse replaced it as a straggler (``straggler_replaced``, or ``failed`` for it); it is
-    back at the first quorum with it in again. ``straggler``: it was found slow (a moment). A hang also ends when the group is heard from again
-    while no quorum has left it out (the same process carried on); a failed group's process is gone,
-    whatever a last heartbeat of it says. A hot spare ``claimed`` a slot: it took over. t = 0 is the
-    first thing the picture shows."""
+    back at the first quorum with it in again. ``straggler``: it was found slow (a moment). A hang also ends
+    when the group is heard from again while no quorum has left it out (the same process carried on); a failed
+    group's process is gone, whatever a last heartbeat of it says. A hot spare ``claimed`` a slot: it took
+    over. t = 0 is the first thing the picture shows."""
     history = sorted(status.history, key=lambda h: h.time)  # the status lists it newest first
     firsts = [p.timeline[0][0] for p in status.progress if p.timeline]
     origin = min(firsts + [h.time for h in history if h.replica_id and h.event in _MARKED], default=0.0)
@@ -235,7 +241,8 @@ def _quorum_section(status: LighthouseStatus) -> list[str]:
     if quorum is not None:
         out.append(
             f"<p id='quorum'>quorum {quorum_label(quorum.quorum_id)}, formed {_e(when(quorum.created))}, "
-            f"{len(quorum.participants)} participant(s) &middot; {_e(status.quorum_changes)} quorum change(s) "
+            f"{len(quorum.participants)} participant(s) &middot; {_e(status.quorum_changes)} quorum "
+            "change(s) "
             f"&middot; job step rate <span id='step-rate'>{_e(f'{status.step_rate:.2f}')}</span> steps/s</p>"
         )
         out.append(
@@ -244,7 +251,8 @@ def _quorum_section(status: LighthouseStatus) -> list[str]:
         )
         for p in quorum.participants:
             out.append(
-                f"<tr><td class='mono'>{_e(p.replica_id)}</td><td>{_e(p.step)}</td><td>{_e(p.world_size)}</td>"
+                "<tr><td "
+                f"class='mono'>{_e(p.replica_id)}</td><td>{_e(p.step)}</td><td>{_e(p.world_size)}</td>"
                 f"<td class='mono'>{_e(p.address)}</td><td class='mono'>{_e(p.store_address)}</td>"
                 f"<td>{_e(p.commit_failures)}</td><td>{_e(p.shrink_only)}</td></tr>"
             )
@@ -254,7 +262,8 @@ def _quorum_section(status: LighthouseStatus) -> list[str]:
     out.append(f"<p>Decision: {_e(status.decision)}</p>")
     pending = status.pending
     out.append(
-        f"<p>Waiting for a quorum: {_e(', '.join(pending)) if pending else '<span class=muted>nobody</span>'}</p>"
+        "<p>Waiting for a quorum: "
+        f"{_e(', '.join(pending)) if pending else '<span class=muted>nobody</span>'}</p>"
     )
     return out
 
@@ -291,7 +300,8 @@ def _groups_section(status: LighthouseStatus) -> list[str]:
         out.append(
             "<table id='groups'><tr><th>replica</th><th>health</th><th>step</th>"
             + _PROGRESS_HEADERS
-            + "<th>last heard</th><th>first seen</th><th>connections</th><th>in quorum</th><th>requesting</th>"
+            + "<th>last heard</th><th>first seen</th><th>connections</th><th>in "
+            "quorum</th><th>requesting</th>"
             "<th>heartbeats</th><th>address</th><th>note</th><th>actions</th></tr>"
         )
         disabled = "" if status.options.admin else " disabled"
@@ -309,7 +319,8 @@ def _groups_section(status: LighthouseStatus) -> list[str]:
                 f"<td>{'yes' if g.requesting else ''}</td><td>{_e(g.heartbeats)}</td>"
                 f"<td class='mono'>{_e(g.address)}</td><td>{_e(g.reason)}</td>"
                 f"<td><button type='button' data-action='evict' data-replica='{rid}'{disabled}>Evict</button>"
-                f"<button type='button' data-action='kill' data-replica='{rid}'{disabled}>Kill</button></td></tr>"
+                "<button type='button' data-action='kill' "
+                f"data-replica='{rid}'{disabled}>Kill</button></td></tr>"
             )
         out.append("</table>")
     else:
@@ -354,7 +365,8 @@ def _spares_html(spares: SparesStatus) -> list[str]:
     """The slot table of a job with hot spares: who holds each replica-group slot, who waits."""
     out = [
         f"<h2>Slots and hot spares ({len(spares.waiting)} waiting, {spares.promotions} promoted)</h2>",
-        "<table id='spares'><tr><th>slot</th><th>held as</th><th>holder</th><th>state</th><th>held for</th></tr>",
+        "<table id='spares'><tr><th>slot</th><th>held as</th><th>holder</th><th>state</th><th>held "
+        "for</th></tr>",
     ]
     for s in spares.slots:
         held = f"{s.held_for:.1f}s" if s.held_for is not None else ""
@@ -370,7 +382,8 @@ def _spares_html(spares: SparesStatus) -> list[str]:
         out.append("<p class='muted'>no spare waiting: the next failure restarts and rejoins</p>")
     if spares.fenced:
         out.append(
-            f"<p>Replaced (refused if heard again): <span class='mono'>{_e(', '.join(spares.fenced))}</span></p>"
+            "<p>Replaced (refused if heard again): <span "
+            f"class='mono'>{_e(', '.join(spares.fenced))}</span></p>"
         )
     return out
 
@@ -403,7 +416,8 @@ def _stragglers_html(st: StragglersStatus) -> list[str]:
             out.append(
                 f"<tr data-replica='{_e(g.replica_id)}'><td class='mono'>{_e(g.replica_id)}</td>"
                 f"<td class='num slowdown'{style}>{_e(f'{g.slowdown:.2f}')}x</td>"
-                f"<td class='num'>{_e(_secs(g.compute_seconds))}</td><td class='num'>{_e(_secs(g.reference_seconds))}</td>"
+                f"<td class='num'>{_e(_secs(g.compute_seconds))}</td><td "
+                f"class='num'>{_e(_secs(g.reference_seconds))}</td>"
                 f"<td class='num'>{_e(g.steps)}</td><td>{flag}</td></tr>"
             )
         out.append("</table>")
@@ -413,7 +427,8 @@ def _stragglers_html(st: StragglersStatus) -> list[str]:
         out.append(f"<p>Replacement in flight: <span class='mono'>{_e(st.replacing)}</span></p>")
     if st.replaced:
         items = ", ".join(
-            f"{r.replica_id} ({r.slowdown:.1f}x, {'hot spare' if r.how == 'spare' else 'restarted'}, {when(r.time)})"
+            f"{r.replica_id} ({r.slowdown:.1f}x, {'hot spare' if r.how == 'spare' else 'restarted'}, "
+            f"{when(r.time)})"
             for r in st.replaced
         )
         out.append(f"<p>Replaced: <span class='mono'>{_e(items)}</span></p>")

@@ -132,7 +132,8 @@ def hung_members(
     waiting = [
         (rid, now - since) for rid, (qid, since) in blocked.items()
         if qid == quorum.quorum_id and rid in members and (g := groups.get(rid)) is not None
-        and g.last_seen - since >= BLOCKED_FOR and now - g.last_seen < limit(rid) and g.connection is connected
+        and g.last_seen - since >= BLOCKED_FOR and now - g.last_seen < limit(rid)
+        and g.connection is connected
     ]  # fmt: skip
     if not waiting and parked:
         assert round_start is not None

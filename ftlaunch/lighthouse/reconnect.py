@@ -11,9 +11,9 @@ training loop at the same moment, and the job would be lost to a lighthouse rest
 reached (a wrong address, one not started yet) still fails after the connect timeout, so a
 misconfiguration is reported at once; except in a worker that torchelastic restarted
 (``known_reachable``: the job reached its lighthouse before), which waits from the start, so a group
-restarted during an outage joins the others when the lighthouse is back. Nothing is committed meanwhile: a step needs its quorum before its
-collectives, so a group waits at the start of the step (a step whose quorum had already formed
-finishes and commits normally; its collectives do not involve the lighthouse).
+restarted during an outage joins the others when the lighthouse is back. Nothing is committed meanwhile: a
+step needs its quorum before its collectives, so a group waits at the start of the step (a step whose quorum
+had already formed finishes and commits normally; its collectives do not involve the lighthouse).
 
 A lighthouse that comes back knows nothing. So the first quorum request after the leader noticed
 the lighthouse unreachable (a failed quorum call or any failed connection, heartbeats included)
@@ -159,7 +159,8 @@ class OutageTolerantClient:
                 if not self._reached() or self._closed.is_set() or waited >= self.outage_timeout:
                     if self._reached() and self.outage_timeout > 0 and not self._closed.is_set():
                         raise LighthouseUnavailableError(
-                            f"lighthouse unreachable for {waited:.0f}s (outage timeout {self.outage_timeout:g}s, "
+                            f"lighthouse unreachable for {waited:.0f}s (outage timeout "
+                            f"{self.outage_timeout:g}s, "
                             f"{env.FTLAUNCH_LIGHTHOUSE_OUTAGE}): {e}"
                         ) from None
                     if not self._reached() and not self._closed.is_set():

@@ -94,10 +94,15 @@ class QuorumRound:
         # ones, compared by identity): it is made again only when another of its fields changed.
         state = self._state_cache
         if (
-            state is not None and state.prev_missing is missing and state.prev_quorum is prev
-            and state.round_start == self.start and state.prev_quorum_broken == broken
-            and state.next_quorum_id == next_quorum_id and state.groups is groups and state.requests is self._requests
-        ):  # fmt: skip
+            state is not None
+            and state.prev_missing is missing
+            and state.prev_quorum is prev
+            and state.round_start == self.start
+            and state.prev_quorum_broken == broken
+            and state.next_quorum_id == next_quorum_id
+            and state.groups is groups
+            and state.requests is self._requests
+        ):
             return state
         state = self._state_cache = LighthouseState(
             groups=groups,

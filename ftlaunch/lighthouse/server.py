@@ -147,7 +147,8 @@ class LighthouseServer:
             sock.close()
             raise UnauthenticatedBindError(
                 f"lighthouse: refusing to serve on {bind!r} without a job token: anyone who reaches the port "
-                f"could join, stop or poison the job. Pass --token (or set ${FTLAUNCH_TOKEN}; workers read the "
+                f"could join, stop or poison the job. Pass --token (or set ${FTLAUNCH_TOKEN}; workers "
+                "read the "
                 "same variable), or bind 127.0.0.1 / [::1] (docs/security.md)"
             )
         if bound_host in ("0.0.0.0", "::", ""):
@@ -177,7 +178,8 @@ class LighthouseServer:
         self._http.start()
         self._http.call_every(self._tick, self._membership.tick)
         log.info(
-            "lighthouse: serving on %s (min_replicas=%d join_timeout=%.3gs heartbeat_timeout=%.3gs tick=%.3gs "
+            "lighthouse: serving on %s (min_replicas=%d join_timeout=%.3gs heartbeat_timeout=%.3gs "
+            "tick=%.3gs "
             "stragglers=%s token=%s)",
             self._address,
             self._options.min_replicas,
@@ -189,7 +191,8 @@ class LighthouseServer:
         )
         if not self._token:
             log.warning(
-                "lighthouse: no job token: serving loopback only, and any process on this machine can act as a "
+                "lighthouse: no job token: serving loopback only, and any process on this machine "
+                "can act as a "
                 "replica group; admin endpoints are disabled (pass --token or set $%s)",
                 FTLAUNCH_TOKEN,
             )

@@ -78,7 +78,10 @@ class Claimant:
 
 
 def replica_id_for(slot: int, generation: int) -> str:
-    """The lighthouse name of slot ``slot``'s ``generation``-th holder (0: ``rg<slot>``, as without spares)."""
+    """The lighthouse name of slot ``slot``'s ``generation``-th holder.
+
+    0 gives ``rg<slot>``, as without spares.
+    """
     return f"rg{slot}" if generation == 0 else f"rg{slot}.{generation}"
 
 

@@ -152,7 +152,8 @@ class GroupStatus:
 @dataclass(frozen=True)
 class HistoryEvent:
     """One entry of the history: ``joined``, ``quorum``, ``silent``, ``disconnected``, ``failed``,
-    ``revived``, ``left``, ``evicted``, ``failure_report`` or ``refused_finished``; with hot spares also ``claimed`` and
+    ``revived``, ``left``, ``evicted``, ``failure_report`` or ``refused_finished``; with hot spares also
+    ``claimed`` and
     ``replaced``; ``straggler``, ``straggler_cleared`` and ``straggler_replaced`` (docs/lighthouse.md)."""
 
     time: float

@@ -34,10 +34,9 @@ a restart, and a noisy neighbour's burst of a few seconds is not worth one (on a
 machine a group's own work can be twice another's for several seconds). One at a time: the next
 only once the previous one's replacement has committed `StragglerRule.min_steps` steps (it can be
 judged itself) or `REPLACEMENT_TIMEOUT` passed; never when that leaves the quorum below
-``min_replicas``; the slowest first. The membership then hands its slot to a hot spare when one waits (fencing it, as
-for a hung group), else tells it to end its process (as the dashboard's Kill does) so that its
-agent restarts it. ``report`` only shows them (``/status``, ``/metrics``, the dashboard, the
-launcher's summary).
+``min_replicas``; the slowest first. The membership then hands its slot to a hot spare when one waits (fencing
+it, as for a hung group), else tells it to end its process (as the dashboard's Kill does) so that its agent
+restarts it. ``report`` only shows them (``/status``, ``/metrics``, the dashboard, the launcher's summary).
 """
 
 from __future__ import annotations

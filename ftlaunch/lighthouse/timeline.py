@@ -133,8 +133,8 @@ class Series:
     before a stall is a point. ``hold_after``: a sample after a silence longer than that (no sample
     at all) first repeats the last value at its own time, so the line stays flat through the
     silence and jumps, instead of a slope that would claim progress nobody reported (a dead
-    group's reports stop; the first of its restart is far ahead). When full, the points are thinned to half (`thin`); ``capacity`` may be lowered at any
-    time, and the series shrinks at its next point.
+    group's reports stop; the first of its restart is far ahead). When full, the points are thinned to half
+    (`thin`); ``capacity`` may be lowered at any time, and the series shrinks at its next point.
     """
 
     def __init__(self, capacity: int = 512, min_gap: float = 0.0, hold_after: float | None = None) -> None:

@@ -97,7 +97,8 @@ _GLYPHS = {
     TAKEOVER: "<path d='M0,-7L7,0L0,7L-7,0Z' fill='#008080' stroke='#fff' stroke-width='1.5'/>",
     LIGHTHOUSE: "<rect x='-6' y='-7' width='12' height='14' fill='#888' fill-opacity='0.3'/>",
     SLOW: (
-        "<path d='M-6,-7L6,-7L-6,7L6,7Z' fill='#fff' stroke='#b07800' stroke-width='2' stroke-linejoin='round'/>"
+        "<path d='M-6,-7L6,-7L-6,7L6,7Z' fill='#fff' stroke='#b07800' stroke-width='2' "
+        "stroke-linejoin='round'/>"
     ),
     STRAGGLER: (
         f"<path d='M-7,-6L7,-6L0,7Z' fill='{_RED}' stroke='#fff' stroke-width='1.5' stroke-linejoin='round'/>"
@@ -245,7 +246,8 @@ def render(timeline: Timeline, width: int = WIDTH, height: int = HEIGHT) -> str:
         widthpx = 1.75 + 2.0 * (n - 1 - i) if n <= 4 else 2.0
         last_t, last_v = line.points[-1]
         out.append(
-            f"<path class='series' data-line='{escape(line.name)}' d='{_path(frame, line.points)}' fill='none' "
+            f"<path class='series' data-line='{escape(line.name)}' d='{_path(frame, line.points)}' "
+            "fill='none' "
             f"stroke='{colours[line.name]}' stroke-width='{widthpx:g}' stroke-linejoin='round' "
             f"stroke-linecap='round'><title>{escape(line.name)}: step {_num(last_v)} at "
             f"{_num(round(last_t / per, 2))} {unit}</title></path>"
@@ -293,8 +295,10 @@ def _axes(frame: _Frame, unit: str, per: float, ystep: float) -> list[str]:
         k += 1
     out.append("<g class='ticks'>" + "".join(ticks) + "</g>")
     out.append(
-        f"<line x1='{_f(frame.x0)}' x2='{_f(frame.x1)}' y1='{_f(frame.y1)}' y2='{_f(frame.y1)}' stroke='{_MUTED}'/>"
-        f"<line x1='{_f(frame.x0)}' x2='{_f(frame.x0)}' y1='{_f(frame.y0)}' y2='{_f(frame.y1)}' stroke='{_MUTED}'/>"
+        f"<line x1='{_f(frame.x0)}' x2='{_f(frame.x1)}' y1='{_f(frame.y1)}' y2='{_f(frame.y1)}' "
+        f"stroke='{_MUTED}'/>"
+        f"<line x1='{_f(frame.x0)}' x2='{_f(frame.x0)}' y1='{_f(frame.y0)}' y2='{_f(frame.y1)}' "
+        f"stroke='{_MUTED}'/>"
     )
     out.append(
         f"<text class='x-label' x='{_f((frame.x0 + frame.x1) / 2)}' y='{_f(frame.y1 + 36)}' "
@@ -391,14 +395,16 @@ def _legend(
     if any(down_intervals(marks, line.name) for line in timeline.lines):
         items.append(
             (
-                f"<line x1='-9' x2='9' y1='0' y2='0' stroke='{_RED}' stroke-opacity='0.28' stroke-width='10'/>",
+                f"<line x1='-9' x2='9' y1='0' y2='0' stroke='{_RED}' stroke-opacity='0.28' "
+                "stroke-width='10'/>",
                 "down (failure to rejoin)",
             )
         )
     if any(m.kind == SLOW and m.until is not None for m in marks):
         items.append(
             (
-                f"<line x1='-9' x2='9' y1='0' y2='0' stroke='{_AMBER}' stroke-opacity='0.35' stroke-width='10'/>",
+                f"<line x1='-9' x2='9' y1='0' y2='0' stroke='{_AMBER}' stroke-opacity='0.35' "
+                "stroke-width='10'/>",
                 "slowed (while it lasted)",
             )
         )

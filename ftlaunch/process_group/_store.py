@@ -1,4 +1,5 @@
-"""Store clients for process-group rendezvous (addresses "host:port/prefix" are parsed by `ftlaunch.addresses`).
+"""Store clients for process-group rendezvous (addresses "host:port/prefix" are parsed by
+`ftlaunch.addresses`).
 
 Every `configure` gets a fresh, unique prefix on a shared TCPStore, so the keys a backend uses to
 rendezvous can never collide with those of an earlier (possibly half-failed) configuration.

@@ -140,7 +140,8 @@ class ProcessGroupDummy(ProcessGroup):
         for n in outs:  # every peer sends us what we would send ourselves
             if n != mine.shape[0]:
                 raise ValueError(
-                    f"all_to_all_single: output split {n} does not match this rank's own share {mine.shape[0]}"
+                    f"all_to_all_single: output split {n} does not match this rank's own share "
+                    f"{mine.shape[0]}"
                 )
             output[at : at + n].copy_(mine)
             at += n

@@ -359,6 +359,7 @@ class FakeProcessGroup(ProcessGroup):
     ) -> dist.Work:
         if self.rank() != opts.rootRank:
             raise NotImplementedError(
-                "FakeProcessGroup does not simulate scatter on a non-root rank (the root's data is unknown here)"
+                "FakeProcessGroup does not simulate scatter on a non-root rank (the root's data is "
+                "unknown here)"
             )
         return super()._do_scatter(outputs, inputs, opts)

@@ -128,7 +128,8 @@ def rendezvous_of(opts: Any, group_id: str) -> Rendezvous:
     """The rendezvous ``opts`` implies for the member whose group id is ``group_id``.
 
     ValueError when ``opts`` lacks a uuid or handles, a handle is malformed, the first handle's
-    store address (where all meet) is malformed, or ``group_id`` is not among the handles exactly once (a caller that forgot its own handle, or sent it twice).
+    store address (where all meet) is malformed, or ``group_id`` is not among the handles exactly once (a
+    caller that forgot its own handle, or sent it twice).
     """
     uuid = getattr(opts, "uuid", None)
     raw = getattr(opts, "handles", None)
@@ -140,7 +141,8 @@ def rendezvous_of(opts: Any, group_id: str) -> Rendezvous:
     mine = [i for i, h in enumerate(handles) if h.group_id == group_id]
     if len(mine) != 1:
         raise ValueError(
-            f"this group's handle appears {len(mine)} times in ReconfigureOptions.handles (must be exactly once)"
+            f"this group's handle appears {len(mine)} times in ReconfigureOptions.handles (must be "
+            "exactly once)"
         )
     parse_address(handles[0].store, min_port=1)  # ValueError for a malformed address
     ranks = [h.global_rank for h in handles]

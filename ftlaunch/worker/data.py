@@ -394,6 +394,7 @@ class DistributedSampler(Sampler[int]):
         return (
             f"{type(self).__name__}(shard {self.shard_index}/{self.num_shards}: replica_group_id="
             f"{self.replica_group_id}/{self.num_replica_groups}, rank={self.rank}/{self.num_replicas}, "
-            f"len={self.num_samples}, epoch={self._epoch}, position={self._position}, shuffle={self.shuffle}, "
+            f"len={self.num_samples}, epoch={self._epoch}, position={self._position}, "
+            f"shuffle={self.shuffle}, "
             f"seed={self.seed}, drop_last={self.drop_last})"
         )

@@ -306,8 +306,10 @@ class ExactlyOnceSampler(Sampler[int]):
         if cur.per_step is not None and drawn < cur.per_step and not self._warned_short:
             self._warned_short = True
             logger.warning(
-                "[%s/r%d step %d] ExactlyOnceSampler: drew %d samples for this step, fewer than the %d of the "
-                "job's first: if this is a DataLoader with worker processes, it draws batches ahead of the steps "
+                "[%s/r%d step %d] ExactlyOnceSampler: drew %d samples for this step, fewer than the "
+                "%d of the "
+                "job's first: if this is a DataLoader with worker processes, it draws batches ahead "
+                "of the steps "
                 "that train them and samples are trained twice or not at all wherever the groups change: %s",
                 self._manager.replica_id, self.rank, cur.step, drawn, cur.per_step, _LOOP_SHAPE,
             )  # fmt: skip
@@ -382,8 +384,10 @@ class ExactlyOnceSampler(Sampler[int]):
                 return
             if e < current:
                 logger.warning(
-                    "set_epoch(%d) ignored: every sample of epoch %d is trained, the sampler is at epoch %d (a "
-                    "heal loaded it, or the loop counts epochs itself); iterate `for epoch in sampler.epochs(n)`",
+                    "set_epoch(%d) ignored: every sample of epoch %d is trained, the sampler is at "
+                    "epoch %d (a "
+                    "heal loaded it, or the loop counts epochs itself); iterate `for epoch in "
+                    "sampler.epochs(n)`",
                     e, e, current,
                 )  # fmt: skip
                 return
@@ -504,7 +508,8 @@ class ExactlyOnceSampler(Sampler[int]):
     def __repr__(self) -> str:
         epoch, position = sample_pool.frontier(self._cursor.pool, self.dataset_len)
         return (
-            f"{type(self).__name__}(replica_group={self.replica_group}, rank={self.rank}/{self.num_replicas}, "
+            f"{type(self).__name__}(replica_group={self.replica_group}, "
+            f"rank={self.rank}/{self.num_replicas}, "
             f"len(dataset)={self.dataset_len}, epoch={epoch}, position={position}, "
             f"per_step={self._cursor.per_step}, shuffle={self.shuffle}, seed={self.seed})"
         )

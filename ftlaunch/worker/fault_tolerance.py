@@ -197,7 +197,8 @@ class FaultTolerance:
             hsdp.average_across_groups(self.manager, model)
         if not isinstance(self.checkpoint_transport, PGTransport):
             raise ConfigurationError(
-                f"sharded state heals over the pg transport (rank r from rank r); transport={self.transport!r} "
+                "sharded state heals over the pg transport (rank r from rank r); "
+                f"transport={self.transport!r} "
                 "cannot carry DTensors: use ftlaunch.init(transport='pg') (the default)"
             )
         self.checkpoint_transport.device_mesh = mesh
@@ -212,8 +213,10 @@ class FaultTolerance:
             self.registered = InitState(Registered.MODEL, model, optimizer)
         elif self.registered.other_than(model, optimizer):
             raise ConfigurationError(
-                "ftlaunch.init() was given another model/optimizer than ft.wrap(): for HSDP call ftlaunch.init() "
-                "without them (the optimizer must be created after sharding); ft.wrap registers them for healing"
+                "ftlaunch.init() was given another model/optimizer than ft.wrap(): for HSDP call "
+                "ftlaunch.init() "
+                "without them (the optimizer must be created after sharding); ft.wrap registers them "
+                "for healing"
             )
         layout = hsdp.layout_of(model)
         self.manager.require_same_layout(layout.digest, layout.text)
@@ -253,8 +256,9 @@ class FaultTolerance:
         """DiLoCo across the replica groups; Streaming DiLoCo with ``fragments`` > 1.
 
         ``fragments``: a number (``model``'s parameters split into that many contiguous fragments,
-        `ftlaunch.worker.fragments.split_fragments`) or the fragment modules themselves. What is not passed comes from the
-        environment (``FTLAUNCH_SYNC_EVERY``, ``FTLAUNCH_FRAGMENTS``, ``FTLAUNCH_FRAGMENT_SYNC_DELAY``,
+        `ftlaunch.worker.fragments.split_fragments`) or the fragment modules themselves. What is not passed
+        comes from the environment (``FTLAUNCH_SYNC_EVERY``, ``FTLAUNCH_FRAGMENTS``,
+        ``FTLAUNCH_FRAGMENT_SYNC_DELAY``,
         ``FTLAUNCH_FRAGMENT_UPDATE_ALPHA``, ``FTLAUNCH_QUANTIZE``: what ``torchx run ftlaunch:diloco``
         sets), else the defaults: 100 steps, 1 fragment, no overlap, alpha 0, full precision.
         Other keyword arguments go to `ftlaunch.DiLoCo`.

@@ -14,7 +14,8 @@ from ftlaunch.worker.sync_point import Buckets, local_view
 
 
 class Fragment:
-    """One model fragment: its global (outer) parameters, kept on ``backup_device``, and its outer optimizer."""
+    """One model fragment: its global (outer) parameters, kept on ``backup_device``, and its
+    outer optimizer."""
 
     def __init__(self, module: nn.Module, outer: torch.optim.Optimizer, backup_device: torch.device,
                  pin_memory: bool) -> None:  # fmt: skip

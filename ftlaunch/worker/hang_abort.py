@@ -10,12 +10,16 @@ changes -- forms without the lost group (or with a hot spare in its place).
 
 Only the quorum in use is aborted: a stale answer (an older quorum id: the group already moved on)
 is ignored, and each quorum is aborted at most once. The abort comes only once an op of the step
-has been pending for `protocol.BLOCKED_FOR` -- seen by a wait of ours (`watch`), or by a thread the notice starts
-(DDP's backward waits for the allreduces itself) -- not from the notice alone: a crashed peer (also "lost") makes the
+has been pending for `protocol.BLOCKED_FOR` -- seen by a wait of ours (`watch`), or by a thread the notice
+starts
+(DDP's backward waits for the allreduces itself) -- not from the notice alone: a crashed peer (also "lost")
+makes the
 collectives fail at once by itself, and aborting then would only replace a Baby child that is still
 usable. A configure in flight is aborted at once (the Manager's `stuck`): it cannot complete
-without every participant. It runs on a thread of its own, never on the heartbeat thread: a plain Gloo abort can
-block, and a heartbeat that waited for it would make this group silent in turn. `use` (the Manager's reconfigure) and an abort
+without every participant. It runs on a thread of its own, never on the heartbeat thread: a plain Gloo abort
+can
+block, and a heartbeat that waited for it would make this group silent in turn. `use` (the Manager's
+reconfigure) and an abort
 exclude each other, so an abort never lands on the group built for the next quorum.
 A member that is slow but still heartbeats is live to the lighthouse: no abort.
 

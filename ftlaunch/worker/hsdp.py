@@ -114,7 +114,8 @@ def mesh_of(model: nn.Module) -> DeviceMesh:
         raise ConfigurationError("nothing in the model is sharded: call fully_shard (or ft.shard) first")
     if len(meshes) != 1:
         raise ConfigurationError(
-            f"the model's parameters live on {len(meshes)} device meshes; fault-tolerant HSDP needs exactly one"
+            f"the model's parameters live on {len(meshes)} device meshes; fault-tolerant HSDP needs "
+            "exactly one"
         )
     return next(iter(meshes.values()))
 
@@ -181,8 +182,9 @@ class ShardedState:
     Use it instead of ``model.state_dict()`` in the functions you give the Manager. The Manager may
     read the state on its quorum thread while the forward pass runs (a healer sizing what it will
     receive; LocalSGD and DiLoCo serving their live state), and FSDP2's state-dict pre-hook reshards
-    parameters (frees the gathered ones) that the forward pass may be using at that moment. This reads the sharded parameters FSDP keeps -- the DTensors the optimizer updates,
-    captured here on the calling thread -- and touches nothing; loading goes through
+    parameters (frees the gathered ones) that the forward pass may be using at that moment. This reads the
+    sharded parameters FSDP keeps -- the DTensors the optimizer updates, captured here on the calling thread
+    -- and touches nothing; loading goes through
     ``model.load_state_dict`` and runs on the training thread (after the commit vote).
     Build it after sharding, before training.
     """
@@ -200,7 +202,8 @@ class ShardedState:
     def state_dict(self) -> dict[str, Any]:
         buffers = dict(self.model.named_buffers(remove_duplicate=False))
         state: dict[str, Any] = {"model": {
-            **{k: p.detach() for k, p in self._params.items()}, **{k: buffers[k].detach() for k in self._buffer_keys}
+            **{k: p.detach() for k, p in self._params.items()},
+            **{k: buffers[k].detach() for k in self._buffer_keys}
         }}  # fmt: skip
         if self.optimizer is not None:
             state["optim"] = self.optimizer.state_dict()

@@ -376,7 +376,8 @@ class DiLoCo(_Hooked):
                 self._syncs += 1
         if sync.lost_lineage:
             _log(self._manager).warning(
-                "this group's global parameters descend from other ones than the job's: it heals at the next sync"
+                "this group's global parameters descend from other ones than the job's: it heals at "
+                "the next sync"
             )
             self._manager.load_state_dict({"step": 0, "batches_committed": self._manager.batches_committed()})
         if sync.kind == SYNC and sync.fragment is None:

@@ -251,7 +251,10 @@ class ManagedGang(Gang):
             state = "closed" if self._closed else "before the first step"
             return f"ManagedGang({state}, device={self._device})"
         pg = self._manager.pg
-        return f"ManagedGang(rank={pg.rank()}, size={pg.size()}, step={self._manager.current_step()}, device={self._device})"
+        return (
+            f"ManagedGang(rank={pg.rank()}, size={pg.size()}, step={self._manager.current_step()}, "
+            f"device={self._device})"
+        )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -157,11 +157,14 @@ class Manager:
         parts = defaults.manager_parts(
             pg, load_state_dict, state_dict, min_replica_size=min_replica_size,
             use_async_quorum=use_async_quorum, timeout=timeout, quorum_timeout=quorum_timeout,
-            connect_timeout=connect_timeout, rank=rank, world_size=world_size, world_size_mode=world_size_mode,
-            store_addr=store_addr, store_port=store_port, lighthouse_addr=lighthouse_addr, replica_id=replica_id,
+            connect_timeout=connect_timeout, rank=rank, world_size=world_size,
+            world_size_mode=world_size_mode,
+            store_addr=store_addr, store_port=store_port, lighthouse_addr=lighthouse_addr,
+            replica_id=replica_id,
             port=port, hostname=hostname, heartbeat_interval=heartbeat_interval,
             checkpoint_transport=checkpoint_transport, init_sync=init_sync, max_retries=max_retries,
-            quorum_retries=quorum_retries, token=token, heal_timeout=heal_timeout, commit_timeout=commit_timeout,
+            quorum_retries=quorum_retries, token=token, heal_timeout=heal_timeout,
+            commit_timeout=commit_timeout,
             timeouts=timeouts, quorum_client=quorum_client, group_store=group_store, worker_env=worker_env,
         )  # fmt: skip
         self._assemble(parts)
@@ -212,7 +215,8 @@ class Manager:
         self._link = LeaderLink(
             parts.client, s.replica_id, heartbeat_interval=s.heartbeat_interval,
             progress_limit=progress_timeout(s.timeouts.collective, s.worker_env.progress_timeout),
-            in_flight=self._quorum_in_flight, hang_abort=self._hang_abort, blocked=self._blocked, logger=self.log,
+            in_flight=self._quorum_in_flight, hang_abort=self._hang_abort, blocked=self._blocked,
+            logger=self.log,
         )  # fmt: skip
         self._progress = self._link.progress
         self._round = StepQuorum(

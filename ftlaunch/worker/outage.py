@@ -9,9 +9,9 @@ The rule, decided by each group leader alone (`LastQuorumSteps.ask`): when the l
 reached for `UNREACHABLE_AFTER` seconds and this group's last step *committed* on a *complete,
 healthy* quorum (every group a participant, all at the same step, nobody healing, no layout
 conflict) -- or on a complete quorum in which some groups healed, then with every member at the step
-they all reached (`after_heal`) -- the group steps on that quorum again: the leader returns it as the step's quorum, so the
-group's other ranks (through the group store) and `plan_step` see exactly what they saw last step,
-the quorum id does not change and the process group is not reconfigured.
+they all reached (`after_heal`) -- the group steps on that quorum again: the leader returns it as the step's
+quorum, so the group's other ranks (through the group store) and `plan_step` see exactly what they saw last
+step, the quorum id does not change and the process group is not reconfigured.
 
 Why it is safe -- a step commits only if every participant of the quorum's process group votes for
 it in the same collectives (worker/commit.py), so:
@@ -37,10 +37,10 @@ at the next probe every member asks the lighthouse, which forms at once (it adop
 reports, lighthouse/resume.py). The same short wait holds for a group that is not in
 outage mode yet whose lighthouse was unreachable since its last quorum: it met the outage only after
 the lighthouse came back (it was SIGSTOPped while its peers stepped on) and parks while they wait in
-a collective for it; with no outage seen it asks again for the rest of the quorum timeout. In outage mode a group tries the lighthouse only every
-`PROBE_EVERY` steps, with one connection attempt: all members are at the same step, so they try
-together, and the steps between cost nothing. Quorum ids stay above every reported one, and the step
-each group reports is the one it reached, so nothing is committed twice or lost.
+a collective for it; with no outage seen it asks again for the rest of the quorum timeout. In outage mode a
+group tries the lighthouse only every `PROBE_EVERY` steps, with one connection attempt: all members are at the
+same step, so they try together, and the steps between cost nothing. Quorum ids stay above every reported one,
+and the step each group reports is the one it reached, so nothing is committed twice or lost.
 
 ``FTLAUNCH_OUTAGE_STEPS=off`` turns it off (the groups wait for the lighthouse instead).
 """
@@ -150,7 +150,8 @@ class LastQuorumSteps:
             # In outage mode one connection attempt: the lighthouse is known to have been down.
             give_up = 0.0 if self.in_outage else self.unreachable_after
             try:
-                quorum = quorum_request.ask_lighthouse(client, request, retries, wait, log, give_up_after=give_up,
+                quorum = quorum_request.ask_lighthouse(client, request, retries, wait, log,
+                                                       give_up_after=give_up,
                                                        final=(QuorumTimeoutError,))  # fmt: skip
             except LighthouseUnavailableError as e:
                 return self._step_on(fallback, f"lighthouse unreachable ({e})", log)
@@ -161,7 +162,8 @@ class LastQuorumSteps:
                     raise
                 quorum = self._ask_again(client, request, retries, timeout - wait, fallback, log)
             if self.in_outage:
-                log.info("lighthouse back: quorum %d after %d step(s) on quorum %d", quorum.quorum_id, self.steps,
+                log.info("lighthouse back: quorum %d after %d step(s) on quorum %d", quorum.quorum_id,
+                         self.steps,
                          fallback.quorum_id)  # fmt: skip
             self.in_outage = False
         self._current = quorum
@@ -187,7 +189,8 @@ class LastQuorumSteps:
 
     def _step_on(self, quorum: Quorum, why: str, log: logging.LoggerAdapter[Any]) -> Quorum:
         if not self.in_outage:
-            log.warning("%s: stepping on the last quorum %d (%d groups) until it is back", why, quorum.quorum_id,
+            log.warning("%s: stepping on the last quorum %d (%d groups) until it is back", why,
+                        quorum.quorum_id,
                         len(quorum.participants))  # fmt: skip
         self.in_outage = True
         self.steps += 1

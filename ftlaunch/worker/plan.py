@@ -10,10 +10,11 @@ rejoining groups spreads its load over every healthy group.
 Heal sources serve a snapshot (`STAGED_KEY`): the state they committed, copied at the commit boundary
 (`worker/committed.py`), never the training tensors, which the next forward pass changes (BatchNorm
 statistics) while a heal reads them. Copying costs a pass over the state, so a group snapshots only
-when a heal is due (`snapshot_due`: the step it last planned left a group behind); a healer that first shows up in a quorum without a snapshotted source waits that one step
-(`StepPlan.waits`: it takes part with zero gradients, commits nothing) while its sources commit it and
-snapshot its end, and heals in the next. Training loops that hold their state still while a quorum is
-taken (LocalSGD, DiLoCo: a sync point) serve their live state at every quorum instead.
+when a heal is due (`snapshot_due`: the step it last planned left a group behind); a healer that first shows
+up in a quorum without a snapshotted source waits that one step (`StepPlan.waits`: it takes part with zero
+gradients, commits nothing) while its sources commit it and snapshot its end, and heals in the next. Training
+loops that hold their state still while a quorum is taken (LocalSGD, DiLoCo: a sync point) serve their live
+state at every quorum instead.
 
 Heal sources must agree (`CLAIM_KEY`): each snapshotted group at the quorum's highest step claims, in
 its quorum data, a checksum of the state it serves (one per group rank). Healers copy only from sources

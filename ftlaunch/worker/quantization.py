@@ -122,7 +122,8 @@ def dequantize(
 
 
 def encode(x: torch.Tensor, chunks: int, bits: Bits, block_size: int = BLOCK_SIZE) -> torch.Tensor:
-    """``x`` (1-D, ``chunks`` x whole blocks) as ``chunks`` rows of bytes: each row its scales, then its codes."""
+    """``x`` (1-D, ``chunks`` x whole blocks) as ``chunks`` rows of bytes: each row its scales,
+    then its codes."""
     codes, scales = quantize(x, bits, block_size)
     return torch.cat([scales.reshape(chunks, -1).view(torch.uint8), codes.reshape(chunks, -1)], dim=1)
 

@@ -10,7 +10,8 @@ or ``rg1.1`` for the slot's next holder: the old name is fenced, so a holder tha
 is refused and restarts as a spare).
 
 Every rank of the group claims under one name (``g<group>.<restart>``, e.g. ``g2.0``: the same for
-all its ranks, new for every restart of the group), so all ranks get the same slot without talking to each other.
+all its ranks, new for every restart of the group), so all ranks get the same slot without talking to each
+other.
 """
 
 from __future__ import annotations

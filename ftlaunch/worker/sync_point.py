@@ -71,7 +71,8 @@ def wait(work: Any) -> None:
 
 
 class Buckets:
-    """Flat buffers with room for ``tensors`` (not filled), at most ``cap_mb`` each, one dtype and device each.
+    """Flat buffers with room for ``tensors`` (not filled), at most ``cap_mb`` each, one dtype and device
+    each.
 
     ``views[i]`` is tensor ``i``'s place in its buffer, shaped like it. ``cap_mb=None`` gives each
     tensor its own buffer (one collective per tensor, as torchft without bucketization).

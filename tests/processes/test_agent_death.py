@@ -45,7 +45,8 @@ def test_a_stopped_standby_ends_without_the_interpreters_teardown(tmp_path: Path
     path, log = str(tmp_path / "z.sock"), tmp_path / "ph.jsonl"
     run_env = {**os.environ, "PYTHONPATH": f"{site}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                env.FTLAUNCH_PHASE_LOG: str(log)}  # fmt: skip
-    zygote = subprocess.Popen([sys.executable, "-u", "-m", "ftlaunch.bootstrap.zygote", path], stdin=subprocess.DEVNULL,
+    zygote = subprocess.Popen([sys.executable, "-u", "-m", "ftlaunch.bootstrap.zygote", path],
+                              stdin=subprocess.DEVNULL,
                               stdout=subprocess.PIPE, env=run_env)  # fmt: skip
     try:
         deadline = time.monotonic() + 100

@@ -18,7 +18,8 @@ from ftlaunch.launcher.agent import EventWriter, WorkerWatcher
 
 
 def _worker(rank: int) -> subprocess.Popen[bytes]:
-    worker_env = {**os.environ, "TORCHELASTIC_RUN_ID": "watcher-test", "RANK": str(rank), "LOCAL_RANK": str(rank),
+    worker_env = {**os.environ, "TORCHELASTIC_RUN_ID": "watcher-test", "RANK": str(rank),
+                  "LOCAL_RANK": str(rank),
                   "TORCHELASTIC_RESTART_COUNT": "0"}  # fmt: skip
     return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], env=worker_env)
 

@@ -278,8 +278,8 @@ def test_a_bad_log_level_is_one_line(
     err = capsys.readouterr().err
     assert exit_.value.code == 2
     assert (
-        err
-        == "ftlaunch: error: environment variable LOGLEVEL='chatty' is not one of debug, info, warning, error, critical\n"
+        err == "ftlaunch: error: environment variable LOGLEVEL='chatty' is not one of debug, info, warning, "
+        "error, critical\n"
     )
 
 

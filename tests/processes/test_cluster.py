@@ -289,7 +289,8 @@ def test_hot_spare_across_hosts(make_cluster, tmp_path: Path) -> None:
     spare on another node, which heals there and trains; every group ends equal."""
     c = make_cluster(4)
     job = jobs.submit_torchx(
-        ["ftlaunch:ddp", "--replicas", "2", "--spares", "1", "--script", jobs.TRAIN, "--", "--steps", str(STEPS),
+        ["ftlaunch:ddp", "--replicas", "2", "--spares", "1", "--script", jobs.TRAIN, "--", "--steps",
+         str(STEPS),
          "--step-sleep", STEP_SLEEP, *TRAIN_ARGS],
         cwd=str(tmp_path), env=c.env,
     )  # fmt: skip
@@ -319,7 +320,8 @@ def test_lighthouse_on_a_node_of_its_own(make_cluster, tmp_path: Path) -> None:
     lh = jobs.start_lighthouse(c, 1, 29511, env, tmp_path / "lighthouse.log")
     try:
         job = jobs.submit_torchx(
-            ["ftlaunch:ddp", "--replicas", "2", "--lighthouse", f"{node_name(1)}:29511", "--script", jobs.TRAIN,
+            ["ftlaunch:ddp", "--replicas", "2", "--lighthouse", f"{node_name(1)}:29511", "--script",
+             jobs.TRAIN,
              "--", "--steps", "40", "--step-sleep", "0.2", *TRAIN_ARGS],
             cwd=str(tmp_path), env=env,
         )  # fmt: skip

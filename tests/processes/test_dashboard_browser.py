@@ -234,10 +234,12 @@ def test_the_picture_redraws_in_place_as_the_lighthouse_learns(chromium, live_jo
             const marks = [...svg.querySelectorAll('g.mark')].map(g => {
                 const r = g.getBoundingClientRect(), x = r.left + r.width / 2, y = r.top + r.height / 2;
                 return [g.dataset.kind, g.dataset.line,
-                        x >= area.left - 1 && x <= area.right + 1 && y >= area.top - 1 && y <= area.bottom + 1];
+                        x >= area.left - 1 && x <= area.right + 1 && \
+y >= area.top - 1 && y <= area.bottom + 1];
             });
             const rg0 = svg.querySelector('path.series[data-line="rg0"]');
-            return {marks, rg0: rg0.getAttribute('d').split('L').length, loaded: window.__loaded = window.__loaded || Date.now()};
+            return {marks, rg0: rg0.getAttribute('d').split('L').length, \
+loaded: window.__loaded = window.__loaded || Date.now()};
         })()"""
         deadline = time.monotonic() + 30
         while (before := evaluate(picture)) is None:
@@ -389,7 +391,8 @@ def test_evict_button_sends_the_token_the_user_types(chromium, live_lighthouse) 
             document.getElementById('token').value = %s;
             document.querySelector('button[data-action="evict"][data-replica="rg0"]').click();
             const t0 = Date.now();
-            (function poll() { out.textContent || Date.now() - t0 > 10000 ? done(out.textContent) : setTimeout(poll, 50); })();
+            (function poll() { out.textContent || Date.now() - t0 > 10000 \
+? done(out.textContent) : setTimeout(poll, 50); })();
         })"""
         assert "HTTP 403" in str(evaluate(click % "'not-the-token'"))  # the lighthouse checks what was typed
         assert server.snapshot().group("rg0") is not None

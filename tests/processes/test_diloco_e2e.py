@@ -20,7 +20,8 @@ TORCHX = [sys.executable, "-m", "torchx.cli.main"]
 def test_ftlaunch_three_groups_with_chaos_end_bit_identical() -> None:
     # Kills at syncs 15 and 40 of 100 (chaos counts the Manager's steps: one per sync point): each
     # victim is back (process start, join, heal) long before the others finish.
-    res = run([*FTLAUNCH, "--replicas", "3", "--max-restarts", "5", "--no-status", "--chaos", "steps=15/40,seed=3",
+    res = run([*FTLAUNCH, "--replicas", "3", "--max-restarts", "5", "--no-status", "--chaos",
+               "steps=15/40,seed=3",
                TRAIN, "--steps", "2000", "--step-sleep", "0.01"], timeout=280)  # fmt: skip
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
     sums = checksums(res.stdout)
@@ -115,7 +116,8 @@ def test_diloco_component_rejects_settings_that_cannot_work(args: list[str], mat
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_torchx_local_cwd_streaming_diloco_two_workers_per_group_end_identical() -> None:
-    res = run([*TORCHX, "run", "-s", "local_cwd", "ftlaunch:diloco", "--replicas", "2", "--workers_per_replica", "2",
+    res = run([*TORCHX, "run", "-s", "local_cwd", "ftlaunch:diloco", "--replicas", "2",
+               "--workers_per_replica", "2",
                "--sync_every", "10", "--fragments", "2", "--fragment_sync_delay", "1", "--quantize", "8",
                "--script", TRAIN, "--", "--steps", "60", "--width", "32"], timeout=280, cwd=REPO)  # fmt: skip
     text = res.stdout + res.stderr

@@ -50,7 +50,8 @@ def _lighthouse(min_replicas: int = 1) -> LighthouseServer:
     """A lighthouse that waits up to 10 s for a straggler: on a loaded machine groups drift apart by
     more than a second, and a quorum that leaves one out near the end would leave it to do its last
     sync alone. (A dead group leaves the live set at once, so a kill costs no wait.)"""
-    return LighthouseServer("127.0.0.1:0", min_replicas=min_replicas, join_timeout=10.0, heartbeat_timeout=5.0,
+    return LighthouseServer("127.0.0.1:0", min_replicas=min_replicas, join_timeout=10.0,
+                            heartbeat_timeout=5.0,
                             quorum_tick=0.05)  # fmt: skip
 
 

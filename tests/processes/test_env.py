@@ -280,7 +280,8 @@ def test_the_scans_find_each_kind_of_read() -> None:
     tree = ast.parse(
         "import os\nfrom os import getenv\nfrom ftlaunch import env\n"
         "def f(p):\n    os.environ.get('X'); os.getenv('Y'); p.environ()\n"
-        "class C:\n    def g(self):\n        return env.flag(env.FTLAUNCH_ZYGOTE, True), text('FTLAUNCH_TOKEN')\n"
+        "class C:\n    def g(self):\n        return env.flag(env.FTLAUNCH_ZYGOTE, True), "
+        "text('FTLAUNCH_TOKEN')\n"
     )
     access = {(scope, what) for _, scope, what in _environ_access(tree)}
     assert access == {
@@ -442,7 +443,8 @@ _HOOK_SCRIPT = """\
 import sys, ftlaunch
 from ftlaunch.errors import install_brief_errors
 seen = []
-sys.excepthook = lambda *exc: seen.append(exc[0].__name__) or print("script's hook:", exc[0].__name__, file=sys.stderr)
+sys.excepthook = lambda *exc: seen.append(exc[0].__name__) or \
+print("script's hook:", exc[0].__name__, file=sys.stderr)
 install_brief_errors()  # what ftlaunch.init() does first
 try:
     ftlaunch.init()

@@ -4,9 +4,10 @@ A group killed while it heals (as the receiver, and its source), both non-leader
 once, a Baby child killed under a training Manager, one rank of a two-rank group SIGSTOPped, and the
 ``ftlaunch`` supervisor SIGKILLed (nothing of the job may outlive it). Each run must end with every
 group bit-identical and the survivors committing throughout. The hung-training-thread case is in
-tests/processes/test_progress_watchdog.py, the lighthouse's death in tests/processes/test_lighthouse_restart_e2e.py;
-corrupted and truncated heal payloads are rejected by tests/processes/test_checkpointing_http.py and
-tests/unit/test_checkpointing_serialization.py, and a failed heal is not committed
+tests/processes/test_progress_watchdog.py, the lighthouse's death in
+tests/processes/test_lighthouse_restart_e2e.py; corrupted and truncated heal payloads are rejected by
+tests/processes/test_checkpointing_http.py and tests/unit/test_checkpointing_serialization.py, and a failed
+heal is not committed
 (tests/unit/test_manager_protocol.py::test_a_failed_heal_is_not_committed_and_loads_nothing).
 """
 

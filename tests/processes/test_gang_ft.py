@@ -71,7 +71,8 @@ def test_gangs_with_two_workers_per_group_shard_inside_and_replicate_across(tmp_
     """sdp is a real gloo gang of the group's two workers; dp = rdp x sdp spans 4 processes."""
     res = run(
         [*FTLAUNCH, "--replicas", "2", "--nproc-per-node", "2", "--max-restarts", "3",
-         "--chaos", "steps=15,seed=3", WORKER, "--out", str(tmp_path), "--steps", "60", "--step-sleep", "0.1"],
+         "--chaos", "steps=15,seed=3", WORKER, "--out", str(tmp_path), "--steps", "60", "--step-sleep",
+         "0.1"],
         timeout=290,
     )  # fmt: skip
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]

@@ -35,7 +35,8 @@ def heal_and_end_identical(
 ) -> None:
     hold = tmp_path / "hold"  # while it exists, the survivor steps slowly: it cannot finish alone
     args = ["--steps", str(STEPS), "--model", model, "--same-data", "--transport", transport,
-            "--step-sleep", "0.02", "--hold-file", str(hold), "--timeout", "20", "--max-seconds", "200"]  # fmt: skip
+            "--step-sleep", "0.02", "--hold-file", str(hold), "--timeout", "20", "--max-seconds",
+            "200"]  # fmt: skip
     with LighthouseServer(
         "127.0.0.1:0", min_replicas=1, join_timeout=5.0, heartbeat_timeout=5.0, quorum_tick=0.05
     ).start() as lh:
@@ -94,7 +95,8 @@ def test_a_batchnorm_model_under_ftlaunch_heals_and_the_summary_says_bit_identic
     default transport. The victim heals at once, and the summary compares what the groups share --
     parameters and optimizer state; each group's BatchNorm statistics follow its own data, as each
     replica's do in torch's DDP -- so it says 2/2 bit-identical, as the script's own checksums do."""
-    res = run([*FTLAUNCH, "--replicas", "2", "--no-status", "--chaos", "steps=15,group=1", "scripts/train_ddp.py",
+    res = run([*FTLAUNCH, "--replicas", "2", "--no-status", "--chaos", "steps=15,group=1",
+               "scripts/train_ddp.py",
                "--model", "bn-cnn", "--steps", "60", "--step-sleep", "0.05"], timeout=280)  # fmt: skip
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
     sums = checksums(res.stdout)

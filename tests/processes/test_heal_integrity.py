@@ -87,7 +87,8 @@ def test_a_source_that_serves_other_state_than_it_claimed_heals_nobody(
     Before claims, rg2 took rg0's poison and ended with other weights."""
     steps = 300  # long enough for the late group's process to start on a loaded machine
     gs = [Group(0, 1, lighthouse.address, tmp_path,
-                ["--steps", str(steps), "--tamper", "poison", "--tamper-from-step", "3", "--tamper-times", "-1",
+                ["--steps", str(steps), "--tamper", "poison", "--tamper-from-step", "3", "--tamper-times",
+                 "-1",
                  *ARGS]),
           Group(1, 1, lighthouse.address, tmp_path, ["--steps", str(steps), *ARGS])]  # fmt: skip
     groups.extend(gs)

@@ -186,7 +186,8 @@ def test_the_summary_names_the_check_and_its_last_line() -> None:
     )
     assert health_lines(status.health) == [
         "[ftlaunch] health check of rg1 failed 2 time(s), then passed (the group joined): hc",
-        "[ftlaunch] WARNING: health check of rg2 still failing at the end (7 failure(s); the group stayed out): "
+        "[ftlaunch] WARNING: health check of rg2 still failing at the end (7 failure(s); the group "
+        "stayed out): "
         "hc: GPU 0: ECC error",
     ]
     assert LighthouseStatus.from_json(status.to_json()).health == status.health

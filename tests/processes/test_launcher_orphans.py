@@ -25,7 +25,8 @@ import subprocess, sys, time
 from ftlaunch.launcher import procs
 from ftlaunch.lifetime import on_exit
 worker = subprocess.Popen([sys.executable, "-c",
-    "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(120)"],
+    "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); \
+time.sleep(120)"],
     stdout=subprocess.PIPE, start_new_session=True)
 worker.stdout.readline()
 on_exit(int(sys.argv[1]), lambda: procs.end_descendants(1.0))

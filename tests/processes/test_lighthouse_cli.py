@@ -118,7 +118,8 @@ def test_the_straggler_policy_from_the_flag_or_the_environment():
         MODULE_CMD, capture_output=True, text=True, timeout=60, env={**env, "FTLAUNCH_STRAGGLERS": "evict"}
     )
     assert bad.returncode == 1 and bad.stderr.strip().splitlines() == [
-        "ftlaunch-lighthouse: error: environment variable FTLAUNCH_STRAGGLERS='evict' is not one of report, replace"
+        "ftlaunch-lighthouse: error: environment variable FTLAUNCH_STRAGGLERS='evict' is not one of "
+        "report, replace"
     ]
 
 

@@ -202,7 +202,8 @@ def test_survivor_of_a_sigstopped_peer_goes_on_without_waiting_out_the_collectiv
         # then waits in that vote for it, and the SIGSTOP lands there (not between steps, where the
         # survivor would wait at the lighthouse, which drops a silent group by itself). By step 40
         # both groups train together (whichever started first, the other healed from it).
-        gs = [Group(i, 1, lh.address, tmp_path, args + (["--hang-at-step", "40", "--hang-seconds", "2"] if i else []))
+        gs = [Group(i, 1, lh.address, tmp_path, args + (["--hang-at-step", "40", "--hang-seconds",
+                                                         "2"] if i else []))
               for i in range(2)]  # fmt: skip
         groups.extend(gs)
         for g in gs:

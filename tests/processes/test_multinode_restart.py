@@ -56,7 +56,10 @@ def test_a_two_node_group_restarts_and_rejoins(tmp_path: Path) -> None:
     script = [TRAIN, "--steps", str(STEPS), "--width", "32", "--step-sleep", "0.3", "--timeout", "30"]
     logs = [tmp_path / name for name in ("g0.log", "g1a.log", "g1b.log")]
     conf0 = "replica_group_id=0,num_replica_groups=2,start_lighthouse=false"
-    conf1 = f"replica_group_id=1,num_replica_groups=2,start_lighthouse=false,group_endpoint=127.0.0.1:{group_port}"
+    conf1 = (
+        "replica_group_id=1,num_replica_groups=2,start_lighthouse=false,"
+        f"group_endpoint=127.0.0.1:{group_port}"
+    )
     # Both groups have two workers (rank r of each group shares a shard): group 0 on one node,
     # group 1 on two nodes of one worker each.
     one_node = ["--nproc-per-node", "2", "--rdzv-conf", conf0]

@@ -46,7 +46,8 @@ if early:
     import torch.distributed as dist
     from datetime import timedelta
     from ftlaunch.process_group import ProcessGroupBabyGloo
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, \
+timeout=timedelta(seconds=30))
     pg = ProcessGroupBabyGloo(timeout=30.0)
     out["adopted"] = pg.child_pid
     pg.wait_ready()

@@ -130,7 +130,8 @@ def test_a_worker_importing_the_lighthouse_client_does_not_load_the_server() -> 
         "from ftlaunch.lighthouse import LighthouseClient, QuorumMember\n"
         "import ftlaunch.lighthouse.reconnect\n"
         "server = {'asyncio', 'ftlaunch.lighthouse.server', 'ftlaunch.lighthouse.transport',\n"
-        "          'ftlaunch.lighthouse.connection', 'ftlaunch.lighthouse.routes', 'ftlaunch.lighthouse.membership'}\n"
+        "          'ftlaunch.lighthouse.connection', 'ftlaunch.lighthouse.routes', "
+        "'ftlaunch.lighthouse.membership'}\n"
         "sys.exit(', '.join(sorted(server & set(sys.modules))) or 0)\n"
     )
     done = subprocess.run([sys.executable, "-c", code], timeout=60, capture_output=True, text=True)

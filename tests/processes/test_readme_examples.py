@@ -96,7 +96,8 @@ def test_demo_trains_without_numpy_and_tags_each_line_once(tmp_path) -> None:
     assert "Traceback" not in out and "Numpy is not available" not in out
     numpy_lines = [line for line in out.splitlines() if "numpy" in line.lower()]
     assert numpy_lines and all("Failed to initialize NumPy" in line for line in numpy_lines), numpy_lines
-    # Each worker line names its group and rank once: torchelastic's prefix, not the script's or the Manager's.
+    # Each worker line names its group and rank once: torchelastic's prefix, not the script's or the
+    # Manager's.
     worker_lines = [line for line in out.splitlines() if re.match(r"\[rg\d/r\d\]", line)]
     assert any("[step " in line for line in worker_lines)
     for line in worker_lines:

@@ -263,7 +263,8 @@ def test_torchrun_groups_one_of_them_two_nodes(tmp_path) -> None:
     assert os.path.isdir(out)
 
 
-@pytest.mark.slow  # ~30 s; a group started during an outage: tests/processes/test_group_starts_during_outage.py runs in CI
+# ~30 s; a group started during an outage: tests/processes/test_group_starts_during_outage.py runs in CI
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_an_agent_the_supervisor_respawned_waits_out_a_lighthouse_outage(
     monkeypatch: pytest.MonkeyPatch,
@@ -350,7 +351,10 @@ def test_the_health_check_runs_before_the_round_and_keeps_the_group_out_until_it
     from ftlaunch.lighthouse.server import LighthouseServer
 
     count = tmp_path / "count"
-    check = f"n=$(cat {count} 2>/dev/null || echo 0); echo $((n+1)) > {count}; [ $n -ge 1 ] || {{ echo 'disk full'; exit 1; }}"
+    check = (
+        f"n=$(cat {count} 2>/dev/null || echo 0); echo $((n+1)) > {count}; [ $n -ge 1 ] || {{ echo "
+        f"'disk full'; exit 1; }}"
+    )
     monkeypatch.setenv("FTLAUNCH_HEALTH_CHECK", check)
     monkeypatch.setenv("FTLAUNCH_HEALTH_CHECK_TIMEOUT", "20s")
     # A standby announced already: the handler starts none of its own (not what this test is about).
@@ -425,8 +429,10 @@ def test_torchrun_restarts_a_killed_worker_from_the_nodes_standby_which_dies_wit
     script.write_text(STANDBY_SCRIPT)
     port = free_port()
     agent = start(
-        [*TORCHRUN, "--rdzv-backend", "ftlaunch", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "standby",
-         "--rdzv-conf", "replica_group_id=0,num_replica_groups=1", "--nproc-per-node", "1", "--max-restarts", "2",
+        [*TORCHRUN, "--rdzv-backend", "ftlaunch", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id",
+         "standby",
+         "--rdzv-conf", "replica_group_id=0,num_replica_groups=1", "--nproc-per-node", "1", "--max-restarts",
+         "2",
          "--monitor-interval", "0.1", "-m", "ftlaunch.run", str(script), str(out)],
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )  # fmt: skip

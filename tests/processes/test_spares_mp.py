@@ -229,7 +229,8 @@ def test_a_spare_replaces_a_killed_group_bit_identical(jobs) -> None:
 @pytest.mark.timeout(300)
 def test_a_spare_replaces_a_hung_group_which_is_fenced_when_it_wakes(jobs) -> None:
     job = jobs(["--replicas", "2", "--spares", "1", "--heartbeat-timeout", "1",
-                "--chaos", "steps=8,group=1,signal=STOP,stop_for=6", *train(60, "--timeout", "3")])  # fmt: skip
+                "--chaos", "steps=8,group=1,signal=STOP,stop_for=6", *train(60, "--timeout",
+                                                                            "3")])  # fmt: skip
     text = job.finish(280)
     assert takeovers(text)[0] == (2, "g2.0", 1, "rg1.1", "rg1"), takeovers(text)
     assert re.search(r"^\[rg1/r0\] .*HTTP 410: replica rg1 was replaced", text, re.M), text[-4000:]

@@ -3,7 +3,8 @@ scripts/train_ddp.py, one group's workers throttled by the SIGSTOP/SIGCONT duty 
 (ftlaunch.launcher.throttle). The lighthouse finds the group slow from the compute times its
 leader reports and replaces it -- its slot to the hot spare, or, without one, a restart -- and the
 job ends with the training groups bit-identical. The throttle's stops are never taken for a hang.
-The rule itself: tests/unit/test_stragglers.py; the membership applying it: tests/unit/test_stragglers_membership.py.
+The rule itself: tests/unit/test_stragglers.py; the membership applying it:
+tests/unit/test_stragglers_membership.py.
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ def test_a_slowed_group_is_replaced_by_the_spare_and_the_job_ends_bit_identical(
     slots = final_slots(text, 2)
     assert_bit_identical(text, slots)
     check_data(text, 2)
-    assert re.search(r"^\[ftlaunch\] straggler rg1 \([\d.]+x slower\) replaced: its slot went to a hot spare, "
+    assert re.search(r"^\[ftlaunch\] straggler rg1 \([\d.]+x slower\) replaced: its slot went to a hot "
+                     r"spare, "
                      r"whose first step committed [\d.]+s later", text, re.M), text[-3000:]  # fmt: skip
 
 

@@ -149,8 +149,8 @@ def test_message_has_values_sources_reason_and_fix():
         derive(heal=120)
     msg = str(e.value)
     assert (
-        "heal timeout 120 s (argument heal=) > collective timeout 60 s (derived from timeout=60 s, the default)"
-        in msg
+        "heal timeout 120 s (argument heal=) > collective timeout 60 s (derived from timeout=60 s, "
+        "the default)" in msg
     )
     assert "(rule: heal <= collective)" in msg
     assert "healing group receives its state" in msg  # why
@@ -418,6 +418,9 @@ def test_the_module_does_not_import_torch_or_the_manager():
     import subprocess
     import sys
 
-    code = "import sys, ftlaunch.timeouts; print('torch' in sys.modules, 'ftlaunch.worker.manager' in sys.modules)"
+    code = (
+        "import sys, ftlaunch.timeouts; print('torch' in sys.modules, 'ftlaunch.worker.manager' in "
+        "sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False"]

@@ -6,8 +6,8 @@ fallback when the announced standby is not there. With real processes: a worker 
 its script as ``python SCRIPT`` would (argv, cwd, environment, stdout/stderr, exit code, atexit),
 with torch already imported; the proxy ends as the real worker did (exit code, signal); a
 SIGKILLed proxy takes the real worker (and its Baby child) down; a SIGSTOPped proxy stops the real
-worker and SIGCONT continues it (and the other way round); SIGTERM to the proxy reaches the real worker; and with the
-standby gone the worker starts cold. Through ``ftlaunch``: a restarted worker goes through the
+worker and SIGCONT continues it (and the other way round); SIGTERM to the proxy reaches the real worker; and
+with the standby gone the worker starts cold. Through ``ftlaunch``: a restarted worker goes through the
 standby and the group trains on (slow).
 """
 
@@ -114,10 +114,13 @@ def _worker(tmp_path: Path, sock: str, *args: str, **extra: str) -> subprocess.P
     script = tmp_path / "sub" / "script.py"
     script.parent.mkdir(exist_ok=True)
     script.write_text(SCRIPT)
-    run_env = {**os.environ, env.FTLAUNCH_ZYGOTE_SOCKET: sock, env.FTLAUNCH_PHASE_LOG: str(tmp_path / "ph.jsonl"),
+    run_env = {**os.environ, env.FTLAUNCH_ZYGOTE_SOCKET: sock,
+               env.FTLAUNCH_PHASE_LOG: str(tmp_path / "ph.jsonl"),
                "ZYGOTE_TEST_VAR": "hello", "OMP_NUM_THREADS": "1", **extra}  # fmt: skip
-    return subprocess.Popen([sys.executable, "-u", "-m", "ftlaunch.bootstrap.prestart", str(script), *args], cwd=tmp_path,
-                            env=run_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    return subprocess.Popen([sys.executable, "-u", "-m", "ftlaunch.bootstrap.prestart", str(script), *args],
+                            cwd=tmp_path,
+                            env=run_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)  # fmt: skip
 
 
 def _wait_for_file(path: Path, proc: subprocess.Popen[str]) -> int:
@@ -226,7 +229,8 @@ def test_a_worker_that_starts_while_the_standby_warms_up_waits_for_it(tmp_path: 
     afterwards runs at the priority it would have had."""
     path = str(tmp_path / "z.sock")
     run_env = {**os.environ, env.FTLAUNCH_PHASE_LOG: str(tmp_path / "ph.jsonl")}
-    zygote = subprocess.Popen([sys.executable, "-u", "-m", "ftlaunch.bootstrap.zygote", path], stdin=subprocess.DEVNULL,
+    zygote = subprocess.Popen([sys.executable, "-u", "-m", "ftlaunch.bootstrap.zygote", path],
+                              stdin=subprocess.DEVNULL,
                               env=run_env)  # fmt: skip
     try:
         deadline = time.monotonic() + 60
@@ -296,7 +300,8 @@ def test_a_restarted_group_goes_through_the_standby(tmp_path: Path) -> None:
     run_env = {**os.environ, env.FTLAUNCH_PHASE_LOG: str(log), "OMP_NUM_THREADS": "1"}
     res = subprocess.run(
         [sys.executable, "-m", "ftlaunch.launcher.cli", "--no-status", "--replicas", "2",
-         "--chaos", "steps=40/120,group=1,signal=MIX,seed=4,stop_for=2", str(train), "--steps", "220", "--step-sleep", "0.03"],
+         "--chaos", "steps=40/120,group=1,signal=MIX,seed=4,stop_for=2", str(train), "--steps", "220",
+         "--step-sleep", "0.03"],
         capture_output=True, text=True, timeout=380, env=run_env,
     )  # fmt: skip
     assert res.returncode == 0, res.stderr[-3000:]

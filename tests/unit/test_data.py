@@ -1,4 +1,5 @@
-"""ftlaunch.worker.data.DistributedSampler: sharding over groups x ranks, resumable and redirectable position."""
+"""ftlaunch.worker.data.DistributedSampler: sharding over groups x ranks, resumable and
+redirectable position."""
 
 from __future__ import annotations
 

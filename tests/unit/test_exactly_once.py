@@ -257,7 +257,8 @@ def test_every_sample_is_trained_once_per_epoch_whatever_fails(
     seed: int, workers: int, mode: WorldSizeMode
 ) -> None:
     rng = random.Random(seed)
-    job = Job(length=rng.choice([37, 60, 97]), workers=workers, batch=rng.choice([2, 3, 5]), epochs=3, mode=mode,
+    job = Job(length=rng.choice([37, 60, 97]), workers=workers, batch=rng.choice([2, 3, 5]), epochs=3,
+              mode=mode,
               min_replicas=2 if mode is WorldSizeMode.FIXED_WITH_SPARES else 1)  # fmt: skip
     scenario(job, rng)
     counts = job.per_epoch()

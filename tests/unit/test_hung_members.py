@@ -156,8 +156,15 @@ def test_a_stale_block_of_a_member_that_stopped_itself_is_no_evidence() -> None:
 
 def test_the_blocked_field_is_parsed_strictly() -> None:
     assert parse_blocked({"quorum_id": 7, "seconds": 1.5}) == (7, 1.5)
-    for bad in (None, [], {"quorum_id": "7", "seconds": 1}, {"quorum_id": True, "seconds": 1},
-                {"quorum_id": 7, "seconds": -1}, {"quorum_id": 7, "seconds": float("nan")}, {"quorum_id": 7}):  # fmt: skip
+    for bad in (
+        None,
+        [],
+        {"quorum_id": "7", "seconds": 1},
+        {"quorum_id": True, "seconds": 1},
+        {"quorum_id": 7, "seconds": -1},
+        {"quorum_id": 7, "seconds": float("nan")},
+        {"quorum_id": 7},
+    ):
         assert parse_blocked(bad) is None
     assert QUICK_SILENCE >= 0.5 and PARKED_FOR >= 0.5 and BLOCKED_FOR > 0
 

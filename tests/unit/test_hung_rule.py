@@ -1,6 +1,7 @@
 """The hung-member rule as pure functions (lighthouse/hung.py): property tests of what it may and
 must declare, over generated quorums, heartbeats, blocked reports and parked requests. The same
-rule applied by the membership, step by step: tests/unit/test_hung_members.py, tests/unit/test_hung_after_lighthouse_restart.py."""
+rule applied by the membership, step by step: tests/unit/test_hung_members.py,
+tests/unit/test_hung_after_lighthouse_restart.py."""
 
 from __future__ import annotations
 

@@ -178,8 +178,8 @@ def test_slow_throttles_the_workers_without_a_hang_then_releases_them() -> None:
     c.tick(110.0, 105.0, {0: 50, 1: 51, 2: 52})
     assert kills.sent == [] and len(started) == 1  # no signal of its own: the throttle's duty cycle
     assert (
-        "[ftlaunch] chaos: replica group 1 workers slowed down 2x for 60s (pids 1101; stopped 20 ms per 20 ms running) at step 1"
-        in err.getvalue()
+        "[ftlaunch] chaos: replica group 1 workers slowed down 2x for 60s (pids 1101; stopped 20 ms "
+        "per 20 ms running) at step 1" in err.getvalue()
     )
     inj = c.injections[0]
     assert (inj.signal, inj.group, inj.factor, inj.until) == ("SLOW", 1, 2.0, 170.0)
@@ -198,7 +198,8 @@ def test_slow_throttles_the_workers_without_a_hang_then_releases_them() -> None:
 def test_slow_ends_at_teardown() -> None:
     groups, kills = training(2), Kills()
     throttle = FakeThrottle((100,), 3.0, 600.0)
-    c = Chaos(ChaosSpec(steps=(1,), group=0, slow=3.0), groups, Console(io.StringIO(), io.StringIO(), status=False),
+    c = Chaos(ChaosSpec(steps=(1,), group=0, slow=3.0), groups, Console(io.StringIO(), io.StringIO(),
+                                                                        status=False),
               100.0, kill=kills, slow=lambda g, a: throttle)  # type: ignore[arg-type]  # fmt: skip
     c.tick(110.0, 105.0, {})
     c.resume_all()

@@ -170,8 +170,8 @@ def test_lost_progress_is_in_the_status_line_and_the_summary_and_keeps_the_logs(
         "was left (no durable checkpoint); the job restarted from step 0 and trained steps 0..50 again"
     ) in lines
     assert (
-        "[ftlaunch] training finished despite 1 failure(s); 7 committed group-steps; progress was lost 1 time(s)"
-        in lines
+        "[ftlaunch] training finished despite 1 failure(s); 7 committed group-steps; progress was "
+        "lost 1 time(s)" in lines
     )
     assert "[ftlaunch] logs kept in /logs" in lines
     # A rewind that a group holding the state undid (it had hung, and came back): a note, no warning.

@@ -230,7 +230,8 @@ def test_lighthouse_inner_layers() -> None:
             theirs = target.split(".")[2]
             if LIGHTHOUSE_RANKS[theirs] >= LIGHTHOUSE_RANKS[mine]:
                 violations.append(
-                    f"lighthouse/{mine} (rank {LIGHTHOUSE_RANKS[mine]}) imports {theirs} (rank {LIGHTHOUSE_RANKS[theirs]})"
+                    f"lighthouse/{mine} (rank {LIGHTHOUSE_RANKS[mine]}) imports {theirs} (rank "
+                    f"{LIGHTHOUSE_RANKS[theirs]})"
                 )
         if mine in LIGHTHOUSE_NO_IO:
             tree = ast.parse(path.read_text())

@@ -1,5 +1,6 @@
 """The lighthouse's bookkeeping (ftlaunch.lighthouse.membership) in one process: no sockets, no
-sleeps, a hand-driven clock. What tests/processes/test_lighthouse_server.py checks over HTTP, here as rules."""
+sleeps, a hand-driven clock. What tests/processes/test_lighthouse_server.py checks over HTTP,
+here as rules."""
 
 from __future__ import annotations
 

@@ -479,7 +479,8 @@ def test_ft_diloco_takes_what_is_not_passed_from_the_environment(
 
     m, pg = manager(ScriptedLighthouse(in_step(1)))
     ft = FaultTolerance(manager=m, pg=pg, replica_group_id=0, num_replica_groups=1, rank=0, world_size=1,
-                        device=torch.device("cpu"), backend="gloo", transport="pg", timeouts=m.timeouts)  # fmt: skip
+                        device=torch.device("cpu"), backend="gloo", transport="pg",
+                        timeouts=m.timeouts)  # fmt: skip
     for var, value in ((env.FTLAUNCH_SYNC_EVERY, "12"), (env.FTLAUNCH_FRAGMENTS, "3"),
                        (env.FTLAUNCH_FRAGMENT_SYNC_DELAY, "1"), (env.FTLAUNCH_FRAGMENT_UPDATE_ALPHA, "0.25"),
                        (env.FTLAUNCH_QUANTIZE, "4")):  # fmt: skip

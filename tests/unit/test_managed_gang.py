@@ -1,6 +1,7 @@
 """`ManagedGang` (the fault-tolerant replica gang) and ``ft.gangs()``'s layout, in one process: the
 Manager on a FakeProcessGroup (a world of identical peers) with a scripted lighthouse, as in
-tests/unit/test_manager_protocol.py. tests/processes/test_gang_ft.py runs them under the real launcher with kills.
+tests/unit/test_manager_protocol.py. tests/processes/test_gang_ft.py runs them under the real launcher with
+kills.
 """
 
 from __future__ import annotations
@@ -188,7 +189,8 @@ def test_fault_tolerant_gangs_span_the_replica_groups(make_group: Callable[..., 
         f: (getattr(gangs, f).rank, getattr(gangs, f).size) for f in ("root", "dp", "rdp", "sdp", "tp", "pp")
     }
     # group rank 3 = dp 1 x tp 1 inside the group; replica rank 1 of 3 across groups
-    assert ranks == {"root": (1 * 4 + 3, 12), "dp": (1 * 2 + 1, 6), "rdp": (1, 3), "sdp": (1, 2), "tp": (1, 2),
+    assert ranks == {"root": (1 * 4 + 3, 12), "dp": (1 * 2 + 1, 6), "rdp": (1, 3), "sdp": (1, 2), "tp": (1,
+                                                                                                         2),
                      "pp": (0, 1)}  # fmt: skip
     assert isinstance(gangs.dp, ProductGang) and gangs.dp.inner is gangs.sdp
     assert all_sum(gangs.dp, 1.0).item() == 6.0  # identical peers everywhere: the product's size

@@ -864,7 +864,8 @@ def test_the_core_constructor_takes_its_parts_and_reads_no_environment(
     monkeypatch.setenv(env.FTLAUNCH_HEAL_CLAIMS, "maybe")
     monkeypatch.setenv(env.FTLAUNCH_TIMEOUT, "-1")
     pg = FakeProcessGroup()
-    settings = ManagerSettings(replica_id="rg0", group_rank=0, group_world_size=1, timeouts=Timeouts.derive(5.0),
+    settings = ManagerSettings(replica_id="rg0", group_rank=0, group_world_size=1,
+                               timeouts=Timeouts.derive(5.0),
                                init_sync=False)  # fmt: skip
     store = GroupStore(dist.HashStore(), address=OUR_STORE, replica_id="rg0", attempt=0, rank=0, world_size=1,
                        timeout=5.0)  # fmt: skip

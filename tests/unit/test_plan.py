@@ -321,8 +321,10 @@ def test_a_healer_not_ready_to_heal_waits_while_a_ready_one_heals() -> None:
 def plan_at(max_step: int, healers: int, deferred: bool = False, source: bool = True) -> StepPlan:
     """The last plan of a group (a source, unless ``source`` is False: then one of the healers)."""
     return StepPlan(quorum_id=1, replica_rank=0, replica_world_size=healers + 1, max_step=max_step,
-                    num_sources=1, source_rank=0 if source else None, recover_src_rank=None, recover_src_id=None,
-                    recover_dst_ranks=(), store_address="a:1", num_healers=healers, deferred=deferred)  # fmt: skip
+                    num_sources=1, source_rank=0 if source else None, recover_src_rank=None,
+                    recover_src_id=None,
+                    recover_dst_ranks=(), store_address="a:1", num_healers=healers,
+                    deferred=deferred)  # fmt: skip
 
 
 def test_a_snapshot_is_taken_only_when_a_heal_is_due() -> None:

@@ -239,7 +239,8 @@ def test_no_requests_no_quorum():
     assert not d.formed
 
 
-# ---------------------------------------------------------------------------------- may_form (server fast path)
+# ---------------------------------------------------------------------------------- may_form (server fast
+# path)
 
 
 def test_may_form_mirrors_each_forming_rule():

@@ -4,11 +4,11 @@
 Each step: ``gangs.rdp.begin_step()``, a forward/backward on this data-parallel rank's batch, the
 gradients averaged over ``gangs.sdp`` (inside the replica group) and ``gangs.rdp`` (across groups,
 through the Manager), and the update applied only if ``gangs.rdp.should_commit()``. Prints ``step=N
-committed=...`` lines and ``final_checksum=...`` (read by the launcher's report); it trains past ``--steps`` until
-a step is committed by every group, so a group restarted late still ends identical and writes one JSON
-record per incarnation into ``--out``: the table of tests/gang_scenarios.py on the fault-tolerant
-gangs (first incarnation only, at the first step both groups are in and up to date), each step's replica gang size,
-and what was left after ``gangs.close()``.
+committed=...`` lines and ``final_checksum=...`` (read by the launcher's report); it trains past ``--steps``
+until a step is committed by every group, so a group restarted late still ends identical and writes one JSON
+record per incarnation into ``--out``: the table of tests/gang_scenarios.py on the fault-tolerant gangs (first
+incarnation only, at the first step both groups are in and up to date), each step's replica gang size, and
+what was left after ``gangs.close()``.
 """
 
 from __future__ import annotations
@@ -120,7 +120,8 @@ def main() -> int:
     ft.shutdown()  # a no-op by now
     record["before"], record["after"] = before, after
     print(f"close_check threads={after['threads'] - before['threads']} sockets={after['sockets']} "
-          f"children={len(after['children'])} py_threads={','.join(after['py_threads'])}", flush=True)  # fmt: skip
+          f"children={len(after['children'])} py_threads={','.join(after['py_threads'])}",
+          flush=True)  # fmt: skip
     out.write_text(json.dumps(record))
     return 0 if record["final_step"] >= args.steps else 3
 
