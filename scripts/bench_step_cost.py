@@ -73,7 +73,8 @@ def _plain_worker(steps: int) -> None:
             loss.backward()
             opt.step()
             print(
-                f"step={step} committed=True loss={loss.item():.5f} ms={(time.perf_counter() - t0) * 1e3:.1f}",
+                f"step={step} committed=True loss={loss.item():.5f} "
+                f"ms={(time.perf_counter() - t0) * 1e3:.1f}",
                 flush=True,
             )
             step += 1

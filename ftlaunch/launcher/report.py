@@ -132,19 +132,23 @@ def rewind_lines(rewinds: Sequence[Rewind], started_wall: float, groups: Sequenc
         at = f"t={r.wall - started_wall:.1f}s"
         if not r.recovered and from_checkpoint(r, groups):
             lines.append(
-                f"[ftlaunch] note: at {at} no replica group holding the trained state of step {r.reached} was "
+                f"[ftlaunch] note: at {at} no replica group holding "
+                f"the trained state of step {r.reached} was "
                 f"left; the job resumed from the durable checkpoint of step {r.restarted_at} and trained "
                 f"{r.reached - r.restarted_at} step(s) again ({r.restarted_at}..{r.reached})"
             )
         elif r.recovered:
             lines.append(
                 f"[ftlaunch] note: at {at} no group holding step {r.reached} was reachable and the job went "
-                f"back to step {r.restarted_at}; a group holding that state came back and training went on from it"
+                f"back to step {r.restarted_at}; a group holding "
+                "that state came back and training went on from it"
             )
         else:
             lines.append(
-                f"[ftlaunch] WARNING: progress lost: at {at} no replica group holding the trained state of step "
-                f"{r.reached} was left (no durable checkpoint); the job restarted from step {r.restarted_at} and "
+                f"[ftlaunch] WARNING: progress lost: at {at} no "
+                "replica group holding the trained state of step "
+                f"{r.reached} was left (no durable checkpoint); "
+                f"the job restarted from step {r.restarted_at} and "
                 f"trained steps {r.restarted_at}..{r.reached} again"
             )
     return lines
@@ -235,7 +239,8 @@ def summary_lines(
                     else "group did not commit again"
                 )
             lines.append(
-                f"[ftlaunch]   t={inj.at - started:.1f}s {what} {env.replica_id(inj.group)} {inj.target}{at}: {fate}"
+                f"[ftlaunch]   t={inj.at - started:.1f}s {what} "
+                f"{env.replica_id(inj.group)} {inj.target}{at}: {fate}"
             )
         total = sum(g.committed for g in groups)
         losses = lost(rewinds, groups)

@@ -140,7 +140,8 @@ class Supervisor:
             self._status = StatusLine(self.console, lighthouse, self._started)
             spares = f" + {self.opts.spares} hot spare(s)" if self.opts.spares else ""
             self.console.err(
-                f"[ftlaunch] {self.opts.replicas} replica group(s){spares} x {self.opts.nproc_per_node} worker(s), "
+                f"[ftlaunch] {self.opts.replicas} replica group(s){spares} "
+                f"x {self.opts.nproc_per_node} worker(s), "
                 f"lighthouse {lighthouse.address}, logs {self._log_dir}"
             )
             sharing = devices.sharing_warning(len(self._gpus), self.opts.nproc_per_node, len(self.groups))
@@ -391,7 +392,8 @@ class Supervisor:
             self._slow_seen.add(v.replica_id)
             gid = self._names.get(v.replica_id)
             detail = (
-                f"straggler: {v.slowdown:.1f}x slower than the others ({v.compute_seconds * 1e3:.1f} ms of its "
+                f"straggler: {v.slowdown:.1f}x slower than the "
+                f"others ({v.compute_seconds * 1e3:.1f} ms of its "
                 f"own work per step against {v.reference_seconds * 1e3:.1f} ms)"
             )
             then = (

@@ -695,7 +695,10 @@ class Membership:
                 self._roster.stand_in(
                     rid, now, self._wall(), f"expected: member of quorum {quorum.quorum_id}"
                 )
-        detail = f"adopted quorum {quorum.quorum_id} of {len(quorum.replica_ids)} group(s) from a previous lighthouse"
+        detail = (
+            f"adopted quorum {quorum.quorum_id} of "
+            f"{len(quorum.replica_ids)} group(s) from a previous lighthouse"
+        )
         self._record("resumed", reporter, detail)
         log.info("lighthouse: %s reported by %s", detail, reporter)
         return True

@@ -236,7 +236,8 @@ class DurableCheckpoints:
             with self._lock:
                 self.stats.skipped += 1
             self._log.warning(
-                "durable checkpoint of step %d skipped: the previous save is still being written (%d skipped)",
+                "durable checkpoint of step %d skipped: the "
+                "previous save is still being written (%d skipped)",
                 step, self.stats.skipped,
             )  # fmt: skip
             return
@@ -328,8 +329,9 @@ class DurableCheckpoints:
         after ``ftlaunch.init``). Returns the step resumed from, None when there is none.
 
         ``decide``: for a group that (re)starts while the job runs, whether to load the newest
-        complete checkpoint, of the step it is given (None: none), at all (`durable_plan.resume_from_disk`); the
-        group's rank 0 decides, and every rank follows its answer (``agree_group``)."""
+        complete checkpoint, of the step it is given (None: none), at all
+        (`durable_plan.resume_from_disk`); the group's rank 0 decides, and every rank follows its
+        answer (``agree_group``)."""
         root = Path(self.config.directory)
         try:
             names = [p.name for p in root.iterdir()] if root.is_dir() else []

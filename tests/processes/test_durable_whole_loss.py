@@ -4,8 +4,8 @@ real launcher (scripts/train_ddp.py under ``ftlaunch --replicas 2 --checkpoint-d
 Both groups are SIGKILLed at once after a checkpoint was published; their agents restart them in
 the same ``ftlaunch`` job. No live group holds the state, so the restarted groups resume from the
 newest checkpoint -- not from step 0 -- (a group that comes back after the other asked its quorum
-heals from it, live) and every group ends bit-identical. The summary says the job resumed from the durable checkpoint and how many steps it trained again, not
-that progress was lost.
+heals from it, live) and every group ends bit-identical. The summary says the job resumed from
+the durable checkpoint and how many steps it trained again, not that progress was lost.
 """
 
 from __future__ import annotations

@@ -225,7 +225,9 @@ def test_the_token_is_checked_on_every_request_of_a_reused_head() -> None:
 
 
 def _head(length: str, extra: str = "", name: str = "Content-Length") -> bytes:
-    return f"POST /v1/quorum HTTP/1.1\r\nHost: lh\r\n{name}: {length}\r\n{extra}Authorization: Bearer t\r\n\r\n".encode()
+    return (
+        f"POST /v1/quorum HTTP/1.1\r\nHost: lh\r\n{name}: {length}\r\n{extra}Authorization: Bearer t\r\n\r\n"
+    ).encode()
 
 
 @pytest.mark.parametrize(

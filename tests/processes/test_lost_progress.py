@@ -112,7 +112,8 @@ def lost_progress(tmp_path: Path, kill: str) -> None:
     assert code == 0, out[-4000:] + err[-4000:]
     lost = re.search(
         r"\[ftlaunch\] WARNING: progress lost: at t=[\d.]+s no replica group holding the trained state of "
-        r"step (\d+) was left \(no durable checkpoint\); the job restarted from step 0 and trained steps 0\.\.\d+ again",
+        r"step (\d+) was left \(no durable checkpoint\); the job "
+        r"restarted from step 0 and trained steps 0\.\.\d+ again",
         out,
     )
     assert lost, out[-4000:]
