@@ -43,8 +43,12 @@ def max_step(groups: Sequence[Group]) -> int | None:
 
 def from_checkpoint(rewind: Rewind, groups: Sequence[Group]) -> bool:
     """Whether the job went back to a durable checkpoint: a group resumed from one at the step the
-    job restarted from (without one, a restarted group starts from scratch)."""
-    return rewind.restarted_at > 0 and any(rewind.restarted_at in g.resumed_steps for g in groups)
+    job restarted from, or that step is the newest checkpoint a group published (a restarted group
+    may report its resume point a moment after the lighthouse saw the rewind; without a checkpoint
+    a restarted group starts from scratch, at step 0)."""
+    return rewind.restarted_at > 0 and any(
+        rewind.restarted_at in g.resumed_steps or rewind.restarted_at == g.durable_step for g in groups
+    )
 
 
 def lost(rewinds: Sequence[Rewind], groups: Sequence[Group] = ()) -> list[Rewind]:

@@ -37,6 +37,7 @@ def test_both_groups_killed_resume_from_the_durable_checkpoint_bit_identical(tmp
             and min(job.step(0), job.step(1)) >= EVERY + 2,
             150, "the checkpoint of step 10 and step 12 in both groups", interval=0.1,
         )  # fmt: skip
+        mark = len(job.lines)  # what was printed before the kills
         job.kill(0)
         job.kill(1)
         reached = max(job.step(0), job.step(1))
@@ -49,17 +50,12 @@ def test_both_groups_killed_resume_from_the_durable_checkpoint_bit_identical(tmp
     finally:
         job.close()
     assert code == 0, out[-4000:] + err[-4000:]
-    firsts = []  # each group's first step after the kill: never from step 0
-    for group in (0, 1):
-        steps = [
-            int(m[2]) for line in out.splitlines() if (m := STEP_LINE.match(line)) and int(m[1]) == group
-        ]
-        back = [b for a, b in zip(steps, steps[1:], strict=False) if b <= a]
-        assert back and back[0] > saved, (group, saved, back)
-        firsts.append(back[0])
-    # The job's first step after the kill follows the checkpoint: a group that restarted later
-    # healed from the one that had loaded it (live, not from the disk).
-    assert min(firsts) == saved + 1, (saved, firsts)
+    # After the kills no group trains a step at or below the checkpoint again (never from step 0),
+    # and the job's first step follows the checkpoint: the group back first loaded it; a group back
+    # later healed live from a peer, possibly already past it (lines the killed processes flushed
+    # late are of steps past the checkpoint too).
+    after = [int(m[2]) for line in job.lines[mark:] if (m := STEP_LINE.match(line))]
+    assert after and min(after) == saved + 1, (saved, after[:20])
     resumed = err.count(f"resumed from durable checkpoint {ckpt / dp.dir_name(saved)}") + out.count(
         f"resumed from durable checkpoint {ckpt / dp.dir_name(saved)}"
     )
