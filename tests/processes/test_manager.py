@@ -75,7 +75,9 @@ def test_sigkilled_group_survivors_continue_and_restarted_group_heals(
     tmp_path: Path, groups: list[Group]
 ) -> None:
     with lighthouse(min_replicas=1) as lh:
-        gs = [Group(i, 1, lh.address, tmp_path, ["--steps", "70", "--step-sleep", "0.1"]) for i in range(3)]
+        # 150 steps (~15 s): the killed group's restart (an interpreter, torch, its Baby child) must
+        # land while the survivors still train, also on a loaded 2-core machine.
+        gs = [Group(i, 1, lh.address, tmp_path, ["--steps", "150", "--step-sleep", "0.1"]) for i in range(3)]
         groups.extend(gs)
         for g in gs:
             g.start()
