@@ -1,9 +1,9 @@
 """Training progress as the lighthouse knows it: what each group's leader reports, and the per-group
 and per-job totals kept from those reports (steps committed, heals, timings, the final checksum).
 
-Why the lighthouse: the launcher used to scrape step lines from the workers' stdout, so a script that
-printed nothing showed "0 steps committed", and a ``final_checksum=`` quoted in a traceback counted as
-a result. The group leader (rank 0) already talks to the lighthouse every step; it sends a small
+Why the lighthouse: step lines scraped from the workers' stdout would show "0 steps committed" for
+a script that prints nothing, and count a ``final_checksum=`` quoted in a traceback as a result.
+The group leader (rank 0) already talks to the lighthouse every step; it sends a small
 `ProgressReport` with its quorum requests, its heartbeats and its leave, and `ProgressBook` turns those
 reports into `GroupProgress` values that outlive the group (a group that left or died keeps its
 totals: the summary and ``/metrics`` need them at the end).
