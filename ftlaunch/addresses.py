@@ -2,7 +2,7 @@
 store addresses ``host:port/prefix``.
 
 Every component names peers this way (the lighthouse, the replica groups' stores, the rendezvous
-endpoint), and each used to carry its own splitter; one parser means one set of rules and one set of
+endpoint); one parser means one set of rules and one set of
 error messages. The splitting itself is `urllib.parse`'s (IPv6 brackets, port range and digits);
 this module adds the rules urllib leaves open: a port is required unless a default is given, IPv6
 hosts must be bracketed, and a lighthouse address has no path.

@@ -1,9 +1,9 @@
 """The log directory can fill up: the supervisor says so once, and never depends on writing there.
 
-Why: everything of a job's bookkeeping that lands in ``--log-dir`` (the workers' stdout/stderr
-files, each agent's config and result) used to be written as if disks never fill. With the log
-disk full, the supervisor died with a traceback when it respawned an agent (its config file) and
-every worker's next ``print`` raised (workers' streams are now guarded: `ftlaunch.streams`). Here:
+Why: everything of a job's bookkeeping lands in ``--log-dir`` (the workers' stdout/stderr files,
+each agent's config and result). Written as if disks never fill, a full log disk would kill the
+supervisor with a traceback when it respawns an agent (its config file) and make every worker's
+next ``print`` raise (workers' streams are guarded: `ftlaunch.streams`). Here:
 
 * `LogDiskWatch` checks the free space of the log directory every few seconds and reports once
   when it runs out ("output is being dropped, training goes on") and once when space is back;

@@ -88,7 +88,7 @@ def too_deep(obj: object, limit: int) -> bool:
     """Whether ``obj`` nests arrays/objects more than ``limit`` levels (iterative: no recursion).
 
     Why: a body nested ~1000 deep parses, but the quorum holding it cannot be encoded again, which
-    used to leave the request unanswered and ``/status`` failing until the next quorum.
+    would leave the request unanswered and ``/status`` failing until the next quorum.
     """
     stack: list[tuple[object, int]] = [(obj, 1)]
     while stack:
