@@ -44,7 +44,9 @@ def heal_and_end_identical(
         groups.extend(gs)
         for g in gs:
             g.start()
-        gs[1].wait_for_step(6, 120)
+        # Both groups hold step 6: a group that joined late may still be healing, and the kill would
+        # then leave no survivor holding the state.
+        wait_for(lambda: all(max(committed(g), default=0) >= 6 for g in gs), 120, "step 6 in both groups")
         hold.touch()
         t_kill = gs[1].kill()
         gs[1].restart()

@@ -117,7 +117,10 @@ def lost_progress(tmp_path: Path, kill: str) -> None:
         out,
     )
     assert lost, out[-4000:]
-    assert reached <= int(lost[1]) <= reached + 2, (reached, lost[0])  # a step may commit as the kills land
+    # The lighthouse knows the step each group asked its last quorum at: a group that committed one more
+    # step and died before asking again is one behind what it printed; a step may also commit as the
+    # kills land.
+    assert reached - 1 <= int(lost[1]) <= reached + 2, (reached, lost[0])
     assert f"PROGRESS LOST: restarted from step 0 after step {lost[1]}" in out  # the status line
     assert f"[ftlaunch] logs kept in {tmp_path / 'logs'}" in out
     assert "2/2 groups ended bit-identical" in out  # the restarted run itself is whole
