@@ -10,7 +10,9 @@ select=()
 if [ "$#" -eq 0 ] && [ "${FTLAUNCH_TESTS:-}" != "all" ]; then
   select=(-m "not slow")
 fi
-"$PY" -m pytest -q -p no:cacheprovider "${select[@]}" "$@"
+durations=()
+if [ "$#" -eq 0 ]; then durations=(--durations=30); fi  # CI shows where its time goes
+"$PY" -m pytest -q -p no:cacheprovider "${select[@]}" "${durations[@]}" "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then
   echo "[test] pytest collected no tests: failing on purpose" >&2
