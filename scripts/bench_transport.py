@@ -182,19 +182,21 @@ def _http_receiver(
     times, copies, sockets = [], [], []
     q.put("start")
     ack.wait(60)
-    cpu = copy_cpu = 0.0
+    cpu = copy_cpu = socket_cpu = 0.0
     for _ in range(runs):
         cpu0 = _cpu_seconds()
         copies.append(memcpy_seconds(source, mine if inplace else None))
         copy_cpu += _cpu_seconds() - cpu0
+        cpu0 = _cpu_seconds()
         sockets.append(socket_seconds(source, mine if inplace else None))
+        socket_cpu += _cpu_seconds() - cpu0
         cpu0 = _cpu_seconds()
         t0 = time.perf_counter()
         got = tr.recv_checkpoint(0, url, 17, TIMEOUT)
         times.append(time.perf_counter() - t0)
         cpu += _cpu_seconds() - cpu0
         del got
-    q.put((times, copies, sockets, cpu, copy_cpu))
+    q.put((times, copies, sockets, cpu, copy_cpu, socket_cpu))
     ack.wait(60)  # the verification below is not measured
     expected = make_state(size, ntensors)
     got = tr.recv_checkpoint(0, url, 17, TIMEOUT)
@@ -229,7 +231,7 @@ def bench_http(size: int, ntensors: int, chunks: int | None, runs: int) -> list[
             rq.get(timeout=120)
             sender_cpu0 = sum(psutil.Process(sender.pid).cpu_times()[:2])
             go.set()
-            times, copies, sockets, recv_cpu, copy_cpu = rq.get(timeout=600)
+            times, copies, sockets, recv_cpu, copy_cpu, socket_cpu = rq.get(timeout=600)
             sender_cpu = sum(psutil.Process(sender.pid).cpu_times()[:2]) - sender_cpu0
             go.set()
             ok = rq.get(timeout=600)
@@ -245,7 +247,9 @@ def bench_http(size: int, ntensors: int, chunks: int | None, runs: int) -> list[
                 )
             lines.append(
                 f"      CPU per GB (user+system, all threads): receiver {recv_cpu / gb * 1e3:.0f} ms, "
-                f"sender {sender_cpu / gb * 1e3:.0f} ms; memcpy {copy_cpu / gb * 1e3:.0f} ms"
+                f"sender {sender_cpu / gb * 1e3:.0f} ms (both ends {(recv_cpu + sender_cpu) / gb * 1e3:.0f} "
+                f"ms); memcpy {copy_cpu / gb * 1e3:.0f} ms; the loopback connection, both ends "
+                f"{socket_cpu / gb * 1e3:.0f} ms (CPU moves far less with the load than time does)"
             )
     finally:
         stop.set()
@@ -276,15 +280,18 @@ def _pg_worker(rank: int, port: int, q: mp.Queue, size: int, ntensors: int, runs
         source = make_state(size, ntensors, seed=2)
         tr = PGTransport(pg, TIMEOUT, cpu, state_dict=lambda: mine)
         times, copies = [], []
+        cpu = 0.0
         for _ in range(runs):
             copies.append(memcpy_seconds(source, mine))
             dist.barrier()
+            cpu0 = _cpu_seconds()
             t0 = time.perf_counter()
             got = tr.recv_checkpoint(0, "<pg>", 17, TIMEOUT)
             times.append(time.perf_counter() - t0)
+            cpu += _cpu_seconds() - cpu0
         expected = make_state(size, ntensors)
         ok = all(torch.equal(got["model"][k], v) for k, v in expected["model"].items())
-        q.put((times, copies, ok))
+        q.put((times, copies, ok, cpu))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -303,14 +310,18 @@ def bench_pg(size: int, ntensors: int, runs: int) -> list[str]:
     for p in procs:
         p.start()
     try:
-        times, copies, ok = q.get(timeout=600)
+        times, copies, ok, cpu = q.get(timeout=600)
     finally:
         for p in procs:
             p.join(60)
             if p.is_alive():
                 p.kill()
     nbytes = _state_nbytes(make_state(size, ntensors))
-    return [*_rates_line("PG (gloo) in-place", nbytes, times, copies), f"      data ok={ok}"]
+    gb = nbytes * runs / 1e9
+    return [
+        *_rates_line("PG (gloo) in-place", nbytes, times, copies),
+        f"      data ok={ok} | receiver CPU per GB (user+system, all threads): {cpu / gb * 1e3:.0f} ms",
+    ]
 
 
 def main() -> int:
