@@ -6,7 +6,10 @@ bytes/s) per run and the median, beside the baseline the transfer is held to: a 
 receive, the receiver's own tensors for an in-place one -- measured in the receiving process,
 interleaved with its receives (one memcpy before each receive), so both see the same load. The
 target is a transfer within 2x of that memcpy; torchft's HTTP transport (1.1 GB/s measured on this
-machine) is printed beside it.
+machine) is printed beside it. Two floors are printed beside each HTTP figure: one loopback TCP
+connection (two kernel copies of every byte) and ``process_vm_readv`` out of the sender's memory (the
+kernel's one copy between two processes): no transport between processes that share no memory can
+beat the second.
 
     python scripts/bench_transport.py [--size-mb 256] [--runs 5] [--chunks N ...] [--tensors 64] [--no-pg]
 
@@ -107,13 +110,42 @@ def socket_seconds(src: dict, dst: dict | None) -> float:
         return time.perf_counter() - t0
 
 
+class _IoVec(ctypes.Structure):
+    _fields_ = [("iov_base", ctypes.c_void_p), ("iov_len", ctypes.c_size_t)]
+
+
+def vm_read_seconds(pid: int, regions: list[tuple[int, int]], src: dict, dst: dict | None) -> float | None:
+    """Seconds to copy the sender's model tensors (``regions``: address, bytes) straight out of its
+    memory into ``dst``'s with ``process_vm_readv``: the kernel's one copy between two processes,
+    the floor under any same-host transport that does not share memory. None where the kernel
+    refuses it (ptrace rules, seccomp)."""
+    import torch
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    chunk = 8 << 20
+    t0 = time.perf_counter()
+    for (addr, n), (name, t) in zip(regions, src["model"].items(), strict=True):
+        d = torch.empty_like(t) if dst is None else dst["model"][name]
+        for off in range(0, n, chunk):
+            size = min(chunk, n - off)
+            local, remote = _IoVec(d.data_ptr() + off, size), _IoVec(addr + off, size)
+            if libc.process_vm_readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0) != size:
+                return None
+    return time.perf_counter() - t0
+
+
 def _rates(times: list[float], nbytes: int) -> str:
     rates = [nbytes / t / 1e9 for t in times]
     return f"{statistics.median(rates):.2f} GB/s (runs: {', '.join(f'{r:.2f}' for r in rates)})"
 
 
 def _rates_line(
-    label: str, nbytes: int, times: list[float], copies: list[float], sockets: list[float] | None = None
+    label: str,
+    nbytes: int,
+    times: list[float],
+    copies: list[float],
+    sockets: list[float] | None = None,
+    vm_reads: list[float] | None = None,
 ) -> list[str]:
     ratio = statistics.median(t / c for t, c in zip(times, copies, strict=True))
     lines = [
@@ -127,6 +159,12 @@ def _rates_line(
             f"      one loopback TCP connection, no protocol: {_rates(sockets, nbytes)} -> "
             f"{floor:.2f}x memcpy's time"
         )
+    if vm_reads:
+        floor = statistics.median(t / c for t, c in zip(vm_reads, copies, strict=True))
+        lines.append(
+            f"      the kernel's copy between the two processes (process_vm_readv), no protocol: "
+            f"{_rates(vm_reads, nbytes)} -> {floor:.2f}x memcpy's time"
+        )
     return lines
 
 
@@ -137,7 +175,8 @@ def _http_sender(q: mp.Queue, stop: mp.Event, size: int, ntensors: int, chunks: 
     tr = HTTPTransport(TIMEOUT, num_chunks=chunks)
     t0 = time.perf_counter()
     tr.send_checkpoint([1], 17, state, TIMEOUT)
-    q.put((tr.metadata(), time.perf_counter() - t0))
+    regions = [(t.data_ptr(), t.numel() * t.element_size()) for t in state["model"].values()]
+    q.put((tr.metadata(), time.perf_counter() - t0, os.getpid(), regions))
     stop.wait(600)
     tr.shutdown()
 
@@ -166,6 +205,7 @@ def _http_receiver(
     q: mp.Queue,
     ack: mp.Event,
     url: str,
+    sender: tuple[int, list[tuple[int, int]]],
     size: int,
     ntensors: int,
     chunks: int | None,
@@ -179,7 +219,7 @@ def _http_receiver(
     mine = make_state(size, ntensors, seed=1)
     source = make_state(size, ntensors, seed=2)  # what the baseline memcpy copies
     tr = HTTPTransport(TIMEOUT, num_chunks=chunks, state_dict=(lambda: mine) if inplace else None)
-    times, copies, sockets = [], [], []
+    times, copies, sockets, vm_reads = [], [], [], []
     q.put("start")
     ack.wait(60)
     cpu = copy_cpu = socket_cpu = 0.0
@@ -190,13 +230,16 @@ def _http_receiver(
         cpu0 = _cpu_seconds()
         sockets.append(socket_seconds(source, mine if inplace else None))
         socket_cpu += _cpu_seconds() - cpu0
+        vm_read = vm_read_seconds(*sender, source, mine if inplace else None)
+        if vm_read is not None:
+            vm_reads.append(vm_read)
         cpu0 = _cpu_seconds()
         t0 = time.perf_counter()
         got = tr.recv_checkpoint(0, url, 17, TIMEOUT)
         times.append(time.perf_counter() - t0)
         cpu += _cpu_seconds() - cpu0
         del got
-    q.put((times, copies, sockets, cpu, copy_cpu, socket_cpu))
+    q.put((times, copies, sockets, vm_reads if len(vm_reads) == runs else None, cpu, copy_cpu, socket_cpu))
     ack.wait(60)  # the verification below is not measured
     expected = make_state(size, ntensors)
     got = tr.recv_checkpoint(0, url, 17, TIMEOUT)
@@ -218,27 +261,26 @@ def bench_http(size: int, ntensors: int, chunks: int | None, runs: int) -> list[
     else:
         label = str(chunks)
     try:
-        url, prep = q.get(timeout=120)
+        url, prep, sender_pid, regions = q.get(timeout=120)
         nbytes = _state_nbytes(make_state(size, ntensors))
         lines.append(f"  send_checkpoint (encode + checksums, no copy): {prep * 1e3:.1f} ms")
         for inplace in (False, True):
             rq, go = ctx.Queue(), ctx.Event()
-            recv = ctx.Process(
-                target=_http_receiver, args=(rq, go, url, size, ntensors, chunks, runs, inplace), daemon=True
-            )
+            args = (rq, go, url, (sender_pid, regions), size, ntensors, chunks, runs, inplace)
+            recv = ctx.Process(target=_http_receiver, args=args, daemon=True)
             with _environ({} if inplace else FRESH_MEMORY_ENV):  # read by the child's malloc at start
                 recv.start()
             rq.get(timeout=120)
             sender_cpu0 = sum(psutil.Process(sender.pid).cpu_times()[:2])
             go.set()
-            times, copies, sockets, recv_cpu, copy_cpu, socket_cpu = rq.get(timeout=600)
+            times, copies, sockets, vm_reads, recv_cpu, copy_cpu, socket_cpu = rq.get(timeout=600)
             sender_cpu = sum(psutil.Process(sender.pid).cpu_times()[:2]) - sender_cpu0
             go.set()
             ok = rq.get(timeout=600)
             recv.join(60)
             gb = nbytes * runs / 1e9
             mode = "in-place" if inplace else "fresh"
-            lines += _rates_line(f"HTTP {mode:8s} chunks={label}", nbytes, times, copies, sockets)
+            lines += _rates_line(f"HTTP {mode:8s} chunks={label}", nbytes, times, copies, sockets, vm_reads)
             lines.append(f"      data ok={ok} | torchft's HTTP transport: {TORCHFT_HTTP_GBPS} GB/s")
             if not inplace:
                 lines.append(
