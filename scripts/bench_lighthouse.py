@@ -1,5 +1,5 @@
 """Lighthouse benchmark: fast-quorum round trip (2 real client processes; 64 and 1024 simulated
-groups) and heartbeat throughput, printed beside BRIEF.md's targets and torchft's baseline.
+groups) and heartbeat throughput, printed beside the targets and torchft's baseline.
 
 The lighthouse runs as its own process (``python -m ftlaunch.lighthouse``), as in a real job, with
 the settings ``ftlaunch --replicas N`` gives it (``--min-replicas 1 --expected-replicas N``).
