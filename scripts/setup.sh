@@ -11,6 +11,6 @@ if ! "$PY" -c "import torch" >/dev/null 2>&1; then
 else
   echo "[setup] keeping torch $("$PY" -c 'import torch; print(torch.__version__)')"
 fi
-extras=${FTLAUNCH_EXTRAS:-dev,torchx}
+extras=${FTLAUNCH_EXTRAS:-dev,torchx,fast}
 "$PY" -m pip install -q --disable-pip-version-check -e ".[${extras}]"
 echo "[setup] ftlaunch installed with extras [${extras}]"
