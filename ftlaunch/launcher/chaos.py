@@ -31,7 +31,7 @@ from ftlaunch.launcher import procs
 from ftlaunch.launcher.group import FAILED, SUCCEEDED, Group
 from ftlaunch.launcher.options import ChaosSpec
 from ftlaunch.launcher.output import Console
-from ftlaunch.launcher.throttle import RUN_SLICE, Throttle, stop_slice
+from ftlaunch.launcher.throttle import RUN_CPU, Throttle
 
 #: Seconds after a slowdown ended in which a report of one of its stops may still arrive (the
 #: agent's pipe): such a stop is no hang either.
@@ -301,8 +301,8 @@ class Chaos:
         self.injections.append(injection)
         self._console.err(
             f"[ftlaunch] chaos: replica group {group.gid} workers slowed down {factor:g}x for {lasts:g}s "
-            f"(pids {','.join(map(str, throttle.pids))}; stopped {stop_slice(factor) * 1e3:.0f} ms per "
-            f"{RUN_SLICE * 1e3:.0f} ms running)" + (f" at step {step}" if step is not None else "")
+            f"(pids {','.join(map(str, throttle.pids))}; stopped {factor - 1:g}x as long as each "
+            f"{RUN_CPU * 1e3:.0f} ms of CPU time took)" + (f" at step {step}" if step is not None else "")
         )
         return True
 

@@ -24,6 +24,7 @@ from datetime import datetime
 from typing import Any
 
 from ftlaunch.lighthouse import timeline_svg
+from ftlaunch.lighthouse.health import FAILING as HEALTH_FAILED
 from ftlaunch.lighthouse.progress import GroupProgress
 from ftlaunch.lighthouse.quorum import decode_quorum_id
 from ftlaunch.lighthouse.status import HUNG_REASON, LighthouseStatus, SparesStatus, StragglersStatus
@@ -31,6 +32,7 @@ from ftlaunch.lighthouse.stragglers import STRAGGLER_REASON
 from ftlaunch.lighthouse.timeline import (
     FAILURE,
     HANG,
+    HEALTH,
     REJOIN,
     SLOW,
     STRAGGLER,
@@ -157,7 +159,7 @@ def render(status: LighthouseStatus) -> str:
 #: History events in which the lighthouse saw a group go down, and the mark each one makes.
 _DOWN_EVENTS = {"failed": FAILURE, "disconnected": FAILURE, "evicted": FAILURE, "silent": HANG}
 #: History events a mark of a group's own starts from (the picture's t = 0 is no later than them).
-_MARKED = {*_DOWN_EVENTS, "straggler", "straggler_replaced"}
+_MARKED = {*_DOWN_EVENTS, "straggler", "straggler_replaced", HEALTH_FAILED}
 
 
 def timeline_of(status: LighthouseStatus) -> Timeline:
@@ -165,7 +167,8 @@ def timeline_of(status: LighthouseStatus) -> Timeline:
     what the history says happened to it. A group goes down when the lighthouse records it
     ``failed`` (a hang when it was declared hung), ``disconnected``, ``evicted`` or ``silent``, or the
     lighthouse replaced it as a straggler (``straggler_replaced``, or ``failed`` for it); it is
-    back at the first quorum with it in again. ``straggler``: it was found slow (a moment). A hang also ends
+    back at the first quorum with it in again. ``straggler``: it was found slow (a moment);
+    ``health_failed``: its health check began failing, its agent keeps it out (a moment). A hang also ends
     when the group is heard from again while no quorum has left it out (the same process carried on); a failed
     group's process is gone, whatever a last heartbeat of it says. A hot spare ``claimed`` a slot: it took
     over. t = 0 is the first thing the picture shows."""
@@ -187,6 +190,8 @@ def timeline_of(status: LighthouseStatus) -> Timeline:
             continue
         elif h.event == "straggler":
             marks.append(Mark(at, SLOW, rid, f"straggler: {h.detail}"))
+        elif h.event == HEALTH_FAILED:
+            marks.append(Mark(at, HEALTH, rid, f"health check failed, kept out: {h.detail}"))
         elif h.event == "straggler_replaced" and rid not in down:
             marks.append(Mark(at, STRAGGLER, rid, h.detail))
             down[rid] = STRAGGLER

@@ -25,8 +25,10 @@ steps:
   exceeds the reference by `StragglerRule.spread` robust deviations of the others' computes
   (1.4826 x their median absolute deviation: a job whose groups differ widely by nature needs
   more) and by `StragglerRule.min_excess` seconds (a millisecond step is all noise);
-- it *stays* one until its slowdown falls to `StragglerRule.leave` (< enter): a group near the
-  threshold does not flap.
+- it *stays* one until its slowdown has stayed at or under `StragglerRule.leave` (< enter) for
+  `StragglerRule.calm_steps` of its committed steps: a group near the threshold does not flap, and
+  a slow group whose window looks fast for a moment (its peers slowed by a burst of load on a shared
+  host: their median rises for a few seconds) stays one, its persistence count running on.
 
 With the policy ``replace`` a straggler that stayed one for `StragglerRule.persist` of its committed
 steps and `StragglerRule.persist_seconds` is replaced (`to_replace`): a replacement costs a heal and
@@ -87,8 +89,9 @@ class StragglerRule:
     min_steps: int = 10
     #: Slowdown at which a group becomes a straggler...
     enter: float = 1.5
-    #: ... and at or under which it is one no more.
+    #: ... and at or under which it is one no more, once it stayed so for `calm_steps` committed steps.
     leave: float = 1.2
+    calm_steps: int = 10
     #: Robust standard deviations of the others' computes its own must also exceed the reference by.
     spread: float = 3.0
     #: Seconds its compute must also exceed the reference by.
@@ -102,8 +105,8 @@ class StragglerRule:
             raise ValueError(f"min_steps must be in 1..window ({self.window}), got {self.min_steps}")
         if not 1.0 <= self.leave < self.enter:
             raise ValueError(f"need 1 <= leave < enter, got leave={self.leave}, enter={self.enter}")
-        if min(self.spread, self.min_excess, self.persist, self.persist_seconds) < 0:
-            raise ValueError("spread, min_excess, persist and persist_seconds must be >= 0")
+        if min(self.spread, self.min_excess, self.persist, self.persist_seconds, self.calm_steps) < 0:
+            raise ValueError("spread, min_excess, persist, persist_seconds and calm_steps must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -123,6 +126,9 @@ class Standing:
     #: Its ``steps`` when it became a straggler, and the time (the caller's clock; None: it is not one).
     since: int | None = None
     since_time: float | None = None
+    #: A straggler's ``steps`` when its slowdown fell to `StragglerRule.leave` or under (None: it
+    #: did not, or it is no straggler).
+    calm_since: int | None = None
 
     def persistent(self, rule: StragglerRule, now: float) -> bool:
         """A straggler for `StragglerRule.persist` of its committed steps and for
@@ -185,8 +191,12 @@ def judge(
         slowdown = compute / max(reference, _TINY)
         before = previous.get(rid)
         was = before is not None and before.straggler
-        if was:
-            is_one = slowdown > rule.leave
+        count = steps.get(rid, 0)
+        calm_since: int | None = None
+        if was and before is not None:
+            if slowdown <= rule.leave:
+                calm_since = before.calm_since if before.calm_since is not None else count
+            is_one = calm_since is None or count - calm_since < rule.calm_steps
         else:
             excess = compute - reference
             is_one = (
@@ -194,14 +204,13 @@ def judge(
                 and excess >= rule.min_excess
                 and excess >= rule.spread * _sigma_without(ordered, i, reference)
             )
-        count = steps.get(rid, 0)
         if not is_one:
-            since, since_time = None, None
+            since, since_time, calm_since = None, None, None
         elif was and before is not None:
             since, since_time = before.since, before.since_time
         else:
             since, since_time = count, now
-        out[rid] = Standing(rid, slowdown, compute, reference, count, is_one, since, since_time)
+        out[rid] = Standing(rid, slowdown, compute, reference, count, is_one, since, since_time, calm_since)
     return out
 
 

@@ -39,11 +39,15 @@ LIGHTHOUSE = "lighthouse"
 SLOW = "slow"
 #: The lighthouse replaced the group as a straggler: its slot went to a hot spare, or it restarts.
 STRAGGLER = "straggler"
+#: The group's health check failed (``--health-check``): its agent keeps it out until the check
+#: passes. A moment, not a down time of its own: a group restarting is down already (its failure
+#: began it), and one kept out from the start has not trained yet.
+HEALTH = "health"
 
 FAILURE_KINDS = frozenset({FAILURE, HANG, AGENT, GAVE_UP, STRAGGLER})
 RECOVERY_KINDS = frozenset({REJOIN, TAKEOVER})
 #: Every kind, in the legend's order.
-MARK_KINDS = (FAILURE, HANG, AGENT, GAVE_UP, SLOW, STRAGGLER, LIGHTHOUSE, REJOIN, TAKEOVER)
+MARK_KINDS = (FAILURE, HANG, AGENT, GAVE_UP, HEALTH, SLOW, STRAGGLER, LIGHTHOUSE, REJOIN, TAKEOVER)
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from ftlaunch.lighthouse.timeline import (
     FAILURE_KINDS,
     GAVE_UP,
     HANG,
+    HEALTH,
     LIGHTHOUSE,
     MARK_KINDS,
     RECOVERY_KINDS,
@@ -71,6 +72,7 @@ LABELS = {
     HANG: "hang (stopped)",
     AGENT: "agent died",
     GAVE_UP: "failed for good",
+    HEALTH: "health check failed",
     LIGHTHOUSE: "lighthouse down",
     REJOIN: "rejoined",
     TAKEOVER: "spare took over",
@@ -93,6 +95,10 @@ _GLYPHS = {
         f"<path d='M-3,-3L3,3M-3,3L3,-3' stroke='{_RED}' stroke-width='2'/>"
     ),
     GAVE_UP: "<rect x='-6' y='-6' width='12' height='12' fill='#111' stroke='#fff' stroke-width='1.5'/>",
+    HEALTH: (
+        f"<circle r='7' fill='#fff' stroke='{_RED}' stroke-width='2'/>"
+        f"<path d='M0,-4V4M-4,0H4' stroke='{_RED}' stroke-width='2.5'/>"
+    ),
     REJOIN: "<circle r='6' fill='#2ca02c' stroke='#fff' stroke-width='1.5'/>",
     TAKEOVER: "<path d='M0,-7L7,0L0,7L-7,0Z' fill='#008080' stroke='#fff' stroke-width='1.5'/>",
     LIGHTHOUSE: "<rect x='-6' y='-7' width='12' height='14' fill='#888' fill-opacity='0.3'/>",

@@ -23,6 +23,7 @@ import time
 import pytest
 
 from ftlaunch.lighthouse.client import LighthouseClient
+from ftlaunch.lighthouse.health import HealthReport
 from ftlaunch.lighthouse.progress import ProgressReport
 from ftlaunch.lighthouse.quorum import QuorumMember, decode_quorum_id
 from ftlaunch.lighthouse.server import LighthouseServer
@@ -260,6 +261,43 @@ loaded: window.__loaded = window.__loaded || Date.now()};
         assert now["rg0"] > before["rg0"] and now["loaded"] == before["loaded"]  # more points, same page
     finally:
         tools.close()
+
+
+def test_stragglers_and_health_checks_are_marked_on_the_picture(chromium) -> None:
+    """A live lighthouse finds rg1 a straggler from the leaders' reports (twice rg0's own work per
+    step) while rg2's agent reports a failing health check: the page, as Chromium runs it, marks
+    both on their lines and names both in the legend, the health check's output in the tooltip."""
+    with LighthouseServer("127.0.0.1:0", token=TOKEN, expected_replicas=2) as server:
+        clients = [LighthouseClient(server.address, connect_timeout=5, token=TOKEN) for _ in range(3)]
+        try:
+            for i, c in enumerate(clients[:2]):
+                c.start_heartbeat(f"rg{i}", 0.2)
+            _quorum_round(clients[:2])
+            clients[2].report_health(
+                "rg2", HealthReport("python -m ftlaunch.health", False, "cuda:0 unusable: ECC error", 5.0)
+            )
+            for step in range(1, 16):
+                for i, c in enumerate(clients[:2]):
+                    own = 0.03 * (i + 1)  # rg1 does the same work twice as slowly
+                    report = ProgressReport(f"s{i}", step=step, commits=step, compute_seconds=own)
+                    c.report_progress(f"rg{i}", report)
+                time.sleep(0.05)
+            deadline = time.monotonic() + 15
+            while not any(v.replica_id == "rg1" for v in server.stragglers().stragglers):
+                assert time.monotonic() < deadline, server.stragglers()
+                time.sleep(0.1)
+            dom = _browser(chromium, "--dump-dom", server.address + "/")
+        finally:
+            for c in clients:
+                c.close()
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    chart = re.search(r'<div id="timeline">(<svg .*?</svg>)</div>', dom.stdout, re.S)
+    assert chart, dom.stdout[:3000]
+    marks = re.findall(r'<g class="mark [\w ]+" data-kind="(\w+)" data-line="(\w*)"', chart.group(1))
+    assert sorted(marks) == [("health", "rg2"), ("slow", "rg1")], marks
+    text = html.unescape(chart.group(1))
+    assert "health check failed (1)" in text and "slowed / straggler found (1)" in text
+    assert "cuda:0 unusable: ECC error" in text  # the mark's tooltip: the check's last line
 
 
 def test_admin_buttons_endpoints_need_the_token(live_lighthouse) -> None:

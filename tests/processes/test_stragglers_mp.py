@@ -10,6 +10,7 @@ tests/unit/test_stragglers_membership.py.
 from __future__ import annotations
 
 import re
+import signal
 
 import pytest
 from test_spares_mp import TRAIN, assert_bit_identical, check_data, final_slots, jobs, takeovers
@@ -22,14 +23,40 @@ FACTOR = 3
 
 
 def train(steps: int) -> list[str]:
-    # 20 ms of CPU work per step: what the throttle slows (a sleep would pass while stopped).
-    return [TRAIN, "--steps", str(steps), "--width", "64", "--compute-ms", "20"]
+    # 20 ms of CPU work per step: what the throttle slows (a sleep would pass while stopped). The
+    # fixed shards: `check_data` follows each slot's shard (the exactly-once sampler with spares:
+    # tests/processes/test_exactly_once_mp.py).
+    return [TRAIN, "--steps", str(steps), "--width", "64", "--compute-ms", "20", "--sampler", "shard"]
 
 
 def no_hang(text: str) -> None:
-    """The duty cycle's stops (60 ms at most) are slowness: no hang reported, nobody declared hung."""
+    """The duty cycle's stops (200 ms at most) are slowness: no hang reported, nobody declared hung."""
     assert "stopped by SIGSTOP" not in text, text[-6000:]
     assert "hung: " not in text, text[-6000:]
+
+
+@pytest.mark.timeout(150)
+def test_a_slowed_group_is_found_and_its_slot_goes_to_the_spare(jobs) -> None:
+    """The representative run (in CI): group 1 slowed 3x from step 3; the lighthouse finds it a
+    straggler and, once it stayed one for 10 steps and 15 s, gives its slot to the hot spare, whose
+    first step commits; then the user stops the job (SIGINT) and the summary tells the replacement.
+    The full run to the end, bit-identical: the slow-marked test below."""
+    job = jobs(["--replicas", "2", "--spares", "1", "--stragglers", "replace",
+                "--chaos", f"steps=3,group=1,slow={FACTOR},slow_for=600", *train(100000)])  # fmt: skip
+    job.wait_for(r"^\[ftlaunch\] chaos: replica group 1 workers slowed down 3x", 60)
+    job.wait_for(
+        r"^\[ftlaunch\] replica group rg1 replaced as a straggler .*: its slot went to a hot spare$", 90
+    )
+    job.wait_for(r"^\[rg2/r0\] step=\d+ committed=True", 30)  # the spare, in slot 1, committed
+    job.proc.send_signal(signal.SIGINT)
+    job.proc.wait(timeout=60)
+    text = job.text()
+    assert takeovers(text)[0] == (2, "g2.0", 1, "rg1.1", "rg1"), takeovers(text)
+    no_hang(text)
+    told = (
+        r"^\[ftlaunch\] straggler rg1 \([\d.]+x slower\) replaced: its slot went to a hot spare, whose first"
+    )
+    assert re.search(told + r" step committed [\d.]+s later", text, re.M), text[-3000:]
 
 
 @pytest.mark.slow  # a 2-core host under load blurs a 3x slowdown (the verdict then comes late or never)

@@ -7,11 +7,12 @@ from __future__ import annotations
 import xml.etree.ElementTree as ET
 
 from ftlaunch.lighthouse import dashboard
+from ftlaunch.lighthouse.health import HealthReport
 from ftlaunch.lighthouse.membership import Membership
 from ftlaunch.lighthouse.progress import ProgressReport
 from ftlaunch.lighthouse.quorum import QuorumIdAllocator, QuorumMember, QuorumOptions
 from ftlaunch.lighthouse.status import HistoryEvent, LighthouseStatus
-from ftlaunch.lighthouse.timeline import FAILURE, HANG, REJOIN, SLOW, STRAGGLER, TAKEOVER
+from ftlaunch.lighthouse.timeline import FAILURE, HANG, HEALTH, REJOIN, SLOW, STRAGGLER, TAKEOVER
 
 
 class Clock:
@@ -124,3 +125,22 @@ def test_stragglers_found_and_replaced() -> None:
     ], marks
     svg = dashboard.render(status)
     assert "straggler replaced (2)" in svg and "slowed / straggler found (2)" in svg
+
+
+def test_a_failing_health_check_is_a_mark_on_its_group() -> None:
+    """The lighthouse learns from rg1's agent that its health check fails (twice), then passes:
+    one mark where it began failing, with the check's last line; nothing for the pass (the quorum
+    that takes the group in is its rejoin)."""
+    clock = Clock()
+    m = Membership(QuorumOptions(min_replicas=1), ids=QuorumIdAllocator(1), clock=clock, wall_clock=clock)
+    m.request_quorum(QuorumMember("rg0"), ProgressReport("rg0-1", step=1, commits=1))
+    clock.now += 2
+    m.report_health("rg1", HealthReport("ftlaunch.health", False, "checkpoint dir not writable", 4.0))
+    clock.now += 4
+    m.report_health("rg1", HealthReport("ftlaunch.health", False, "checkpoint dir not writable", 8.0))
+    clock.now += 8
+    m.report_health("rg1", HealthReport("ftlaunch.health", True, "ok"))
+    pic = dashboard.timeline_of(m.snapshot())
+    assert [(mk.at, mk.kind, mk.line) for mk in pic.marks] == [(2.0, HEALTH, "rg1")], pic.marks
+    assert "checkpoint dir not writable" in pic.marks[0].detail
+    assert "health check failed (1)" in dashboard.render(m.snapshot())

@@ -57,14 +57,19 @@ def previous(draw: st.DrawFn, rids: list[str]) -> dict[str, Standing]:
 @settings(max_examples=200, deadline=None)
 @given(data=st.data(), scale=st.floats(min_value=0.01, max_value=100.0))
 def test_a_uniformly_slow_job_has_no_straggler(data: st.DataObject, scale: float) -> None:
-    """Everybody slowed alike (a slower model, a loaded cluster): no straggler, whatever was before."""
+    """Everybody slowed alike (a slower model, a loaded cluster): no straggler, whatever was before
+    (an earlier straggler is one no more once it stayed calm for `calm_steps` steps)."""
     windows, _ = data.draw(job())
     slowed = {rid: [v * scale for v in w] for rid, w in windows.items()}
     before = data.draw(previous(list(windows)))
     verdicts = judge(slowed, counts(slowed), before, RULE)
     assert set(verdicts) == set(windows)
-    assert not any(s.straggler for s in verdicts.values()), verdicts
+    assert [rid for rid, s in verdicts.items() if s.straggler] == [r for r in verdicts if r in before], (
+        verdicts
+    )
     assert all(s.slowdown <= SPREAD * 1.0001 for s in verdicts.values())
+    later = judge(slowed, {rid: n + RULE.calm_steps for rid, n in counts(slowed).items()}, verdicts, RULE)
+    assert not any(s.straggler for s in later.values()), later
 
 
 @settings(max_examples=200, deadline=None)
@@ -124,7 +129,32 @@ def test_it_takes_enter_to_become_one_and_leave_to_stop() -> None:
     assert first["rg2"].straggler and first["rg2"].slowdown == pytest.approx(RULE.enter)
     windows["rg2"] = [0.1 * RULE.leave] * RULE.window
     second = judge(windows, counts(windows), first, RULE)
-    assert not second["rg2"].straggler and second["rg2"].since is None
+    assert second["rg2"].straggler and second["rg2"].calm_since == RULE.window  # calm from here...
+    calm = {rid: RULE.window + RULE.calm_steps for rid in rids}
+    third = judge(windows, calm, second, RULE)
+    assert not third["rg2"].straggler and third["rg2"].since is None  # ... for `calm_steps` steps
+
+
+def test_a_straggler_that_looks_fast_for_a_moment_stays_one() -> None:
+    """Its window looks fast for fewer than `calm_steps` steps (its peers slowed by a burst of load),
+    then slow again: it stayed a straggler throughout, since the step it became one -- the persistence
+    that ``replace`` waits for runs on."""
+    rids = ids(3)
+    windows = {rid: [0.1] * RULE.window for rid in rids}
+    windows["rg2"] = [0.2] * RULE.window
+    verdict = judge(windows, counts(windows), {}, RULE, NOW)
+    assert verdict["rg2"].straggler and verdict["rg2"].since == RULE.window
+    n = RULE.window
+    for step in range(RULE.calm_steps - 1):  # the others as slow as it for a while
+        n += 1
+        looks = {rid: [0.19] * RULE.window for rid in rids[:2]} | {"rg2": [0.2] * RULE.window}
+        verdict = judge(looks, dict.fromkeys(rids, n), verdict, RULE, NOW + step)
+        assert verdict["rg2"].straggler and verdict["rg2"].calm_since == RULE.window + 1
+    n += 1
+    verdict = judge(windows, dict.fromkeys(rids, n), verdict, RULE, NOW + 60)
+    assert verdict["rg2"].straggler and verdict["rg2"].calm_since is None
+    assert (verdict["rg2"].since, verdict["rg2"].since_time) == (RULE.window, NOW)
+    assert verdict["rg2"].persistent(RULE, NOW + 60) == (n - RULE.window >= RULE.persist)
 
 
 @settings(max_examples=100, deadline=None)

@@ -97,8 +97,10 @@ def test_report_shows_the_straggler_with_its_slowdown_and_replaces_nobody() -> N
     assert [rid for rid, _ in job.events("straggler")] == ["rg1"]
     assert "2.0x slower than the others" in job.events("straggler")[0][1]
     assert job.m.heartbeat("rg1") is None  # not told to restart
-    # It speeds up again: a straggler no more (below `leave`), recorded once.
+    # It speeds up again: a straggler no more (at or below `leave` for `calm_steps`), recorded once.
     job.run(RULE.window, {})
+    assert job.m.stragglers().stragglers  # calm for fewer than `calm_steps` steps so far
+    job.run(RULE.calm_steps, {})
     st = job.m.stragglers()
     assert not st.stragglers and [rid for rid, _ in job.events("straggler_cleared")] == ["rg1"]
 
