@@ -56,6 +56,7 @@ __all__ = [
     "DurableConfig",
     "DurableStats",
     "live_peer_steps",
+    "reached_step",
     "resume_unless_a_peer_holds_it",
     "reshard_sampler_states",
 ]
@@ -132,9 +133,17 @@ def reshard_sampler_states(saved: Any, here: Any) -> Any:
 
 def live_peer_steps(status: LighthouseStatus, replica_id: str) -> list[int]:
     """The steps of the groups other than ``replica_id`` that the lighthouse sees live (the step
-    of each one's last quorum request: the state it holds). ``replica_id``'s own entry is the
-    process this one replaces."""
+    of each one's last quorum request: the state it holds; 0 for a restarted process that has
+    not asked yet). ``replica_id``'s own entry is the process this one replaces."""
     return [g.step for g in status.groups if g.live and g.replica_id != replica_id]
+
+
+def reached_step(status: LighthouseStatus) -> int | None:
+    """The step of the job's last quorum (its furthest participant's), None before the first."""
+    quorum = status.quorum
+    if quorum is None or not quorum.participants:
+        return None
+    return max(p.step for p in quorum.participants)
 
 
 def resume_unless_a_peer_holds_it(
@@ -147,16 +156,19 @@ def resume_unless_a_peer_holds_it(
     """``DurableCheckpoints.resume``'s ``decide`` for a group that (re)starts while the job runs:
     load the checkpoint only when no live group holds its step or a newer one
     (`durable_plan.resume_from_disk`), from the lighthouse's status read now -- before this
-    process's first quorum request, so of groups restarting together at least one sees the others
-    as they are (dead, or at the step they asked with), never a stale step. A lighthouse that
-    cannot be read: load (loading is never wrong; a peer ahead is still healed from)."""
+    process's first quorum request. Groups restarting together see each other as they are: dead,
+    back but not asked yet (step 0: the lighthouse forgets the step of a process that is gone), or
+    at the checkpoint's step below the step the job's last quorum had reached (loaded from the same
+    checkpoint); each loads it. A lighthouse that cannot be read: load (loading is never wrong; a
+    peer ahead is still healed from)."""
 
     def decide(checkpoint_step: int | None) -> bool:
         if checkpoint_step is None:
             return False
         client = LighthouseClient(lighthouse, connect_timeout=connect_timeout, token=token)
         try:
-            peers = live_peer_steps(client.snapshot(), replica_id)
+            status = client.snapshot()
+            peers, reached = live_peer_steps(status, replica_id), reached_step(status)
         except Exception as e:  # noqa: BLE001 - any failure to read: the disk is the safe answer
             log.warning(
                 "durable checkpoints: cannot read the lighthouse's status (%s): resuming from disk", e
@@ -164,10 +176,11 @@ def resume_unless_a_peer_holds_it(
             return True
         finally:
             client.close()
-        load = durable_plan.resume_from_disk(checkpoint_step, peers)
+        load = durable_plan.resume_from_disk(checkpoint_step, peers, reached)
         log.info(
-            "durable checkpoint of step %d, live peers at steps %s: %s",
-            checkpoint_step, sorted(peers) or "none", "resuming from it" if load else "healing from a peer",
+            "durable checkpoint of step %d, live peers at steps %s, the job's last quorum at step %s: %s",
+            checkpoint_step, sorted(peers) or "none", "-" if reached is None else reached,
+            "resuming from it" if load else "healing from a peer",
         )  # fmt: skip
         return load
 
