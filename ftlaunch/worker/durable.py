@@ -212,6 +212,8 @@ class DurableCheckpoints:
         self._started = False
         self._resume_path: Path | None = None
         self._data_at_commit: tuple[int, dict[str, Any]] | None = None
+        #: The registered entries that are samplers (keyed by how many entries there were).
+        self._sampler_keys: tuple[int, frozenset[str]] | None = None
         self._last_due: int | None = None
         self._lock = threading.Lock()
         self._running: Future[None] | None = None
@@ -272,23 +274,80 @@ class DurableCheckpoints:
 
     def committed(self, step: int) -> None:
         """The optimizer has just applied the update that made ``step`` (``ft.wrap``'s optimizer
-        calls it): when ``step`` is due, record the data positions now.
+        calls it): record the data positions now -- every sampler's when ``step`` is due, those
+        known to be samplers otherwise (any step may be the last one, saved by `final`).
 
         Why: a training loop draws the next batch before it starts the next step (the boundary),
         so at the boundary a sampler's position already counts a batch no step has used; a job
         resumed from it would skip that batch. The position at the commit is the one to resume
         from. Only sampler states are taken here (other state, an LR scheduler's, legitimately
         moves between the commit and the boundary)."""
+        if self.config.every <= 0:
+            return
+        entries = self._registry.entries()
         if not durable_plan.save_due(step, self.config.every, self.stats.resumed_from):
+            # Any committed step may be the last one (`final`): the samplers' positions, known by
+            # key once looked up (one cheap state dict each, not the model's).
+            if self._sampler_keys is None or self._sampler_keys[0] != len(entries):
+                self._sampler_keys = (len(entries), self._samplers(entries))
+            keys = self._sampler_keys[1]
+            self._data_at_commit = (step, {k: dict(entries[k][1]()) for k in keys if k in entries})
             return
         data = {}
-        for key, (_, save) in self._registry.entries().items():
+        for key, (_, save) in entries.items():
             if key == MANAGER_STATE_KEY:
                 continue
             value = save()
             if _is_sampler_state(value):
                 data[key] = dict(value)
         self._data_at_commit = (step, data)
+
+    @staticmethod
+    def _samplers(entries: dict[str, tuple[Callable[[Any], None], Callable[[], Any]]]) -> frozenset[str]:
+        return frozenset(
+            key
+            for key, (_, save) in entries.items()
+            if key != MANAGER_STATE_KEY and _is_sampler_state(save())
+        )
+
+    def final(self, step: int) -> None:
+        """A clean end of the training at ``step``: write its checkpoint now, synchronously, unless
+        one of it exists (or the job resumed from it), so the finished model is on disk even when
+        the last step is not a multiple of ``checkpoint_every`` -- the checkpoint of a due step is
+        taken at the next step's boundary, which the last step never reaches.
+
+        Why the same writer rule: every group ends at the same step with the same last quorum, so
+        one group writes it, chosen as for a due save, and the others exit at once. A save still
+        running is waited for first (one writer thread). A failure is logged and counted, never
+        raised: the training itself has finished."""
+        every = self.config.every
+        if every <= 0 or step <= 0 or step == self.stats.resumed_from or step == self._last_due:
+            return
+        plan = self._last_plan()
+        if plan is None or not durable_plan.is_writer(
+            step, every, plan.participant_rank, plan.num_participants
+        ):
+            return
+        running = self._running
+        if running is not None:
+            running.result()
+        if (Path(self.config.directory) / durable_plan.dir_name(step)).is_dir():
+            return
+        self._last_due = step
+        try:
+            with self._registry.gate.reading(0.0):
+                staged = stage(self._registry.snapshot(), step)
+        except CommunicationError:
+            self._log.warning(
+                "final durable checkpoint of step %d skipped: the state was closed for reading", step
+            )
+            return
+        state = staged.state
+        at_commit = self._data_at_commit
+        if at_commit is not None and at_commit[0] == step:
+            state = {**state, **at_commit[1]}
+        self._log.info("writing the final durable checkpoint of step %d", step)
+        self._write(staged, state)
 
     def _busy(self) -> bool:
         """Whether the previous save still runs -- on any rank of the group, so all ranks write
