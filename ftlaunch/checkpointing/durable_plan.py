@@ -136,19 +136,28 @@ def choose_resume(complete: Sequence[int], verify: Callable[[int], str | None]) 
     return ResumeChoice(None, tuple(refused))
 
 
-def resume_from_disk(checkpoint_step: int | None, live_peer_steps: Iterable[int]) -> bool:
+def resume_from_disk(
+    checkpoint_step: int | None, live_peer_steps: Iterable[int], reached: int | None = None
+) -> bool:
     """Whether a group that (re)starts while the job runs -- its agent restarted it, or a hot spare
     took a failed group's slot -- loads the newest usable checkpoint (of ``checkpoint_step``, None:
     none) rather than healing from a live peer (``live_peer_steps``: the steps of the other groups
-    the lighthouse sees live).
+    the lighthouse sees live; ``reached``: the step of the job's last quorum, None: none formed).
 
     Why: live recovery is the fast path and never reads the disk, so a peer that holds the
-    checkpoint's state or a newer one (at ``checkpoint_step`` or later) is healed from. Only when
-    no live group holds it -- every group died, or the only one holding it died mid-heal -- is the
-    disk the way back; without it the job would restart from step 0. Groups restarting together
-    each see no live peer ahead and load the same checkpoint, so they agree; a group that loads
-    while a peer turns out to be ahead still heals from it at its first quorum (loading is never
-    wrong, only slower)."""
+    checkpoint's state or a newer one is healed from: one past the checkpoint, or one at it that
+    the job's last quorum had reached (a survivor). Only when no live group holds it -- every
+    group died, or the only one holding it died mid-heal -- is the disk the way back; without it
+    the job would restart from step 0. A peer at the checkpoint's step below the step the job had
+    reached is a group back from the same loss that loaded the same checkpoint: this group loads
+    it too, so both are up to date in the job's first quorum after the loss and both train its
+    first step, as the run it repeats did (healing from that peer would cost that step: a healer
+    waits one step for a snapshot and contributes nothing to it). Groups restarting together so
+    all load the same checkpoint; a group that loads while a peer turns out to be ahead still
+    heals from it at its first quorum (loading is never wrong, only slower)."""
     if checkpoint_step is None:
         return False
-    return all(step < checkpoint_step for step in live_peer_steps)
+    return not any(
+        step > checkpoint_step or (step == checkpoint_step and (reached is None or step >= reached))
+        for step in live_peer_steps
+    )

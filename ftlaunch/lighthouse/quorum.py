@@ -17,10 +17,17 @@ Rules (in the order `decide_quorum` applies them):
 5. The first quorum waits for the groups the launcher announced (``expected_replicas``) until
    ``join_timeout`` after the first request: otherwise the first group to start would train alone
    and every other group would heal from it. Later quorums ignore the announcement.
-6. Form at once when every member of the previous quorum is a candidate ("fast quorum"), or when
+6. The state is lost to the live groups (every candidate is behind the step of the previous
+   quorum: no group holding the job's state asked, e.g. every group died and their agents restart
+   them from a durable checkpoint or from scratch) and members of the previous quorum the lighthouse
+   still knows have not asked (down, or restarting): wait for them until ``join_timeout`` after the
+   first request of the round. Otherwise the first group back would train alone from the rewound
+   state while the others are still starting, and the job would diverge from the run it repeats (a
+   group that asks at the previous quorum's step or later holds the state: it never waits here).
+7. Form at once when every member of the previous quorum is a candidate ("fast quorum"), or when
    every live group has asked. Otherwise wait for stragglers until ``join_timeout`` after the first
    request of the round, then form with those present.
-7. The quorum id changes when the membership changes, when any participant reports
+8. The quorum id changes when the membership changes, when any participant reports
    ``commit_failures > 0``, or when a member of the previous quorum lost liveness since it formed
    (it may be a new incarnation with the same name); otherwise the previous id is kept, so Managers
    do not reconfigure.
@@ -339,6 +346,25 @@ def may_form(state: LighthouseState, now: float, options: QuorumOptions) -> bool
     return True
 
 
+def _coming_back(state: LighthouseState, prev: Quorum, candidates: set[str]) -> list[str]:
+    """Rule 6: the members of ``prev`` still known (not left, replaced or forgotten) that did not
+    ask, when every candidate is behind ``prev``'s step (none holds the job's state); else none.
+
+    Why the members of the previous quorum: they are the groups the job was training with, and a
+    group the lighthouse still knows is one its agent may be restarting (a group that left, or
+    whose slot went to a hot spare, is no longer known). Why only when every candidate is behind:
+    a candidate at the previous quorum's step or later holds the state, so the job goes on from it
+    at once, as in any single group's recovery."""
+    if not candidates:
+        return []
+    top = max(p.step for p in prev.participants)
+    requests = state.requests
+    if any(requests[rid].step >= top for rid in candidates):
+        return []
+    groups = state.groups
+    return [rid for rid in prev.replica_ids if rid not in candidates and rid in groups]
+
+
 def decide_quorum(state: LighthouseState, now: float, options: QuorumOptions) -> QuorumDecision:
     """Decide whether a quorum forms now, with whom and under which id (see module docstring)."""
     hb = options.heartbeat_timeout
@@ -380,6 +406,19 @@ def decide_quorum(state: LighthouseState, now: float, options: QuorumOptions) ->
                 wake,
             )
     cand_set = set(candidates)
+    if prev is not None:
+        coming = _coming_back(state, prev, cand_set)
+        if coming:
+            start = state.round_start if state.round_start is not None else now
+            deadline = start + options.join_timeout
+            if now < deadline:
+                wake = deadline if next_expiry is None else min(deadline, next_expiry)
+                return _wait(
+                    f"no live group holds the state of step {max(p.step for p in prev.participants)}: "
+                    f"waiting for {len(coming)} group(s) of quorum {prev.quorum_id} to come back "
+                    f"({', '.join(sorted(coming))}) until the join timeout ({counts})",
+                    wake,
+                )
     if prev is not None and prev_ids and prev_ids <= cand_set:
         reason = f"fast quorum: every member of quorum {prev.quorum_id} asked again ({counts})"
     elif live <= set(state.requests):

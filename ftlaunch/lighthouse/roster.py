@@ -85,6 +85,11 @@ class Roster:
         info = self._info[replica_id]
         if back:
             info.reason, info.silent_noted, info.down_counted = "", False, False
+            if incarnation != info.incarnation and ANONYMOUS not in (incarnation, info.incarnation):
+                # Another process holds the id now (its agent restarted the group): what it holds
+                # is unknown until it asks a quorum, not the step its predecessor had (a group
+                # restarting beside it reads the steps to decide whether to heal from it).
+                info.step = 0
         if beat:
             info.heartbeats += 1
         self._groups[replica_id] = GroupState(replica_id, now, Connection.CONNECTED)

@@ -56,6 +56,7 @@ __all__ = [
     "DurableConfig",
     "DurableStats",
     "live_peer_steps",
+    "reached_step",
     "resume_unless_a_peer_holds_it",
     "reshard_sampler_states",
 ]
@@ -132,9 +133,17 @@ def reshard_sampler_states(saved: Any, here: Any) -> Any:
 
 def live_peer_steps(status: LighthouseStatus, replica_id: str) -> list[int]:
     """The steps of the groups other than ``replica_id`` that the lighthouse sees live (the step
-    of each one's last quorum request: the state it holds). ``replica_id``'s own entry is the
-    process this one replaces."""
+    of each one's last quorum request: the state it holds; 0 for a restarted process that has
+    not asked yet). ``replica_id``'s own entry is the process this one replaces."""
     return [g.step for g in status.groups if g.live and g.replica_id != replica_id]
+
+
+def reached_step(status: LighthouseStatus) -> int | None:
+    """The step of the job's last quorum (its furthest participant's), None before the first."""
+    quorum = status.quorum
+    if quorum is None or not quorum.participants:
+        return None
+    return max(p.step for p in quorum.participants)
 
 
 def resume_unless_a_peer_holds_it(
@@ -147,16 +156,19 @@ def resume_unless_a_peer_holds_it(
     """``DurableCheckpoints.resume``'s ``decide`` for a group that (re)starts while the job runs:
     load the checkpoint only when no live group holds its step or a newer one
     (`durable_plan.resume_from_disk`), from the lighthouse's status read now -- before this
-    process's first quorum request, so of groups restarting together at least one sees the others
-    as they are (dead, or at the step they asked with), never a stale step. A lighthouse that
-    cannot be read: load (loading is never wrong; a peer ahead is still healed from)."""
+    process's first quorum request. Groups restarting together see each other as they are: dead,
+    back but not asked yet (step 0: the lighthouse forgets the step of a process that is gone), or
+    at the checkpoint's step below the step the job's last quorum had reached (loaded from the same
+    checkpoint); each loads it. A lighthouse that cannot be read: load (loading is never wrong; a
+    peer ahead is still healed from)."""
 
     def decide(checkpoint_step: int | None) -> bool:
         if checkpoint_step is None:
             return False
         client = LighthouseClient(lighthouse, connect_timeout=connect_timeout, token=token)
         try:
-            peers = live_peer_steps(client.snapshot(), replica_id)
+            status = client.snapshot()
+            peers, reached = live_peer_steps(status, replica_id), reached_step(status)
         except Exception as e:  # noqa: BLE001 - any failure to read: the disk is the safe answer
             log.warning(
                 "durable checkpoints: cannot read the lighthouse's status (%s): resuming from disk", e
@@ -164,10 +176,11 @@ def resume_unless_a_peer_holds_it(
             return True
         finally:
             client.close()
-        load = durable_plan.resume_from_disk(checkpoint_step, peers)
+        load = durable_plan.resume_from_disk(checkpoint_step, peers, reached)
         log.info(
-            "durable checkpoint of step %d, live peers at steps %s: %s",
-            checkpoint_step, sorted(peers) or "none", "resuming from it" if load else "healing from a peer",
+            "durable checkpoint of step %d, live peers at steps %s, the job's last quorum at step %s: %s",
+            checkpoint_step, sorted(peers) or "none", "-" if reached is None else reached,
+            "resuming from it" if load else "healing from a peer",
         )  # fmt: skip
         return load
 
@@ -199,6 +212,8 @@ class DurableCheckpoints:
         self._started = False
         self._resume_path: Path | None = None
         self._data_at_commit: tuple[int, dict[str, Any]] | None = None
+        #: The registered entries that are samplers (keyed by how many entries there were).
+        self._sampler_keys: tuple[int, frozenset[str]] | None = None
         self._last_due: int | None = None
         self._lock = threading.Lock()
         self._running: Future[None] | None = None
@@ -259,23 +274,80 @@ class DurableCheckpoints:
 
     def committed(self, step: int) -> None:
         """The optimizer has just applied the update that made ``step`` (``ft.wrap``'s optimizer
-        calls it): when ``step`` is due, record the data positions now.
+        calls it): record the data positions now -- every sampler's when ``step`` is due, those
+        known to be samplers otherwise (any step may be the last one, saved by `final`).
 
         Why: a training loop draws the next batch before it starts the next step (the boundary),
         so at the boundary a sampler's position already counts a batch no step has used; a job
         resumed from it would skip that batch. The position at the commit is the one to resume
         from. Only sampler states are taken here (other state, an LR scheduler's, legitimately
         moves between the commit and the boundary)."""
+        if self.config.every <= 0:
+            return
+        entries = self._registry.entries()
         if not durable_plan.save_due(step, self.config.every, self.stats.resumed_from):
+            # Any committed step may be the last one (`final`): the samplers' positions, known by
+            # key once looked up (one cheap state dict each, not the model's).
+            if self._sampler_keys is None or self._sampler_keys[0] != len(entries):
+                self._sampler_keys = (len(entries), self._samplers(entries))
+            keys = self._sampler_keys[1]
+            self._data_at_commit = (step, {k: dict(entries[k][1]()) for k in keys if k in entries})
             return
         data = {}
-        for key, (_, save) in self._registry.entries().items():
+        for key, (_, save) in entries.items():
             if key == MANAGER_STATE_KEY:
                 continue
             value = save()
             if _is_sampler_state(value):
                 data[key] = dict(value)
         self._data_at_commit = (step, data)
+
+    @staticmethod
+    def _samplers(entries: dict[str, tuple[Callable[[Any], None], Callable[[], Any]]]) -> frozenset[str]:
+        return frozenset(
+            key
+            for key, (_, save) in entries.items()
+            if key != MANAGER_STATE_KEY and _is_sampler_state(save())
+        )
+
+    def final(self, step: int) -> None:
+        """A clean end of the training at ``step``: write its checkpoint now, synchronously, unless
+        one of it exists (or the job resumed from it), so the finished model is on disk even when
+        the last step is not a multiple of ``checkpoint_every`` -- the checkpoint of a due step is
+        taken at the next step's boundary, which the last step never reaches.
+
+        Why the same writer rule: every group ends at the same step with the same last quorum, so
+        one group writes it, chosen as for a due save, and the others exit at once. A save still
+        running is waited for first (one writer thread). A failure is logged and counted, never
+        raised: the training itself has finished."""
+        every = self.config.every
+        if every <= 0 or step <= 0 or step == self.stats.resumed_from or step == self._last_due:
+            return
+        plan = self._last_plan()
+        if plan is None or not durable_plan.is_writer(
+            step, every, plan.participant_rank, plan.num_participants
+        ):
+            return
+        running = self._running
+        if running is not None:
+            running.result()
+        if (Path(self.config.directory) / durable_plan.dir_name(step)).is_dir():
+            return
+        self._last_due = step
+        try:
+            with self._registry.gate.reading(0.0):
+                staged = stage(self._registry.snapshot(), step)
+        except CommunicationError:
+            self._log.warning(
+                "final durable checkpoint of step %d skipped: the state was closed for reading", step
+            )
+            return
+        state = staged.state
+        at_commit = self._data_at_commit
+        if at_commit is not None and at_commit[0] == step:
+            state = {**state, **at_commit[1]}
+        self._log.info("writing the final durable checkpoint of step %d", step)
+        self._write(staged, state)
 
     def _busy(self) -> bool:
         """Whether the previous save still runs -- on any rank of the group, so all ranks write

@@ -328,6 +328,8 @@ class FaultTolerance:
             return
         self._closed = True
         if self.durable is not None:
+            if not _failing():  # the finished model on disk, whatever step the training ended at
+                self.durable.final(self.manager.current_step())
             self.durable.close(wait=not _failing())  # a save in progress completes on a clean exit
         if _failing():  # called while an exception propagates (``finally:``): a failure, not an end
             self.manager.shutdown(leave=False)

@@ -152,8 +152,9 @@ class ProgressTracker:
             except Exception as e:  # noqa: BLE001 - a checksum must never break the exit
                 logger.warning("no state checksum for the lighthouse: %s: %s", type(e).__name__, e)
         base = self._last or ProgressReport(session=self.session, step=step)
+        durable = self.durable() if self.durable is not None else {}  # a final checkpoint at the exit
         report = ProgressReport(
-            **{**base.to_json(), "step": step, "checksum": checksum, "finished": state is not None}
+            **{**base.to_json(), **durable, "step": step, "checksum": checksum, "finished": state is not None}
         )
         self._publish(report)
         return report

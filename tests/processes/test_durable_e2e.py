@@ -83,6 +83,9 @@ def test_whole_job_killed_resumes_bit_identical(tmp_path: Path) -> None:
     )
     first = min(int(m[2]) for line in resumed.stdout.splitlines() if (m := STEP_LINE.match(line)))
     assert first == saved + 1  # no step redone beyond what the checkpoint missed, none skipped
+    # The job ended at a step off the interval: the finished model is on disk all the same.
+    assert STEPS % EVERY and max(dp.list_dir(p.name for p in ckpt.iterdir()).complete) == STEPS
+    assert f"durable checkpoints: last at step {STEPS} " in resumed.stdout, resumed.stdout[-2000:]
 
     fresh = finish(start(command(None)), 240)
     assert fresh.returncode == 0, fresh.stderr[-3000:]

@@ -268,3 +268,41 @@ def test_one_writer_by_turn_and_a_save_still_running_is_skipped(
     release.set()
     hook.close()
     assert hook.stats.saves == 1 and os.listdir(tmp_path) == [dp.dir_name(20)]
+
+
+def test_a_clean_end_off_the_interval_writes_the_final_checkpoint(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    def hook_of(h: Holder, rank: int | None) -> DurableCheckpoints:
+        plan = SimpleNamespace(participant_rank=rank, num_participants=2)
+        hook = DurableCheckpoints(
+            DurableConfig(str(tmp_path), every=10, keep_last=2),
+            h.registry,
+            lambda: plan,
+            logging.getLogger("t"),
+        )
+        hook.first_boundary(0)
+        return hook
+
+    h = Holder()
+    h.register_sampler()
+    h.own["step"] = 17
+    h.sampler["position"] = 17 * 64
+    other = hook_of(h, 1)  # (17 // 10) % 2 == 1: the writer of step 17 is participant 1
+    mine = hook_of(h, 0)
+    for hook in (other, mine):
+        hook.committed(17)  # the last committed step: its sampler position is the one to resume from
+    h.sampler["position"] += 64  # the loop drew the next batch before it saw the end
+    mine.final(17)
+    mine.close()
+    assert os.listdir(tmp_path) == [] and mine.stats.saves == 0  # not its turn
+    other.final(17)
+    other.close()
+    assert os.listdir(tmp_path) == [dp.dir_name(17)] and other.stats.saves == 1
+    other.final(17)  # written already: nothing more
+    assert other.stats.saves == 1
+
+    fresh = Holder()
+    fresh.register_sampler()
+    step, _ = fresh.resume(tmp_path)
+    assert step == 17 and same(fresh.m, h.m) and fresh.sampler["position"] == 17 * 64

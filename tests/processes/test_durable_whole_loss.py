@@ -4,8 +4,12 @@ real launcher (scripts/train_ddp.py under ``ftlaunch --replicas 2 --checkpoint-d
 Both groups are SIGKILLed at once after a checkpoint was published; their agents restart them in
 the same ``ftlaunch`` job. No live group holds the state, so the restarted groups resume from the
 newest checkpoint -- not from step 0 -- (a group that comes back after the other asked its quorum
-heals from it, live) and every group ends bit-identical. The summary says the job resumed from
-the durable checkpoint and how many steps it trained again, not that progress was lost.
+heals from it, live). The first group back waits for the other before it trains (the lighthouse
+waits for the previous quorum's members while no live group holds the job's state), so the job
+trains every step after the checkpoint with both groups, as the uninterrupted run did: it ends
+bit-identical to that run (deterministic data, drawn by the exactly-once sampler over the groups
+of each step's quorum). The summary says the job resumed from the durable checkpoint and how many
+steps it trained again, not that progress was lost.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from pathlib import Path
 
 import pytest
 from processes.test_lost_progress import STEP_LINE, Job
-from workers.helpers import wait_for
+from workers.helpers import FTLAUNCH, finish, start, wait_for
 
 from ftlaunch.checkpointing import durable_plan as dp
 
@@ -24,6 +28,15 @@ pytestmark = pytest.mark.timeout(400)
 
 STEPS = 40
 EVERY = 10
+CHECKSUM = re.compile(r"final_checksum=(\w+) step=(\d+)")
+
+
+def uninterrupted() -> set[str]:
+    """The final checksums of the same training run to its end without a failure."""
+    cmd = [*FTLAUNCH, "--replicas", "2", "--no-status", "scripts/train_ddp.py", "--steps", str(STEPS)]
+    fresh = finish(start(cmd), 240)
+    assert fresh.returncode == 0, fresh.stderr[-3000:]
+    return {m[1] for m in CHECKSUM.finditer(fresh.stdout)}
 
 
 def test_both_groups_killed_resume_from_the_durable_checkpoint_bit_identical(tmp_path: Path) -> None:
@@ -69,3 +82,6 @@ def test_both_groups_killed_resume_from_the_durable_checkpoint_bit_identical(tmp
     assert int(note[2]) == int(note[1]) - saved
     assert "progress lost" not in out.lower() and "PROGRESS LOST" not in out
     assert "2/2 groups ended bit-identical" in out
+    # Both groups trained every step after the checkpoint together: the run it repeats, bit for bit.
+    ended = {m[1] for line in job.lines[mark:] if (m := CHECKSUM.search(line))}
+    assert len(ended) == 1 and ended == uninterrupted(), ended

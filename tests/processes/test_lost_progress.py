@@ -28,7 +28,14 @@ STEP_LINE = re.compile(r"^\[rg(\d)/r0\] step=(\d+) committed=True")
 class Job:
     """``ftlaunch`` running scripts/train_ddp.py, its stdout read as it comes."""
 
-    def __init__(self, tmp_path: Path, steps: int, extra: tuple[str, ...] | list[str] = ()) -> None:
+    def __init__(
+        self,
+        tmp_path: Path,
+        steps: int,
+        extra: tuple[str, ...] | list[str] = (),
+        script: tuple[str, ...] | list[str] = (),
+    ) -> None:
+        """``extra``: more ``ftlaunch`` arguments; ``script``: more arguments of the script."""
         self.proc = start(
             [
                 *FTLAUNCH,
@@ -43,6 +50,7 @@ class Job:
                 str(steps),
                 "--step-sleep",
                 "0.05",
+                *script,
             ]  # fmt: skip
         )
         self.lines: list[str] = []

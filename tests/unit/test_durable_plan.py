@@ -70,22 +70,35 @@ def test_names_sort_and_parse_back(step: int) -> None:
     assert listing == dp.Listing((step,), (step + 1,))
 
 
-@given(checkpoint=st.none() | steps, peers=st.lists(steps, max_size=6))
+@given(checkpoint=st.none() | steps, peers=st.lists(steps, max_size=6), reached=st.none() | steps)
 def test_a_restarted_group_reads_the_disk_only_when_no_live_peer_holds_the_state(
-    checkpoint: int | None, peers: list[int]
+    checkpoint: int | None, peers: list[int], reached: int | None
 ) -> None:
-    load = dp.resume_from_disk(checkpoint, peers)
+    load = dp.resume_from_disk(checkpoint, peers, reached)
     if checkpoint is None:
         assert not load  # nothing to read: heal (or start) as without checkpoints
-    elif any(p >= checkpoint for p in peers):
-        assert not load  # a live peer holds that state or a newer one: live recovery, no disk
+    elif any(p > checkpoint for p in peers):
+        assert not load  # a live peer holds a newer state: live recovery, no disk
+    elif checkpoint in peers and (reached is None or checkpoint >= reached):
+        assert not load  # a survivor at the checkpoint's step, the job's step: live recovery
     else:
-        assert load  # no live group holds it: the checkpoint, not step 0
+        assert load  # no live group holds it (one at it is back from the same loss): the checkpoint
 
 
-@given(checkpoint=steps, groups=st.integers(min_value=1, max_value=8))
-def test_groups_restarting_together_all_load_the_same_checkpoint(checkpoint: int, groups: int) -> None:
-    # Every group died: none is live while each decides, so each loads the checkpoint.
-    assert all(dp.resume_from_disk(checkpoint, []) for _ in range(groups))
-    # One asked its quorum at the checkpoint's step already: a later one heals from it instead.
-    assert not dp.resume_from_disk(checkpoint, [checkpoint])
+@given(checkpoint=st.integers(1, 10**7), groups=st.integers(1, 8), lost=st.integers(0, 50))
+def test_groups_restarting_together_all_load_the_same_checkpoint(
+    checkpoint: int, groups: int, lost: int
+) -> None:
+    reached = checkpoint + lost  # the step of the job's last quorum before every group died
+    # (no checkpoint is of step 0: `save_due`)
+    # Every group died: none is live while each decides, so each loads the checkpoint; one back
+    # but not asked yet reads as step 0.
+    assert all(dp.resume_from_disk(checkpoint, [], reached) for _ in range(groups))
+    assert dp.resume_from_disk(checkpoint, [0] * (groups - 1), reached)
+    if lost:
+        # One asked its quorum at the checkpoint's step already (it loaded it): a later one loads
+        # it too, so both train the first step after it.
+        assert dp.resume_from_disk(checkpoint, [checkpoint], reached)
+    # A survivor at the checkpoint's step, the job's: healed from, the disk is not read.
+    assert not dp.resume_from_disk(checkpoint, [checkpoint], checkpoint)
+    assert not dp.resume_from_disk(checkpoint, [checkpoint + 1], reached)

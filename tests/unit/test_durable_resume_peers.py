@@ -3,9 +3,9 @@ than its own id (whose entry is the dead process it replaces), at the step of th
 
 from __future__ import annotations
 
-from ftlaunch.lighthouse.quorum import Health
+from ftlaunch.lighthouse.quorum import Health, Quorum, QuorumMember
 from ftlaunch.lighthouse.status import GroupStatus, LighthouseStatus
-from ftlaunch.worker.durable import live_peer_steps
+from ftlaunch.worker.durable import live_peer_steps, reached_step
 
 
 def test_only_other_live_groups_count() -> None:
@@ -18,3 +18,9 @@ def test_only_other_live_groups_count() -> None:
     )
     assert live_peer_steps(status, "rg0") == [40]
     assert live_peer_steps(LighthouseStatus(), "rg0") == []
+
+
+def test_the_step_the_job_reached_is_its_last_quorums() -> None:
+    quorum = Quorum(5, (QuorumMember("rg0", step=13), QuorumMember("rg1", step=0)), created=0.0)
+    assert reached_step(LighthouseStatus(quorum=quorum)) == 13
+    assert reached_step(LighthouseStatus()) is None

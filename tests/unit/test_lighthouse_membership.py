@@ -422,3 +422,38 @@ def test_a_participant_is_told_which_members_of_its_quorum_were_lost_until_the_n
     q = ask(m3, "a", "b")["a"].quorum
     m3.evict("b", "admin")
     assert q is not None and m3.lost_in_quorum("a") == (q.quorum_id, ("b",))
+
+
+def test_every_group_lost_the_first_back_waits_for_the_others_then_both_form() -> None:
+    m, clock = make(join_timeout=30.0)
+    for rid in "ab":
+        m.heartbeat(rid)
+    assert members(ask(m, "a", "b", step=13)["a"]) == ("a", "b")
+    m.connection_lost("a")  # every process of the job killed
+    m.connection_lost("b")
+    clock.now += 3.0
+    first = m.request_quorum(QuorumMember("a", step=10))  # a restarted from the checkpoint of step 10
+    for _ in range(20):
+        clock.now += 1.0
+        m.heartbeat("a")
+        m.tick()
+    assert not first.done and "come back" in m.snapshot().decision
+    second = m.request_quorum(QuorumMember("b", step=10))
+    assert members(first) == ("a", "b") and members(second) == ("a", "b")
+    # A survivor at the job's step does not wait for the other's return.
+    m.connection_lost("b")
+    assert members(m.request_quorum(QuorumMember("a", step=11))) == ("a",)
+
+
+def test_a_restarted_process_reads_as_step_0_until_it_asks() -> None:
+    m, _ = make()
+    m.heartbeat("a", incarnation="old")
+    assert members(m.request_quorum(QuorumMember("a", step=13), incarnation="old")) == ("a",)
+    m.connection_lost("a")
+    m.heartbeat("a", incarnation="old")  # the same process back from a blip keeps its step
+    assert m.snapshot().group("a").step == 13  # type: ignore[union-attr]
+    m.connection_lost("a")
+    m.heartbeat("a", incarnation="new")  # its agent restarted it: what it holds is not known yet
+    assert m.snapshot().group("a").step == 0  # type: ignore[union-attr]
+    m.request_quorum(QuorumMember("a", step=10), incarnation="new")
+    assert m.snapshot().group("a").step == 10  # type: ignore[union-attr]

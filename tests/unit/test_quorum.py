@@ -497,3 +497,78 @@ def test_expected_replicas_is_validated():
         QuorumOptions(expected_replicas=-1)
     with pytest.raises(TypeError):
         QuorumOptions(expected_replicas=True)
+
+
+# -- rule 6: when no live group holds the state, the previous quorum's members are waited for
+
+
+def at(qid: int, steps: dict[str, int]) -> Quorum:
+    """A previous quorum whose members asked at ``steps``."""
+    return Quorum(qid, tuple(QuorumMember(r, step=steps[r]) for r in sorted(steps)), created=0.0)
+
+
+WHOLE = QuorumOptions(min_replicas=1, join_timeout=10.0, heartbeat_timeout=5.0)
+
+
+def test_every_group_lost_the_first_back_waits_for_the_others():
+    # Both groups of quorum 7 (step 13) died; a's agent restarted it from the checkpoint of step 10;
+    # b is still down (its old process disconnected). Alone, a is "every live group".
+    g = {**groups("a"), **groups("b", connection=Connection.DISCONNECTED)}
+    prev = at(7, {"a": 13, "b": 13})
+    d = decide_quorum(state(g, requests("a", step=10), prev=prev, broken=True), NOW + 1, WHOLE)
+    assert not d.formed and "come back" in d.reason and "step 13" in d.reason and "(b)" in d.reason
+    assert d.wake_at == NOW + 5.0  # a's heartbeat expiry comes before the join timeout
+    # From scratch (no checkpoint) it is the same: step 0 is behind too.
+    assert not decide_quorum(state(g, requests("a", step=0), prev=prev), NOW + 1, WHOLE).formed
+    # b is back and asks (it heals from a or loads the same checkpoint): both form at once.
+    both = decide_quorum(
+        state(groups("a", "b"), {**requests("a", step=10), **requests("b", step=0)}, prev=prev, broken=True),
+        NOW + 2, WHOLE,
+    )  # fmt: skip
+    assert both.formed and ids(both) == ["a", "b"] and "fast quorum" in both.reason
+
+
+def test_every_group_lost_forms_without_the_missing_after_the_join_timeout():
+    g = {**groups("a", last_seen=NOW + 9), **groups("b", connection=Connection.FAILED)}
+    d = decide_quorum(state(g, requests("a", step=10), prev=at(7, {"a": 13, "b": 13})), NOW + 10, WHOLE)
+    assert d.formed and ids(d) == ["a"]
+    early = decide_quorum(state(g, requests("a", step=10), prev=at(7, {"a": 13, "b": 13})), NOW + 9.9, WHOLE)
+    assert not early.formed and early.wake_at == NOW + 10
+
+
+def test_a_survivor_at_the_reached_step_never_waits():
+    # b died; a survived at the step of the previous quorum (or one past it): the job goes on from
+    # a at once, whether b is down or already restarted and asking from behind.
+    prev = at(7, {"a": 13, "b": 13})
+    down = {**groups("a"), **groups("b", connection=Connection.DISCONNECTED)}
+    for step in (13, 14):
+        d = decide_quorum(state(down, requests("a", step=step), prev=prev, broken=True), NOW, WHOLE)
+        assert d.formed and ids(d) == ["a"]
+    r = {**requests("a", step=14), **requests("b", step=0)}
+    d = decide_quorum(state(groups("a", "b"), r, prev=prev, broken=True), NOW, WHOLE)
+    assert d.formed and ids(d) == ["a", "b"]
+    # Three groups, c died: a and b hold the state and form without it.
+    prev3 = at(8, {"a": 20, "b": 20, "c": 20})
+    g3 = {**groups("a", "b"), **groups("c", connection=Connection.DISCONNECTED)}
+    d = decide_quorum(state(g3, requests("a", "b", step=21), prev=prev3, broken=True), NOW, WHOLE)
+    assert d.formed and ids(d) == ["a", "b"]
+
+
+def test_the_group_that_healed_waits_when_its_only_source_died_mid_heal():
+    # b restarted (step 0) and was in quorum 9 to heal from a (step 30); a died before b had the state.
+    g = {**groups("b"), **groups("a", connection=Connection.DISCONNECTED)}
+    d = decide_quorum(state(g, requests("b", step=0), prev=at(9, {"a": 30, "b": 0})), NOW, WHOLE)
+    assert not d.formed and "(a)" in d.reason
+
+
+def test_a_member_no_longer_known_is_not_waited_for():
+    # b left, or its slot went to a hot spare (the lighthouse forgot it): nobody restarts it.
+    d = decide_quorum(state(groups("a"), requests("a", step=10), prev=at(7, {"a": 13, "b": 13})), NOW, WHOLE)
+    assert d.formed and ids(d) == ["a"]
+
+
+def test_an_adopted_quorum_does_not_make_groups_wait():
+    # A restarted lighthouse adopts the reported quorum without steps (0): nobody is behind it.
+    g = {**groups("a"), **groups("b", connection=Connection.DISCONNECTED)}
+    d = decide_quorum(state(g, requests("a", step=10), prev=quorum(7, "a", "b"), broken=True), NOW, WHOLE)
+    assert d.formed and ids(d) == ["a"]

@@ -1,0 +1,124 @@
+"""Durable checkpoints keep a run deterministic across a whole-job loss, for the sharded and the
+periodic-sync ways of training: real processes, real SIGKILLs, the real launcher.
+
+The job runs with ``--checkpoint-dir`` until a checkpoint past step 0 is published and a step after
+it committed; then the ``ftlaunch`` supervisor and every process under it are SIGKILLed. The same
+command run again resumes from the newest complete checkpoint and ends, at the same final step,
+bit-identical to a run of that command that was never interrupted (deterministic data):
+
+* 2x2 HSDP (scripts/train_hsdp.py: FSDP2 inside each group of two workers, on CPU/Gloo): each rank
+  writes and reads its own shards;
+* DiLoCo (scripts/train_diloco.py; its Manager's steps are syncs): expected to fail today. The
+  checkpoint is taken at a sync's quorum, before its outer step: it holds one group's local
+  parameters and inner optimizer state, and the resumed job makes those its global parameters
+  (the join after the resume saves the model as the global starting point) and trains the last
+  interval again from the data position after it. Each group's inner optimizer state, which
+  DiLoCo groups do not share, is not saved at all.
+
+The DDP variant is tests/processes/test_durable_e2e.py.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from workers.helpers import FTLAUNCH, finish, kill_tree, start, wait_for
+
+from ftlaunch.checkpointing import durable_plan as dp
+
+pytestmark = pytest.mark.timeout(600)
+
+CHECKSUM = re.compile(r"^\[rg(\d+)/r0\] final_checksum=(\w+) step=(\d+)", re.M)
+STEP_LINE = re.compile(r"^\[rg(\d+)/r0\] step=(\d+) committed=True")
+
+
+def hsdp(ckpt: Path | None) -> list[str]:
+    durable = ["--checkpoint-dir", str(ckpt), "--checkpoint-every", "4"] if ckpt else []
+    return [
+        *FTLAUNCH, "--replicas", "2", "--nproc-per-node", "2", "--no-status", *durable,
+        "scripts/train_hsdp.py", "--steps", "12", "--layers", "2", "--d-model", "64", "--step-sleep", "0.1",
+    ]  # fmt: skip
+
+
+def diloco(ckpt: Path | None) -> list[str]:
+    # Steps of the job's Manager are syncs: 60 inner steps, a sync every 5, a checkpoint every 3 syncs.
+    durable = ["--checkpoint-dir", str(ckpt), "--checkpoint-every", "3"] if ckpt else []
+    return [
+        *FTLAUNCH, "--replicas", "2", "--no-status", *durable,
+        "scripts/train_diloco.py", "--steps", "60", "--sync-every", "5", "--step-sleep", "0.02",
+    ]  # fmt: skip
+
+
+class Job:
+    """``ftlaunch`` running, its stdout read as it comes."""
+
+    def __init__(self, cmd: list[str]) -> None:
+        self.proc = start(cmd)
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    def step(self) -> int:
+        return max((int(m[2]) for line in list(self.lines) if (m := STEP_LINE.match(line))), default=-1)
+
+
+def final_checksums(out: str) -> dict[int, tuple[str, int]]:
+    """Group -> (final checksum, final step) of its rank 0."""
+    return {int(m[1]): (m[2], int(m[3])) for m in CHECKSUM.finditer(out)}
+
+
+def killed_and_resumed_matches_uninterrupted(
+    tmp_path: Path, command: Callable[[Path | None], list[str]], per_step: int = 1
+) -> None:
+    """``per_step``: the steps a step line counts per step of the Manager (DiLoCo's lines count
+    inner steps, its Manager's steps are syncs)."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    job = Job(command(ckpt))
+    try:
+        wait_for(
+            lambda: (done := dp.list_dir(p.name for p in ckpt.iterdir()).complete)
+            and job.step() > done[0] * per_step,
+            300, "a durable checkpoint and a step after it",
+        )  # fmt: skip
+    finally:
+        kill_tree(job.proc.pid)  # the supervisor and every process under it
+        job.proc.wait(timeout=30)
+    saved = max(dp.list_dir(p.name for p in ckpt.iterdir()).complete)
+    assert not final_checksums("".join(job.lines)), "the job ended before the kill"
+
+    resumed = finish(start(command(ckpt)), 400)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    logs = resumed.stdout + resumed.stderr
+    assert f"resumed from durable checkpoint {ckpt / dp.dir_name(saved)} (step {saved})" in logs
+    first = min(int(m[2]) for line in resumed.stdout.splitlines() if (m := STEP_LINE.match(line)))
+    assert first == (saved + 1) * per_step  # no step trained twice after the checkpoint, none skipped
+
+    fresh = finish(start(command(None)), 400)
+    assert fresh.returncode == 0, fresh.stdout[-3000:] + fresh.stderr[-3000:]
+    want, got = final_checksums(fresh.stdout), final_checksums(resumed.stdout)
+    assert set(want) == set(got) == {0, 1} and len(set(want.values())) == 1, (want, got)
+    assert got == want, (got, want)
+
+
+def test_hsdp_2x2_killed_whole_and_resumed_ends_bit_identical(tmp_path: Path) -> None:
+    killed_and_resumed_matches_uninterrupted(tmp_path, hsdp)
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(
+    strict=True,
+    reason="a DiLoCo checkpoint is taken before the sync's outer step, with one group's inner state: "
+    "see the module docstring",
+)
+def test_diloco_killed_whole_and_resumed_ends_bit_identical(tmp_path: Path) -> None:
+    killed_and_resumed_matches_uninterrupted(tmp_path, diloco, per_step=5)
