@@ -139,6 +139,7 @@ def test_diloco_with_outer_sgd_lr_1_equals_local_sgd_over_two_groups(tmp_path: P
     )  # global - 1 x mean(global - local_i) = mean(local_i)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_one_group_of_diloco_equals_a_plain_single_process_diloco(tmp_path: Path) -> None:
     args = ["--same-init", "--width", "32", "--dataset-size", "1024", "--steps", "60", "--sync-every", "10",
@@ -156,6 +157,7 @@ def test_one_group_of_diloco_equals_a_plain_single_process_diloco(tmp_path: Path
 # ------------------------------------------------------------------------------ failures
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_group_killed_mid_inner_loop_is_left_out_and_its_restart_heals_bit_identical() -> None:
     args = [*TRAIN, "--steps", "300", "--sync-every", "10", "--step-sleep", "0.03", "--width", "64"]

@@ -104,6 +104,7 @@ def test_ftlaunch_two_groups_with_chaos_end_identical() -> None:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_ftlaunch_three_groups_of_two_with_chaos_end_identical() -> None:
     res = run(

@@ -36,7 +36,7 @@ def assert_identical_every_step(gs: list[Group], ranks: int = 1, since: float = 
         assert len({m[step] for m in maps}) == 1, f"weights differ after step {step}"
 
 
-@pytest.mark.parametrize("nworkers", [1, 2])
+@pytest.mark.parametrize("nworkers", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_healthy_groups_have_identical_weights_every_step(
     tmp_path: Path, groups: list[Group], nworkers: int
 ) -> None:
@@ -101,6 +101,7 @@ def test_sigkilled_group_survivors_continue_and_restarted_group_heals(
     assert_identical_every_step(gs, since=t_kill)
 
 
+@pytest.mark.slow
 def test_sigkilled_two_worker_group_heals_over_pg_transport(tmp_path: Path, groups: list[Group]) -> None:
     # min_replicas=2: the survivor waits for the restarted group instead of racing it to the last
     # step (on a loaded machine its two workers' restart outlasted the ~5 s of training left, and

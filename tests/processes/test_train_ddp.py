@@ -45,7 +45,15 @@ def _checksum(text: str) -> str:
 
 
 @pytest.mark.parametrize(
-    "form", [[], ["--long-form", "--backend", "gloo", "--transport", "http"]], ids=["two-line", "long-form"]
+    "form",
+    [
+        pytest.param([], id="two-line"),
+        pytest.param(
+            ["--long-form", "--backend", "gloo", "--transport", "http"],
+            id="long-form",
+            marks=pytest.mark.slow,
+        ),
+    ],
 )
 def test_by_hand_two_groups_one_killed_and_restarted(form: list[str]) -> None:
     # 200 steps: at the load of a shared 2-core CI machine the restarted group needs several seconds to

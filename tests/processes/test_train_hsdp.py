@@ -326,6 +326,7 @@ def _start_group(gid: int, nworkers: int, lighthouse: str, args: list[str]) -> t
     return store, procs
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_group_sharded_differently_refuses_to_join() -> None:
     """Group 1 was started with another model size: its layout differs from group 0's, so it
