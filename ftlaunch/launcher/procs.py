@@ -133,6 +133,27 @@ def reap_zombies(exclude: set[int]) -> list[int]:
     return reaped
 
 
+def child_pids() -> list[int]:
+    """This process's children (of all its threads), from the kernel's per-thread lists
+    (``/proc/self/task/TID/children``: two small reads) rather than psutil's scan of every
+    process on the machine (~2 ms of CPU per call with a few hundred processes). Falls back to
+    the scan where the kernel has no such file. For polling: the kernel may miss a child being
+    created or re-parented at that instant, and the next look finds it."""
+    try:
+        pids: list[int] = []
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{tid}/children") as f:
+                    pids.extend(int(x) for x in f.read().split())
+            except FileNotFoundError:
+                if not os.path.isdir(f"/proc/self/task/{tid}"):
+                    continue  # the thread ended meanwhile
+                raise
+        return pids
+    except OSError:
+        return [c.pid for c in psutil.Process().children()]
+
+
 def _any_child_exited() -> bool:
     """Whether a child of this process (of any of its threads) is a zombie, leaving it unreaped."""
     try:
