@@ -241,10 +241,10 @@ def _role(chain: list[str], has_children: bool) -> str:
             return "workers" if has_children else "agents"
     if "lighthouse" in text.lower() or "launcher.cli" in text:
         return "launcher+lighthouse"  # ftlaunch's command hosts the lighthouse in its process
+    if any(k in text for k in ("torch.distributed.run", "launcher.agent", "torchrun")):
+        return "agents"  # before the worker check: torchrun's command line names the script too
     if str(TRAIN) in text or "--worker" in text:
         return "workers"
-    if any(k in text for k in ("torch.distributed.run", "launcher.agent", "torchrun")):
-        return "agents"
     return "other"
 
 
