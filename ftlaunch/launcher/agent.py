@@ -118,10 +118,11 @@ class WorkerWatcher(threading.Thread):
     restarts as usual), and the supervisor hears of the death long before torchelastic's next
     monitor tick. If torchelastic happens to reap first the status is unknown and reported as such.
 
-    Looking for workers lists this process's children (about 1.5 ms of CPU on a busy machine):
-    every ``interval`` while it expects workers -- at the start, and from a worker's exit until as
-    many are alive as before -- and only every ``idle_interval`` while all of them run, so that the
-    agent does not take ~8% of a core from training (and from a restarting group's imports).
+    Looking for workers lists this process's children (`procs.child_pids`, and the environment of
+    each child not seen before) every ``interval`` while it expects workers -- at the start, and
+    from a worker's exit until as many are alive as before -- and only every ``idle_interval``
+    while all of them run, so that the agent takes little CPU from training (and from a
+    restarting group's imports).
     """
 
     def __init__(self, events: EventWriter, interval: float = 0.02, idle_interval: float = 0.5) -> None:
@@ -131,7 +132,6 @@ class WorkerWatcher(threading.Thread):
         self._idle_interval = idle_interval
         self._stopping = False
         self._wake = threading.Event()  # a worker exited, or stop(): look again now
-        self._me = psutil.Process()
         self._workers: set[int] = set()
         self._ignored: set[int] = set()
         self._lock = threading.Lock()
@@ -160,10 +160,11 @@ class WorkerWatcher(threading.Thread):
 
     def _tick(self) -> None:
         new: dict[int, dict[str, Any]] = {}
-        for child in self._me.children():
-            if child.pid in self._workers or child.pid in self._ignored:
+        for pid in procs.child_pids():
+            if pid in self._workers or pid in self._ignored:
                 continue
             try:
+                child = psutil.Process(pid)
                 child_env = child.environ()
             except psutil.Error:
                 continue

@@ -75,3 +75,42 @@ def test_on_exit_fires_at_once_for_a_process_already_gone() -> None:
     fired: list[bool] = []
     on_exit(p.pid, lambda: fired.append(True)).join(5)
     assert fired == [True]
+
+
+def test_child_listing_and_zombie_reaping_see_every_thread_s_children() -> None:
+    """`procs.child_pids` (the kernel's per-thread lists) finds children started from any thread,
+    and `reap_zombies` reaps an exited child it does not own, leaves the ones `subprocess` owns to
+    their `Popen`, and finds nothing to do while no child has exited."""
+    import os
+    import threading
+
+    from ftlaunch.launcher import procs
+
+    assert procs.reap_zombies(set()) == []
+    sleepers = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"]) for _ in range(2)]
+    from_thread: list[subprocess.Popen[bytes]] = []
+    t = threading.Thread(
+        target=lambda: from_thread.append(
+            subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+        )
+    )
+    t.start()
+    t.join()
+    owned = subprocess.Popen([sys.executable, "-c", "pass"])
+    try:
+        forked = os.fork()
+        if forked == 0:
+            os._exit(0)
+        assert {p.pid for p in (*sleepers, *from_thread)} <= set(procs.child_pids())
+        deadline = time.monotonic() + 20
+        reaped: list[int] = []
+        while forked not in reaped and time.monotonic() < deadline:
+            reaped += procs.reap_zombies({owned.pid})
+            time.sleep(0.05)
+        assert forked in reaped
+        assert owned.wait(20) == 0  # still its Popen's to reap
+        assert procs.reap_zombies({owned.pid}) == []
+    finally:
+        for p in (*sleepers, *from_thread):
+            p.kill()
+            p.wait()
