@@ -15,7 +15,7 @@ from ftlaunch.lighthouse.http import HttpError
 try:  # optional (``pip install ftlaunch[fast]``): a compiled JSON decoder, ~3x json's on a body
     import msgspec
 except ImportError:  # the standard library's path below reads the same bodies
-    msgspec = None
+    msgspec = None  # type: ignore[assignment, unused-ignore]
 
 #: A body's fields: name -> the types its value may have.
 Fields = dict[str, tuple[type, ...]]
