@@ -401,7 +401,9 @@ def test_a_group_needed_for_min_replica_size_heals_at_a_sync_that_has_too_few_an
     src_model = mlp(seed=3)
     src_inner = torch.optim.SGD(src_model.parameters(), lr=0.1)
     m_src, _ = manager(ScriptedLighthouse(in_step(1, us="rg7")), replica_id="rg7")
-    with DiLoCo(m_src, src_model, src_inner, torch.optim.SGD(src_model.parameters(), lr=0.7), sync_every=2) as src:
+    with DiLoCo(
+        m_src, src_model, src_inner, torch.optim.SGD(src_model.parameters(), lr=0.7), sync_every=2
+    ) as src:
         for batch in batches(2):
             inner_step(src_model, src_inner, batch)
     served = {MANAGER_STATE_KEY: {"step": 5, "batches_committed": 5}, **copy.deepcopy(src.heal_entries())}
@@ -410,8 +412,8 @@ def test_a_group_needed_for_min_replica_size_heals_at_a_sync_that_has_too_few_an
     m, pg = manager(lighthouse, replica_id="rg1", min_replica_size=2)
     m._transport.inbox[("mem://rg0", 5)] = served  # type: ignore[attr-defined]
     model = mlp(seed=4)
-    d = DiLoCo(m, model, torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(model.parameters(), lr=0.7),
-               sync_every=2)  # fmt: skip
+    inner, outer = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(model.parameters(), lr=0.7)
+    d = DiLoCo(m, model, inner, outer, sync_every=2)
     with d:
         d.join()
     assert len(lighthouse.asked) == 2 and [a.step for a in lighthouse.asked] == [0, 5]
