@@ -222,9 +222,14 @@ class GroupState:
 
 
 #: Bounds of the options (`ftlaunch.env.Duration`; the command lines and ``--rdzv-conf`` use the same).
-#: A heartbeat timeout must leave a group's heartbeats (every 0.1 s by default) room for a few beats,
-#: or every healthy group is "silent" between two of them and no quorum ever forms: 0.5 s is 5 beats.
-HEARTBEAT_TIMEOUT = Duration(0.5)
+#: A heartbeat timeout must leave a group's heartbeats room for a beat or two, or every healthy
+#: group is "silent" between two of them and no quorum ever forms. Below `QUICK_HEARTBEAT_TIMEOUT`
+#: the lighthouse warns: groups beating at the Manager's default pace (every 0.1 s) have fewer than
+#: 5 beats per timeout, so a beat delayed on a loaded host can call a healthy group silent. The floor
+#: is the quickest pace a Manager may beat at with room for one beat (``heartbeat_interval``).
+HEARTBEAT_TIMEOUT = Duration(0.05)
+#: Heartbeat timeouts under this are accepted with a warning (see `HEARTBEAT_TIMEOUT`): 5 beats.
+QUICK_HEARTBEAT_TIMEOUT = 0.5
 #: 0 forms the first quorum with whoever asks first.
 JOIN_TIMEOUT = Duration(0.0)
 #: Replica groups in a quorum (``min_replicas``, ``expected_replicas``: 0 = none announced).

@@ -32,7 +32,7 @@ from ftlaunch.errors import ConfigurationError
 from ftlaunch.lighthouse.membership import Membership
 from ftlaunch.lighthouse.progress import GroupProgress, Rewind
 from ftlaunch.lighthouse.protocol import MAX_BODY_BYTES
-from ftlaunch.lighthouse.quorum import QuorumOptions
+from ftlaunch.lighthouse.quorum import QUICK_HEARTBEAT_TIMEOUT, QuorumOptions
 from ftlaunch.lighthouse.routes import Routes
 from ftlaunch.lighthouse.status import LighthouseStatus, StragglersStatus
 from ftlaunch.lighthouse.stragglers import REPORT, check_policy
@@ -130,6 +130,14 @@ class LighthouseServer:
             )
         except (TypeError, ValueError) as e:
             raise ConfigurationError(f"lighthouse: {e}") from None
+        if self._options.heartbeat_timeout < QUICK_HEARTBEAT_TIMEOUT:
+            log.warning(
+                "lighthouse: heartbeat_timeout=%gs leaves groups that beat every 0.1 s (the Manager's "
+                "default) fewer than 5 beats: a late beat calls a healthy group silent. Lower their "
+                "heartbeat_interval, or use %gs or more",
+                self._options.heartbeat_timeout,
+                QUICK_HEARTBEAT_TIMEOUT,
+            )
         try:
             check_policy(stragglers)
         except ValueError as e:

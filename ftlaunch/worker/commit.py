@@ -168,10 +168,16 @@ class Verdict(Enum):
     STAND_BY = "stand by"
     #: A rank somewhere failed the step: nobody applies it.
     REFUSE = "refuse"
+    #: Every rank finished cleanly, but fewer groups than ``min_replica_size`` were up to date:
+    #: nobody applies the step, but its healers load the state they received (torchft's healers
+    #: heal whether or not the step commits). Otherwise a group that heals only at a commit (live
+    #: heals: LocalSGD, DiLoCo) could never come back when the job needs it to reach the minimum.
+    TOO_FEW = "too few"
 
     @property
     def agreed(self) -> bool:
-        return self is not Verdict.REFUSE
+        """Whether the step counts as agreed (committed, or stood by for)."""
+        return self in (Verdict.COMMIT, Verdict.STAND_BY)
 
 
 class StepCommit:
@@ -222,12 +228,11 @@ class StepCommit:
         if plan is not None and plan.heal and not healed and attempt.error is None:
             self._report(CommunicationError("healing was planned but no state was received"))
         # Enough groups up to date (torchft's rule: those at the quorum's max step; at step 0 with
-        # init_sync that is every group, though only the primary's gradients count).
-        ok = (
-            attempt.error is None
-            and plan is not None
-            and plan.num_up_to_date >= self._settings.min_replica_size
-        )
+        # init_sync that is every group, though only the primary's gradients count). The same answer
+        # in every group (the quorum's numbers), so it is not voted on: a clean step with too few
+        # still lets its healers load what they received (`Verdict.TOO_FEW`).
+        enough = plan is not None and plan.num_up_to_date >= self._settings.min_replica_size
+        ok = attempt.error is None and plan is not None
         if plan is not None and plan.replica_world_size > 1:
             lost = self._hang_abort.error
             if lost is not None:  # the quorum lost a peer: no vote with it (every live peer was told)
@@ -242,4 +247,6 @@ class StepCommit:
             self._hang_abort.settle()  # the aborted ops fail within this step
         if not ok or plan is None:
             return Verdict.REFUSE
+        if not enough:
+            return Verdict.TOO_FEW
         return Verdict.STAND_BY if plan.waits else Verdict.COMMIT

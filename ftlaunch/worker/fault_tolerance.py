@@ -238,7 +238,9 @@ class FaultTolerance:
         self._share_within_group(model, optimizer)
         every = sync_every if sync_every is not None else self._sync_defaults().sync_every
         algorithm = LocalSGD(self.manager, model, optimizer, every, **kwargs)
-        return algorithm.__enter__()
+        algorithm.__enter__()
+        algorithm.join()
+        return algorithm
 
     def diloco(
         self,
@@ -288,7 +290,9 @@ class FaultTolerance:
             self.manager, modules, inner_optimizer, outer_optimizer, every, fragment_sync_delay=delay,
             fragment_update_alpha=alpha, should_quantize=quantize, **kwargs,
         )  # fmt: skip
-        return algorithm.__enter__()
+        algorithm.__enter__()
+        algorithm.join()
+        return algorithm
 
     def _share_within_group(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """With several workers per group (and a replicated model): start them from rank 0's

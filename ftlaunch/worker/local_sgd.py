@@ -11,7 +11,8 @@ cross-group links carry one exchange per ``sync_every`` steps instead of one per
   ``fragment_sync_delay`` inner steps; the pseudo-gradients may travel in 8 or 4 bits.
 
 Both hook the inner optimizer: ``optimizer.step()`` counts inner steps and runs the sync when one
-is due; the training loop does not change. Enter them (``with DiLoCo(...)`` or ``ft.diloco(...)``).
+is due; the training loop does not change. Enter them (``with DiLoCo(...)`` or ``ft.diloco(...)``,
+which also joins at once).
 
 Fault tolerance works at sync points, never per inner step:
 
@@ -19,7 +20,8 @@ Fault tolerance works at sync points, never per inner step:
   loop is not in it; one that dies during the sync fails the sync's collectives, the commit vote
   fails everywhere, and every group drops the fragment's local progress and retries it at the next
   sync point with the next quorum.
-- A group joins when it enters the algorithm: it asks for a quorum at once (so survivors, whose next
+- A group joins before its first training step (its first forward pass or inner step after
+  entering, or an explicit ``join()``): it asks for a quorum at once (so survivors, whose next
   quorum includes it, never wait for it), takes part in the survivors' next sync contributing
   nothing, and loads the healed state after the vote: DiLoCo's global parameters, outer optimizer
   state and sync count (the fragment schedule), LocalSGD's average. It starts its inner loop from them.
@@ -33,8 +35,10 @@ docs/diloco.md.
 
 from __future__ import annotations
 
+import functools
 import logging
 import secrets
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Self
@@ -42,6 +46,7 @@ from typing import Any, Self
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.utils.hooks import RemovableHandle
 
 from ftlaunch.errors import FtlaunchError
@@ -53,8 +58,12 @@ logger = logging.getLogger(__name__)
 
 #: What a group brings to a sync point: nothing yet (it is joining), or a sync of its inner steps.
 JOIN, SYNC = 0, 1
-#: Key of DiLoCo's state in the state that travels with live recovery.
+#: Key of DiLoCo's schedule (sync count, lineage) in the state that travels with live recovery.
 STATE_KEY = "diloco"
+#: Key of fragment i's global parameters and outer optimizer state there: torchft's key and layout
+#: (``{"original_parameters": {name: tensor}, "outer_optimizer": state_dict}``), which code that
+#: reads ``Manager._manager_state_dict()`` expects.
+FRAGMENT_KEY = "StreamingDiLoCoFragment_{}"
 #: Lineage ids are in [1, LINEAGE_END): a MAX all-reduce of (id, LINEAGE_END - id) gives the largest
 #: and the smallest id of the up-to-date groups (healers contribute zeros, which count for neither).
 LINEAGE_END = 1 << 62
@@ -65,26 +74,67 @@ def _log(manager: Manager) -> logging.Logger | logging.LoggerAdapter:
 
 
 class _Hooked:
-    """Enter/exit: hook ``optimizer.step`` and join the job once (see the module docstring)."""
+    """Enter/exit: hook ``optimizer.step``, and join the job once, before the first training step.
+
+    The join waits for the first forward pass in the entering thread (any module: the outermost
+    one runs first, before a parameter is read) or the first ``optimizer.step()``, whichever comes
+    first, or for an explicit `join`. Not on entering: ``with DiLoCo(...) as diloco:`` binds
+    ``diloco`` only after ``__enter__`` returns, and the join may heal, which calls the state
+    functions, which may read ``diloco`` (torchft's DiLoCo syncs nothing on entering, and such code
+    exists). A restarted group still trains no step on stale parameters: it heals before its
+    first forward.
+    """
 
     _optimizer: torch.optim.Optimizer
 
     def __init__(self) -> None:
         self._hooks: list[RemovableHandle] = []
+        self._join_hooks: list[RemovableHandle] = []
         self._joined = False
+        self._joining = False
 
     def __enter__(self) -> Self:
         if not self._hooks:
             self._hooks.append(self._optimizer.register_step_post_hook(self._after_inner_step))
-        if not self._joined:
-            self._join()
-            self._joined = True
+        if not self._joined and not self._join_hooks:
+            owner = threading.get_ident()
+
+            def before_forward(*_: Any) -> None:
+                if threading.get_ident() == owner:
+                    self.join()
+
+            self._join_hooks = [
+                register_module_forward_pre_hook(before_forward),
+                self._optimizer.register_step_pre_hook(lambda *_: self.join()),
+            ]
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for h in self._hooks:
+        for h in self._hooks + self._join_hooks:
             h.remove()
         self._hooks.clear()
+        self._join_hooks.clear()
+
+    @property
+    def joined(self) -> bool:
+        """Whether this group has joined the job (see `join`)."""
+        return self._joined
+
+    def join(self) -> None:
+        """Join the job now, if not done yet: a first sync point with the other groups, at which a
+        restarted group heals (its state functions are called) and a fresh job's groups take the
+        primary's parameters. Runs by itself before the first forward or inner step."""
+        if self._joined or self._joining:
+            return
+        self._joining = True
+        try:
+            self._join()
+        finally:
+            self._joining = False
+        self._joined = True
+        for h in self._join_hooks:
+            h.remove()
+        self._join_hooks.clear()
 
     def _join(self) -> None:
         raise NotImplementedError
@@ -233,6 +283,7 @@ class DiLoCo(_Hooked):
         device = torch.device(backup_device) if backup_device is not None else torch.device("cpu")
         self._fragments = [Fragment(m, o, device, pin_memory) for m, o in zip(modules, outers, strict=True)]
         self._outers = list({id(o): o for o in outers}.values())
+        self._outer_of = [next(j for j, u in enumerate(self._outers) if u is o) for o in outers]
         self._interval = sync_every // len(modules)
         self._prepare_at = self._interval - fragment_sync_delay
         self._alpha = fragment_update_alpha
@@ -246,11 +297,17 @@ class DiLoCo(_Hooked):
         self._healed = False
         for f in self._fragments:
             f.save_global()
-        manager.register_state_dict_fn(STATE_KEY, self._load_healed, self.state_dict)
+        entries = self.heal_entries()
+        manager.register_state_dict_fn(STATE_KEY, self._load_schedule, lambda: self.heal_entries()[STATE_KEY])
+        for i in range(len(self._fragments)):
+            key = FRAGMENT_KEY.format(i)
+            manager.register_state_dict_fn(
+                key, functools.partial(self._load_fragment, i), functools.partial(self._fragment_state, i)
+            )
         manager.serve_live_state()  # quorums only at sync points, taken with the state held still
         # What the groups share: global parameters, outer optimizer state, the schedule. Not the
         # inner parameters and inner optimizer state, which each group trains on its own data.
-        manager.set_agreed_state(lambda state: {STATE_KEY: state[STATE_KEY]})
+        manager.set_agreed_state(lambda state: {k: state[k] for k in entries})
 
     # ---------------------------------------------------------------- what users and tests read
     @property
@@ -280,6 +337,30 @@ class DiLoCo(_Hooked):
             "fragments": [f.state_dict() for f in self._fragments],
             "outer_optimizers": [o.state_dict() for o in self._outers],
         }
+
+    def heal_entries(self) -> dict[str, Any]:
+        """What DiLoCo adds to the state a healing group receives, by Manager key: the schedule
+        under ``"diloco"``, each fragment under torchft's ``StreamingDiLoCoFragment_<i>``."""
+        entries: dict[str, Any] = {STATE_KEY: {"syncs": self._syncs, "lineage": self._lineage}}
+        for i in range(len(self._fragments)):
+            entries[FRAGMENT_KEY.format(i)] = self._fragment_state(i)
+        return entries
+
+    def _fragment_state(self, i: int) -> dict[str, Any]:
+        return {
+            "original_parameters": self._fragments[i].state_dict(),
+            "outer_optimizer": self._outers[self._outer_of[i]].state_dict(),
+        }
+
+    def _load_fragment(self, i: int, state_dict: dict[str, Any]) -> None:
+        self._fragments[i].load_state_dict(state_dict["original_parameters"])
+        self._outers[self._outer_of[i]].load_state_dict(state_dict["outer_optimizer"])
+        self._healed = True
+
+    def _load_schedule(self, state_dict: dict[str, Any]) -> None:
+        self._syncs = int(state_dict["syncs"])
+        self._lineage = int(state_dict["lineage"])
+        self._healed = True
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load `state_dict` and restart the model from its global parameters."""

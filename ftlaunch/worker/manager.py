@@ -433,9 +433,18 @@ class Manager:
         if verdict is Verdict.COMMIT:
             self._apply(attempt)
             return True
-        if verdict is Verdict.REFUSE:
+        if verdict is Verdict.TOO_FEW:
+            self._heal_only(attempt)
+        if verdict in (Verdict.REFUSE, Verdict.TOO_FEW):
             self._count_failure(attempt)
         return False
+
+    def _heal_only(self, attempt: StepAttempt) -> None:
+        """A clean step with too few groups up to date: a live healer loads what it received, so
+        that the next step has one more group up to date (see `Verdict.TOO_FEW`)."""
+        plan = attempt.plan
+        if plan is not None and plan.heal and not attempt.healed_at_start and attempt.received is not None:
+            self._load_healed_state(attempt)
 
     def _apply(self, attempt: StepAttempt) -> None:
         """Every rank of every group agreed on the step: it counts (and a live heal loads now)."""
@@ -531,6 +540,12 @@ class Manager:
 
     def state_dict(self) -> dict[str, int]:
         return self._count.state_dict()
+
+    def _manager_state_dict(self) -> dict[str, Any]:
+        """torchft's name for everything a heal carries: ``{"user": {key: state}, "torchft":
+        self.state_dict()}``. Private in torchft, but torchft users' tests read it to compare groups
+        step by step, so the name and layout are kept (README, *What still differs*)."""
+        return self._state.torchft_layout()
 
     def load_state_dict(self, state_dict: dict[str, int]) -> None:
         self._count.load_state_dict(state_dict)

@@ -27,7 +27,7 @@ from ftlaunch.worker.plan import WorldSizeMode
 __all__ = ["HEARTBEAT_INTERVAL", "ManagerParts", "ManagerSettings", "check_knobs"]
 
 #: The leader's heartbeat period: below 10 ms it would mostly send heartbeats, and a lighthouse's
-#: heartbeat timeout is never under 0.5 s (`ftlaunch.lighthouse.quorum.HEARTBEAT_TIMEOUT`).
+#: heartbeat timeout is never under 50 ms (`ftlaunch.lighthouse.quorum.HEARTBEAT_TIMEOUT`).
 HEARTBEAT_INTERVAL = env.Duration(0.01, 60.0)
 
 

@@ -126,6 +126,14 @@ class StateRegistry:
         state[MANAGER_STATE_KEY] = self._own[1]()
         return state
 
+    def torchft_layout(self) -> dict[str, Any]:
+        """The state as torchft's ``Manager._manager_state_dict`` lays it out: the registered entries
+        under ``"user"``, the Manager's own under ``"torchft"``."""
+        return {
+            "user": {key: save() for key, (_, save) in self._user.items()},
+            "torchft": self._own[1](),
+        }
+
     def agreed(self) -> Any:
         """What every replica group holds bit-identical after each commit: the job's result, whose
         checksum the group leader reports at a clean exit (the launcher's summary compares them).

@@ -201,7 +201,7 @@ def _one_line_error(args: list[str], expected: str) -> None:
         (["--replicas", "0", WORKER], "--replicas=0 is out of range"),
         (["--replicas", "two", WORKER], "'two' is not an integer"),
         (["--heartbeat-timeout", "soon", WORKER], "'soon' is not a duration"),
-        (["--heartbeat-timeout", "1e-9", WORKER], "'1e-9' is out of range: use a duration of 0.5 s to 24 h"),
+        (["--heartbeat-timeout", "1e-9", WORKER], "'1e-9' is out of range: use a duration of 50 ms to 24 h"),
         (["--log-dir", "/dev/null/x", WORKER], "--log-dir /dev/null/x: cannot create it: Not a directory"),
         (["--bogus-flag", WORKER], "unrecognized arguments: --bogus-flag"),
         (["--min-replicas", "3", "--replicas", "2", WORKER], "--min-replicas must be in 1..2"),

@@ -42,7 +42,7 @@ def _params(conf: dict, endpoint: str = "127.0.0.1:1", max_nodes: int = 1) -> Re
         ({"replica_group_id": "0", "num_replica_groups": "1", "lighthouse_timeout": "-1"}, "is out of range"),
         (
             {"replica_group_id": "0", "num_replica_groups": "1", "lighthouse_heartbeat_timeout": "1e-9"},
-            "lighthouse_heartbeat_timeout='1e-9' is out of range: use a duration of 0.5 s to 24 h",
+            "lighthouse_heartbeat_timeout='1e-9' is out of range: use a duration of 50 ms to 24 h",
         ),
         (
             {"replica_group_id": "0", "num_replica_groups": "1", "lighthouse_join_timeout": "inf"},

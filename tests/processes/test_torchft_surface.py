@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 import urllib.error
 from collections.abc import Iterator
 from datetime import timedelta
@@ -208,3 +209,24 @@ def test_coordination_lighthouse_client_speaks_torchfts_form() -> None:
         client.close()
     finally:
         server.shutdown()
+
+
+def test_a_short_heartbeat_timeout_is_accepted_with_a_warning_and_drops_a_silent_group(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level("WARNING", logger="ftlaunch.lighthouse.server"):
+        server = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, heartbeat_timeout_ms=300)
+    assert "heartbeat_timeout=0.3s" in caplog.text and "fewer than 5 beats" in caplog.text
+    try:
+        client = LighthouseClient(addr=server.address(), connect_timeout=timedelta(seconds=5))
+        client.heartbeat("quiet")
+        q = client.quorum(replica_id="quiet", timeout=timedelta(seconds=5))
+        assert [m.replica_id for m in q.participants] == ["quiet"]
+        time.sleep(0.6)  # two timeouts without a beat from "quiet"
+        probe = client.quorum(replica_id="probe", timeout=timedelta(seconds=5))
+        assert [m.replica_id for m in probe.participants] == ["probe"]
+        client.close()
+    finally:
+        server.shutdown()
+    with pytest.raises(Exception, match="heartbeat_timeout"):
+        LighthouseServer(bind="127.0.0.1:0", min_replicas=1, heartbeat_timeout_ms=10)

@@ -211,6 +211,7 @@ def test_each_sync_point_is_one_quorum_one_agreement_the_fragment_buckets_and_on
     d = DiLoCo(m, split_fragments(model, 2), inner, outer, sync_every=8, fragment_sync_delay=1,
                bucket_cap_mb=100 * 4 / 2**20)  # fmt: skip
     with d:
+        d.join()
         # The join: a quorum, the agreement (nobody has anything yet) and the vote; no buckets.
         assert len(lighthouse.asked) == 1
         assert [op.reduce_op for op in pg.ops] == [MAX, MIN]
@@ -275,6 +276,7 @@ def test_local_sgd_averages_every_sync_every_steps_and_keeps_local_weights_when_
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with LocalSGD(m, model, opt, sync_every=3) as algo:
+        algo.join()
         assert [op.reduce_op for op in pg.ops] == [SUM, MIN]  # the join is a sync: one bucket
         pg.ops.clear()
         data = iter(batches(6))
@@ -300,7 +302,8 @@ def test_a_quorum_timeout_at_a_sync_point_is_asked_again(
     )
     m, _ = manager(lighthouse)
     model = mlp()
-    with LocalSGD(m, model, torch.optim.SGD(model.parameters(), lr=0.1), sync_every=2):
+    with LocalSGD(m, model, torch.optim.SGD(model.parameters(), lr=0.1), sync_every=2) as algo:
+        algo.join()
         assert len(lighthouse.asked) == 3 and m.current_step() == 1
 
 
@@ -321,7 +324,7 @@ def test_a_joining_group_heals_the_global_parameters_outer_state_and_schedule_af
     assert src.syncs == 2 and src_outer.state
     served = {
         MANAGER_STATE_KEY: {"step": 5, "batches_committed": 5},
-        STATE_KEY: copy.deepcopy(src.state_dict()),
+        **copy.deepcopy(src.heal_entries()),
     }
 
     lighthouse = ScriptedLighthouse(quorum(3, peer("rg0", 5), us="rg1"))
@@ -332,7 +335,7 @@ def test_a_joining_group_heals_the_global_parameters_outer_state_and_schedule_af
     outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9)
     d = DiLoCo(m, split_fragments(model, 2), inner, outer, sync_every=4)
     with d:
-        pass
+        d.join()
     assert pg.ops[0].reduce_op == MAX and pg.ops[0].inputs[0].tolist() == [
         0,
         0,
@@ -345,6 +348,90 @@ def test_a_joining_group_heals_the_global_parameters_outer_state_and_schedule_af
     assert torch.equal(flat(d.global_parameters().values()), flat(src.global_parameters().values()))
     for p_src, p in zip(src_model.parameters(), model.parameters(), strict=True):
         assert torch.equal(src_outer.state[p_src]["momentum_buffer"], outer.state[p]["momentum_buffer"])
+
+
+def test_the_join_runs_at_the_first_forward_after_entering_so_state_functions_see_the_bound_name(
+    manager: Callable[..., tuple[Manager, FakeProcessGroup]],
+) -> None:
+    """``with DiLoCo(...) as d:`` binds ``d`` after entering; a healing join calls the state
+    functions, which may read ``d``. The join waits for the first forward, and heals before it
+    reads a parameter."""
+    src_model = mlp(seed=3)
+    src_inner = torch.optim.SGD(src_model.parameters(), lr=0.1)
+    m_src, _ = manager(ScriptedLighthouse(in_step(1, us="rg7")), replica_id="rg7")
+    with DiLoCo(
+        m_src, src_model, src_inner, torch.optim.SGD(src_model.parameters(), lr=0.7), sync_every=2
+    ) as src:
+        for batch in batches(2):
+            inner_step(src_model, src_inner, batch)
+    served = {MANAGER_STATE_KEY: {"step": 3, "batches_committed": 3}, "mine": {"seen": 1},
+              **copy.deepcopy(src.heal_entries())}  # fmt: skip
+
+    lighthouse = ScriptedLighthouse(quorum(3, peer("rg0", 3), us="rg1"))
+    m, _ = manager(lighthouse, replica_id="rg1")
+    m._transport.inbox[("mem://rg0", 3)] = served  # type: ignore[attr-defined]
+    model = mlp(seed=4)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    holder: dict[str, DiLoCo | None] = {"d": None}
+    loaded = []
+
+    def load(sd: dict[str, Any]) -> None:
+        assert holder["d"] is not None, "the state function ran before the with statement bound its name"
+        loaded.append(sd)
+
+    m.register_state_dict_fn("mine", load, lambda: {"seen": 0})
+    x = torch.randn(3, 8)
+    with DiLoCo(m, model, inner, torch.optim.SGD(model.parameters(), lr=0.7), sync_every=2) as d:
+        holder["d"] = d
+        assert lighthouse.asked == [] and not d.joined
+        out = model(x)
+        assert d.joined and len(lighthouse.asked) == 1 and loaded == [{"seen": 1}]
+    # The forward already ran on the healed parameters.
+    healed = mlp(seed=4)
+    torch.nn.utils.vector_to_parameters(flat(src.global_parameters().values()), healed.parameters())
+    assert torch.equal(out, healed(x))
+
+
+def test_a_group_needed_for_min_replica_size_heals_at_a_sync_that_has_too_few_and_commits_the_next(
+    manager: Callable[..., tuple[Manager, FakeProcessGroup]],
+) -> None:
+    """Two groups, min_replica_size=2, one restarted: the survivor alone is too few to commit, and
+    a live healer loads only after a clean vote. The clean sync with too few still lets it load,
+    so the next sync has both groups up to date and commits (else neither ever commits again)."""
+    src_model = mlp(seed=3)
+    src_inner = torch.optim.SGD(src_model.parameters(), lr=0.1)
+    m_src, _ = manager(ScriptedLighthouse(in_step(1, us="rg7")), replica_id="rg7")
+    with DiLoCo(
+        m_src, src_model, src_inner, torch.optim.SGD(src_model.parameters(), lr=0.7), sync_every=2
+    ) as src:
+        for batch in batches(2):
+            inner_step(src_model, src_inner, batch)
+    served = {MANAGER_STATE_KEY: {"step": 5, "batches_committed": 5}, **copy.deepcopy(src.heal_entries())}
+
+    lighthouse = ScriptedLighthouse(quorum(3, peer("rg0", 5), us="rg1"), in_step(4, "rg0", us="rg1"))
+    m, pg = manager(lighthouse, replica_id="rg1", min_replica_size=2)
+    m._transport.inbox[("mem://rg0", 5)] = served  # type: ignore[attr-defined]
+    model = mlp(seed=4)
+    inner, outer = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(model.parameters(), lr=0.7)
+    d = DiLoCo(m, model, inner, outer, sync_every=2)
+    with d:
+        d.join()
+    assert len(lighthouse.asked) == 2 and [a.step for a in lighthouse.asked] == [0, 5]
+    assert m.current_step() == 6 and d.syncs == src.syncs
+    assert torch.equal(flat(model.parameters()), flat(src.global_parameters().values()))
+
+
+def test_the_join_runs_at_the_first_inner_step_when_no_forward_came_first(
+    manager: Callable[..., tuple[Manager, FakeProcessGroup]],
+) -> None:
+    lighthouse = ScriptedLighthouse(in_step(1, "rg1"))
+    m, _ = manager(lighthouse, init_sync=False)
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with LocalSGD(m, model, opt, sync_every=5) as algo:
+        assert not algo.joined
+        opt.step()  # no gradients: a no-op step, after the join
+        assert algo.joined and len(lighthouse.asked) == 1 and algo.local_step == 1
 
 
 def test_split_histories_are_never_committed_and_the_older_lineage_heals_at_the_next_sync(
@@ -369,6 +456,7 @@ def test_split_histories_are_never_committed_and_the_older_lineage_heals_at_the_
         return out
 
     with d:
+        d.join()
         assert m.current_step() == 1
         m.allreduce = allreduce  # type: ignore[method-assign]
         pg.ops.clear()
@@ -377,10 +465,10 @@ def test_split_histories_are_never_committed_and_the_older_lineage_heals_at_the_
         assert [op.reduce_op for op in pg.ops] == [MAX, MIN]  # no pseudo-gradients exchanged
         assert d.syncs == 0 and m.current_step() == 0  # behind now: the next quorum heals us
         newer_peer[0] = False
-        served = copy.deepcopy(d.state_dict())
-        served["lineage"], served["syncs"] = 12345, 7
+        served = copy.deepcopy(d.heal_entries())
+        served[STATE_KEY]["lineage"], served[STATE_KEY]["syncs"] = 12345, 7
         m._transport.inbox[("mem://rg0", 1)] = {  # type: ignore[attr-defined]
-            MANAGER_STATE_KEY: {"step": 1, "batches_committed": 1}, STATE_KEY: served,
+            MANAGER_STATE_KEY: {"step": 1, "batches_committed": 1}, **served,
         }  # fmt: skip
         lighthouse.answers = [quorum(9, peer("rg0", 1), us="rg1")]
         for batch in batches(2):
@@ -396,7 +484,8 @@ def test_a_join_that_does_not_commit_is_asked_again(
     pg.fail_next("allreduce")
     model = mlp()
     with DiLoCo(m, model, torch.optim.SGD(model.parameters(), lr=0.1),
-                torch.optim.SGD(model.parameters(), lr=0.7), sync_every=2):  # fmt: skip
+                torch.optim.SGD(model.parameters(), lr=0.7), sync_every=2) as d:  # fmt: skip
+        d.join()
         assert len(lighthouse.asked) == 2 and m.current_step() == 1
 
 

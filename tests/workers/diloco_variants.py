@@ -6,6 +6,10 @@ issuing its pseudo-gradient all-reduce (a real crash at an exact point of the pr
 ``gate-after-join FILE``: after joining, the worker writes ``FILE.joined`` and waits for ``FILE``
 (so a test can make sets of groups start apart, each with its own first quorum).
 
+``pause-at-sync N FILE``: once N syncs have committed, the worker writes ``FILE.reached`` before its
+next sync point and waits there for ``FILE`` (so a test can hold the survivors of a kill until the
+restarted group, whose new process may take many seconds to start on a loaded host, asks to join).
+
 ``reference``: no ftlaunch at all -- plain single-process DiLoCo on the script's model, data and
 data order (one group's sampler), written out here independently of ftlaunch.worker.local_sgd.
 """
@@ -59,6 +63,21 @@ def gate_after_join(gate: str) -> None:
     DiLoCo._join = join  # type: ignore[method-assign]
 
 
+def pause_at_sync(n: int, gate: str) -> None:
+    from ftlaunch.worker.local_sgd import SYNC, DiLoCo
+
+    real = DiLoCo._start
+
+    def start(self: DiLoCo, kind: int) -> Any:
+        if kind == SYNC and self.syncs >= n and not Path(gate).exists():
+            Path(f"{gate}.reached").touch()
+            while not Path(gate).exists():
+                time.sleep(0.05)
+        return real(self, kind)
+
+    DiLoCo._start = start  # type: ignore[method-assign]
+
+
 def reference(argv: list[str]) -> int:
     args = train_diloco.parse_args(argv)
     model = train_diloco.make_model(args.width, seed=1000)
@@ -103,6 +122,9 @@ if __name__ == "__main__":
     if mode == "die-in-sync":
         die_in_sync(int(sys.argv[2]))
         sys.exit(train_diloco.main(sys.argv[3:]))
+    if mode == "pause-at-sync":
+        pause_at_sync(int(sys.argv[2]), sys.argv[3])
+        sys.exit(train_diloco.main(sys.argv[4:]))
     if mode == "gate-after-join":
         gate_after_join(sys.argv[2])
         sys.exit(train_diloco.main(sys.argv[3:]))
