@@ -340,9 +340,21 @@ class DurableCheckpoints:
         Why the same writer rule: every group ends at the same step with the same last quorum, so
         one group writes it, chosen as for a due save, and the others exit at once. A save still
         running is waited for first (one writer thread). A failure is logged and counted, never
-        raised: the training itself has finished."""
+        raised: the training itself has finished. After syncs (`save_after_syncs`), every group
+        writes its own state of ``step`` too, as at a due save."""
         every = self.config.every
         if every <= 0 or step <= 0 or step == self.stats.resumed_from or step == self._last_due:
+            return
+        if self._shared is not None:
+            running = self._running
+            if running is not None:
+                running.result()
+            self._last_due = step
+            taken = self._take_after_sync(step)
+            if taken is not None:
+                what = "checkpoint" if taken[2] else "checkpoint of this group's own state"
+                self._log.info("writing the final durable %s of step %d", what, step)
+                self._write_after_sync(*taken)
             return
         plan = self._last_plan()
         if plan is None or not durable_plan.is_writer(
@@ -355,12 +367,6 @@ class DurableCheckpoints:
         if (Path(self.config.directory) / durable_plan.dir_name(step)).is_dir():
             return
         self._last_due = step
-        if self._shared is not None:
-            taken = self._take_after_sync(step)
-            if taken is not None:
-                self._log.info("writing the final durable checkpoint of step %d", step)
-                self._write_after_sync(*taken)
-            return
         try:
             with self._registry.gate.reading(0.0):
                 staged = stage(self._registry.snapshot(), step)

@@ -10,7 +10,8 @@ bit-identical to a run of that command that was never interrupted (deterministic
   writes and reads its own shards;
 * DiLoCo (scripts/train_diloco.py, AdamW inner optimizer; its Manager's steps are syncs): the
   checkpoint is taken right after a sync's outer step; the writer saves the global state, and
-  each group its own model and Adam moments beside it, which it loads back at resume.
+  each group its own model and Adam moments beside it, which it loads back at resume;
+* LocalSGD (the same script, SGD with momentum; slow): the same, right after an average.
 
 The DDP variant is tests/processes/test_durable_e2e.py.
 """
@@ -41,13 +42,17 @@ def hsdp(ckpt: Path | None) -> list[str]:
     ]  # fmt: skip
 
 
-def diloco(ckpt: Path | None) -> list[str]:
-    # Steps of the job's Manager are syncs: 60 inner steps, a sync every 5, a checkpoint every 3 syncs.
-    durable = ["--checkpoint-dir", str(ckpt), "--checkpoint-every", "3"] if ckpt else []
+def diloco(ckpt: Path | None, algorithm: str = "diloco") -> list[str]:
+    # Steps of the job's Manager are syncs: 40 inner steps, a sync every 4, a checkpoint every 2 syncs.
+    durable = ["--checkpoint-dir", str(ckpt), "--checkpoint-every", "2"] if ckpt else []
     return [
-        *FTLAUNCH, "--replicas", "2", "--no-status", *durable,
-        "scripts/train_diloco.py", "--steps", "60", "--sync-every", "5", "--step-sleep", "0.02",
+        *FTLAUNCH, "--replicas", "2", "--no-status", *durable, "scripts/train_diloco.py",
+        "--algorithm", algorithm, "--steps", "40", "--sync-every", "4", "--step-sleep", "0.03",
     ]  # fmt: skip
+
+
+def local_sgd(ckpt: Path | None) -> list[str]:
+    return diloco(ckpt, "local_sgd")  # SGD with momentum: each group's momentum is its own
 
 
 class Job:
@@ -117,5 +122,10 @@ def test_hsdp_2x2_killed_whole_and_resumed_ends_bit_identical(tmp_path: Path) ->
 
 def test_diloco_killed_whole_and_resumed_ends_bit_identical(tmp_path: Path) -> None:
     # The checkpoint of step S is taken after the sync that committed it: the job's S - 1st sync
-    # (its first step was the join), whose line counts (S - 1) x 5 inner steps; the next is S x 5.
-    killed_and_resumed_matches_uninterrupted(tmp_path, diloco, per_step=5, first_after=lambda s: s * 5)
+    # (its first step was the join), whose line counts (S - 1) x 4 inner steps; the next is S x 4.
+    killed_and_resumed_matches_uninterrupted(tmp_path, diloco, per_step=4, first_after=lambda s: s * 4)
+
+
+@pytest.mark.slow
+def test_local_sgd_killed_whole_and_resumed_ends_bit_identical(tmp_path: Path) -> None:
+    killed_and_resumed_matches_uninterrupted(tmp_path, local_sgd, per_step=4, first_after=lambda s: s * 4)
