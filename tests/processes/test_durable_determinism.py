@@ -42,11 +42,11 @@ def hsdp(ckpt: Path | None) -> list[str]:
     ]  # fmt: skip
 
 
-def diloco(ckpt: Path | None, algorithm: str = "diloco") -> list[str]:
+def diloco(ckpt: Path | None, algorithm: str = "diloco", replicas: int = 2) -> list[str]:
     # Steps of the job's Manager are syncs: 40 inner steps, a sync every 4, a checkpoint every 2 syncs.
     durable = ["--checkpoint-dir", str(ckpt), "--checkpoint-every", "2"] if ckpt else []
     return [
-        *FTLAUNCH, "--replicas", "2", "--no-status", *durable, "scripts/train_diloco.py",
+        *FTLAUNCH, "--replicas", str(replicas), "--no-status", *durable, "scripts/train_diloco.py",
         "--algorithm", algorithm, "--steps", "40", "--sync-every", "4", "--step-sleep", "0.03",
     ]  # fmt: skip
 
@@ -83,17 +83,20 @@ def killed_and_resumed_matches_uninterrupted(
     command: Callable[[Path | None], list[str]],
     per_step: int = 1,
     first_after: Callable[[int], int] = lambda saved: saved + 1,
+    groups_save: bool = False,
 ) -> None:
     """``per_step``: the steps a step line counts per step of the Manager (DiLoCo's lines count
     inner steps, its Manager's steps are syncs). ``first_after``: the first step line due after
-    resuming from the checkpoint of a step."""
+    resuming from the checkpoint of a step. ``groups_save``: each group also saves its own state
+    beside the job's checkpoint (LocalSGD, DiLoCo): kill once both have."""
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     job = Job(command(ckpt))
     try:
         wait_for(
             lambda: (done := dp.list_dir(p.name for p in ckpt.iterdir()).complete)
-            and job.step() > done[0] * per_step,
+            and job.step() > done[0] * per_step
+            and (not groups_save or saved_by_both(ckpt)),
             300, "a durable checkpoint and a step after it",
         )  # fmt: skip
     finally:
@@ -123,9 +126,42 @@ def test_hsdp_2x2_killed_whole_and_resumed_ends_bit_identical(tmp_path: Path) ->
 def test_diloco_killed_whole_and_resumed_ends_bit_identical(tmp_path: Path) -> None:
     # The checkpoint of step S is taken after the sync that committed it: the job's S - 1st sync
     # (its first step was the join), whose line counts (S - 1) x 4 inner steps; the next is S x 4.
-    killed_and_resumed_matches_uninterrupted(tmp_path, diloco, per_step=4, first_after=lambda s: s * 4)
+    killed_and_resumed_matches_uninterrupted(
+        tmp_path, diloco, per_step=4, first_after=lambda s: s * 4, groups_save=True
+    )
 
 
 @pytest.mark.slow
 def test_local_sgd_killed_whole_and_resumed_ends_bit_identical(tmp_path: Path) -> None:
-    killed_and_resumed_matches_uninterrupted(tmp_path, local_sgd, per_step=4, first_after=lambda s: s * 4)
+    killed_and_resumed_matches_uninterrupted(
+        tmp_path, local_sgd, per_step=4, first_after=lambda s: s * 4, groups_save=True
+    )
+
+
+def saved_by_both(ckpt: Path) -> bool:
+    """Whether the newest job checkpoint has both groups' own state (written beside it, in turn)."""
+    done = dp.list_dir(p.name for p in ckpt.iterdir()).complete
+    return bool(done) and all((ckpt / dp.group_dir_name(g) / dp.dir_name(done[-1])).is_dir() for g in (0, 1))
+
+
+@pytest.mark.slow
+def test_diloco_resumed_with_more_groups_the_new_one_keeps_the_writers_inner_state(tmp_path: Path) -> None:
+    """Saved by 2 groups, resumed by 3: groups 0 and 1 load their own inner state, group 2 (none
+    saved) says so in one line and keeps the writer group's; the job ends with every group's global
+    state identical."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    job = Job(diloco(ckpt))
+    try:
+        wait_for(lambda: saved_by_both(ckpt), 300, "a durable checkpoint and both groups' own state of it")
+    finally:
+        kill_tree(job.proc.pid)
+        job.proc.wait(timeout=30)
+    resumed = finish(start(diloco(ckpt, replicas=3)), 400)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    logs = resumed.stdout + resumed.stderr
+    own = re.findall(r"\[rg(\d)/r0\].*durable checkpoint of step \d+: loaded this group's own default", logs)
+    none = re.findall(r"\[rg(\d)/r0\].*no state of this group's own \(none was saved\)", logs)
+    assert sorted(own) == ["0", "1"] and none == ["2"], (own, none)
+    got = final_checksums(resumed.stdout)
+    assert set(got) == {0, 1, 2} and len(set(got.values())) == 1, got
