@@ -10,6 +10,8 @@ The directory layout these names describe::
 
     DIR/step-00000100/        a complete checkpoint: DCP's files, ``.metadata``, then the manifest
     DIR/step-00000200.tmp/    a save in progress (or one whose writer died): never read
+    DIR/group-1/step-00000100/   what replica group 1 holds on its own at that step (LocalSGD and
+                                 DiLoCo: its model and inner optimizer), written by that group
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ __all__ = [
     "ResumeChoice",
     "choose_resume",
     "dir_name",
+    "group_dir_name",
+    "own_keys",
     "is_writer",
     "list_dir",
     "parse_name",
@@ -43,6 +47,28 @@ def dir_name(step: int, tmp: bool = False) -> str:
     if step < 0:
         raise ValueError(f"a checkpoint step is >= 0, got {step}")
     return f"step-{step:08d}" + (TMP_SUFFIX if tmp else "")
+
+
+def group_dir_name(group_id: int) -> str:
+    """``group-1``: the directory, beside the job's checkpoints, of what replica group 1 saves on
+    its own (`own_keys`). Not a checkpoint's name, so listings and retention of the job's
+    checkpoints pass it over."""
+    if group_id < 0:
+        raise ValueError(f"a replica group id is >= 0, got {group_id}")
+    return f"group-{group_id}"
+
+
+def own_keys(keys: Iterable[str], shared: Iterable[str], positions: Iterable[str]) -> list[str]:
+    """The registered state a replica group saves on its own when its algorithm syncs every so many
+    steps (LocalSGD, DiLoCo): everything but the algorithm's ``shared`` entries (every group holds
+    them bit-identical after a sync; the Manager's step among them) and the data ``positions`` (the
+    job's checkpoint has them, and re-shards them for another number of groups).
+
+    Why: such groups legitimately differ in the rest -- each trains its inner optimizer (Adam's
+    moments, momentum) on its own data -- and a resumed run repeats the uninterrupted one only if
+    every group gets back its own."""
+    skip = {*shared, *positions}
+    return sorted(k for k in keys if k not in skip)
 
 
 def parse_name(name: str) -> tuple[int, bool] | None:

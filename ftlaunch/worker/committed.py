@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Collection
 from typing import Any, Protocol
 
 from ftlaunch.checkpointing.staging import StagedState, stage
@@ -36,11 +37,16 @@ __all__ = ["BoundaryHook", "CommittedState", "Snapshot"]
 
 
 class BoundaryHook(Protocol):
-    """Called at each commit boundary (`ftlaunch.worker.durable.DurableCheckpoints`)."""
+    """Called at each commit boundary (`ftlaunch.worker.durable.DurableCheckpoints`), and after each
+    committed sync by the algorithms that save there (`Manager.save_after_syncs`)."""
 
     def first_boundary(self, step: int) -> int: ...
 
     def at_boundary(self, step: int, staged: StagedState | None = None) -> None: ...
+
+    def save_after_syncs(self, shared: Collection[str]) -> None: ...
+
+    def after_sync(self, step: int) -> None: ...
 
 
 class Snapshot:

@@ -27,6 +27,17 @@ position, DiLoCo's outer state) -- as one step's state:
   model) as it registers, until the first step. Every group then asks its first quorum at the saved
   step, so the job's step continues from it; a group that found nothing (or is behind) heals from
   the others as usual.
+* **After a sync** (LocalSGD, DiLoCo: `DurableCheckpoints.save_after_syncs`): their commit boundary
+  is the next sync point's quorum, a whole interval of inner steps later, when each group holds its
+  own local parameters beside the last sync's global ones. Their checkpoint is taken instead right
+  after a due sync's update (`DurableCheckpoints.after_sync`), when every group holds the state the
+  algorithm shares; the writer saves the job's checkpoint, and *every* group saves what it holds
+  on its own (`durable_plan.own_keys`: its model and inner optimizer state) under
+  ``DIR/group-<id>/``. The Manager's state saved is the one at the sync's quorum: a resumed job
+  first joins (a sync point of its own, which commits), and that commit stands in for the sync's,
+  so the job's steps continue as in the run it repeats. At resume each group loads its own state
+  of the checkpoint's step; a group with none (the job came back with more groups, or its save
+  did not complete) keeps the writer group's, which the job's checkpoint holds, and says so.
 """
 
 from __future__ import annotations
@@ -34,7 +45,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -198,6 +209,7 @@ class DurableCheckpoints:
         log: logging.Logger | logging.LoggerAdapter,
         *,
         group_rank: int = 0,
+        group_id: int = 0,
         dcp_group: dist.ProcessGroup | None = None,
         agree_group: dist.ProcessGroup | None = None,
     ) -> None:
@@ -206,6 +218,7 @@ class DurableCheckpoints:
         self._last_plan = last_plan
         self._log = log
         self._group_rank = group_rank
+        self._group_id = group_id
         self._dcp_group = dcp_group
         self._agree_group = agree_group
         self.stats = DurableStats()
@@ -215,6 +228,10 @@ class DurableCheckpoints:
         #: The registered entries that are samplers (keyed by how many entries there were).
         self._sampler_keys: tuple[int, frozenset[str]] | None = None
         self._last_due: int | None = None
+        #: Saves after syncs (`save_after_syncs`): the entries every group holds alike then.
+        self._shared: frozenset[str] | None = None
+        #: The Manager's state at the last sync point's quorum: ``(step, state)``.
+        self._at_quorum: tuple[int, Any] | None = None
         self._lock = threading.Lock()
         self._running: Future[None] | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ftlaunch-durable")
@@ -237,7 +254,11 @@ class DurableCheckpoints:
     def at_boundary(self, step: int, staged: StagedState | None = None) -> None:
         """The commit boundary of ``step``: hand a staged copy of the state to the writer thread
         when this group writes ``step``'s checkpoint. ``staged``: a copy this boundary took already
-        (the heal snapshot), used instead of a second one."""
+        (the heal snapshot), used instead of a second one. After `save_after_syncs`: only note the
+        Manager's state (a sync point's quorum), which `after_sync` saves."""
+        if self._shared is not None:
+            self._at_quorum = (step, dict(self._registry.entries()[MANAGER_STATE_KEY][1]()))
+            return
         every = self.config.every
         if not durable_plan.save_due(step, every, self.stats.resumed_from) or step == self._last_due:
             return
@@ -319,9 +340,21 @@ class DurableCheckpoints:
         Why the same writer rule: every group ends at the same step with the same last quorum, so
         one group writes it, chosen as for a due save, and the others exit at once. A save still
         running is waited for first (one writer thread). A failure is logged and counted, never
-        raised: the training itself has finished."""
+        raised: the training itself has finished. After syncs (`save_after_syncs`), every group
+        writes its own state of ``step`` too, as at a due save."""
         every = self.config.every
         if every <= 0 or step <= 0 or step == self.stats.resumed_from or step == self._last_due:
+            return
+        if self._shared is not None:
+            running = self._running
+            if running is not None:
+                running.result()
+            self._last_due = step
+            taken = self._take_after_sync(step)
+            if taken is not None:
+                what = "checkpoint" if taken[2] else "checkpoint of this group's own state"
+                self._log.info("writing the final durable %s of step %d", what, step)
+                self._write_after_sync(*taken)
             return
         plan = self._last_plan()
         if plan is None or not durable_plan.is_writer(
@@ -348,6 +381,105 @@ class DurableCheckpoints:
             state = {**state, **at_commit[1]}
         self._log.info("writing the final durable checkpoint of step %d", step)
         self._write(staged, state)
+
+    # ------------------------------------------------------------------------ after a sync
+    def save_after_syncs(self, shared: Collection[str]) -> None:
+        """Take this job's checkpoints after its syncs (`after_sync`), not at the commit boundary:
+        LocalSGD and DiLoCo call it when they start (see the module docstring). ``shared``: the
+        registered entries every group holds bit-identical after a sync (DiLoCo's); the others,
+        data positions aside, are each group's own and every group saves them. A job resuming
+        loads this group's own state now (its entries are registered by then)."""
+        self._shared = frozenset(shared) | {MANAGER_STATE_KEY}
+        if self._resume_path is not None and self.stats.resumed_from is not None:
+            self._load_own(self.stats.resumed_from)
+
+    def after_sync(self, step: int) -> None:
+        """A sync committed ``step`` and the algorithm applied its update: when ``step`` is due,
+        the writer group hands the job's checkpoint to its writer thread, and every group its own
+        state (`durable_plan.own_keys`) under ``DIR/group-<id>/``."""
+        if self._shared is None:
+            return
+        every = self.config.every
+        if not durable_plan.save_due(step, every, self.stats.resumed_from) or step == self._last_due:
+            return
+        self._last_due = step
+        if self._busy():
+            with self._lock:
+                self.stats.skipped += 1
+            self._log.warning(
+                "durable checkpoint of step %d skipped: the previous save is still being written "
+                "(%d skipped)", step, self.stats.skipped,
+            )  # fmt: skip
+            return
+        taken = self._take_after_sync(step)
+        if taken is not None:
+            self._running = self._executor.submit(self._write_after_sync, *taken)
+
+    def _take_after_sync(self, step: int) -> tuple[StagedState, list[str], bool] | None:
+        """A staged copy of the state to save after the sync that committed ``step`` (the job's
+        whole state when this group writes the job's checkpoint, else its own entries), the own
+        entries' keys, and whether this group writes the job's checkpoint."""
+        plan = self._last_plan()
+        writer = plan is not None and durable_plan.is_writer(
+            step, self.config.every, plan.participant_rank, plan.num_participants
+        )
+        at_quorum = self._at_quorum
+        if at_quorum is None or at_quorum[0] != step - 1:
+            self._log.warning("durable checkpoint of step %d skipped: no state of its sync point", step)
+            return None
+        try:
+            with self._registry.gate.reading(0.0):  # the training thread itself: never wait
+                state = self._registry.snapshot()
+                own = durable_plan.own_keys(
+                    state, self._shared or (), [k for k, v in state.items() if _is_sampler_state(v)]
+                )
+                state[MANAGER_STATE_KEY] = at_quorum[1]  # the join after a resume commits ``step``
+                staged = stage(state if writer else {k: state[k] for k in own}, step)
+        except CommunicationError:
+            self._log.warning("durable checkpoint of step %d skipped: the state was closed for reading", step)
+            return None
+        return staged, own, writer
+
+    def _write_after_sync(self, staged: StagedState, own: list[str], writer: bool) -> None:
+        staged.wait()
+        mine = Path(self.config.directory) / durable_plan.group_dir_name(self._group_id)
+        try:  # first: a complete job checkpoint then has its writer's own state
+            durable.write(
+                {k: staged.state[k] for k in own},
+                mine,
+                staged.step,
+                process_group=self._dcp_group,
+                coordinator=self._group_rank == 0,
+            )
+        except Exception as e:  # noqa: BLE001 - a failed save must never reach the training loop
+            with self._lock:
+                self.stats.failed += 1
+            self._log.warning(
+                "durable checkpoint of step %d: this group's own state failed (%s); the job's "
+                "checkpoint resumes this group with the writer group's", staged.step, e,
+            )  # fmt: skip
+        else:
+            if self._group_rank == 0:
+                durable.retain(mine, self.config.keep_last, staged.step)
+        if writer:
+            self._write(staged, staged.state)
+
+    def _load_own(self, step: int) -> None:
+        root = Path(self.config.directory) / durable_plan.group_dir_name(self._group_id)
+        path = root / durable_plan.dir_name(step)
+        entries = self._registry.entries()
+        keys = durable_plan.own_keys(
+            entries, self._shared or (), [k for k, (_, save) in entries.items() if _is_sampler_state(save())]
+        )
+        why = durable.verify(path) if path.is_dir() else "none was saved"
+        if why is not None:
+            self._log.warning(
+                "durable checkpoint of step %d: no state of this group's own (%s): its %s start as the "
+                "writer group saved them", step, why, ", ".join(keys) or "entries",
+            )  # fmt: skip
+            return
+        self._load({k: entries[k] for k in keys}, path)
+        self._log.info("durable checkpoint of step %d: loaded this group's own %s", step, ", ".join(keys))
 
     def _busy(self) -> bool:
         """Whether the previous save still runs -- on any rank of the group, so all ranks write
@@ -457,7 +589,7 @@ class DurableCheckpoints:
         self._resume_path = root / durable_plan.dir_name(choice.step)
         entries = self._registry.entries()
         self._load(entries)
-        step = int(entries[MANAGER_STATE_KEY][1]()["step"])
+        step = choice.step  # the Manager's step, or (saved after a sync) the one after it
         self.stats.resumed_from = step
         self._registry.on_register = self._on_register
         self._log.info(
@@ -470,8 +602,10 @@ class DurableCheckpoints:
         if self._resume_path is not None:
             self._load({key: (load, save)})
 
-    def _load(self, entries: dict[str, tuple[Callable[[Any], None], Callable[[], Any]]]) -> None:
-        path = self._resume_path
+    def _load(
+        self, entries: dict[str, tuple[Callable[[Any], None], Callable[[], Any]]], path: Path | None = None
+    ) -> None:
+        path = path or self._resume_path
         assert path is not None  # noqa: S101 - set by resume
         here = {key: save() for key, (_, save) in entries.items()}
         saved = durable.read(path, here, process_group=self._dcp_group)

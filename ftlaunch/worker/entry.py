@@ -260,7 +260,7 @@ def init(
             decide = resume_unless_a_peer_holds_it(
                 job.lighthouse, job.token, timeouts.connect, manager.replica_id, manager.log
             )
-        durable_ckpt = _durable(durable_config, manager, group, intra, decide)
+        durable_ckpt = _durable(durable_config, manager, group, intra, decide, job.replica_group_id)
     manager.log.info(
         "ftlaunch.init: replica group %d of %d, rank %d of %d, backend %s, transport %s, device %s",
         job.replica_group_id, job.num_replica_groups, group.rank, group.world_size, chosen_backend,
@@ -311,6 +311,7 @@ def _durable(
     group: env.GroupEnv,
     intra: dist.ProcessGroup | None,
     decide: Callable[[int | None], bool] | None,
+    replica_group_id: int,
 ) -> DurableCheckpoints:
     """Attach durable checkpoints to ``manager``'s commit boundary (`worker.committed`).
 
@@ -335,6 +336,7 @@ def _durable(
         lambda: manager._round.last_plan,  # noqa: SLF001 - the committed quorum's plan: who writes
         manager.log,
         group_rank=group.rank,
+        group_id=replica_group_id,
         dcp_group=dcp_group,
         agree_group=agree_group,
     )

@@ -174,6 +174,9 @@ class LocalSGD(_Hooked):
         manager.set_agreed_state(
             lambda _: {"parameters": [local_view(p.detach()) for p in model.parameters()]}
         )
+        # Durable checkpoints right after an average: every group's own part (its optimizer's
+        # momentum) is saved by each group beside the job's checkpoint.
+        manager.save_after_syncs()
 
     @property
     def local_step(self) -> int:
@@ -212,6 +215,7 @@ class LocalSGD(_Hooked):
         with torch.no_grad():
             for p, v in zip(params, buckets.views, strict=True):
                 p.copy_(v)
+        self._manager.sync_applied()
         return True
 
 
@@ -308,6 +312,10 @@ class DiLoCo(_Hooked):
         # What the groups share: global parameters, outer optimizer state, the schedule. Not the
         # inner parameters and inner optimizer state, which each group trains on its own data.
         manager.set_agreed_state(lambda state: {k: state[k] for k in entries})
+        # Durable checkpoints right after an outer step, when the groups hold the same global
+        # state; each group saves its own inner state beside it. A job resuming has loaded the
+        # global state by now (``_healed``), and its own model and inner optimizer in here.
+        manager.save_after_syncs(set(entries))
 
     # ---------------------------------------------------------------- what users and tests read
     @property
@@ -395,8 +403,9 @@ class DiLoCo(_Hooked):
             self._local_step = 0
 
     def _join(self) -> None:
-        for f in self._fragments:
-            f.save_global()  # this group's starting point, unless it heals
+        if not self._healed:  # loaded from a durable checkpoint: its global state stands
+            for f in self._fragments:
+                f.save_global()  # this group's starting point, unless it heals
         while not self._finish(self._start(JOIN)):
             _log(self._manager).info("joining: the sync did not commit, asking again")
         self._local_step = 0
@@ -455,6 +464,7 @@ class DiLoCo(_Hooked):
                 if local is not None:
                     sync.fragment.merge(local, self._alpha)
                 self._syncs += 1
+                self._manager.sync_applied()
         if sync.lost_lineage:
             _log(self._manager).warning(
                 "this group's global parameters descend from other ones than the job's: it heals at "

@@ -30,7 +30,7 @@ import logging
 import sys
 import time
 import warnings
-from collections.abc import Callable, MutableMapping
+from collections.abc import Callable, Collection, MutableMapping
 from concurrent.futures import Future as CFuture
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
@@ -537,6 +537,22 @@ class Manager:
         loop must not call it: its forward pass would change what the heal reads.
         """
         self._committed.live = True
+
+    def save_after_syncs(self, shared: Collection[str] = ()) -> None:
+        """Durable checkpoints of this job are taken after its syncs (`sync_applied`), not at the
+        commit boundary: for LocalSGD and DiLoCo, whose boundary is the next sync point's quorum,
+        when each group holds a whole interval of local progress. ``shared``: the registered
+        entries every group holds bit-identical right after a sync (DiLoCo's global parameters and
+        outer state); each group saves the others, its inner optimizer state among them, on its own
+        (docs/checkpointing.md). Without durable checkpoints it does nothing."""
+        if self._committed.durable is not None:
+            self._committed.durable.save_after_syncs(shared)
+
+    def sync_applied(self) -> None:
+        """The algorithm applied the sync this step committed (`save_after_syncs`): the state is the
+        one every group shares, the moment to save it when the step is due."""
+        if self._committed.durable is not None:
+            self._committed.durable.after_sync(self._count.step)
 
     def state_dict(self) -> dict[str, int]:
         return self._count.state_dict()

@@ -306,3 +306,70 @@ def test_a_clean_end_off_the_interval_writes_the_final_checkpoint(tmp_path: Path
     fresh.register_sampler()
     step, _ = fresh.resume(tmp_path)
     assert step == 17 and same(fresh.m, h.m) and fresh.sampler["position"] == 17 * 64
+
+
+def test_after_a_sync_each_group_saves_its_own_state_and_loads_it_back(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """LocalSGD/DiLoCo: nothing at the sync point's quorum; after the sync that committed a due
+    step, the writer saves the job's checkpoint (with the Manager's state of the sync point) and
+    every group its own model and optimizer; at resume each group gets its own back, and a group
+    the job did not have keeps the writer's, with one line."""
+    from types import SimpleNamespace
+
+    def group(g: int, steps: int) -> tuple[Holder, DurableCheckpoints]:
+        h = Holder()
+        m, o = trained(steps)  # each group's own inner training
+        h.m.load_state_dict(m.state_dict())
+        h.o.load_state_dict(o.state_dict())
+        h.register_sampler()
+        h.registry.register("diloco", lambda sd: None, lambda: {"global": torch.ones(3), "syncs": 4})
+        plan = SimpleNamespace(participant_rank=g, num_participants=2)
+        hook = DurableCheckpoints(
+            DurableConfig(str(tmp_path), every=2),
+            h.registry,
+            lambda: plan,
+            logging.getLogger("t"),
+            group_id=g,
+        )
+        hook.first_boundary(0)
+        hook.save_after_syncs({"diloco"})
+        return h, hook
+
+    groups = [group(0, 3), group(1, 5)]
+    for h, hook in groups:
+        h.own.update(step=1, batches_committed=2)
+        hook.at_boundary(1)  # the sync point's quorum: noted, nothing written
+    assert os.listdir(tmp_path) == []
+    for h, hook in groups:
+        h.own.update(step=2, batches_committed=4)  # the sync committed step 2, its update applied
+        h.sampler["position"] = 64
+        hook.after_sync(2)
+        hook.close()
+    # (2 // 2) % 2 == 1: participant 1 writes the job's checkpoint; both write their own state.
+    assert sorted(os.listdir(tmp_path)) == ["group-0", "group-1", dp.dir_name(2)]
+    for g in (0, 1):
+        assert os.listdir(tmp_path / dp.group_dir_name(g)) == [dp.dir_name(2)]
+
+    caplog.set_level(logging.INFO)
+    for g, own_of in ((0, groups[0][0]), (1, groups[1][0]), (2, groups[1][0])):
+        fresh = Holder()
+        hook = DurableCheckpoints(
+            DurableConfig(str(tmp_path), every=2),
+            fresh.registry,
+            lambda: None,
+            logging.getLogger("t"),
+            group_id=g,
+        )
+        assert hook.resume() == 2
+        fresh.register_sampler()
+        fresh.registry.register("diloco", lambda sd: None, lambda: {"global": torch.zeros(3), "syncs": 0})
+        hook.save_after_syncs({"diloco"})  # loads this group's own state
+        assert fresh.own == {"step": 1, "batches_committed": 2}  # the join after the resume commits 2
+        assert fresh.sampler["position"] == 64
+        assert same(fresh.m, own_of.m)
+        assert torch.equal(
+            fresh.o.state_dict()["state"][0]["exp_avg"], own_of.o.state_dict()["state"][0]["exp_avg"]
+        )
+    assert "loaded this group's own default" in caplog.text
+    assert caplog.text.count("no state of this group's own (none was saved)") == 1  # group 2's

@@ -102,3 +102,17 @@ def test_groups_restarting_together_all_load_the_same_checkpoint(
     # A survivor at the checkpoint's step, the job's: healed from, the disk is not read.
     assert not dp.resume_from_disk(checkpoint, [checkpoint], checkpoint)
     assert not dp.resume_from_disk(checkpoint, [checkpoint + 1], reached)
+
+
+def test_a_group_saves_on_its_own_what_the_groups_do_not_share() -> None:
+    keys = ["default", "diloco", "ftlaunch_manager", "sampler", "scheduler"]
+    own = dp.own_keys(keys, shared={"diloco", "ftlaunch_manager"}, positions=["sampler"])
+    assert own == ["default", "scheduler"]  # the model with its inner optimizer, and the rest
+    assert dp.own_keys(keys, shared=keys, positions=[]) == []
+
+
+@given(group=st.integers(min_value=0, max_value=10**4), step=steps)
+def test_group_directories_are_not_taken_for_checkpoints(group: int, step: int) -> None:
+    name = dp.group_dir_name(group)
+    assert dp.parse_name(name) is None
+    assert dp.list_dir([name, dp.dir_name(step)]).complete == (step,)
