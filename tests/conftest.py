@@ -74,6 +74,22 @@ def _unmarked_resource_tracker() -> None:
 
 
 @pytest.fixture(autouse=True)
+def no_leaked_environment(request: pytest.FixtureRequest):
+    """Fail a test that leaves an ``FTLAUNCH_``/``TORCHFT_`` variable changed, then restore it: the
+    processes later tests start inherit this environment (a stale checkpoint directory would make
+    them resume from another test's checkpoint)."""
+    before = {k: v for k, v in os.environ.items() if k.startswith(("FTLAUNCH_", "TORCHFT_"))}
+    yield
+    after = {k: v for k, v in os.environ.items() if k.startswith(("FTLAUNCH_", "TORCHFT_"))}
+    if after != before:
+        for k in after.keys() - before.keys():
+            del os.environ[k]
+        os.environ.update(before)
+        changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+        pytest.fail(f"test left environment variables changed: {changed}")
+
+
+@pytest.fixture(autouse=True)
 def no_leaked_processes(request: pytest.FixtureRequest):
     """Fail a test that leaves processes behind (after a short grace period), then clean up."""
     yield

@@ -41,7 +41,8 @@ def test_checkpoint_env_reads_and_publishes() -> None:
 
 def test_launcher_flags_publish_the_settings(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     for name in (env.FTLAUNCH_CHECKPOINT_DIR, env.FTLAUNCH_CHECKPOINT_EVERY, env.FTLAUNCH_CHECKPOINT_KEEP):
-        monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv(name, "")  # recorded as unset: removed again at teardown, whatever the CLI sets
+        monkeypatch.delenv(name)
     script = tmp_path / "train.py"
     script.write_text("")
     target = tmp_path / "ckpt"
