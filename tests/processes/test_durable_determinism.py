@@ -119,6 +119,7 @@ def killed_and_resumed_matches_uninterrupted(
     assert got == want, (got, want)
 
 
+@pytest.mark.slow  # DDP and DiLoCo stay in CI
 def test_hsdp_2x2_killed_whole_and_resumed_ends_bit_identical(tmp_path: Path) -> None:
     killed_and_resumed_matches_uninterrupted(tmp_path, hsdp)
 
