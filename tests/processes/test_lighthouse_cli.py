@@ -137,7 +137,7 @@ def test_the_straggler_policy_from_the_flag_or_the_environment():
         (
             ["--heartbeat-timeout", "0"],
             2,
-            "--heartbeat-timeout: '0' is out of range: use a duration of 0.5 s",
+            "--heartbeat-timeout: '0' is out of range: use a duration of 50 ms",
         ),
         (["--heartbeat-timeout", "1e-9"], 2, "--heartbeat-timeout: '1e-9' is out of range"),
         (["--join-timeout", "inf"], 2, "--join-timeout: 'inf' is not a duration"),
