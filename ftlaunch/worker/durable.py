@@ -278,18 +278,10 @@ class DurableCheckpoints:
             )  # fmt: skip
             return
         if staged is None or staged.step != step:
-            try:
-                with self._registry.gate.reading(0.0):  # the training thread itself: never wait
-                    staged = stage(self._registry.snapshot(), step)
-            except CommunicationError:
-                self._log.warning(
-                    "durable checkpoint of step %d skipped: the state was closed for reading", step
-                )
+            staged = self._stage_now(step, "durable checkpoint")
+            if staged is None:
                 return
-        state = staged.state
-        at_commit = self._data_at_commit
-        if at_commit is not None and at_commit[0] == step:
-            state = {**state, **at_commit[1]}  # a new dict: a heal may be serving ``staged`` as is
+        state = self._with_data_at_commit(staged, step)
         self._data_at_commit = None
         self._running = self._executor.submit(self._write, staged, state)
 
@@ -367,20 +359,30 @@ class DurableCheckpoints:
         if (Path(self.config.directory) / durable_plan.dir_name(step)).is_dir():
             return
         self._last_due = step
-        try:
-            with self._registry.gate.reading(0.0):
-                staged = stage(self._registry.snapshot(), step)
-        except CommunicationError:
-            self._log.warning(
-                "final durable checkpoint of step %d skipped: the state was closed for reading", step
-            )
+        staged = self._stage_now(step, "final durable checkpoint")
+        if staged is None:
             return
-        state = staged.state
-        at_commit = self._data_at_commit
-        if at_commit is not None and at_commit[0] == step:
-            state = {**state, **at_commit[1]}
+        state = self._with_data_at_commit(staged, step)
         self._log.info("writing the final durable checkpoint of step %d", step)
         self._write(staged, state)
+
+    def _stage_now(self, step: int, what: str) -> StagedState | None:
+        """A staged copy of the registry's state, taken on the training thread (which never waits
+        for the gate); None, with a warning naming ``what``, when the state is closed for reading."""
+        try:
+            with self._registry.gate.reading(0.0):
+                return stage(self._registry.snapshot(), step)
+        except CommunicationError:
+            self._log.warning("%s of step %d skipped: the state was closed for reading", what, step)
+            return None
+
+    def _with_data_at_commit(self, staged: StagedState, step: int) -> Any:
+        """``staged``'s state with the sampler positions recorded when ``step`` committed: a new
+        dict, since a heal may be serving ``staged`` as it is."""
+        at_commit = self._data_at_commit
+        if at_commit is not None and at_commit[0] == step:
+            return {**staged.state, **at_commit[1]}
+        return staged.state
 
     # ------------------------------------------------------------------------ after a sync
     def save_after_syncs(self, shared: Collection[str]) -> None:
