@@ -133,7 +133,19 @@ def install_brief_errors() -> None:
         if line is None:
             previous(exc_type, exc, tb)  # type: ignore[arg-type]
             return
+        _silence_ftlaunch_logs()
         print(line, file=sys.stderr, flush=True)
 
     hook._ftlaunch_brief = True  # type: ignore[attr-defined]
     sys.excepthook = hook
+
+
+def _silence_ftlaunch_logs() -> None:
+    """Mute every ``ftlaunch`` logger: the process is ending on one line, and a background thread
+    (the heartbeat still retrying the lighthouse that is down) must not log after it and bury it."""
+    import logging
+
+    manager = logging.getLogger().manager
+    for name in ["ftlaunch", *manager.loggerDict]:
+        if name == "ftlaunch" or name.startswith("ftlaunch."):
+            logging.getLogger(name).disabled = True

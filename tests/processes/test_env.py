@@ -478,6 +478,29 @@ def test_the_hook_shortens_only_ftlaunch_errors_and_leaves_caught_ones_alone(
     assert proc.stderr.strip() == stderr
 
 
+_LATE_LOG_SCRIPT = """\
+import atexit, logging, ftlaunch
+from ftlaunch.errors import install_brief_errors
+logging.basicConfig(level=logging.INFO)
+install_brief_errors()
+logging.getLogger("ftlaunch.lighthouse.client").warning("before the error")
+# runs after the hook, as a background heartbeat thread still retrying would
+atexit.register(lambda: logging.getLogger("ftlaunch.lighthouse.client").warning("after the error"))
+raise ftlaunch.ConfigurationError("FTLAUNCH_TIMEOUT is bad")
+"""
+
+
+def test_nothing_ftlaunch_logs_after_the_one_line_buries_it() -> None:
+    """A warning logged before the error stays; one logged after it (the heartbeat thread retrying a
+    lighthouse that is down, while the interpreter exits) is muted, so the one line is the last."""
+    proc = _python(_LATE_LOG_SCRIPT, _clean_env())
+    assert proc.returncode == 1, proc.stderr
+    assert "before the error" in proc.stderr
+    assert proc.stderr.splitlines()[-1] == "ftlaunch: configuration error: FTLAUNCH_TIMEOUT is bad", (
+        proc.stderr
+    )
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(
     ("environ", "code", "message"),
