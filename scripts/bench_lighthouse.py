@@ -37,7 +37,7 @@ client CPU); the default keeps the groups earlier figures were
 measured with. Every request carries the job token (ftlaunch always makes one) and the process's
 incarnation, as LighthouseClient sends them.
 
-``--compare`` runs only the side-by-side rows, at ``--small``, 64 and ``--groups-large`` groups, one
+``--compare`` runs only the side-by-side rows, at 4, 64 and 1024 groups (``--sizes``), one
 after another so the host's load weighs on them alike: the lighthouse (lean groups, delta answers),
 the harness's floor, and torchft's own lighthouse (its Rust gRPC server, asked by its
 ``LighthouseClient.quorum``, one client and one thread per group: what a torchft replica's manager
@@ -102,9 +102,7 @@ def _start_lighthouse(
     env.pop("FTLAUNCH_TOKEN", None)
     if token:
         env["FTLAUNCH_TOKEN"] = token
-    # torchft's server logs every quorum (its members included) at INFO on stderr: kept out of the table.
-    quiet = subprocess.DEVNULL if floor == "torchft" else None
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=quiet, text=True, env=env)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
     line = proc.stdout.readline()
     if "listening on" not in line:
         proc.kill()
@@ -573,11 +571,17 @@ def main() -> None:
     p.add_argument(
         "--compare",
         action="store_true",
-        help="only the side-by-side rows: for --small, 64 and --groups-large groups in turn, the lighthouse "
+        help="only the side-by-side rows: for each of --sizes groups in turn, the lighthouse "
         "(lean clients, deltas), the harness's floor, and torchft's lighthouse and client when torchft is "
         "installed; --repeat times, interleaved",
     )
     p.add_argument("--repeat", type=int, default=1, help="rounds of the --compare rows")
+    p.add_argument(
+        "--sizes",
+        default="4,64,1024",
+        help="group counts of the --compare rows (comma-separated; 200 measured rounds below 1024 "
+        "groups, --rounds1024 from 1024 on)",
+    )
     args = p.parse_args()
     token = secrets.token_hex(16) if args.token is None else args.token or None
     # Each simulated group holds two connections, and the lighthouse one per connection.
@@ -617,11 +621,8 @@ def _compare(args: argparse.Namespace, token: str | None) -> list[dict]:
         )
     rows = []
     for _ in range(args.repeat):
-        for groups in (args.small, 64, args.groups_large):
-            if not groups:
-                continue
-            large = groups == args.groups_large
-            rounds, warmup = (args.rounds1024, 5) if large else (args.rounds64, 20)
+        for groups in (int(n) for n in args.sizes.split(",") if n.strip()):
+            rounds, warmup = (args.rounds1024, 5) if groups >= 1024 else (args.rounds64, 20)
             procs = min(groups, args.procs64)
             for floor in (None, "floor", "torchft") if native else (None, "floor"):
                 rows.append(bench_quorum(

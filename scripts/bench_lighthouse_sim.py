@@ -186,6 +186,9 @@ def torchft_native():  # noqa: ANN201
     imported (it pulls in torch and OpenTelemetry, which the lighthouse does not need)."""
     import importlib.util
 
+    # torchft logs every quorum (its members included) and every connection at INFO on stderr; its
+    # level is read from RUST_LOG when the module loads.
+    os.environ.setdefault("RUST_LOG", "warn")
     try:
         from torchft import _torchft  # type: ignore[import-not-found]
 
@@ -244,6 +247,10 @@ def torchft_worker(addr: str, rids: list[str], rounds: int, warmup: int, barrier
 
     from ftlaunch.lighthouse.protocol import advised_heartbeat_interval
 
+    # One tokio worker thread per client (torchft reads TOKIO_WORKER_THREADS; its default is the
+    # host's cores): a process hosts up to 128 groups' clients, and a runtime each of 2+ threads would
+    # leave the host's two cores to thousands of threads.
+    os.environ.setdefault("TOKIO_WORKER_THREADS", "1")
     native = torchft_native()
     assert native is not None
     clients = [native.LighthouseClient(f"http://{addr}", timedelta(seconds=30)) for _ in rids]
@@ -253,7 +260,10 @@ def torchft_worker(addr: str, rids: list[str], rounds: int, warmup: int, barrier
     def heartbeats() -> None:
         while not stop.is_set():
             for rid, client in zip(rids, clients, strict=True):
-                client.heartbeat(rid)
+                try:
+                    client.heartbeat(rid)
+                except TimeoutError:  # as torchft's manager does: the next beat is tried
+                    pass
             stop.wait(pace)
 
     times: list[list[tuple[float, float]]] = [[] for _ in rids]
