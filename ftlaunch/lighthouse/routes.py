@@ -255,7 +255,7 @@ class Routes:
             member = QuorumMember.from_json(obj["member"])
         except (TypeError, ValueError, RecursionError) as e:
             raise HttpError(400, f"bad member: {e}") from None
-        return QuorumBody(member, obj.get("timeout"), obj.get("progress"), obj.get("known"))
+        return member, obj.get("timeout"), obj.get("progress"), obj.get("known")
 
     def _heartbeat(self, request: Request) -> Response:
         obj = self._read_json(request)

@@ -74,7 +74,7 @@ def test_a_duplicate_key_reads_as_json_reads_it() -> None:
     body = b'{"member": {"replica_id": "g", "step": 1, "step": 2}, "timeout": 5, "timeout": 7.5}'
     for read in (quorum_body.read(body), Routes.quorum_body(_request(body))):
         if read is not None:
-            assert (read.member.step, read.timeout) == (2, 7.5)
+            assert (read[0].step, read[1]) == (2, 7.5)
 
 
 def _bad(depth: int = MAX_JSON_DEPTH) -> bytes:
