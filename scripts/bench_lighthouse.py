@@ -37,9 +37,17 @@ client CPU); the default keeps the groups earlier figures were
 measured with. Every request carries the job token (ftlaunch always makes one) and the process's
 incarnation, as LighthouseClient sends them.
 
+``--compare`` runs only the side-by-side rows, at 4, 64 and 1024 groups (``--sizes``), one
+after another so the host's load weighs on them alike: the lighthouse (lean groups, delta answers),
+the harness's floor, and torchft's own lighthouse (its Rust gRPC server, asked by its
+``LighthouseClient.quorum``, one client and one thread per group: what a torchft replica's manager
+calls), measured the same way: from the last request of a round until every group holds its answer.
+torchft's rows need ``pip install --no-deps torchft-nightly`` (the wheel alone; its package's
+``__init__`` is not needed); without it a line says they are skipped.
+
     python scripts/bench_lighthouse.py [--rounds 500] [--rounds64 200] [--spread64 20] [--rounds1024 30]
         [--groups-large 1024] [--small 4] [--scale-only] [--client64] [--answers both|deltas|whole]
-        [--clients sim|lean|both] [--floor] [--token T]
+        [--clients sim|lean|both] [--floor] [--token T] [--compare [--repeat K]]
 """
 
 from __future__ import annotations
@@ -72,7 +80,7 @@ def _start_lighthouse(
     (the first quorum waits for them), the job's token (ftlaunch always makes one). ``floor``: the
     do-nothing server of `bench_lighthouse_sim.serve_floor` ("floor") or the lighthouse's transport
     under a do-nothing handler (`bench_lighthouse_sim.serve_transport_floor`, "transport") instead."""
-    if floor is not None:
+    if floor is not None:  # "floor", "transport" or "torchft"
         cmd = [sys.executable, sim.__file__, floor, str(groups)]
     else:
         cmd = [
@@ -380,7 +388,12 @@ def bench_quorum(
         chunks = [rids[i::procs] for i in range(procs)]
         barrier = ctx.Barrier(procs + 1)  # the workers, and this process to start the CPU clock
         out = ctx.Queue()
-        if simulated and lean:
+        if floor == "torchft":
+            workers = [
+                ctx.Process(target=sim.torchft_worker, args=(addr, c, rounds, warmup, barrier, out, groups))
+                for c in chunks
+            ]
+        elif simulated and lean:
             workers = [
                 ctx.Process(target=sim.lean_worker, args=(addr, c, rounds, warmup, barrier, out, full, token))
                 for c in chunks
@@ -424,7 +437,7 @@ def bench_quorum(
                 raise SystemExit(f"benchmark worker failed with exit code {w.exitcode}")
         if simulated and len(ids) != 1:
             raise SystemExit(f"expected one quorum id for unchanged membership, got {sorted(ids)}")
-        if simulated and ("delta" in kinds) == full:
+        if simulated and floor != "torchft" and ("delta" in kinds) == full:
             raise SystemExit(
                 f"expected {'whole quorums' if full else 'deltas'} as answers, got {sorted(kinds)}"
             )
@@ -446,7 +459,9 @@ def bench_quorum(
             + (", heads vary" if vary_head else "")
             + (", whole" if full else "")
             + ({"floor": ", FLOOR", "transport": ", TRANSPORT"}.get(floor or "", ""))
-            if simulated
+            if simulated and floor != "torchft"
+            else "torchft LighthouseClient"
+            if floor == "torchft"
             else "LighthouseClient"
         ),
         "groups": groups,
@@ -553,6 +568,20 @@ def main() -> None:
         help="simulated groups of the small-job and large rows: the benchmark's own (sim), lean ones "
         "that spend less of the host's CPU (bench_lighthouse_sim.lean_worker), or both",
     )
+    p.add_argument(
+        "--compare",
+        action="store_true",
+        help="only the side-by-side rows: for each of --sizes groups in turn, the lighthouse "
+        "(lean clients, deltas), the harness's floor, and torchft's lighthouse and client when torchft is "
+        "installed; --repeat times, interleaved",
+    )
+    p.add_argument("--repeat", type=int, default=1, help="rounds of the --compare rows")
+    p.add_argument(
+        "--sizes",
+        default="4,64,1024",
+        help="group counts of the --compare rows (comma-separated; 200 measured rounds below 1024 "
+        "groups, --rounds1024 from 1024 on)",
+    )
     args = p.parse_args()
     token = secrets.token_hex(16) if args.token is None else args.token or None
     # Each simulated group holds two connections, and the lighthouse one per connection.
@@ -569,6 +598,44 @@ def main() -> None:
         f"load average {load} (other work on the host inflates every figure)",
         flush=True,
     )
+    if args.compare:
+        rows = _compare(args, token)
+    else:
+        rows = _rows(args, token)
+    _print_rows(rows)
+    rate = bench_heartbeats(procs=2, threads=2, seconds=args.hb_seconds, token=token)
+    print(f"\nheartbeat throughput: {rate:,.0f} req/s (2 processes x 2 threads, keep-alive connections)")
+    print(f"every request carried the job token: {'yes' if token else 'no'}")
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    print(f"load average at the end: {load}")
+
+
+def _compare(args: argparse.Namespace, token: str | None) -> list[dict]:
+    """The lighthouse beside the harness's floor and torchft's lighthouse, at each group count, the
+    three interleaved so that the host's load weighs on them alike."""
+    native = sim.torchft_native() is not None
+    if not native:
+        print(
+            "torchft is not installed: its rows are skipped (pip install --no-deps torchft-nightly)",
+            flush=True,
+        )
+    rows = []
+    for _ in range(args.repeat):
+        for groups in (int(n) for n in args.sizes.split(",") if n.strip()):
+            rounds, warmup = (args.rounds1024, 5) if groups >= 1024 else (args.rounds64, 20)
+            procs = min(groups, args.procs64)
+            for floor in (None, "floor", "torchft") if native else (None, "floor"):
+                rows.append(bench_quorum(
+                    groups, procs, rounds, simulated=True, warmup=warmup, token=token, floor=floor, lean=True,
+                ))  # fmt: skip
+                load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+                r = rows[-1]
+                done = f"p50 {r['p50']:.2f} ms, p99 {r['p99']:.2f} ms (load {load})"
+                print(f"  {groups:>5} {r['kind']:>26}: {done}", flush=True)
+    return rows
+
+
+def _rows(args: argparse.Namespace, token: str | None) -> list[dict]:
     rows = (
         []
         if args.scale_only
@@ -603,6 +670,10 @@ def main() -> None:
                 ))  # fmt: skip
     if args.client64:
         rows.append(bench_quorum(64, args.procs64, args.rounds64, simulated=False, token=token))
+    return rows
+
+
+def _print_rows(rows: list[dict]) -> None:
     print("\nfast-quorum round trip (last request sent -> every group has the quorum)")
     print(
         f"{'groups':>6} {'clients':>26} {'procs':>5} {'rounds':>6} {'p50 ms':>8} {'p99 ms':>8} "
@@ -621,11 +692,6 @@ def main() -> None:
             f"{r['last_p50']:>12.3f} ms {r['cpu_per_round']:>7.2f} ms/rd {clients_text:>13} "
             f"{goal:>10} {met:>4} {TORCHFT.get(r['groups'], '-'):>11}"
         )
-    rate = bench_heartbeats(procs=2, threads=2, seconds=args.hb_seconds, token=token)
-    print(f"\nheartbeat throughput: {rate:,.0f} req/s (2 processes x 2 threads, keep-alive connections)")
-    print(f"every request carried the job token: {'yes' if token else 'no'}")
-    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    print(f"load average at the end: {load}")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,11 @@ LAST group sends its quorum request until EVERY group holds its answer.
 
     python scripts/bench_lighthouse_sim.py floor N      # serve as the floor server for N groups
     python scripts/bench_lighthouse_sim.py transport N  # the lighthouse's transport, a handler doing nothing
+    python scripts/bench_lighthouse_sim.py torchft N    # torchft's Rust lighthouse (torchft-nightly)
+
+torchft's lighthouse (its Rust gRPC `LighthouseServer`) and its client (`LighthouseClient.quorum`, the
+call a torchft replica's manager makes for a quorum) run in the same harness when torchft is
+importable (`torchft_native`); the benchmark prints a line saying so when it is not.
 """
 
 from __future__ import annotations
@@ -175,6 +180,125 @@ def serve_transport_floor(groups: int) -> None:
     threading.Event().wait()
 
 
+def torchft_native():  # noqa: ANN201
+    """torchft's compiled module (``torchft._torchft``: `LighthouseServer`, `LighthouseClient`), or None
+    when torchft is not installed. Loaded by its file when the package's ``__init__`` cannot be
+    imported (it pulls in torch and OpenTelemetry, which the lighthouse does not need)."""
+    import importlib.util
+
+    # torchft logs every quorum (its members included) and every connection at INFO on stderr; its
+    # level is read from RUST_LOG when the module loads.
+    os.environ.setdefault("RUST_LOG", "warn")
+    try:
+        from torchft import _torchft  # type: ignore[import-not-found]
+
+        return _torchft
+    except Exception:  # noqa: BLE001 -- not installed, or its package __init__ needs what is missing
+        pass
+    try:
+        spec = importlib.util.find_spec("torchft")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    import glob
+
+    for folder in spec.submodule_search_locations:
+        for path in glob.glob(os.path.join(folder, "_torchft*.so")):
+            native = importlib.util.spec_from_file_location("torchft._torchft", path)
+            if native is None or native.loader is None:
+                continue
+            module = importlib.util.module_from_spec(native)
+            native.loader.exec_module(module)
+            return module
+    return None
+
+
+def serve_torchft(groups: int) -> None:
+    """torchft's lighthouse: its Rust `LighthouseServer` in this process, with ``min_replicas`` the
+    ``groups`` (as ``ftlaunch --replicas N`` announces N: the first quorum waits for all of them;
+    from then on every round is torchft's fast quorum, formed when the last member of the previous
+    one asks) and the same join timeout as the lighthouse's row."""
+    import signal
+    import threading
+
+    native = torchft_native()
+    if native is None:
+        raise SystemExit("torchft is not installed (pip install --no-deps torchft-nightly)")
+    server = native.LighthouseServer(bind="127.0.0.1:0", min_replicas=groups, join_timeout_ms=30000)
+    addr = (
+        server.address().replace("http://", "").replace("[::]", "127.0.0.1").replace("0.0.0.0", "127.0.0.1")
+    )
+    print(f"torchft lighthouse listening on {addr}", flush=True)
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    threading.Event().wait()
+
+
+def torchft_worker(addr: str, rids: list[str], rounds: int, warmup: int, barrier, out, groups: int) -> None:
+    """Groups as a torchft replica asks for quorums: one `LighthouseClient` (its own gRPC connection
+    and runtime) per group, one thread per group calling ``LighthouseClient.quorum``, each asking
+    again as soon as it holds an answer (the harness's rounds: the round trip is from the last
+    request of a round until every group holds its answer). Heartbeats are sent at the pace the
+    ftlaunch lighthouse advises for this many groups (torchft's manager beats every 100 ms; the
+    slower pace spares torchft's server the same load ours is spared). Reports what `lean_worker`
+    reports."""
+    import threading
+    from datetime import timedelta
+
+    from ftlaunch.lighthouse.protocol import advised_heartbeat_interval
+
+    # One tokio worker thread per client (torchft reads TOKIO_WORKER_THREADS; its default is the
+    # host's cores): a process hosts up to 128 groups' clients, and a runtime each of 2+ threads would
+    # leave the host's two cores to thousands of threads.
+    os.environ.setdefault("TOKIO_WORKER_THREADS", "1")
+    native = torchft_native()
+    assert native is not None
+    clients = [native.LighthouseClient(f"http://{addr}", timedelta(seconds=30)) for _ in rids]
+    pace = max(0.1, advised_heartbeat_interval(groups, 10.0) or 0.0)
+    stop = threading.Event()
+
+    def heartbeats() -> None:
+        while not stop.is_set():
+            for rid, client in zip(rids, clients, strict=True):
+                try:
+                    client.heartbeat(rid)
+                except TimeoutError:  # as torchft's manager does: the next beat is tried
+                    pass
+            stop.wait(pace)
+
+    times: list[list[tuple[float, float]]] = [[] for _ in rids]
+    ids: set[int] = set()
+
+    def run(i: int) -> None:
+        rid, client, mine = rids[i], clients[i], times[i]
+        for step in range(warmup + rounds):
+            t0 = time.perf_counter()
+            quorum = client.quorum(replica_id=rid, timeout=timedelta(seconds=60), step=step)
+            t1 = time.perf_counter()
+            if step >= warmup:
+                mine.append((t0, t1))
+            if i == 0:
+                ids.add(int(quorum.quorum_id))
+
+    beat = threading.Thread(target=heartbeats, daemon=True)
+    beat.start()
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(rids))]
+    barrier.wait()
+    cpu0 = time.process_time()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    cpu = time.process_time() - cpu0
+    stop.set()
+    beat.join()
+    for rid, t in zip(rids, times, strict=True):
+        out.put((rid, t))
+    out.put(("ids", sorted(ids)))
+    out.put(("kinds", ["quorum"]))
+    out.put(("cpu", cpu))
+
+
 def lean_worker(
     addr: str,
     rids: list[str],
@@ -329,5 +453,7 @@ if __name__ == "__main__":
         serve_floor(int(sys.argv[2]))
     elif len(sys.argv) == 3 and sys.argv[1] == "transport":
         serve_transport_floor(int(sys.argv[2]))
+    elif len(sys.argv) == 3 and sys.argv[1] == "torchft":
+        serve_torchft(int(sys.argv[2]))
     else:
         raise SystemExit(__doc__)
