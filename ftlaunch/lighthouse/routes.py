@@ -60,8 +60,6 @@ from ftlaunch.lighthouse.protocol import (
     REPLICA_HEADER,
 )
 from ftlaunch.lighthouse.quorum import QuorumMember
-from ftlaunch.lighthouse.quorum_body import QuorumBody
-from ftlaunch.lighthouse.quorum_body import read as _read_quorum_body
 from ftlaunch.lighthouse.spares import ClaimError, ClaimTicket
 from ftlaunch.lighthouse.status import LighthouseStatus
 
@@ -227,26 +225,7 @@ class Routes:
         return Response(200, json.dumps(self._snapshot().to_json()).encode())
 
     def _quorum(self, request: Request) -> LongPoll:
-        # The usual body in one typed pass (quorum_body.py: where msgspec is installed); any other,
-        # and every body without msgspec, the general way below, which accepts the same bodies.
-        read = _read_quorum_body(request.body) if "content-length" in request.head.headers else None
-        if read is None:
-            read = self.quorum_body(request)
-        member, given_timeout, progress, known = read
-        rid = self._replica_id(request, member.replica_id)
-        timeout = float(DEFAULT_QUORUM_TIMEOUT if given_timeout is None else given_timeout)
-        if not (0 < timeout <= MAX_QUORUM_TIMEOUT):
-            raise HttpError(400, f"timeout must be in (0, {MAX_QUORUM_TIMEOUT:g}] seconds, got {timeout:g}")
-        ticket = self._membership.request_quorum(
-            member, _progress_of(progress), incarnation=_incarnation(request)
-        )
-        self._bind(request, rid)
-        return _QuorumPoll(self, ticket, timeout, request, known)
-
-    @staticmethod
-    def quorum_body(request: Request) -> QuorumBody:
-        """A quorum request's body read the general way: every body, every client error named."""
-        obj = Routes._read_json(request)
+        obj = self._read_json(request)
         _expect(obj, _QUORUM_REQUIRED, _QUORUM_OPTIONAL)
         try:
             # Every answer and /status encode the member again: what json.loads made of a body
@@ -255,7 +234,13 @@ class Routes:
             member = QuorumMember.from_json(obj["member"])
         except (TypeError, ValueError, RecursionError) as e:
             raise HttpError(400, f"bad member: {e}") from None
-        return member, obj.get("timeout"), obj.get("progress"), obj.get("known")
+        rid = self._replica_id(request, member.replica_id)
+        timeout = float(obj.get("timeout", DEFAULT_QUORUM_TIMEOUT))
+        if not (0 < timeout <= MAX_QUORUM_TIMEOUT):
+            raise HttpError(400, f"timeout must be in (0, {MAX_QUORUM_TIMEOUT:g}] seconds, got {timeout:g}")
+        ticket = self._membership.request_quorum(member, _progress(obj), incarnation=_incarnation(request))
+        self._bind(request, rid)
+        return _QuorumPoll(self, ticket, timeout, request, obj.get("known"))
 
     def _heartbeat(self, request: Request) -> Response:
         obj = self._read_json(request)
@@ -433,11 +418,7 @@ class Routes:
 
 def _progress(obj: dict[str, Any]) -> ProgressReport | None:
     """The request's ``progress`` field, checked (400 with the field named when it is not one)."""
-    return _progress_of(obj.get("progress"))
-
-
-def _progress_of(raw: Any) -> ProgressReport | None:
-    """A ``progress`` field's value (None: not given), checked (400 naming it when it is not one)."""
+    raw = obj.get("progress")
     if raw is None:
         return None
     try:

@@ -172,7 +172,6 @@ LIGHTHOUSE_RANKS: dict[str, int] = {
     "membership": 4,  # the bookkeeping: holds the above, applies their rules under one lock
     "http": 2,  # request/response types, http.server's head parsing
     "bodies": 3,  # a request body: JSON decoded, nesting bounded, fields checked
-    "quorum_body": 3,  # a quorum request's usual body in one typed pass (msgspec), else None
     "limits": 2,  # connection cap, warnings per client: bounds a client cannot push
     "timeline_svg": 1,  # a timeline drawn as SVG (pure; the dashboard's and the launcher's picture)
     "dashboard": 2,  # HTML from a status
@@ -194,7 +193,6 @@ LIGHTHOUSE_RANKS: dict[str, int] = {
 #: Lighthouse modules that do no I/O: they may not import sockets, event loops or HTTP.
 LIGHTHOUSE_NO_IO = {
     "protocol",
-    "quorum_body",
     "health",
     "stragglers",
     "quorum",
