@@ -458,3 +458,24 @@ def test_managed_group_hands_back_the_managers_work_for_one_tensor() -> None:
     assert pg.allreduce([t], dist.ReduceOp.SUM) == ("the manager's work", t)
     assert pg.size() == 5 and manager.calls == [dist.ReduceOp.SUM]
     assert pg.barrier().wait()  # everything else goes to the Manager's group
+
+
+def test_a_baby_group_counts_its_ops_in_flight_and_is_a_closed_handle_after_shutdown(
+    store: dist.TCPStore,
+) -> None:
+    pg = ProcessGroupBabyGloo(timeout=timedelta(seconds=60))
+    try:
+        pg.configure(addr(store, "baby-closed"), 0, 1)
+        works = [pg.allreduce([torch.ones(3)], dist.ReduceOp.SUM) for _ in range(3)]
+        assert 0 <= pg.num_active_work() <= 3
+        for w in works:
+            w.wait()
+        assert pg.num_active_work() == 0
+    finally:
+        pg.shutdown()
+    assert pg.num_active_work() == 0
+    # Misuse, and a closed handle as Python's own I/O has it: both except clauses catch it.
+    with pytest.raises(ValueError, match="shut down"):
+        pg.allreduce([torch.ones(1)], dist.ReduceOp.SUM)
+    with pytest.raises(OSError, match="handle is closed"):
+        pg.allreduce([torch.ones(1)], dist.ReduceOp.SUM)
