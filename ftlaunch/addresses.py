@@ -130,15 +130,34 @@ def parse_host_port(text: str, *, default_port: int | None = None) -> tuple[str,
 
 
 def parse_store_addr(store_addr: str) -> Address:
-    """Parse a store address ``host:port[/prefix]`` (IPv6 hosts bracketed: ``[::1]:1234/p``).
+    """Parse a store address ``host:port[/prefix]``; an IPv6 host bracketed (``[::1]:1234/p``) or bare.
 
+    A store address always has a port, so a bare IPv6 host is unambiguous: the field after the last
+    colon is the port and the rest must be an IPv6 address (``fdaa::5:29521/p``; torchft's and
+    torch's store addresses are written so, from a host's address and a port joined by ``:``).
     Raises ValueError ("bad store address ...") for anything else, so a typo in a rendezvous address
     fails at once instead of as a connect timeout a minute later.
     """
     try:
-        return parse_address(store_addr, allow_prefix=True, min_port=1)
+        return parse_address(_bracket_bare_ipv6(store_addr), allow_prefix=True, min_port=1)
     except ValueError as e:
         raise ValueError(f"bad store address {store_addr!r}: {e}") from None
+
+
+def _bracket_bare_ipv6(store_addr: str) -> str:
+    """``v6:port[/prefix]`` -> ``[v6]:port[/prefix]`` when the part before the last colon is an
+    IPv6 address; anything else unchanged (the parser then says what is wrong with it)."""
+    if not isinstance(store_addr, str) or store_addr.startswith("[") or "://" in store_addr:
+        return store_addr
+    netloc, slash, path = store_addr.partition("/")
+    if netloc.count(":") < 2:
+        return store_addr
+    host, _, port = netloc.rpartition(":")
+    try:
+        ipaddress.IPv6Address(host)
+    except ValueError:
+        return store_addr
+    return f"[{host}]:{port}{slash}{path}"
 
 
 def is_local_host(host: str) -> bool:

@@ -49,9 +49,14 @@ from ftlaunch.process_group.reconfigure import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ProcessGroup", "release_process_group"]
+__all__ = ["GroupClosedError", "ProcessGroup", "release_process_group"]
 
 _NAME_COUNTER = itertools.count()
+
+
+class GroupClosedError(ValueError, OSError):
+    """An operation on a group after its `shutdown`: misuse (a ``ValueError``), and an ``OSError``
+    as any use of a closed handle is (torchft's Baby groups raise that then)."""
 
 
 class ProcessGroup(Collectives):
@@ -274,7 +279,10 @@ class ProcessGroup(Collectives):
     def _unusable_error(self, op: str) -> Exception:
         """Why ``op`` cannot run with no backend up: shut down, failed (that error), or never configured."""
         if self._closed:
-            return ValueError(f"{op}: {type(self).__name__} was shut down; configure() it again to reuse it")
+            return GroupClosedError(
+                f"{op}: {type(self).__name__} was shut down (its handle is closed); configure() it "
+                "again to reuse it"
+            )
         if self._failures.error is not None:
             return self._failures.error
         return ValueError(f"{op}: {type(self).__name__} is not configured; call configure() first")

@@ -7,6 +7,9 @@ peer were itself, with no arithmetic: gathers copy the input into every slot, sc
 all-to-alls hand the rank its own share. So with one member (torchft's only case) every result is
 exact, and torch code that reads gathered values (DDP's parameter-shape check,
 ``all_gather_object``) works. Reductions leave their tensors as they are, whatever the world size.
+Lists of outputs and inputs are paired as far as both go, as torchft's dummy does: a wrapper whose
+size is not the dummy's (``ManagedProcessGroup`` reports the quorum's) hands it lists sized for
+its own world, and a group that communicates nothing has no peer to disagree with.
 """
 
 from __future__ import annotations
@@ -41,7 +44,8 @@ class ProcessGroupDummy(ProcessGroup):
     Every operation completes immediately; inputs and reduced tensors are left as they are,
     outputs of gathers, scatters and all-to-alls get this rank's own data (see the module
     docstring). `configure` only records the rank and world size (and counts calls in
-    ``configure_count``).
+    ``configure_count``; ``reconfigure_count`` is the same count under torchft's current name,
+    since a `reconfigure` is a `configure` on the rendezvous its handles name).
     """
 
     def __init__(self, rank: int, world: int) -> None:
@@ -53,6 +57,17 @@ class ProcessGroupDummy(ProcessGroup):
 
     def getBackendName(self) -> str:  # noqa: N802
         return "ftlaunch-dummy"
+
+    @property
+    def reconfigure_count(self) -> int:
+        """How many times this group was set up, by `configure` or `reconfigure` (torchft's name)."""
+        return self.configure_count
+
+    def __repr__(self) -> str:
+        # Nothing to show but the rank and size, and those only when they are not a lone member's.
+        if (self.rank(), self.size()) == (0, 1):
+            return "ProcessGroupDummy()"
+        return f"ProcessGroupDummy(rank={self.rank()}, size={self.size()})"
 
     def _configure(self, store_addr: str, rank: int, world_size: int) -> None:
         self._begin_configure(store_addr, rank, world_size)
@@ -72,7 +87,7 @@ class ProcessGroupDummy(ProcessGroup):
     def _do_allgather(
         self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: AllgatherOptions
     ) -> dist.Work:
-        for outs, inp in zip(outputs, inputs, strict=True):
+        for outs, inp in zip(outputs, inputs, strict=False):
             for o in outs:
                 o.copy_(inp)
         return DoneWork(outputs)
@@ -92,7 +107,7 @@ class ProcessGroupDummy(ProcessGroup):
     def _do_all_gather_single_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: AllgatherOptions
     ) -> dist.Work:
-        for o, i in zip(outputs, inputs, strict=True):
+        for o, i in zip(outputs, inputs, strict=False):
             self._do_all_gather_single(o, i, opts)
         return DoneWork(outputs)
 
@@ -103,7 +118,7 @@ class ProcessGroupDummy(ProcessGroup):
         self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: ReduceScatterOptions
     ) -> dist.Work:
         rank = self.rank()
-        for out, ins in zip(outputs, inputs, strict=True):
+        for out, ins in zip(outputs, inputs, strict=False):
             out.copy_(ins[rank] if rank < len(ins) else ins[0])
         return DoneWork(outputs)
 
@@ -119,7 +134,7 @@ class ProcessGroupDummy(ProcessGroup):
     def _do_reduce_scatter_single_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: ReduceScatterOptions
     ) -> dist.Work:
-        for o, i in zip(outputs, inputs, strict=True):
+        for o, i in zip(outputs, inputs, strict=False):
             self._do_reduce_scatter_single(o, i, opts)
         return DoneWork(outputs)
 

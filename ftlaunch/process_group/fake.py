@@ -233,7 +233,7 @@ class FakeProcessGroup(ProcessGroup):
     ) -> dist.Work:
         """Record ``op``, then run ``apply`` (which writes the outputs) now, later, or never."""
         if self._closed:
-            raise ValueError(f"{op}: {type(self).__name__} was shut down; configure() it again to reuse it")
+            raise self._unusable_error(op)
         self.ops.append(FakeOp(op, reduce_op, tuple(t.detach().clone() for t in inputs)))
         if self._failures.error is not None:
             raise self._failures.error  # errored: fail fast until the next configure

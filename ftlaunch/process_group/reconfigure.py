@@ -46,6 +46,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "HandleStore",
+    "HandleWaitTimeout",
     "NativeReconfigureOptions",
     "ReconfigureOptions",
     "ReconfigureWork",
@@ -255,6 +256,11 @@ class ReconfigureWork(dist.Work):
 
 
 # ------------------------------------------------------------------------------------------ exchange
+class HandleWaitTimeout(CommunicationError, dist.DistStoreError):
+    """A member did not publish its handle in time: ftlaunch's `CommunicationError` and torch's
+    ``DistStoreError`` at once, so ``except`` clauses written for either catch it."""
+
+
 def reconfigure_with_store(
     pg: Any,
     store_addr: str,
@@ -271,8 +277,9 @@ def reconfigure_with_store(
     (ftlaunch's, and torch's native ones on torch >= 2.14).
 
     Raises `CommunicationError` when the store is unreachable or a peer does not publish its
-    handle within ``timeout`` (torch's ``DistStoreError`` is its cause), and whatever the
-    reconfigure itself raises.
+    handle within ``timeout``; the latter is also torch's ``DistStoreError`` (`HandleWaitTimeout`),
+    which torch code (and torchft's helper) raises for it. Whatever the reconfigure itself raises
+    passes through.
     """
     timeout = as_timedelta(timeout)
     if not 0 <= rank < world_size:
@@ -289,7 +296,10 @@ def reconfigure_with_store(
         store.wait(keys, timeout)
         values = store.multi_get(keys)
     except dist.DistError as e:
-        raise CommunicationError(
+        # A store that answers but lacks a key is torch's DistStoreError: a member missing. Keep
+        # that type (code written for torch catches it); a lost connection stays ours alone.
+        error = HandleWaitTimeout if isinstance(e, dist.DistStoreError) else CommunicationError
+        raise error(
             f"reconfigure_with_store: not every one of {world_size} members published its handle at "
             f"{store_addr} within {timeout}: {first_line(e)}"
         ) from e

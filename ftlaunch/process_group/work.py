@@ -143,8 +143,36 @@ class FtWork(dist.Work):
             else:
                 out.set_result(value)
 
-        inner.get_future().add_done_callback(_done)
+        try:
+            fut = inner.get_future()
+        except RuntimeError as e:
+            if "not implemented" not in str(e):
+                raise
+            # Some backend ops (Gloo's reduce_scatter) have no future: complete ours when the op
+            # completes, waited for on a thread of its own (this is the rare path, not every op's).
+            self._complete_after_wait(inner, out)
+            return out
+        fut.add_done_callback(_done)
         return out
+
+    def _complete_after_wait(self, inner: dist.Work, out: torch.futures.Future) -> None:
+        """Complete ``out`` with the op's result (None: the backend gives none without a future)
+        once ``inner`` is done; a failure is recorded on the group as `wait` records it."""
+
+        def finish() -> None:
+            try:
+                wait_on(inner)
+            except Exception as e:
+                out.set_exception(
+                    self._failures.record(self._op, e, self._peer, self._generation, on_backend_thread=True)
+                )
+            else:
+                out.set_result(None)
+
+        if inner.is_completed():
+            finish()
+        else:
+            threading.Thread(target=finish, name="ftlaunch-work-future", daemon=True).start()
 
 
 class ComposedWork(dist.Work):

@@ -110,6 +110,13 @@ class ProcessGroupWrapper(ProcessGroup):
             return pg.errored()
         return self._failures.error
 
+    def __repr__(self) -> str:
+        # A wrapper around a group names that group (torchft's form); one that owns its backend
+        # (Gloo, NCCL) shows its own configuration.
+        if self._pg is not None and not self._owns_backend():
+            return f"{type(self).__name__}(pg={self._pg!r})"
+        return super().__repr__()
+
     def _describe(self) -> str:
         pg = self._pg
         if isinstance(pg, ProcessGroup) and not self._owns_backend():

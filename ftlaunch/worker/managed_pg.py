@@ -55,7 +55,10 @@ class ManagedProcessGroup(ProcessGroupWrapper):
     """``ManagedProcessGroup(manager)``: allreduce through ``manager.allreduce``."""
 
     def __init__(self, manager: Manager) -> None:
-        super().__init__(manager.pg)
+        # ``_pg``, the attribute torchft's ManagedProcessGroup reads: tests written for torchft
+        # stand a ``Mock(spec=Manager)`` in for the Manager and set its ``_pg`` to a real group,
+        # which every operation but allreduce goes to. On a real Manager it is ``manager.pg``.
+        super().__init__(manager._pg)
         self._manager = manager
 
     # Takes torch's overload forms positionally (a tensor or a list; opts or a ReduceOp), like the
@@ -64,6 +67,9 @@ class ManagedProcessGroup(ProcessGroupWrapper):
         if isinstance(tensors, torch.Tensor):
             tensors = [tensors]
         op = _op_of(opts)
+        if len(tensors) == 1:
+            # The Manager's own Work (torchft's): its wait() says whether the step is still good.
+            return self._manager.allreduce(tensors[0], reduce_op=op)
         return _FuturesWork([self._manager.allreduce(t, reduce_op=op).get_future() for t in tensors])
 
     def size(self) -> int:

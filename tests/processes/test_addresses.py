@@ -72,6 +72,26 @@ def test_store_address_rules() -> None:
             parse_store_addr(bad)
 
 
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("::1:29521/job/0", Address("::1", 29521, "job/0")),
+        ("fdaa:0:1:2:3:4:5:6:29521/p", Address("fdaa:0:1:2:3:4:5:6", 29521, "p")),
+        ("fe80::7:80", Address("fe80::7", 80, "")),
+    ],
+)
+def test_store_address_takes_a_bare_ipv6_host(text: str, expected: Address) -> None:
+    # A store address always has a port: the field after the last colon is it.
+    assert parse_store_addr(text) == expected
+    assert str(parse_store_addr(str(expected))) == str(expected)  # written back bracketed
+
+
+@pytest.mark.parametrize("text", ["a:b:c/p", "fe80::1/p", "::1:0/p", "::1:/p", "::1:99999/p"])
+def test_store_address_bare_ipv6_still_needs_a_valid_port(text: str) -> None:
+    with pytest.raises(ValueError, match="bad store address"):
+        parse_store_addr(text)
+
+
 def test_is_local_host() -> None:
     assert is_local_host("localhost") and is_local_host("127.0.0.1") and is_local_host("::1")
     assert not is_local_host("192.0.2.1")  # TEST-NET-1, never assigned

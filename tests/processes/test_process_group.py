@@ -590,7 +590,6 @@ def test_parse_store_addr() -> None:
         "localhost:",
         "localhost:abc/p",
         ":1234/p",
-        "::1:1234/p",
         "[::1/p",
         "[::1]1234/p",
         "host:0/p",

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from pg_helpers import WorkerPool, start_unmarked_resource_tracker
 from torch import nn
+from torch._C._distributed_c10d import AllgatherOptions, ReduceScatterOptions
 
 from ftlaunch.errors import CommunicationError
 from ftlaunch.process_group import (
@@ -383,3 +384,98 @@ def test_baby_nccl_is_constructible_without_cuda_until_used() -> None:
     finally:
         pg.shutdown()
     assert not [t for t in threading.enumerate() if t.name.startswith("ftlaunch-baby-reader")]
+
+
+# ------------------------------------------------------------------------------------------------
+# what torchft's own process-group tests rely on
+# ------------------------------------------------------------------------------------------------
+
+
+def test_a_peer_that_never_publishes_is_torchs_store_error_as_well(store: dist.TCPStore) -> None:
+    # Code written for torch catches DistStoreError; ftlaunch code catches CommunicationError.
+    pg = ProcessGroupDummy(0, 1)
+    with pytest.raises(dist.DistStoreError) as info:
+        reconfigure_with_store(pg, addr(store, "alone"), 1, 3, timedelta(milliseconds=200))
+    assert isinstance(info.value, CommunicationError) and pg.reconfigure_count == 0
+    pg.shutdown()
+
+
+def test_a_wrapper_names_its_group_and_a_reconfigure_reaches_it() -> None:
+    inner = ProcessGroupDummy(0, 1)
+    wrapper = ProcessGroupWrapper(pg=inner)
+    assert repr(wrapper) == "ProcessGroupWrapper(pg=ProcessGroupDummy())"
+    assert repr(ProcessGroupDummy(2, 3)) == "ProcessGroupDummy(rank=2, size=3)"
+    wrapper.reconfigure(options(11, [wrapper.get_reconfigure_handle()])).wait()
+    assert (inner.reconfigure_count, inner.configure_count, wrapper.size()) == (1, 1, 1)
+    wrapper.shutdown()
+
+
+def test_the_dummy_pairs_outputs_with_inputs_as_far_as_both_go() -> None:
+    # A wrapper reporting a larger world (ManagedProcessGroup: the quorum's) hands the dummy lists
+    # sized for that world; the dummy has no peer to disagree with and fills what it can.
+    pg = ProcessGroupDummy(0, 1)
+    x = torch.arange(6.0).view(2, 3)
+    outs = [torch.zeros(2, 3) for _ in range(4)]
+    assert pg.allgather_into_tensor_coalesced(outs, [x], AllgatherOptions()).wait()
+    assert torch.equal(outs[0], x) and not outs[1].any()
+    assert pg.reduce_scatter(outs, [[x]], ReduceScatterOptions()).wait()
+    assert pg.reduce_scatter_tensor_coalesced(outs, [x], ReduceScatterOptions()).wait()
+
+
+def test_gloo_reduce_scatter_has_a_future(store: dist.TCPStore) -> None:
+    # torch's gloo gives reduce_scatter no future of its own; ftlaunch's Work still returns one.
+    pg = ProcessGroupGloo(timedelta(seconds=30))
+    pg.configure(addr(store, "rs"), 0, 1)
+    out = torch.zeros(3)
+    work = pg.reduce_scatter([out], [[torch.tensor([1.0, 2.0, 3.0])]], ReduceScatterOptions())
+    work.get_future().wait()
+    work.wait()
+    assert out.tolist() == [1.0, 2.0, 3.0]
+    pg.shutdown()
+
+
+class _ManagerStandIn:
+    """What ManagedProcessGroup uses of a Manager, as a torchft test's ``Mock(spec=Manager)`` has it."""
+
+    def __init__(self) -> None:
+        self._pg = ProcessGroupDummy(0, 1)
+        self.calls: list[Any] = []
+
+    def allreduce(self, tensor: torch.Tensor, reduce_op: Any = "avg") -> Any:
+        self.calls.append(reduce_op)
+        return ("the manager's work", tensor)
+
+    def num_participants(self) -> int:
+        return 5
+
+
+def test_managed_group_hands_back_the_managers_work_for_one_tensor() -> None:
+    from ftlaunch.process_group import ManagedProcessGroup
+
+    manager = _ManagerStandIn()
+    pg = ManagedProcessGroup(manager)  # type: ignore[arg-type]
+    t = torch.ones(2)
+    assert pg.allreduce([t], dist.ReduceOp.SUM) == ("the manager's work", t)
+    assert pg.size() == 5 and manager.calls == [dist.ReduceOp.SUM]
+    assert pg.barrier().wait()  # everything else goes to the Manager's group
+
+
+def test_a_baby_group_counts_its_ops_in_flight_and_is_a_closed_handle_after_shutdown(
+    store: dist.TCPStore,
+) -> None:
+    pg = ProcessGroupBabyGloo(timeout=timedelta(seconds=60))
+    try:
+        pg.configure(addr(store, "baby-closed"), 0, 1)
+        works = [pg.allreduce([torch.ones(3)], dist.ReduceOp.SUM) for _ in range(3)]
+        assert 0 <= pg.num_active_work() <= 3
+        for w in works:
+            w.wait()
+        assert pg.num_active_work() == 0
+    finally:
+        pg.shutdown()
+    assert pg.num_active_work() == 0
+    # Misuse, and a closed handle as Python's own I/O has it: both except clauses catch it.
+    with pytest.raises(ValueError, match="shut down"):
+        pg.allreduce([torch.ones(1)], dist.ReduceOp.SUM)
+    with pytest.raises(OSError, match="handle is closed"):
+        pg.allreduce([torch.ones(1)], dist.ReduceOp.SUM)

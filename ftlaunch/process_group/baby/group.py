@@ -100,6 +100,12 @@ class ProcessGroupBaby(ProcessGroup):
         child = self._child
         return child.pid if child is not None else None
 
+    def num_active_work(self) -> int:
+        """Operations submitted to the child and not finished yet (torchft's name): 0 once every
+        Work returned so far has completed, so a caller can check that nothing is left in flight."""
+        child = self._child
+        return child.in_flight() if child is not None else 0
+
     def _describe(self) -> str:
         child = self._child
         pid = f", child pid {child.pid}" if child is not None else ""

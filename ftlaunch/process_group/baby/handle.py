@@ -180,6 +180,13 @@ class Child:
                 raise
         return pending
 
+    def in_flight(self) -> int:
+        """How many requests are still unanswered (replies already in the socket collected first)."""
+        if self.ready and self.healthy:
+            self._try_read_available()
+        with self._pending_lock:
+            return len(self._pending)
+
     def busy(self) -> bool:
         """Requests still unanswered (replies already in the socket are collected first)."""
         if self.ready and self.healthy:
