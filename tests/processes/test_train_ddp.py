@@ -56,9 +56,10 @@ def _checksum(text: str) -> str:
     ],
 )
 def test_by_hand_two_groups_one_killed_and_restarted(form: list[str]) -> None:
-    # 200 steps: at the load of a shared 2-core CI machine the restarted group needs several seconds to
-    # import torch and start its Baby child; group 0 must still be training when it comes back.
-    args = [*TRAIN, *form, "--steps", "200", "--step-sleep", "0.05", "--timeout", "20"]
+    # 300 steps: at the load of a shared 2-core machine the restarted group needs several seconds to
+    # import torch and start its Baby child (over 10 s at load 12); group 0 must still be training when
+    # it comes back.
+    args = [*TRAIN, *form, "--steps", "300", "--step-sleep", "0.05", "--timeout", "20"]
     with LighthouseServer(
         "127.0.0.1:0", min_replicas=1, join_timeout=1.0, heartbeat_timeout=5.0, quorum_tick=0.05
     ).start() as lh:
