@@ -165,6 +165,8 @@ class _Server:
             pg = self._pg
             if op == "allreduce":
                 work = pg.allreduce(a[0], dist.ReduceOp(dist.ReduceOp.RedOpType(a[1])))
+            elif op == "allreduce_coalesced":
+                work = pg.allreduce_coalesced(a[0], dist.ReduceOp(dist.ReduceOp.RedOpType(a[1])))
             elif op == "allgather":
                 work = pg.allgather(a[0], a[1])
             elif op == "all_gather_single":
