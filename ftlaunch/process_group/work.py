@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -22,12 +22,25 @@ import torch.distributed as dist
 from ftlaunch.errors import CommunicationError
 from ftlaunch.process_group.failures import FailureRecord
 
-__all__ = ["NO_TIMEOUT", "ComposedWork", "DoneWork", "FtWork", "completed_future", "wait_on"]
+__all__ = ["NO_TIMEOUT", "ComposedWork", "DoneWork", "FtWork", "PollableWork", "completed_future", "wait_on"]
 
 T = TypeVar("T")
 
 #: ``Work.wait``'s default: no timeout of the caller's own (the op's timeout still applies).
 NO_TIMEOUT = timedelta(0)
+
+
+@runtime_checkable
+class PollableWork(Protocol):
+    """A Work that can be waited for a while without failing when the time runs out (torch's
+    ``wait(timeout)`` records a failure). A caller that must look at a condition of its own every
+    few milliseconds (the commit vote: has the lighthouse declared a peer lost?) waits in slices on
+    the thread that needs the answer, instead of through a future completed by another thread: one
+    thread wake-up per op instead of three (Baby process groups)."""
+
+    def done_within(self, seconds: float) -> bool:
+        """Whether the op completed (successfully or not) within ``seconds``; fails nothing."""
+        ...
 
 
 def wait_on(work: dist.Work, timeout: timedelta = NO_TIMEOUT) -> bool:

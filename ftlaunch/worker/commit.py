@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from ftlaunch.errors import CommunicationError
 from ftlaunch.process_group.base import ProcessGroup
+from ftlaunch.process_group.work import PollableWork
 from ftlaunch.worker.group_store import GroupStore
 from ftlaunch.worker.hang_abort import LostPeerAbort
 from ftlaunch.worker.manager_parts import ManagerSettings
@@ -102,6 +103,11 @@ class CrossGroupVote:
                 left = timedelta(seconds=max(deadline - time.monotonic(), 1e-3))
                 if not work.wait(left):
                     raise CommunicationError("the commit vote timed out (commit timeout)")
+            elif isinstance(work, PollableWork):  # waited here, in slices a lost peer can cut short
+                while not work.done_within(_slice(deadline, interrupted)):
+                    if time.monotonic() >= deadline or interrupted():
+                        raise CommunicationError("the commit vote timed out or a peer was lost")
+                work.wait()  # done: raises the op's error, if any
             else:  # a wait that a lost peer can cut short (a backend's wait cannot be)
                 fut = work.get_future()
                 if not wait_all([fut], deadline, interrupted):

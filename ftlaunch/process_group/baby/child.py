@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import pickle
 import queue
 import signal
 import socket
@@ -113,7 +114,8 @@ class _Server:
     def _reply(self, req: int, error: tuple[str, str] | None, extra: Any = None) -> None:
         with self._send_lock:
             try:
-                self._conn.send(("done", req, error, extra))
+                # Plain pickle (a reply holds no tensor): cheaper than the Connection's ForkingPickler.
+                self._conn.send_bytes(pickle.dumps(("done", req, error, extra), pickle.HIGHEST_PROTOCOL))
             except OSError:  # the parent is gone; the main loop sees EOF and exits
                 pass
 
@@ -163,6 +165,8 @@ class _Server:
             pg = self._pg
             if op == "allreduce":
                 work = pg.allreduce(a[0], dist.ReduceOp(dist.ReduceOp.RedOpType(a[1])))
+            elif op == "allreduce_coalesced":
+                work = pg.allreduce_coalesced(a[0], dist.ReduceOp(dist.ReduceOp.RedOpType(a[1])))
             elif op == "allgather":
                 work = pg.allgather(a[0], a[1])
             elif op == "all_gather_single":

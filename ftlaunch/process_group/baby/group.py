@@ -33,6 +33,7 @@ import torch.distributed as dist
 import torch.multiprocessing.reductions
 from torch._C._distributed_c10d import (
     AllgatherOptions,
+    AllreduceCoalescedOptions,
     AllreduceOptions,
     AllToAllOptions,
     BarrierOptions,
@@ -325,6 +326,13 @@ class ProcessGroupBaby(ProcessGroup):
 
     def _do_allreduce(self, tensors: list[torch.Tensor], opts: AllreduceOptions) -> dist.Work:
         return self._submit("allreduce", (tensors, _op_code(opts.reduceOp)), (True, False), tensors)
+
+    def _do_allreduce_coalesced(
+        self, tensors: list[torch.Tensor], opts: AllreduceCoalescedOptions
+    ) -> dist.Work:
+        # One request (the backend's own coalesced op), not one per tensor: the commit vote rides
+        # on DDP's last bucket this way (`worker.allreduce.reduce_across_groups`).
+        return self._submit("allreduce_coalesced", (tensors, _op_code(opts.reduceOp)), (True, False), tensors)
 
     def _do_allgather(
         self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: AllgatherOptions

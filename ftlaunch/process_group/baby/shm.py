@@ -54,6 +54,8 @@ _DTYPES: dict[str, torch.dtype] = {v: k for k, v in _DTYPE_NAMES.items()}
 
 _MIN_POOL_BYTES = 4096
 _MAX_FREE_PER_SIZE = 4
+#: Views the child keeps for reuse (`ChildStorages.tensor`); past it, it starts over.
+_MAX_VIEWS = 1024
 
 
 class TensorDesc(NamedTuple):
@@ -88,6 +90,10 @@ class SharedTensors:
         self._send_reg = send_reg
         self._send_unreg = send_unreg
         self._known: dict[StorageKey, int] = {}
+        # The key of each storage already registered, on the storage itself (weakly): a DDP bucket is
+        # the same storage every step, and asking for its fd and fstat-ing it each op cost more than
+        # the rest of encoding it.
+        self._keys: weakref.WeakKeyDictionary[torch.UntypedStorage, StorageKey] = weakref.WeakKeyDictionary()
         self._dead: deque[StorageKey] = deque()  # appended by finalizers (any thread), drained under lock
         self._pool: dict[int, list[torch.Tensor]] = {}
         self._pool_lock = threading.Lock()
@@ -97,6 +103,7 @@ class SharedTensors:
         """Forget everything (the child is gone); finalizers firing later become no-ops."""
         self._closed = True
         self._known.clear()
+        self._keys.clear()
         self._dead.clear()
         with self._pool_lock:
             self._pool.clear()
@@ -118,6 +125,9 @@ class SharedTensors:
             self._send_unreg(keys)
 
     def _register(self, storage: torch.UntypedStorage) -> StorageKey:
+        key = self._keys.get(storage)
+        if key is not None and key in self._known:
+            return key
         fd, nbytes = storage._share_fd_cpu_()
         st = os.fstat(fd)
         key = (st.st_dev, st.st_ino)
@@ -125,6 +135,7 @@ class SharedTensors:
             self._send_reg(key, nbytes, fd)
             self._known[key] = nbytes
             weakref.finalize(storage, self._forget, key)
+        self._keys[storage] = key
         return key
 
     def encode(self, tensor: torch.Tensor, staged: list[Staged], mutable: bool) -> TensorDesc:
@@ -187,8 +198,12 @@ class ChildStorages:
 
     def __init__(self) -> None:
         self._storages: dict[StorageKey, torch.UntypedStorage] = {}
+        # The tensor each descriptor last named: DDP reduces the same bucket views every step, and a
+        # view built once is reused (dropped with its storage's key).
+        self._views: dict[TensorDesc, torch.Tensor] = {}
 
     def add(self, key: StorageKey, nbytes: int, fd: int) -> None:
+        self.drop([key])  # a key named again is a new mapping: no view of an old one survives
         try:
             # Private torch API (what torch.multiprocessing uses to map a storage shared by fd),
             # absent from the stubs.
@@ -199,6 +214,9 @@ class ChildStorages:
     def drop(self, keys: list[StorageKey]) -> None:
         for key in keys:
             self._storages.pop(key, None)
+        dropped = set(keys)
+        for desc in [d for d in self._views if d.key in dropped]:
+            del self._views[desc]
 
     def __len__(self) -> int:
         return len(self._storages)
@@ -207,5 +225,11 @@ class ChildStorages:
         dtype = _DTYPES[desc.dtype]
         if desc.key is None:
             return torch.empty_strided(desc.shape, desc.stride, dtype=dtype)
-        storage = self._storages[desc.key]
-        return torch.empty(0, dtype=dtype).set_(storage, desc.offset, desc.shape, desc.stride)
+        view = self._views.get(desc)
+        if view is None:
+            if len(self._views) >= _MAX_VIEWS:
+                self._views.clear()
+            storage = self._storages[desc.key]
+            view = torch.empty(0, dtype=dtype).set_(storage, desc.offset, desc.shape, desc.stride)
+            self._views[desc] = view
+        return view

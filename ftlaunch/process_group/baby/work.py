@@ -65,6 +65,11 @@ class BabyWork(dist.Work):
         self._after_success()
         return True
 
+    def done_within(self, seconds: float) -> bool:
+        """`PollableWork`: whether the request completed within ``seconds``, reading the reply on
+        this thread; running out of time fails nothing (the op's own deadline still applies)."""
+        return self._child.wait_for(self._pending, max(0.0, seconds))
+
     def is_completed(self) -> bool:
         return self._pending.event.is_set()
 
