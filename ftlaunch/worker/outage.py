@@ -8,10 +8,13 @@ group of the last quorum is configured and every member of it is alive.
 The rule, decided by each group leader alone (`LastQuorumSteps.ask`): when the lighthouse cannot be
 reached for `UNREACHABLE_AFTER` seconds and this group's last step *committed* on a *complete,
 healthy* quorum (every group a participant, all at the same step, nobody healing, no layout
-conflict) -- or on a complete quorum in which some groups healed, then with every member at the step
-they all reached (`after_heal`) -- the group steps on that quorum again: the leader returns it as the step's
-quorum, so the group's other ranks (through the group store) and `plan_step` see exactly what they saw last
-step, the quorum id does not change and the process group is not reconfigured.
+conflict) -- or on a complete quorum in which some groups healed -- the group steps on that quorum
+again, with every member at the step they all reached (`reached`): the leader returns it as the step's
+quorum, so the group's other ranks (through the group store) and `plan_step` see the members they saw
+last step, each where it is now, the quorum id does not change and the process group is not
+reconfigured. The steps must be the reached ones, not the last quorum's: a step's plan says from which
+step it went (``plan.max_step``), and the exactly-once sampler reads that to tell which samples the
+commit trained (worker/exactly_once.py).
 
 Why it is safe -- a step commits only if every participant of the quorum's process group votes for
 it in the same collectives (worker/commit.py), so:
@@ -65,6 +68,7 @@ __all__ = [
     "LastQuorumSteps",
     "after_heal",
     "healthy",
+    "reached",
 ]
 
 #: Seconds the lighthouse must be unreachable (connections refused or reset) before a group steps on
@@ -98,6 +102,14 @@ def after_heal(quorum: Quorum, plan: StepPlan) -> Quorum | None:
     Every group computes it from the same quorum, so all get the same one, on which nobody heals."""
     if plan.layout_conflict is not None or plan.num_participants != plan.num_sources or plan.deferred:
         return None  # (deferred: the healers waited, still behind)
+    return reached(quorum, plan)
+
+
+def reached(quorum: Quorum, plan: StepPlan) -> Quorum:
+    """``quorum`` after a step on it committed on every member: each participant at the step they all
+    reached (``max_step + 1``), with no failed commits. What the next step on it plans from: its plan
+    then says the step it goes from, as a lighthouse's quorum would (the exactly-once sampler checks
+    a commit against it)."""
     step = plan.max_step + 1
     members = tuple(dataclasses.replace(m, step=step, commit_failures=0) for m in quorum.participants)
     return dataclasses.replace(quorum, participants=members)
@@ -205,7 +217,7 @@ class LastQuorumSteps:
         if not committed or plan is None or current is None:
             self._eligible = None
         elif healthy(plan):
-            self._eligible = current
+            self._eligible = reached(current, plan)
         else:
             self._eligible = after_heal(current, plan)
         if self._eligible is None and self.in_outage:
