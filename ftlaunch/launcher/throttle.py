@@ -5,16 +5,30 @@ Why a duty cycle: stopped part of the time, a process is slower at everything it
 compute, its data loading, its own threads -- by the same factor, as behind a throttled GPU or a
 noisy neighbour, and the training script needs no hook.
 
-Why the running phase is counted in CPU time. Each period lets the processes run until the busiest
-has used `RUN_CPU` of CPU time (or for `max_run` of wall time, when they wait or the CPU is
-contended), then stops them (FACTOR - 1) x as long as that running phase took. On an idle CPU that
-is 20 ms running, 20 ms stopped for a factor 2. On a CPU shared with other runnable processes, a
-short stop costs a process nothing: the kernel's scheduler (EEVDF) keeps what it owes a process
-across a stop and serves it first when it continues, so 20 ms stops made a group slowed 2x barely
-slower than its peers (~1.1x on a loaded 2-core host). Counted in CPU time, the periods lengthen as
-the CPU gets busier -- up to `MAX_STOP` stopped -- and a stop then outweighs what the scheduler gives
-back. The stops actually slept and the running phases actually run are summed, and each stop makes
-up the difference: a late throttle thread (a busy supervisor) shifts the periods, not the factor.
+Why the stops land in the work. A slow GPU makes a group's compute slow, not its waits: it
+arrives late at the step's collectives and commit vote, and its peers wait for it. A stop that lands
+while the group itself waits (for a collective its Baby process-group child runs, for the quorum,
+for the commit vote) only lengthens that wait -- the job is slower, but the group does not look
+slow, and the lighthouse's straggler rule, which scores each group's own work before it needs its
+peers (lighthouse/stragglers.py), cannot tell it from its peers. Stopping at random times, that is
+what most stops did: on a 2-core host under load, all of 222 stops of a 2x slowdown found the
+training thread asleep (the throttle's own thread gets a core exactly when a worker blocks and
+frees one), and its windows of own work flapped between slow and not. So the cycle follows the
+process's training thread (its main thread, as in any torchrun worker): time counts as running only
+while that thread is running or runnable (``R``) or the process uses CPU, and a stop starts only at
+a look that finds it so. The processes then spend FACTOR x as long in their own work, and their
+waits are what they would be.
+
+Why the running phase is counted in CPU time. Each period lets the processes work until the busiest
+has used `RUN_CPU` of CPU time (or for `max_run` of busy wall time, when the CPU is contended),
+then stops them (FACTOR - 1) x as long as their busy time in that phase. On an idle CPU that is 20
+ms working, 20 ms stopped for a factor 2. On a CPU shared with other runnable processes, a short
+stop costs a process nothing: the kernel's scheduler (EEVDF) keeps what it owes a process across a
+stop and serves it first when it continues, so 20 ms stops made a group slowed 2x barely slower than
+its peers (~1.1x on a loaded 2-core host). Counted in CPU time, the periods lengthen as the CPU
+gets busier -- up to `MAX_STOP` stopped -- and a stop then outweighs what the scheduler gives back.
+The stops actually slept and the busy time actually run are summed, and each stop makes up the
+difference: a late throttle thread (a busy supervisor) shifts the periods, not the factor.
 
 The hung rule. The lighthouse declares a member hung when its heartbeats (sent every 100 ms by a
 thread of their own) stopped for half a second or more while a peer waits for it
@@ -47,13 +61,16 @@ RUN_CPU = 0.02
 MAX_STOP = 0.2
 #: The largest slowdown.
 MAX_FACTOR = 4.0
-#: Seconds between two looks at the processes' CPU time in a running phase.
+#: Seconds between two looks at the processes' CPU time and state in a running phase.
 _POLL = 0.005
+#: A look counts the time since the previous one as work when the process is running then, or
+#: used this share of that time in CPU.
+_BUSY_CPU_SHARE = 0.5
 
 
 def max_run(factor: float) -> float:
-    """The longest running phase (seconds) of a process slowed ``factor`` x: 100 ms, less for
-    factors over 2, so that its stop stays within `MAX_STOP`."""
+    """The longest running phase (seconds of work) of a process slowed ``factor`` x: 100 ms, less
+    for factors over 2, so that its stop stays within `MAX_STOP`."""
     return min(0.1, MAX_STOP / (factor - 1.0))
 
 
@@ -94,14 +111,12 @@ class Throttle:
         assert self.started is not None
         end = self.started + self.duration
         longest = max_run(self.factor)
-        ran = slept = 0.0  # the running phases' and the stops' wall time so far
+        worked = slept = 0.0  # the running phases' busy time and the stops' wall time so far
         try:
-            while not self._stop.is_set() and time.monotonic() < end:
-                began = time.monotonic()
-                self._run_phase(min(longest, end - began))
+            while self._processes and not self._stop.is_set() and time.monotonic() < end:
+                worked += self._run_phase(longest, end)
                 stopped_at = time.monotonic()
-                ran += stopped_at - began
-                owed = min((self.factor - 1.0) * ran - slept, MAX_STOP, end - stopped_at)
+                owed = min((self.factor - 1.0) * worked - slept, MAX_STOP, end - stopped_at)
                 if owed <= 0:
                     continue
                 if not self._signal(psutil.Process.suspend):
@@ -114,24 +129,44 @@ class Throttle:
             self._signal(psutil.Process.resume)
             self.ended = time.monotonic()
 
-    def _run_phase(self, longest: float) -> None:
-        """Let the processes run until the busiest used `RUN_CPU` of CPU time, or ``longest`` seconds."""
-        until = time.monotonic() + longest
-        start = self._cpu()
-        while not self._stop.wait(_POLL) and time.monotonic() < until:
-            now = self._cpu()
-            if max((now.get(pid, t) - t for pid, t in start.items()), default=0.0) >= RUN_CPU:
-                return
+    def _run_phase(self, longest: float, end: float) -> float:
+        """Let the processes work until the busiest used `RUN_CPU` of CPU time, or they were busy
+        ``longest`` seconds, and one of them is working at that look (or until ``end``); returns
+        the seconds they were busy meanwhile."""
+        start = last = self._look()
+        then = time.monotonic()
+        busy = 0.0
+        while not self._stop.wait(_POLL):
+            now = time.monotonic()
+            looked = self._look()
+            working = any(
+                running or cpu - last.get(pid, (cpu, False))[0] >= _BUSY_CPU_SHARE * (now - then)
+                for pid, (cpu, running) in looked.items()
+            )
+            if working:
+                busy += now - then
+            then, last = now, looked
+            if now >= end or not looked:
+                break
+            used = max((cpu - start[pid][0] for pid, (cpu, _) in looked.items() if pid in start), default=0.0)
+            if working and (used >= RUN_CPU or busy >= longest):
+                break
+        return busy
 
-    def _cpu(self) -> dict[int, float]:
-        """Each process's CPU time (user + system, all its threads), by pid."""
+    def _look(self) -> dict[int, tuple[float, bool]]:
+        """Each process's CPU time (user + system, all its threads) and whether its main thread is
+        running or runnable, by pid; a process gone (a zombie too) is dropped."""
         out = {}
+        alive = []
         for p in self._processes:
             try:
-                t = p.cpu_times()
-                out[p.pid] = t.user + t.system
-            except psutil.Error:
+                with p.oneshot():
+                    t = p.cpu_times()
+                    out[p.pid] = (t.user + t.system, p.status() == psutil.STATUS_RUNNING)
+                alive.append(p)
+            except psutil.Error:  # gone: not looked at again
                 continue
+        self._processes = alive
         return out
 
     def _signal(self, how: object) -> bool:

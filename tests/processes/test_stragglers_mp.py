@@ -35,16 +35,16 @@ def no_hang(text: str) -> None:
     assert "hung: " not in text, text[-6000:]
 
 
-@pytest.mark.slow  # on a quiet host the SIGSTOPs mostly land in the collective wait, not in the work scored
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(180)
 def test_a_slowed_group_is_found_and_its_slot_goes_to_the_spare(jobs) -> None:
-    """The short run: group 1 slowed 3x from step 3; the lighthouse finds it a
-    straggler and, once it stayed one for 10 steps and 15 s, gives its slot to the hot spare, whose
-    first step commits; then the user stops the job (SIGINT) and the summary tells the replacement.
-    The full run to the end, bit-identical: the slow-marked test below."""
+    """The short run: group 1 slowed 2x from step 3 (its worker is a fork of the agent's warm
+    standby: the throttle must stop that fork, in its work); the lighthouse finds it a straggler
+    and, once it stayed one for 10 steps and 15 s, gives its slot to the hot spare, whose first step
+    commits; then the user stops the job (SIGINT) and the summary tells the replacement. The full
+    run to the end, bit-identical: the slow-marked test below."""
     job = jobs(["--replicas", "2", "--spares", "1", "--stragglers", "replace",
-                "--chaos", f"steps=3,group=1,slow={FACTOR},slow_for=600", *train(100000)])  # fmt: skip
-    job.wait_for(r"^\[ftlaunch\] chaos: replica group 1 workers slowed down 3x", 60)
+                "--chaos", "steps=3,group=1,slow=2,slow_for=600", *train(100000)])  # fmt: skip
+    job.wait_for(r"^\[ftlaunch\] chaos: replica group 1 workers slowed down 2x", 90)
     job.wait_for(
         r"^\[ftlaunch\] replica group rg1 replaced as a straggler .*: its slot went to a hot spare$", 90
     )

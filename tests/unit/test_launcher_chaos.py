@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import random
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -241,6 +242,49 @@ def test_a_real_throttle_slows_a_process_by_its_factor_and_leaves_it_running() -
         for q in procs:
             q.kill()
             q.wait()
+
+
+#: 20 ms of CPU work, then a 30 ms sleep, over and over; each line: the work's and the sleep's wall time.
+WORK_THEN_SLEEP = """
+import sys, time
+while True:
+    t0 = time.perf_counter(); until = time.thread_time() + 0.02
+    while time.thread_time() < until:
+        pass
+    t1 = time.perf_counter(); time.sleep(0.03); t2 = time.perf_counter()
+    print(f"{t1 - t0:.5f} {t2 - t1:.5f}", flush=True)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_the_throttle_slows_the_work_and_not_the_waits(tmp_path) -> None:
+    """A slow GPU makes a group's work slow, not its waits: the stops land while the process works.
+    Two processes alternate 20 ms of CPU work and a 30 ms sleep; the one slowed 2x takes clearly
+    longer for its work than its sibling left alone beside it (same machine, same load), and its
+    sleeps stay as long as the sibling's (a stop in a sleep would lengthen it)."""
+    outs = [tmp_path / f"p{i}.txt" for i in range(2)]
+    procs = [
+        subprocess.Popen([sys.executable, "-c", WORK_THEN_SLEEP], stdout=out.open("w"), text=True)
+        for out in outs
+    ]
+    try:
+        time.sleep(0.5)
+        marks = [len(out.read_text().splitlines()) for out in outs]
+        throttle = Throttle([psutil.Process(procs[0].pid)], 2.0, 4.0).start()
+        while throttle.running:
+            time.sleep(0.05)
+    finally:
+        for q in procs:
+            q.kill()
+            q.wait()
+    rows = [
+        [tuple(map(float, line.split())) for line in out.read_text().splitlines()[m + 2 : -1]]
+        for out, m in zip(outs, marks, strict=True)
+    ]
+    slowed, alone = ([statistics.median(r[k] for r in rs) for k in (0, 1)] for rs in rows)
+    assert len(rows[0]) >= 5 and throttle.periods >= 10, (len(rows[0]), throttle.periods)
+    assert slowed[0] >= 1.5 * alone[0], (slowed, alone)  # its work: ~2x
+    assert slowed[1] <= alone[1] + 0.015, (slowed, alone)  # its waits: as they were
 
 
 def test_throttle_refuses_nonsense_and_skips_gone_processes() -> None:
