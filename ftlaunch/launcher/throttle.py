@@ -8,16 +8,12 @@ noisy neighbour, and the training script needs no hook.
 Why the stops land in the work. A slow GPU makes a group's compute slow, not its waits: it
 arrives late at the step's collectives and commit vote, and its peers wait for it. A stop that lands
 while the group itself waits (for a collective its Baby process-group child runs, for the quorum,
-for the commit vote) only lengthens that wait -- the job is slower, but the group does not look
-slow, and the lighthouse's straggler rule, which scores each group's own work before it needs its
-peers (lighthouse/stragglers.py), cannot tell it from its peers. Stopping at random times, that is
-what most stops did: on a 2-core host under load, all of 222 stops of a 2x slowdown found the
-training thread asleep (the throttle's own thread gets a core exactly when a worker blocks and
-frees one), and its windows of own work flapped between slow and not. So the cycle follows the
-process's training thread (its main thread, as in any torchrun worker): time counts as running only
-while that thread is running or runnable (``R``) or the process uses CPU, and a stop starts only at
-a look that finds it so. The processes then spend FACTOR x as long in their own work, and their
-waits are what they would be.
+for the commit vote) only lengthens that wait: the job is slower, but the group's own work -- what
+the lighthouse's straggler rule scores (lighthouse/stragglers.py) -- is not. So the cycle follows the
+process's training thread (its main thread, as in any torchrun worker): time counts as work only
+while that thread is running or runnable (``R``) or the process uses CPU, the stops owed grow with
+that time only, and a stop starts only at a look (every 5 ms) that finds the process working. A
+process that waits long (a heal, a quorum) is not stopped meanwhile.
 
 Why the running phase is counted in CPU time. Each period lets the processes work until the busiest
 has used `RUN_CPU` of CPU time (or for `max_run` of busy wall time, when the CPU is contended),
@@ -39,12 +35,16 @@ collective, it is declared hung and handled as such (its peers go on, it rejoins
 its slot). Hence the `MAX_FACTOR`; the lighthouse's straggler rule (lighthouse/stragglers.py) is
 what is meant to see a slowed group.
 
-The slowed processes are the workers' own (for a worker forked from the agent's warm standby, the
-fork behind the pid torchelastic knows: `procs.worker_processes`); their Baby process-group children
-keep running, as a slow host's network card would. A worker that exits meanwhile is skipped (psutil
-checks that a pid still names the same process before it signals it); when none is left, or the
-duration is over, or `Throttle.stop` is called, the processes are continued (always: the last
-signal is a SIGCONT) and the thread ends.
+The slowed processes are the workers' own: for a worker forked from the agent's warm standby, the
+fork behind the pid torchelastic knows (`procs.worker_processes`), not that pid -- its proxy, which
+only waits: counted on the proxy, the cycle would see no work, every running phase would last
+`max_run` and every stop the longest (100 ms for a factor 2, 200 ms for 3), mirrored to the fork
+up to 50 ms late wherever the fork is -- with steps of ~50 ms (a quiet host) most of them then run
+at full speed between two stops, and the median the straggler rule takes sees little slowdown. Their Baby
+process-group children keep running, as a slow GPU's network card would. A worker that exits
+meanwhile is skipped (psutil checks that a pid still names the same process before it signals it);
+when none is left, or the duration is over, or `Throttle.stop` is called, the processes are
+continued (always: the last signal is a SIGCONT) and the thread ends.
 """
 
 from __future__ import annotations
