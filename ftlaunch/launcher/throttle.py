@@ -13,7 +13,11 @@ the lighthouse's straggler rule scores (lighthouse/stragglers.py) -- is not. So 
 process's training thread (its main thread, as in any torchrun worker): time counts as work only
 while that thread is running or runnable (``R``) or the process uses CPU, the stops owed grow with
 that time only, and a stop starts only at a look (every 5 ms) that finds the process working. A
-process that waits long (a heal, a quorum) is not stopped meanwhile.
+process that waits long (a heal, a quorum) is not stopped meanwhile. And a running phase also ends
+where the process starts working again after a wait -- at the start of a step's work: the stop owed
+for the work before the wait lands there. Every step's work is then stretched, as behind a slow
+GPU, even where it is shorter than `RUN_CPU`; otherwise the stops would gather on one step in a
+few, and the median the straggler rule takes would miss them.
 
 Why the running phase is counted in CPU time. Each period lets the processes work until the busiest
 has used `RUN_CPU` of CPU time (or for `max_run` of busy wall time, when the CPU is contended),
@@ -131,11 +135,12 @@ class Throttle:
 
     def _run_phase(self, longest: float, end: float) -> float:
         """Let the processes work until the busiest used `RUN_CPU` of CPU time, or they were busy
-        ``longest`` seconds, and one of them is working at that look (or until ``end``); returns
-        the seconds they were busy meanwhile."""
+        ``longest`` seconds, or they start working again after a wait, and one of them is working
+        at that look (or until ``end``); returns the seconds they were busy meanwhile."""
         start = last = self._look()
         then = time.monotonic()
         busy = 0.0
+        waited = False  # a look found them all waiting after some work
         while not self._stop.wait(_POLL):
             now = time.monotonic()
             looked = self._look()
@@ -143,13 +148,16 @@ class Throttle:
                 running or cpu - last.get(pid, (cpu, False))[0] >= _BUSY_CPU_SHARE * (now - then)
                 for pid, (cpu, running) in looked.items()
             )
+            resumed = working and waited
             if working:
                 busy += now - then
+            else:
+                waited = busy > 0
             then, last = now, looked
             if now >= end or not looked:
                 break
             used = max((cpu - start[pid][0] for pid, (cpu, _) in looked.items() if pid in start), default=0.0)
-            if working and (used >= RUN_CPU or busy >= longest):
+            if working and (used >= RUN_CPU or busy >= longest or resumed):
                 break
         return busy
 
