@@ -179,8 +179,8 @@ def test_slow_throttles_the_workers_without_a_hang_then_releases_them() -> None:
     c.tick(110.0, 105.0, {0: 50, 1: 51, 2: 52})
     assert kills.sent == [] and len(started) == 1  # no signal of its own: the throttle's duty cycle
     assert (
-        "[ftlaunch] chaos: replica group 1 workers slowed down 2x for 60s (pids 1101; stopped 1x as "
-        "long as each 20 ms of CPU time took) at step 1" in err.getvalue()
+        "[ftlaunch] chaos: replica group 1 workers slowed down 2x for 60s (pids 1101; stopped while they "
+        "work, 1x as long as each step's work or 20 ms of CPU time took) at step 1" in err.getvalue()
     )
     inj = c.injections[0]
     assert (inj.signal, inj.group, inj.factor, inj.until) == ("SLOW", 1, 2.0, 170.0)
