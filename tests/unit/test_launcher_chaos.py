@@ -244,11 +244,13 @@ def test_a_real_throttle_slows_a_process_by_its_factor_and_leaves_it_running() -
             q.wait()
 
 
-#: 20 ms of CPU work, then a 30 ms sleep, over and over; each line: the work's and the sleep's wall time.
+#: WORK ms of CPU work (argv[1]), then a 30 ms sleep, over and over; each line: the work's and the
+#: sleep's wall time.
 WORK_THEN_SLEEP = """
 import sys, time
+work = float(sys.argv[1]) / 1e3
 while True:
-    t0 = time.perf_counter(); until = time.thread_time() + 0.02
+    t0 = time.perf_counter(); until = time.thread_time() + work
     while time.thread_time() < until:
         pass
     t1 = time.perf_counter(); time.sleep(0.03); t2 = time.perf_counter()
@@ -257,16 +259,17 @@ while True:
 
 
 @pytest.mark.timeout(60)
-def test_the_throttle_slows_the_work_and_not_the_waits(tmp_path) -> None:
-    """A slow GPU makes a group's work slow, not its waits: the stops land while the process works.
-    Two processes alternate 20 ms of CPU work and a 30 ms sleep; the one slowed 2x takes clearly
-    longer for its work than its sibling left alone beside it (same machine, same load), and its
-    sleeps stay as long as the sibling's (a stop in a sleep would lengthen it)."""
+@pytest.mark.parametrize("work_ms", [20, 5])
+def test_the_throttle_slows_every_step_s_work_and_not_the_waits(tmp_path, work_ms: int) -> None:
+    """A slow GPU makes a group's work slow, not its waits: the stops land while the process works,
+    in every step's work. Two processes alternate ``work_ms`` of CPU work and a 30 ms sleep; the one
+    slowed 2x takes clearly longer for its work than its sibling left alone beside it (same machine,
+    same load) -- the median step, also where a step's work is shorter than the `RUN_CPU` a stop
+    may wait for -- and its sleeps stay about as long as the sibling's (a stop in a sleep would
+    lengthen them as much as the work)."""
     outs = [tmp_path / f"p{i}.txt" for i in range(2)]
-    procs = [
-        subprocess.Popen([sys.executable, "-c", WORK_THEN_SLEEP], stdout=out.open("w"), text=True)
-        for out in outs
-    ]
+    command = [sys.executable, "-c", WORK_THEN_SLEEP, str(work_ms)]
+    procs = [subprocess.Popen(command, stdout=out.open("w"), text=True) for out in outs]
     try:
         time.sleep(0.5)
         marks = [len(out.read_text().splitlines()) for out in outs]
@@ -284,7 +287,8 @@ def test_the_throttle_slows_the_work_and_not_the_waits(tmp_path) -> None:
     slowed, alone = ([statistics.median(r[k] for r in rs) for k in (0, 1)] for rs in rows)
     assert len(rows[0]) >= 5 and throttle.periods >= 10, (len(rows[0]), throttle.periods)
     assert slowed[0] >= 1.5 * alone[0], (slowed, alone)  # its work: ~2x
-    assert slowed[1] <= alone[1] + 0.015, (slowed, alone)  # its waits: as they were
+    # Its waits: as they were, give or take a stop that caught it woken but not yet run (a busy CPU).
+    assert slowed[1] - alone[1] <= max(0.015, 0.5 * (slowed[0] - alone[0])), (slowed, alone)
 
 
 def test_throttle_refuses_nonsense_and_skips_gone_processes() -> None:
