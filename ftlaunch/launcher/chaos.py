@@ -301,8 +301,9 @@ class Chaos:
         self.injections.append(injection)
         self._console.err(
             f"[ftlaunch] chaos: replica group {group.gid} workers slowed down {factor:g}x for {lasts:g}s "
-            f"(pids {','.join(map(str, throttle.pids))}; stopped {factor - 1:g}x as long as each "
-            f"{RUN_CPU * 1e3:.0f} ms of CPU time took)" + (f" at step {step}" if step is not None else "")
+            f"(pids {','.join(map(str, throttle.pids))}; stopped while they work, {factor - 1:g}x as long as "
+            f"each step's work or {RUN_CPU * 1e3:.0f} ms of CPU time took)"
+            + (f" at step {step}" if step is not None else "")
         )
         return True
 

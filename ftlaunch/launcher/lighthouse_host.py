@@ -28,8 +28,9 @@ from urllib.parse import urlsplit
 
 from ftlaunch import env
 from ftlaunch.errors import FtlaunchError, LighthouseError
+from ftlaunch.lighthouse.health import FAILING as HEALTH_FAILED
 from ftlaunch.lighthouse.progress import GroupProgress, Rewind
-from ftlaunch.lighthouse.status import LighthouseStatus, StragglersStatus
+from ftlaunch.lighthouse.status import HistoryEvent, LighthouseStatus, StragglersStatus
 
 if TYPE_CHECKING:
     from ftlaunch.lighthouse.client import LighthouseClient
@@ -114,6 +115,15 @@ class JobLighthouse(abc.ABC):
 
     def _stragglers(self) -> StragglersStatus | None:
         return self.snapshot().stragglers
+
+    def health_failures(self) -> tuple[HistoryEvent, ...] | None:
+        """Each time a group's health check began failing (the history's ``health_failed`` events,
+        oldest first), or None when the lighthouse cannot be read."""
+        try:
+            history = self.snapshot().history
+        except Exception:  # noqa: BLE001 - informational: the caller reads it again later
+            return None
+        return tuple(sorted((h for h in history if h.event == HEALTH_FAILED), key=lambda h: h.time))
 
     def rewinds(self) -> tuple[Rewind, ...] | None:
         """The times the job went back to an earlier step because no group holding its state was

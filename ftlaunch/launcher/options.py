@@ -55,8 +55,9 @@ fault injection, a comma-separated list of key=value:
   start=SECONDS    with every=: count from launch + SECONDS instead of from the first step line
   seed=S           seed of the random group choice
   slow=FACTOR      slow the group's workers down FACTOR x (1 < FACTOR <= 4) instead of a signal: a
-                   SIGSTOP/SIGCONT duty cycle, stopped (FACTOR-1) x as long as each 20 ms of CPU
-                   time took (on a busy CPU the periods lengthen: up to 200 ms stopped)
+                   SIGSTOP/SIGCONT duty cycle landing in their work, stopped (FACTOR-1) x as long
+                   as each step's work or 20 ms of CPU time took (on a busy CPU the periods
+                   lengthen: up to 200 ms stopped); their waits are not slowed
   slow_for=SECONDS how long a slowdown lasts (default 30), then the workers run free again
 A bare number is every=NUMBER. Durations: 10 ms to 24 h (start, lighthouse: from 0).
 Never hits the last healthy group, nor after a group has finished.

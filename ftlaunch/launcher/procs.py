@@ -20,6 +20,10 @@ import psutil
 
 from ftlaunch import env
 
+#: The warm standby's module (`ftlaunch.bootstrap.zygote`), as its command line names it: the
+#: processes forked from it keep that command line.
+STANDBY_MODULE = "ftlaunch.bootstrap.zygote"
+
 logger = logging.getLogger(__name__)
 
 
@@ -191,23 +195,55 @@ def group_processes(gid: int, worker_pids: Iterable[int], agents: set[int]) -> l
     return list(found.values())
 
 
+def _stdio(pid: int) -> tuple[str, str] | None:
+    """What ``pid``'s stdout and stderr are (the kernel's names: a file's path, ``pipe:[inode]``);
+    None when unreadable."""
+    try:
+        return os.readlink(f"/proc/{pid}/fd/1"), os.readlink(f"/proc/{pid}/fd/2")
+    except OSError:
+        return None
+
+
+def _is_standby(p: psutil.Process) -> bool:
+    """Whether ``p`` runs the warm standby's code (the standby itself, or a process forked from it)."""
+    try:
+        return STANDBY_MODULE in p.cmdline()
+    except psutil.Error:
+        return False
+
+
 def worker_processes(worker_pids: Iterable[int], agent_pid: int | None) -> list[psutil.Process]:
     """The processes that run the workers' code: each of ``worker_pids`` (the pids torchelastic
     knows), or, for a worker forked from the agent's warm standby (`ftlaunch.bootstrap.zygote`), the
-    fork that stands behind that pid (its proxy), found among ``agent_pid``'s descendants by the
-    proxy's pid in its environment (``FTLAUNCH_WORKER_PID``). Why: a signal the proxy cannot
-    forward (SIGSTOP) reaches the fork only once the standby notices, within 50 ms."""
+    fork that stands behind that pid (its proxy). Why: a signal the proxy cannot forward (SIGSTOP)
+    reaches the fork only once the standby notices, within 50 ms, and the proxy itself only waits.
+
+    How the fork is found: the proxy hands its standard streams to the standby, so the fork writes
+    to the very files (or pipes) the proxy holds -- the agent's per-rank logs. The fork is the
+    child of a standby, among ``agent_pid``'s descendants, with the proxy's stdout and stderr (its
+    own children, the Baby process-group child, are forks of the fork: grandchildren). Its environment
+    cannot tell: ``/proc/PID/environ`` is what a process was exec'd with, and a fork is never
+    exec'd. Where no fork or several match (ranks sharing one stdout), the pid itself is slowed."""
     pids = list(worker_pids)
-    behind: dict[int, psutil.Process] = {}
-    if agent_pid is not None:
-        for p in descendants(agent_pid):
-            proxy = marks_of(p).worker_pid
-            if proxy in pids and proxy != p.pid:
-                behind[proxy] = p
+    family = descendants(agent_pid) if agent_pid is not None else []
+    parents = {}
+    for p in family:
+        if _is_standby(p):
+            try:
+                parents[p.pid] = p.ppid()
+            except psutil.Error:
+                continue
+    roots = {pid for pid, parent in parents.items() if parent not in parents}  # the standbys themselves
+    forks: dict[tuple[str, str], list[psutil.Process]] = {}
+    for p in family:
+        if parents.get(p.pid) in roots and (streams := _stdio(p.pid)) is not None:
+            forks.setdefault(streams, []).append(p)
     found = []
     for pid in pids:
-        if pid in behind:
-            found.append(behind[pid])
+        mine = _stdio(pid)
+        behind = forks.get(mine, []) if mine is not None else []
+        if len(behind) == 1 and behind[0].pid != pid:
+            found.append(behind[0])
             continue
         try:
             found.append(psutil.Process(pid))

@@ -34,6 +34,7 @@ import sys
 import tempfile
 
 from ftlaunch import env
+from ftlaunch.launcher import procs
 
 logger = logging.getLogger("ftlaunch.launcher.standby")
 
@@ -77,7 +78,7 @@ class Standby:
             listener.bind(path)
             listener.listen(BACKLOG)
             fd = listener.fileno()
-            command = [sys.executable, "-u", "-m", "ftlaunch.bootstrap.zygote", path, "--fd", str(fd),
+            command = [sys.executable, "-u", "-m", procs.STANDBY_MODULE, path, "--fd", str(fd),
                        "--parent-pid", str(os.getpid()), *(["--on-demand"] if on_demand else [])]  # fmt: skip
             proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, pass_fds=(fd,), start_new_session=True)
         except OSError as e:

@@ -117,6 +117,8 @@ class Supervisor:
         #: Stragglers already told (until they are no more), replacements already told.
         self._slow_seen: set[str] = set()
         self._replaced_seen: set[tuple[str, float]] = set()
+        #: Health-check failures marked on the timeline: (replica id, when it began failing).
+        self._health_seen: set[tuple[str, float]] = set()
         #: The times the job went back to an earlier step (the lighthouse's `Rewind`s), kept across
         #: lighthouse restarts, keyed by when and where.
         self._rewinds: dict[tuple[float, int, int], Rewind] = {}
@@ -201,7 +203,7 @@ class Supervisor:
         """Write the run's picture into the log directory (`keep_timeline` says when); its path, or
         None. A failure to write is one line: it never changes the job's outcome."""
         failures = sum(g.failures for g in self.groups)
-        eventful = failures or self._timeline.failures
+        eventful = failures or self._timeline.failures or self._timeline.health_failures
         if not keep_timeline(self._own_log_dir, code, self._chaos is not None, eventful):
             return None
         started = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(self._wall_started))
@@ -356,6 +358,7 @@ class Supervisor:
         self._names.update({name: g.gid for name, g in groups.items()})
         wall_offset = time.time() - time.monotonic()
         self._read_stragglers(lighthouse, now, wall_offset)
+        self._read_health(lighthouse, now, wall_offset)
         for p in progress:
             group = groups.get(p.replica_id)
             if group is None:
@@ -379,6 +382,23 @@ class Supervisor:
                 if self._chaos is not None:
                     self._chaos.rejoined(group.gid, rejoined_at)
         self._timeline.sample(now, self.groups)
+
+    def _read_health(self, lighthouse: JobLighthouse, now: float, wall_offset: float) -> None:
+        """Mark on the timeline each time a group's health check began failing (``--health-check``),
+        as the dashboard does: the lighthouse's history has them."""
+        if not self.opts.health_check:
+            return
+        for h in lighthouse.health_failures() or ():
+            key = (h.replica_id or "", h.time)
+            if key in self._health_seen:
+                continue
+            self._health_seen.add(key)
+            gid = self._names.get(h.replica_id or "")
+            if gid is None:
+                gid = next((g.gid for g in self.groups if g.replica_id == h.replica_id), None)
+            if gid is not None:
+                detail = f"health check failed, kept out: {h.detail}"
+                self._timeline.health_failed(gid, min(h.time - wall_offset, now), detail)
 
     def _read_stragglers(self, lighthouse: JobLighthouse, now: float, wall_offset: float) -> None:
         """Tell the user when the lighthouse finds a straggler or replaces one, and mark both on the

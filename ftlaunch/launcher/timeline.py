@@ -32,6 +32,7 @@ from ftlaunch.lighthouse.timeline import (
     FAILURE_KINDS,
     GAVE_UP,
     HANG,
+    HEALTH,
     LIGHTHOUSE,
     SLOW,
     STRAGGLER,
@@ -75,6 +76,11 @@ class JobTimeline:
         """Failure marks recorded (hangs, agent deaths and groups failing for good included)."""
         return sum(1 for m in self._marks if m.kind in FAILURE_KINDS)
 
+    @property
+    def health_failures(self) -> int:
+        """Health-check marks recorded (a group kept out: something to see, though no failure)."""
+        return sum(1 for m in self._marks if m.kind == HEALTH)
+
     def sample(self, now: float, groups: Iterable[Group]) -> None:
         """The supervisor read the groups' progress at ``now``: each group's step from then on."""
         for g in groups:
@@ -109,6 +115,11 @@ class JobTimeline:
     def found_slow(self, gid: int, at: float, detail: str) -> None:
         """The lighthouse found group ``gid`` a straggler (a moment, not a span)."""
         self._mark(at, SLOW, gid, detail)
+
+    def health_failed(self, gid: int, at: float, detail: str) -> None:
+        """Group ``gid``'s health check began failing: its agent keeps it out until it passes (a
+        moment: a group restarting is down already, one kept out from the start never trained)."""
+        self._mark(at, HEALTH, gid, detail)
 
     def straggler_replaced(self, gid: int, at: float, detail: str) -> None:
         """The lighthouse replaced group ``gid`` as a straggler; the failure of its workers that

@@ -1,11 +1,13 @@
 """``ftlaunch --health-check``, the whole path with real processes: each group's agent runs the
 check before its workers start; group 1's check fails twice and then passes (it joins late and
 heals), group 2's never passes (it stays out, and is stopped once the others finished); the job
-trains on and finishes, and the summary names the check and its last line."""
+trains on and finishes, the summary names the check and its last line, and the timeline written at
+exit marks the checks failing."""
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -32,6 +34,7 @@ def test_a_group_kept_out_by_its_check_while_the_others_train_and_finish(tmp_pat
     )
     proc = subprocess.run(
         [sys.executable, "-m", "ftlaunch.launcher.cli", "--replicas", "3", "--no-status",
+         "--log-dir", str(tmp_path / "logs"),
          "--health-check", f"sh {check}", "--health-check-timeout", "20",
          str(TRAIN), "--steps", "40", "--width", "16", "--step-sleep", "0.1"],
         capture_output=True, text=True, timeout=280, env={**os.environ, "FTLAUNCH_ZYGOTE": "0"},
@@ -52,3 +55,7 @@ def test_a_group_kept_out_by_its_check_while_the_others_train_and_finish(tmp_pat
     ]
     assert committed, "group 1 never trained after its check passed"
     assert not any(line.startswith("[rg2/r0] step=") for line in out.splitlines())
+    # The picture written at exit marks each group's check failing, as the dashboard does.
+    svg = (tmp_path / "logs" / "timeline.svg").read_text()
+    for failing in (r"rg1: /dev/shm full \(try 1\)", r"rg2: GPU 0 lost \(try 1\)"):
+        assert re.search(r"health check failed, kept out: [^<]*" + failing, svg), svg[-3000:]

@@ -29,6 +29,7 @@ import pytest
 
 from ftlaunch import env, phases
 from ftlaunch.bootstrap import zygote_proxy
+from ftlaunch.launcher import procs
 
 SCRIPT = """
 import atexit, json, os, sys, time
@@ -170,6 +171,9 @@ def test_a_worker_handed_over_runs_as_python_script_would(tmp_path: Path) -> Non
         proxy = _worker(tmp_path, sock, "sleep", str(tmp_path / "pid1"))
         real = _wait_for_file(tmp_path / "pid1", proxy)
         assert psutil.Process(real).ppid() == zygote.pid
+        # What --chaos slow= throttles is the fork behind the proxy, not the proxy (which only waits);
+        # this process stands for the agent here.
+        assert [p.pid for p in procs.worker_processes([proxy.pid], os.getpid())] == [real]
         os.kill(proxy.pid, signal.SIGSTOP)
         deadline = time.monotonic() + 10
         while _status(real) != psutil.STATUS_STOPPED and time.monotonic() < deadline:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import random
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -178,8 +179,8 @@ def test_slow_throttles_the_workers_without_a_hang_then_releases_them() -> None:
     c.tick(110.0, 105.0, {0: 50, 1: 51, 2: 52})
     assert kills.sent == [] and len(started) == 1  # no signal of its own: the throttle's duty cycle
     assert (
-        "[ftlaunch] chaos: replica group 1 workers slowed down 2x for 60s (pids 1101; stopped 1x as "
-        "long as each 20 ms of CPU time took) at step 1" in err.getvalue()
+        "[ftlaunch] chaos: replica group 1 workers slowed down 2x for 60s (pids 1101; stopped while they "
+        "work, 1x as long as each step's work or 20 ms of CPU time took) at step 1" in err.getvalue()
     )
     inj = c.injections[0]
     assert (inj.signal, inj.group, inj.factor, inj.until) == ("SLOW", 1, 2.0, 170.0)
@@ -241,6 +242,53 @@ def test_a_real_throttle_slows_a_process_by_its_factor_and_leaves_it_running() -
         for q in procs:
             q.kill()
             q.wait()
+
+
+#: WORK ms of CPU work (argv[1]), then a 30 ms sleep, over and over; each line: the work's and the
+#: sleep's wall time.
+WORK_THEN_SLEEP = """
+import sys, time
+work = float(sys.argv[1]) / 1e3
+while True:
+    t0 = time.perf_counter(); until = time.thread_time() + work
+    while time.thread_time() < until:
+        pass
+    t1 = time.perf_counter(); time.sleep(0.03); t2 = time.perf_counter()
+    print(f"{t1 - t0:.5f} {t2 - t1:.5f}", flush=True)
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("work_ms", [20, 5])
+def test_the_throttle_slows_every_step_s_work_and_not_the_waits(tmp_path, work_ms: int) -> None:
+    """A slow GPU makes a group's work slow, not its waits: the stops land while the process works,
+    in every step's work. Two processes alternate ``work_ms`` of CPU work and a 30 ms sleep; the one
+    slowed 2x takes clearly longer for its work than its sibling left alone beside it (same machine,
+    same load) -- the median step, also where a step's work is shorter than the `RUN_CPU` a stop
+    may wait for -- and its sleeps stay about as long as the sibling's (a stop in a sleep would
+    lengthen them as much as the work)."""
+    outs = [tmp_path / f"p{i}.txt" for i in range(2)]
+    command = [sys.executable, "-c", WORK_THEN_SLEEP, str(work_ms)]
+    procs = [subprocess.Popen(command, stdout=out.open("w"), text=True) for out in outs]
+    try:
+        time.sleep(0.5)
+        marks = [len(out.read_text().splitlines()) for out in outs]
+        throttle = Throttle([psutil.Process(procs[0].pid)], 2.0, 4.0).start()
+        while throttle.running:
+            time.sleep(0.05)
+    finally:
+        for q in procs:
+            q.kill()
+            q.wait()
+    rows = [
+        [tuple(map(float, line.split())) for line in out.read_text().splitlines()[m + 2 : -1]]
+        for out, m in zip(outs, marks, strict=True)
+    ]
+    slowed, alone = ([statistics.median(r[k] for r in rs) for k in (0, 1)] for rs in rows)
+    assert len(rows[0]) >= 5 and throttle.periods >= 10, (len(rows[0]), throttle.periods)
+    assert slowed[0] >= 1.5 * alone[0], (slowed, alone)  # its work: ~2x
+    # Its waits: as they were, give or take a stop that caught it woken but not yet run (a busy CPU).
+    assert slowed[1] - alone[1] <= max(0.015, 0.5 * (slowed[0] - alone[0])), (slowed, alone)
 
 
 def test_throttle_refuses_nonsense_and_skips_gone_processes() -> None:

@@ -11,6 +11,7 @@ from ftlaunch.lighthouse.timeline import (
     FAILURE,
     GAVE_UP,
     HANG,
+    HEALTH,
     LIGHTHOUSE,
     REJOIN,
     SLOW,
@@ -160,3 +161,15 @@ def test_a_slowdown_is_a_span_and_a_straggler_replacement_one_incident() -> None
     tl2 = JobTimeline(started=0.0)
     tl2.injected(Injection(10.0, 0, "SLOW", "workers", None, factor=3.0, lasted=600.0))
     assert tl2.timeline(50.0, "", "").marks[0].until == 50.0
+
+
+def test_a_failing_health_check_is_a_mark_and_something_to_see() -> None:
+    """As on the dashboard: each time a group's health check began failing is a mark on its line
+    (its agent keeps it out: no failure of its own), and a job with one keeps its picture."""
+    tl = JobTimeline(started=100.0)
+    tl.health_failed(2, 103.0, "health check failed, kept out: rg2: GPU 0 lost")
+    tl.health_failed(2, 110.0, "health check failed, kept out: rg2: GPU 0 lost")
+    marks = tl.timeline(200.0, "t", "").marks
+    assert [(m.at, m.kind, m.line) for m in marks] == [(3.0, HEALTH, "rg2"), (10.0, HEALTH, "rg2")]
+    assert marks[0].detail == "health check failed, kept out: rg2: GPU 0 lost"
+    assert tl.failures == 0 and tl.health_failures == 2
