@@ -24,14 +24,13 @@ Fault tolerance works at sync points, never per inner step:
   entering, or an explicit ``join()``): it asks for a quorum at once (so survivors, whose next
   quorum includes it, never wait for it), takes part in the survivors' next sync contributing
   nothing, and loads the healed state after the vote: DiLoCo's global parameters, outer optimizer
-  state and sync count (the fragment schedule), LocalSGD's average. It starts its inner loop from them,
-  at the survivors' place in it: with a ``fragment_sync_delay`` they still have inner steps to run
-  before that sync ends, and so has the joined group, so every group's next sync comes after the
-  same inner steps (a training loop that stops at a given step stops everywhere).
-- Which fragment a sync exchanges, whether anyone has anything to exchange yet, and at which inner
-  step the survivors took the quorum, is agreed by a small MAX all-reduce of ``(kind, sync count,
-  ..., inner step)`` at each sync point: a joining group learns the survivors' schedule before the
-  pseudo-gradient collectives, whose shapes must match.
+  state and sync count (the fragment schedule), LocalSGD's average. It starts its inner loop from them.
+  A DiLoCo group that joins running peers counts the inner step it is about to run as the one at
+  which they voted on that sync: from then on its schedule is theirs, step for step, so a training
+  loop that stops at a given step stops in every group.
+- Which fragment a sync exchanges, and whether anyone has anything to exchange yet, is agreed by a
+  small MAX all-reduce of ``(kind, sync count)`` at each sync point: a joining group learns the
+  survivors' schedule before the pseudo-gradient collectives, whose shapes must match.
 
 Differences from torchft (where torchft's behaviour was not kept, and why) are listed in
 docs/diloco.md.
@@ -231,8 +230,6 @@ class _Sync:
     fragment: Fragment | None = None
     grads: Buckets | None = None
     works: list[Any] = field(default_factory=list)
-    #: The up-to-date groups' inner step (since their last sync point) when they took the quorum.
-    at_step: int = 0
     #: This group's global parameters descend from other ones than the job's (see `DiLoCo._start`).
     lost_lineage: bool = False
 
@@ -305,6 +302,8 @@ class DiLoCo(_Hooked):
         self._lineage = secrets.randbelow(LINEAGE_END - 1) + 1
         self._pending: _Sync | None = None
         self._healed = False
+        #: Joined at running peers' sync point: the sync their next vote ends is already done here.
+        self._joined_their_sync = False
         for f in self._fragments:
             f.save_global()
         entries = self.heal_entries()
@@ -400,12 +399,16 @@ class DiLoCo(_Hooked):
     # ---------------------------------------------------------------- the schedule
     def _after_inner_step(self, *_: Any) -> None:
         self._local_step += 1
+        if self._joined_their_sync and self._local_step == self._interval:
+            self._joined_their_sync = False
+            self._local_step = 0  # where the peers are after their vote: the join committed it
+            return
         if self._local_step == self._prepare_at:
             self._pending = self._start(SYNC)
         if self._local_step == self._interval:
             pending, self._pending = self._pending, None
-            if pending is not None:  # None: this group joined at its quorum, and the join finished it
-                self._finish(pending)
+            assert pending is not None  # started at _prepare_at <= _interval
+            self._finish(pending)
             self._local_step = 0
 
     def _join(self) -> None:
@@ -414,16 +417,25 @@ class DiLoCo(_Hooked):
                 f.save_global()  # this group's starting point, unless it heals
         while not self._finish(sync := self._start(JOIN)):
             _log(self._manager).info("joining: the sync did not commit, asking again")
-        self._local_step = inner_step_after_join(sync.at_step, self._interval)
+        # Running peers (they brought a sync) took this quorum at inner step interval - delay and
+        # vote on it at inner step `interval`; our vote waited for theirs. The inner step this
+        # group runs next is counted as that one, so after it the two are in the same place (the
+        # same sync count, inner step and Manager step) and stay there. Starting over at 0 instead
+        # puts it one inner step ahead of them for good; where that first inner step takes a
+        # quorum (interval - delay = 1), a loop that stops at a Manager step stops them but leaves
+        # it asking for a quorum no one else asks for. A fresh or resumed job's join (everyone
+        # joining) is no inner step of anyone's.
+        self._joined_their_sync = sync.kind == SYNC
+        self._local_step = self._interval - 1 if self._joined_their_sync else 0
 
     # ---------------------------------------------------------------- one sync point
     def _start(self, kind: int) -> _Sync:
         """Quorum, agreement on the fragment, and the pseudo-gradient all-reduce (not waited for)."""
         take_quorum(self._manager, _log(self._manager))
-        kind, syncs, newest, oldest, at_step = self._agree(kind)
+        kind, syncs, newest, oldest = self._agree(kind)
         if kind == JOIN:  # everyone is just starting: nothing to exchange, only the heal
             self._lineage = newest  # one history from here on (healers also receive it)
-            return _Sync(JOIN, at_step=at_step)
+            return _Sync(JOIN)
         if newest != oldest:
             # Up-to-date groups whose global parameters have different histories: two sets of groups
             # started apart (each formed its first quorum without the other) and reached the same
@@ -431,24 +443,24 @@ class DiLoCo(_Hooked):
             # quorum heals them from the others.
             lost = self._manager.is_participating() and self._lineage != newest
             self._manager.report_error(FtlaunchError("up-to-date groups have different global parameters"))
-            return _Sync(SYNC, at_step=at_step, lost_lineage=lost)
+            return _Sync(SYNC, lost_lineage=lost)
         fragment = self._fragments[syncs % len(self._fragments)]
         grads = fragment.pseudo_gradients(self._bucket_cap_mb)
         works = [self._manager.allreduce(b, should_quantize=self._should_quantize) for b in grads.buffers]
-        return _Sync(SYNC, fragment, grads, works, at_step=at_step)
+        return _Sync(SYNC, fragment, grads, works)
 
-    def _agree(self, kind: int) -> tuple[int, int, int, int, int]:
-        """Kind, sync count, newest and oldest lineage, and inner step of the up-to-date groups: one
-        MAX all-reduce, in which healers count zero.
+    def _agree(self, kind: int) -> tuple[int, int, int, int]:
+        """Kind, sync count, newest and oldest lineage of the up-to-date groups: one MAX all-reduce,
+        in which healers count zero.
 
         Waiting for it also means that every healer has its copy of our state (a healer fetches
         before it contributes): the inner steps that overlap the sync may change the model.
         """
-        mine = [kind, self._syncs, self._lineage, LINEAGE_END - self._lineage, self._local_step]
+        mine = [kind, self._syncs, self._lineage, LINEAGE_END - self._lineage]
         control = torch.tensor(mine, dtype=torch.int64, device=self._device)
         wait(self._manager.allreduce(control, reduce_op=dist.ReduceOp.MAX))
-        agreed_kind, syncs, newest, inverse_oldest, at_step = (int(v) for v in control.tolist())
-        return agreed_kind, syncs, newest, LINEAGE_END - inverse_oldest, at_step
+        agreed_kind, syncs, newest, inverse_oldest = (int(v) for v in control.tolist())
+        return agreed_kind, syncs, newest, LINEAGE_END - inverse_oldest
 
     def _finish(self, sync: _Sync) -> bool:
         """Wait for the all-reduce, vote, and apply the outer step if every group committed."""
@@ -486,20 +498,6 @@ class DiLoCo(_Hooked):
         outcome = "committed" if committed else "not committed"
         _log(self._manager).info("%s %s (syncs committed: %d)", what, outcome, self._syncs)
         return committed
-
-
-def inner_step_after_join(at_step: int, interval: int) -> int:
-    """A joined group's inner step once its join committed, from the up-to-date groups' inner step
-    at the join's quorum (``interval - fragment_sync_delay``, or 0 when everyone was joining).
-
-    Those groups finish that sync only at inner step ``interval``, after ``interval - at_step``
-    more inner steps; the joined group finished it at the join (its vote waited for theirs). Taking
-    their place in the interval gives it the same inner steps before the next sync, so every group
-    syncs at the same inner step of a training loop; starting over at 0 instead would put its next
-    sync ``fragment_sync_delay`` inner steps early, and a loop that stops at a given Manager step
-    would leave it waiting for a quorum that no one else asks for.
-    """
-    return at_step if at_step < interval else 0
 
 
 def _check(modules: list[nn.Module], inner: torch.optim.Optimizer, outers: list[torch.optim.Optimizer],

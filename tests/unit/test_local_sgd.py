@@ -336,7 +336,12 @@ def test_a_joining_group_heals_the_global_parameters_outer_state_and_schedule_af
     d = DiLoCo(m, split_fragments(model, 2), inner, outer, sync_every=4)
     with d:
         d.join()
-    assert pg.ops[0].reduce_op == MAX and pg.ops[0].inputs[0].tolist() == [0] * 5  # a healer: zeros
+    assert pg.ops[0].reduce_op == MAX and pg.ops[0].inputs[0].tolist() == [
+        0,
+        0,
+        0,
+        0,
+    ]  # a healer contributes zeros
     assert d.syncs == 2 and m.current_step() == 6
     # It starts its inner loop from the healed global parameters, with the source's outer state.
     assert torch.equal(flat(model.parameters()), flat(src.global_parameters().values()))
@@ -345,15 +350,17 @@ def test_a_joining_group_heals_the_global_parameters_outer_state_and_schedule_af
         assert torch.equal(src_outer.state[p_src]["momentum_buffer"], outer.state[p]["momentum_buffer"])
 
 
-@pytest.mark.parametrize("sync_every, n_fragments, delay", [(4, 2, 1), (6, 1, 2), (4, 2, 0)])
-def test_a_joined_group_takes_its_peers_place_in_the_interval_and_syncs_when_they_do(
+@pytest.mark.parametrize("sync_every, n_fragments, delay", [(4, 2, 1), (6, 1, 2), (6, 2, 0), (2, 2, 0)])
+def test_a_group_joining_running_peers_keeps_their_schedule_step_for_step(
     manager: Callable[..., tuple[Manager, FakeProcessGroup]], sync_every: int, n_fragments: int, delay: int
 ) -> None:
-    """The peers took the join's quorum at inner step ``interval - delay`` and end that sync
-    ``delay`` inner steps later. The joined group runs those steps too before its next sync, so
-    every group syncs after the same inner steps: a training loop that stops at a Manager step
-    stops in every group, instead of the joined group asking for a quorum nobody else asks for."""
+    """Running peers took the join's quorum at inner step ``interval - delay`` and vote on it at
+    inner step ``interval``. The joined group's first inner step counts as that one: after it, and
+    after every later one, the group has the peers' sync count, inner step, Manager step and
+    quorums, so a training loop that stops at a Manager step stops in every group instead of
+    leaving the joined one asking for a quorum nobody else asks for."""
     interval = sync_every // n_fragments
+    prepare_at = interval - delay
     # What the peer serves: a Streaming DiLoCo of the same shape, some syncs in.
     src_model = mlp(seed=3)
     src_inner = torch.optim.SGD(src_model.parameters(), lr=0.1)
@@ -361,7 +368,7 @@ def test_a_joined_group_takes_its_peers_place_in_the_interval_and_syncs_when_the
     with DiLoCo(m_src, split_fragments(src_model, n_fragments), src_inner,
                 torch.optim.SGD(src_model.parameters(), lr=0.7), sync_every=sync_every,
                 fragment_sync_delay=delay) as src:  # fmt: skip
-        for batch in batches(sync_every + interval):
+        for batch in batches(sync_every):
             inner_step(src_model, src_inner, batch)
     served = {MANAGER_STATE_KEY: {"step": 5, "batches_committed": 5}, **copy.deepcopy(src.heal_entries())}
     peer_syncs, lineage = served[STATE_KEY]["syncs"], served[STATE_KEY]["lineage"]
@@ -376,30 +383,29 @@ def test_a_joined_group_takes_its_peers_place_in_the_interval_and_syncs_when_the
     real_allreduce = m.allreduce
 
     def allreduce(t: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        """The peer's part of each agreement: a sync, at the inner step its schedule takes quorums."""
+        """The peer's part of each agreement: a sync, with the job's sync count and lineage."""
         out = real_allreduce(t, *args, **kwargs)
         if t.dtype == torch.int64 and kwargs.get("reduce_op") == MAX:
             out.wait()
             syncs = max(d.syncs, peer_syncs)  # ours is stale until the join heals it
-            theirs = torch.tensor([1, syncs, lineage, LINEAGE_END - lineage, interval - delay])
-            t.copy_(torch.maximum(t, theirs[: t.numel()]))
+            t.copy_(torch.maximum(t, torch.tensor([1, syncs, lineage, LINEAGE_END - lineage])))
         return out
 
     m.allreduce = allreduce  # type: ignore[method-assign]
+    # The peer right after the inner step at which it voted on the joined sync: inner step, syncs,
+    # Manager step, quorums taken since.
+    theirs = [0, peer_syncs + 1, 6, 1]
     with d:
         d.join()
         assert len(lighthouse.asked) == 1 and d.syncs == peer_syncs + 1 and m.current_step() == 6
-        # From the join's quorum to their next one the peers run `interval` inner steps: `delay` to
-        # end the joined sync, then `interval - delay` into the next interval.
-        data = iter(batches(2 * interval))
-        steps = 0
-        while len(lighthouse.asked) == 1 and steps < 2 * interval:
-            inner_step(model, inner, next(data))
-            steps += 1
-        assert steps == interval
-        for _ in range(delay):  # the overlap, then the vote, as the peers'
-            inner_step(model, inner, next(data))
-        assert d.local_step == 0 and d.syncs == peer_syncs + 2 and m.current_step() == 7
+        for i, batch in enumerate(batches(2 * interval + 1)):
+            inner_step(model, inner, batch)
+            if i > 0:  # the peer's next inner step, by its schedule
+                theirs[0] += 1
+                theirs[3] += theirs[0] == prepare_at
+                if theirs[0] == interval:
+                    theirs[:3] = [0, theirs[1] + 1, theirs[2] + 1]
+            assert [d.local_step, d.syncs, m.current_step(), len(lighthouse.asked)] == theirs
 
 
 def test_the_join_runs_at_the_first_forward_after_entering_so_state_functions_see_the_bound_name(
