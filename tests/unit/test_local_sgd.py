@@ -350,15 +350,21 @@ def test_a_joining_group_heals_the_global_parameters_outer_state_and_schedule_af
         assert torch.equal(src_outer.state[p_src]["momentum_buffer"], outer.state[p]["momentum_buffer"])
 
 
+@pytest.mark.parametrize("inside_step", [True, False], ids=["join-in-first-step", "join-before-steps"])
 @pytest.mark.parametrize("sync_every, n_fragments, delay", [(4, 2, 1), (6, 1, 2), (6, 2, 0), (2, 2, 0)])
 def test_a_group_joining_running_peers_keeps_their_schedule_step_for_step(
-    manager: Callable[..., tuple[Manager, FakeProcessGroup]], sync_every: int, n_fragments: int, delay: int
+    manager: Callable[..., tuple[Manager, FakeProcessGroup]],
+    sync_every: int,
+    n_fragments: int,
+    delay: int,
+    inside_step: bool,
 ) -> None:
     """Running peers took the join's quorum at inner step ``interval - delay`` and vote on it at
-    inner step ``interval``. The joined group's first inner step counts as that one: after it, and
-    after every later one, the group has the peers' sync count, inner step, Manager step and
-    quorums, so a training loop that stops at a Manager step stops in every group instead of
-    leaving the joined one asking for a quorum nobody else asks for."""
+    inner step ``interval``. A join in the first training step (its forward) is in the peers' step
+    that ends with that vote; one before any step (``join()``) is after it. Either way, after every
+    inner step the group has the peers' sync count, inner step, Manager step and quorums, so a
+    training loop that stops at a Manager step stops in every group instead of leaving the joined
+    one asking for a quorum nobody else asks for."""
     interval = sync_every // n_fragments
     prepare_at = interval - delay
     # What the peer serves: a Streaming DiLoCo of the same shape, some syncs in.
@@ -396,11 +402,12 @@ def test_a_group_joining_running_peers_keeps_their_schedule_step_for_step(
     # Manager step, quorums taken since.
     theirs = [0, peer_syncs + 1, 6, 1]
     with d:
-        d.join()
-        assert len(lighthouse.asked) == 1 and d.syncs == peer_syncs + 1 and m.current_step() == 6
+        if not inside_step:
+            d.join()
+            assert [d.local_step, d.syncs, m.current_step(), len(lighthouse.asked)] == theirs
         for i, batch in enumerate(batches(2 * interval + 1)):
-            inner_step(model, inner, batch)
-            if i > 0:  # the peer's next inner step, by its schedule
+            inner_step(model, inner, batch)  # the first one joins, if not joined yet
+            if i > 0 or not inside_step:  # the peer's next inner step, by its schedule
                 theirs[0] += 1
                 theirs[3] += theirs[0] == prepare_at
                 if theirs[0] == interval:
