@@ -25,6 +25,9 @@ Fault tolerance works at sync points, never per inner step:
   quorum includes it, never wait for it), takes part in the survivors' next sync contributing
   nothing, and loads the healed state after the vote: DiLoCo's global parameters, outer optimizer
   state and sync count (the fragment schedule), LocalSGD's average. It starts its inner loop from them.
+  A DiLoCo group that joins running peers inside a training step counts that step's inner step as
+  the one at which they voted on that sync: from then on its schedule is theirs, step for step, so
+  a training loop that stops at a given step stops in every group.
 - Which fragment a sync exchanges, and whether anyone has anything to exchange yet, is agreed by a
   small MAX all-reduce of ``(kind, sync count)`` at each sync point: a joining group learns the
   survivors' schedule before the pseudo-gradient collectives, whose shapes must match.
@@ -101,11 +104,11 @@ class _Hooked:
 
             def before_forward(*_: Any) -> None:
                 if threading.get_ident() == owner:
-                    self.join()
+                    self._join_once(in_step=True)
 
             self._join_hooks = [
                 register_module_forward_pre_hook(before_forward),
-                self._optimizer.register_step_pre_hook(lambda *_: self.join()),
+                self._optimizer.register_step_pre_hook(lambda *_: self._join_once(in_step=True)),
             ]
         return self
 
@@ -124,11 +127,16 @@ class _Hooked:
         """Join the job now, if not done yet: a first sync point with the other groups, at which a
         restarted group heals (its state functions are called) and a fresh job's groups take the
         primary's parameters. Runs by itself before the first forward or inner step."""
+        self._join_once(in_step=False)
+
+    def _join_once(self, in_step: bool) -> None:
+        """``in_step``: the join runs inside a training step (its forward or inner step), whose
+        batch is drawn and whose inner step is still to come; else between two steps."""
         if self._joined or self._joining:
             return
         self._joining = True
         try:
-            self._join()
+            self._join(in_step)
         finally:
             self._joining = False
         self._joined = True
@@ -136,7 +144,7 @@ class _Hooked:
             h.remove()
         self._join_hooks.clear()
 
-    def _join(self) -> None:
+    def _join(self, in_step: bool) -> None:
         raise NotImplementedError
 
     def _after_inner_step(self, *_: Any) -> None:
@@ -195,7 +203,7 @@ class LocalSGD(_Hooked):
         self._local_step = 0
         return committed
 
-    def _join(self) -> None:
+    def _join(self, in_step: bool) -> None:
         # A sync at once: a fresh job's groups all get the primary's parameters (init_sync), a
         # restarted group the survivors' average (it contributes zeros while it heals).
         while not self.sync():
@@ -299,6 +307,8 @@ class DiLoCo(_Hooked):
         self._lineage = secrets.randbelow(LINEAGE_END - 1) + 1
         self._pending: _Sync | None = None
         self._healed = False
+        #: Joined at running peers' sync point: the sync their next vote ends is already done here.
+        self._joined_their_sync = False
         for f in self._fragments:
             f.save_global()
         entries = self.heal_entries()
@@ -394,6 +404,10 @@ class DiLoCo(_Hooked):
     # ---------------------------------------------------------------- the schedule
     def _after_inner_step(self, *_: Any) -> None:
         self._local_step += 1
+        if self._joined_their_sync and self._local_step == self._interval:
+            self._joined_their_sync = False
+            self._local_step = 0  # where the peers are after their vote: the join committed it
+            return
         if self._local_step == self._prepare_at:
             self._pending = self._start(SYNC)
         if self._local_step == self._interval:
@@ -402,13 +416,24 @@ class DiLoCo(_Hooked):
             self._finish(pending)
             self._local_step = 0
 
-    def _join(self) -> None:
+    def _join(self, in_step: bool) -> None:
         if not self._healed:  # loaded from a durable checkpoint: its global state stands
             for f in self._fragments:
                 f.save_global()  # this group's starting point, unless it heals
-        while not self._finish(self._start(JOIN)):
+        while not self._finish(sync := self._start(JOIN)):
             _log(self._manager).info("joining: the sync did not commit, asking again")
-        self._local_step = 0
+        # Running peers (they brought a sync) took this quorum at inner step interval - delay and
+        # vote on it at inner step `interval`; our vote waited for theirs. A join inside a
+        # training step (its first forward or inner step) is in the step of theirs that ends with
+        # that vote: its inner step is counted as theirs, so after it the groups are in the same
+        # place (sync count, inner step, Manager step, the sampler's batches) and stay there.
+        # Starting over at 0 there would put it one inner step ahead for good; where that first
+        # inner step takes a quorum (interval - delay = 1), a loop that stops at a Manager step
+        # stops them but leaves it asking for a quorum no one else asks for. A join between two
+        # steps (an explicit join(), ft.diloco) is after their vote: its next step is their next
+        # one. A fresh or resumed job's join (everyone joining) is no inner step of anyone's.
+        self._joined_their_sync = in_step and sync.kind == SYNC
+        self._local_step = self._interval - 1 if self._joined_their_sync else 0
 
     # ---------------------------------------------------------------- one sync point
     def _start(self, kind: int) -> _Sync:

@@ -350,6 +350,71 @@ def test_a_joining_group_heals_the_global_parameters_outer_state_and_schedule_af
         assert torch.equal(src_outer.state[p_src]["momentum_buffer"], outer.state[p]["momentum_buffer"])
 
 
+@pytest.mark.parametrize("inside_step", [True, False], ids=["join-in-first-step", "join-before-steps"])
+@pytest.mark.parametrize("sync_every, n_fragments, delay", [(4, 2, 1), (6, 1, 2), (6, 2, 0), (2, 2, 0)])
+def test_a_group_joining_running_peers_keeps_their_schedule_step_for_step(
+    manager: Callable[..., tuple[Manager, FakeProcessGroup]],
+    sync_every: int,
+    n_fragments: int,
+    delay: int,
+    inside_step: bool,
+) -> None:
+    """Running peers took the join's quorum at inner step ``interval - delay`` and vote on it at
+    inner step ``interval``. A join in the first training step (its forward) is in the peers' step
+    that ends with that vote; one before any step (``join()``) is after it. Either way, after every
+    inner step the group has the peers' sync count, inner step, Manager step and quorums, so a
+    training loop that stops at a Manager step stops in every group instead of leaving the joined
+    one asking for a quorum nobody else asks for."""
+    interval = sync_every // n_fragments
+    prepare_at = interval - delay
+    # What the peer serves: a Streaming DiLoCo of the same shape, some syncs in.
+    src_model = mlp(seed=3)
+    src_inner = torch.optim.SGD(src_model.parameters(), lr=0.1)
+    m_src, _ = manager(ScriptedLighthouse(in_step(1, us="rg7")), replica_id="rg7")
+    with DiLoCo(m_src, split_fragments(src_model, n_fragments), src_inner,
+                torch.optim.SGD(src_model.parameters(), lr=0.7), sync_every=sync_every,
+                fragment_sync_delay=delay) as src:  # fmt: skip
+        for batch in batches(sync_every):
+            inner_step(src_model, src_inner, batch)
+    served = {MANAGER_STATE_KEY: {"step": 5, "batches_committed": 5}, **copy.deepcopy(src.heal_entries())}
+    peer_syncs, lineage = served[STATE_KEY]["syncs"], served[STATE_KEY]["lineage"]
+
+    lighthouse = ScriptedLighthouse(quorum(3, peer("rg0", 5), us="rg1"), in_step(4, "rg0", us="rg1"))
+    m, _ = manager(lighthouse, replica_id="rg1")
+    m._transport.inbox[("mem://rg0", 5)] = served  # type: ignore[attr-defined]
+    model = mlp(seed=4)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    d = DiLoCo(m, split_fragments(model, n_fragments), inner, torch.optim.SGD(model.parameters(), lr=0.7),
+               sync_every=sync_every, fragment_sync_delay=delay)  # fmt: skip
+    real_allreduce = m.allreduce
+
+    def allreduce(t: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        """The peer's part of each agreement: a sync, with the job's sync count and lineage."""
+        out = real_allreduce(t, *args, **kwargs)
+        if t.dtype == torch.int64 and kwargs.get("reduce_op") == MAX:
+            out.wait()
+            syncs = max(d.syncs, peer_syncs)  # ours is stale until the join heals it
+            t.copy_(torch.maximum(t, torch.tensor([1, syncs, lineage, LINEAGE_END - lineage])))
+        return out
+
+    m.allreduce = allreduce  # type: ignore[method-assign]
+    # The peer right after the inner step at which it voted on the joined sync: inner step, syncs,
+    # Manager step, quorums taken since.
+    theirs = [0, peer_syncs + 1, 6, 1]
+    with d:
+        if not inside_step:
+            d.join()
+            assert [d.local_step, d.syncs, m.current_step(), len(lighthouse.asked)] == theirs
+        for i, batch in enumerate(batches(2 * interval + 1)):
+            inner_step(model, inner, batch)  # the first one joins, if not joined yet
+            if i > 0 or not inside_step:  # the peer's next inner step, by its schedule
+                theirs[0] += 1
+                theirs[3] += theirs[0] == prepare_at
+                if theirs[0] == interval:
+                    theirs[:3] = [0, theirs[1] + 1, theirs[2] + 1]
+            assert [d.local_step, d.syncs, m.current_step(), len(lighthouse.asked)] == theirs
+
+
 def test_the_join_runs_at_the_first_forward_after_entering_so_state_functions_see_the_bound_name(
     manager: Callable[..., tuple[Manager, FakeProcessGroup]],
 ) -> None:

@@ -54,8 +54,8 @@ def gate_after_join(gate: str) -> None:
 
     real = DiLoCo._join
 
-    def join(self: DiLoCo) -> None:
-        real(self)
+    def join(self: DiLoCo, *args: Any, **kwargs: Any) -> None:
+        real(self, *args, **kwargs)
         Path(f"{gate}.joined").touch()
         while not Path(gate).exists():
             time.sleep(0.05)
