@@ -80,8 +80,13 @@ def _master_addr(value: Any) -> str | None:
     )
 
 
+#: torchrun's own master port: the parser's default before torch 2.13 (None since), so it is what
+#: an untouched ``--master-port`` reads there, and is not the user's choice.
+_TORCHRUN_MASTER_PORT = 29500
+
+
 def _master_port(value: Any) -> str | None:
-    if value is None:
+    if value is None or int(value) == _TORCHRUN_MASTER_PORT:
         return None
     return (
         "each replica group's store binds its own free port, so no fixed port can serve N groups "

@@ -28,6 +28,28 @@ from torch._C._distributed_c10d import (
 from ftlaunch.process_group.work import ComposedWork
 
 
+def collective_device(pg: object) -> torch.device:
+    """The device a group's collectives take their tensors on: CUDA's current device for an NCCL
+    backend (Baby NCCL, in-process NCCL, torch's own), the CPU for every other.
+
+    Why it is needed: a tensor that ftlaunch itself creates for a collective (the commit vote, a
+    barrier's token) must live where the backend can reduce it -- NCCL refuses a CPU tensor. Read
+    from the backend's name, so wrappers (which answer with the name of the group they wrap) and
+    torch's own groups work alike."""
+    name = ""
+    for method in ("getBackendName", "name"):
+        get = getattr(pg, method, None)
+        if callable(get):
+            try:
+                name = str(get())
+            except Exception:  # noqa: BLE001 - a group that cannot name itself is treated as CPU
+                continue
+            break
+    if name.lower().endswith("nccl") and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 class Collectives(Protocol):
     """What a composite needs of its group: rank, size and the native hooks it builds on
     (`_collectives.Collectives` has them all; a backend overrides those it has natively)."""
@@ -148,7 +170,7 @@ def reduce_scatter_single_coalesced(
 
 
 def barrier(pg: Collectives, opts: BarrierOptions) -> dist.Work:
-    token = torch.zeros(1)
+    token = torch.zeros(1, device=collective_device(pg))
     return ComposedWork([pg._do_allreduce([token], AllreduceOptions())], [token])
 
 

@@ -36,6 +36,7 @@ from ftlaunch.addresses import parse_store_addr
 from ftlaunch.errors import CommunicationError
 from ftlaunch.process_group import _registry
 from ftlaunch.process_group._collectives import Collectives
+from ftlaunch.process_group._composites import collective_device
 from ftlaunch.process_group._overloads import configure_args
 from ftlaunch.process_group._store import first_line
 from ftlaunch.process_group.failures import FailureRecord
@@ -49,7 +50,7 @@ from ftlaunch.process_group.reconfigure import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GroupClosedError", "ProcessGroup", "release_process_group"]
+__all__ = ["GroupClosedError", "ProcessGroup", "collective_device", "release_process_group"]
 
 _NAME_COUNTER = itertools.count()
 

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ftlaunch.errors import CommunicationError
-from ftlaunch.process_group.base import ProcessGroup
+from ftlaunch.process_group.base import ProcessGroup, collective_device
 from ftlaunch.process_group.work import PollableWork
 from ftlaunch.worker.group_store import GroupStore
 from ftlaunch.worker.hang_abort import LostPeerAbort
@@ -81,7 +81,8 @@ class CrossGroupVote:
     The same tensor serves every step's vote: a Baby process group shares a storage with its child
     the first time it sees it (a shm file, an fd sent over a socket, an unregister when it dies),
     which a fresh tensor per step paid on every vote. After a failed vote the op may still be in
-    flight somewhere, so that tensor is dropped and the next vote starts a new one.
+    flight somewhere, so that tensor is dropped and the next vote starts a new one. It lives where
+    the group reduces (`collective_device`): on the GPU for Baby NCCL, which refuses CPU tensors.
     """
 
     def __init__(self) -> None:
@@ -93,8 +94,9 @@ class CrossGroupVote:
         """Whether every group voted yes; raises `CommunicationError` (or the group's error) when
         the vote fails or does not finish by ``deadline`` (monotonic) or ``interrupted()``."""
         flag = self._flag
-        if flag is None:
-            flag = self._flag = torch.empty(1, dtype=torch.int32)
+        device = collective_device(pg)
+        if flag is None or flag.device != device:
+            flag = self._flag = torch.empty(1, dtype=torch.int32, device=device)
         flag.fill_(1 if ok else 0)
         try:
             work = pg.allreduce([flag], dist.ReduceOp.MIN)

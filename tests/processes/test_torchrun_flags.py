@@ -64,7 +64,7 @@ REFUSED: dict[str, tuple[str, str]] = {
     "rdzv_backend": ("c10d", "always use the ftlaunch rendezvous"),
     "node_rank": ("1", "its node rank is 0"),
     "master_addr": ("10.1.2.3", "rank 0 runs on this machine"),
-    "master_port": ("29500", "binds its own free port"),
+    "master_port": ("29511", "binds its own free port"),
     "logs_specs": ("no_such_logs_spec", "no entry point named 'no_such_logs_spec'"),
     "event_log_handler": ("no_such_handler", "not a registered torchelastic event log handler"),
     "signals_to_handle": ("SIGNOPE", "SIGNOPE is not a signal"),
@@ -131,6 +131,17 @@ def test_refused_flag_gives_its_reason(dest: str, capsys) -> None:
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"ftlaunch: error: {flag} {value}: ") and reason in err[0], err
+
+
+def test_torchruns_own_master_port_default_is_not_refused() -> None:
+    """torch before 2.13 gives ``--master-port`` the default 29500 (2.13's parser: None), so an
+    untouched flag reads 29500 there: refusing it refused every ``ftlaunch`` command on that torch."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--master-port", "--master_port", type=int, default=29500)
+    actions = [a for a in parser._actions if a.dest == "master_port"]
+    torchrun_flags.check(parser.parse_args([]), actions)  # no error
+    with pytest.raises(ConfigurationError, match="binds its own free port"):
+        torchrun_flags.check(parser.parse_args(["--master-port", "29511"]), actions)
 
 
 def test_ftlaunch_defaults_that_differ_from_torchrun() -> None:

@@ -99,3 +99,60 @@ def test_the_deadline_ends_a_sliced_wait() -> None:
     with pytest.raises(CommunicationError, match="timed out"):
         CrossGroupVote()(pg, True, time.monotonic() + 0.2, interrupted=lambda: False)  # type: ignore[arg-type]
     assert 0.15 < time.monotonic() - t0 < 2
+
+
+class _Named:
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def getBackendName(self) -> str:  # noqa: N802 - torch's name
+        return self._name
+
+
+class _NativeNamed:
+    """torch's own groups answer ``name()`` only."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def name(self) -> str:
+        return self._name
+
+
+@pytest.mark.parametrize(
+    ("group", "cuda"),
+    [
+        (_Named("ftlaunch-baby-nccl"), True),
+        (_Named("ftlaunch-nccl"), True),
+        (_NativeNamed("nccl"), True),
+        (_Named("ftlaunch-baby-gloo"), False),
+        (_Named("ftlaunch-gloo"), False),
+        (_NativeNamed("gloo"), False),
+        (object(), False),
+    ],
+)
+def test_a_group_s_collectives_take_tensors_on_its_backend_s_device(group: Any, cuda: bool, monkeypatch) -> None:
+    """NCCL refuses CPU tensors: the vote's flag and a barrier's token are made where the group
+    reduces. CUDA is stood in for (this test runs without a GPU); the GPU check runs it for real."""
+    from ftlaunch.process_group.base import collective_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert collective_device(group) == (torch.device("cuda", 3) if cuda else torch.device("cpu"))
+
+
+def test_the_vote_s_flag_is_made_on_the_group_s_device(monkeypatch) -> None:
+    import ftlaunch.worker.commit as commit
+
+    asked: list[Any] = []
+
+    def device_of(pg: Any) -> torch.device:
+        asked.append(pg)
+        return torch.device("cpu")
+
+    monkeypatch.setattr(commit, "collective_device", device_of)
+    pg = _Group(after=0.0)
+    vote = CrossGroupVote()
+    assert vote(pg, True, time.monotonic() + 5, interrupted=lambda: False) is True  # type: ignore[arg-type]
+    assert asked == [pg]
+    assert pg.works[0]._flag.device == torch.device("cpu")
