@@ -131,7 +131,7 @@ class _NativeNamed:
         (object(), False),
     ],
 )
-def test_a_group_s_collectives_take_tensors_on_its_backend_s_device(group: Any, cuda: bool, monkeypatch) -> None:
+def test_collectives_take_tensors_on_the_backend_s_device(group: Any, cuda: bool, monkeypatch) -> None:
     """NCCL refuses CPU tensors: the vote's flag and a barrier's token are made where the group
     reduces. CUDA is stood in for (this test runs without a GPU); the GPU check runs it for real."""
     from ftlaunch.process_group.base import collective_device
