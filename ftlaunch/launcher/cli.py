@@ -367,7 +367,8 @@ def options_from_args(argv: list[str] | None = None) -> LaunchOptions:
             virtual_local_rank=args.virtual_local_rank,
             rdzv_conf=_rdzv_conf(args.rdzv_conf),
             run_id="" if args.rdzv_id == "none" else args.rdzv_id,
-            shutdown_timeout=args.shutdown_timeout,
+            # torchrun's --shutdown-timeout is new in torch 2.13: older torch has no such flag.
+            shutdown_timeout=getattr(args, "shutdown_timeout", None),
             grace_period=args.grace_period,
             chaos=args.chaos,
             status_line=args.status_line,

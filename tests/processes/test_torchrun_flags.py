@@ -144,6 +144,31 @@ def test_torchruns_own_master_port_default_is_not_refused() -> None:
         torchrun_flags.check(parser.parse_args(["--master-port", "29511"]), actions)
 
 
+def test_a_torch_whose_torchrun_lacks_a_newer_flag(monkeypatch) -> None:
+    """``--shutdown-timeout`` is new in torch 2.13: on an older torch ``ftlaunch`` has no such flag
+    (it copies the installed torchrun's) and must still build every group's config."""
+    real = torchrun_flags.torchrun_parser
+
+    def older() -> argparse.ArgumentParser:
+        parser = real()
+        action = next(a for a in parser._actions if a.dest == "shutdown_timeout")
+        parser._actions.remove(action)
+        for group in parser._action_groups:
+            if action in group._group_actions:
+                group._group_actions.remove(action)
+        for spelling in action.option_strings:
+            del parser._option_string_actions[spelling]
+        return parser
+
+    monkeypatch.setattr(torchrun_flags, "torchrun_parser", older)
+    assert "--shutdown-timeout" not in {s for a in build_parser()._actions for s in a.option_strings}
+    opts = options_from_args(["--grace-period", "9", WORKER])
+    assert opts.shutdown_timeout is None and opts.agent_shutdown_timeout == 7
+    config = launch_config(opts, run_id="j", log_dir="/tmp", lighthouse="h:1", rdzv_configs={},
+                           log_line_prefix_template="")  # fmt: skip
+    assert config.run_id == "j"
+
+
 def test_ftlaunch_defaults_that_differ_from_torchrun() -> None:
     opts = options_from_args([WORKER])
     assert opts.max_restarts == 3 and opts.tee == "3"
