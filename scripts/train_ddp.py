@@ -138,7 +138,7 @@ def device_of(args: argparse.Namespace) -> torch.device:
     """This worker's device: with ``--device cuda`` its GPU, ``LOCAL_RANK`` modulo the GPUs visible
     (workers share a GPU when there are fewer GPUs than workers, as ``scripts/gpu_check.py`` does)."""
     if args.device == "cuda":
-        index = (env.get_int(env.LOCAL_RANK, 0) or 0) % max(1, torch.cuda.device_count())
+        index = (env.count(env.LOCAL_RANK, 0) or 0) % max(1, torch.cuda.device_count())
         torch.cuda.set_device(index)
         return torch.device("cuda", index)
     return torch.device("cpu")

@@ -42,6 +42,9 @@ from ftlaunch.lighthouse.protocol import BLOCKED_FOR
 
 log = logging.getLogger(__name__)
 
+#: How often a rank told by its leader looks whether an op of the step is stuck (`LostPeerAbort._listen`).
+_LISTEN_EVERY = 0.1
+
 
 class LostPeerAbort:
     """Aborts ``abort()`` (the cross-group process group's) when told that the quorum in use lost
@@ -77,6 +80,7 @@ class LostPeerAbort:
         #: Set by `close`: the watcher thread of a notice ends, none is started any more.
         self._closed = threading.Event()
         self._threads: list[threading.Thread] = []  # started by this object; `close` joins them
+        self._listening = False  # a rank told by its leader: the listener thread runs (`_listen`)
         self.aborts = 0  # how many quorums were aborted (tests, logs)
 
     def use(self, quorum_id: int) -> None:
@@ -90,6 +94,10 @@ class LostPeerAbort:
             self._quorum_id = quorum_id
             self._lost.clear()
             self._error = None
+            listen = self._told_by_leader is not None and not self._listening and not self._closed.is_set()
+            self._listening = self._listening or listen
+        if listen:
+            self._start(self._listen, (), "ftlaunch-lost-peer-listen")
 
     def lost(self, quorum_id: int, replica_ids: tuple[str, ...]) -> bool:
         """The lighthouse says ``replica_ids`` of quorum ``quorum_id`` are no longer live -- or, when
@@ -147,6 +155,25 @@ class LostPeerAbort:
                 return
             if self._closed.wait(0.05):
                 return
+
+    def _listen(self) -> None:
+        """A rank other than the leader hears of a lost participant only from its leader. Its waits
+        ask (`watch`), but an op can be stuck outside any wait of ours -- DDP's backward or FSDP's
+        gradient hook waiting on a Baby NCCL collective, which a dead peer never fails (a Gloo
+        peer's closed sockets fail it at once) -- so this thread asks too, once an op of the step has
+        been pending for `protocol.BLOCKED_FOR`: until then it only reads a clock, ten times a second."""
+        asked = self._told_by_leader
+        assert asked is not None
+        while not self._closed.wait(_LISTEN_EVERY):
+            in_use = self._quorum_id
+            if in_use is None or self._lost.is_set() or self._aborted_for == in_use or not self._stuck():
+                continue
+            try:
+                told = asked(in_use)
+            except Exception:  # noqa: BLE001 - the store may be gone with the leader: the timeout still bounds us
+                continue
+            if told and self.lost(in_use, ("a participant (told by this group's leader)",)):
+                continue  # `lost` started the abort's watcher: it aborts, the op being stuck
 
     def _relay(self, quorum_id: int) -> None:
         assert self._tell_group is not None

@@ -257,3 +257,21 @@ def test_a_launcher_run_cut_short_says_where_it_stood(tmp_path: Path) -> None:
         "kill); 1 restarted worker(s) started; heals logged by rg1: 0"
     )
     assert "no kill injected yet" in gpu_check.where_it_stood("", tmp_path / "absent.jsonl")
+
+
+# ------------------------------------------------------------------------------ the training scripts' GPU
+def test_train_ddp_picks_its_gpu_from_local_rank(monkeypatch) -> None:
+    """``--device cuda``, the path only a GPU runs: the worker takes GPU ``LOCAL_RANK`` modulo the GPUs
+    visible (CUDA stood in for, so the lookup itself is exercised where there is no GPU)."""
+    import argparse
+
+    import torch
+    import train_ddp
+
+    chosen: list[int] = []
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    assert train_ddp.device_of(argparse.Namespace(device="cuda")) == torch.device("cuda", 1)
+    assert chosen == [1]
+    assert train_ddp.device_of(argparse.Namespace(device="cpu")) == torch.device("cpu")

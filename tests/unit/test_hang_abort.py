@@ -66,3 +66,39 @@ def test_close_is_bounded_by_its_timeout() -> None:
     watch.close(timeout=0.3)
     assert 0.25 < time.monotonic() - start < 2.0  # an abort that never returns cannot hold shutdown
     release.set()
+
+
+def test_a_rank_told_by_its_leader_aborts_an_op_stuck_outside_our_waits() -> None:
+    """A Baby NCCL collective of DDP's backward or FSDP's gradient hook never fails by itself when a
+    peer dies, and no wait of ours asks the leader: the rank's listener asks once an op is stuck."""
+    aborted = threading.Event()
+    stuck = threading.Event()
+    asked: list[int] = []
+
+    def told_by_leader(quorum_id: int) -> bool:
+        asked.append(quorum_id)
+        return True
+
+    watch = LostPeerAbort(aborted.set, told_by_leader=told_by_leader, stuck=stuck.is_set)
+    try:
+        watch.use(5)
+        time.sleep(0.35)
+        assert asked == [] and not aborted.is_set()  # nothing stuck: the leader is not asked
+        stuck.set()
+        assert aborted.wait(3), "the stuck op was never aborted"
+        assert asked[0] == 5 and watch.error is not None and "told by this group's leader" in str(watch.error)
+    finally:
+        watch.close()
+    assert _ours() == []
+
+
+def test_a_rank_whose_leader_said_nothing_keeps_waiting() -> None:
+    aborts: list[int] = []
+    watch = LostPeerAbort(lambda: aborts.append(1), told_by_leader=lambda q: False, stuck=lambda: True)
+    try:
+        watch.use(2)
+        time.sleep(0.4)
+        assert aborts == [] and watch.error is None
+    finally:
+        watch.close()
+    assert _ours() == []
