@@ -138,8 +138,11 @@ def test_mixed_precision_trains_and_ends_identical() -> None:
     )
     assert res.returncode == 0, (res.stdout + res.stderr)[-5000:]
     got, want = logged_losses(res.stdout), reference_losses(6, "--sampler", "shard")
+    waited = {(0, 1, 0), (0, 1, 1)}  # group 1 heals from group 0's step-0 snapshot (as above)
+    assert set(got) == set(want) - waited, (sorted(got), sorted(want))
     for key, loss in want.items():  # bf16 compute: close to the float32 reference, not equal
-        assert got[key][0] == pytest.approx(loss, rel=2e-2), key
+        if key not in waited:
+            assert got[key][0] == pytest.approx(loss, rel=2e-2), key
     assert_identical_groups(res.stdout)
 
 
