@@ -448,7 +448,10 @@ def worker_fork_probe() -> int:
         "cuda_initialized_at_start": torch.cuda.is_initialized(),
         "bad_fork": bool(torch.cuda._is_in_bad_fork()),
     }
-    started = prestart._started.get("gloo")  # the Baby Gloo child prestart started before the script
+    # The Baby child prestart started before the script: NCCL's on a GPU, Gloo's on CPU.
+    backend = "nccl" if os.environ.get(env.FTLAUNCH_BACKEND) == "baby-nccl" else "gloo"
+    info["baby_child_backend"] = backend
+    started = prestart._started.get(backend)
     info["baby_child_forked"] = started is not None and isinstance(started[0], prestart.ForkedChild)
     forked_pid = started[0].pid if started is not None else None
     gpu = torch.cuda.is_available()
@@ -465,7 +468,8 @@ def worker_fork_probe() -> int:
 
     store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
     pg = ProcessGroupBabyGloo(timeout=timedelta(seconds=30))
-    info["baby_child_adopted"] = forked_pid is not None and pg.child_pid == forked_pid
+    if backend == "gloo":
+        info["baby_child_adopted"] = forked_pid is not None and pg.child_pid == forked_pid
     pg.configure(f"127.0.0.1:{store.port}/probe/gloo", 0, 1)
     src = torch.arange(8.0, device=dev if info.get("cuda_ok") else "cpu").cpu() * 2
     t = src.clone()
@@ -476,6 +480,8 @@ def worker_fork_probe() -> int:
     if info.get("cuda_ok"):
         try:
             pg2 = ProcessGroupBabyNCCL(timeout=timedelta(seconds=60))
+            if backend == "nccl":
+                info["baby_child_adopted"] = forked_pid is not None and pg2.child_pid == forked_pid
             pg2.configure(f"127.0.0.1:{store.port}/probe/nccl", 0, 1)
             x = torch.full((1024,), 3.0, device=dev)
             pg2.allreduce([x], dist.ReduceOp.SUM).wait()
@@ -1064,9 +1070,11 @@ def check_standby(ctx: Ctx) -> list[Result]:
             raise CheckFailed(f"the standby interpreter did not start (exit code {zygote.poll()})")
         time.sleep(0.05)
     probe = [sys.executable, "-u", "-m", "ftlaunch.bootstrap.prestart", str(HERE), "--worker", "fork-probe"]
-    # Baby Gloo, so that prestart forks its child before the script on a GPU machine too; restart
-    # count 1: a standby that does not answer is then reported, not silently skipped.
-    forced = {env.FTLAUNCH_BACKEND: "baby-gloo", env.TORCHELASTIC_RESTART_COUNT: "1"}
+    # The backend whose child prestart forks before the script: Baby NCCL on a GPU (the default
+    # there), Baby Gloo on CPU; restart count 1: a standby that does not answer is then reported,
+    # not silently skipped.
+    backend = "baby-nccl" if ctx.gpu else "baby-gloo"
+    forced = {env.FTLAUNCH_BACKEND: backend, env.TORCHELASTIC_RESTART_COUNT: "1"}
     rc, text = ctx.run(
         probe, "the probe forked by the standby", {**forced, env.FTLAUNCH_ZYGOTE_SOCKET: str(sock)}
     )
@@ -1075,7 +1083,7 @@ def check_standby(ctx: Ctx) -> list[Result]:
     with contextlib.suppress(subprocess.TimeoutExpired):
         zygote.popen.wait(timeout=10.0)
     rc_cold, text_cold = ctx.run(
-        probe, "the probe started by prestart alone", {env.FTLAUNCH_BACKEND: "baby-gloo"}
+        probe, "the probe started by prestart alone", {env.FTLAUNCH_BACKEND: backend}
     )
     problems: list[str] = []
 
@@ -1121,9 +1129,10 @@ def check_standby(ctx: Ctx) -> list[Result]:
     if problems:
         raise CheckFailed("; ".join(problems) + f" [{standby}]")
     used = "CUDA and Baby NCCL used after the fork" if ctx.gpu else "no CUDA here: the forks alone"
+    child = "NCCL" if ctx.gpu else "Gloo"
     figure = (
         f"a worker forked by the standby and one by prestart alone: torch imported, CUDA untouched at the "
-        f"fork (not a bad fork), Baby Gloo child forked and adopted; {used}; {standby}"
+        f"fork (not a bad fork), Baby {child} child forked and adopted; {used}; {standby}"
     )
     return [Result("standby", "PASS", figure)]
 

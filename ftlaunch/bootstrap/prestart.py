@@ -1,4 +1,4 @@
-"""Start a worker's Baby Gloo child before the training script runs, and hand it over.
+"""Start a worker's Baby child (Gloo, or NCCL on a GPU machine) before the script runs, and hand it over.
 
 Why: a restarted worker is ready to rejoin only when its Baby process group's child -- a second
 process that needs torch too -- serves requests. Started by ``ftlaunch.init`` it begins after the
@@ -8,7 +8,7 @@ long before the script needs it.
 The ``ftlaunch`` launcher runs each worker as ``python -u -m ftlaunch.bootstrap.prestart SCRIPT ARGS...``
 (or ``... -m ftlaunch.bootstrap.prestart -m MODULE ARGS...``): `main` starts the child and then runs the
 script exactly as ``python SCRIPT`` would (``__main__``, ``sys.argv``, ``sys.path[0]``). The first
-``ProcessGroupBabyGloo`` the script builds (``ftlaunch.init`` builds it) adopts the child through
+Baby group of that backend the script builds (``ftlaunch.init`` builds it) adopts the child through
 `take`; one nobody adopts is killed at exit (and dies with the worker anyway: PDEATHSIG, its
 watchdog, the closed socket). The torchx components run every worker this way too; under plain
 ``torchrun`` the user asks for it with ``-m ftlaunch.run`` (`ftlaunch.run`, this module's public
@@ -34,8 +34,10 @@ hands the script over to it (`ftlaunch.bootstrap.zygote_proxy.hand_over`): the s
 `run` with this process's argv, cwd, environment and standard streams, and this process stays as
 its proxy until it ends. Without a standby, or if it refuses, this process runs the script itself.
 
-The child is skipped when the job chose another backend (``FTLAUNCH_BACKEND``) or the machine has
-an NVIDIA GPU (the default is Baby NCCL there).
+The child's backend is the one the job will likely use (`wanted`): Baby NCCL on a machine with an
+NVIDIA GPU, Baby Gloo elsewhere, or what ``FTLAUNCH_BACKEND`` chose; none for another backend. On a
+GPU the child waits with CUDA untouched and creates its own context when first configured, with
+the worker's environment of that moment (the script may set ``NCCL_*`` variables after this fork).
 """
 
 from __future__ import annotations
@@ -319,16 +321,22 @@ def _discard_all() -> None:
         _discard(*started)
 
 
-def wanted() -> bool:
-    """Whether this worker will likely build a Baby Gloo group (the default on a machine without
-    an NVIDIA GPU, or chosen explicitly)."""
+def wanted() -> str | None:
+    """The Baby backend this worker will likely build, whose child to start now: ``"gloo"`` on a
+    machine without an NVIDIA GPU (or with the GPUs hidden), ``"nccl"`` on one with (the default
+    there, as for a model on the GPU), or the one chosen by ``FTLAUNCH_BACKEND``; None for a backend
+    with no child. A child nobody adopts (a CPU model on a GPU machine) is stopped at exit.
+
+    An NCCL child forked here starts with torch imported and CUDA untouched -- nothing here touches
+    it -- and creates its own CUDA context at its first configure, which also hands it the
+    worker's environment as it is then (an ``NCCL_*`` variable the script set after this fork)."""
     try:
         backend = env.backend()
     except ConfigurationError:
-        return False  # ftlaunch.init reports the bad value; no child for it meanwhile
+        return None  # ftlaunch.init reports the bad value; no child for it meanwhile
     if backend:
-        return backend == "baby-gloo"
-    return env.gpus_hidden() or not os.path.exists("/dev/nvidiactl")
+        return {"baby-gloo": "gloo", "baby-nccl": "nccl"}.get(backend)
+    return "gloo" if env.gpus_hidden() or not os.path.exists("/dev/nvidiactl") else "nccl"
 
 
 def _import_torch() -> bool:
@@ -382,9 +390,10 @@ def main(
 def run(argv: list[str], forked: bool) -> None:
     """Start the Baby child (with ``forked``, from this process once torch is imported) and run
     ``argv`` (``-m MODULE ...`` or ``SCRIPT ...``) as ``python`` would, in this process."""
-    if wanted():
+    backend = wanted()
+    if backend is not None:
         try:
-            start("gloo", forked=forked and _import_torch())
+            start(backend, forked=forked and _import_torch())
         except OSError as e:  # the script still runs; ftlaunch.init starts a child itself
             print(f"ftlaunch.bootstrap.prestart: could not start the Baby child early: {e}", file=sys.stderr)
     phases.mark("script_start")

@@ -53,6 +53,14 @@ timeout=timedelta(seconds=30))
     pg.wait_ready()
     with open(f"/proc/{early[0].pid}/cmdline", "rb") as f:
         out["child_cmdline"] = [x.decode() for x in f.read().split(b"\\0")[:3]]
+    if sys.argv[1] == "env":  # set after the child was forked: the child's backend must see it
+        os.environ["GLOO_SOCKET_IFNAME"] = "ftl-none0"
+        try:
+            pg.configure(f"127.0.0.1:{store.port}/probe-env", 0, 1)
+            out["configure_error"] = None
+        except Exception as e:
+            out["configure_error"] = str(e)
+        del os.environ["GLOO_SOCKET_IFNAME"]
     pg.configure(f"127.0.0.1:{store.port}/probe", 0, 1)
     t = torch.full((4,), 3.0)
     pg.allreduce([t], dist.ReduceOp.SUM).wait()
@@ -187,3 +195,42 @@ def test_the_public_name_explains_itself() -> None:
         "usage: python -m ftlaunch.run [-m MODULE | SCRIPT]"
     )
     assert "python -m ftlaunch.run --help" in bare.stderr
+
+
+@pytest.mark.timeout(180)
+def test_a_child_started_before_the_script_gets_the_environment_the_script_set(tmp_path: Path) -> None:
+    """The child is forked before the script runs; a variable the script sets afterwards for its
+    backend (here ``GLOO_SOCKET_IFNAME``, on a GPU ``NCCL_*``) must still reach the child's backend:
+    its first configure mirrors the worker's environment. An interface that does not exist makes
+    that configure fail; without it, the next one succeeds."""
+    out, _ = run_probe(tmp_path, "env")
+    assert out["kind"] == "ForkedChild"
+    assert out["configure_error"] is not None and "ftl-none0" in out["configure_error"], out
+    assert out["sum"] == [3.0] * 4
+
+
+@pytest.mark.parametrize(
+    ("backend", "gpu", "hidden", "want"),
+    [
+        ("", False, False, "gloo"),  # no NVIDIA device: Baby Gloo, the default there
+        ("", True, False, "nccl"),  # a GPU machine: Baby NCCL, the default for a model on the GPU
+        ("", True, True, "gloo"),  # GPUs hidden (CUDA_VISIBLE_DEVICES=""): the CPU default
+        ("baby-nccl", False, False, "nccl"),
+        ("baby-gloo", True, False, "gloo"),
+        ("gloo", True, False, None),  # in-process backends have no child
+        ("nccl", True, False, None),
+    ],
+)
+def test_the_child_started_early_is_for_the_backend_the_job_will_use(
+    backend: str, gpu: bool, hidden: bool, want: str | None, monkeypatch
+) -> None:
+    from ftlaunch.bootstrap import prestart
+
+    monkeypatch.setenv(env.FTLAUNCH_BACKEND, backend)
+    if hidden:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    else:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    real_exists = os.path.exists
+    monkeypatch.setattr(os.path, "exists", lambda p: gpu if p == "/dev/nvidiactl" else real_exists(p))
+    assert prestart.wanted() == want

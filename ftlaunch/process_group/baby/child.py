@@ -120,11 +120,20 @@ class _Server:
                 pass
 
     def _configure(
-        self, req: int, store_addr: str, rank: int, world_size: int, timeout: float, device: int | None
+        self,
+        req: int,
+        store_addr: str,
+        rank: int,
+        world_size: int,
+        timeout: float,
+        device: int | None,
+        environ: dict[str, str] | None = None,
     ) -> None:
         from ftlaunch.process_group.wrappers import ProcessGroupGloo, ProcessGroupNCCL
 
         self._timeout = timeout
+        if environ is not None:
+            _mirror_environment(environ)
         try:
             if self._pg is None:
                 if self._backend == "gloo":
@@ -229,6 +238,17 @@ class _Server:
             else:
                 self._reply(req, None)
             del item, work, _tensors
+
+
+def _mirror_environment(environ: dict[str, str]) -> None:
+    """Make this process's environment the worker's: what a backend reads when it builds its first
+    communicator (``NCCL_*``, ``GLOO_*``) is then what the worker has, even for a child started
+    before the script set it. Nothing read at start-up changes (a CUDA context, once made, stays)."""
+    for key in [k for k in os.environ if k not in environ]:
+        del os.environ[key]
+    for key, value in environ.items():
+        if os.environ.get(key) != value:
+            os.environ[key] = value
 
 
 def _classify(e: BaseException) -> tuple[str, str]:

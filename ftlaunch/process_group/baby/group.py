@@ -23,6 +23,7 @@ a child.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import weakref
 from datetime import timedelta
@@ -211,6 +212,9 @@ class ProcessGroupBaby(ProcessGroup):
                             world_size,
                             self._child_timeout(),
                             device,
+                            # The worker's environment now: a child started before the script
+                            # (prestart) lacks what the script set since (NCCL_*, GLOO_*).
+                            dict(os.environ),
                         ),
                         self._timeout,
                     )
