@@ -480,9 +480,9 @@ def worker_fork_probe() -> int:
     if info.get("cuda_ok"):
         try:
             pg2 = ProcessGroupBabyNCCL(timeout=timedelta(seconds=60))
-            if backend == "nccl":
-                info["baby_child_adopted"] = forked_pid is not None and pg2.child_pid == forked_pid
             pg2.configure(f"127.0.0.1:{store.port}/probe/nccl", 0, 1)
+            if backend == "nccl":  # a Baby NCCL group takes its child at its first configure
+                info["baby_child_adopted"] = forked_pid is not None and pg2.child_pid == forked_pid
             x = torch.full((1024,), 3.0, device=dev)
             pg2.allreduce([x], dist.ReduceOp.SUM).wait()
             torch.cuda.synchronize()
