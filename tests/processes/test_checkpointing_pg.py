@@ -19,7 +19,7 @@ from test_checkpointing_http import CTX, with_timeout_join
 from test_checkpointing_serialization import assert_state_equal, make_state
 
 from ftlaunch.checkpointing import PGTransport
-from ftlaunch.checkpointing.pg_transport import TAG_BASE, TAG_SUMS
+from ftlaunch.checkpointing.pg_transport import TAG_BASE, TAG_SUMS, messages
 from ftlaunch.checkpointing.serialization.buffers import tensor_bytes
 from ftlaunch.checkpointing.serialization.checksum import checksums
 from ftlaunch.checkpointing.serialization.encode import encode
@@ -51,9 +51,9 @@ def _raw_send(
     t = torch.frombuffer(bytearray(frame), dtype=torch.uint8)
     pg.send([torch.tensor([len(frame)], dtype=torch.int64)], dst, TAG_BASE).wait()
     pg.send([t], dst, TAG_BASE + 1).wait()
-    for i, x in enumerate(tensors or []):
-        if x.numel():
-            pg.send([tensor_bytes(x)], dst, TAG_BASE + 2 + i).wait()
+    tensors = tensors or []
+    for msg in messages([tensor_bytes(x).numel() for x in tensors], packed=False):  # CPU: one per tensor
+        pg.send([torch.cat([tensor_bytes(tensors[i]) for i in msg])], dst, TAG_BASE + 2 + msg[0]).wait()
     if sums is not None:
         pg.send([torch.frombuffer(bytearray(sums), dtype=torch.uint8)], dst, TAG_SUMS).wait()
 
@@ -164,7 +164,29 @@ def _silent_sender_scenario(rank: int, pg: dist.ProcessGroup, ready: Any) -> dic
     return {"recv": result, "elapsed": f"{time.monotonic() - t0:.2f}"}
 
 
-SCENARIOS = {"main": _main_scenario, "silent": _silent_sender_scenario}
+def _packed_scenario(rank: int, pg: dist.ProcessGroup, ready: Any) -> dict[str, str]:
+    """Small tensors packed (the default on a GPU, forced here on CPU): rank 0 sends a state of many
+    small tensors, a large one and empty ones; rank 1 receives it fresh, rank 2 in place."""
+    state = make_state(9, BIG)
+    state["many"] = [torch.full((100 + i,), float(i)) for i in range(300)]
+    if rank == 0:
+        transport: PGTransport = PGTransport(pg, TIMEOUT, CPU, packed=True)
+        return {"send": _outcome(lambda: transport.send_checkpoint([1, 2], 9, state, TIMEOUT))}
+    mine = make_state(0, BIG)
+    mine["many"] = [torch.zeros(100 + i) for i in range(300)]
+    before = [t.data_ptr() for t in mine["many"]]
+    receiver = PGTransport(pg, TIMEOUT, CPU, state_dict=(lambda: mine) if rank == 2 else None, packed=True)
+
+    def recv_and_check() -> None:
+        got = receiver.recv_checkpoint(0, "<pg>", 9, TIMEOUT)
+        assert_state_equal(got, state)
+        if rank == 2:
+            assert [t.data_ptr() for t in got["many"]] == before  # landed in the receiver's own tensors
+
+    return {"recv": _outcome(recv_and_check)}
+
+
+SCENARIOS = {"main": _main_scenario, "silent": _silent_sender_scenario, "packed": _packed_scenario}
 
 
 def _worker(rank: int, world: int, port: int, scenario: str, q: Any, ready: Any, env: dict[str, str]) -> None:
@@ -223,6 +245,16 @@ class World:
         for p in self.procs:
             with_timeout_join(p)
         del self.store
+
+
+@pytest.mark.timeout(180)
+def test_small_tensors_travel_packed_and_land_in_place() -> None:
+    world = World(3, "packed")
+    try:
+        res = world.results(3)
+    finally:
+        world.close()
+    assert res[0]["send"] == "ok" and res[1]["recv"] == "ok" and res[2]["recv"] == "ok", res
 
 
 @pytest.mark.timeout(180)
