@@ -303,7 +303,14 @@ class ExactlyOnceSampler(Sampler[int]):
         # A participant cannot have drawn more than `per_step` (it would have been refused); a
         # healer can, drawing with its own stale position (a prefetching DataLoader's first batches).
         drawn = self._k if cur.per_step is None else min(self._k, cur.per_step)
-        if cur.per_step is not None and drawn < cur.per_step and not self._warned_short:
+        took_part = self._manager.replica_id in plan.participant_ids
+        if cur.per_step is not None and not took_part:
+            # The slices are the participants' draws, `per_step` each (the healed cursor's). What
+            # this worker drew says nothing of them: a healer drew with its stale position, and
+            # when a step is a LocalSGD/DiLoCo sync (many batches) a group that joins inside its
+            # first training step has drawn one batch of them before its heal.
+            drawn = cur.per_step
+        elif cur.per_step is not None and drawn < cur.per_step and not self._warned_short:
             self._warned_short = True
             logger.warning(
                 "[%s/r%d step %d] ExactlyOnceSampler: drew %d samples for this step, fewer than the "

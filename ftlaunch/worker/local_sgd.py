@@ -25,12 +25,14 @@ Fault tolerance works at sync points, never per inner step:
   quorum includes it, never wait for it), takes part in the survivors' next sync contributing
   nothing, and loads the healed state after the vote: DiLoCo's global parameters, outer optimizer
   state and sync count (the fragment schedule), LocalSGD's average. It starts its inner loop from them.
-  A DiLoCo group that joins running peers inside a training step counts that step's inner step as
-  the one at which they voted on that sync: from then on its schedule is theirs, step for step, so
-  a training loop that stops at a given step stops in every group.
+  A group that joins running peers inside a training step counts that step's inner step as the
+  one at which they voted on that sync: from then on its schedule is theirs, step for step, so a
+  training loop that stops at a given step stops in every group.
 - Which fragment a sync exchanges, and whether anyone has anything to exchange yet, is agreed by a
   small MAX all-reduce of ``(kind, sync count)`` at each sync point: a joining group learns the
-  survivors' schedule before the pseudo-gradient collectives, whose shapes must match.
+  survivors' schedule before the pseudo-gradient collectives, whose shapes must match. LocalSGD
+  has no schedule to learn; one element averaged with its parameters tells a join whether anyone
+  brought a sync (running peers) or everyone is joining (a fresh or resumed job).
 
 Differences from torchft (where torchft's behaviour was not kept, and why) are listed in
 docs/diloco.md.
@@ -177,6 +179,8 @@ class LocalSGD(_Hooked):
         self._sync_every = sync_every
         self._bucket_cap_mb = bucket_cap_mb
         self._local_step = 0
+        #: Joined running peers inside a training step: its inner step is their sync's (`_join`).
+        self._joined_their_sync = False
         manager.serve_live_state()  # quorums only at sync points, taken with the state held still
         # What the groups share: the parameters as averaged at the last sync point.
         manager.set_agreed_state(
@@ -193,38 +197,61 @@ class LocalSGD(_Hooked):
 
     def _after_inner_step(self, *_: Any) -> None:
         self._local_step += 1
+        if self._joined_their_sync:  # the peers' sync step, whose sync the join took part in
+            self._joined_their_sync = False
+            self._local_step = 0
+            return
         if self._local_step >= self._sync_every:
             self.sync()
 
     def sync(self) -> bool:
         """Average the parameters with the other groups now; True if the sync committed."""
+        return self._sync(SYNC)[0]
+
+    def _sync(self, kind: int) -> tuple[bool, bool]:
         take_quorum(self._manager, _log(self._manager))
-        committed = self._average()
+        committed, brought_sync = self._average(kind)
         self._local_step = 0
-        return committed
+        return committed, brought_sync
 
     def _join(self, in_step: bool) -> None:
         # A sync at once: a fresh job's groups all get the primary's parameters (init_sync), a
         # restarted group the survivors' average (it contributes zeros while it heals).
-        while not self.sync():
+        while not (sync := self._sync(JOIN))[0]:
             _log(self._manager).info("joining: the sync did not commit, asking again")
+        # Running peers (one of them brought a sync) took this quorum and voted in the inner step
+        # that reached sync_every. A join inside a training step (its first forward or inner step)
+        # is in that step of theirs: its inner step is counted as theirs, so after it the groups
+        # are in the same place (inner step, Manager step, the sampler's batches) and stay there.
+        # Starting over at 0 there puts it one inner step ahead for good; with sync_every=1 its
+        # first step takes a second quorum, and a loop that stops at a Manager step stops them but
+        # leaves it asking for a quorum no one else asks for. A join between two steps (join(),
+        # ft.local_sgd) is after their sync: its next step is their next one. A fresh or resumed
+        # job's join (everyone joining) is no inner step of anyone's.
+        self._joined_their_sync = in_step and sync[1]
+        self._local_step = self._sync_every - 1 if self._joined_their_sync else 0
 
-    def _average(self) -> bool:
+    def _average(self, kind: int) -> tuple[bool, bool]:
+        """Average the parameters; whether the sync committed, and whether an up-to-date group
+        brought a sync (rather than a join): one element more in the average, ``kind`` from each
+        group (a healer's is zeroed with its parameters), above 0 when any of them brought one."""
         params = [local_view(p) for p in self._model.parameters()]
-        buckets = Buckets(params, self._bucket_cap_mb)
+        like = params[0] if params else torch.empty(0)
+        brought = torch.full((1,), float(kind), dtype=like.dtype, device=like.device)
+        buckets = Buckets([*params, brought], self._bucket_cap_mb)
         with torch.no_grad():
-            for p, v in zip(params, buckets.views, strict=True):
-                v.copy_(p)
+            for t, v in zip([*params, brought], buckets.views, strict=True):
+                v.copy_(t)
         works = [self._manager.allreduce(b) for b in buckets.buffers]
         for w in works:
             wait(w)
         if not self._manager.should_commit():
-            return False
+            return False, False
         with torch.no_grad():
-            for p, v in zip(params, buckets.views, strict=True):
+            for p, v in zip(params, buckets.views[:-1], strict=True):
                 p.copy_(v)
         self._manager.sync_applied()
-        return True
+        return True, bool(buckets.views[-1].item() > 0)
 
 
 @dataclass

@@ -282,3 +282,42 @@ def test_two_sets_of_groups_that_started_apart_are_reconciled(tmp_path: Path) ->
     text = "".join(r.stderr for r in results)
     assert "different global parameters" in text and "heals at the next sync" in text
     assert_same_bytes_at_every_common_sync(*results)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.slow
+@pytest.mark.parametrize("sync_every, steps", [(1, 12), (2, 26)], ids=["at-the-last-sync", "one-sync-after"])
+def test_a_local_sgd_group_joining_inside_its_first_step_keeps_its_peers_steps_and_data(
+    tmp_path: Path, sync_every: int, steps: int
+) -> None:
+    """rg0 runs LocalSGD alone and waits before its 12th sync until rg1, a late group that joins
+    inside its first training step (its first forward), asks to join: that sync is rg1's join.
+    rg1's step counts as rg0's sync step, so it ends where rg0 does, after the same quorum, and its
+    exactly-once sampler is at rg0's position (the batch it drew before its heal does not size the
+    join's slices). Starting over at inner step 0, with a sync every step its first step took a
+    second quorum of its own (one no one else asks for: alone once rg0 has left, or a hang if it
+    needed rg0); with two its next sync came one batch early."""
+    common = ["--algorithm", "local_sgd", "--sync-every", str(sync_every), "--steps", str(steps),
+              "--step-sleep", "0.02", "--width", "32"]  # fmt: skip
+    gate = tmp_path / "gate"
+    with _lighthouse().start() as lh:
+        procs = [start([*VARIANTS, "pause-at-sync", "11", str(gate), *common], env=_env(lh, 0, 2))]
+        try:
+            wait_for(lambda: Path(f"{gate}.reached").exists(), 120, "rg0 before its 12th sync")
+            procs.append(start([*VARIANTS, "join-in-step", *common], env=_env(lh, 1, 2)))
+            wait_for(lambda: "rg1" in lh.status()["pending"], 150, "rg1 asking to join")
+            gate.touch()
+            r0, r1 = finish(procs[0], 120), finish(procs[1], 120)
+        finally:
+            for p in procs:
+                kill_tree(p.pid)
+    ok(r0)
+    ok(r1)
+    assert "healing from rg0" in r1.stderr
+    ends = [re.search(r"final_checksum=\w+ step=(\d+)", r.stdout) for r in (r0, r1)]
+    assert all(ends), r1.stdout[-2000:]
+    assert [int(m.group(1)) for m in ends if m] == [steps, steps], r1.stderr[-4000:]
+    # The data position after the last sync (samples the job trained) is the same in both.
+    assert len({re.findall(r" data=(\d+:\d+)", r.stdout)[-1] for r in (r0, r1)}) == 1, r1.stdout[-2000:]
+    if steps > 12 * sync_every:  # a sync after the join: the same average
+        assert final_checksum(r0) == final_checksum(r1)

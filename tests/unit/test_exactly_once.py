@@ -441,6 +441,28 @@ def test_a_heal_redirects_the_running_iterator_into_the_peers_epoch() -> None:
     assert healer.drawn() == [(1, 4)]
 
 
+def test_a_healers_stale_draws_do_not_size_the_participants_slices() -> None:
+    """A LocalSGD/DiLoCo step is a sync: several batches per worker. A group that joins inside its
+    first training step drew one batch, with its stale position, before its heal; the step's
+    slices are the participants' (``per_step`` each), so after it the healer is where they are."""
+    src, ms = sampler(40, "rg0", shuffle=False)
+    it = iter(src)
+    for _ in range(3):
+        next(it), next(it)  # two draws per step
+        commit(ms)
+    healer, mh = sampler(40, "rg1", shuffle=False)
+    ih = iter(healer)
+    next(ih)  # its stale first batch; its forward then joins
+    next(it), next(it)  # the source's draws for the sync the join takes part in
+    mh.start()
+    healer.load_state_dict(src.state_dict())  # served at the quorum, loaded at the commit below
+    mh.step = ms.step
+    commit(ms)
+    commit(mh, ("rg0",))
+    assert (healer.epoch, healer.position) == (src.epoch, src.position) == (0, 8)
+    assert [next(ih), next(ih)] == [10, 11]  # replica group 1's slice of the next step
+
+
 def test_set_epoch_keeps_range_loops_working_and_skips_forward_only() -> None:
     s, m = sampler(10, shuffle=False)
     s.set_epoch(0)

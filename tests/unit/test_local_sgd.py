@@ -415,6 +415,74 @@ def test_a_group_joining_running_peers_keeps_their_schedule_step_for_step(
             assert [d.local_step, d.syncs, m.current_step(), len(lighthouse.asked)] == theirs
 
 
+@pytest.mark.parametrize("peers", ["at-their-sync", "joining-too"])
+@pytest.mark.parametrize("inside_step", [True, False], ids=["join-in-first-step", "join-before-steps"])
+@pytest.mark.parametrize("sync_every", [1, 2, 3])
+def test_a_local_sgd_group_joining_peers_keeps_their_schedule_step_for_step(
+    manager: Callable[..., tuple[Manager, FakeProcessGroup]], sync_every: int, inside_step: bool, peers: str
+) -> None:
+    """LocalSGD's peers take a quorum and vote in the inner step that reaches ``sync_every``. A
+    join in the first training step (its forward) meets running peers in the step of theirs that
+    ends with that sync, so its inner step counts as that one; one before any step (``join()``) is
+    after it. Peers that are joining too (a resumed job; a group behind heals from them) bring no
+    sync: everyone's step is a first step. In every case, after every inner step the group has the
+    peers' inner step, Manager step and quorums, so a training loop that stops at a Manager step
+    stops in every group instead of leaving the joined one asking for a quorum nobody else asks
+    for. The peer's contributions are what a real LocalSGD sends at that point."""
+    # What the peer sends: a real LocalSGD (alone), at its join and at its next sync.
+    src_model = mlp(seed=3)
+    src_opt = torch.optim.SGD(src_model.parameters(), lr=0.1)
+    m_src, _ = manager(ScriptedLighthouse(in_step(1, us="rg7")), replica_id="rg7")
+    sent: list[torch.Tensor] = []
+    src_allreduce = m_src.allreduce
+
+    def capture(t: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        sent.append(t.detach().clone())
+        return src_allreduce(t, *args, **kwargs)
+
+    m_src.allreduce = capture  # type: ignore[method-assign]
+    with LocalSGD(m_src, src_model, src_opt, sync_every=sync_every) as src:
+        src.join()
+        at_join = list(sent)
+        sent.clear()
+        for batch in batches(sync_every, seed=2):
+            inner_step(src_model, src_opt, batch)
+    peer_sends = at_join if peers == "joining-too" else sent
+    assert peer_sends and m_src.current_step() == 2
+
+    lighthouse = ScriptedLighthouse(quorum(3, peer("rg0", 5), us="rg1"), in_step(4, "rg0", us="rg1"))
+    m, _ = manager(lighthouse, replica_id="rg1")
+    m._transport.inbox[("mem://rg0", 5)] = {MANAGER_STATE_KEY: {"step": 5, "batches_committed": 5}}  # type: ignore[attr-defined]
+    model = mlp(seed=4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    algo = LocalSGD(m, model, opt, sync_every=sync_every)
+    real_allreduce = m.allreduce
+
+    def allreduce(t: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        """The peer's part of each average (the fake group sums ours alone): what it sends, / n."""
+        out = real_allreduce(t, *args, **kwargs)
+        out.wait()
+        theirs = next(b for b in peer_sends if b.shape == t.shape and b.dtype == t.dtype)
+        t.add_(theirs / m.num_participants())
+        return out
+
+    m.allreduce = allreduce  # type: ignore[method-assign]
+    # The peer right after the inner step at which it synced with the join (or after its own join):
+    # inner step, Manager step, quorums taken since.
+    theirs = [0, 6, 1]
+    with algo:
+        if not inside_step:
+            algo.join()
+            assert [algo.local_step, m.current_step(), len(lighthouse.asked)] == theirs
+        for i, batch in enumerate(batches(2 * sync_every + 1)):
+            inner_step(model, opt, batch)  # the first one joins, if not joined yet
+            if i > 0 or not inside_step or peers == "joining-too":  # the peer's next inner step
+                theirs[0] += 1
+                if theirs[0] == sync_every:
+                    theirs = [0, theirs[1] + 1, theirs[2] + 1]
+            assert [algo.local_step, m.current_step(), len(lighthouse.asked)] == theirs, f"inner step {i}"
+
+
 def test_the_join_runs_at_the_first_forward_after_entering_so_state_functions_see_the_bound_name(
     manager: Callable[..., tuple[Manager, FakeProcessGroup]],
 ) -> None:

@@ -9,6 +9,10 @@ issuing its pseudo-gradient all-reduce (a real crash at an exact point of the pr
 ``pause-at-sync N FILE``: once N syncs have committed, the worker writes ``FILE.reached`` before its
 next sync point and waits there for ``FILE`` (so a test can hold the survivors of a kill until the
 restarted group, whose new process may take many seconds to start on a loaded host, asks to join).
+For LocalSGD the syncs are the Manager's committed steps after the join.
+
+``join-in-step``: ``ft.local_sgd``/``ft.diloco`` do not join at once; the group joins inside its
+first training step (at its first forward), as a ``with LocalSGD(...)`` loop does.
 
 ``reference``: no ftlaunch at all -- plain single-process DiLoCo on the script's model, data and
 data order (one group's sampler), written out here independently of ftlaunch.worker.local_sgd.
@@ -64,18 +68,36 @@ def gate_after_join(gate: str) -> None:
 
 
 def pause_at_sync(n: int, gate: str) -> None:
-    from ftlaunch.worker.local_sgd import SYNC, DiLoCo
+    from ftlaunch.worker.local_sgd import SYNC, DiLoCo, LocalSGD
+
+    def pause() -> None:
+        Path(f"{gate}.reached").touch()
+        while not Path(gate).exists():
+            time.sleep(0.05)
 
     real = DiLoCo._start
 
     def start(self: DiLoCo, kind: int) -> Any:
         if kind == SYNC and self.syncs >= n and not Path(gate).exists():
-            Path(f"{gate}.reached").touch()
-            while not Path(gate).exists():
-                time.sleep(0.05)
+            pause()
         return real(self, kind)
 
     DiLoCo._start = start  # type: ignore[method-assign]
+    real_sync = LocalSGD.sync
+
+    def sync(self: LocalSGD) -> bool:
+        if self._manager.current_step() - 1 >= n and not Path(gate).exists():
+            pause()
+        return real_sync(self)
+
+    LocalSGD.sync = sync  # type: ignore[method-assign]
+
+
+def join_in_step() -> None:
+    from ftlaunch.worker.local_sgd import DiLoCo, LocalSGD
+
+    for cls in (LocalSGD, DiLoCo):
+        cls.join = lambda self: None  # type: ignore[method-assign]
 
 
 def reference(argv: list[str]) -> int:
@@ -125,6 +147,9 @@ if __name__ == "__main__":
     if mode == "pause-at-sync":
         pause_at_sync(int(sys.argv[2]), sys.argv[3])
         sys.exit(train_diloco.main(sys.argv[4:]))
+    if mode == "join-in-step":
+        join_in_step()
+        sys.exit(train_diloco.main(sys.argv[2:]))
     if mode == "gate-after-join":
         gate_after_join(sys.argv[2])
         sys.exit(train_diloco.main(sys.argv[3:]))
