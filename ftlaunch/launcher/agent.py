@@ -7,7 +7,8 @@ its own workers (up to ``max_restarts``) exactly as under ``torchrun``. Besides,
 
 * watches its workers and writes one JSON line per event to the supervisor's event pipe: the worker
   pids of each (re)start, a worker stopped by a signal (a hang), and a worker's death with its exit
-  status -- read with
+  status and, when the worker recorded one in its torchelastic error file, the configuration error
+  it ended on (which stops the job: `ftlaunch.errors.error_record`) -- the status read with
   ``waitid(WNOWAIT)``, which leaves the child for torchelastic to reap, so the supervisor can tell
   the lighthouse within milliseconds instead of after torchelastic's monitor tick;
 * keeps the group's warm standby interpreter (`ftlaunch.launcher.standby.Standby`,
