@@ -42,6 +42,8 @@ MASTER_ADDR = "MASTER_ADDR"
 MASTER_PORT = "MASTER_PORT"
 TORCHELASTIC_RUN_ID = "TORCHELASTIC_RUN_ID"
 TORCHELASTIC_RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
+#: Where a worker writes why it failed (torchelastic's error file, JSON), which its agent reads.
+TORCHELASTIC_ERROR_FILE = "TORCHELASTIC_ERROR_FILE"
 #: Slurm's count of requeues of this job (set in every task of a requeued job).
 SLURM_RESTART_COUNT = "SLURM_RESTART_COUNT"
 #: Gloo's own choice of interface (torch reads it; ftlaunch then leaves Gloo's address to it).
@@ -548,6 +550,12 @@ def zygote_wanted(environ: Mapping[str, str] | None = None) -> bool:
     return flag(FTLAUNCH_ZYGOTE, True, environ)
 
 
+def error_file(environ: Mapping[str, str] | None = None) -> str | None:
+    """The file torchelastic asks this worker to record its failure in (``TORCHELASTIC_ERROR_FILE``;
+    None outside torchelastic)."""
+    return path(TORCHELASTIC_ERROR_FILE, environ)
+
+
 def zygote_socket(environ: Mapping[str, str] | None = None) -> str | None:
     """The standby interpreter's socket the agent announced (``FTLAUNCH_ZYGOTE_SOCKET``)."""
     return path(FTLAUNCH_ZYGOTE_SOCKET, environ)
@@ -895,6 +903,8 @@ class ProcessMarks:
     torchelastic: bool
     #: Forked from the warm standby: the pid torchelastic knows it by (its proxy; None: not forked).
     worker_pid: int | None = None
+    #: Its torchelastic error file (``TORCHELASTIC_ERROR_FILE``), where it records why it failed.
+    error_file: str | None = None
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> ProcessMarks:
@@ -911,6 +921,7 @@ class ProcessMarks:
             restart_count=integer(TORCHELASTIC_RESTART_COUNT) or 0,
             torchelastic=is_set(TORCHELASTIC_RUN_ID, environ),
             worker_pid=integer(FTLAUNCH_WORKER_PID),
+            error_file=_raw(TORCHELASTIC_ERROR_FILE, environ),
         )
 
 

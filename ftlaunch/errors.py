@@ -12,7 +12,9 @@ The Gang API (`ftlaunch.gang`, fairseq2's interface) adds fairseq2's names to th
 
 from __future__ import annotations
 
+import contextlib
 import urllib.error
+from typing import Any
 
 
 class FtlaunchError(RuntimeError):
@@ -112,7 +114,75 @@ def brief_message(exc: BaseException) -> str | None:
     return None
 
 
-def install_brief_errors() -> None:
+#: The ``errorTraits`` category (torchelastic's error-file field) of a worker that ended on a
+#: `ConfigurationError`: its launcher stops the job instead of restarting the group.
+CONFIGURATION_ERROR = "configuration_error"
+
+
+def error_record(exc: BaseException, callstack: str, timestamp: int) -> dict[str, Any]:
+    """What a worker ending on ``exc`` writes to its torchelastic error file: torchelastic's own
+    layout (what its ``@record`` writes, so torchrun's failure report shows the message), plus the
+    ``errorTraits`` that say a `ConfigurationError` is not worth a restart.
+
+    Why the error file: it is torchelastic's channel from a worker to its agent, one file per worker
+    and attempt, complete before the process exits -- the agent that sees the exit can read why.
+    """
+    record: dict[str, Any] = {
+        "message": {
+            "message": f"{type(exc).__name__}: {exc}",
+            "extraInfo": {"py_callstack": callstack, "timestamp": str(timestamp)},
+        }
+    }
+    if isinstance(exc, ConfigurationError):
+        record["errorTraits"] = {"category": CONFIGURATION_ERROR, "retryability": "False"}
+    return record
+
+
+def configuration_error_in(record: object) -> str | None:
+    """The message of the `ConfigurationError` a worker's error file ``record`` (parsed JSON) says
+    it ended on (`error_record`), or None: another failure, or a record that is not one of ours."""
+    if not isinstance(record, dict):
+        return None
+    traits = record.get("errorTraits")
+    if not isinstance(traits, dict) or traits.get("category") != CONFIGURATION_ERROR:
+        return None
+    message = record.get("message")
+    text = message.get("message") if isinstance(message, dict) else message
+    if not isinstance(text, str):
+        return ""
+    prefix = f"{ConfigurationError.__name__}: "
+    return text[len(prefix) :] if text.startswith(prefix) else text
+
+
+#: This worker's torchelastic error file, as `install_brief_errors` was told (None: not under torchelastic).
+_error_file: str | None = None
+
+
+def _record_for_launcher(exc: BaseException) -> None:
+    """Write `error_record` to this worker's torchelastic error file, if it has one (whole or not
+    at all: the agent may read it the moment the process is gone). Best effort: the process is
+    ending on one line either way."""
+    import json
+    import os
+    import time
+    import traceback
+
+    path = _error_file
+    if path is None:
+        return
+    callstack = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    record = error_record(exc, callstack, int(time.time()))
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(record, f)
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+
+
+def install_brief_errors(error_file: str | None = None) -> None:
     """Make an uncaught ftlaunch configuration error end the process with one line on stderr, exit
     status 1, instead of a traceback (`brief_message` says which errors).
 
@@ -120,10 +190,16 @@ def install_brief_errors() -> None:
     first step of the training loop), and under torchrun every worker would print the same 40-line
     traceback whose last line alone matters. Code that catches the error is unaffected, and for any
     other exception the previous hook runs (a traceback, or whatever the script installed).
+    A `ConfigurationError` is also recorded in ``error_file``, the worker's torchelastic error file
+    (``TORCHELASTIC_ERROR_FILE``, `ftlaunch.env.error_file`; `error_record`), so that the
+    ``ftlaunch`` launcher stops the job rather than restart a group into the same error.
     Idempotent; ``ftlaunch.init()`` and the Manager call it before they read the environment.
     """
     import sys
 
+    global _error_file
+    if error_file is not None:
+        _error_file = error_file
     previous = sys.excepthook
     if getattr(previous, "_ftlaunch_brief", False):
         return
@@ -133,6 +209,8 @@ def install_brief_errors() -> None:
         if line is None:
             previous(exc_type, exc, tb)  # type: ignore[arg-type]
             return
+        if isinstance(exc, ConfigurationError):
+            _record_for_launcher(exc)  # the launcher stops the job: a restart cannot fix a setting
         _silence_ftlaunch_logs()
         print(line, file=sys.stderr, flush=True)
 

@@ -43,6 +43,7 @@ from torch import nn
 
 import ftlaunch
 from ftlaunch import env
+from ftlaunch.errors import install_brief_errors
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -227,26 +228,23 @@ def long_form(
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # A bad setting (ftlaunch.ConfigurationError, also one this script reads before ftlaunch.init)
+    # ends the worker in one line, and the ftlaunch launcher stops the job instead of restarting it.
+    install_brief_errors(env.error_file())
     # No [rgG/rR] tag here: the Manager's lines carry it, and launchers prefix every line with it.
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     log = logging.getLogger("train_ddp")
 
     ft = None
     intra = None
-    try:
-        device = device_of(args)
-        model = make_model(args.width, args.model).to(device)
-        inner = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-        dataset = make_dataset(args.dataset_size)
-        if args.long_form:
-            manager, ddp, opt, sampler, intra = long_form(args, model, inner, dataset, device)
-        else:
-            ft = ftlaunch.init(
-                model, inner, timeout=args.timeout, backend=args.backend, transport=args.transport
-            )
-    except ftlaunch.ConfigurationError as e:
-        print(f"train_ddp.py: {e}", file=sys.stderr)
-        return 2
+    device = device_of(args)
+    model = make_model(args.width, args.model).to(device)
+    inner = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    dataset = make_dataset(args.dataset_size)
+    if args.long_form:
+        manager, ddp, opt, sampler, intra = long_form(args, model, inner, dataset, device)
+    else:
+        ft = ftlaunch.init(model, inner, timeout=args.timeout, backend=args.backend, transport=args.transport)
     if ft is not None:
         ddp, opt = ft.wrap(model, inner)
         manager, sampler = ft.manager, ft.sampler(dataset, mode=args.sampler)

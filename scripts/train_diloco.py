@@ -40,6 +40,7 @@ from torch import nn
 
 import ftlaunch
 from ftlaunch import env
+from ftlaunch.errors import install_brief_errors
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -160,6 +161,9 @@ class ByteCounter:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # A bad setting (ftlaunch.ConfigurationError, also one this script reads before ftlaunch.init)
+    # ends the worker in one line, and the ftlaunch launcher stops the job instead of restarting it.
+    install_brief_errors(env.error_file())
     group = env.count(env.REPLICA_GROUP_ID, 0) or 0
     rank = env.count(env.RANK, 0) or 0
     logging.basicConfig(
@@ -176,13 +180,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     dataset = make_dataset(args.dataset_size)
     extra = {"init_sync": False} if args.same_init else {}
-    try:
-        ft = ftlaunch.init(
-            model, inner, timeout=args.timeout, backend=args.backend, transport=args.transport, **extra
-        )
-    except ftlaunch.ConfigurationError as e:
-        print(f"train_diloco.py: {e}", file=sys.stderr)
-        return 2
+    ft = ftlaunch.init(
+        model, inner, timeout=args.timeout, backend=args.backend, transport=args.transport, **extra
+    )
     counter = ByteCounter(ft.pg) if args.count_bytes else None
     delay = args.fragment_sync_delay
     if delay is None:

@@ -49,6 +49,7 @@ from torch.utils.checkpoint import checkpoint
 
 import ftlaunch
 from ftlaunch import env
+from ftlaunch.errors import install_brief_errors
 
 #: Standard-library modules whose source is the corpus (sorted, fixed: every worker reads the same bytes).
 CORPUS_MODULES = (
@@ -328,6 +329,9 @@ def reference(args: argparse.Namespace, groups: int, workers: int) -> int:
 # ------------------------------------------------------------------------------------------ training
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # A bad setting (ftlaunch.ConfigurationError, also one this script reads before ftlaunch.init)
+    # ends the worker in one line, and the ftlaunch launcher stops the job instead of restarting it.
+    install_brief_errors(env.error_file())
     if args.reference:
         groups, workers = (int(n) for n in args.reference.lower().split("x"))
         return reference(args, groups, workers)
@@ -342,14 +346,9 @@ def main(argv: list[str] | None = None) -> int:
     device = device_of(args)
     model = make_model(args).to(device)
     dataset = make_dataset(args.seq_len)
-    ft = None
-    try:
-        ft, manager, model, optimizer, sampler = (long_form if args.long_form else short_form)(
-            args, model, dataset
-        )
-    except ftlaunch.ConfigurationError as e:
-        print(f"train_hsdp.py: {e}", file=sys.stderr)
-        return 2
+    ft, manager, model, optimizer, sampler = (long_form if args.long_form else short_form)(
+        args, model, dataset
+    )
     loader = torch.utils.data.DataLoader(dataset, batch_size=args.batch_size, sampler=sampler)
     deadline = time.monotonic() + args.max_seconds
     try:
@@ -390,9 +389,6 @@ def main(argv: list[str] | None = None) -> int:
             f"loss_ppl={math.exp(min(loss.item(), 20)):.2f}",
             flush=True,
         )
-    except ftlaunch.ConfigurationError as e:  # e.g. this group shards differently from the others
-        print(f"train_hsdp.py: {e}", file=sys.stderr)
-        return 2
     finally:
         if ft is not None:
             ft.shutdown()

@@ -7,7 +7,8 @@ its own workers (up to ``max_restarts``) exactly as under ``torchrun``. Besides,
 
 * watches its workers and writes one JSON line per event to the supervisor's event pipe: the worker
   pids of each (re)start, a worker stopped by a signal (a hang), and a worker's death with its exit
-  status -- read with
+  status and, when the worker recorded one in its torchelastic error file, the configuration error
+  it ended on (which stops the job: `ftlaunch.errors.error_record`) -- the status read with
   ``waitid(WNOWAIT)``, which leaves the child for torchelastic to reap, so the supervisor can tell
   the lighthouse within milliseconds instead of after torchelastic's monitor tick;
 * keeps the group's warm standby interpreter (`ftlaunch.launcher.standby.Standby`,
@@ -37,6 +38,7 @@ from typing import Any
 import psutil
 
 from ftlaunch import env, phases
+from ftlaunch.errors import configuration_error_in
 from ftlaunch.launcher import procs
 from ftlaunch.launcher.options import LaunchOptions
 from ftlaunch.launcher.standby import Standby
@@ -134,6 +136,8 @@ class WorkerWatcher(threading.Thread):
         self._wake = threading.Event()  # a worker exited, or stop(): look again now
         self._workers: set[int] = set()
         self._ignored: set[int] = set()
+        #: Worker pid -> its torchelastic error file, read when it fails (`_configuration_error`).
+        self._error_files: dict[int, str] = {}
         self._lock = threading.Lock()
         self._alive: set[int] = set()  # workers found and not yet exited
         self._expected = 0  # the most workers alive at once so far
@@ -178,6 +182,8 @@ class WorkerWatcher(threading.Thread):
                 except psutil.Error:
                     pass
                 continue
+            if marks.error_file is not None:
+                self._error_files[child.pid] = marks.error_file
             new[child.pid] = {
                 "rank": marks.rank,
                 "local_rank": -1 if marks.local_rank is None else marks.local_rank,
@@ -225,11 +231,29 @@ class WorkerWatcher(threading.Thread):
         else:
             data["signal"] = signal.Signals(res.si_status).name
             data["failed"] = True
+        if data["failed"] is not False:
+            # Why it failed, if it said so before it exited: a configuration error stops the job.
+            cause = _configuration_error(self._error_files.get(pid))
+            if cause is not None:
+                data["configuration_error"] = cause
         phases.mark("worker_exit_seen", worker=pid, failed=data["failed"])
         self._events.emit("worker_exit", **data)
         with self._lock:
             self._alive.discard(pid)
         self._wake.set()  # the next generation follows: look for it every `interval` again
+
+
+def _configuration_error(error_file: str | None) -> str | None:
+    """The `ConfigurationError` a failed worker recorded in its torchelastic error file
+    (`ftlaunch.errors.error_record`), or None: no file, another failure, or unreadable."""
+    if error_file is None:
+        return None
+    try:
+        with open(error_file, encoding="utf-8") as f:
+            record = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return configuration_error_in(record)
 
 
 def _last_attempt_log(log_dir: str | None, local_rank: int, name: str) -> str:

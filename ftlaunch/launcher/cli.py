@@ -4,7 +4,8 @@
 
 Every torchrun flag is accepted with torchrun's meaning (torch's own parser, see `torchrun_flags`)
 or refused with a reason when it cannot apply to replica groups; the fault-tolerance flags are ours.
-Every bad input is one line on stderr and exit code 2; a failed job exits 1 with its root cause.
+Every bad input is one line on stderr and exit code 2, and so is a bad setting a worker ended on
+(the job stops at once: restarting cannot fix it); a failed job exits 1 with its root cause.
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ workers see torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, .
 replica group, plus REPLICA_GROUP_ID, NUM_REPLICA_GROUPS, FTLAUNCH_LIGHTHOUSE and FTLAUNCH_TOKEN.
 durations (--join-timeout, --heartbeat-timeout, --grace-period, --chaos, FTLAUNCH_*_TIMEOUT) are
 seconds, or with an s/m suffix: 30, 30s, 1.5m; flags in the environment are 1/true/yes/on or 0/false/no/off.
-exit status: 0 the job finished, 1 it failed (root cause printed), 2 bad usage, 128+N stopped by signal N.
+exit status: 0 the job finished, 1 it failed (root cause printed), 2 bad usage or a bad setting (a worker's
+ConfigurationError stops the job at once, without restarts), 128+N stopped by signal N.
 timeline: at exit a picture of the run (each group's step against time, failures and rejoins marked)
 is written as timeline.svg into the log directory: always with --log-dir; into the temporary one when
 the job failed or was stopped (its logs are kept), or succeeded after --chaos or a failure (its logs

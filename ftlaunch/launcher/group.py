@@ -81,6 +81,8 @@ class Group:
     #: Processes of the group that trained from behind the job without healing (lighthouse).
     unsynced_sessions: int = 0
     root_cause: str | None = None
+    #: A worker of it ended on a configuration error (`misconfigured`): the job stops.
+    misconfigured: bool = False
     #: One of its workers exited 0: the training is ending.
     finishing: bool = False
     #: The lighthouse refused its current process a quorum: the training had finished at a step it
@@ -180,6 +182,17 @@ class Group:
         if not failed:
             return None
         return self._fail((self.incarnation, restart), now, f"rank {rank} (pid {pid}) {how}")
+
+    def worker_misconfigured(self, pid: int, rank: Any, restart: int, message: str, now: float) -> str:
+        """A worker ended on a configuration error (its torchelastic error file says so): the group
+        failed for good -- its agent would restart it into the same error -- and so does the job
+        (`configuration_stop`). Returns the root cause."""
+        self.worker_pids = {r: p for r, p in self.worker_pids.items() if p != pid}
+        self._fail((self.incarnation, restart), now, "configuration error")
+        self.state = FAILED
+        self.misconfigured = True
+        self.root_cause = f"replica group {self.gid} rank {rank} (pid {pid}): configuration error: {message}"
+        return self.root_cause
 
     def agent_exited(
         self, code: int, result: dict[str, Any], max_agent_restarts: int, now: float
@@ -321,6 +334,14 @@ class Group:
             self.failure_at = now
             self.down_session = self.session
         return reason
+
+
+def configuration_stop(groups: list[Group]) -> str | None:
+    """The root cause that ends the job now, whatever else runs: a worker ended on a configuration
+    error. A setting is the same for every group and every restart, so neither the group's agent
+    (``--max-restarts``), nor a hot spare, nor the groups left for ``--min-replicas`` could train
+    past it; each would start, fail the same way and start again. None: no such failure."""
+    return next((g.root_cause for g in groups if g.misconfigured and g.root_cause), None)
 
 
 def describe_root_cause(cause: dict[str, Any]) -> str:

@@ -41,7 +41,7 @@ from ftlaunch import env, phases
 from ftlaunch.launcher import devices, procs
 from ftlaunch.launcher.agent_process import AgentProcess, News, start_agent
 from ftlaunch.launcher.chaos import Chaos
-from ftlaunch.launcher.group import FAILED, STARTING, SUCCEEDED, Group
+from ftlaunch.launcher.group import FAILED, STARTING, SUCCEEDED, Group, configuration_stop
 from ftlaunch.launcher.lighthouse_host import HostedLighthouse, JobLighthouse, LaunchError
 from ftlaunch.launcher.lighthouse_keeper import LighthouseKeeper
 from ftlaunch.launcher.logdisk import LogDiskWatch
@@ -58,7 +58,8 @@ from ftlaunch.lighthouse.timeline import AGENT, GAVE_UP, HANG, REJOIN, TAKEOVER
 
 logger = logging.getLogger(__name__)
 
-#: Exit codes of ``ftlaunch`` (besides 128+N: stopped by signal N).
+#: Exit codes of ``ftlaunch`` (besides 128+N: stopped by signal N). A bad setting is `EXIT_USAGE`
+#: whether the launcher refused it or a worker ended on it (`group.configuration_stop`).
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
@@ -473,6 +474,14 @@ class Supervisor:
             self.console.err(f"[ftlaunch] replica group {group.gid}: {stopped}; killed (--kill-stopped)")
         elif kind == "worker_exit":
             restart = int(ev.get("restart", group.generation))
+            misconfigured = ev.get("configuration_error")
+            if isinstance(misconfigured, str) and not group.terminal:
+                cause = group.worker_misconfigured(
+                    int(ev.get("pid", -1)), ev.get("rank"), restart, misconfigured, now
+                )
+                self._timeline.failed(group.gid, now, cause, GAVE_UP)
+                self.console.err(f"[ftlaunch] {cause}; stopping the job (a restart cannot fix a setting)")
+                return
             how = f"killed by {ev['signal']}" if "signal" in ev else f"exited with code {ev.get('exitcode')}"
             failure = group.worker_exited(
                 int(ev.get("pid", -1)), ev.get("rank"), restart, ev.get("failed"), how, now
@@ -591,6 +600,11 @@ class Supervisor:
             self._chaos.forget(group.gid)
 
     def _finished(self) -> int | None:
+        misconfigured = configuration_stop(self.groups)
+        if misconfigured is not None:
+            self._exit_root_cause = misconfigured
+            self._kill_job()
+            return EXIT_USAGE
         alive = [g for g in self.groups if g.state != FAILED]
         if len(alive) < self.opts.min_replicas:
             self._exit_root_cause = (
@@ -623,6 +637,22 @@ class Supervisor:
             self._exit_root_cause = self._causes(unsynced)
             return EXIT_FAILED
         return EXIT_OK
+
+    def _kill_job(self) -> None:
+        """SIGKILL every agent and every process of every group now. For a job that cannot go on
+        (`configuration_stop`) there is nothing for a graceful stop to save, and it would be slow:
+        the agents are then busy with their own workers' failure, where torchelastic's log tailer
+        swallows the SIGTERM (its ``except Exception`` catches the SignalException) and restarts the
+        group before the grace period ends in a SIGKILL anyway."""
+        victims = [p for g in self.groups for p in self._group_processes(g)]
+        for agent in self._agents.values():
+            if agent.proc.poll() is None:
+                with contextlib.suppress(psutil.Error):
+                    victims.append(psutil.Process(agent.proc.pid))
+        procs.kill_procs(victims, timeout=5.0)
+        for group in self.groups:
+            group.stopped_by_launcher()
+            group.worker_pids = {}
 
     def _causes(self, groups: list[Group] | None = None) -> str:
         if groups is None:

@@ -507,13 +507,13 @@ def test_nothing_ftlaunch_logs_after_the_one_line_buries_it() -> None:
     [
         (
             {env.REPLICA_GROUP_ID: "abc"},
-            2,
-            "train_ddp.py: environment variable REPLICA_GROUP_ID='abc' is not an integer",
+            1,
+            "ftlaunch: configuration error: environment variable REPLICA_GROUP_ID='abc' is not an integer",
         ),
         (
             {env.REPLICA_GROUP_ID: "0", env.FTLAUNCH_HEAL_CLAIMS: "maybe"},
-            2,
-            "FTLAUNCH_HEAL_CLAIMS='maybe' is not a flag",
+            1,
+            "ftlaunch: configuration error: environment variable FTLAUNCH_HEAL_CLAIMS='maybe' is not a flag",
         ),
         ({env.REPLICA_GROUP_ID: "0"}, 1, "ftlaunch: error: lighthouse http://127.0.0.1:"),
     ],

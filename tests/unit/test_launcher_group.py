@@ -3,7 +3,19 @@ sends, in one process: one failure is one count however many reports of it arriv
 
 from __future__ import annotations
 
-from ftlaunch.launcher.group import FAILED, RUNNING, STARTING, SUCCEEDED, Group, describe_root_cause
+import json
+import tempfile
+
+from ftlaunch.errors import ConfigurationError, configuration_error_in, error_record
+from ftlaunch.launcher.group import (
+    FAILED,
+    RUNNING,
+    STARTING,
+    SUCCEEDED,
+    Group,
+    configuration_stop,
+    describe_root_cause,
+)
 
 KILLED = "killed by SIGKILL"
 
@@ -100,6 +112,54 @@ def test_restarts_exhausted_is_reported_but_not_counted_again() -> None:
     assert outcome.report == "workers failed, no restarts left" and not outcome.respawn
     assert g.state == FAILED and g.failures == 1
     assert g.root_cause == "replica group 0 failed: rank 0 (pid 100) exited with code 1: ValueError: boom"
+
+
+def test_a_worker_ending_on_a_configuration_error_fails_its_group_and_stops_the_job() -> None:
+    """Whatever the restarts left, spares or --min-replicas: the next attempt would read the same
+    setting. Every other failure leaves the decision to the restarts."""
+    groups = [running(0, {0: 100, 1: 101}), running(1, {0: 200})]
+    groups[1].worker_exited(200, 0, 0, True, "exited with code 1", now=0.5)
+    assert configuration_stop(groups) is None
+    bad = "FTLAUNCH_BACKEND='mpi' is not one of ..."
+    cause = groups[0].worker_misconfigured(101, 1, 0, bad, now=1.0)
+    assert cause == f"replica group 0 rank 1 (pid 101): configuration error: {bad}"
+    assert groups[0].state == FAILED and groups[0].failures == 1 and groups[0].worker_pids == {0: 100}
+    assert configuration_stop(groups) == cause
+    # Its siblings' exits (torchelastic stops them) are the same failure.
+    assert groups[0].worker_exited(100, 0, 0, True, KILLED, now=1.1) is None
+    assert groups[0].failures == 1 and configuration_stop(groups) == cause
+
+
+def _recorded(exc: BaseException) -> object:
+    """``exc`` through the error file, as the agent reads it: JSON text and back."""
+    return json.loads(json.dumps(error_record(exc, "Traceback ...", 1700000000)))
+
+
+def test_the_error_file_says_configuration_error_only_for_one() -> None:
+    record = _recorded(ConfigurationError("FTLAUNCH_TIMEOUT='-1' is out of range"))
+    assert configuration_error_in(record) == "FTLAUNCH_TIMEOUT='-1' is out of range"
+    # torchelastic's layout, which its ProcessFailure parses (message and timestamp).
+    assert isinstance(record, dict)
+    assert record["message"]["message"] == "ConfigurationError: FTLAUNCH_TIMEOUT='-1' is out of range"
+    assert int(record["message"]["extraInfo"]["timestamp"]) == 1700000000
+    assert configuration_error_in(_recorded(ValueError("boom"))) is None
+    # What torchelastic's own @record writes, a plain message, garbage: not ours.
+    plain = {"message": {"message": "ConfigurationError: x", "extraInfo": {"timestamp": "1"}}}
+    for other in (plain, {"message": "ConfigurationError: x"}, [], None, "text"):
+        assert configuration_error_in(other) is None
+
+
+def test_a_torchelastic_failure_reads_the_record() -> None:
+    """torchelastic's agent parses the record as one of its own error files (the root cause it
+    reports, under torchrun too)."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
+        json.dump(_recorded(ConfigurationError("bad setting")), f)
+        f.flush()
+        failure = ProcessFailure(local_rank=0, pid=1, exitcode=1, error_file=f.name)
+    assert failure.message["message"] == "ConfigurationError: bad setting"
+    assert failure.timestamp == 1700000000
 
 
 def test_success() -> None:
