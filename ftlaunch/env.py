@@ -452,6 +452,16 @@ def inherited() -> dict[str, str]:
     return dict(os.environ)
 
 
+def mirror(environ: Mapping[str, str]) -> None:
+    """Make this process's environment exactly ``environ`` (a Baby child takes its worker's, which
+    the script may have changed after the child was forked: ``NCCL_*``, ``GLOO_*``)."""
+    for key in [k for k in os.environ if k not in environ]:
+        del os.environ[key]
+    for key, value in environ.items():
+        if os.environ.get(key) != value:
+            os.environ[key] = value
+
+
 # ================================================================ the launcher's and a process's
 #: Log levels ``LOGLEVEL`` accepts.
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")

@@ -23,7 +23,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.reduction import recvfds
 from typing import Any
 
-from ftlaunch import phases
+from ftlaunch import env, phases
 from ftlaunch.lifetime import die_with_parent
 
 logger = logging.getLogger("ftlaunch.process_group.baby_child")
@@ -133,7 +133,10 @@ class _Server:
 
         self._timeout = timeout
         if environ is not None:
-            _mirror_environment(environ)
+            # The worker's environment when it configured: what a backend reads when it builds
+            # its first communicator (NCCL_*, GLOO_*) is then the worker's, even for a child
+            # started before the script set it. A CUDA context, once made, stays as it was.
+            env.mirror(environ)
         try:
             if self._pg is None:
                 if self._backend == "gloo":
@@ -238,17 +241,6 @@ class _Server:
             else:
                 self._reply(req, None)
             del item, work, _tensors
-
-
-def _mirror_environment(environ: dict[str, str]) -> None:
-    """Make this process's environment the worker's: what a backend reads when it builds its first
-    communicator (``NCCL_*``, ``GLOO_*``) is then what the worker has, even for a child started
-    before the script set it. Nothing read at start-up changes (a CUDA context, once made, stays)."""
-    for key in [k for k in os.environ if k not in environ]:
-        del os.environ[key]
-    for key, value in environ.items():
-        if os.environ.get(key) != value:
-            os.environ[key] = value
 
 
 def _classify(e: BaseException) -> tuple[str, str]:

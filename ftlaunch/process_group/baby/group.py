@@ -23,7 +23,6 @@ a child.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import weakref
 from datetime import timedelta
@@ -45,6 +44,7 @@ from torch._C._distributed_c10d import (
     ScatterOptions,
 )
 
+from ftlaunch import env
 from ftlaunch.bootstrap import prestart
 from ftlaunch.errors import CommunicationError
 from ftlaunch.process_group.baby.handle import Child
@@ -214,7 +214,7 @@ class ProcessGroupBaby(ProcessGroup):
                             device,
                             # The worker's environment now: a child started before the script
                             # (prestart) lacks what the script set since (NCCL_*, GLOO_*).
-                            dict(os.environ),
+                            env.inherited(),
                         ),
                         self._timeout,
                     )
