@@ -1802,7 +1802,7 @@ CHECKS = (
         "DiLoCo with CUDA parameters, 2 groups via `ftlaunch`; a SIGKILLed group heals and every sync's "
         "global and outer state agree",
         check_diloco,
-        60,
+        90,
         150,
     ),
     Check(
@@ -1810,7 +1810,7 @@ CHECKS = (
         "live recovery over the HTTP transport with CUDA state: DDP, 2 groups via `ftlaunch`, a "
         "SIGKILLed group heals bit-identical",
         check_http,
-        60,
+        90,
         150,
     ),
     Check(
@@ -1818,7 +1818,7 @@ CHECKS = (
         "LocalSGD with durable checkpoints of CUDA state: the whole job SIGKILLed, the same command "
         "resumes and ends bit-identical to an uninterrupted run",
         check_durable,
-        90,
+        120,
         200,
     ),
     Check(

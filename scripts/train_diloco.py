@@ -21,6 +21,7 @@ group ends bit-identical, also the ones that were killed, restarted and healed.
 Launch::
 
     ftlaunch --replicas 3 --chaos every=10 scripts/train_diloco.py
+    ftlaunch --replicas 2 scripts/train_diloco.py --device cuda   # each worker on its GPU, Baby NCCL
     torchx run -s local_cwd ftlaunch:diloco --replicas 3 --sync_every 20 --script scripts/train_diloco.py
 """
 
