@@ -1643,13 +1643,15 @@ def check_durable(ctx: Ctx) -> list[Result]:
     job = ctx.start(command(True))
 
     def saved_after() -> int | None:
-        """The newest checkpoint both groups also saved their own state of, once a step after it
-        committed (the kill then loses trained steps: the resume must not repeat or skip any)."""
+        """The oldest checkpoint on disk that both groups also saved their own state of, once a
+        step after it committed (the kill then loses trained steps: the resume must neither repeat
+        nor skip one). Not the newest: a checkpoint of step S appears after the sync of inner step
+        (S - 1) x sync, and the next one is due by the time the step after S x sync commits."""
         done = complete_checkpoints(ckpt)
         both = [c for c in done if all(c in complete_checkpoints(ckpt / f"group-{g}") for g in (0, 1))]
         steps = [int(m[2]) for m in STEP_LINE.findall(job.text()) if m[3] == "True"]
-        if both and steps and max(steps) > both[-1] * s.durable_sync:
-            return both[-1]
+        if both and steps and max(steps) > both[0] * s.durable_sync:
+            return both[0]
         return None
 
     saved = None
