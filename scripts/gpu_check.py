@@ -69,6 +69,7 @@ SHARE_GPU = "GPU_CHECK_SHARE_GPU"
 RESULT = "GPUCHECK"
 TRAIN_DDP = REPO / "scripts" / "train_ddp.py"
 TRAIN_HSDP = REPO / "scripts" / "train_hsdp.py"
+TRAIN_DILOCO = REPO / "scripts" / "train_diloco.py"
 #: Device memory a run may leave above what it found (MiB): a leaked CUDA context is 300+ MiB.
 MEMORY_TOLERANCE_MIB = 128
 
@@ -685,6 +686,21 @@ class Sizes:
     hsdp_args: tuple[str, ...]
     hsdp_steps: int
     hsdp_kill_at: int
+    #: train_diloco.py's arguments for the `diloco` check (inner steps; a sync every so many), the
+    #: sync (the Manager's step) group 1 is killed at.
+    diloco_args: tuple[str, ...]
+    diloco_steps: int
+    diloco_kill_at: int
+    #: train_ddp.py over the HTTP transport: steps, the step of the kill, the MLP's width.
+    http_steps: int
+    http_kill_at: int
+    http_width: int
+    #: LocalSGD (train_diloco.py) with durable checkpoints: its arguments, inner steps, the sync
+    #: interval and the checkpoint interval (in syncs, the Manager's steps).
+    durable_args: tuple[str, ...]
+    durable_steps: int
+    durable_sync: int
+    durable_every: int
     #: Steps skipped at the start of a step-time median (warm-up: allocator, NCCL, first quorums).
     warm_steps: int
 
@@ -703,6 +719,16 @@ GPU_SIZES = Sizes(
     hsdp_args=("--d-model", "256", "--layers", "4", "--heads", "4", "--seq-len", "128", "--batch-size", "8"),
     hsdp_steps=40,
     hsdp_kill_at=15,
+    diloco_args=("--width", "512", "--batch-size", "64", "--sync-every", "10", "--step-sleep", "0.01"),
+    diloco_steps=160,
+    diloco_kill_at=6,
+    http_steps=60,
+    http_kill_at=25,
+    http_width=1024,
+    durable_args=("--width", "512", "--batch-size", "64", "--step-sleep", "0.1"),
+    durable_steps=48,
+    durable_sync=4,
+    durable_every=2,
     warm_steps=10,
 )
 CPU_SIZES = Sizes(
@@ -719,6 +745,16 @@ CPU_SIZES = Sizes(
     hsdp_args=("--d-model", "32", "--layers", "2", "--heads", "2", "--seq-len", "32", "--batch-size", "2"),
     hsdp_steps=10,
     hsdp_kill_at=4,
+    diloco_args=("--width", "64", "--batch-size", "16", "--sync-every", "6", "--step-sleep", "0.01"),
+    diloco_steps=60,
+    diloco_kill_at=4,
+    http_steps=30,
+    http_kill_at=12,
+    http_width=64,
+    durable_args=("--width", "64", "--batch-size", "16", "--step-sleep", "0.1"),
+    durable_steps=40,
+    durable_sync=4,
+    durable_every=2,
     warm_steps=5,
 )
 
@@ -1190,6 +1226,7 @@ INIT_LINE = re.compile(
     r"backend (\S+), transport \S+, device (\S+)",
     re.M,
 )
+INIT_TRANSPORT = re.compile(r"^\[rg\d+/r\d+\] .*ftlaunch\.init: .*, transport (\S+), device ", re.M)
 HEAL_LINE = re.compile(r"^\[rg1/r(\d+)\] .*healing from rg0 at step (\d+)", re.M)
 PLAIN_LINE = re.compile(r"^plain rank=0 step=(\d+) loss=\S+ ms=\S+ t=([\d.]+)", re.M)
 
@@ -1224,12 +1261,12 @@ def recovery_phases(phase_log: Path, group: int = 1) -> dict[str, float]:
     return out
 
 
-def judge_training(
-    gpu: bool, rc: int, text: str, groups: int, workers: int, steps: int, kill_at: int
+def judge_run(
+    gpu: bool, rc: int, text: str, groups: int, workers: int, steps: int, transport: str | None = None
 ) -> tuple[list[str], dict[str, Any]]:
-    """What every launcher run must show: clean exit, the expected backend and device, both groups
-    stepping together, the killed group restarted from the standby and healed, every rank ending
-    with the same checksum, finite losses, and no worker in a bad fork."""
+    """What every launcher run must show, failure or not: clean exit, the expected backend, device
+    (and ``transport`` when given), every rank ending at ``steps`` with the same checksum, finite
+    losses, and no worker in a bad fork."""
     problems: list[str] = []
     facts: dict[str, Any] = {}
     if rc != 0:
@@ -1242,6 +1279,47 @@ def judge_training(
         problems.append("no worker logged ftlaunch.init")
     if wrong_init:
         problems.append(f"workers used {sorted(wrong_init)}, not {want_backend} on {want_dev}")
+    if transport is not None:
+        used = sorted(set(INIT_TRANSPORT.findall(text)))
+        if used != [transport]:
+            problems.append(f"workers used the transport(s) {used}, not {transport}")
+    for p in (r for r in results_in(text) if r.get("worker") == "train"):
+        if p["bad_fork"] or p["cuda_initialized_at_start"]:
+            who = f"rg{p.get('_group')}/r{p.get('_rank')} (restart {p['restart']})"
+            problems.append(f"{who} inherited initialised CUDA from the process it was forked from")
+    sums = CHECKSUM_LINE.findall(text)
+    facts["checksums"] = sorted({c for _, _, c, _ in sums})
+    ranks = {(int(g), int(r)) for g, r, _, _ in sums}
+    if len(ranks) < groups * workers:
+        problems.append(f"final checksums from {len(ranks)} ranks only")
+    if len(facts["checksums"]) > 1:
+        problems.append(f"ranks ended with different checksums {facts['checksums']}")
+    if any(int(s) != steps for _, _, _, s in sums):
+        problems.append(f"not every rank ended at step {steps}")
+    last_loss = {}
+    for g, r, _s, _c, _n, loss, _t in STEP_LINE.findall(text):
+        last_loss[(g, r)] = loss
+    facts["last_loss"] = last_loss
+    if any(not _finite(v) for v in last_loss.values()):
+        problems.append(f"non-finite final losses {last_loss}")
+    if "Duplicate GPU" in text:
+        problems.append("NCCL: Duplicate GPU detected (the per-process NCCL_HOSTID did not take)")
+    return problems, facts
+
+
+def judge_training(
+    gpu: bool,
+    rc: int,
+    text: str,
+    groups: int,
+    workers: int,
+    steps: int,
+    kill_at: int,
+    transport: str | None = None,
+) -> tuple[list[str], dict[str, Any]]:
+    """What a launcher run with a SIGKILLed group must show: `judge_run`'s, and both groups stepping
+    together, the killed group restarted from the standby and healed."""
+    problems, facts = judge_run(gpu, rc, text, groups, workers, steps, transport)
     probes = [r for r in results_in(text) if r.get("worker") == "train"]
     restarted = [p for p in probes if p.get("_group") == 1 and p["restart"] >= 1]
     first = [p for p in probes if p["restart"] == 0]
@@ -1253,13 +1331,10 @@ def judge_training(
     if len(restarted) < workers:
         problems.append(f"{len(restarted)} restarted worker(s) of group 1 seen, expected {workers}")
     for p in probes:
-        who = f"rg{p.get('_group')}/r{p.get('_rank')} (restart {p['restart']})"
         if p["restart"] >= 1 and not p["standby"]:
+            who = f"rg{p.get('_group')}/r{p.get('_rank')} (restart {p['restart']})"
             problems.append(f"{who} was not forked by the warm standby")
-        if p["bad_fork"] or p["cuda_initialized_at_start"]:
-            problems.append(f"{who} inherited initialised CUDA from the process it was forked from")
-    steps_seen = STEP_LINE.findall(text)
-    together = [s for s in steps_seen if s[3] == "True" and s[4] == str(groups)]
+    together = [s for s in STEP_LINE.findall(text) if s[3] == "True" and s[4] == str(groups)]
     facts["steps_together"] = len({int(s[2]) for s in together})
     if not together:
         problems.append(f"no step committed by {groups} groups together")
@@ -1267,22 +1342,6 @@ def judge_training(
     facts["healed_at"] = min(heals) if heals else None
     if not heals:
         problems.append(f"group 1 did not heal from group 0 after the kill at step {kill_at}")
-    sums = CHECKSUM_LINE.findall(text)
-    facts["checksums"] = sorted({c for _, _, c, _ in sums})
-    ranks = {(int(g), int(r)) for g, r, _, _ in sums}
-    if len(ranks) < groups * workers:
-        problems.append(f"final checksums from {len(ranks)} ranks only")
-    if len(facts["checksums"]) > 1:
-        problems.append(f"ranks ended with different checksums {facts['checksums']}")
-    if any(int(s) != steps for _, _, _, s in sums):
-        problems.append(f"not every rank ended at step {steps}")
-    last_loss = {}
-    for g, r, _s, _c, _n, loss, _t in steps_seen:
-        last_loss[(g, r)] = loss
-    if any(not _finite(v) for v in last_loss.values()):
-        problems.append(f"non-finite final losses {last_loss}")
-    if "Duplicate GPU" in text:
-        problems.append("NCCL: Duplicate GPU detected (the per-process NCCL_HOSTID did not take)")
     return problems, facts
 
 
@@ -1453,6 +1512,203 @@ def check_hsdp(ctx: Ctx) -> list[Result]:
     return results
 
 
+SYNC_LINE = re.compile(
+    r"^\[rg(\d+)/r\d+\] step=(\d+) committed=True participants=2 .* syncs=\d+ global=(\w+) outer=(\w+)", re.M
+)
+
+
+def check_diloco(ctx: Ctx) -> list[Result]:
+    s = ctx.sizes
+    phase_log = ctx.tmp / "diloco_phases.jsonl"
+    device = "cuda" if ctx.gpu else "cpu"
+    cmd = ctx.launcher(
+        "--replicas", "2", "--min-replicas", "2", "--chaos", f"steps={s.diloco_kill_at},group=1",
+        str(HERE), "--worker", "train", str(TRAIN_DILOCO), "--device", device, "--algorithm", "diloco",
+        "--steps", str(s.diloco_steps), *s.diloco_args, "--timeout", "30",
+    )  # fmt: skip
+    try:
+        rc, text = ctx.run(cmd, "ftlaunch with train_diloco.py", {env.FTLAUNCH_PHASE_LOG: str(phase_log)})
+    except CheckTimeout as e:
+        raise CheckTimeout(f"{e}; {where_it_stood(e.text, phase_log)}") from None
+    problems, facts = judge_training(ctx.gpu, rc, text, 2, 1, s.diloco_steps, s.diloco_kill_at)
+    # At every sync both groups committed, they hold the same global parameters and outer
+    # optimizer state (the healed group too, from its first sync after the heal).
+    states: dict[int, set[tuple[str, str]]] = {}
+    for _g, step, glob, outer in SYNC_LINE.findall(text):
+        states.setdefault(int(step), set()).add((glob, outer))
+    differ = sorted(step for step, st in states.items() if len(st) > 1)
+    if not states:
+        problems.append("no sync line with the global state committed by both groups")
+    if differ:
+        problems.append(f"the groups' global or outer state differed after the syncs of steps {differ[:5]}")
+    ph = recovery_phases(phase_log)
+    pg = "Baby NCCL, CUDA parameters on one GPU" if ctx.gpu else "Baby Gloo, CPU"
+    figure = (
+        f"DiLoCo, 2 groups x 1 worker ({pg}) through `ftlaunch --replicas 2 --min-replicas 2 --chaos "
+        f"steps={s.diloco_kill_at},group=1`: {facts['steps_together']} syncs committed by both, global and "
+        f"outer state identical at {len(states) - len(differ)} of {len(states)}; rg1 SIGKILLed, restarted by "
+        f"the standby, healed at sync {facts['healed_at']}, {s.diloco_steps} inner steps, checksums "
+        f"{'/'.join(facts['checksums']) or '-'}; "
+        + (f"kill -> first commit {ph['first_commit']:.2f} s" if "first_commit" in ph else "no first commit")
+    )
+    return [Result("diloco", "FAIL" if problems else "PASS", _verdict(problems, figure))]
+
+
+def _verdict(problems: list[str], figure: str) -> str:
+    return "; ".join(problems) + f" [{figure}]" if problems else figure
+
+
+def check_http(ctx: Ctx) -> list[Result]:
+    s = ctx.sizes
+    phase_log = ctx.tmp / "http_phases.jsonl"
+    device = "cuda" if ctx.gpu else "cpu"
+    cmd = ctx.launcher(
+        "--replicas", "2", "--min-replicas", "2", "--chaos", f"steps={s.http_kill_at},group=1",
+        str(HERE), "--worker", "train", str(TRAIN_DDP), "--device", device, "--transport", "http",
+        "--steps", str(s.http_steps), "--width", str(s.http_width), "--batch-size", str(s.ddp_batch),
+        "--lr", "0.001", "--timeout", "30",
+    )  # fmt: skip
+    try:
+        rc, text = ctx.run(
+            cmd, "ftlaunch with train_ddp.py --transport http", {env.FTLAUNCH_PHASE_LOG: str(phase_log)}
+        )
+    except CheckTimeout as e:
+        raise CheckTimeout(f"{e}; {where_it_stood(e.text, phase_log)}") from None
+    problems, facts = judge_training(ctx.gpu, rc, text, 2, 1, s.http_steps, s.http_kill_at, transport="http")
+    ph = recovery_phases(phase_log)
+    heal = (
+        f", the heal {ph['healed'] - ph['configured']:.2f} s" if "healed" in ph and "configured" in ph else ""
+    )
+    pg = "CUDA state, Baby NCCL" if ctx.gpu else "CPU state, Baby Gloo"
+    figure = (
+        f"DDP, 2 groups x 1 worker ({pg}), live recovery over HTTP, MLP 3x{s.http_width}: rg1 SIGKILLed at "
+        f"step {s.http_kill_at}, restarted by the standby, healed at step {facts['healed_at']}, "
+        f"{facts['steps_together']} steps by both, {s.http_steps} steps, checksums "
+        f"{'/'.join(facts['checksums']) or '-'}; "
+        + (
+            f"kill -> first commit {ph['first_commit']:.2f} s{heal}"
+            if "first_commit" in ph
+            else "no first commit"
+        )
+    )
+    return [Result("http", "FAIL" if problems else "PASS", _verdict(problems, figure))]
+
+
+CKPT_NAME = re.compile(r"^step-(\d+)$")  # a complete durable checkpoint (`.tmp` while written)
+RESUMED_LINE = re.compile(r"resumed from durable checkpoint (\S+) \(step (\d+)\)")
+
+
+def complete_checkpoints(directory: Path) -> list[int]:
+    """Steps of the complete durable checkpoints in ``directory`` (ascending), from their names."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    return sorted(int(m[1]) for n in names if (m := CKPT_NAME.match(n)))
+
+
+def kill_job(pid: int) -> int:
+    """SIGKILL ``pid`` and everything under it at once, as when the job's node is lost: stopped
+    first (nothing forks, exits or is reaped meanwhile), then killed. Returns how many."""
+    pids = [pid, *descendants(pid)]
+    for p in pids:
+        with contextlib.suppress(OSError):
+            os.kill(p, signal.SIGSTOP)
+    pids = list(dict.fromkeys([*pids, *descendants(pid)]))  # forked before the stop reached them
+    for p in pids:
+        with contextlib.suppress(OSError):
+            os.kill(p, signal.SIGKILL)
+    return len(pids)
+
+
+def check_durable(ctx: Ctx) -> list[Result]:
+    """LocalSGD with durable checkpoints: the whole job SIGKILLed after a checkpoint, the same
+    command run again resumes from it and ends bit-identical to a run that was never interrupted
+    (started beside the first; deterministic data)."""
+    s = ctx.sizes
+    device = "cuda" if ctx.gpu else "cpu"
+    ckpt = ctx.tmp / "durable_ckpt"
+    ckpt.mkdir(parents=True, exist_ok=True)
+
+    def command(durable: bool) -> list[str]:
+        every = ["--checkpoint-dir", str(ckpt), "--checkpoint-every", str(s.durable_every)] if durable else []
+        return ctx.launcher(
+            "--replicas", "2", "--min-replicas", "2", *every,
+            str(HERE), "--worker", "train", str(TRAIN_DILOCO), "--device", device, "--algorithm", "local_sgd",
+            "--steps", str(s.durable_steps), "--sync-every", str(s.durable_sync), *s.durable_args,
+            "--timeout", "30",
+        )  # fmt: skip
+
+    reference = ctx.start(command(False))
+    job = ctx.start(command(True))
+
+    def saved_after() -> int | None:
+        """The oldest checkpoint on disk that both groups also saved their own state of, once a
+        step after it committed (the kill then loses trained steps: the resume must neither repeat
+        nor skip one). Not the newest: a checkpoint of step S appears after the sync of inner step
+        (S - 1) x sync, and the next one is due by the time the step after S x sync commits."""
+        done = complete_checkpoints(ckpt)
+        both = [c for c in done if all(c in complete_checkpoints(ckpt / f"group-{g}") for g in (0, 1))]
+        steps = [int(m[2]) for m in STEP_LINE.findall(job.text()) if m[3] == "True"]
+        if both and steps and max(steps) > both[0] * s.durable_sync:
+            return both[0]
+        return None
+
+    saved = None
+    while saved is None and job.poll() is None:
+        if ctx.left() <= 0:
+            dump_stacks(ctx.started)
+            end_processes(ctx.run_id, ctx.started, grace=8.0)
+            raise CheckTimeout("no durable checkpoint with a step after it by the deadline", job.text())
+        saved = saved_after()
+        time.sleep(0.1)
+    if saved is None:
+        raise CheckFailed(
+            f"the job ended (exit {job.poll()}) before a durable checkpoint and a step after it"
+        )
+    killed = kill_job(job.pid)
+    ctx.note(f"[gpu_check] SIGKILLed the whole job: {killed} processes, after the checkpoint of step {saved}")
+    ctx.wait(job, "the killed job")
+    first_text = job.text()
+    if CHECKSUM_LINE.search(first_text):
+        raise CheckFailed("the job ended before the kill (a final checksum was printed)")
+    newest = complete_checkpoints(ckpt)[-1]
+
+    rc, text = ctx.run(command(True), "the resumed job")
+    rc_ref = ctx.wait(reference, "the uninterrupted job")
+    problems, facts = judge_run(ctx.gpu, rc, text, 2, 1, s.durable_steps)
+    ref_problems, ref = judge_run(ctx.gpu, rc_ref, reference.text(), 2, 1, s.durable_steps)
+    problems += [f"uninterrupted run: {p}" for p in ref_problems]
+    resumed = sorted({int(m[2]) for m in RESUMED_LINE.finditer(text)})
+    if not resumed:
+        problems.append("no group logged that it resumed from a durable checkpoint")
+    elif resumed != [newest]:
+        problems.append(f"resumed from the checkpoint(s) of steps {resumed}, not the newest, {newest}")
+    firsts = [int(m[2]) for m in STEP_LINE.findall(text) if m[3] == "True"]
+    # A checkpoint of the Manager's step S is taken right after the sync that committed it: the
+    # job's (S - 1)st sync, whose line counts (S - 1) x sync inner steps; the next line is S x sync.
+    want_first = newest * s.durable_sync
+    if firsts and min(firsts) != want_first:
+        problems.append(f"the resumed job's first sync was at inner step {min(firsts)}, not {want_first}")
+    if facts["checksums"] and ref["checksums"] and facts["checksums"] != ref["checksums"]:
+        problems.append(
+            f"the resumed job ended with {'/'.join(facts['checksums'])}, the uninterrupted one with "
+            f"{'/'.join(ref['checksums'])}"
+        )
+    losses = "/".join(sorted(set(facts["last_loss"].values()))) or "-"
+    pg = "CUDA state, Baby NCCL" if ctx.gpu else "CPU state, Baby Gloo"
+    figure = (
+        f"LocalSGD, 2 groups x 1 worker ({pg}), `--checkpoint-every {s.durable_every}` (syncs of "
+        f"{s.durable_sync} steps): whole job SIGKILLed ({killed} processes) with the checkpoint of step "
+        f"{newest} on disk; the same command resumed from step {'/'.join(map(str, resumed)) or '-'}, "
+        f"first sync at inner step {min(firsts) if firsts else '-'}, ended at {s.durable_steps} with "
+        f"checksums {'/'.join(facts['checksums']) or '-'} "
+        f"(uninterrupted run: {'/'.join(ref['checksums']) or '-'}), "
+        f"last losses {losses}"
+    )
+    return [Result("durable", "FAIL" if problems else "PASS", _verdict(problems, figure))]
+
+
 def check_gpu_clean(ctx: Ctx) -> list[Result]:
     before = ctx.info.get("memory_start")
     if before is None:
@@ -1542,6 +1798,30 @@ CHECKS = (
         180,
         150,
         also=("hsdp-1-worker",),
+    ),
+    Check(
+        "diloco",
+        "DiLoCo with CUDA parameters, 2 groups via `ftlaunch`; a SIGKILLed group heals and every sync's "
+        "global and outer state agree",
+        check_diloco,
+        90,
+        150,
+    ),
+    Check(
+        "http",
+        "live recovery over the HTTP transport with CUDA state: DDP, 2 groups via `ftlaunch`, a "
+        "SIGKILLed group heals bit-identical",
+        check_http,
+        90,
+        150,
+    ),
+    Check(
+        "durable",
+        "LocalSGD with durable checkpoints of CUDA state: the whole job SIGKILLed, the same command "
+        "resumes and ends bit-identical to an uninterrupted run",
+        check_durable,
+        120,
+        200,
     ),
     Check(
         "gpu-clean",

@@ -21,6 +21,7 @@ group ends bit-identical, also the ones that were killed, restarted and healed.
 Launch::
 
     ftlaunch --replicas 3 --chaos every=10 scripts/train_diloco.py
+    ftlaunch --replicas 2 scripts/train_diloco.py --device cuda   # each worker on its GPU, Baby NCCL
     torchx run -s local_cwd ftlaunch:diloco --replicas 3 --sync_every 20 --script scripts/train_diloco.py
 """
 
@@ -77,6 +78,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="every group starts from the same seed (and init_sync=False): for equivalence tests",
     )
+    p.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="cuda: the worker's GPU (LOCAL_RANK, modulo the GPUs visible); Baby NCCL across groups by "
+        "default",
+    )
     p.add_argument("--backend", choices=["baby-gloo", "gloo", "baby-nccl", "nccl"], default=None)
     p.add_argument("--transport", choices=["pg", "http"], default=None)
     p.add_argument("--timeout", type=float, default=None, help="the one timeout knob in seconds")
@@ -111,10 +119,21 @@ def make_dataset(size: int, seed: int = 8) -> torch.utils.data.TensorDataset:
     return torch.utils.data.TensorDataset(x, torch.tanh(x @ w1) @ w2)
 
 
+def device_of(args: argparse.Namespace) -> torch.device:
+    """This worker's device: with ``--device cuda`` its GPU, ``LOCAL_RANK`` modulo the GPUs visible
+    (workers share a GPU when there are fewer GPUs than workers, as ``scripts/gpu_check.py`` does)."""
+    if args.device == "cuda":
+        index = (env.count(env.LOCAL_RANK, 0) or 0) % max(1, torch.cuda.device_count())
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+    return torch.device("cpu")
+
+
 @torch.no_grad()
 def eval_loss(model: nn.Module, params: list[torch.Tensor] | None = None) -> float:
     """Loss on held-out data, with ``params`` (DiLoCo's global parameters) in the model if given."""
-    x, y = make_dataset(2048, seed=99).tensors
+    device = next(model.parameters()).device
+    x, y = (t.to(device) for t in make_dataset(2048, seed=99).tensors)
     saved = [p.detach().clone() for p in model.parameters()]
     if params is not None:
         for p, v in zip(model.parameters(), params, strict=True):
@@ -171,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     log = logging.getLogger("train_diloco")
 
-    model = make_model(args.width, seed=1000 if args.same_init else 1000 + group)
+    device = device_of(args)
+    model = make_model(args.width, seed=1000 if args.same_init else 1000 + group).to(device)
     inner_kind = args.inner or ("adamw" if args.algorithm == "diloco" else "sgd")
     inner: torch.optim.Optimizer = (
         torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
@@ -244,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
                 if time.monotonic() > deadline:
                     log.error("gave up after %.0f s at job step %d", args.max_seconds, job_step())
                     return 3
+                x, y = x.to(device), y.to(device)
                 before = manager.current_step()
                 opt.zero_grad()
                 loss = loss_fn(net(x), y)

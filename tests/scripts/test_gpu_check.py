@@ -11,9 +11,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import signal
 import socket
 import sys
 import time
@@ -35,16 +37,28 @@ def verdicts(out: str) -> dict[str, tuple[str, str]]:
 
 
 # ------------------------------------------------------------------------------------------ end to end
-@pytest.mark.timeout(480)
+@pytest.mark.timeout(600)
 def test_cpu_mode_runs_every_check_that_can_and_skips_the_cuda_only_ones(tmp_path: Path) -> None:
     res = run(
-        [sys.executable, SCRIPT, "--cpu", "--budget", "420", "--log-dir", str(tmp_path / "logs")],
-        timeout=460,
+        [sys.executable, SCRIPT, "--cpu", "--budget", "540", "--log-dir", str(tmp_path / "logs")],
+        timeout=580,
     )
     out = res.stdout
     assert res.returncode == 0, out[-6000:] + res.stderr[-3000:]
     got = verdicts(out)
-    for name in ("env", "baby", "standby", "ddp", "ddp-step-time", "kill-to-commit", "hsdp"):
+    names = (
+        "env",
+        "baby",
+        "standby",
+        "ddp",
+        "ddp-step-time",
+        "kill-to-commit",
+        "hsdp",
+        "diloco",
+        "http",
+        "durable",
+    )
+    for name in names:
         assert got.get(name, ("missing",))[0] == "PASS", (name, out[-6000:])
     assert got["nccl-one-gpu"] == ("SKIP", "CUDA only (NCCL needs CUDA)")
     assert got["gpu-clean"] == ("SKIP", "CUDA only (no GPU)")
@@ -57,8 +71,20 @@ def test_cpu_mode_runs_every_check_that_can_and_skips_the_cuda_only_ones(tmp_pat
     assert re.search(r"= \d+\.\d\d \(Baby Gloo / torch Gloo", got["ddp-step-time"][1])
     assert re.search(r"20 reconfigures x 2 ranks .* 0 of \d+ child processes left", got["baby"][1])
     assert "2 groups x 2 worker(s)" in got["hsdp"][1]
-    assert "[gpu_check] summary: 7 passed, 0 failed, 3 skipped" in out
-    assert {p.name for p in (tmp_path / "logs").iterdir()} >= {"baby.log", "ddp.log", "hsdp.log"}
+    assert re.search(
+        r"global and outer state identical at (\d+) of \1;.* healed at sync \d+", got["diloco"][1]
+    )
+    assert re.search(r"over HTTP.* healed at step \d+, .* kill -> first commit \d+\.\d\d s", got["http"][1])
+    # Resumed from the newest checkpoint on disk, and ended as the run never interrupted did.
+    m = re.search(
+        r"with the checkpoint of step (\d+) on disk; the same command resumed from step \1, "
+        r".* checksums (\w+) \(uninterrupted run: \2\)",
+        got["durable"][1],
+    )
+    assert m, got["durable"][1]
+    assert "[gpu_check] summary: 10 passed, 0 failed, 3 skipped" in out
+    logs = {p.name for p in (tmp_path / "logs").iterdir()}
+    assert logs >= {"baby.log", "ddp.log", "hsdp.log", "diloco.log", "http.log", "durable.log"}
 
 
 @pytest.mark.timeout(120)
@@ -169,6 +195,66 @@ def test_a_good_run_passes_and_every_broken_property_is_named() -> None:
     assert any("restarted worker" in p for p in _judge(no_restart))
 
 
+def test_a_run_over_another_transport_than_asked_fails() -> None:
+    text = _run_text()  # every worker logged transport pg
+    assert gpu_check.judge_training(True, 0, text, 2, 1, 200, 80, transport="pg")[0] == []
+    problems = gpu_check.judge_training(True, 0, text, 2, 1, 200, 80, transport="http")[0]
+    assert problems == ["workers used the transport(s) ['pg'], not http"]
+
+
+def test_a_run_without_a_kill_is_judged_on_its_end_alone() -> None:
+    """The durable check's runs (the uninterrupted one, the resumed one): no restart, no heal to see."""
+    text = "\n".join(x for x in _run_text().splitlines() if '"restart": 1' not in x and "healing" not in x)
+    assert gpu_check.judge_run(True, 0, text, 2, 1, 200)[0] == []
+    assert any(
+        "different checksums" in p
+        for p in gpu_check.judge_run(True, 0, _run_text(checksums=("a", "b")), 2, 1, 200)[0]
+    )
+    assert any(
+        "not every rank ended at step 300" in p for p in gpu_check.judge_run(True, 0, text, 2, 1, 300)[0]
+    )
+    nan = text.replace(
+        "step=200 committed=True participants=2 loss=0.5", "step=200 committed=True participants=2 loss=nan"
+    )
+    assert any("non-finite" in p for p in gpu_check.judge_run(True, 0, nan, 2, 1, 200)[0])
+
+
+def test_only_complete_checkpoints_are_counted(tmp_path: Path) -> None:
+    for name in ("step-00000004", "step-00000002", "step-00000006.tmp", "group-0", "latest"):
+        (tmp_path / name).mkdir()
+    assert gpu_check.complete_checkpoints(tmp_path) == [2, 4]
+    assert gpu_check.complete_checkpoints(tmp_path / "absent") == []
+
+
+def test_killing_the_job_ends_it_and_everything_under_it_at_once(tmp_path: Path) -> None:
+    """A parent whose children start grandchildren in sessions of their own: all SIGKILLed."""
+    import subprocess
+
+    leaf = tmp_path / "leaf.py"  # a child that starts a grandchild in a session of its own
+    leaf.write_text(
+        "import subprocess, sys, time\n"
+        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)'], start_new_session=True)\n"
+        "time.sleep(300)\n"
+    )
+    tree = (
+        "import subprocess, sys, time\n"
+        f"kids = [subprocess.Popen([sys.executable, {str(leaf)!r}]) for _ in range(2)]\n"
+        "time.sleep(300)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", tree])
+    try:
+        wait_for(lambda: len(gpu_check.descendants(proc.pid)) == 4, 60, "the tree of 5 processes")
+        everyone = [proc.pid, *gpu_check.descendants(proc.pid)]
+        assert gpu_check.kill_job(proc.pid) == 5
+        assert proc.wait(timeout=10) == -9
+        wait_for(lambda: not any(gpu_check.alive(p) for p in everyone), 10, "every process of the tree gone")
+    finally:
+        for pid in [proc.pid, *gpu_check.descendants(proc.pid)]:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+
+
 def test_the_restarted_groups_phases_are_counted_from_the_kill_its_slowest_rank_last(tmp_path: Path) -> None:
     log = tmp_path / "phases.jsonl"
     recs = [
@@ -275,3 +361,20 @@ def test_train_ddp_picks_its_gpu_from_local_rank(monkeypatch) -> None:
     assert train_ddp.device_of(argparse.Namespace(device="cuda")) == torch.device("cuda", 1)
     assert chosen == [1]
     assert train_ddp.device_of(argparse.Namespace(device="cpu")) == torch.device("cpu")
+
+
+def test_train_diloco_picks_its_gpu_from_local_rank(monkeypatch) -> None:
+    """The same for scripts/train_diloco.py (the `diloco` and `durable` checks run it with CUDA)."""
+    import argparse
+
+    import torch
+    import train_diloco
+
+    chosen: list[int] = []
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    assert train_diloco.device_of(argparse.Namespace(device="cuda")) == torch.device("cuda", 0)
+    assert chosen == [0]
+    assert train_diloco.device_of(argparse.Namespace(device="cpu")) == torch.device("cpu")
+    assert train_diloco.parse_args(["--device", "cuda"]).device == "cuda"
