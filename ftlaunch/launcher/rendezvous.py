@@ -68,9 +68,10 @@ import dataclasses  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
 import os  # noqa: E402
-import shutil  # noqa: E402
+import secrets  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
+import weakref  # noqa: E402
 from collections.abc import Callable, Mapping  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 from datetime import timedelta  # noqa: E402
@@ -368,7 +369,10 @@ class FtlaunchRendezvousHandler(RendezvousHandler):
         self._standby: Standby | None = None
         #: Where this node's workers record a configuration error they end on (`_stop_if_misconfigured`);
         #: None under the `ftlaunch` supervisor, which reads their torchelastic error files itself.
-        self._error_dir: str | None = None
+        self._error_file: str | None = None
+        #: Removes ``_error_file`` at `shutdown`, or at the agent's exit where torch skips it (an agent
+        #: a signal ends does not shut its rendezvous down).
+        self._error_file_removal: weakref.finalize | None = None
 
     # torchelastic API
     def get_backend(self) -> str:
@@ -415,8 +419,11 @@ class FtlaunchRendezvousHandler(RendezvousHandler):
         """
         if self._supervised:
             return
-        self._error_dir = tempfile.mkdtemp(prefix="ftlaunch-rdzv-")
-        env.publish({env.FTLAUNCH_RENDEZVOUS_ERROR_FILE: os.path.join(self._error_dir, "error.json")})
+        # A name nobody can guess, and no directory: only a worker that ends on an error creates it.
+        name = f"ftlaunch-rdzv-{os.getpid()}-{secrets.token_hex(16)}.json"
+        self._error_file = os.path.join(tempfile.gettempdir(), name)
+        self._error_file_removal = weakref.finalize(self, _remove_file, self._error_file)
+        env.publish({env.FTLAUNCH_RENDEZVOUS_ERROR_FILE: self._error_file})
 
     def _stop_if_misconfigured(self) -> None:
         """Before a restart's round: when a worker of the last round ended on a configuration error
@@ -443,10 +450,10 @@ class FtlaunchRendezvousHandler(RendezvousHandler):
 
     def _local_configuration_error(self) -> str | None:
         """The configuration error one of this node's workers recorded (None: none did)."""
-        if self._error_dir is None:
+        if self._error_file is None:
             return None
         try:
-            with open(os.path.join(self._error_dir, "error.json"), encoding="utf-8") as f:
+            with open(self._error_file, encoding="utf-8") as f:
                 record = json.load(f)
         except (OSError, ValueError):
             return None
@@ -567,10 +574,10 @@ class FtlaunchRendezvousHandler(RendezvousHandler):
             self._stop_hosted_lighthouse()
 
     def _forget_configuration_errors(self) -> None:
-        error_dir, self._error_dir = self._error_dir, None
-        if error_dir is not None:
+        removal, self._error_file_removal, self._error_file = self._error_file_removal, None, None
+        if removal is not None:
             env.unpublish(env.FTLAUNCH_RENDEZVOUS_ERROR_FILE)
-            shutil.rmtree(error_dir, ignore_errors=True)
+            removal()
 
     # the node's warm standby interpreter
     def _start_standby(self) -> None:
@@ -702,6 +709,13 @@ class FtlaunchRendezvousHandler(RendezvousHandler):
         )
         env.publish(job.to_environ())
         env.publish(cfg.checkpoint.to_environ())
+
+
+def _remove_file(path: str) -> None:
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
 
 
 def _inner_params(params: RendezvousParameters, cfg: FtRendezvousConfig, run_id: str) -> RendezvousParameters:

@@ -61,19 +61,20 @@ def test_torchrun_stops_at_a_workers_configuration_error_without_restarting(tmp_
     finally:
         kill_tree(agent.pid)
     assert res.returncode != 0, res.stderr[-3000:]
-    # One attempt: the two workers of the first round, and no round after it.
-    assert len(list(starts.iterdir())) == 2, (sorted(p.name for p in starts.iterdir()), res.stderr[-4000:])
+    # One attempt: the two workers of the first round (the slower one may be stopped before it
+    # counted itself), and no round after it.
+    started = sorted(p.name for p in starts.iterdir())
+    assert 1 <= len(started) <= 2, (started, res.stderr[-4000:])
     assert "will restart worker group" not in res.stderr, res.stderr[-4000:]
-    assert res.stderr.count("ftlaunch: configuration error: backend='baby-mpi' is not one of") == 2, (
-        res.stderr
-    )
-    # The agent's last line says why it stopped, with the worker's one line.
-    assert re.fullmatch(
+    said = res.stderr.count("ftlaunch: configuration error: backend='baby-mpi' is not one of")
+    assert 1 <= said <= len(started), res.stderr[-4000:]
+    # The agent's traceback ends on why it stopped, with the worker's one line.
+    stop = (
         r"torch\.distributed\.elastic\.rendezvous\.api\.RendezvousClosedError: ftlaunch rendezvous: replica "
         r"group 0 stops instead of restarting: a worker ended on a configuration error, which a restart "
-        r"cannot fix: backend='baby-mpi' is not one of .*",
-        res.stderr.strip().splitlines()[-1],
-    ), res.stderr[-4000:]
+        r"cannot fix: backend='baby-mpi' is not one of .*"
+    )
+    assert any(re.fullmatch(stop, line) for line in res.stderr.splitlines()), res.stderr[-4000:]
     assert "unreachable" not in res.stdout
     assert not list(scratch.glob("ftlaunch-rdzv-*"))
     left = [p for p in psutil.process_iter(["cmdline"]) if str(starts) in " ".join(p.info["cmdline"] or [])]
@@ -110,12 +111,12 @@ def test_a_nodes_configuration_error_closes_its_groups_rendezvous_for_every_node
         node._ask_for_configuration_errors()
         node._rounds = 1  # their first round ran
     error_file = env.rendezvous_error_file()
-    assert error_file is not None and error_file.startswith(nodes[1]._error_dir or "?")
+    assert error_file is not None and error_file == nodes[1]._error_file != nodes[0]._error_file
     try:
         nodes[0]._stop_if_misconfigured()  # no error recorded: the restart goes on
         assert not inners[0].closed
         record = error_record(ConfigurationError("backend='baby-mpi' is not one of gloo"), "", 0)
-        with open(os.path.join(nodes[0]._error_dir or "?", "error.json"), "w") as f:
+        with open(nodes[0]._error_file or "?", "w") as f:
             json.dump(record, f)
         for node in nodes:
             with pytest.raises(RendezvousClosedError) as got:
@@ -126,10 +127,10 @@ def test_a_nodes_configuration_error_closes_its_groups_rendezvous_for_every_node
             ), got.value
         assert inners[0].closed and not inners[1].closed  # closed once, for the whole group
     finally:
-        dirs = [node._error_dir for node in nodes]
+        files = [node._error_file for node in nodes]
         for node in nodes:
             node._forget_configuration_errors()
-    assert not any(os.path.exists(d or "") for d in dirs)
+    assert not any(os.path.exists(f or "") for f in files)
     assert env.rendezvous_error_file() is None
 
 
