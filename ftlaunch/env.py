@@ -161,6 +161,10 @@ FTLAUNCH_ZYGOTE_SOCKET = "FTLAUNCH_ZYGOTE_SOCKET"
 #: Set in a worker forked from the standby: the pid torchelastic started and knows it by (its
 #: proxy, which every signal goes through). Absent in a worker started cold: that pid is its own.
 FTLAUNCH_WORKER_PID = "FTLAUNCH_WORKER_PID"
+#: Where a worker under torchrun's own agent records the configuration error it ends on (set by the
+#: ``ftlaunch`` rendezvous, one file per node): the rendezvous reads it when the agent asks for a
+#: restart's round, and closes the rendezvous instead of restarting into the same error.
+FTLAUNCH_RENDEZVOUS_ERROR_FILE = "FTLAUNCH_RENDEZVOUS_ERROR_FILE"
 
 #: The one timeout knob and its overrides (`ftlaunch.timeouts`).
 TIMEOUT_VARS = (
@@ -206,6 +210,7 @@ ALL_FTLAUNCH_VARS = (
     FTLAUNCH_ZYGOTE,
     FTLAUNCH_ZYGOTE_SOCKET,
     FTLAUNCH_WORKER_PID,
+    FTLAUNCH_RENDEZVOUS_ERROR_FILE,
 )
 
 T = TypeVar("T")
@@ -564,6 +569,12 @@ def error_file(environ: Mapping[str, str] | None = None) -> str | None:
     """The file torchelastic asks this worker to record its failure in (``TORCHELASTIC_ERROR_FILE``;
     None outside torchelastic)."""
     return path(TORCHELASTIC_ERROR_FILE, environ)
+
+
+def rendezvous_error_file(environ: Mapping[str, str] | None = None) -> str | None:
+    """The file the ``ftlaunch`` rendezvous asks this worker to record a configuration error in
+    (``FTLAUNCH_RENDEZVOUS_ERROR_FILE``; None: not under torchrun's own agent)."""
+    return path(FTLAUNCH_RENDEZVOUS_ERROR_FILE, environ)
 
 
 def zygote_socket(environ: Mapping[str, str] | None = None) -> str | None:

@@ -154,35 +154,36 @@ def configuration_error_in(record: object) -> str | None:
     return text[len(prefix) :] if text.startswith(prefix) else text
 
 
-#: This worker's torchelastic error file, as `install_brief_errors` was told (None: not under torchelastic).
-_error_file: str | None = None
+#: Where this worker records a `ConfigurationError` it ends on, as `install_brief_errors` was told:
+#: its torchelastic error file, and the file the ``ftlaunch`` rendezvous reads (none: not launched so).
+_error_files: tuple[str, ...] = ()
 
 
 def _record_for_launcher(exc: BaseException) -> None:
-    """Write `error_record` to this worker's torchelastic error file, if it has one (whole or not
-    at all: the agent may read it the moment the process is gone). Best effort: the process is
-    ending on one line either way."""
+    """Write `error_record` to each of this worker's error files (whole or not at all: the agent
+    may read one the moment the process is gone). Best effort: the process is ending on one line
+    either way."""
     import json
     import os
     import time
     import traceback
 
-    path = _error_file
-    if path is None:
+    if not _error_files:
         return
     callstack = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     record = error_record(exc, callstack, int(time.time()))
-    tmp = f"{path}.{os.getpid()}.tmp"
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(record, f)
-        os.replace(tmp, path)
-    except OSError:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
+    for path in _error_files:
+        tmp = f"{path}.{os.getpid()}.tmp"
+        try:
+            with open(tmp, "w", encoding="utf-8") as f:
+                json.dump(record, f)
+            os.replace(tmp, path)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
 
 
-def install_brief_errors(error_file: str | None = None) -> None:
+def install_brief_errors(error_file: str | None = None, rendezvous_file: str | None = None) -> None:
     """Make an uncaught ftlaunch configuration error end the process with one line on stderr, exit
     status 1, instead of a traceback (`brief_message` says which errors).
 
@@ -192,14 +193,18 @@ def install_brief_errors(error_file: str | None = None) -> None:
     other exception the previous hook runs (a traceback, or whatever the script installed).
     A `ConfigurationError` is also recorded in ``error_file``, the worker's torchelastic error file
     (``TORCHELASTIC_ERROR_FILE``, `ftlaunch.env.error_file`; `error_record`), so that the
-    ``ftlaunch`` launcher stops the job rather than restart a group into the same error.
+    ``ftlaunch`` launcher stops the job rather than restart a group into the same error -- and in
+    ``rendezvous_file`` (``FTLAUNCH_RENDEZVOUS_ERROR_FILE``, `ftlaunch.env.rendezvous_error_file`),
+    which the ``ftlaunch`` rendezvous reads before a restart under torchrun's own agent, whose error
+    files it cannot find.
     Idempotent; ``ftlaunch.init()`` and the Manager call it before they read the environment.
     """
     import sys
 
-    global _error_file
-    if error_file is not None:
-        _error_file = error_file
+    global _error_files
+    given = tuple(p for p in (error_file, rendezvous_file) if p)
+    if given:
+        _error_files = given
     previous = sys.excepthook
     if getattr(previous, "_ftlaunch_brief", False):
         return

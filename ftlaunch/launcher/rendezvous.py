@@ -37,6 +37,13 @@ components run every worker so) -- and forks that worker and every restarted one
 imported. It ends with the agent (`shutdown`, its exit, or its death). ``FTLAUNCH_ZYGOTE=0`` or
 ``FTLAUNCH_PRESTART_FORK=0``: none.
 
+**A configuration error stops the node instead of a restart** (under torchrun's own agent, not the
+``ftlaunch`` supervisor, which stops the whole job itself): a worker ending on a `ConfigurationError`
+records it in a file the handler gave the node's workers (``FTLAUNCH_RENDEZVOUS_ERROR_FILE``), and the
+handler answers the agent's request for the restart's round by closing the group's rendezvous and
+raising `RendezvousClosedError` with the worker's line (`_stop_if_misconfigured`). A restart would
+only read the same setting again.
+
 If no lighthouse answers at the endpoint and the endpoint names this machine, the handler hosts one
 inside this agent process (`HostedLighthouse`, as the c10d backend hosts its store). That lighthouse
 lives exactly as long as this agent: a single point of failure for the whole job (see docs/launcher.md).
@@ -61,13 +68,17 @@ import dataclasses  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
 import os  # noqa: E402
+import secrets  # noqa: E402
+import tempfile  # noqa: E402
 import time  # noqa: E402
+import weakref  # noqa: E402
 from collections.abc import Callable, Mapping  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 from datetime import timedelta  # noqa: E402
 
 from torch.distributed import PrefixStore, Store, TCPStore  # noqa: E402
 from torch.distributed.elastic.rendezvous.api import (  # noqa: E402
+    RendezvousClosedError,
     RendezvousConnectionError,
     RendezvousHandler,
     RendezvousInfo,
@@ -78,7 +89,7 @@ from torch.distributed.elastic.rendezvous.api import (  # noqa: E402
 from ftlaunch import env, phases  # noqa: E402
 from ftlaunch.addresses import format_host_port, is_local_host, parse_host_port, reachable_address  # noqa: E402
 from ftlaunch.env import Duration  # noqa: E402
-from ftlaunch.errors import ConfigurationError  # noqa: E402
+from ftlaunch.errors import ConfigurationError, configuration_error_in  # noqa: E402
 from ftlaunch.launcher.health_gate import HealthGate  # noqa: E402
 from ftlaunch.launcher.lighthouse_host import HostedLighthouse, LighthouseSettings, RemoteLighthouse  # noqa: E402
 from ftlaunch.launcher.standby import Standby  # noqa: E402
@@ -93,6 +104,9 @@ BACKEND_NAME = "ftlaunch"
 _STORE_TIMEOUT_S = 300
 #: Key of the group's round count in its rendezvous store (it outlives rounds).
 _ROUNDS_KEY = "ftlaunch/rounds"
+#: Key of the configuration error that stopped the group, in its rendezvous store (the node whose
+#: worker ended on it writes it; the group's other nodes read it when their agent restarts).
+_STOP_KEY = "ftlaunch/configuration_error"
 #: Key of the round's incarnation and workers' store in the round's own store (rank 0 writes it,
 #: the other nodes read it).
 _ROUND_KEY = "ftlaunch/round"
@@ -353,6 +367,12 @@ class FtlaunchRendezvousHandler(RendezvousHandler):
         #: training finished); under plain torchrun the gate itself gives up then.
         self._supervised = env.lighthouse_reached()
         self._standby: Standby | None = None
+        #: Where this node's workers record a configuration error they end on (`_stop_if_misconfigured`);
+        #: None under the `ftlaunch` supervisor, which reads their torchelastic error files itself.
+        self._error_file: str | None = None
+        #: Removes ``_error_file`` at `shutdown`, or at the agent's exit where torch skips it (an agent
+        #: a signal ends does not shut its rendezvous down).
+        self._error_file_removal: weakref.finalize | None = None
 
     # torchelastic API
     def get_backend(self) -> str:
@@ -364,12 +384,15 @@ class FtlaunchRendezvousHandler(RendezvousHandler):
         return True
 
     def next_rendezvous(self) -> RendezvousInfo:
+        if self._rounds > 0:
+            self._stop_if_misconfigured()
         addr = self._ensure_lighthouse()
         advertised = self._advertised_address(addr)
         self._publish_env(addr, advertised)
         self._check_health(addr)
         if self._rounds == 0:
             self._start_standby()
+            self._ask_for_configuration_errors()
         self._rounds += 1
         if self._rounds > 1:
             logger.info(
@@ -383,6 +406,78 @@ class FtlaunchRendezvousHandler(RendezvousHandler):
         incarnation, bootstrap = self._round(info, advertised)
         env.publish(env.incarnation_environ(incarnation))
         return RendezvousInfo(info.store, info.rank, info.world_size, bootstrap)
+
+    def _ask_for_configuration_errors(self) -> None:
+        """Give this node's workers a file to record a configuration error they end on in
+        (``FTLAUNCH_RENDEZVOUS_ERROR_FILE``, `ftlaunch.errors.install_brief_errors`).
+
+        Why a file of its own: torchelastic's error files, where a worker records why it failed,
+        lie in a directory torchelastic names at random per run (or wherever a ``--logs-specs``
+        plugin puts them, or nowhere with ``--log-dir /dev/null``), and nothing of the agent hands
+        them to the rendezvous. The environment the workers inherit from the agent does reach them.
+        Not under the `ftlaunch` supervisor: it reads the torchelastic error files and stops the job.
+        """
+        if self._supervised:
+            return
+        # A name nobody can guess, and no directory: only a worker that ends on an error creates it.
+        name = f"ftlaunch-rdzv-{os.getpid()}-{secrets.token_hex(16)}.json"
+        self._error_file = os.path.join(tempfile.gettempdir(), name)
+        self._error_file_removal = weakref.finalize(self, _remove_file, self._error_file)
+        env.publish({env.FTLAUNCH_RENDEZVOUS_ERROR_FILE: self._error_file})
+
+    def _stop_if_misconfigured(self) -> None:
+        """Before a restart's round: when a worker of the last round ended on a configuration error
+        (this node's, or another node's of the group), close the group's rendezvous and raise
+        `RendezvousClosedError` naming the error, instead of restarting into it.
+
+        torchelastic's agent restarts its workers by asking for the next round; an exception from
+        `next_rendezvous` ends its run -- no restart, torchrun exits non-zero -- and a closed
+        rendezvous ends the rounds of the group's other nodes too. A configuration error is the
+        same at every attempt, so the ``--max-restarts`` attempts would only repeat it.
+        """
+        message = self._local_configuration_error()
+        if message is not None:
+            self._share_stop(message)
+            self._inner.set_closed()
+        else:
+            message = self._shared_configuration_error()
+            if message is None:
+                return
+        raise RendezvousClosedError(
+            f"ftlaunch rendezvous: replica group {self.config.replica_group_id} stops instead of restarting: "
+            f"a worker ended on a configuration error, which a restart cannot fix: {message}"
+        )
+
+    def _local_configuration_error(self) -> str | None:
+        """The configuration error one of this node's workers recorded (None: none did)."""
+        if self._error_file is None:
+            return None
+        try:
+            with open(self._error_file, encoding="utf-8") as f:
+                record = json.load(f)
+        except (OSError, ValueError):
+            return None
+        return configuration_error_in(record)
+
+    def _share_stop(self, message: str) -> None:
+        """Tell the group's other nodes why it stops (best effort: its store may be gone)."""
+        if self._rounds_store is None:
+            return
+        try:
+            self._rounds_store.set(_STOP_KEY, message)
+        except Exception as e:  # noqa: BLE001 - a store that failed: the closed rendezvous still stops them
+            logger.info("ftlaunch rendezvous: could not tell the group's other nodes why it stops: %s", e)
+
+    def _shared_configuration_error(self) -> str | None:
+        """The configuration error another node of the group stopped on (None: none)."""
+        if self._rounds_store is None:
+            return None
+        try:
+            if not self._rounds_store.check([_STOP_KEY]):
+                return None
+            return self._rounds_store.get(_STOP_KEY).decode("utf-8", "replace")
+        except Exception:  # noqa: BLE001 - no store to ask: the inner rendezvous decides as before
+            return None
 
     def _check_health(self, lighthouse: str) -> None:
         """Run the group's health check until it passes, before this round (launcher/health_gate.py):
@@ -475,7 +570,14 @@ class FtlaunchRendezvousHandler(RendezvousHandler):
         finally:
             self._worker_store = None
             self._stop_standby()
+            self._forget_configuration_errors()
             self._stop_hosted_lighthouse()
+
+    def _forget_configuration_errors(self) -> None:
+        removal, self._error_file_removal, self._error_file = self._error_file_removal, None, None
+        if removal is not None:
+            env.unpublish(env.FTLAUNCH_RENDEZVOUS_ERROR_FILE)
+            removal()
 
     # the node's warm standby interpreter
     def _start_standby(self) -> None:
@@ -607,6 +709,13 @@ class FtlaunchRendezvousHandler(RendezvousHandler):
         )
         env.publish(job.to_environ())
         env.publish(cfg.checkpoint.to_environ())
+
+
+def _remove_file(path: str) -> None:
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
 
 
 def _inner_params(params: RendezvousParameters, cfg: FtRendezvousConfig, run_id: str) -> RendezvousParameters:

@@ -60,7 +60,7 @@ def _replica_id() -> str:
 
 def group_env() -> env.GroupEnv:
     """Rank, size, store and restart count of this worker's replica group, as torchelastic set them."""
-    install_brief_errors(env.error_file())  # a bad value reads as one line, not a traceback
+    install_brief_errors(env.error_file(), env.rendezvous_error_file())  # a bad value: one line
     return env.GroupEnv.from_environ()
 
 
@@ -83,7 +83,7 @@ def local_addr(lighthouse_addr: str | None = None) -> str | None:
 
 def _worker_env() -> env.WorkerEnv:
     """What the user tuned through the environment (``ftlaunch.init`` reads it once and passes it)."""
-    install_brief_errors(env.error_file())  # a bad value reads as one line, not a traceback
+    install_brief_errors(env.error_file(), env.rendezvous_error_file())  # a bad value: one line
     return env.WorkerEnv.from_environ()
 
 

@@ -189,7 +189,7 @@ def init(
       ``heartbeat_interval`` (see :class:`ftlaunch.Manager`).
     """
     phases.mark("init", process_start=phases.process_start_time())
-    install_brief_errors(env.error_file())  # a bad environment value reads as one line, not a traceback
+    install_brief_errors(env.error_file(), env.rendezvous_error_file())  # a bad value: one line
     # The launcher->worker contract, read once: every value below is passed on explicitly.
     job = env.JobEnv.from_environ(
         replica_group_id=replica_group_id,
