@@ -87,6 +87,7 @@ class CrossGroupVote:
 
     def __init__(self) -> None:
         self._flag: torch.Tensor | None = None
+        self._flag_pg: ProcessGroup | None = None  # the group `_flag` was made for
 
     def __call__(
         self, pg: ProcessGroup, ok: bool, deadline: float, interrupted: Callable[[], bool] | None = None
@@ -94,9 +95,9 @@ class CrossGroupVote:
         """Whether every group voted yes; raises `CommunicationError` (or the group's error) when
         the vote fails or does not finish by ``deadline`` (monotonic) or ``interrupted()``."""
         flag = self._flag
-        device = collective_device(pg)
-        if flag is None or flag.device != device:
-            flag = self._flag = torch.empty(1, dtype=torch.int32, device=device)
+        if flag is None or self._flag_pg is not pg:  # the device asked once per group, not per step
+            flag = self._flag = torch.empty(1, dtype=torch.int32, device=collective_device(pg))
+            self._flag_pg = pg
         flag.fill_(1 if ok else 0)
         try:
             work = pg.allreduce([flag], dist.ReduceOp.MIN)
